@@ -1,0 +1,23 @@
+"""trl-ext: plugins that make preference training with a stock TRL faster and cheaper.
+
+```python
+import trl_ext
+
+with trl_ext.install(padding_free=True):
+    trainer = DPOTrainer(...)  # a stock TRL trainer, built by your own code
+    trainer.train()
+```
+
+Importing this package imports neither torch nor TRL; `install()` does.
+"""
+
+from __future__ import annotations
+
+from .config import TrlExtConfig
+from .errors import UsageError
+from .hookspecs import hookimpl, hookspec
+from .installation import Installation, install
+
+__version__ = "0.1.0"
+
+__all__ = ["Installation", "TrlExtConfig", "UsageError", "__version__", "hookimpl", "hookspec", "install"]

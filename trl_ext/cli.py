@@ -1,0 +1,122 @@
+"""The `trl-ext` command line: `trl-ext plugins`, `trl-ext doctor`."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from . import __version__, _compat
+from .errors import UsageError
+
+_VERSIONED = ("trl", "transformers", "torch", "accelerate", "deepspeed", "peft", "pluggy")
+
+
+def _cmd_plugins(args: argparse.Namespace) -> int:
+    from .manager import make_plugin_manager, plugin_info
+
+    pm = make_plugin_manager(args.block or ())
+    trl_version = _compat.installed_version("trl")
+    trl_ok = _compat.is_supported_trl(trl_version)
+    rows = []
+    for name, _ in pm.list_name_plugin():
+        info = plugin_info(pm, name)
+        applies = "yes" if trl_ok else f"no (trl {trl_version} is not {_compat.SUPPORTED_TRL_SPEC})"
+        rows.append(
+            (
+                info.name,
+                "built-in" if info.builtin else f"third-party ({info.source})",
+                ", ".join(info.flags) or f"plugins.{info.name}",
+                ", ".join(info.trainers) if info.trainers else "all",
+                applies,
+                info.summary,
+            )
+        )
+    for name in args.block or ():
+        rows.append((name, "blocked", "-", "-", "no (blocked)", ""))
+    if not rows:
+        print("No trl-ext plugins are installed.")
+        return 0
+    header = ("plugin", "kind", "flags", "trainers", "applies", "summary")
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header) - 1)]
+    for row in [header, *rows]:
+        print("  ".join(str(c).ljust(w) for c, w in zip(row, widths)) + "  " + row[-1])
+    return 0
+
+
+def _attention_backends() -> list[str]:
+    out = []
+    try:
+        from transformers import AttentionInterface
+
+        out.extend(sorted(AttentionInterface._global_mapping))
+    except Exception:  # noqa: BLE001
+        pass
+    for flash in ("flash_attn", "flash_attn_interface"):
+        try:
+            importlib.import_module(flash)
+            out.append(f"{flash} (package)")
+        except Exception:  # noqa: BLE001
+            pass
+    return out
+
+
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    print(f"trl-ext {__version__}  (Python {sys.version.split()[0]})")
+    ok = True
+    for dist in _VERSIONED:
+        version = _compat.installed_version(dist)
+        note = ""
+        if dist == "trl":
+            supported = _compat.is_supported_trl(version)
+            ok = ok and supported
+            note = "supported" if supported else f"NOT supported: trl-ext needs trl{_compat.SUPPORTED_TRL_SPEC}"
+            if supported:
+                path = "fused LM head" if _compat.dpo_uses_fused_lm_head(version) else "logits"
+                note += f"; DPO forward path: {path}"
+        elif dist == "deepspeed" and version is None:
+            note = "optional: `pip install trl-ext[deepspeed]` for ZeRO-3"
+        elif version is None and dist not in ("peft",):
+            ok = False
+            note = "MISSING"
+        print(f"  {dist:<13} {version or '-':<12} {note}")
+    try:
+        import torch
+
+        devices = ["cpu"]
+        if torch.cuda.is_available():
+            devices.append(f"cuda x{torch.cuda.device_count()} ({torch.cuda.get_device_name(0)})")
+        print(f"  devices       {', '.join(devices)}")
+    except Exception as exc:  # noqa: BLE001
+        print(f"  devices       unknown ({exc})")
+    backends = _attention_backends()
+    print(f"  attention     {', '.join(backends) if backends else 'unknown (transformers not importable)'}")
+    print("OK" if ok else "PROBLEMS FOUND (see above)")
+    return 0 if ok else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="trl-ext", description="Plugins for stock Hugging Face TRL trainers.")
+    parser.add_argument("--version", action="version", version=f"trl-ext {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("plugins", help="list built-in and installed third-party plugins, their flags, and whether each applies")
+    p.add_argument("--block", action="append", metavar="NAME", help="leave plugin NAME out (repeatable)")
+    p.set_defaults(func=_cmd_plugins)
+    d = sub.add_parser("doctor", help="print versions, whether they are supported, and the attention backends")
+    d.set_defaults(func=_cmd_doctor)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except UsageError as exc:
+        print(f"trl-ext: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,181 @@
+"""Every hook that trl-ext calls, in the order a run meets them.
+
+A plugin is any object (usually a module) with functions named like these specs and marked with
+`trl_ext.hookimpl`. Built-in plugins live in `trl_ext.plugins`; third-party plugins are found through the
+`trl_ext` entry-point group. Both are registered with the same `PluginManager.register` call.
+
+Rules that hold for every hook here:
+
+- Parameters never have defaults (pluggy would not pass them).
+- Trainer-scoped hooks (everything but the configuration hooks) are called only on the plugins that are *enabled
+  for that trainer*; a disabled plugin is never called and therefore changes nothing.
+- Trainer-scoped hooks run on **every rank** of a distributed run, in the same order, so an implementation may issue
+  collectives as long as it does so unconditionally.
+- `trl_ext_make_*` hooks are exclusive: exactly one enabled plugin may return a value. They are declared
+  `firstresult=True`, but trl-ext calls every implementation and raises `trl_ext.UsageError` when two enabled
+  plugins return a value for the same call, instead of silently picking one.
+
+This module imports nothing heavy: the types below are for type checkers only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+    from datasets import Dataset
+    from transformers import Trainer, TrainingArguments
+
+    from .config import TrlExtConfig
+    from .context import TrainerContext
+    from .installation import Installation
+
+PROJECT_NAME = "trl_ext"
+
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+# -------------------------------------------------------------------------------------------------------------------
+# Configuration (once per `trl_ext.install()`, every process, no trainer yet)
+# -------------------------------------------------------------------------------------------------------------------
+
+
+@hookspec
+def trl_ext_validate_config(config: TrlExtConfig, options: dict[str, Any], trl_version: str) -> None:
+    """Validate the configuration before anything in TRL is patched.
+
+    Called once per `install()`, on every registered (not blocked) plugin, enabled or not, so that a typo in an
+    option fails even when the plugin is switched off.
+
+    Args:
+        config: the merged configuration (defaults < config file < `TRL_EXT_*` environment < keyword flags).
+        options: this plugin's own options, `config.plugins.get(<plugin name>, {})`. A plugin should raise for keys
+            it does not know.
+        trl_version: the installed TRL version string.
+
+    Raise `trl_ext.UsageError` naming the flag or option and what to do instead. The return value is ignored.
+    """
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# Trainer lifecycle (every stock trainer constructed while installed; every rank)
+# -------------------------------------------------------------------------------------------------------------------
+
+
+@hookspec
+def trl_ext_trainer_init_start(trainer: Trainer, context: TrainerContext, init_kwargs: dict[str, Any]) -> None:
+    """A stock TRL trainer is being constructed; TRL's own `__init__` has not run yet.
+
+    Called before any of TRL's `__init__` work, which matters because DPO precomputes reference log-probs inside
+    `__init__` (TRL >= 0.29). `trainer` is the bare instance (no attributes yet).
+
+    Args:
+        trainer: the trainer instance under construction.
+        context: trl-ext's per-trainer state; plugins keep their per-trainer objects in `context.state`.
+        init_kwargs: the constructor's arguments by name (`args`, `data_collator`, `train_dataset`, ...). A plugin may
+            replace entries; TRL's `__init__` is then called with the result.
+
+    The return value is ignored.
+    """
+
+
+@hookspec
+def trl_ext_trainer_models_ready(trainer: Trainer, context: TrainerContext) -> None:
+    """The trainer's policy, reference model and data collator exist, and no forward pass has run yet.
+
+    For `DPOTrainer` this is right before the reference precompute (when `precompute_ref_log_probs=True`) or at the
+    end of `__init__`; for `OnlineDPOTrainer` at the end of `__init__`. Called once per trainer, on every rank,
+    after `trl_ext_make_collator` and `trl_ext_make_packed_forward` were applied.
+    """
+
+
+@hookspec
+def trl_ext_trainer_init_end(trainer: Trainer, context: TrainerContext) -> None:
+    """TRL's `__init__` has returned; the trainer is fully constructed. Called once per trainer, on every rank."""
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# Extension points, one per optimization (every rank)
+# -------------------------------------------------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def trl_ext_make_collator(trainer: Trainer, context: TrainerContext, collator: Callable) -> Callable | None:
+    """Return the data collator this trainer should use instead of `collator`, or None to keep it.
+
+    Called once, at the `trl_ext_trainer_models_ready` point (before the DPO reference precompute), with the
+    collator the trainer holds (TRL's default one, or the user's). The result becomes `trainer.data_collator` and is
+    used for the precompute, training and evaluation loaders. Exclusive: stops at first non-None result, and two
+    enabled plugins returning one is a `UsageError`.
+    """
+
+
+@hookspec(firstresult=True)
+def trl_ext_make_packed_forward(
+    trainer: Trainer, context: TrainerContext, role: str, backbone: torch.nn.Module
+) -> Callable | None:
+    """Return a replacement `forward` for a model's backbone (`model.base_model`), or None to keep it.
+
+    Called once per model the trainer runs (`role` is `"policy"` or `"ref"`; under PEFT, `"policy"` is the base
+    model that also serves as the adapter-disabled reference), at the `trl_ext_trainer_models_ready` point. The
+    result is installed as an instance attribute `backbone.forward` through trl-ext's undo stack, so it is removed
+    again by `Installation.uninstall()`. It must accept and return what the original forward does. Exclusive: stops
+    at first non-None result.
+    """
+
+
+@hookspec(firstresult=True)
+def trl_ext_make_ref_precompute(
+    trainer: Trainer, context: TrainerContext, dataset: Dataset, name: str, batch_size: int
+) -> Dataset | None:
+    """Plan and run the reference log-prob precompute for one dataset split, or return None to let TRL do it.
+
+    Called in place of `DPOTrainer._precompute_ref_logps(dataset, name, batch_size)` on every rank (from `__init__`
+    and from `evaluate()`), with TRL's batch size choice. The result must be `dataset` with the columns
+    `ref_chosen_logps` and `ref_rejected_logps` added, row for row in dataset order, identical on every rank.
+    Exclusive: stops at first non-None result.
+    """
+
+
+@hookspec(firstresult=True)
+def trl_ext_reduce_metrics(trainer: Trainer, context: TrainerContext, logs: dict[str, float]) -> dict[str, float] | None:
+    """Return the metrics to log instead of TRL's own reduction, or None to keep TRL's.
+
+    Called inside `trainer.log(logs)` on every rank, before TRL merges its buffered metrics
+    (`DPOTrainer._metrics`) into `logs`. `logs` holds what the caller passed (loss, learning rate, and for
+    `OnlineDPOTrainer` its already-averaged `stats`; eval keys carry the `eval_` prefix). A returned dict replaces
+    `logs` entirely and TRL's buffered metrics for the window are discarded. Exclusive: stops at first non-None
+    result.
+    """
+
+
+@hookspec(firstresult=True)
+def trl_ext_make_generation_context(
+    trainer: Trainer, context: TrainerContext, model: torch.nn.Module, call_kwargs: dict[str, Any]
+) -> AbstractContextManager | None:
+    """Return the context manager that yields the model to call `generate` on, or None to use TRL's.
+
+    Called wherever the trainer's module calls `unwrap_model_for_generation(model, accelerator, ...)` (the name is
+    patched where the trainer module looks it up), on every rank. `call_kwargs` holds the other arguments TRL passed
+    (`accelerator`, `gather_deepspeed3_params`, and on newer TRL `generation_kwargs`,
+    `gradient_checkpointing_kwargs`). The context manager must yield exactly once and restore the model on every
+    path. Exclusive: stops at first non-None result.
+    """
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# Teardown
+# -------------------------------------------------------------------------------------------------------------------
+
+
+@hookspec
+def trl_ext_uninstall(installation: Installation) -> None:
+    """`Installation.uninstall()` is running, before trl-ext's undo stack is unwound.
+
+    Called once per installation, on every registered plugin. Undo anything not done through the undo stack.
+    """
