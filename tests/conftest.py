@@ -1,0 +1,85 @@
+"""Shared fixtures: tiny models, a local tokenizer, synthetic data, and a clean trl-ext state around every test."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("TQDM_DISABLE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("ACCELERATE_DISABLE_RICH", "1")
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_installation(monkeypatch):
+    """Every test starts without trl-ext installed and without TRL_EXT_* variables, and must leave it so."""
+    for key in list(os.environ):
+        if key.startswith("TRL_EXT_") and key != "TRL_EXT_LOG_LEVEL":
+            monkeypatch.delenv(key)
+    from trl_ext.installation import Installation
+
+    assert Installation._active is None or not Installation._active.installed
+    yield
+    active = Installation._active
+    if active is not None and active.installed:
+        active.uninstall()
+        pytest.fail("test left trl-ext installed")
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from trl_ext.testing import make_tokenizer
+
+    return make_tokenizer()
+
+
+@pytest.fixture
+def dpo_args(tmp_path):
+    """Factory for a CPU `DPOConfig` with no logging integrations and no checkpoints."""
+
+    def make(**overrides):
+        from trl import DPOConfig
+
+        kwargs = dict(
+            output_dir=str(tmp_path / "out"),
+            per_device_train_batch_size=4,
+            per_device_eval_batch_size=4,
+            max_steps=2,
+            logging_steps=1,
+            learning_rate=1e-3,
+            report_to=[],
+            use_cpu=True,
+            save_strategy="no",
+            seed=0,
+            dataloader_drop_last=False,
+        )
+        kwargs.update(overrides)
+        return DPOConfig(**kwargs)
+
+    return make
+
+
+@pytest.fixture
+def online_dpo_args(tmp_path):
+    def make(**overrides):
+        from trl.experimental.online_dpo import OnlineDPOConfig
+
+        kwargs = dict(
+            output_dir=str(tmp_path / "out-online"),
+            per_device_train_batch_size=2,
+            max_steps=2,
+            logging_steps=1,
+            report_to=[],
+            use_cpu=True,
+            save_strategy="no",
+            max_new_tokens=6,
+            seed=0,
+        )
+        kwargs.update(overrides)
+        return OnlineDPOConfig(**kwargs)
+
+    return make
