@@ -29,7 +29,7 @@ import pluggy
 if TYPE_CHECKING:  # pragma: no cover
     import torch
     from datasets import Dataset
-    from transformers import Trainer, TrainingArguments
+    from transformers import Trainer
 
     from .config import TrlExtConfig
     from .context import TrainerContext
@@ -110,8 +110,8 @@ def trl_ext_make_collator(trainer: Trainer, context: TrainerContext, collator: C
 
     Called once, at the `trl_ext_trainer_models_ready` point (before the DPO reference precompute), with the
     collator the trainer holds (TRL's default one, or the user's). The result becomes `trainer.data_collator` and is
-    used for the precompute, training and evaluation loaders. Exclusive: stops at first non-None result, and two
-    enabled plugins returning one is a `UsageError`.
+    used for the precompute, training and evaluation loaders. Stops at first non-None result. Exclusive: two enabled
+    plugins returning one is a `UsageError`.
     """
 
 
@@ -124,8 +124,8 @@ def trl_ext_make_packed_forward(
     Called once per model the trainer runs (`role` is `"policy"` or `"ref"`; under PEFT, `"policy"` is the base
     model that also serves as the adapter-disabled reference), at the `trl_ext_trainer_models_ready` point. The
     result is installed as an instance attribute `backbone.forward` through trl-ext's undo stack, so it is removed
-    again by `Installation.uninstall()`. It must accept and return what the original forward does. Exclusive: stops
-    at first non-None result.
+    again by `Installation.uninstall()`. It must accept and return what the original forward does.
+    Stops at first non-None result. Exclusive.
     """
 
 
@@ -138,19 +138,21 @@ def trl_ext_make_ref_precompute(
     Called in place of `DPOTrainer._precompute_ref_logps(dataset, name, batch_size)` on every rank (from `__init__`
     and from `evaluate()`), with TRL's batch size choice. The result must be `dataset` with the columns
     `ref_chosen_logps` and `ref_rejected_logps` added, row for row in dataset order, identical on every rank.
-    Exclusive: stops at first non-None result.
+    Stops at first non-None result. Exclusive.
     """
 
 
 @hookspec(firstresult=True)
-def trl_ext_reduce_metrics(trainer: Trainer, context: TrainerContext, logs: dict[str, float]) -> dict[str, float] | None:
+def trl_ext_reduce_metrics(
+    trainer: Trainer, context: TrainerContext, logs: dict[str, float]
+) -> dict[str, float] | None:
     """Return the metrics to log instead of TRL's own reduction, or None to keep TRL's.
 
     Called inside `trainer.log(logs)` on every rank, before TRL merges its buffered metrics
     (`DPOTrainer._metrics`) into `logs`. `logs` holds what the caller passed (loss, learning rate, and for
     `OnlineDPOTrainer` its already-averaged `stats`; eval keys carry the `eval_` prefix). A returned dict replaces
-    `logs` entirely and TRL's buffered metrics for the window are discarded. Exclusive: stops at first non-None
-    result.
+    `logs` entirely and TRL's buffered metrics for the window are discarded.
+    Stops at first non-None result. Exclusive.
     """
 
 
@@ -164,7 +166,7 @@ def trl_ext_make_generation_context(
     patched where the trainer module looks it up), on every rank. `call_kwargs` holds the other arguments TRL passed
     (`accelerator`, `gather_deepspeed3_params`, and on newer TRL `generation_kwargs`,
     `gradient_checkpointing_kwargs`). The context manager must yield exactly once and restore the model on every
-    path. Exclusive: stops at first non-None result.
+    path. Stops at first non-None result. Exclusive.
     """
 
 

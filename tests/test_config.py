@@ -1,0 +1,101 @@
+"""Configuration: the sources, their precedence, and a UsageError for every bad input."""
+
+from __future__ import annotations
+
+import pytest
+
+from trl_ext import TrlExtConfig, UsageError
+from trl_ext.config import load_config
+
+
+def test_defaults_leave_every_plugin_off():
+    config = load_config(environ={})
+    assert config == TrlExtConfig()
+    assert config.padding_free is False
+    assert config.precompute_ref_batch_size is None
+    assert config.ds3_gather_for_generation is None
+    assert config.sync_metrics is False
+
+
+def test_precedence_flags_over_env_over_file_over_defaults(tmp_path):
+    path = tmp_path / "trl_ext.yaml"
+    path.write_text("padding_free: true\nprecompute_ref_batch_size: 8\nsync_metrics: true\n")
+    # file only
+    assert load_config(path, environ={}) == TrlExtConfig(
+        padding_free=True, precompute_ref_batch_size=8, sync_metrics=True
+    )
+    # the environment overrides the file, key by key
+    env = {"TRL_EXT_PRECOMPUTE_REF_BATCH_SIZE": "auto", "TRL_EXT_SYNC_METRICS": "false"}
+    assert load_config(path, environ=env) == TrlExtConfig(
+        padding_free=True, precompute_ref_batch_size="auto", sync_metrics=False
+    )
+    # keyword flags override both
+    config = load_config(path, flags={"precompute_ref_batch_size": 32, "padding_free": False}, environ=env)
+    assert config == TrlExtConfig(padding_free=False, precompute_ref_batch_size=32, sync_metrics=False)
+
+
+def test_config_file_from_environment_and_nested_section(tmp_path):
+    path = tmp_path / "recipe.yaml"
+    path.write_text("learning_rate: 1.0e-6\ntrl_ext:\n  padding_free: true\n  ds3_gather_for_generation: auto\n")
+    config = load_config(environ={"TRL_EXT_CONFIG": str(path)})
+    assert config.padding_free is True and config.ds3_gather_for_generation == "auto"
+
+
+def test_config_object_and_mapping_are_bases_that_env_and_flags_override():
+    base = TrlExtConfig(padding_free=True, precompute_ref_batch_size=4)
+    config = load_config(base, flags={"precompute_ref_batch_size": 16}, environ={"TRL_EXT_SYNC_METRICS": "1"})
+    assert config == TrlExtConfig(padding_free=True, precompute_ref_batch_size=16, sync_metrics=True)
+    assert load_config({"padding_free": "yes"}, environ={}).padding_free is True
+
+
+def test_plugins_and_block_from_env():
+    env = {"TRL_EXT_PLUGINS": '{"mine": {"alpha": 2}}', "TRL_EXT_BLOCK": "a, b"}
+    config = load_config(environ=env)
+    assert config.plugins == {"mine": {"alpha": 2}}
+    assert config.block == ["a", "b"]
+    assert load_config(environ={"TRL_EXT_PLUGINS": "x,y"}).plugins == {"x": {}, "y": {}}
+
+
+@pytest.mark.parametrize(
+    ("source", "match"),
+    [
+        (dict(flags={"padding_fre": True}), r"Unknown trl-ext flag `padding_fre`.*Did you mean `padding_free`"),
+        (dict(environ={"TRL_EXT_PADING_FREE": "1"}), r"Unknown trl-ext flag `pading_free`.*\$TRL_EXT_PADING_FREE"),
+        (dict(flags={"padding_free": "maybe"}), r"`padding_free` must be true or false"),
+        (dict(flags={"sync_metrics": 1}), r"`sync_metrics` must be true or false"),
+        (dict(flags={"precompute_ref_batch_size": 0}), r"`precompute_ref_batch_size` must be a positive integer"),
+        (dict(flags={"precompute_ref_batch_size": "big"}), r"`precompute_ref_batch_size` must be"),
+        (dict(flags={"precompute_ref_batch_size": True}), r"`precompute_ref_batch_size` must be"),
+        (dict(flags={"ds3_gather_for_generation": "sometimes"}), r"`ds3_gather_for_generation` must be"),
+        (dict(flags={"plugins": {"x": 3}}), r"`plugins.x` must be a mapping"),
+        (dict(flags={"plugins": 5}), r"`plugins` must map plugin names"),
+        (dict(flags={"block": "a"}), None),  # a comma list string is fine
+        (dict(flags={"block": [1]}), r"`block` must be a list"),
+        (dict(environ={"TRL_EXT_PLUGINS": "{not json"}), r"not valid JSON"),
+        (dict(config=3), r"`config` must be a TrlExtConfig"),
+    ],
+)
+def test_bad_input_is_a_usage_error(source, match):
+    kwargs = {"environ": {}, **source}
+    if match is None:
+        load_config(**kwargs)
+        return
+    with pytest.raises(UsageError, match=match):
+        load_config(**kwargs)
+
+
+def test_bad_yaml_files(tmp_path):
+    with pytest.raises(UsageError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml", environ={})
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("padding_free: [unclosed\n")
+    with pytest.raises(UsageError, match="not valid YAML"):
+        load_config(bad, environ={})
+    unknown = tmp_path / "unknown.yaml"
+    unknown.write_text("trl_ext:\n  sync_metric: true\n")
+    with pytest.raises(UsageError, match=r"Unknown trl-ext flag `sync_metric`.*config file"):
+        load_config(unknown, environ={})
+
+
+def test_usage_error_is_a_value_error():
+    assert issubclass(UsageError, ValueError)

@@ -1,0 +1,343 @@
+"""`trl_ext.install()` on real TRL trainers: hook order, pass-through equivalence, reversibility, bad input."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+import trl_ext
+from trl_ext import UsageError, _compat
+from trl_ext.testing import length_reward, make_model, make_preference_dataset, make_prompt_dataset
+
+from ._fakes import install_fake_plugin
+
+
+class CountingCollator:
+    def __init__(self, inner):
+        self.inner = inner
+        self.calls = 0
+
+    def __call__(self, examples):
+        self.calls += 1
+        return self.inner(examples)
+
+
+class Recorder:
+    """A third-party test plugin: records every hook, and answers the exclusive ones with pass-through wrappers."""
+
+    def __init__(self):
+        self.events = []
+        self.forward_calls = {}
+        self.collators = []
+        self.generation_calls = 0
+
+    @trl_ext.hookimpl
+    def trl_ext_validate_config(self, config, options, trl_version):
+        self.events.append(("validate", dict(options)))
+        unknown = set(options) - {"note"}
+        if unknown:
+            raise UsageError(f"Unknown option(s) {sorted(unknown)} for plugin `recorder`; it knows `note`.")
+
+    @trl_ext.hookimpl
+    def trl_ext_trainer_init_start(self, trainer, context, init_kwargs):
+        # TRL's __init__ has not run yet: the trainer has no model, and the constructor arguments are visible.
+        self.events.append(("init_start", type(trainer).__name__, hasattr(trainer, "model"), "args" in init_kwargs))
+        context.state["recorder"] = {"trainer_class": context.trainer_class}
+
+    @trl_ext.hookimpl
+    def trl_ext_make_collator(self, trainer, context, collator):
+        self.events.append(("make_collator", type(collator).__name__))
+        wrapped = CountingCollator(collator)
+        self.collators.append(wrapped)
+        return wrapped
+
+    @trl_ext.hookimpl
+    def trl_ext_make_packed_forward(self, trainer, context, role, backbone):
+        self.events.append(("make_packed_forward", role))
+        original = backbone.forward
+
+        def forward(*args, **kwargs):
+            self.forward_calls[role] = self.forward_calls.get(role, 0) + 1
+            return original(*args, **kwargs)
+
+        return forward
+
+    @trl_ext.hookimpl
+    def trl_ext_trainer_models_ready(self, trainer, context):
+        self.events.append(("models_ready", hasattr(trainer, "ref_model")))
+
+    @trl_ext.hookimpl
+    def trl_ext_make_ref_precompute(self, trainer, context, dataset, name, batch_size):
+        # Models are ready, and no forward has run yet.
+        self.events.append(("make_ref_precompute", name, batch_size, sum(self.forward_calls.values())))
+
+    @trl_ext.hookimpl
+    def trl_ext_trainer_init_end(self, trainer, context):
+        self.events.append(("init_end", context.state["recorder"]["trainer_class"]))
+
+    @trl_ext.hookimpl
+    def trl_ext_reduce_metrics(self, trainer, context, logs):
+        self.events.append(("reduce_metrics", "loss" in logs or "train_loss" in logs))
+
+    @trl_ext.hookimpl
+    def trl_ext_make_generation_context(self, trainer, context, model, call_kwargs):
+        from trl.models.utils import unwrap_model_for_generation  # TRL's own, unpatched definition
+
+        self.generation_calls += 1
+        self.events.append(("make_generation_context", sorted(call_kwargs)))
+        return unwrap_model_for_generation(model, **call_kwargs)
+
+    @trl_ext.hookimpl
+    def trl_ext_uninstall(self, installation):
+        self.events.append(("uninstall",))
+
+    def names(self):
+        return [e[0] for e in self.events]
+
+
+def _train_dpo(tokenizer, dpo_args, arch="llama", **arg_overrides):
+    from trl import DPOTrainer
+
+    trainer = DPOTrainer(
+        make_model(arch, seed=0),
+        ref_model=make_model(arch, seed=0),
+        args=dpo_args(**arg_overrides),
+        train_dataset=make_preference_dataset(8),
+        processing_class=tokenizer,
+    )
+    trainer.train()
+    return trainer, [log["loss"] for log in trainer.state.log_history if "loss" in log]
+
+
+@pytest.fixture
+def recorder(monkeypatch):
+    plugin = Recorder()
+    install_fake_plugin(monkeypatch, "recorder", plugin)
+    return plugin
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_dpo_hooks_run_in_order_and_pass_through_changes_nothing(tokenizer, dpo_args, recorder, arch):
+    _, stock_losses = _train_dpo(tokenizer, dpo_args, arch)
+    with trl_ext.install(plugins={"recorder": {"note": "hi"}}) as installation:
+        trainer, losses = _train_dpo(tokenizer, dpo_args, arch)
+        assert trainer._trl_ext.enabled == ("recorder",)
+        assert installation.enabled_plugins("DPOTrainer") == ["recorder"]
+    assert recorder.names()[:6] == [
+        "validate",
+        "init_start",
+        "make_collator",
+        "make_packed_forward",
+        "make_packed_forward",
+        "models_ready",
+    ]
+    assert recorder.events[0] == ("validate", {"note": "hi"})
+    assert recorder.events[1] == ("init_start", "DPOTrainer", False, True)
+    assert recorder.events[2] == ("make_collator", "DataCollatorForPreference")
+    assert [e[1] for e in recorder.events[3:5]] == ["policy", "ref"]
+    assert recorder.events[5] == ("models_ready", True)
+    assert recorder.events[6] == ("init_end", "DPOTrainer")
+    assert recorder.names().count("reduce_metrics") == len(losses) + 1  # one per logging step, plus the final summary
+    assert recorder.names()[-1] == "uninstall"
+    # The plugin's collator and forwards really were the ones used...
+    assert recorder.collators[0].calls == 2
+    assert recorder.forward_calls == {"policy": 2, "ref": 2}
+    # ...and since they pass through, the run is bit-identical to stock TRL.
+    assert losses == stock_losses and len(losses) == 2
+
+
+def test_disabled_plugin_changes_nothing(tokenizer, dpo_args, recorder):
+    _, stock_losses = _train_dpo(tokenizer, dpo_args)
+    with trl_ext.install() as installation:  # recorder is registered, but not enabled
+        assert installation.plugin_manager.get_plugin("recorder") is recorder
+        trainer, losses = _train_dpo(tokenizer, dpo_args)
+        assert trainer._trl_ext.enabled == ()
+    assert recorder.names() == ["validate", "uninstall"]
+    assert losses == stock_losses
+
+
+def test_precompute_hook_runs_after_models_ready_and_before_any_forward(tokenizer, dpo_args, recorder):
+    from trl import DPOTrainer
+
+    with trl_ext.install(plugins={"recorder": {}}):
+        trainer = DPOTrainer(
+            make_model(seed=0),
+            args=dpo_args(precompute_ref_log_probs=True, precompute_ref_batch_size=3),
+            train_dataset=make_preference_dataset(8),
+            processing_class=tokenizer,
+        )
+        assert "ref_chosen_logps" in trainer.train_dataset.column_names  # TRL did it, since the hook returned None
+    names = recorder.names()
+    assert names.index("models_ready") < names.index("make_ref_precompute") < names.index("init_end")
+    assert ("make_ref_precompute", "train", 3, 0) in recorder.events
+    assert recorder.forward_calls["policy"] == 3  # ceil(8 / 3) precompute batches ran through the plugin's forward
+
+
+def test_online_dpo_hooks_including_generation(tokenizer, online_dpo_args, recorder):
+    from trl.experimental.online_dpo import OnlineDPOTrainer
+
+    with trl_ext.install(plugins={"recorder": {}}):
+        trainer = OnlineDPOTrainer(
+            make_model(seed=0),
+            ref_model=make_model(seed=0),
+            reward_funcs=length_reward,
+            args=online_dpo_args(),
+            train_dataset=make_prompt_dataset(4),
+            processing_class=tokenizer,
+        )
+        trainer.train()
+    names = recorder.names()
+    assert names[1:3] == ["init_start", "make_collator"]
+    assert names.index("models_ready") < names.index("init_end") < names.index("make_generation_context")
+    assert recorder.generation_calls == 2  # one generation per training step
+    assert "accelerator" in recorder.events[names.index("make_generation_context")][1]
+    assert names.count("reduce_metrics") >= 2
+    assert any(k.startswith("objective/") for log in trainer.state.log_history for k in log)
+
+
+def _snapshot(objects):
+    return {id(obj): (obj, dict(vars(obj))) for obj in objects}
+
+
+def test_uninstall_restores_every_patched_object_identically(tokenizer, dpo_args, recorder):
+    import trl.experimental.online_dpo.online_dpo_trainer as online_module
+    import trl.trainer.dpo_trainer as dpo_module
+    from trl import DPOTrainer
+    from trl.experimental.online_dpo import OnlineDPOTrainer
+
+    targets = [DPOTrainer, OnlineDPOTrainer, dpo_module, online_module]
+    before = _snapshot(targets)
+    installation = trl_ext.install(plugins={"recorder": {}})
+    assert DPOTrainer.__dict__["__init__"] is not before[id(DPOTrainer)][1]["__init__"]
+    assert "log" in vars(OnlineDPOTrainer)  # inherited before, now its own entry
+    trainer = DPOTrainer(
+        make_model(seed=0),
+        ref_model=make_model(seed=0),
+        args=dpo_args(),
+        train_dataset=make_preference_dataset(4),
+        processing_class=tokenizer,
+    )
+    backbone = trainer.model.base_model
+    assert "forward" in vars(backbone) and "_trl_ext" in vars(trainer)
+    installation.uninstall()
+    installation.uninstall()  # a second call is a no-op
+    after = _snapshot(targets)
+    for key, (obj, attrs) in before.items():
+        now = after[key][1]
+        assert now.keys() == attrs.keys(), obj
+        changed = [name for name in attrs if now[name] is not attrs[name]]
+        assert not changed, (obj, changed)
+    # Instance patches on the trainer and its models are undone too.
+    assert "forward" not in vars(backbone)
+    assert "_trl_ext" not in vars(trainer)
+    assert trainer.data_collator is recorder.collators[0].inner
+    # A trainer built after uninstall is stock: no hooks run.
+    events = len(recorder.events)
+    DPOTrainer(
+        make_model(seed=0),
+        ref_model=make_model(seed=0),
+        args=dpo_args(),
+        train_dataset=make_preference_dataset(4),
+        processing_class=tokenizer,
+    )
+    assert len(recorder.events) == events
+
+
+def test_trl_flag_that_trl_ignores_enables_the_plugin_with_that_flag(tokenizer, dpo_args, monkeypatch, caplog):
+    """`DPOConfig(padding_free=True)` (ignored by TRL >= 0.29) enables the trl-ext plugin owning `padding_free`."""
+    from trl import DPOTrainer
+
+    class OwnsPaddingFree:
+        TRL_EXT_FLAGS = ("padding_free",)
+        TRL_EXT_TRAINERS = ("DPOTrainer",)
+
+        @trl_ext.hookimpl
+        def trl_ext_trainer_init_start(self, trainer, context, init_kwargs):
+            self.seen = init_kwargs["args"].padding_free
+
+    plugin = OwnsPaddingFree()
+    install_fake_plugin(monkeypatch, "fake_padding_free", plugin)
+    block = ["padding_free"] if "padding_free" in trl_ext.plugins.BUILTIN_PLUGINS else []
+    with trl_ext.install(block=block) as installation:
+        args = dpo_args(padding_free=True)
+        assert installation.enabled_plugins("DPOTrainer", args) == ["fake_padding_free"]
+        assert installation.enabled_plugins("DPOTrainer", dpo_args()) == []
+        assert installation.enabled_plugins("OnlineDPOTrainer", args) == []
+        with caplog.at_level("WARNING"):
+            trainer = DPOTrainer(
+                make_model(seed=0),
+                ref_model=make_model(seed=0),
+                args=args,
+                train_dataset=make_preference_dataset(4),
+                processing_class=tokenizer,
+            )
+        assert trainer._trl_ext.enabled == ("fake_padding_free",)
+        assert plugin.seen is True
+        assert args.padding_free is True  # the user's config object is left as it was
+        assert "temporarily unavailable" not in caplog.text  # TRL did not fall back: the plugin handles the flag
+
+
+def test_unsupported_trl_version_is_a_usage_error(monkeypatch):
+    for version in ("1.9.2", "1.17.0", "0.29.1", "2.0.0.dev0"):
+        monkeypatch.setattr(_compat, "installed_version", lambda dist, v=version: v if dist == "trl" else "1")
+        with pytest.raises(UsageError, match=rf"trl-ext supports trl>=1.10,<1.17, but trl=={version} is installed"):
+            trl_ext.install()
+    monkeypatch.setattr(_compat, "installed_version", lambda dist: None)
+    with pytest.raises(UsageError, match="TRL is not installed"):
+        trl_ext.install()
+
+
+def test_renamed_trl_attribute_fails_clearly_and_leaves_trl_untouched(monkeypatch):
+    from trl import DPOTrainer
+
+    monkeypatch.delattr(DPOTrainer, "_precompute_ref_logps")
+    before = dict(vars(DPOTrainer))
+    with pytest.raises(UsageError, match=r"cannot find `.*DPOTrainer._precompute_ref_logps`.*renamed or removed"):
+        trl_ext.install()
+    assert dict(vars(DPOTrainer)) == before
+
+
+def test_double_install_is_an_error_and_context_manager_uninstalls():
+    with trl_ext.install() as installation:
+        assert installation.installed
+        with pytest.raises(UsageError, match="already installed"):
+            trl_ext.install()
+    assert not installation.installed
+    trl_ext.install().uninstall()  # installable again
+
+
+@pytest.mark.parametrize(
+    ("flags", "match"),
+    [
+        (dict(padding_frees=True), "Unknown trl-ext flag `padding_frees`"),
+        (dict(plugins={"not_installed": {}}), "`plugins` names `not_installed`, which is not installed"),
+        (dict(plugins={"recorder": {"colour": 1}}), r"Unknown option\(s\) \['colour'\] for plugin `recorder`"),
+        (dict(block=["nope"]), "`block` names unknown plugin"),
+    ],
+)
+def test_bad_install_input_is_a_usage_error(flags, match, recorder):
+    with pytest.raises(UsageError, match=match):
+        trl_ext.install(**flags)
+
+
+def test_flag_whose_plugin_is_blocked_is_a_usage_error():
+    for flag, owner, value in [
+        ("padding_free", "padding_free", True),
+        ("sync_metrics", "sync_metrics", True),
+        ("precompute_ref_batch_size", "precompute_ref_batch_size", 8),
+        ("ds3_gather_for_generation", "generation", False),
+    ]:
+        if owner in trl_ext.plugins.BUILTIN_PLUGINS:
+            with pytest.raises(UsageError, match=rf"`{flag}` is set, but the plugin `{owner}` .* is blocked"):
+                trl_ext.install(block=[owner], **{flag: value})
+        else:
+            with pytest.raises(UsageError, match=rf"`{flag}` is set, but the plugin `{owner}` .* not available"):
+                trl_ext.install(**{flag: value})
+
+
+def test_importing_trl_ext_imports_neither_torch_nor_trl():
+    code = "import sys, trl_ext, trl_ext.config, trl_ext.hookspecs; print(sorted(m for m in ('torch', 'trl', 'transformers') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
