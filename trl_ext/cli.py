@@ -105,11 +105,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_plugins)
     d = sub.add_parser("doctor", help="print versions, whether they are supported, and the attention backends")
     d.set_defaults(func=_cmd_doctor)
+    for job, what in (("dpo", "TRL's own DPO script"), ("online-dpo", "an Online DPO script")):
+        j = sub.add_parser(
+            job,
+            help=f"run {what} with trl-ext installed (all `trl {job}` arguments, plus --trl_ext_<flag> VALUE)",
+            add_help=False,
+        )
+        j.set_defaults(func=None, job=job)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
+    if argv and argv[0] in ("dpo", "online-dpo"):
+        # Everything after the command belongs to TRL's parser (plus --trl_ext_* flags).
+        from .jobs import main_job
+
+        try:
+            return main_job(argv[0], argv[1:])
+        except UsageError as exc:
+            print(f"trl-ext: error: {exc}", file=sys.stderr)
+            return 2
     args = parser.parse_args(argv)
     try:
         return args.func(args)

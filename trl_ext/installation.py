@@ -43,6 +43,10 @@ class Installation:
         self._contexts: list[weakref.ref] = []
         self._installed = False
         self._owners = flag_owners(plugin_manager)
+        #: Keep every trainer context (and so its plugins' state) after the trainer is gone, for `records`. Off by
+        #: default because plugin state may reference models; the `trl-ext dpo` job turns it on.
+        self.keep_records = False
+        self._kept: list[TrainerContext] = []
 
     # ------------------------------------------------------------------------------------------------------------
     # public API
@@ -77,6 +81,17 @@ class Installation:
             ctx = trainer.__dict__.get(_ATTR) if trainer is not None else None
             if ctx is not None and ctx.installation is self:
                 out.append(ctx)
+        return out
+
+    @property
+    def records(self) -> list[dict[str, Any]]:
+        """With `keep_records`, one entry per trainer: its class, its plugins, and each plugin state's `summary()`."""
+        out = []
+        for ctx in self._kept:
+            summaries = {
+                name: state.summary() for name, state in ctx.state.items() if callable(getattr(state, "summary", None))
+            }
+            out.append({"trainer": ctx.trainer_class, "plugins": list(ctx.enabled), "summaries": summaries})
         return out
 
     def uninstall(self) -> None:
@@ -145,6 +160,8 @@ class Installation:
             ctx = TrainerContext(installation, trainer, trainer_class, enabled, trl_args)
             trainer.__dict__[_ATTR] = ctx
             installation._contexts.append(weakref.ref(trainer))
+            if installation.keep_records:
+                installation._kept.append(ctx)
             if enabled:
                 logger.info("trl-ext: %s gets plugins %s", type(trainer).__name__, ", ".join(enabled))
             ctx.hook.trl_ext_trainer_init_start(trainer=trainer, context=ctx, init_kwargs=init_kwargs)

@@ -1,0 +1,216 @@
+"""`trl-ext dpo` and `trl-ext online-dpo`: TRL's own training scripts, run with trl-ext installed.
+
+`trl-ext dpo` accepts everything `trl dpo` accepts (script arguments, `DPOConfig`, `ModelConfig`, dataset mixtures,
+a YAML `--config`) plus trl-ext flags, given as `--trl_ext_<flag> VALUE` on the command line or under a `trl_ext:`
+key in the YAML recipe (command line > `TRL_EXT_*` environment > YAML). TRL has no Online DPO script, so
+`trl-ext online-dpo` runs a small one of ours with the usual setup (policy, optional reference, reward functions or
+a reward model, `OnlineDPOConfig`). Both work under `accelerate launch` (`accelerate launch $(which trl-ext) dpo ...`)
+with several processes and a DeepSpeed config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+import sys
+import tempfile
+from collections.abc import Sequence
+from typing import Any
+
+from ._logging import get_logger
+from .config import TrlExtConfig, load_config
+from .errors import UsageError
+
+logger = get_logger(__name__)
+
+_PREFIX = "--trl_ext_"
+_EXTRA_KEYS = ("config",)  # --trl_ext_config PATH: a trl-ext YAML of its own
+
+
+def split_argv(argv: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
+    """Take `--trl_ext_<flag> VALUE` / `--trl_ext_<flag>=VALUE` out of `argv`; a flag with no value means `true`."""
+    flags: dict[str, Any] = {}
+    rest: list[str] = []
+    argv = list(argv)
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        if token.startswith(_PREFIX):
+            name, eq, value = token[len(_PREFIX) :].partition("=")
+            if not eq:
+                if i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                    value = argv[i + 1]
+                    i += 1
+                else:
+                    value = "true"
+            if name not in TrlExtConfig.flag_names() and name not in _EXTRA_KEYS:
+                load_config(flags={name: value}, environ={})  # raises the UsageError with a suggestion
+            flags[name] = value
+        else:
+            rest.append(token)
+        i += 1
+    return flags, rest
+
+
+def split_yaml_config(argv: list[str]) -> tuple[dict[str, Any] | None, list[str], str | None]:
+    """Pull the `trl_ext:` section out of the `--config` YAML recipe; TRL gets a copy without it."""
+    if "--config" not in argv:
+        return None, argv, None
+    import yaml
+
+    index = argv.index("--config")
+    if index + 1 >= len(argv):
+        raise UsageError("`--config` needs the path of a YAML recipe.")
+    path = argv[index + 1]
+    try:
+        with open(path) as f:
+            recipe = yaml.safe_load(f) or {}
+    except OSError as exc:
+        raise UsageError(f"Cannot read the recipe `--config {path}`: {exc}") from None
+    if not isinstance(recipe, dict) or "trl_ext" not in recipe:
+        return None, argv, None
+    section = recipe.pop("trl_ext") or {}
+    fd, stripped = tempfile.mkstemp(prefix="trl-ext-recipe-", suffix=".yaml")
+    with os.fdopen(fd, "w") as f:
+        yaml.safe_dump(recipe, f)
+    argv = [*argv[: index + 1], stripped, *argv[index + 2 :]]
+    return section, argv, stripped
+
+
+def _resolve_config(argv: Sequence[str]) -> tuple[TrlExtConfig, list[str], str | None]:
+    flags, rest = split_argv(argv)
+    section, rest, stripped = split_yaml_config(rest)
+    own_file = flags.pop("config", None)
+    base: Any = section
+    if own_file is not None:
+        if section:
+            raise UsageError("Give trl-ext flags either in the recipe's `trl_ext:` section or in `--trl_ext_config`.")
+        base = own_file
+    return load_config(base, flags=flags), rest, stripped
+
+
+def _is_main_process() -> bool:
+    return os.environ.get("RANK", "0") == "0" and os.environ.get("LOCAL_RANK", "0") == "0"
+
+
+def _report(installation) -> None:
+    if not _is_main_process():
+        return
+    for record in installation.records:
+        plugins = ", ".join(record["plugins"]) or "none"
+        print(f"[trl-ext] {record['trainer']} ran with plugins: {plugins}", flush=True)
+        for name, summary in record["summaries"].items():
+            print(f"[trl-ext]   {name}: {summary}", flush=True)
+
+
+def run_dpo(argv: Sequence[str]) -> int:
+    """`trl-ext dpo ...`: TRL's `trl/scripts/dpo.py` with trl-ext installed."""
+    from . import install
+
+    config, rest, stripped = _resolve_config(argv)
+    dpo_script = importlib.import_module("trl.scripts.dpo")
+    parser = dpo_script.make_parser(prog="trl-ext dpo")
+    try:
+        script_args, training_args, model_args, dataset_args = parser.parse_args_and_config(
+            rest, fail_with_unknown_args=False
+        )
+    finally:
+        if stripped:
+            os.unlink(stripped)
+    installation = install(config)
+    installation.keep_records = True
+    try:
+        dpo_script.main(script_args, training_args, model_args, dataset_args)
+        _report(installation)
+    finally:
+        installation.uninstall()
+    return 0
+
+
+@dataclasses.dataclass
+class OnlineDPOScriptArguments:
+    """Arguments of `trl-ext online-dpo` besides `OnlineDPOConfig` and `ModelConfig`.
+
+    Args:
+        dataset_name (`str`): A dataset `datasets.load_dataset` can open (a local path works) with a `prompt` column.
+        dataset_config (`str`, *optional*): Dataset configuration name.
+        dataset_train_split (`str`, *optional*, defaults to `"train"`): Split to train on.
+        dataset_test_split (`str`, *optional*, defaults to `"test"`): Split to evaluate on.
+        ref_model_name_or_path (`str`, *optional*): Reference model; defaults to a copy of the policy.
+        reward_funcs (`list[str]`, *optional*): Reward functions as `module:function`, or reward model paths.
+    """
+
+    dataset_name: str | None = None
+    dataset_config: str | None = None
+    dataset_train_split: str = "train"
+    dataset_test_split: str = "test"
+    ref_model_name_or_path: str | None = None
+    reward_funcs: list[str] = dataclasses.field(default_factory=list)
+
+
+def _load_reward(spec: str) -> Any:
+    if ":" in spec and not os.path.exists(spec):
+        module_name, _, attr = spec.partition(":")
+        try:
+            return getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as exc:
+            raise UsageError(f"`--reward_funcs {spec}`: cannot import `{attr}` from `{module_name}` ({exc}).") from None
+    return spec  # a reward model path or id: OnlineDPOTrainer loads it
+
+
+def run_online_dpo(argv: Sequence[str]) -> int:
+    """`trl-ext online-dpo ...`: a minimal Online DPO script (TRL ships none) with trl-ext installed."""
+    from datasets import load_dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import ModelConfig, TrlParser
+    from trl.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
+
+    from . import install
+
+    config, rest, stripped = _resolve_config(argv)
+    parser = TrlParser((OnlineDPOScriptArguments, OnlineDPOConfig, ModelConfig), prog="trl-ext online-dpo")
+    try:
+        script_args, training_args, model_args = parser.parse_args_and_config(rest, fail_with_unknown_args=False)
+    finally:
+        if stripped:
+            os.unlink(stripped)
+    if not script_args.dataset_name:
+        raise UsageError("`trl-ext online-dpo` needs `--dataset_name` (a dataset with a `prompt` column).")
+    if not script_args.reward_funcs:
+        raise UsageError("`trl-ext online-dpo` needs `--reward_funcs` (`module:function` or a reward model path).")
+    if not model_args.model_name_or_path:
+        raise UsageError("`trl-ext online-dpo` needs `--model_name_or_path`.")
+    installation = install(config)
+    installation.keep_records = True
+    try:
+        init_kwargs = dict(dtype=model_args.dtype, attn_implementation=model_args.attn_implementation)
+        init_kwargs = {k: v for k, v in init_kwargs.items() if v is not None}
+        model = AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, **init_kwargs)
+        ref_path = script_args.ref_model_name_or_path or model_args.model_name_or_path
+        ref_model = AutoModelForCausalLM.from_pretrained(ref_path, **init_kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path, padding_side="left")
+        dataset = load_dataset(script_args.dataset_name, name=script_args.dataset_config)
+        trainer = OnlineDPOTrainer(
+            model=model,
+            ref_model=ref_model,
+            reward_funcs=[_load_reward(spec) for spec in script_args.reward_funcs],
+            args=training_args,
+            train_dataset=dataset[script_args.dataset_train_split],
+            eval_dataset=dataset[script_args.dataset_test_split] if training_args.eval_strategy != "no" else None,
+            processing_class=tokenizer,
+        )
+        trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+        trainer.save_model(training_args.output_dir)
+        del trainer
+        _report(installation)
+    finally:
+        installation.uninstall()
+    return 0
+
+
+def main_job(command: str, argv: Sequence[str]) -> int:
+    try:
+        return {"dpo": run_dpo, "online-dpo": run_online_dpo}[command](argv)
+    finally:
+        sys.stdout.flush()
