@@ -105,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_plugins)
     d = sub.add_parser("doctor", help="print versions, whether they are supported, and the attention backends")
     d.set_defaults(func=_cmd_doctor)
+    sub.add_parser(
+        "bench", help="stock TRL vs trl-ext side by side (see `trl-ext bench --help`)", add_help=False
+    ).set_defaults(func=None)
     for job, what in (("dpo", "TRL's own DPO script"), ("online-dpo", "an Online DPO script")):
         j = sub.add_parser(
             job,
@@ -118,6 +121,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
+    if argv and argv[0] == "bench":
+        from .bench import main as bench_main
+
+        try:
+            return bench_main(argv[1:])
+        except UsageError as exc:
+            print(f"trl-ext: error: {exc}", file=sys.stderr)
+            return 2
     if argv and argv[0] in ("dpo", "online-dpo"):
         # Everything after the command belongs to TRL's parser (plus --trl_ext_* flags).
         from .jobs import main_job
