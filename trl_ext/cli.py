@@ -46,19 +46,25 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
 
 
 def _attention_backends() -> list[str]:
-    out = []
+    """Attention implementations a packed (padding-free) forward can use here, and what is missing."""
+    out = ["eager", "sdpa"]
     try:
-        from transformers import AttentionInterface
+        import transformers.utils as tu
 
-        out.extend(sorted(AttentionInterface._global_mapping))
-    except Exception:  # noqa: BLE001
+        checks = {
+            "flash_attention_2": getattr(tu, "is_flash_attn_2_available", lambda: False),
+            "flash_attention_3": getattr(tu, "is_flash_attn_3_available", lambda: False),
+        }
+        for name, available in checks.items():
+            out.append(name if available() else f"{name} (not available: needs CUDA and the flash-attn kernels)")
+    except Exception as exc:  # noqa: BLE001
+        out.append(f"flash attention: unknown ({exc})")
+    try:
+        import trl_ext.varlen  # noqa: F401 - registers trl-ext's per-segment attention
+
+        out.append("trl-ext varlen (per-segment attention for packed rows on CPU/GPU)")
+    except ImportError:
         pass
-    for flash in ("flash_attn", "flash_attn_interface"):
-        try:
-            importlib.import_module(flash)
-            out.append(f"{flash} (package)")
-        except Exception:  # noqa: BLE001
-            pass
     return out
 
 
