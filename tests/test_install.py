@@ -202,12 +202,15 @@ def _snapshot(objects):
 
 
 def test_uninstall_restores_every_patched_object_identically(tokenizer, dpo_args, recorder):
-    import trl.experimental.online_dpo.online_dpo_trainer as online_module
-    import trl.trainer.dpo_trainer as dpo_module
+    import importlib
+
     from trl import DPOTrainer
     from trl.experimental.online_dpo import OnlineDPOTrainer
 
-    targets = [DPOTrainer, OnlineDPOTrainer, dpo_module, online_module]
+    # Every class and module trl-ext may patch, as listed in the compat module.
+    targets = [getattr(importlib.import_module(m), c) for m, c in _compat.TRAINERS.values()]
+    targets += [importlib.import_module(m) for m, _ in _compat.TRAINERS.values()]
+    targets += [importlib.import_module(m) for m in _compat.GENERATION_HELPER_MODULES.values()]
     before = _snapshot(targets)
     installation = trl_ext.install(plugins={"recorder": {}})
     assert DPOTrainer.__dict__["__init__"] is not before[id(DPOTrainer)][1]["__init__"]

@@ -32,12 +32,18 @@ TRL_IGNORED_FLAGS: dict[str, tuple[str, ...]] = {"DPOTrainer": ("padding_free",)
 TRAINERS: dict[str, tuple[str, str]] = {
     "DPOTrainer": ("trl.trainer.dpo_trainer", "DPOTrainer"),
     "OnlineDPOTrainer": ("trl.experimental.online_dpo.online_dpo_trainer", "OnlineDPOTrainer"),
+    # For the `generation` plugin only (the other built-ins list the trainers they apply to). Both generate through
+    # `unwrap_model_for_generation(self.model_wrapped, ...)`; checked on 1.12.0 and 1.16.0.
+    "GRPOTrainer": ("trl.trainer.grpo_trainer", "GRPOTrainer"),
+    "RLOOTrainer": ("trl.trainer.rloo_trainer", "RLOOTrainer"),
 }
 
 #: Trainer modules that import `unwrap_model_for_generation` by name (`from ...models.utils import ...`), so the
 #: name must be patched in each of these modules, not in `trl.models.utils`. Checked on 1.12.0 and 1.16.0.
 GENERATION_HELPER_MODULES: dict[str, str] = {
     "OnlineDPOTrainer": "trl.experimental.online_dpo.online_dpo_trainer",
+    "GRPOTrainer": "trl.trainer.grpo_trainer",  # `from ..models import unwrap_model_for_generation`
+    "RLOOTrainer": "trl.trainer.rloo_trainer",  # idem
 }
 
 #: `DPOTrainer._precompute_ref_logps(self, dataset, name, batch_size)` runs inside `__init__`; present with this
