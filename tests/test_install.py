@@ -282,6 +282,30 @@ def test_trl_flag_that_trl_ignores_enables_the_plugin_with_that_flag(tokenizer, 
         assert "temporarily unavailable" not in caplog.text  # TRL did not fall back: the plugin handles the flag
 
 
+def test_trl_that_honours_the_flag_keeps_it_and_refuses_a_double_claim(tokenizer, dpo_args, monkeypatch):
+    """On a TRL that implements `padding_free` itself (e.g. with patches/0001), the TRL flag stays TRL's."""
+    from trl import DPOTrainer
+
+    class OwnsPaddingFree:
+        TRL_EXT_FLAGS = ("padding_free",)
+        TRL_EXT_TRAINERS = ("DPOTrainer",)
+
+    install_fake_plugin(monkeypatch, "fake_padding_free", OwnsPaddingFree())
+    monkeypatch.setattr(_compat, "dpo_honours_padding_free", lambda: True)
+    block = ["padding_free"] if "padding_free" in trl_ext.plugins.BUILTIN_PLUGINS else []
+    with trl_ext.install(block=block) as installation:
+        assert installation.enabled_plugins("DPOTrainer", dpo_args(padding_free=True)) == []
+    with trl_ext.install(block=block, padding_free=True):
+        with pytest.raises(UsageError, match=r"Both TRL's own `padding_free=True`.*`fake_padding_free`"):
+            DPOTrainer(
+                make_model(seed=0),
+                ref_model=make_model(seed=0),
+                args=dpo_args(padding_free=True),
+                train_dataset=make_preference_dataset(4),
+                processing_class=tokenizer,
+            )
+
+
 def test_unsupported_trl_version_is_a_usage_error(monkeypatch):
     for version in ("1.9.2", "1.17.0", "0.29.1", "2.0.0.dev0"):
         monkeypatch.setattr(_compat, "installed_version", lambda dist, v=version: v if dist == "trl" else "1")

@@ -27,6 +27,28 @@ DPO_FUSED_LM_HEAD_SINCE = (1, 15)
 #:   refactor"); checked 1.12.0 (dpo_trainer.py:717-724) and 1.16.0 (dpo_trainer.py:732-739).
 TRL_IGNORED_FLAGS: dict[str, tuple[str, ...]] = {"DPOTrainer": ("padding_free",)}
 
+
+
+def dpo_honours_padding_free() -> bool:
+    """Whether the installed DPO implements `padding_free` itself.
+
+    False on TRL 0.29-1.16 (`DPOTrainer.__init__` forces it off; its `DataCollatorForPreference` has no
+    `padding_free` field: checked 1.12.0 and 1.16.0). True with `patches/0001-dpo-padding-free.patch` applied, or a
+    release that restores the feature with the collator field.
+    """
+    from trl.trainer.dpo_trainer import DataCollatorForPreference
+
+    return "padding_free" in getattr(DataCollatorForPreference, "__dataclass_fields__", {})
+
+
+def trl_ignored_flags(trainer_class: str) -> tuple[str, ...]:
+    """`TRL_IGNORED_FLAGS` for the installed TRL (a patched TRL may honour some of them)."""
+    flags = TRL_IGNORED_FLAGS.get(trainer_class, ())
+    if trainer_class == "DPOTrainer" and "padding_free" in flags and dpo_honours_padding_free():
+        flags = tuple(f for f in flags if f != "padding_free")
+    return flags
+
+
 #: Trainers trl-ext attaches to, as (module, class name). Checked on 1.12.0 and 1.16.0; OnlineDPO moved to
 #: `trl.experimental.online_dpo` in 0.26.0 and has been there only since 0.29.0.
 TRAINERS: dict[str, tuple[str, str]] = {

@@ -59,7 +59,7 @@ class Installation:
     def enabled_plugins(self, trainer_class: str, trl_args: Any = None) -> list[str]:
         """The plugins that a `trainer_class` trainer built with `trl_args` gets, in registration order."""
         defaults = TrlExtConfig()
-        ignored = _compat.TRL_IGNORED_FLAGS.get(trainer_class, ())
+        ignored = _compat.trl_ignored_flags(trainer_class)
         enabled = []
         for name, plugin in self.plugin_manager.list_name_plugin():
             trainers = getattr(plugin, "TRL_EXT_TRAINERS", None)
@@ -179,8 +179,18 @@ class Installation:
         return __init__
 
     def _hide_ignored_flags(self, trainer_class: str, trl_args: Any, ctx: TrainerContext) -> dict[str, Any]:
+        # A flag TRL used to ignore but now honours (e.g. a patched TRL) must not be claimed by both.
+        ignored_now = set(_compat.trl_ignored_flags(trainer_class))
+        honoured = set(_compat.TRL_IGNORED_FLAGS.get(trainer_class, ())) - ignored_now
+        for flag in honoured:
+            owner = self._owners.get(flag)
+            if trl_args is not None and getattr(trl_args, flag, False) and owner in ctx.enabled:
+                raise UsageError(
+                    f"Both TRL's own `{flag}=True` (this TRL implements it) and the trl-ext plugin `{owner}` are on "
+                    f"for this {trainer_class}. Use one: unset `{flag}` in the TRL config, or in trl-ext's flags."
+                )
         hidden = {}
-        for flag in _compat.TRL_IGNORED_FLAGS.get(trainer_class, ()):
+        for flag in _compat.trl_ignored_flags(trainer_class):
             owner = self._owners.get(flag)
             if trl_args is not None and getattr(trl_args, flag, False) and owner in ctx.enabled:
                 hidden[flag] = getattr(trl_args, flag)
