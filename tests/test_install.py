@@ -365,6 +365,9 @@ def test_flag_whose_plugin_is_blocked_is_a_usage_error():
 
 
 def test_importing_trl_ext_imports_neither_torch_nor_trl():
-    code = "import sys, trl_ext, trl_ext.config, trl_ext.hookspecs; print(sorted(m for m in ('torch', 'trl', 'transformers') if m in sys.modules))"
+    code = (
+        "import sys, trl_ext, trl_ext.config, trl_ext.hookspecs; "
+        "print(sorted(m for m in ('torch', 'trl', 'transformers') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -150,7 +150,9 @@ def test_online_dpo_job(assets, tmp_path):
 
 
 def test_split_argv_and_yaml_section(tmp_path):
-    flags, rest = split_argv(["--lr", "1", "--trl_ext_padding_free", "--trl_ext_precompute_ref_batch_size=auto", "--x"])
+    flags, rest = split_argv(
+        ["--lr", "1", "--trl_ext_padding_free", "--trl_ext_precompute_ref_batch_size=auto", "--x"]
+    )
     assert flags == {"padding_free": "true", "precompute_ref_batch_size": "auto"}
     assert rest == ["--lr", "1", "--x"]
     with pytest.raises(UsageError, match="Did you mean `sync_metrics`"):

@@ -28,7 +28,6 @@ DPO_FUSED_LM_HEAD_SINCE = (1, 15)
 TRL_IGNORED_FLAGS: dict[str, tuple[str, ...]] = {"DPOTrainer": ("padding_free",)}
 
 
-
 def dpo_honours_padding_free() -> bool:
     """Whether the installed DPO implements `padding_free` itself.
 
@@ -97,7 +96,10 @@ def check_trl_version(version: str | None = None) -> str:
     """Return the installed TRL version, or raise `UsageError` if it is outside the supported range."""
     version = installed_version("trl") if version is None else version
     if version is None:
-        raise UsageError(f"trl-ext needs TRL ({SUPPORTED_TRL_SPEC}), but TRL is not installed. Run `pip install 'trl{SUPPORTED_TRL_SPEC}'`.")
+        raise UsageError(
+            f"trl-ext needs TRL ({SUPPORTED_TRL_SPEC}), but TRL is not installed. "
+            f"Run `pip install 'trl{SUPPORTED_TRL_SPEC}'`."
+        )
     if not is_supported_trl(version):
         raise UsageError(
             f"trl-ext supports trl{SUPPORTED_TRL_SPEC}, but trl=={version} is installed. Install a supported "

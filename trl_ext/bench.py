@@ -39,8 +39,12 @@ _WORKER = "trl_ext._bench_worker"
 
 def _sizes(quick: bool) -> dict[str, Any]:
     if quick:
-        return dict(vocab=4096, hidden=128, layers=2, heads=4, kv=2, pairs=48, batch=8, steps=5, prompt=48, completion=48)
-    return dict(vocab=32000, hidden=256, layers=4, heads=4, kv=2, pairs=128, batch=8, steps=10, prompt=60, completion=60)
+        return dict(
+            vocab=4096, hidden=128, layers=2, heads=4, kv=2, pairs=48, batch=8, steps=5, prompt=48, completion=48
+        )
+    return dict(
+        vocab=32000, hidden=256, layers=4, heads=4, kv=2, pairs=128, batch=8, steps=10, prompt=60, completion=60
+    )
 
 
 class _Setup:
@@ -171,7 +175,7 @@ def _bench_padding_free(setup: _Setup) -> dict[str, Any]:
         padded += mask.numel()
     f = 1 - real / padded
     speedup = stock["step_seconds_median"] / packed["step_seconds_median"]
-    max_loss_diff = max(abs(a - b) for a, b in zip(stock["loss"], packed["loss"]))
+    max_loss_diff = max(abs(a - b) for a, b in zip(stock["loss"], packed["loss"], strict=True))
     return {
         "padding_fraction": f,
         "bound": 1 / (1 - f),
@@ -216,7 +220,7 @@ def _bench_precompute(setup: _Setup) -> dict[str, Any]:
     same = run("same", {"precompute_ref_batch_size": batch})
     _progress("precompute: trl-ext, auto")
     auto = run("auto", {"precompute_ref_batch_size": "auto"})
-    diff = max(abs(a - b) for a, b in zip(stock.pop("ref_chosen_logps"), same.pop("ref_chosen_logps")))
+    diff = max(abs(a - b) for a, b in zip(stock.pop("ref_chosen_logps"), same.pop("ref_chosen_logps"), strict=True))
     auto.pop("ref_chosen_logps")
     return {
         "stock": stock,
@@ -342,7 +346,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--model", help="path of a local model (and its tokenizer) to use instead of the built-in one")
     parser.add_argument("--out", default="bench-out", help="directory for report.json and bench.png")
     parser.add_argument(
-        "--only", action="append", choices=["padding_free", "precompute", "sync_metrics", "generation"], help="sections"
+        "--only",
+        action="append",
+        choices=["padding_free", "precompute", "sync_metrics", "generation"],
+        help="sections",
     )
     args = parser.parse_args(argv)
 

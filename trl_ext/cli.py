@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 from collections.abc import Sequence
 
@@ -41,7 +40,7 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
     header = ("plugin", "kind", "flags", "trainers", "applies", "summary")
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header) - 1)]
     for row in [header, *rows]:
-        print("  ".join(str(c).ljust(w) for c, w in zip(row, widths)) + "  " + row[-1])
+        print("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=False)) + "  " + row[-1])
     return 0
 
 
@@ -106,7 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trl-ext", description="Plugins for stock Hugging Face TRL trainers.")
     parser.add_argument("--version", action="version", version=f"trl-ext {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("plugins", help="list built-in and installed third-party plugins, their flags, and whether each applies")
+    p = sub.add_parser(
+        "plugins", help="list built-in and installed third-party plugins, their flags, and whether each applies"
+    )
     p.add_argument("--block", action="append", metavar="NAME", help="leave plugin NAME out (repeatable)")
     p.set_defaults(func=_cmd_plugins)
     d = sub.add_parser("doctor", help="print versions, whether they are supported, and the attention backends")

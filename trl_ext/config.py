@@ -106,7 +106,7 @@ def _coerce(name: str, value: Any, source: str) -> Any:
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value
         raise UsageError(
-            f"`precompute_ref_batch_size` must be a positive integer, \"auto\" or None, got {value!r} (from {source})."
+            f'`precompute_ref_batch_size` must be a positive integer, "auto" or None, got {value!r} (from {source}).'
         )
     if name == "ds3_gather_for_generation":
         if isinstance(value, str) and value.strip().lower() in ("", "none", "null"):
@@ -117,7 +117,7 @@ def _coerce(name: str, value: Any, source: str) -> Any:
             return _bool(name, value, source)
         except UsageError:
             raise UsageError(
-                f"`ds3_gather_for_generation` must be true, false, \"auto\" or None, got {value!r} (from {source})."
+                f'`ds3_gather_for_generation` must be true, false, "auto" or None, got {value!r} (from {source}).'
             ) from None
     if name == "plugins":
         if isinstance(value, str):

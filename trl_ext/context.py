@@ -119,7 +119,11 @@ def unwrap_causal_lm(model: Any) -> Any:
             model = model.get_base_model()
             continue
         inner = getattr(model, "module", None)
-        if inner is not None and type(model).__name__ in ("DeepSpeedEngine", "DistributedDataParallel", "DataParallel"):
+        if inner is not None and type(model).__name__ in (
+            "DeepSpeedEngine",
+            "DistributedDataParallel",
+            "DataParallel",
+        ):
             model = inner
             continue
         break

@@ -155,7 +155,9 @@ def _load_reward(spec: str) -> Any:
         try:
             return getattr(importlib.import_module(module_name), attr)
         except (ImportError, AttributeError) as exc:
-            raise UsageError(f"`--reward_funcs {spec}`: cannot import `{attr}` from `{module_name}` ({exc}).") from None
+            raise UsageError(
+                f"`--reward_funcs {spec}`: cannot import `{attr}` from `{module_name}` ({exc})."
+            ) from None
     return spec  # a reward model path or id: OnlineDPOTrainer loads it
 
 

@@ -11,7 +11,14 @@ import math
 import random
 from typing import Any
 
-__all__ = ["length_reward", "make_model", "make_preference_dataset", "make_prompt_dataset", "make_tokenizer", "preference_rows"]
+__all__ = [
+    "length_reward",
+    "make_model",
+    "make_preference_dataset",
+    "make_prompt_dataset",
+    "make_tokenizer",
+    "preference_rows",
+]
 
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>"]
 
