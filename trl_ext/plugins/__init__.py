@@ -12,4 +12,9 @@ A plugin module may declare, besides its hook implementations:
 from __future__ import annotations
 
 #: name -> module, in registration order. Names are the same everywhere: module, flag, entry point, log lines.
-BUILTIN_PLUGINS: dict[str, str] = {}
+BUILTIN_PLUGINS: dict[str, str] = {
+    "padding_free": "trl_ext.plugins.padding_free",
+    "precompute_ref_batch_size": "trl_ext.plugins.precompute_ref_batch_size",
+    "generation": "trl_ext.plugins.generation",
+    "sync_metrics": "trl_ext.plugins.sync_metrics",
+}

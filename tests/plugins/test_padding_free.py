@@ -1,0 +1,567 @@
+"""padding_free: packed DPO equals padded DPO on stock TRL (1.12 logits path, 1.16 fused LM head).
+
+Every equivalence test runs a stock `DPOTrainer` (trl-ext not installed) and a trainer with the plugin on the same
+weights and the same examples, and compares per-sequence log-probs, losses, gradients and logged metrics.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import trl_ext
+from trl_ext import UsageError
+from trl_ext.testing import make_model, make_preference_dataset
+
+TRL_LOSS_TYPES = [
+    "sigmoid",
+    "hinge",
+    "ipo",
+    "exo_pair",
+    "nca_pair",
+    "robust",
+    "bco_pair",
+    "sppo_hard",
+    "aot",
+    "aot_unpaired",
+    "apo_zero",
+    "apo_down",
+    "discopop",
+    "sft",
+    "sigmoid_norm",
+]
+
+# fp32: per-sequence summed log-probs agree to float32 round-off (measured max 1.1e-7 relative); a real packing
+# bug (a token scored from the wrong sequence, a position off by one, attention across sequences) moves them by >1e-2.
+LOGPS_RTOL = 1e-5
+GRAD_RTOL = 2e-5  # max |grad diff| relative to max |grad| (measured ~1e-6)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Tiny models: one intra-op thread is as fast alone and much faster on a shared 2-core box (no spin-waiting)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def dataset():
+    return make_preference_dataset(16, seed=0)
+
+
+@pytest.fixture
+def build(dpo_args, tokenizer, dataset):
+    """Build a DPOTrainer: policy seed 0, reference seed 1 (unless PEFT or precompute), both from `make_model`."""
+
+    def make(*, ref: bool = True, peft_config=None, model_kwargs=None, train_dataset=None, eval_dataset=None, **args):
+        from trl import DPOTrainer
+
+        model_kwargs = model_kwargs or {}
+        # TRL 1.x defaults to bf16 autocast where supported (CPU included); equivalence is checked in fp32 unless a
+        # test asks for bf16.
+        args.setdefault("bf16", False)
+        model = _sharpen(make_model(**model_kwargs))
+        ref_model = _sharpen(make_model(seed=1, **model_kwargs)) if ref else None
+        if peft_config is not None:
+            torch.manual_seed(123)  # same LoRA init in both trainers
+        return DPOTrainer(
+            model,
+            ref_model=ref_model,
+            args=dpo_args(**args),
+            train_dataset=dataset if train_dataset is None else train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=tokenizer,
+            peft_config=peft_config,
+        )
+
+    return make
+
+
+def _sharpen(model):
+    """Scale the LM head of a freshly initialised tiny model: its next-token distribution is then far from uniform
+    (logit std ~2.5 instead of ~0.16), so scoring a token from the wrong position or sequence moves the log-probs a
+    lot, not by a hair."""
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(16)
+    return model
+
+
+def _examples(trainer, n=6):
+    return [trainer.train_dataset[i] for i in range(n)]
+
+
+def _state(trainer):
+    return trainer._trl_ext.state["padding_free"]
+
+
+def _max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).abs() / b.double().abs().clamp(min=1.0)).max().item()
+
+
+def _loss_and_grads(trainer, batch):
+    trainer.model.zero_grad(set_to_none=True)
+    loss = trainer.compute_loss(trainer.model, batch)
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads
+
+
+def _assert_same_grads(stock: dict, packed: dict) -> None:
+    assert stock.keys() == packed.keys() and stock
+    scale = max(g.abs().max().item() for g in stock.values())
+    worst = max((stock[n] - packed[n]).abs().max().item() for n in stock)
+    assert scale > 0
+    assert worst <= GRAD_RTOL * scale, f"grad diff {worst:.3g} vs max |grad| {scale:.3g}"
+
+
+def _compare(stock, packed, examples, logps=True):
+    """Per-sequence logps (policy), loss and gradients of a stock and a packed trainer on the same examples."""
+    stock_batch = stock.data_collator(examples)
+    packed_batch = packed.data_collator(examples)
+    assert "trl_ext_packing" in packed_batch and "trl_ext_packing" not in stock_batch
+    calls = _state(packed).packed_calls
+    if logps:  # `compute_ref_log_probs(model, batch)` is TRL's own per-sequence scoring (the precompute's)
+        stock_logps = stock.compute_ref_log_probs(stock.model, stock_batch)
+        packed_logps = packed.compute_ref_log_probs(packed.model, packed_batch)
+        for a, b in zip(stock_logps, packed_logps, strict=True):
+            assert _max_rel(b, a) <= LOGPS_RTOL
+    stock_loss, stock_grads = _loss_and_grads(stock, stock_batch)
+    packed_loss, packed_grads = _loss_and_grads(packed, packed_batch)
+    assert _state(packed).packed_calls > calls  # the packed path really ran
+    assert _state(packed).unpacked_calls == 0
+    assert abs(packed_loss.item() - stock_loss.item()) <= 1e-5 * max(1.0, abs(stock_loss.item()))
+    _assert_same_grads(stock_grads, packed_grads)
+    return stock_batch, packed_batch
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# Equivalence: every loss type and loss option, through TRL's real `compute_loss`
+# -------------------------------------------------------------------------------------------------------------------
+
+# Loss options as `DPOTrainer.__init__` stores them from `DPOConfig` (checked identical in 1.12.0 and 1.16.0):
+# `loss_types`, `loss_weights`, `label_smoothing`, `ld_alpha`, `use_weighting`. Both trainers are built once with
+# `use_weighting=True` (so TRL 1.16's fused head also returns `log_sum_sq_probs`) and each case sets these attributes
+# on both, which runs TRL's real `_compute_loss` for every case at a fraction of the cost of one trainer per case.
+# exo_pair takes log(label_smoothing), so it needs label_smoothing > 0.
+LOSS_CASES = [{"loss_types": [t], **({"label_smoothing": 1e-3} if t == "exo_pair" else {})} for t in TRL_LOSS_TYPES]
+LOSS_CASES += [
+    {"loss_types": ["robust"], "label_smoothing": 0.1},
+    {"loss_types": ["aot", "aot_unpaired"], "label_smoothing": 0.1},
+    {"loss_types": ["sigmoid", "bco_pair", "sft"], "loss_weights": [0.8, 0.2, 1.0]},
+    {"loss_types": ["sigmoid"], "ld_alpha": 0.5},
+    {"loss_types": ["sigmoid_norm", "ipo"], "ld_alpha": 0.3, "loss_weights": [1.0, 0.5]},
+    # not with "sft": TRL's `per_sequence_loss *= weights` fails on its expanded sft loss (stock TRL 1.12 and 1.16)
+    {"loss_types": ["sigmoid", "ipo", "apo_down"], "use_weighting": True},
+]
+
+
+def _set_loss(trainer, case):
+    trainer.loss_types = case["loss_types"]
+    trainer.loss_weights = case.get("loss_weights", [1.0] * len(case["loss_types"]))
+    trainer.label_smoothing = case.get("label_smoothing", 0.0)
+    trainer.ld_alpha = case.get("ld_alpha")
+    trainer.use_weighting = case.get("use_weighting", False)
+
+
+def test_every_loss_type_and_option(build):
+    # exo_pair needs label_smoothing > 0 at construction (both TRL versions check it in `__init__`)
+    stock = build(use_weighting=True, label_smoothing=1e-3, loss_type=["exo_pair"])
+    with trl_ext.install(padding_free=True):
+        packed = build(use_weighting=True, label_smoothing=1e-3, loss_type=["exo_pair"])
+        examples = _examples(stock)
+        assert stock.data_collator(examples)["attention_mask"].eq(0).float().mean() > 0.3  # mostly padding
+        _compare(stock, packed, examples)  # per-sequence logps, and the loss/grads of exo_pair with WPO weights
+        failures = []
+        for case in LOSS_CASES:
+            _set_loss(stock, case)
+            _set_loss(packed, case)
+            try:
+                _compare(stock, packed, examples, logps=False)
+            except AssertionError as exc:
+                failures.append(f"{case}: {exc}")
+        assert not failures, "\n".join(failures)
+    covered = {t for case in LOSS_CASES for t in case["loss_types"]}
+    assert covered == set(TRL_LOSS_TYPES)
+
+
+def test_use_weighting_from_config(build):
+    """WPO weighting enabled through `DPOConfig` (TRL 1.16 then asks its fused head for `log_sum_sq_probs`)."""
+    stock = build(use_weighting=True, loss_type=["sigmoid", "ipo"])
+    with trl_ext.install(padding_free=True):
+        packed = build(use_weighting=True, loss_type=["sigmoid", "ipo"])
+        _compare(stock, packed, _examples(stock))
+
+
+def test_keep_end_truncation_first_token_is_completion(build):
+    """`truncation_mode="keep_end"` cuts whole prompts, so a sequence can start with a completion token: it must not
+    be scored from the previous sequence's last token in the packed row."""
+    from datasets import Dataset
+
+    words = lambda a, n: " ".join(f"w{a + i}" for i in range(n))  # noqa: E731
+    rows = [
+        {"prompt": words(1, 2), "chosen": " " + words(10, 15), "rejected": " " + words(30, 2)},
+        {"prompt": words(40, 3), "chosen": " " + words(50, 4), "rejected": " " + words(60, 14)},
+        {"prompt": words(80, 6), "chosen": " " + words(90, 1), "rejected": " " + words(100, 3)},
+    ]
+    data = Dataset.from_list(rows)
+    stock = build(train_dataset=data, max_length=10, truncation_mode="keep_end")
+    with trl_ext.install(padding_free=True):
+        packed = build(train_dataset=data, max_length=10, truncation_mode="keep_end")
+        examples = _examples(stock, 3)
+        batch, _ = _compare(stock, packed, examples)
+    assert batch["completion_mask"][:, 0].any() and batch["attention_mask"].eq(0).any()
+
+
+def test_fp64_logps_match_to_roundoff(build):
+    """fp64 model: the packed per-sequence log-probs equal the padded ones to round-off (TRL 1.16's fused LM head
+    computes in fp32 whatever the model dtype, so there the bound is fp32's)."""
+    from trl_ext import _compat
+
+    stock = build(model_kwargs={"dtype": torch.float64})
+    with trl_ext.install(padding_free=True):
+        packed = build(model_kwargs={"dtype": torch.float64})
+        examples = _examples(stock)
+        a = stock.compute_ref_log_probs(stock.model, stock.data_collator(examples))
+        b = packed.compute_ref_log_probs(packed.model, packed.data_collator(examples))
+    tol = 1e-6 if _compat.dpo_uses_fused_lm_head() else 1e-12
+    for x, y in zip(a, b, strict=True):
+        assert _max_rel(y, x) <= tol
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# Training, evaluation, TRL's own flag, precompute, PEFT
+# -------------------------------------------------------------------------------------------------------------------
+
+
+def _train_logs(trainer):
+    trainer.train()
+    return [log for log in trainer.state.log_history if "loss" in log]
+
+
+def test_train_steps_and_metrics_match_with_trl_flag(build, dataset):
+    """Three optimizer steps + evaluate: same losses and logged metrics. The plugin is enabled by TRL's own
+    `DPOConfig(padding_free=True)` and runs with gradient checkpointing (which must not change anything)."""
+    kwargs = dict(max_steps=3, eval_dataset=dataset.select(range(8)), eval_strategy="no")
+    stock = build(**kwargs)
+    stock_logs, stock_eval = _train_logs(stock), stock.evaluate()
+    with trl_ext.install():
+        packed = build(padding_free=True, gradient_checkpointing=True, **kwargs)
+        assert packed.args.padding_free is True  # the user's config is left as it was
+        assert "padding_free" in packed._trl_ext.enabled
+        packed_logs, packed_eval = _train_logs(packed), packed.evaluate()
+        assert _state(packed).packed_calls >= 3 * 2 + 2  # policy + ref per step, and evaluation
+    assert len(stock_logs) == len(packed_logs) == 3
+    for s, p in [*zip(stock_logs, packed_logs, strict=True), (stock_eval, packed_eval)]:
+        assert s.keys() == p.keys()
+        for key in s:
+            if key.endswith("runtime") or key.endswith("per_second"):
+                continue
+            assert p[key] == pytest.approx(s[key], rel=1e-4, abs=1e-6), key
+    assert packed_logs[-1]["num_tokens"] == stock_logs[-1]["num_tokens"]  # real tokens, exactly
+
+
+def test_precompute_ref_log_probs(build):
+    """`precompute_ref_log_probs=True` without a reference model: the precompute runs packed (inside `__init__`) and
+    gives the same reference columns and the same loss."""
+    stock = build(ref=False, precompute_ref_log_probs=True)
+    with trl_ext.install(padding_free=True):
+        packed = build(ref=False, precompute_ref_log_probs=True)
+        assert _state(packed).packed_calls > 0  # the precompute ran through the packed forward, not a cache file
+        for column in ("ref_chosen_logps", "ref_rejected_logps"):
+            a, b = torch.tensor(stock.train_dataset[column]), torch.tensor(packed.train_dataset[column])
+            assert _max_rel(b, a) <= LOGPS_RTOL
+        _compare(stock, packed, _examples(stock))
+
+
+def test_with_precompute_ref_batch_size_plugin(build, tmp_path):
+    """Together with the `precompute_ref_batch_size` plugin, which runs the precompute with its own batches: those
+    batches are packed too (from their attention masks) and give the same reference columns."""
+    stock = build(ref=False, precompute_ref_log_probs=True)
+    # a fresh cache directory, so that the precompute runs instead of reading an earlier run's cache entry
+    plugins = {"precompute_ref_batch_size": {"cache_dir": str(tmp_path / "ref_cache")}}
+    with trl_ext.install(padding_free=True, precompute_ref_batch_size=3, plugins=plugins):
+        packed = build(ref=False, precompute_ref_log_probs=True)
+        assert set(packed._trl_ext.enabled) >= {"padding_free", "precompute_ref_batch_size"}
+        assert _state(packed).packed_calls > 0
+        for column in ("ref_chosen_logps", "ref_rejected_logps"):
+            a, b = torch.tensor(stock.train_dataset[column]), torch.tensor(packed.train_dataset[column])
+            assert _max_rel(b, a) <= LOGPS_RTOL
+
+
+def test_peft_lora_policy(build):
+    """LoRA policy whose reference is the adapter-disabled base model: both forwards run packed."""
+    from peft import LoraConfig
+
+    def lora():
+        return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+
+    stock = build(ref=False, peft_config=lora())
+    with trl_ext.install(padding_free=True):
+        packed = build(ref=False, peft_config=lora())
+        assert set(_state(packed).attn_implementations) == {"policy"}
+        _compare(stock, packed, _examples(stock))
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# Isolation: a packed row never mixes sequences
+# -------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("attention", ["varlen", "dense"])
+def test_isolation(build, attention, monkeypatch):
+    with trl_ext.install(padding_free=True, plugins={"padding_free": {"attention": attention}}):
+        trainer = build()
+        examples = _examples(trainer)
+        base = torch.cat(trainer.compute_ref_log_probs(trainer.model, trainer.data_collator(examples)))
+        # Same lengths, other tokens: the chosen completion of pair 2 (row 2) and the prompt of pair 4 (rows 4 and
+        # 10, its chosen and rejected sequences). Rows are packed in order, so rows 3 and 5 follow changed tokens.
+        changed = [dict(e) for e in examples]
+        changed[2]["chosen_ids"] = [(t + 7) % 250 + 4 for t in changed[2]["chosen_ids"]]
+        changed[4]["prompt_ids"] = [(t + 3) % 250 + 4 for t in changed[4]["prompt_ids"]]
+        after = torch.cat(trainer.compute_ref_log_probs(trainer.model, trainer.data_collator(changed)))
+        touched = [2, 4, 10]
+        others = [i for i in range(len(base)) if i not in touched]
+        assert ((after[touched] - base[touched]).abs() > 1e-3).all()  # the changed sequences did change
+        assert torch.equal(after[others], base[others])
+
+        # Negative control: the same check fails when the row is handed to the model as one sequence (one varlen
+        # segment, positions running on), i.e. when sequences attend to each other.
+        from trl_ext.plugins import padding_free as pf
+
+        pack_kwargs = pf._pack_kwargs
+
+        def leaky(kwargs, meta):
+            packed, info = pack_kwargs(kwargs, meta)
+            n = info.num_tokens
+            packed["position_ids"] = torch.arange(n)[None]
+            packed["cu_seq_lens_q"] = packed["cu_seq_lens_k"] = torch.tensor([0, n], dtype=torch.int32)
+            return packed, info
+
+        monkeypatch.setattr(pf, "_pack_kwargs", leaky)
+        leak_base = torch.cat(trainer.compute_ref_log_probs(trainer.model, trainer.data_collator(examples)))
+        leak_after = torch.cat(trainer.compute_ref_log_probs(trainer.model, trainer.data_collator(changed)))
+        assert not torch.allclose(leak_after[others], leak_base[others], rtol=0, atol=1e-4)
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# Architectures (the allowlist), attention modes, non-packed calls
+# -------------------------------------------------------------------------------------------------------------------
+
+_ARCH_KWARGS = dict(
+    vocab_size=128,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=256,
+    pad_token_id=0,
+    bos_token_id=2,
+    eos_token_id=1,
+)
+_ARCH_EXTRA = {
+    "mistral": {"sliding_window": 6},
+    "qwen2": {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1},
+    "gemma3_text": {"sliding_window": 6, "layer_types": ["sliding_attention", "full_attention"]},
+    "phi3": {"sliding_window": 6},
+}
+
+
+def _tiny(model_type: str, attn: str):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(model_type, **_ARCH_KWARGS, **_ARCH_EXTRA.get(model_type, {}))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float64).eval()
+    return model
+
+
+def _padded_batch(lengths, vocab=128, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    L = max(lengths)
+    ids = torch.zeros(len(lengths), L, dtype=torch.long)
+    mask = torch.zeros(len(lengths), L, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        ids[i, :n] = torch.randint(3, vocab, (n,), generator=g)
+        mask[i, :n] = 1
+    return ids, mask
+
+
+def _seq_logps(logits, ids, mask):
+    logps = logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    # `where`, not a product: a fully masked padded query row of eager + sliding window is NaN in the padded reference
+    return torch.where(mask[:, 1:].bool(), logps, 0.0).sum(1)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma3_text", "phi3", "olmo2"])
+def test_architectures(model_type, attn):
+    """fp64: the packed forward of every allowlisted architecture equals running each sequence alone (varlen and dense
+    attention, sliding windows shorter than the sequences), through the causal-LM wrapper and the backbone wrapper."""
+    from trl_ext.plugins import padding_free as pf
+    from trl_ext.plugins.padding_free import SUPPORTED_MODEL_TYPES, PaddingFreeState
+    from trl_ext.varlen import register_varlen_attention, unregister_varlen_attention, varlen_attention_name
+
+    assert model_type in SUPPORTED_MODEL_TYPES
+    model = _tiny(model_type, attn)
+    ids, mask = _padded_batch([13, 5, 9, 1, 11])
+    # Reference: each sequence alone (no padding at all). A padded eager reference is not usable here: with a sliding
+    # window in fp64, transformers' eager path turns fully masked padded rows into NaN, which then reaches real tokens.
+    ref_logits = torch.zeros(*ids.shape, model.config.vocab_size, dtype=torch.float64)
+    ref_hidden = torch.zeros(*ids.shape, model.config.hidden_size, dtype=torch.float64)
+    with torch.no_grad():
+        for i, n in enumerate(mask.sum(1).tolist()):
+            ref_logits[i, :n] = model(input_ids=ids[i : i + 1, :n], use_cache=False).logits[0]
+            ref_hidden[i, :n] = model.base_model(input_ids=ids[i : i + 1, :n], use_cache=False).last_hidden_state[0]
+    expected = _seq_logps(ref_logits, ids, mask)
+    # eager attention takes its softmax in fp32 even for fp64 models (modeling_llama.py `eager_attention_forward`),
+    # while the varlen path runs SDPA in fp64: the bound is fp32 round-off there (|logps| ~ 50, a bug moves them >1e-3)
+    tol = 1e-10 if attn == "sdpa" else 1e-6
+    register_varlen_attention()
+    try:
+        for mode in ("varlen", "dense"):
+            state = PaddingFreeState()
+            if mode == "varlen":
+                model.config._attn_implementation_internal = varlen_attention_name(attn)
+            forward = pf._make_causal_lm_forward(model.forward, state)
+            backbone_forward = pf._make_backbone_forward(model.base_model.forward, state)
+            with torch.no_grad():
+                logits = forward(input_ids=ids, attention_mask=mask, use_cache=False).logits
+                hidden = backbone_forward(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+            assert state.packed_calls == 2
+            got = _seq_logps(logits, ids, mask)
+            assert (got - expected).abs().max().item() < tol, mode
+            real = mask.bool()
+            assert (hidden[real] - ref_hidden[real]).abs().max().item() < tol, mode
+            model.config._attn_implementation_internal = attn
+    finally:
+        model.config._attn_implementation_internal = attn
+        unregister_varlen_attention()
+
+
+def test_generation_unchanged_and_uninstall_restores(build, tokenizer):
+    """While installed, calls that are not packed (generation with a cache and a left-padded mask) behave exactly as
+    stock; uninstalling restores every patched object."""
+    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.modeling_utils import AttentionInterface
+
+    ids, mask = _padded_batch([7, 3, 5], vocab=200, seed=1)
+    ids, mask = ids.flip(1), mask.flip(1)  # left padding, for generation
+    stock = build()
+    gen_kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+    expected = stock.model.generate(**gen_kwargs)
+    with trl_ext.install(padding_free=True) as installation:
+        trainer = build()
+        model, backbone = trainer.model, trainer.model.base_model
+        before = {"forward": model.forward, "backbone": backbone.forward, "collator": trainer.data_collator}
+        assert model.config._attn_implementation == "trl_ext_varlen_sdpa"
+        assert torch.equal(model.generate(**gen_kwargs), expected)
+        assert "trl_ext_varlen_sdpa" in AttentionInterface._global_mapping
+        installation.uninstall()
+        assert model.config._attn_implementation == "sdpa"
+        assert "forward" not in backbone.__dict__
+        assert model.forward != before["forward"] and backbone.forward != before["backbone"]
+        assert type(trainer.data_collator).__name__ == "DataCollatorForPreference"
+        assert "trl_ext_varlen_sdpa" not in AttentionInterface._global_mapping
+        assert "trl_ext_varlen_sdpa" not in AttentionMaskInterface._global_mapping
+        assert torch.equal(model.generate(**gen_kwargs), expected)
+
+
+def test_batches_without_metadata_are_packed(build):
+    """A batch from another collator (no metadata) is packed from its attention mask, with the same results."""
+    stock = build()
+    with trl_ext.install(padding_free=True):
+        packed = build()
+        examples = _examples(stock)
+        batch = stock.data_collator(examples)  # the stock collator: no `trl_ext_packing`
+        calls = _state(packed).packed_calls
+        a = stock.compute_ref_log_probs(stock.model, batch)
+        b = packed.compute_ref_log_probs(packed.model, batch)
+        assert _state(packed).packed_calls == calls + 1
+        for x, y in zip(a, b, strict=True):
+            assert _max_rel(y, x) <= LOGPS_RTOL
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# Refusals
+# -------------------------------------------------------------------------------------------------------------------
+
+
+def test_refuses_bad_options():
+    with pytest.raises(UsageError, match="Unknown option"):
+        trl_ext.install(padding_free=True, plugins={"padding_free": {"atention": "varlen"}})
+    with pytest.raises(UsageError, match="attention"):
+        trl_ext.install(padding_free=True, plugins={"padding_free": {"attention": "flash"}})
+
+
+def _mixtral():
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(**{k: v for k, v in _ARCH_KWARGS.items() if k != "head_dim"}, num_local_experts=2)
+    return MixtralForCausalLM(config)
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["opt", "flex_attention", "liger", "prompt_tuning", "moe_aux_loss"],
+)
+def test_refusals(build, dpo_args, tokenizer, dataset, case):
+    from trl import DPOTrainer
+
+    with trl_ext.install(padding_free=True):
+        if case == "opt":
+            from transformers import OPTConfig, OPTForCausalLM
+
+            model = OPTForCausalLM(
+                OPTConfig(
+                    vocab_size=256,
+                    hidden_size=32,
+                    ffn_dim=64,
+                    num_hidden_layers=1,
+                    num_attention_heads=4,
+                    word_embed_proj_dim=32,
+                    pad_token_id=0,
+                )
+            )
+            with pytest.raises(UsageError, match="`opt` model"):
+                DPOTrainer(
+                    model, ref_model=make_model(), args=dpo_args(), train_dataset=dataset, processing_class=tokenizer
+                )
+        elif case == "flex_attention":
+            with pytest.raises(UsageError, match="flex_attention"):
+                build(model_kwargs={"attn_implementation": "flex_attention"})
+        elif case == "liger":
+            with pytest.raises(UsageError, match="use_liger_kernel"):
+                build(use_liger_kernel=True)
+        elif case == "prompt_tuning":
+            from peft import PromptTuningConfig
+
+            with pytest.raises(UsageError, match="prompt-learning"):
+                build(ref=False, peft_config=PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=2))
+        elif case == "moe_aux_loss":
+            with pytest.raises(UsageError, match="router auxiliary loss"):
+                DPOTrainer(
+                    _mixtral(),
+                    ref_model=_mixtral(),
+                    args=dpo_args(),
+                    train_dataset=dataset,
+                    processing_class=tokenizer,
+                )
+
+
+def test_collator_refusals(build):
+    with trl_ext.install(padding_free=True):
+        trainer = build()
+        collator = trainer.data_collator
+        examples = _examples(trainer, 2)
+        inner = collator.collator
+        collator.collator = lambda ex: {**inner(ex), "pixel_values": torch.zeros(1)}
+        with pytest.raises(UsageError, match="vision"):
+            collator(examples)
+        collator.collator = lambda ex: {k: v for k, v in inner(ex).items() if k != "attention_mask"}
+        with pytest.raises(UsageError, match="attention_mask"):
+            collator(examples)
+        collator.collator = inner

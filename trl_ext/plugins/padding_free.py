@@ -1,0 +1,409 @@
+"""Padding-free (packed) DPO on a stock `trl.DPOTrainer`: no compute is spent on padding.
+
+Since TRL 0.29, `DPOConfig(padding_free=True)` only logs "temporarily unavailable after a refactor" and falls back to
+padding (trl/trainer/dpo_trainer.py, checked 1.12.0 and 1.16.0; upstream issue huggingface/trl#2469). This plugin gives
+that compute back, with results equal to padded training.
+
+How it works. TRL's collator still builds the padded `[2B, L]` batch (chosen rows, then rejected rows); a
+padding-free collator wrapped around it adds the packing metadata (the flat indices of the real tokens, position ids
+that restart at 0 for every sequence, cumulative sequence lengths and the indices that restore the padded layout), in
+the data loader, off the training hot path. The forward of every causal LM the trainer runs (policy, reference model,
+the reference precompute, and under PEFT the base model with the adapter on or off) is wrapped: it packs the batch
+into one row `[1, N]` of real tokens, runs the model on it (backbone *and* LM head, so the LM head and log-softmax
+only see real tokens), and puts the per-token outputs back into the padded layout. TRL's own `_compute_loss` then runs
+unchanged: every loss type, `loss_weights`, `ld_alpha`, `use_weighting`, and every metric (`num_tokens` counts real
+tokens from the padded `attention_mask`, as before).
+
+- TRL >= 1.15: the wrapped forward is TRL's fused LM head (`fused_lm_head=True`); its per-token `log_probs`,
+  `entropy`, `mean_logits`, `is_top1` (and `log_sum_sq_probs`) come back as `[2B, L - 1]`.
+- TRL < 1.15: the wrapped forward is the model's own; its logits are scattered back to `[2B, L, V]`. TRL then takes
+  its log-softmax over the padded layout, so there the LM head is saved but the log-softmax of the padding is not.
+- The backbone (`model.base_model`) is wrapped as well, so code that calls it directly with a padded batch is packed
+  too. Batches without the metadata (another collator, a precompute of your own) are packed from `attention_mask`.
+
+Sequences of a packed row never see each other:
+
+- `flash_attention_2/3/4`: the varlen arguments `cu_seq_lens_q/k`, `max_length_q/k` are passed, so the flash kernels
+  run per sequence.
+- `sdpa` / `eager` (CPU): by default the model is switched, for as long as trl-ext is installed, to a per-segment SDPA
+  attention registered in transformers' `AttentionInterface` (`trl_ext_varlen_sdpa` / `trl_ext_varlen_eager`; cost
+  sum(len^2)). It acts only on packed calls; every other call (e.g. `generate`) runs the original attention with its
+  usual mask. Option `attention: dense` keeps the model's attention and lets transformers build its block-diagonal
+  mask instead (correct, but (sum len)^2 per layer).
+
+Enable it with either:
+
+```python
+with trl_ext.install(padding_free=True):            # every DPOTrainer built inside
+    ...
+with trl_ext.install():
+    DPOTrainer(..., args=DPOConfig(..., padding_free=True))   # TRL's own flag, per trainer
+```
+
+Options (`plugins: {padding_free: {...}}`):
+
+- `attention` (`"auto"`, `"varlen"` or `"dense"`, defaults to `"auto"`): how `sdpa`/`eager` models keep packed
+  sequences apart. `"auto"` and `"varlen"` use the per-segment attention, `"dense"` transformers' block-diagonal mask.
+  Flash-attention models always use their own varlen kernels.
+
+Refused with `trl_ext.UsageError` (nothing is silently turned off):
+
+- model types not verified to keep packed sequences apart (verified: see `SUPPORTED_MODEL_TYPES`). In particular OPT
+  and Falcon (their masks ignore `position_ids`), Bloom and MPT (ALiBi), Mamba and the hybrid SSM / linear-attention
+  models (Qwen3-Next, Falcon-H1, GraniteMoeHybrid; their CPU kernels ignore sequence boundaries), and MoE models;
+- attention implementations other than `sdpa`, `eager` and `flash_attention_2/3/4` (e.g. `flex_attention`, which has
+  no backward on CPU with torch 2.13);
+- MoE router auxiliary loss (`router_aux_loss_coef` / `output_router_logits`): the router logits would be packed;
+- vision-language models and vision datasets;
+- prompt-learning PEFT (prompt tuning, prefix tuning, P-tuning: virtual tokens are prepended to every row);
+- `use_liger_kernel=True` (not verified; on TRL <= 1.14 its fused DPO loss bypasses the model forward).
+
+Limits: each row of a batch must hold one sequence whose real tokens are contiguous (TRL's collator pads on the
+right); packed position ids restart at 0, so a user collator that pads on the left gets positions 0..n-1 (what
+generation uses) instead of the shifted ones a padded forward would use. Calls that carry a cache, `inputs_embeds`,
+`output_hidden_states` or `output_attentions` are not packed (they run padded, with a one-time warning). The
+flash-attention path passes transformers' documented varlen arguments but is not exercised by the CPU test suite; on a
+GPU prefer `flash_attention_2/3` (the per-segment varlen attention reads the segment bounds on the host once per
+layer).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .._logging import get_logger
+from ..errors import UsageError
+from ..hookspecs import hookimpl
+from ..varlen import (
+    PACKING_KEY,
+    VARLEN_BASES,
+    PackInfo,
+    pack_rows,
+    packed_call,
+    packing_metadata,
+    register_varlen_attention,
+    unpack_rows,
+    unpack_shifted,
+    unregister_varlen_attention,
+    varlen_attention_name,
+)
+
+logger = get_logger(__name__)
+
+NAME = "padding_free"
+TRL_EXT_FLAGS = ("padding_free",)
+TRL_EXT_TRAINERS = ("DPOTrainer",)
+
+#: `config.model_type`s whose packed forward equals the padded one, checked by
+#: tests/plugins/test_padding_free.py::test_architectures (fp64, varlen and dense attention, sdpa and eager).
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma3_text", "phi3", "olmo2")
+_FLASH = ("flash_attention_2", "flash_attention_3", "flash_attention_4")
+_ATTENTION_OPTIONS = ("auto", "varlen", "dense")
+_OPTIONS = {"attention": _ATTENTION_OPTIONS}
+# Batch keys of vision-language collators (DataCollatorForVisionPreference, VLM processors).
+_VISION_KEYS = (
+    "pixel_values",
+    "pixel_attention_mask",
+    "image_grid_thw",
+    "image_sizes",
+    "token_type_ids",
+    "mm_token_type_ids",
+)
+# Per-token outputs of TRL's fused LM head (trl/trainer/utils.py `FusedCausalLMOutput`, TRL >= 1.15), `[B, L - 1]`.
+_FUSED_FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1", "label_mask")
+
+
+@dataclasses.dataclass
+class PaddingFreeState:
+    """Per-trainer state of the plugin (`context.state["padding_free"]`)."""
+
+    attention: str = "auto"
+    checked: bool = False
+    #: attention implementation each wrapped model runs, by role (for logs and tests)
+    attn_implementations: dict[str, str] = dataclasses.field(default_factory=dict)
+    #: number of packed forward calls, and of calls that could not be packed and ran padded
+    packed_calls: int = 0
+    unpacked_calls: int = 0
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Configuration
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@hookimpl
+def trl_ext_validate_config(config, options, trl_version):
+    unknown = sorted(set(options) - set(_OPTIONS))
+    if unknown:
+        raise UsageError(
+            f"Unknown option(s) {unknown} for plugin `padding_free`; known options: {sorted(_OPTIONS)} "
+            f"(`plugins: {{padding_free: {{attention: auto}}}}`)."
+        )
+    attention = options.get("attention", "auto")
+    if attention not in _ATTENTION_OPTIONS:
+        raise UsageError(
+            f"`plugins.padding_free.attention` must be one of {list(_ATTENTION_OPTIONS)}, got {attention!r}."
+        )
+
+
+def _state(context) -> PaddingFreeState:
+    state = context.state.get(NAME)
+    if state is None:
+        state = context.state[NAME] = PaddingFreeState(attention=context.options(NAME).get("attention", "auto"))
+    return state
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Trainer lifecycle
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@hookimpl
+def trl_ext_trainer_init_start(trainer, context, init_kwargs):
+    _state(context)
+    args = init_kwargs.get("args")
+    if args is not None and getattr(args, "use_liger_kernel", False):
+        raise UsageError(
+            "padding_free does not support `use_liger_kernel=True` (not verified; on TRL <= 1.14 the Liger DPO loss "
+            "calls the backbone directly). Set `use_liger_kernel=False` or disable padding_free."
+        )
+
+
+def _check_trainer(trainer, context) -> PaddingFreeState:
+    """Refuse what packing cannot do correctly; runs once, before the first packed forward."""
+    state = _state(context)
+    if state.checked:
+        return state
+    if getattr(trainer, "_is_vlm", False) or getattr(trainer, "_is_vision_dataset", False):
+        raise UsageError(
+            "padding_free does not support vision-language models or image datasets: image features are matched to "
+            "placeholder tokens per row. Disable padding_free for this trainer."
+        )
+    if getattr(trainer, "aux_loss_enabled", False):
+        raise UsageError(
+            "padding_free does not support the MoE router auxiliary loss: the router logits of a packed row cannot be "
+            "matched to the padded attention mask TRL passes to the load-balancing loss. Set `router_aux_loss_coef=0` "
+            "in the DPOConfig, or disable padding_free."
+        )
+    model = getattr(trainer, "model", None)
+    peft_config = getattr(model, "peft_config", None)
+    if isinstance(peft_config, dict):
+        from peft import PromptLearningConfig
+
+        if any(isinstance(cfg, PromptLearningConfig) for cfg in peft_config.values()):
+            raise UsageError(
+                "padding_free does not support prompt-learning PEFT methods (prompt tuning, prefix tuning, P-tuning): "
+                "they prepend virtual tokens to every row. Use a weight adapter such as LoRA, or disable padding_free."
+            )
+    state.checked = True
+    return state
+
+
+def _configure_model(context, role: str, model) -> str:
+    """Check one causal LM and switch its attention to varlen if needed; returns the implementation it runs."""
+    state = _state(context)
+    config = model.config
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UsageError(
+            f"padding_free cannot keep packed sequences apart in a `{model_type}` model ({role} model "
+            f"{type(model).__name__}): only {', '.join(SUPPORTED_MODEL_TYPES)} are verified (OPT/Falcon ignore "
+            "position ids in their masks, ALiBi, SSM, hybrid and MoE models mix or route packed sequences). Disable "
+            "padding_free for this model."
+        )
+    if getattr(config, "output_router_logits", False):
+        raise UsageError(
+            f"padding_free does not support router logits (`output_router_logits=True` on the {role} model). "
+            "Set it to False, or disable padding_free."
+        )
+    impl = config._attn_implementation
+    if impl in _FLASH:
+        return impl
+    if impl in (varlen_attention_name(b) for b in VARLEN_BASES):
+        return impl  # already switched (the same config object serves the policy and its PEFT base)
+    if impl not in VARLEN_BASES:
+        raise UsageError(
+            f"padding_free supports the attention implementations sdpa, eager and {', '.join(_FLASH)}, but the {role} "
+            f'model uses `{impl}`. Load it with `attn_implementation="sdpa"` (or flash_attention_2 on GPU).'
+        )
+    if state.attention == "dense":
+        return impl
+    register_varlen_attention()
+    # `_attn_implementation` is a property over `_attn_implementation_internal` (transformers 5); the private field is
+    # never serialized (configuration_utils.py `_remove_keys_not_serialized`), so checkpoints keep the user's choice.
+    context.patcher.setattr(config, "_attn_implementation_internal", varlen_attention_name(impl))
+    return varlen_attention_name(impl)
+
+
+@hookimpl
+def trl_ext_make_collator(trainer, context, collator):
+    _check_trainer(trainer, context)
+    return PaddingFreeCollator(collator)
+
+
+@hookimpl
+def trl_ext_make_packed_forward(trainer, context, role, backbone):
+    state = _check_trainer(trainer, context)
+    model = context.models()[role]
+    state.attn_implementations[role] = _configure_model(context, role, model)
+    return _make_backbone_forward(backbone.forward, state)
+
+
+@hookimpl
+def trl_ext_trainer_models_ready(trainer, context):
+    state = _check_trainer(trainer, context)
+    for role, model in context.models().items():
+        if role not in state.attn_implementations:  # a model whose backbone the core could not reach
+            state.attn_implementations[role] = _configure_model(context, role, model)
+        context.patcher.setattr(model, "forward", _make_causal_lm_forward(model.forward, state))
+    logger.info("padding_free: packing %s", state.attn_implementations)
+
+
+@hookimpl
+def trl_ext_uninstall(installation):
+    unregister_varlen_attention()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Collator
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+class PaddingFreeCollator:
+    """Wraps a preference collator and adds the packing metadata under `trl_ext_packing`.
+
+    The padded batch is kept as it is (TRL reads `completion_mask` and `attention_mask` from it); the metadata is
+    computed here, in the data-loader process, so the training step does no host work to pack.
+
+    Args:
+        collator (`Callable`): the collator to wrap (TRL's `DataCollatorForPreference` or a user's).
+    """
+
+    def __init__(self, collator: Callable) -> None:
+        self.collator = collator
+
+    def __call__(self, examples: list[dict[str, Any]], *args: Any, **kwargs: Any) -> dict[str, Any]:
+        batch = self.collator(examples, *args, **kwargs)
+        vision = [k for k in _VISION_KEYS if k in batch]
+        if vision:
+            raise UsageError(
+                f"padding_free cannot pack vision-language batches (keys {vision}); disable padding_free."
+            )
+        mask = batch.get("attention_mask")
+        if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+            raise UsageError(
+                "padding_free needs the collator to return a 2D `attention_mask` (1 = real token), as TRL's "
+                f"DataCollatorForPreference does; {type(self.collator).__name__} returned "
+                f"{type(mask).__name__ if mask is None else tuple(mask.shape)}."
+            )
+        batch[PACKING_KEY] = packing_metadata(mask).to_batch()
+        return batch
+
+    def __repr__(self) -> str:
+        return f"PaddingFreeCollator({self.collator!r})"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Forward wrappers
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _packable(kwargs: dict[str, Any]) -> bool:
+    """Whether a call is a training/scoring forward on a padded batch that packing reproduces exactly."""
+    input_ids, attention_mask = kwargs.get("input_ids"), kwargs.get("attention_mask")
+    return (
+        isinstance(input_ids, torch.Tensor)
+        and input_ids.dim() == 2
+        and isinstance(attention_mask, torch.Tensor)
+        and attention_mask.shape == input_ids.shape
+        and kwargs.get("inputs_embeds") is None
+        and kwargs.get("past_key_values") is None
+        and kwargs.get("use_cache") is False  # TRL passes use_cache=False; generation and plain calls use a cache
+        and not kwargs.get("output_hidden_states")
+        and not kwargs.get("output_attentions")
+        and kwargs.get("shift_labels") is None
+        and not kwargs.get("logits_to_keep")
+        and not any(k in kwargs for k in _VISION_KEYS)
+    )
+
+
+def _pack_kwargs(kwargs: dict[str, Any], meta: Any) -> tuple[dict[str, Any], PackInfo]:
+    input_ids = kwargs["input_ids"]
+    info = PackInfo.from_batch(meta, input_ids) or packing_metadata(kwargs["attention_mask"])
+    packed = dict(kwargs)
+    packed["input_ids"] = pack_rows(input_ids, info)
+    packed["attention_mask"] = None  # transformers only isolates packed sequences without a 2D mask
+    position_ids = kwargs.get("position_ids")
+    packed["position_ids"] = info.position_ids if position_ids is None else pack_rows(position_ids, info)
+    packed.update(info.flash_kwargs())
+    return packed, info
+
+
+def _positional_input_ids(args: tuple, kwargs: dict[str, Any]) -> tuple:
+    if args and isinstance(args[0], torch.Tensor) and "input_ids" not in kwargs:
+        kwargs["input_ids"] = args[0]
+        return args[1:]
+    return args
+
+
+def _make_backbone_forward(original: Callable, state: PaddingFreeState) -> Callable:
+    """Backbone (`model.base_model`) forward: pack a padded batch, scatter `last_hidden_state` back to `[R, L, H]`."""
+
+    @functools.wraps(original)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        meta = kwargs.pop(PACKING_KEY, None)
+        args = _positional_input_ids(args, kwargs)
+        if args or not _packable(kwargs):
+            return original(*args, **kwargs)
+        packed, info = _pack_kwargs(kwargs, meta)
+        with packed_call():
+            outputs = original(**packed)
+        state.packed_calls += 1
+        outputs.last_hidden_state = unpack_rows(outputs.last_hidden_state, info)
+        return outputs
+
+    return forward
+
+
+def _make_causal_lm_forward(original: Callable, state: PaddingFreeState) -> Callable:
+    """Causal-LM forward: pack, run backbone and LM head on real tokens only, return outputs in the padded layout."""
+
+    @functools.wraps(original)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        meta = kwargs.pop(PACKING_KEY, None)
+        args = _positional_input_ids(args, kwargs)
+        if args or not _packable(kwargs):
+            if kwargs.get("use_cache") is False and isinstance(kwargs.get("attention_mask"), torch.Tensor):
+                # A scoring call on a padded batch that packing cannot reproduce (e.g. `output_hidden_states`): it
+                # runs padded, which is correct; say so once instead of hiding it.
+                state.unpacked_calls += 1
+                if state.unpacked_calls == 1:
+                    logger.warning("padding_free: a forward with %s ran padded (not packable)", sorted(kwargs))
+            return original(*args, **kwargs)
+        packed, info = _pack_kwargs(kwargs, meta)
+        labels = kwargs.get("labels")
+        if labels is not None:
+            # The shift (`hidden[:, :-1]` vs `labels[:, 1:]`) runs over the whole packed row, so the last token of a
+            # sequence would "predict" the first token of the next one: never score a sequence's first token (the
+            # padded layout never does either). Same rule as TRL's SFT padding-free path (sft_trainer.py).
+            packed_labels = pack_rows(labels, info).clone()
+            starts = info.cu_seq_lens[:-1].long().clamp(max=max(info.num_tokens - 1, 0))
+            packed["labels"] = packed_labels.index_fill_(1, starts, -100)
+        with packed_call():
+            outputs = original(**packed)
+        state.packed_calls += 1
+        if kwargs.get("fused_lm_head"):
+            for name in _FUSED_FIELDS:
+                value = getattr(outputs, name, None)
+                if value is not None:
+                    setattr(outputs, name, unpack_shifted(value, info))
+        elif getattr(outputs, "logits", None) is not None:
+            outputs.logits = unpack_rows(outputs.logits, info)
+        return outputs
+
+    return forward

@@ -1,0 +1,295 @@
+"""Packed ("padding-free") forward passes for causal LMs: packing metadata, varlen attention, and the wrappers.
+
+A padded batch `input_ids [R, L]` with an `attention_mask` is packed into one row `[1, N]` (N = the number of real
+tokens) whose `position_ids` restart at 0 for every sequence. The model then runs on the packed row and its outputs are
+put back into the padded layout, so everything above the model (TRL's `_compute_loss`, metrics, token counts) is
+unchanged. Two things keep the sequences of a packed row apart:
+
+- with `flash_attention_2/3/4`, the varlen arguments `cu_seq_lens_q/k` and `max_length_q/k` that transformers hands to
+  the flash-attention varlen kernels (`transformers/modeling_flash_attention_utils.py`);
+- with `sdpa` or `eager` (CPU), either transformers' own block-diagonal mask, built when `position_ids` restart and no
+  `attention_mask` is given (`transformers/masking_utils.py::_preprocess_mask_arguments`, "dense"), or the per-segment
+  attention of this module ("varlen"), registered in transformers' `AttentionInterface` as `trl_ext_varlen_<base>`.
+  The dense mask costs (sum of lengths)^2 per layer, varlen only the sum of the squared lengths.
+
+The varlen attention only acts on packed calls (those that carry `cu_seq_lens_q` and no mask); every other call
+(generation, a user's own forward) is handed to the base implementation with the mask transformers builds for it,
+so a model switched to varlen attention behaves exactly as before outside packed calls.
+
+Nothing here imports TRL; torch and transformers are imported at module level (this module is only imported by the
+`padding_free` plugin, after `trl_ext.install()`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+__all__ = [
+    "PACKING_KEY",
+    "VARLEN_BASES",
+    "PackInfo",
+    "pack_rows",
+    "packing_metadata",
+    "register_varlen_attention",
+    "unpack_rows",
+    "unpack_shifted",
+    "unregister_varlen_attention",
+    "varlen_attention_name",
+]
+
+#: The batch key under which the padding-free collator hands the packing metadata to the model wrappers. TRL 1.x
+#: forwards every batch key except `completion_mask` and `ref_*` into `model(...)` (dpo_trainer.py `_compute_loss`,
+#: `compute_ref_log_probs`; checked 1.12.0 and 1.16.0); the wrappers pop it before the model sees its kwargs.
+PACKING_KEY = "trl_ext_packing"
+
+#: Attention implementations the per-segment varlen attention can stand in for.
+VARLEN_BASES = ("sdpa", "eager")
+_VARLEN_PREFIX = "trl_ext_varlen_"
+
+# True while a packed forward runs: the mask interface of the varlen implementations then builds no mask at all (the
+# attention function splits the row by `cu_seq_lens_q`). A dynamic-scope flag like torch's grad mode, not state.
+_PACKED_CALL: contextvars.ContextVar[bool] = contextvars.ContextVar("trl_ext_packed_call", default=False)
+
+
+def varlen_attention_name(base: str) -> str:
+    """The registered name of the varlen attention that stands in for `base` (`"sdpa"` or `"eager"`)."""
+    return f"{_VARLEN_PREFIX}{base}"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Packing metadata
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class PackInfo:
+    """How a padded `[rows, length]` batch maps to one packed row of `N` real tokens.
+
+    Attributes:
+        indices (`torch.LongTensor` of shape `(N,)`): flat positions of the real tokens in the `rows * length` layout.
+        position_ids (`torch.LongTensor` of shape `(1, N)`): position of each token in its own sequence (from 0).
+        cu_seq_lens (`torch.IntTensor` of shape `(rows + 1,)`): cumulative sequence lengths, starting with 0.
+        max_length (`int`): the longest sequence.
+        unpack_index (`torch.LongTensor` of shape `(rows, length - 1)`): for each position of a padded *shifted*
+            per-token output (`[:, :-1]` predicting `[:, 1:]`), its index in the packed shifted output (`N - 1`
+            entries); `N - 1` (one past the end) where the padded layout has no real prediction.
+        rows (`int`), length (`int`): the padded shape the metadata was made for.
+    """
+
+    indices: torch.Tensor
+    position_ids: torch.Tensor
+    cu_seq_lens: torch.Tensor
+    max_length: int
+    unpack_index: torch.Tensor
+    rows: int
+    length: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.indices.numel()
+
+    def to_batch(self) -> dict[str, Any]:
+        """A plain dict (tensors and ints) that accelerate's `_prepare_input` moves to the device unchanged."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_batch(cls, value: Any, input_ids: torch.Tensor) -> PackInfo | None:
+        """Rebuild from `to_batch()`; None when it does not describe `input_ids` (e.g. after accelerate split it)."""
+        if not isinstance(value, dict) or set(value) != {f.name for f in dataclasses.fields(cls)}:
+            return None
+        info = cls(**value)
+        if (info.rows, info.length) != tuple(input_ids.shape) or info.indices.device != input_ids.device:
+            return None
+        return info
+
+    def flash_kwargs(self) -> dict[str, Any]:
+        """The flash-attention varlen arguments (`FlashAttentionKwargs`) of this packing."""
+        cu = self.cu_seq_lens.to(torch.int32)
+        return {
+            "cu_seq_lens_q": cu,
+            "cu_seq_lens_k": cu,
+            "max_length_q": self.max_length,
+            "max_length_k": self.max_length,
+        }
+
+
+def packing_metadata(attention_mask: torch.Tensor) -> PackInfo:
+    """Packing metadata from a 2D `attention_mask` (1 = real token), on the mask's device.
+
+    Each row must hold one sequence whose real tokens are contiguous (right or left padding). Positions restart at 0
+    for every sequence, as transformers' flash-attention and packed-mask paths expect.
+    """
+    if attention_mask.dim() != 2:
+        raise ValueError(f"padding_free packs 2D attention masks, got shape {tuple(attention_mask.shape)}")
+    mask = attention_mask.bool()
+    rows, length = mask.shape
+    device = mask.device
+    lengths = mask.sum(dim=1)
+    flat = mask.reshape(-1)
+    indices = flat.nonzero().squeeze(1)
+    num_tokens = indices.numel()
+    position_ids = (mask.cumsum(dim=1) - 1).reshape(-1)[indices].unsqueeze(0)
+    cu_seq_lens = torch.zeros(rows + 1, dtype=torch.int32, device=device)
+    cu_seq_lens[1:] = lengths.cumsum(dim=0)
+    max_length = int(lengths.max()) if rows else 0
+    # Position p of a row holds the prediction of token p + 1 in the shifted layout; it is real when both tokens are.
+    # The packed shifted output j predicts packed token j + 1 from packed token j.
+    packed_pos = torch.full((rows * length,), -1, dtype=torch.long, device=device)
+    packed_pos[indices] = torch.arange(num_tokens, device=device)
+    packed_pos = packed_pos.view(rows, length)
+    src, dst = packed_pos[:, :-1], packed_pos[:, 1:]
+    valid = (src >= 0) & (dst == src + 1)
+    sentinel = max(num_tokens - 1, 0)
+    unpack_index = torch.where(valid, src, torch.full_like(src, sentinel))
+    return PackInfo(indices, position_ids, cu_seq_lens, max_length, unpack_index, rows, length)
+
+
+def pack_rows(x: torch.Tensor, info: PackInfo) -> torch.Tensor:
+    """`[rows, length, ...]` -> `[1, N, ...]` (the real tokens, in order)."""
+    return x.reshape(info.rows * info.length, *x.shape[2:]).index_select(0, info.indices).unsqueeze(0)
+
+
+def unpack_rows(x: torch.Tensor, info: PackInfo) -> torch.Tensor:
+    """`[1, N, ...]` -> `[rows, length, ...]`, zeros at padded positions (differentiable)."""
+    out = x.new_zeros(info.rows * info.length, *x.shape[2:])
+    return out.index_copy(0, info.indices, x[0]).view(info.rows, info.length, *x.shape[2:])
+
+
+def unpack_shifted(x: torch.Tensor | None, info: PackInfo) -> torch.Tensor | None:
+    """A shifted per-token output `[1, N - 1]` -> `[rows, length - 1]`, zeros/False where there is no prediction."""
+    if x is None:
+        return None
+    flat = torch.cat([x.reshape(-1), x.new_zeros(1)])
+    return flat[info.unpack_index]
+
+
+@contextlib.contextmanager
+def packed_call() -> Iterator[None]:
+    """Mark the enclosed forward as packed (the varlen mask interface then builds no mask)."""
+    token = _PACKED_CALL.set(True)
+    try:
+        yield
+    finally:
+        _PACKED_CALL.reset(token)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Varlen attention (per-segment SDPA) for CPU
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _base_attention(base: str, module: torch.nn.Module) -> Callable:
+    if base == "eager":
+        # Each modeling file has its own `eager_attention_forward` (softcapping, sinks, ...); the layer's default is
+        # the one of its own module, exactly as `ALL_ATTENTION_FUNCTIONS.get_interface(name, eager_attention_forward)`.
+        fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+        if fn is None:
+            raise RuntimeError(f"padding_free: no eager attention found for {type(module).__name__}")
+        return fn
+    return ALL_ATTENTION_FUNCTIONS[base]
+
+
+def _segment_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    dropout: float,
+    scaling: float | None,
+    sliding_window: int | None,
+    enable_gqa: bool,
+) -> torch.Tensor:
+    n = query.shape[2]
+    if sliding_window is not None and n > sliding_window:
+        # transformers' `sliding_window_overlay`: key kv is visible from query q when q - sliding_window < kv <= q.
+        q_idx = torch.arange(n, device=query.device)[:, None]
+        kv_idx = torch.arange(n, device=query.device)[None, :]
+        mask = (kv_idx <= q_idx) & (kv_idx > q_idx - sliding_window)
+        return F.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=enable_gqa
+        )
+    return F.scaled_dot_product_attention(
+        query, key, value, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=enable_gqa
+    )
+
+
+def _make_varlen_attention(base: str) -> Callable:
+    def varlen_attention_forward(
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        dropout: float = 0.0,
+        scaling: float | None = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
+        cu_seq_lens = kwargs.get("cu_seq_lens_q")
+        if cu_seq_lens is None or attention_mask is not None:
+            # Not a packed call: exactly what the base implementation does.
+            return _base_attention(base, module)(
+                module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+            )
+        if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
+            raise RuntimeError(
+                f"padding_free: varlen attention does not implement softcapping or attention sinks "
+                f"({type(module).__name__}); set `plugins: {{padding_free: {{attention: dense}}}}`."
+            )
+        if query.shape[0] != 1 or query.shape[2] != key.shape[2]:
+            raise RuntimeError(
+                f"padding_free: varlen attention expects one packed row and no cache, got query {tuple(query.shape)}"
+                f" and key {tuple(key.shape)}"
+            )
+        sliding_window = kwargs.get("sliding_window")
+        enable_gqa = query.shape[1] != key.shape[1]
+        bounds = cu_seq_lens.tolist()
+        outs = [
+            _segment_attention(
+                query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], dropout, scaling, sliding_window, enable_gqa
+            )
+            for s, e in zip(bounds[:-1], bounds[1:], strict=True)
+            if e > s
+        ]
+        out = torch.cat(outs, dim=2) if len(outs) != 1 else outs[0]
+        return out.transpose(1, 2).contiguous(), None
+
+    varlen_attention_forward.__name__ = f"{_VARLEN_PREFIX}{base}_attention_forward"
+    return varlen_attention_forward
+
+
+def _make_varlen_mask(base: str) -> Callable:
+    def varlen_mask(*args: Any, **kwargs: Any) -> Any:
+        if _PACKED_CALL.get() and kwargs.get("attention_mask") is None:
+            return None
+        return ALL_MASK_ATTENTION_FUNCTIONS[base](*args, **kwargs)
+
+    varlen_mask.__name__ = f"{_VARLEN_PREFIX}{base}_mask"
+    return varlen_mask
+
+
+def register_varlen_attention() -> None:
+    """Register `trl_ext_varlen_sdpa` / `trl_ext_varlen_eager` with transformers (idempotent)."""
+    for base in VARLEN_BASES:
+        name = varlen_attention_name(base)
+        if name not in AttentionInterface._global_mapping:
+            AttentionInterface.register(name, _make_varlen_attention(base))
+        if name not in AttentionMaskInterface._global_mapping:
+            AttentionMaskInterface.register(name, _make_varlen_mask(base))
+
+
+def unregister_varlen_attention() -> None:
+    """Remove the registrations of `register_varlen_attention` (transformers' registries are global)."""
+    for base in VARLEN_BASES:
+        name = varlen_attention_name(base)
+        AttentionInterface._global_mapping.pop(name, None)
+        AttentionMaskInterface._global_mapping.pop(name, None)
