@@ -15,7 +15,8 @@ def test_bench_quick_writes_report_and_plot(tmp_path):
     exe = Path(sys.executable).with_name("trl-ext")
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", TQDM_DISABLE="1")
     proc = subprocess.run(
-        [str(exe), "bench", "--quick", "--only", "padding_free", "--only", "sync_metrics", "--out", str(tmp_path)],
+        [str(exe), "bench", "--quick", "--only", "padding_free", "--only", "sync_metrics", "--only", "generation"]
+        + ["--out", str(tmp_path)],
         capture_output=True,
         text=True,
         env=env,
@@ -37,6 +38,10 @@ def test_bench_quick_writes_report_and_plot(tmp_path):
         assert co["stock"]["world_size"] == 2
         assert co["stock"]["collectives_per_step"] > 5  # TRL gathers each metric every micro-step
         assert co["trl_ext"]["collectives_total"] <= co["trl_ext"]["logging_steps"] + 2
+    if "generation" in BUILTIN_PLUGINS:
+        modes = {m["mode"]: m for m in sections["generation"]["modes"]}
+        assert all(m["same_tokens"] for m in modes.values())  # greedy tokens identical in every mode
+        assert max(modes["ext False"]["peak_bytes_per_rank"]) < 0.5 * max(modes["trl gather"]["peak_bytes_per_rank"])
     png = (tmp_path / "bench.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     import matplotlib.image

@@ -256,6 +256,31 @@ def _bench_precompute(setup: _Setup) -> dict[str, Any]:
     }
 
 
+def _bench_generation(setup: _Setup, quick: bool) -> dict[str, Any]:
+    try:
+        import deepspeed  # noqa: F401
+    except ImportError:
+        return {"skipped": "DeepSpeed is not installed (pip install trl-ext[deepspeed])"}
+    torchrun = Path(sys.executable).with_name("torchrun")
+    out = setup.out / "generation.json"
+    cmd = [str(torchrun), "--standalone", "--nproc_per_node", "2", "-m", "trl_ext._bench_generation"]
+    cmd += ["--json", str(out), "--output-dir", str(setup.out / "runs" / "generation")]
+    cmd += (
+        ["--repeats", "1", "--layers", "4", "--hidden", "256", "--new-tokens", "16"] if quick else ["--repeats", "2"]
+    )
+    _progress("generation: 2-process ZeRO-3 OnlineDPO, every mode (stock gather/no-gather, trl-ext modes)")
+    env = dict(os.environ, OMP_NUM_THREADS="1", TQDM_DISABLE="1", ACCELERATE_USE_DEEPSPEED="true")
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1200)
+    if proc.returncode != 0 or not out.exists():
+        raise RuntimeError(f"ZeRO-3 generation run failed:\n{proc.stderr[-3000:]}")
+    report = json.loads(out.read_text())
+    base = report["modes"][0]
+    for mode in report["modes"]:
+        mode["peak_vs_gather"] = max(mode["peak_bytes_per_rank"]) / max(base["peak_bytes_per_rank"])
+        mode["time_vs_gather"] = mode["seconds"] / base["seconds"]
+    return report
+
+
 def _bench_collectives(setup: _Setup, quick: bool) -> dict[str, Any]:
     torchrun = Path(sys.executable).with_name("torchrun")
     results = {}
@@ -326,6 +351,18 @@ def _table(report: dict[str, Any]) -> str:
                 f"{co['step_time_ratio']:.2f}x",
             )
         )
+    ge = report["sections"].get("generation")
+    if ge and "modes" in ge:
+        for mode in ge["modes"]:
+            rows.append(
+                (
+                    f"ZeRO-3 generation: {mode['mode']}",
+                    "",
+                    f"{max(mode['peak_bytes_per_rank']) / 2**20:.1f} MiB/rank, {mode['seconds']:.2f} s",
+                    f"memory {mode['peak_vs_gather']:.2f}x, time {mode['time_vs_gather']:.2f}x of TRL gather"
+                    + ("" if mode["same_tokens"] else "  TOKENS DIFFER"),
+                )
+            )
     for name, section in report["sections"].items():
         if "error" in section or "skipped" in section:
             rows.append((name, "", "", section.get("error") or section["skipped"]))
@@ -419,7 +456,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             elif section == "sync_metrics":
                 report["sections"][section] = _bench_collectives(setup, args.quick)
             else:
-                report["sections"][section] = {"skipped": "generation is measured by benchmarks/generation.py"}
+                report["sections"][section] = _bench_generation(setup, args.quick)
         except Exception as exc:  # noqa: BLE001 - one failing section must not hide the others
             report["sections"][section] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
     report["peak_rss_mb"] = _peak_rss_mb()
