@@ -37,7 +37,8 @@ def test_bench_quick_writes_report_and_plot(tmp_path):
         co = sections["sync_metrics"]
         assert co["stock"]["world_size"] == 2
         assert co["stock"]["collectives_per_step"] > 5  # TRL gathers each metric every micro-step
-        assert co["trl_ext"]["collectives_total"] <= co["trl_ext"]["logging_steps"] + 2
+        # exactly one per logging step, plus one for the Trainer's final summary log
+        assert co["trl_ext"]["collectives_total"] == co["trl_ext"]["logging_steps"] + 1
     if "generation" in BUILTIN_PLUGINS:
         modes = {m["mode"]: m for m in sections["generation"]["modes"]}
         assert all(m["same_tokens"] for m in modes.values())  # greedy tokens identical in every mode

@@ -13,21 +13,34 @@ import os
 import sys
 import time
 
+# Every collective (and point-to-point call) `torch.distributed` 2.13 exposes; newer names such as
+# `all_gather_single` matter, since recent code prefers them.
 _COLLECTIVES = (
-    "all_reduce",
     "all_gather",
+    "all_gather_coalesced",
     "all_gather_into_tensor",
     "all_gather_object",
+    "all_gather_single",
+    "all_reduce",
+    "all_reduce_coalesced",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
     "broadcast",
     "broadcast_object_list",
-    "reduce",
-    "reduce_scatter",
-    "reduce_scatter_tensor",
     "gather",
     "gather_object",
+    "monitored_barrier",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_single",
+    "reduce_scatter_tensor",
     "scatter",
-    "barrier",
-    "all_to_all",
+    "scatter_object_list",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
 )
 
 

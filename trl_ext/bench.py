@@ -339,8 +339,8 @@ def _table(report: dict[str, Any]) -> str:
                 "collectives / optimizer step",
                 f"{co['stock']['collectives_per_step']:.1f}",
                 f"{co['trl_ext']['collectives_per_step']:.1f}",
-                f"{co['trl_ext']['collectives_total']} collectives in {co['trl_ext']['logging_steps']} logging steps "
-                f"(stock {co['stock']['collectives_total']})",
+                f"{co['trl_ext']['collectives_total']} collectives for {co['trl_ext']['logging_steps']} logging steps "
+                f"+ the final summary log (stock {co['stock']['collectives_total']})",
             )
         )
         rows.append(
