@@ -385,7 +385,7 @@ def _plot(report: dict[str, Any], path: Path) -> None:
     pc = report["sections"].get("precompute", {})
     if "speedup" in pc:
         bars += [1.0, pc["speedup"], pc["speedup_auto"]]
-        labels += ["precompute\nstock", "precompute\ntrl-ext", "precompute\nauto"]
+        labels += ["ref prec.\nstock", "ref prec.\ntrl-ext", "ref prec.\nauto"]
     axes[0].bar(range(len(bars)), bars, color=["#999999", "#d62728", "#1f77b4"] * 2)
     axes[0].set_xticks(range(len(bars)), labels, fontsize=8)
     axes[0].set_ylabel("throughput relative to stock TRL")
