@@ -112,6 +112,41 @@ def test_dpo_job_two_processes_with_cli_flags(assets, tmp_path):
     assert proc.stdout.count("ran with plugins:") == 1  # reported by the main process only
 
 
+@pytest.mark.distributed
+@pytest.mark.deepspeed
+def test_dpo_job_under_accelerate_launch_with_deepspeed_zero3(assets, tmp_path):
+    """`accelerate launch --use_deepspeed ... trl-ext dpo`: 2 processes, ZeRO-3, on CPU (gloo)."""
+    ds_config = tmp_path / "ds_z3.json"
+    ds_config.write_text(
+        json.dumps(
+            {
+                "train_micro_batch_size_per_gpu": "auto",
+                "train_batch_size": "auto",
+                "gradient_accumulation_steps": "auto",
+                "gradient_clipping": "auto",
+                "zero_optimization": {"stage": 3, "overlap_comm": False},
+                "bf16": {"enabled": False},
+                "zero_allow_untested_optimizer": True,
+                "steps_per_print": 10**9,
+            }
+        )
+    )
+    recipe = _recipe(assets, tmp_path / "run-ds", RECIPE_FLAGS)
+    text = yaml.safe_load(recipe.read_text())
+    del text["use_cpu"]  # `use_cpu` / `accelerate launch --cpu` would switch DeepSpeed off
+    text["bf16"] = False
+    recipe.write_text(yaml.safe_dump(text))
+    accelerate = str(Path(sys.executable).parent / "accelerate")
+    cmd = [accelerate, "launch", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no"]
+    cmd += ["--dynamo_backend", "no", "--use_deepspeed", "--deepspeed_config_file", str(ds_config)]
+    cmd += ["-m", "trl_ext", "dpo", "--config", str(recipe)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    _expect_active(proc.stdout, "DPOTrainer", RECIPE_FLAGS)
+    assert "DeepSpeed on CPU: gloo backend" in proc.stderr
+    assert proc.stdout.count("ran with plugins:") == 1
+
+
 def test_online_dpo_job(assets, tmp_path):
     data_dir = assets / "prompts"
     data_dir.mkdir(exist_ok=True)

@@ -90,6 +90,35 @@ def _resolve_config(argv: Sequence[str]) -> tuple[TrlExtConfig, list[str], str |
     return load_config(base, flags=flags), rest, stripped
 
 
+def _prepare_cpu_deepspeed() -> bool:
+    """Under a DeepSpeed launch on a machine without CUDA, apply what DeepSpeed needs on CPU; True if it did.
+
+    (1) skip DeepSpeed's g++ build of its shm comm op, which ZeRO does not use; (2) create the gloo state before
+    anything else (accelerate otherwise computes no backend for DeepSpeed on CPU and every rank believes it is rank 0),
+    and let the trainer reuse it (`accelerator_config.use_configured_state`, set by the caller); (3) the caller ends
+    the process with `destroy_process_group()` then `os._exit`, since gloo can abort at interpreter exit.
+    """
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
+        return False
+    import torch
+
+    if torch.cuda.is_available():
+        return False
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    from accelerate import PartialState
+
+    PartialState(backend="gloo")
+    logger.info("trl-ext: DeepSpeed on CPU: gloo backend, configured accelerate state, shm op build skipped")
+    return True
+
+
+def _use_configured_state(parser: Any) -> None:
+    """Make the trainer reuse the gloo state. It must be in place before the config is parsed: `TrainingArguments`
+    sets up its devices while being built and would otherwise reset the state. A user's own `accelerator_config`
+    (recipe or command line) replaces this default and must then say `use_configured_state: true` itself."""
+    parser.set_defaults_with_config(accelerator_config={"use_configured_state": True})
+
+
 def _is_main_process() -> bool:
     return os.environ.get("RANK", "0") == "0" and os.environ.get("LOCAL_RANK", "0") == "0"
 
@@ -109,8 +138,11 @@ def run_dpo(argv: Sequence[str]) -> int:
     from . import install
 
     config, rest, stripped = _resolve_config(argv)
+    cpu_deepspeed = _prepare_cpu_deepspeed()
     dpo_script = importlib.import_module("trl.scripts.dpo")
     parser = dpo_script.make_parser(prog="trl-ext dpo")
+    if cpu_deepspeed:
+        _use_configured_state(parser)
     try:
         script_args, training_args, model_args, dataset_args = parser.parse_args_and_config(
             rest, fail_with_unknown_args=False
@@ -125,6 +157,8 @@ def run_dpo(argv: Sequence[str]) -> int:
         _report(installation)
     finally:
         installation.uninstall()
+    if cpu_deepspeed:
+        _exit_distributed()
     return 0
 
 
@@ -171,7 +205,10 @@ def run_online_dpo(argv: Sequence[str]) -> int:
     from . import install
 
     config, rest, stripped = _resolve_config(argv)
+    cpu_deepspeed = _prepare_cpu_deepspeed()
     parser = TrlParser((OnlineDPOScriptArguments, OnlineDPOConfig, ModelConfig), prog="trl-ext online-dpo")
+    if cpu_deepspeed:
+        _use_configured_state(parser)
     try:
         script_args, training_args, model_args = parser.parse_args_and_config(rest, fail_with_unknown_args=False)
     finally:
@@ -208,7 +245,20 @@ def run_online_dpo(argv: Sequence[str]) -> int:
         _report(installation)
     finally:
         installation.uninstall()
+    if cpu_deepspeed:
+        _exit_distributed()
     return 0
+
+
+def _exit_distributed() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def main_job(command: str, argv: Sequence[str]) -> int:
