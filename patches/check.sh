@@ -25,6 +25,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1 DS_BUILD_OPS=0 HF_HUB_OFFLINE=1 HF_DATASE
 declare -A EQUIVALENCE_TESTS=(
   ["0001-dpo-padding-free.patch"]="tests/patches/test_native_padding_free.py"
   ["0002-unwrap-for-generation-exception-safe.patch"]="tests/patches/test_native_generation_context.py"
+  ["0003-dpo-precompute-cache-key.patch"]="tests/patches/test_native_precompute_cache.py"
 )
 
 fail() {
