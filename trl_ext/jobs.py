@@ -10,6 +10,7 @@ with several processes and a DeepSpeed config.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import os
@@ -135,7 +136,6 @@ def _report(installation) -> None:
 
 def run_dpo(argv: Sequence[str]) -> int:
     """`trl-ext dpo ...`: TRL's `trl/scripts/dpo.py` with trl-ext installed."""
-    from . import install
 
     config, rest, stripped = _resolve_config(argv)
     cpu_deepspeed = _prepare_cpu_deepspeed()
@@ -150,15 +150,8 @@ def run_dpo(argv: Sequence[str]) -> int:
     finally:
         if stripped:
             os.unlink(stripped)
-    installation = install(config)
-    installation.keep_records = True
-    try:
+    with _installed_for_job(config, cpu_deepspeed):
         dpo_script.main(script_args, training_args, model_args, dataset_args)
-        _report(installation)
-    finally:
-        installation.uninstall()
-    if cpu_deepspeed:
-        _exit_distributed()
     return 0
 
 
@@ -202,8 +195,6 @@ def run_online_dpo(argv: Sequence[str]) -> int:
     from trl import ModelConfig, TrlParser
     from trl.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
 
-    from . import install
-
     config, rest, stripped = _resolve_config(argv)
     cpu_deepspeed = _prepare_cpu_deepspeed()
     parser = TrlParser((OnlineDPOScriptArguments, OnlineDPOConfig, ModelConfig), prog="trl-ext online-dpo")
@@ -220,9 +211,7 @@ def run_online_dpo(argv: Sequence[str]) -> int:
         raise UsageError("`trl-ext online-dpo` needs `--reward_funcs` (`module:function` or a reward model path).")
     if not model_args.model_name_or_path:
         raise UsageError("`trl-ext online-dpo` needs `--model_name_or_path`.")
-    installation = install(config)
-    installation.keep_records = True
-    try:
+    with _installed_for_job(config, cpu_deepspeed):
         init_kwargs = dict(dtype=model_args.dtype, attn_implementation=model_args.attn_implementation)
         init_kwargs = {k: v for k, v in init_kwargs.items() if v is not None}
         model = AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, **init_kwargs)
@@ -242,12 +231,24 @@ def run_online_dpo(argv: Sequence[str]) -> int:
         trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
         trainer.save_model(training_args.output_dir)
         del trainer
+    return 0
+
+
+@contextlib.contextmanager
+def _installed_for_job(config: TrlExtConfig, cpu_deepspeed: bool):
+    """trl-ext installed for the job; afterwards report the plugins each trainer ran with, uninstall, and on CPU
+    DeepSpeed end the process the safe way."""
+    from . import install
+
+    installation = install(config)
+    installation.keep_records = True
+    try:
+        yield installation
         _report(installation)
     finally:
         installation.uninstall()
     if cpu_deepspeed:
         _exit_distributed()
-    return 0
 
 
 def _exit_distributed() -> None:
