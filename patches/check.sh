@@ -27,6 +27,7 @@ declare -A EQUIVALENCE_TESTS=(
   ["0002-unwrap-for-generation-exception-safe.patch"]="tests/patches/test_native_generation_context.py"
   ["0003-dpo-precompute-cache-key.patch"]="tests/patches/test_native_precompute_cache.py"
   ["0004-dpo-single-collective-metrics.patch"]="tests/patches/test_native_metrics_sync.py"
+  ["0005-bounded-zero3-generation.patch"]="tests/patches/test_native_bounded_generation.py"
 )
 
 fail() {
