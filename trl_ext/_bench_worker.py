@@ -7,58 +7,10 @@ training, per optimizer step and per logging step.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import sys
 import time
-
-# Every collective (and point-to-point call) `torch.distributed` 2.13 exposes; newer names such as
-# `all_gather_single` matter, since recent code prefers them.
-_COLLECTIVES = (
-    "all_gather",
-    "all_gather_coalesced",
-    "all_gather_into_tensor",
-    "all_gather_object",
-    "all_gather_single",
-    "all_reduce",
-    "all_reduce_coalesced",
-    "all_to_all",
-    "all_to_all_single",
-    "barrier",
-    "broadcast",
-    "broadcast_object_list",
-    "gather",
-    "gather_object",
-    "monitored_barrier",
-    "reduce",
-    "reduce_scatter",
-    "reduce_scatter_single",
-    "reduce_scatter_tensor",
-    "scatter",
-    "scatter_object_list",
-    "send",
-    "recv",
-    "isend",
-    "irecv",
-)
-
-
-def count_collectives(counter: dict[str, int]) -> None:
-    """Wrap the `torch.distributed` collectives so each call increments `counter[name]` (while `counter['on']`)."""
-    import torch.distributed as dist
-
-    for name in _COLLECTIVES:
-        original = getattr(dist, name, None)
-        if original is None:
-            continue
-
-        def wrapper(*args, __original=original, __name=name, **kwargs):
-            if counter.get("on"):
-                counter[__name] = counter.get(__name, 0) + 1
-            return __original(*args, **kwargs)
-
-        setattr(dist, name, functools.wraps(original)(wrapper))
 
 
 def _collectives(args: argparse.Namespace) -> None:
@@ -69,8 +21,10 @@ def _collectives(args: argparse.Namespace) -> None:
     # backend="gloo") accelerate 1.15 reports DistributedType.NO and its gathers silently do nothing.
     state = PartialState(cpu=True)
     assert state.num_processes > 1 and state.distributed_type.name == "MULTI_CPU", state
-    counter: dict[str, int] = {}
-    count_collectives(counter)
+    from trl_ext.testing import count_collectives
+
+    counter = count_collectives()
+    counter.enabled = False
     from transformers import TrainerCallback
     from trl import DPOConfig, DPOTrainer
 
@@ -85,8 +39,8 @@ def _collectives(args: argparse.Namespace) -> None:
             self.step_times: list[float] = []
 
         def on_train_begin(self, *a, **k):
-            counter.clear()
-            counter["on"] = 1
+            counter.reset()
+            counter.enabled = True
 
         def on_step_begin(self, *a, **k):
             self._t = time.perf_counter()
@@ -95,7 +49,7 @@ def _collectives(args: argparse.Namespace) -> None:
             self.step_times.append(time.perf_counter() - self._t)
 
         def on_train_end(self, *a, **k):
-            counter["on"] = 0
+            counter.enabled = False
 
     window = Window()
     config = DPOConfig(
@@ -120,13 +74,13 @@ def _collectives(args: argparse.Namespace) -> None:
             callbacks=[window],
         )
         trainer.train()
-    total = sum(v for k, v in counter.items() if k != "on")
+    total = counter.total
     logging_steps = steps // 2
     result = {
         "world_size": state.num_processes,
         "optimizer_steps": steps,
         "logging_steps": logging_steps,
-        "collectives": {k: v for k, v in counter.items() if k != "on"},
+        "collectives": dict(counter.by_name),
         "collectives_total": total,
         "collectives_per_step": total / steps,
         "step_seconds": sorted(window.step_times[1:])[len(window.step_times[1:]) // 2],

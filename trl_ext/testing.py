@@ -12,6 +12,8 @@ import random
 from typing import Any
 
 __all__ = [
+    "CollectiveCounter",
+    "count_collectives",
     "length_reward",
     "make_model",
     "make_preference_dataset",
@@ -142,3 +144,85 @@ def length_reward(completions: list[Any], **kwargs: Any) -> list[float]:
         text = c[-1]["content"] if isinstance(c, list) else c
         out.append(float(len(str(text).split())))
     return out
+
+
+#: Every collective and point-to-point call `torch.distributed` exposes (checked on torch 2.13, where recent code
+#: prefers the newer names such as `all_gather_single`; a counter that misses one silently undercounts).
+COLLECTIVE_NAMES = (
+    "all_gather",
+    "all_gather_coalesced",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "all_gather_single",
+    "_all_gather_base",
+    "all_reduce",
+    "all_reduce_coalesced",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "broadcast",
+    "broadcast_object_list",
+    "gather",
+    "gather_object",
+    "monitored_barrier",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_single",
+    "reduce_scatter_tensor",
+    "scatter",
+    "scatter_object_list",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+)
+
+
+class CollectiveCounter:
+    """Counts `torch.distributed` calls made while `enabled`, made by `count_collectives()`.
+
+    A call made from inside another counted call (e.g. `all_gather_object` using `all_gather`) is not counted again:
+    `total` is the number of collectives the caller asked for. `by_name` splits `total` by function name.
+    """
+
+    def __init__(self) -> None:
+        self.total = 0
+        self.by_name: dict[str, int] = {}
+        self.enabled = True
+        self._depth = 0
+
+    def reset(self) -> None:
+        self.total = 0
+        self.by_name.clear()
+
+    def _wrap(self, name: str, function: Any) -> Any:
+        import functools
+
+        @functools.wraps(function)
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            if self._depth == 0 and self.enabled:
+                self.total += 1
+                self.by_name[name] = self.by_name.get(name, 0) + 1
+            self._depth += 1
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self._depth -= 1
+
+        return counted
+
+
+def count_collectives() -> CollectiveCounter:
+    """Wrap every `torch.distributed` collective (for the rest of the process) and return the counter.
+
+    Call it before importing code that binds these functions by name; accelerate and TRL look them up on the module
+    at call time, so they are counted.
+    """
+    import torch.distributed as dist
+
+    counter = CollectiveCounter()
+    for name in COLLECTIVE_NAMES:
+        function = getattr(dist, name, None)
+        if function is not None:
+            setattr(dist, name, counter._wrap(name, function))
+    return counter

@@ -20,27 +20,9 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 import torch.distributed as dist  # noqa: E402
 from trl import DPOConfig, DPOTrainer  # noqa: E402
 
-from trl_ext.testing import make_model, make_preference_dataset, make_tokenizer  # noqa: E402
+from trl_ext.testing import count_collectives, make_model, make_preference_dataset, make_tokenizer  # noqa: E402
 
 # Same data, models and settings as `_single_process` in the test
-COLLECTIVES = [
-    "all_reduce",
-    "all_gather",
-    "all_gather_into_tensor",
-    "all_gather_single",
-    "_all_gather_base",
-    "all_gather_object",
-    "all_to_all",
-    "all_to_all_single",
-    "broadcast",
-    "broadcast_object_list",
-    "reduce",
-    "reduce_scatter",
-    "reduce_scatter_tensor",
-    "gather",
-    "gather_object",
-    "scatter",
-]
 
 
 def main():
@@ -70,30 +52,21 @@ def main():
     )
     assert trainer.accelerator.num_processes == 2, trainer.accelerator.state
 
-    count = [0]
-    for name in COLLECTIVES:
-        if hasattr(dist, name):
-            function = getattr(dist, name)
-
-            def counted(*a, _function=function, **kw):
-                count[0] += 1
-                return _function(*a, **kw)
-
-            setattr(dist, name, counted)
+    count = count_collectives()
 
     in_compute_loss, in_log = [], []
     compute_loss, log = trainer._compute_loss, trainer.log
 
     def counting_compute_loss(*a, **kw):
-        before = count[0]
+        before = count.total
         result = compute_loss(*a, **kw)
-        in_compute_loss.append(count[0] - before)
+        in_compute_loss.append(count.total - before)
         return result
 
     def counting_log(*a, **kw):
-        before = count[0]
+        before = count.total
         log(*a, **kw)
-        in_log.append(count[0] - before)
+        in_log.append(count.total - before)
 
     trainer._compute_loss = counting_compute_loss
     trainer.log = counting_log

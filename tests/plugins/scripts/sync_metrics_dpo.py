@@ -18,7 +18,6 @@ modes).
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
 
@@ -41,45 +40,10 @@ if ZERO3:
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-# -- count collectives: wrap the torch.distributed functions (reentrancy-guarded: one wraps another) ----------------
-COLLECTIVES = (
-    "all_reduce",
-    "all_gather",
-    "all_gather_into_tensor",
-    "all_gather_single",
-    "all_gather_object",
-    "broadcast",
-    "broadcast_object_list",
-    "reduce",
-    "reduce_scatter",
-    "reduce_scatter_tensor",
-    "all_to_all",
-    "all_to_all_single",
-    "gather",
-    "gather_object",
-    "scatter",
-    "barrier",
-)
-COUNT = {"n": 0, "depth": 0}
+# -- count collectives (reentrancy-guarded: one collective may call another) ------------------------------------------
+from trl_ext.testing import count_collectives  # noqa: E402
 
-
-def _counting(fn):
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        if COUNT["depth"] == 0:
-            COUNT["n"] += 1
-        COUNT["depth"] += 1
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            COUNT["depth"] -= 1
-
-    return wrapper
-
-
-for _name in COLLECTIVES:
-    if hasattr(dist, _name):
-        setattr(dist, _name, _counting(getattr(dist, _name)))
+COUNT = count_collectives()
 
 from transformers import TrainerCallback  # noqa: E402
 from trl import DPOConfig, DPOTrainer  # noqa: E402
@@ -93,13 +57,13 @@ class Timeline(TrainerCallback):
         self.events = events
 
     def on_step_begin(self, args, state, control, **kwargs):
-        self.events.append(("step_begin", state.global_step, COUNT["n"]))
+        self.events.append(("step_begin", state.global_step, COUNT.total))
 
     def on_step_end(self, args, state, control, **kwargs):
-        self.events.append(("step_end", state.global_step, COUNT["n"]))
+        self.events.append(("step_end", state.global_step, COUNT.total))
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        self.events.append(("on_log", state.global_step, COUNT["n"]))
+        self.events.append(("on_log", state.global_step, COUNT.total))
 
 
 def run(out_dir: str, mode: str) -> None:
@@ -149,9 +113,9 @@ def run(out_dir: str, mode: str) -> None:
     original_log = trainer.log
 
     def log(entry, *a, **kw):
-        events.append(("log_enter", trainer.state.global_step, COUNT["n"]))
+        events.append(("log_enter", trainer.state.global_step, COUNT.total))
         original_log(entry, *a, **kw)
-        events.append(("log_exit", trainer.state.global_step, COUNT["n"]))
+        events.append(("log_exit", trainer.state.global_step, COUNT.total))
         logs.append((trainer.state.global_step, "train" if trainer.model.training else "eval", dict(entry)))
 
     trainer.log = log

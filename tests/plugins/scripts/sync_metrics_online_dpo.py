@@ -15,7 +15,6 @@ of every step, and the collective counts (as in sync_metrics_dpo.py).
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
 
@@ -26,45 +25,10 @@ os.environ.setdefault("TQDM_DISABLE", "1")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-# -- count collectives: wrap the torch.distributed functions (reentrancy-guarded: one wraps another) ----------------
-COLLECTIVES = (
-    "all_reduce",
-    "all_gather",
-    "all_gather_into_tensor",
-    "all_gather_single",
-    "all_gather_object",
-    "broadcast",
-    "broadcast_object_list",
-    "reduce",
-    "reduce_scatter",
-    "reduce_scatter_tensor",
-    "all_to_all",
-    "all_to_all_single",
-    "gather",
-    "gather_object",
-    "scatter",
-    "barrier",
-)
-COUNT = {"n": 0, "depth": 0}
+# -- count collectives (reentrancy-guarded: one collective may call another) ------------------------------------------
+from trl_ext.testing import count_collectives  # noqa: E402
 
-
-def _counting(fn):
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        if COUNT["depth"] == 0:
-            COUNT["n"] += 1
-        COUNT["depth"] += 1
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            COUNT["depth"] -= 1
-
-    return wrapper
-
-
-for _name in COLLECTIVES:
-    if hasattr(dist, _name):
-        setattr(dist, _name, _counting(getattr(dist, _name)))
+COUNT = count_collectives()
 
 from transformers import TrainerCallback  # noqa: E402
 from trl.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer  # noqa: E402
@@ -78,13 +42,13 @@ class Timeline(TrainerCallback):
         self.events = events
 
     def on_step_begin(self, args, state, control, **kwargs):
-        self.events.append(("step_begin", state.global_step, COUNT["n"]))
+        self.events.append(("step_begin", state.global_step, COUNT.total))
 
     def on_step_end(self, args, state, control, **kwargs):
-        self.events.append(("step_end", state.global_step, COUNT["n"]))
+        self.events.append(("step_end", state.global_step, COUNT.total))
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        self.events.append(("on_log", state.global_step, COUNT["n"]))
+        self.events.append(("on_log", state.global_step, COUNT.total))
 
 
 def eos_prone_model():
@@ -128,9 +92,9 @@ def run(out_dir: str, mode: str) -> None:
     original_log = trainer.log
 
     def log(entry, *a, **kw):
-        events.append(("log_enter", trainer.state.global_step, COUNT["n"]))
+        events.append(("log_enter", trainer.state.global_step, COUNT.total))
         original_log(entry, *a, **kw)
-        events.append(("log_exit", trainer.state.global_step, COUNT["n"]))
+        events.append(("log_exit", trainer.state.global_step, COUNT.total))
         logs.append((trainer.state.global_step, dict(entry)))
 
     trainer.log = log
