@@ -14,6 +14,13 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("ACCELERATE_DISABLE_RICH", "1")
 
 
+def pytest_collection_modifyitems(config, items):
+    """Every process-launching test (`distributed`, `deepspeed`) is also `slow`: `-m "not slow"` is the fast loop."""
+    for item in items:
+        if item.get_closest_marker("distributed") or item.get_closest_marker("deepspeed"):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(autouse=True)
 def _no_leftover_installation(monkeypatch):
     """Every test starts without trl-ext installed and without TRL_EXT_* variables, and must leave it so."""

@@ -8,9 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from trl_ext.plugins import BUILTIN_PLUGINS
 
 
+@pytest.mark.slow
 def test_bench_quick_writes_report_and_plot(tmp_path):
     exe = Path(sys.executable).with_name("trl-ext")
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", TQDM_DISABLE="1")

@@ -6,8 +6,12 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 import trl_ext
 from trl_ext.plugins import BUILTIN_PLUGINS
+
+pytestmark = pytest.mark.slow  # every test runs the installed console script
 
 
 def _run(*args, check=True):

@@ -49,11 +49,47 @@ def test_config_object_and_mapping_are_bases_that_env_and_flags_override():
 
 
 def test_plugins_and_block_from_env():
-    env = {"TRL_EXT_PLUGINS": '{"mine": {"alpha": 2}}', "TRL_EXT_BLOCK": "a, b"}
+    env = {"TRL_EXT_PLUGINS": '{"precompute_ref_batch_size": {"sort": "none"}}', "TRL_EXT_BLOCK": "sync_metrics"}
     config = load_config(environ=env)
-    assert config.plugins == {"mine": {"alpha": 2}}
-    assert config.block == ["a", "b"]
-    assert load_config(environ={"TRL_EXT_PLUGINS": "x,y"}).plugins == {"x": {}, "y": {}}
+    assert config.plugins == {"precompute_ref_batch_size": {"sort": "none"}}
+    assert config.options("precompute_ref_batch_size").sort == "none"
+    assert config.block == ["sync_metrics"]
+    assert "sync_metrics" not in config.flags  # a blocked plugin's flags do not exist
+    config = load_config(environ={"TRL_EXT_PLUGINS": "padding_free,generation"})
+    assert config.plugins == {"padding_free": {}, "generation": {}}
+
+
+def test_one_size_grammar_for_every_plugin():
+    from trl_ext.spec import Size
+
+    for value, expected in [
+        ("25%", Size("fraction", 0.25)),
+        (0.5, Size("fraction", 0.5)),
+        ("0.5", Size("fraction", 0.5)),
+        ("4GB", Size("bytes", 4e9)),
+        ("512MiB", Size("bytes", 512 * 2**20)),
+        (1024, Size("bytes", 1024.0)),
+    ]:
+        generation = load_config(
+            flags={"ds3_gather_for_generation": False, "plugins": {"generation": {"budget": value}}}, environ={}
+        )
+        precompute = load_config(
+            flags={"precompute_ref_batch_size": 4, "plugins": {"precompute_ref_batch_size": {"ram_budget": value}}},
+            environ={},
+        )
+        assert generation.options("generation").budget == expected
+        assert precompute.options("precompute_ref_batch_size").ram_budget == expected
+    for bad in ("0%", "lots", True, -1, 1.5, "3 parsecs"):
+        for plugin, option in (("generation", "budget"), ("precompute_ref_batch_size", "ram_budget")):
+            with pytest.raises(UsageError, match=rf"`plugins.{plugin}.{option}` must be a size"):
+                load_config(flags={"plugins": {plugin: {option: bad}}}, environ={})
+
+
+def test_blocked_flag_names_its_plugin():
+    with pytest.raises(
+        UsageError, match=r"`sync_metrics` is set .* the plugin `sync_metrics` that implements it is blocked"
+    ):
+        load_config(flags={"sync_metrics": True, "block": ["sync_metrics"]}, environ={})
 
 
 @pytest.mark.parametrize(
@@ -68,8 +104,10 @@ def test_plugins_and_block_from_env():
         (dict(flags={"precompute_ref_batch_size": True}), r"`precompute_ref_batch_size` must be"),
         (dict(flags={"ds3_gather_for_generation": "sometimes"}), r"`ds3_gather_for_generation` must be"),
         (dict(flags={"plugins": {"x": 3}}), r"`plugins.x` must be a mapping"),
+        (dict(flags={"plugins": {"nope": {}}}), r"`plugins` names `nope`.*is not installed"),
+        (dict(flags={"plugins": {"sync_metrics": {"a": 1}}}), r"plugin `sync_metrics` has no options"),
         (dict(flags={"plugins": 5}), r"`plugins` must map plugin names"),
-        (dict(flags={"block": "a"}), None),  # a comma list string is fine
+        (dict(flags={"block": "generation"}), None),  # a comma list string is fine
         (dict(flags={"block": [1]}), r"`block` must be a list"),
         (dict(environ={"TRL_EXT_PLUGINS": "{not json"}), r"not valid JSON"),
         (dict(config=3), r"`config` must be a TrlExtConfig"),

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from trl_ext import UsageError
-from trl_ext.jobs import split_argv, split_yaml_config
+from trl_ext.app.jobs import split_argv, split_yaml_config
 from trl_ext.plugins import BUILTIN_PLUGINS
 from trl_ext.testing import make_model, make_tokenizer, preference_rows
 
@@ -69,6 +69,7 @@ def _expect_active(stdout: str, trainer: str, flags: dict) -> None:
         assert name in line, (name, line)
 
 
+@pytest.mark.slow
 def test_dpo_job_one_process_from_yaml_recipe(assets, tmp_path):
     recipe = _recipe(assets, tmp_path / "run1", RECIPE_FLAGS)
     proc = subprocess.run(
@@ -147,6 +148,7 @@ def test_dpo_job_under_accelerate_launch_with_deepspeed_zero3(assets, tmp_path):
     assert proc.stdout.count("ran with plugins:") == 1
 
 
+@pytest.mark.slow
 def test_online_dpo_job(assets, tmp_path):
     data_dir = assets / "prompts"
     data_dir.mkdir(exist_ok=True)
@@ -188,8 +190,14 @@ def test_split_argv_and_yaml_section(tmp_path):
     flags, rest = split_argv(
         ["--lr", "1", "--trl_ext_padding_free", "--trl_ext_precompute_ref_batch_size=auto", "--x"]
     )
-    assert flags == {"padding_free": "true", "precompute_ref_batch_size": "auto"}
+    assert flags == {"padding_free": True, "precompute_ref_batch_size": "auto"}  # a bare flag takes its cli_const
     assert rest == ["--lr", "1", "--x"]
+    flags, rest = split_argv(["--trl-ext-sync-metrics", "--trl-ext-precompute-ref-batch-size", "8", "--y"])
+    assert flags == {"sync_metrics": True, "precompute_ref_batch_size": "8"} and rest == ["--y"]
+    with pytest.raises(
+        UsageError, match=r"Unknown trl-ext flag `padding_fre` \(from the command line \(--trl-ext-padding-fre\)\)"
+    ):
+        split_argv(["--trl-ext-padding-fre"])
     with pytest.raises(UsageError, match="Did you mean `sync_metrics`"):
         split_argv(["--trl_ext_sync_metric", "true"])
     recipe = tmp_path / "r.yaml"

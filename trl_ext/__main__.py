@@ -2,6 +2,9 @@
 
 import sys
 
-from .cli import main
+from .app.cli import main
 
-sys.exit(main())
+__all__ = ["main"]
+
+if __name__ == "__main__":
+    sys.exit(main())

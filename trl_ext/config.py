@@ -1,12 +1,16 @@
-"""trl-ext's configuration: one dataclass, filled from code, a YAML file and `TRL_EXT_*` environment variables.
+"""trl-ext's configuration, built from the flags and options that the plugins declare.
 
-Precedence, highest first (each source only overrides the keys it sets):
+The flags are not written here: every plugin declares its own (`trl_ext.PluginSpec`), and the flag table is the union
+of the declarations of the available plugins. The same table and the same parsers serve every source.
+
+Precedence, highest first (each source only overrides the keys it sets; `plugins:` merges per plugin):
 
 1. keyword flags passed to `trl_ext.install(**flags)`;
-2. `TRL_EXT_<FLAG>` environment variables (read here and nowhere else);
+2. `TRL_EXT_<FLAG>` environment variables (read here and nowhere else), plus `TRL_EXT_PLUGINS` (JSON, or a comma
+   list of names) and `TRL_EXT_BLOCK` (a comma list);
 3. the `config` argument of `install()`: a `TrlExtConfig`, a mapping, or the path of a YAML file; when it is `None`,
    the YAML file named by `TRL_EXT_CONFIG`, if set;
-4. the defaults below.
+4. each flag's declared default.
 
 A YAML file holds the same keys at its top level, or under a top-level `trl_ext:` key so that the flags can sit in
 a TRL recipe next to `DPOConfig` fields.
@@ -14,171 +18,225 @@ a TRL recipe next to `DPOConfig` fields.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from .errors import UsageError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .manager import Catalog
 
 __all__ = ["ENV_PREFIX", "TrlExtConfig", "load_config"]
 
 ENV_PREFIX = "TRL_EXT_"
 #: Environment variables that are not flags.
 ENV_CONFIG_FILE = "TRL_EXT_CONFIG"
-_ENV_NON_FLAGS = {ENV_CONFIG_FILE, "TRL_EXT_LOG_LEVEL"}
-
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off"}
+ENV_LOG_LEVEL = "TRL_EXT_LOG_LEVEL"
+_ENV_NON_FLAGS = {ENV_CONFIG_FILE, ENV_LOG_LEVEL}
 
 
-@dataclass
+def _catalog(block: list[str]) -> Catalog:
+    from .manager import load_catalog
+
+    return load_catalog(block)[0]
+
+
 class TrlExtConfig:
-    """Flags of trl-ext's built-in plugins and options of any plugin.
+    """The flags of the available plugins, options by plugin, and blocked plugins.
 
-    Where TRL has a flag of its own, the trl-ext flag has the same name and meaning.
+    Flags are keyword arguments (`TrlExtConfig(padding_free=True)`) and read back as attributes
+    (`config.padding_free`) or from `config.flags`. Which flags exist, their parsers and defaults come from the
+    plugins' declarations: run `trl-ext plugins` to list them.
 
     Args:
-        padding_free (`bool`, *optional*, defaults to `False`):
-            Pack DPO sequences so that no compute is spent on padding (plugin `padding_free`). Also enabled per
-            trainer by `DPOConfig(padding_free=True)`, which TRL >= 0.29 ignores.
-        precompute_ref_batch_size (`int`, `"auto"` or `None`, *optional*, defaults to `None`):
-            Pairs per batch for the reference log-prob precompute (plugin `precompute_ref_batch_size`). `"auto"`
-            probes for the largest batch that fits. `None` leaves the precompute to TRL.
-        ds3_gather_for_generation (`bool`, `"auto"` or `None`, *optional*, defaults to `None`):
-            Whether to gather ZeRO-3 parameters for generation (plugin `generation`). `None` leaves generation to TRL.
-        sync_metrics (`bool`, *optional*, defaults to `False`):
-            Log exact global metrics with one collective per logging step (plugin `sync_metrics`).
         plugins (`dict[str, dict]`, *optional*, defaults to `{}`):
-            Options by plugin name. Naming a third-party plugin here enables it (use `{}` for no options); for a
-            built-in plugin it only sets options, its flag enables it.
+            Options by plugin name, validated against the plugin's options dataclass. Naming a plugin that has no
+            flags enables it (use `{}` for no options); for a plugin with flags, its flag enables it.
         block (`list[str]`, *optional*, defaults to `[]`):
             Plugin names never to load, built-in or third-party (like pytest's `-p no:NAME`).
+        **flags:
+            Plugin flags, each parsed by its plugin's declared parser.
     """
 
-    padding_free: bool = False
-    precompute_ref_batch_size: int | Literal["auto"] | None = None
-    ds3_gather_for_generation: bool | Literal["auto"] | None = None
-    sync_metrics: bool = False
-    plugins: dict[str, dict[str, Any]] = field(default_factory=dict)
-    block: list[str] = field(default_factory=list)
+    def __init__(
+        self,
+        *,
+        plugins: Mapping[str, Any] | list[str] | str | None = None,
+        block: list[str] | str | None = None,
+        _source: str = "TrlExtConfig",
+        _catalog_: Catalog | None = None,
+        **flags: Any,
+    ) -> None:
+        self.block: list[str] = _parse_block(block if block is not None else [], _source)
+        catalog = _catalog_ if _catalog_ is not None else _catalog(self.block)
+        self.catalog = catalog
+        values = catalog.defaults()
+        for name, value in flags.items():
+            values[name] = _parse_flag(catalog, name, value, _source)
+        self.flags: dict[str, Any] = values
+        self.plugins: dict[str, dict[str, Any]] = _parse_plugins(plugins if plugins is not None else {}, _source)
+        self._options: dict[str, Any] = {}
+        for name, raw in self.plugins.items():
+            spec = catalog.specs.get(name)
+            if spec is None:
+                why = "is blocked" if name in catalog.blocked else "is not installed"
+                raise UsageError(
+                    f"`plugins` names `{name}` (from {_source}), which {why}. Available plugins: "
+                    f"{', '.join(catalog.specs) or 'none'}."
+                )
+            self._options[name] = spec.make_options(raw, _source)
 
-    def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            object.__setattr__(self, f.name, _coerce(f.name, getattr(self, f.name), "TrlExtConfig"))
+    # ------------------------------------------------------------------------------------------------------------
+
+    def __getattr__(self, name: str) -> Any:
+        flags = self.__dict__.get("flags")
+        if flags is not None and name in flags:
+            return flags[name]
+        raise AttributeError(f"TrlExtConfig has no flag `{name}`. Known flags: {', '.join(flags or ())}.")
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, TrlExtConfig):
+            return NotImplemented
+        return (self.flags, self.plugins, sorted(self.block)) == (other.flags, other.plugins, sorted(other.block))
+
+    def __repr__(self) -> str:
+        changed = {k: v for k, v in self.flags.items() if v != self.catalog.defaults().get(k)}
+        parts = [f"{k}={v!r}" for k, v in changed.items()]
+        if self.plugins:
+            parts.append(f"plugins={self.plugins!r}")
+        if self.block:
+            parts.append(f"block={self.block!r}")
+        return f"TrlExtConfig({', '.join(parts)})"
 
     @classmethod
     def flag_names(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in dataclasses.fields(cls))
+        """The flags of every available plugin, and the core keys `plugins` and `block`."""
+        return (*_catalog([]).flag_names(), "plugins", "block")
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return {**self.flags, "plugins": {k: dict(v) for k, v in self.plugins.items()}, "block": list(self.block)}
 
-
-def _bool(name: str, value: Any, source: str) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
-        return value.strip().lower() in _TRUE
-    raise UsageError(f"`{name}` must be true or false, got {value!r} (from {source}).")
-
-
-def _coerce(name: str, value: Any, source: str) -> Any:
-    """Validate and normalise one flag value; strings (from YAML or the environment) are parsed."""
-    if name in ("padding_free", "sync_metrics"):
-        return _bool(name, value, source)
-    if name == "precompute_ref_batch_size":
-        if isinstance(value, str):
-            text = value.strip().lower()
-            if text in ("", "none", "null"):
-                return None
-            if text == "auto":
-                return "auto"
-            try:
-                value = int(text)
-            except ValueError:
-                pass
-        if value is None or value == "auto":
-            return value
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
-        raise UsageError(
-            f'`precompute_ref_batch_size` must be a positive integer, "auto" or None, got {value!r} (from {source}).'
-        )
-    if name == "ds3_gather_for_generation":
-        if isinstance(value, str) and value.strip().lower() in ("", "none", "null"):
-            return None
-        if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
-            return None if value is None else "auto"
-        try:
-            return _bool(name, value, source)
-        except UsageError:
-            raise UsageError(
-                f'`ds3_gather_for_generation` must be true, false, "auto" or None, got {value!r} (from {source}).'
-            ) from None
-    if name == "plugins":
-        if isinstance(value, str):
-            value = _parse_plugins_env(value, source)
-        if isinstance(value, (list, tuple)):
-            value = {str(v): {} for v in value}
-        if not isinstance(value, Mapping):
-            raise UsageError(f"`plugins` must map plugin names to option mappings, got {value!r} (from {source}).")
-        out: dict[str, dict[str, Any]] = {}
-        for plugin, options in value.items():
-            if options is None or options is True:
-                options = {}
-            if not isinstance(options, Mapping):
-                raise UsageError(
-                    f"`plugins.{plugin}` must be a mapping of options (use {{}} for none), got {options!r} "
-                    f"(from {source})."
-                )
-            out[str(plugin)] = dict(options)
+    def changed(self) -> dict[str, Any]:
+        """The keys that differ from the defaults (what a user set), as accepted by `TrlExtConfig(**...)`."""
+        defaults = self.catalog.defaults()
+        out: dict[str, Any] = {k: v for k, v in self.flags.items() if v != defaults.get(k)}
+        if self.plugins:
+            out["plugins"] = {k: dict(v) for k, v in self.plugins.items()}
+        if self.block:
+            out["block"] = list(self.block)
         return out
-    if name == "block":
-        if isinstance(value, str):
-            value = [v for v in (p.strip() for p in value.split(",")) if v]
-        if not isinstance(value, (list, tuple, set)) or not all(isinstance(v, str) for v in value):
-            raise UsageError(f"`block` must be a list of plugin names, got {value!r} (from {source}).")
-        return list(value)
-    raise UsageError(_unknown_flag_message(name, source))
+
+    def options(self, plugin: str) -> Any:
+        """The parsed options of `plugin`: an instance of its options dataclass (its defaults if none were given)."""
+        if plugin in self._options:
+            return self._options[plugin]
+        spec = self.catalog.specs.get(plugin)
+        if spec is None:
+            raise UsageError(
+                f"No trl-ext plugin `{plugin}` is registered; available: {', '.join(self.catalog.specs)}."
+            )
+        self._options[plugin] = spec.make_options({}, "defaults")
+        return self._options[plugin]
+
+    def flag_is_set(self, plugin: str) -> bool:
+        """Whether one of `plugin`'s flags is not at its default."""
+        spec = self.catalog.specs[plugin]
+        return any(self.flags[f.name] != f.default for f in spec.flags)
+
+    def check_options_apply(self) -> None:
+        """Options given for a plugin that nothing enables do nothing: refuse them, whatever the plugin.
+
+        A plugin that serves a TRL flag (`PluginSpec.trl_flag`) can still be enabled per trainer by that TRL flag, so
+        its options are kept.
+        """
+        for name in self.plugins:
+            spec = self.catalog.specs[name]
+            if spec.flags and not self.flag_is_set(name) and not spec.trl_flag and self.plugins[name]:
+                flags = " or ".join(f"`{f}`" for f in spec.flag_names)
+                raise UsageError(
+                    f"`plugins.{name}` sets {sorted(self.plugins[name])}, but {flags} is not set, so the plugin "
+                    f"`{name}` is off and its options would do nothing. Set {flags}, or remove the options."
+                )
 
 
-def _parse_plugins_env(value: str, source: str) -> Any:
-    text = value.strip()
-    if text.startswith("{"):
-        try:
-            return json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise UsageError(f"`plugins` from {source} is not valid JSON: {exc}.") from None
-    return [v for v in (p.strip() for p in text.split(",")) if v]
+# -------------------------------------------------------------------------------------------------------------------
+# Parsing
+# -------------------------------------------------------------------------------------------------------------------
 
 
-def _unknown_flag_message(name: str, source: str) -> str:
+def _parse_flag(catalog: Catalog, name: str, value: Any, source: str) -> Any:
+    if name not in catalog.flags:
+        raise UsageError(unknown_flag_message(catalog, name, source))
+    flag, _ = catalog.flags[name]
+    try:
+        return flag.parse(value)
+    except ValueError:
+        raise UsageError(f"`{name}` must be {flag.parse.expects}, got {value!r} (from {source}).") from None
+
+
+def _parse_block(value: Any, source: str) -> list[str]:
+    if isinstance(value, str):
+        value = [v for v in (p.strip() for p in value.split(",")) if v]
+    if not isinstance(value, (list, tuple, set)) or not all(isinstance(v, str) for v in value):
+        raise UsageError(f"`block` must be a list of plugin names, got {value!r} (from {source}).")
+    return list(value)
+
+
+def _parse_plugins(value: Any, source: str) -> dict[str, dict[str, Any]]:
+    if isinstance(value, str):
+        text = value.strip()
+        if text.startswith("{"):
+            try:
+                value = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise UsageError(f"`plugins` from {source} is not valid JSON: {exc}.") from None
+        else:
+            value = [v for v in (p.strip() for p in text.split(",")) if v]
+    if isinstance(value, (list, tuple)):
+        value = {str(v): {} for v in value}
+    if not isinstance(value, Mapping):
+        raise UsageError(f"`plugins` must map plugin names to option mappings, got {value!r} (from {source}).")
+    out: dict[str, dict[str, Any]] = {}
+    for plugin, options in value.items():
+        if options is None or options is True:
+            options = {}
+        if not isinstance(options, Mapping):
+            raise UsageError(
+                f"`plugins.{plugin}` must be a mapping of options (use {{}} for none), got {options!r} "
+                f"(from {source})."
+            )
+        out[str(plugin)] = dict(options)
+    return out
+
+
+def unknown_flag_message(catalog: Catalog, name: str, source: str) -> str:
     import difflib
 
-    known = TrlExtConfig.flag_names()
+    owner = catalog.blocked_owner(name)
+    if owner is not None:
+        return (
+            f"`{name}` is set (from {source}), but the plugin `{owner}` that implements it is blocked. Unset `{name}` "
+            f"or remove `{owner}` from `block`."
+        )
+    known = [*catalog.flag_names(), "plugins", "block"]
     close = difflib.get_close_matches(name, known, n=1)
     hint = f" Did you mean `{close[0]}`?" if close else ""
     return (
         f"Unknown trl-ext flag `{name}` (from {source}).{hint} Known flags: {', '.join(known)}. Options of a plugin "
-        f"go under `plugins: {{<plugin name>: {{...}}}}`."
+        f"go under `plugins: {{<plugin name>: {{...}}}}`; `trl-ext plugins` lists every flag and option."
     )
 
 
-def _check_keys(mapping: Mapping[str, Any], source: str) -> dict[str, Any]:
-    out = {}
-    for key, value in mapping.items():
-        if key not in TrlExtConfig.flag_names():
-            raise UsageError(_unknown_flag_message(str(key), source))
-        out[key] = _coerce(key, value, source)
-    return out
+# -------------------------------------------------------------------------------------------------------------------
+# Sources
+# -------------------------------------------------------------------------------------------------------------------
 
 
 def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read trl-ext flags from a YAML file (top level, or under a `trl_ext:` key)."""
+    """Read the raw trl-ext keys of a YAML file (top level, or under a `trl_ext:` key)."""
     import yaml
 
     path = Path(path)
@@ -194,19 +252,15 @@ def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
         data = data["trl_ext"] or {}
         if not isinstance(data, Mapping):
             raise UsageError(f"`trl_ext:` in {str(path)!r} must hold a mapping of flags.")
-    return _check_keys(data, f"config file {str(path)!r}")
+    return dict(data)
 
 
-def read_env(environ: Mapping[str, str]) -> dict[str, Any]:
-    """Read `TRL_EXT_<FLAG>` variables. An unknown `TRL_EXT_*` variable is an error, so a typo never goes unseen."""
+def read_env(environ: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
+    """The raw `TRL_EXT_<KEY>` variables, as `{key: (value, source)}`."""
     out = {}
     for key, value in environ.items():
-        if not key.startswith(ENV_PREFIX) or key in _ENV_NON_FLAGS:
-            continue
-        name = key[len(ENV_PREFIX) :].lower()
-        if name not in TrlExtConfig.flag_names():
-            raise UsageError(_unknown_flag_message(name, f"environment variable ${key}"))
-        out[name] = _coerce(name, value, f"environment variable ${key}")
+        if key.startswith(ENV_PREFIX) and key not in _ENV_NON_FLAGS:
+            out[key[len(ENV_PREFIX) :].lower()] = (value, f"environment variable ${key}")
     return out
 
 
@@ -214,23 +268,55 @@ def load_config(
     config: TrlExtConfig | Mapping[str, Any] | str | os.PathLike[str] | None = None,
     flags: Mapping[str, Any] | None = None,
     environ: Mapping[str, str] | None = None,
+    sources: Mapping[str, str] | None = None,
 ) -> TrlExtConfig:
-    """Merge the sources in the documented precedence and return a validated `TrlExtConfig`."""
+    """Merge the sources in the documented precedence and return a validated `TrlExtConfig`.
+
+    Args:
+        config: the base configuration (a `TrlExtConfig`, a mapping, or a YAML path).
+        flags: the highest-precedence keys (`install(**flags)`, the command line).
+        environ: the environment (defaults to `os.environ`).
+        sources: optional `{key: description}` naming where each of `flags` came from (e.g. "the command line").
+    """
     environ = os.environ if environ is None else environ
-    merged: dict[str, Any] = {}
+    sources = sources or {}
+    layers: list[tuple[dict[str, Any], Any]] = []  # (raw keys, source label or per-key labels)
     if config is None and environ.get(ENV_CONFIG_FILE):
         config = environ[ENV_CONFIG_FILE]
     if isinstance(config, TrlExtConfig):
-        defaults = TrlExtConfig().to_dict()
-        merged.update({k: v for k, v in config.to_dict().items() if v != defaults[k]})
+        layers.append((config.changed(), "the `config` TrlExtConfig"))
     elif isinstance(config, Mapping):
-        merged.update(_check_keys(config, "the `config` mapping"))
+        layers.append((dict(config), "the `config` mapping"))
     elif isinstance(config, (str, os.PathLike)):
-        merged.update(read_yaml(config))
+        layers.append((read_yaml(config), f"config file {str(config)!r}"))
     elif config is not None:
         raise UsageError(
             f"`config` must be a TrlExtConfig, a mapping or the path of a YAML file, got {type(config).__name__}."
         )
-    merged.update(read_env(environ))
-    merged.update(_check_keys(flags or {}, "keyword flags of install()"))
-    return TrlExtConfig(**merged)
+    env = read_env(environ)
+    layers.append(({k: v for k, (v, _) in env.items()}, {k: s for k, (_, s) in env.items()}))
+    layers.append((dict(flags or {}), {k: sources.get(k, "keyword flags of install()") for k in flags or {}}))
+
+    def source_of(label: Any, key: str) -> str:
+        return label.get(key, "?") if isinstance(label, dict) else label
+
+    # `block` first: it decides which plugins (and so which flags) exist.
+    block: list[str] = []
+    for raw, label in layers:
+        if "block" in raw:
+            block = _parse_block(raw["block"], source_of(label, "block"))
+    catalog = _catalog(block)
+    merged: dict[str, Any] = {}
+    plugins: dict[str, dict[str, Any]] = {}
+    for raw, label in layers:
+        for key, value in raw.items():
+            source = source_of(label, key)
+            if key == "block":
+                continue
+            if key == "plugins":
+                for name, options in _parse_plugins(value, source).items():
+                    plugins[name] = options
+                    TrlExtConfig(plugins={name: options}, block=block, _source=source, _catalog_=catalog)
+                continue
+            merged[key] = _parse_flag(catalog, key, value, source)
+    return TrlExtConfig(plugins=plugins, block=block, _catalog_=catalog, **merged)

@@ -61,9 +61,9 @@ class TrainerContext:
     def config(self):
         return self.installation.config
 
-    def options(self, plugin: str) -> dict[str, Any]:
-        """The options given for `plugin` under `TrlExtConfig.plugins`."""
-        return self.installation.config.plugins.get(plugin, {})
+    def options(self, plugin: str) -> Any:
+        """The parsed options of `plugin` (an instance of its declared options dataclass, or None if it has none)."""
+        return self.installation.config.options(plugin)
 
     def is_enabled(self, plugin: str) -> bool:
         return plugin in self.enabled

@@ -11,9 +11,12 @@ Rules that hold for every hook here:
   for that trainer*; a disabled plugin is never called and therefore changes nothing.
 - Trainer-scoped hooks run on **every rank** of a distributed run, in the same order, so an implementation may issue
   collectives as long as it does so unconditionally.
-- `trl_ext_make_*` hooks are exclusive: exactly one enabled plugin may return a value. They are declared
-  `firstresult=True`, but trl-ext calls every implementation and raises `trl_ext.UsageError` when two enabled
-  plugins return a value for the same call, instead of silently picking one.
+- `trl_ext_make_*` hooks (and `trl_ext_reduce_metrics`) are exclusive: at most one enabled plugin may return a value.
+  They are ordinary hooks called through pluggy (wrappers and hook-call monitoring see them); trl-ext checks the
+  list of results and raises `trl_ext.UsageError` when two enabled plugins answer the same call, instead of silently
+  picking one. A `wrapper=True` implementation does not count as an answer.
+- A plugin declares its flags, options and trainers with `TRL_EXT_PLUGIN = trl_ext.PluginSpec(...)`
+  (`trl_ext.spec`); the core validates every value against those declarations before any hook runs.
 
 This module imports nothing heavy: the types below are for type checkers only.
 """
@@ -46,16 +49,17 @@ hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 
 
 @hookspec
-def trl_ext_validate_config(config: TrlExtConfig, options: dict[str, Any], trl_version: str) -> None:
-    """Validate the configuration before anything in TRL is patched.
+def trl_ext_validate_config(config: TrlExtConfig, trl_version: str) -> None:
+    """Check combinations of flags and options before anything in TRL is patched.
 
-    Called once per `install()`, on every registered (not blocked) plugin, enabled or not, so that a typo in an
-    option fails even when the plugin is switched off.
+    Called once per `install()`, on every registered (not blocked) plugin, enabled or not. Each flag and option was
+    already parsed by its declared parser (`trl_ext.PluginSpec`), so an implementation only checks what the
+    declarations cannot express (two settings that exclude each other, a TRL version a setting needs).
 
     Args:
-        config: the merged configuration (defaults < config file < `TRL_EXT_*` environment < keyword flags).
-        options: this plugin's own options, `config.plugins.get(<plugin name>, {})`. A plugin should raise for keys
-            it does not know.
+        config: the merged configuration (defaults < config file < `TRL_EXT_*` environment < keyword flags). A
+            plugin reads its flags as attributes (`config.padding_free`) and its options with
+            `config.options("<plugin name>")`.
         trl_version: the installed TRL version string.
 
     Raise `trl_ext.UsageError` naming the flag or option and what to do instead. The return value is ignored.
@@ -104,18 +108,18 @@ def trl_ext_trainer_init_end(trainer: Trainer, context: TrainerContext) -> None:
 # -------------------------------------------------------------------------------------------------------------------
 
 
-@hookspec(firstresult=True)
+@hookspec
 def trl_ext_make_collator(trainer: Trainer, context: TrainerContext, collator: Callable) -> Callable | None:
     """Return the data collator this trainer should use instead of `collator`, or None to keep it.
 
     Called once, at the `trl_ext_trainer_models_ready` point (before the DPO reference precompute), with the
     collator the trainer holds (TRL's default one, or the user's). The result becomes `trainer.data_collator` and is
-    used for the precompute, training and evaluation loaders. Stops at first non-None result. Exclusive: two enabled
-    plugins returning one is a `UsageError`.
+    used for the precompute, training and evaluation loaders. Exclusive: two enabled plugins returning one is a
+    `UsageError`.
     """
 
 
-@hookspec(firstresult=True)
+@hookspec
 def trl_ext_make_packed_forward(
     trainer: Trainer, context: TrainerContext, role: str, backbone: torch.nn.Module
 ) -> Callable | None:
@@ -125,11 +129,11 @@ def trl_ext_make_packed_forward(
     model that also serves as the adapter-disabled reference), at the `trl_ext_trainer_models_ready` point. The
     result is installed as an instance attribute `backbone.forward` through trl-ext's undo stack, so it is removed
     again by `Installation.uninstall()`. It must accept and return what the original forward does.
-    Stops at first non-None result. Exclusive.
+    Exclusive: two enabled plugins answering is a `UsageError`.
     """
 
 
-@hookspec(firstresult=True)
+@hookspec
 def trl_ext_make_ref_precompute(
     trainer: Trainer, context: TrainerContext, dataset: Dataset, name: str, batch_size: int
 ) -> Dataset | None:
@@ -138,11 +142,11 @@ def trl_ext_make_ref_precompute(
     Called in place of `DPOTrainer._precompute_ref_logps(dataset, name, batch_size)` on every rank (from `__init__`
     and from `evaluate()`), with TRL's batch size choice. The result must be `dataset` with the columns
     `ref_chosen_logps` and `ref_rejected_logps` added, row for row in dataset order, identical on every rank.
-    Stops at first non-None result. Exclusive.
+    Exclusive: two enabled plugins answering is a `UsageError`.
     """
 
 
-@hookspec(firstresult=True)
+@hookspec
 def trl_ext_reduce_metrics(
     trainer: Trainer, context: TrainerContext, logs: dict[str, float]
 ) -> dict[str, float] | None:
@@ -152,11 +156,11 @@ def trl_ext_reduce_metrics(
     (`DPOTrainer._metrics`) into `logs`. `logs` holds what the caller passed (loss, learning rate, and for
     `OnlineDPOTrainer` its already-averaged `stats`; eval keys carry the `eval_` prefix). A returned dict replaces
     `logs` entirely and TRL's buffered metrics for the window are discarded.
-    Stops at first non-None result. Exclusive.
+    Exclusive: two enabled plugins answering is a `UsageError`.
     """
 
 
-@hookspec(firstresult=True)
+@hookspec
 def trl_ext_make_generation_context(
     trainer: Trainer, context: TrainerContext, model: torch.nn.Module, call_kwargs: dict[str, Any]
 ) -> AbstractContextManager | None:
@@ -166,7 +170,7 @@ def trl_ext_make_generation_context(
     patched where the trainer module looks it up), on every rank. `call_kwargs` holds the other arguments TRL passed
     (`accelerator`, `gather_deepspeed3_params`, and on newer TRL `generation_kwargs`,
     `gradient_checkpointing_kwargs`). The context manager must yield exactly once and restore the model on every
-    path. Stops at first non-None result. Exclusive.
+    path. Exclusive: two enabled plugins answering is a `UsageError`.
     """
 
 

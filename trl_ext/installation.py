@@ -14,7 +14,7 @@ from ._logging import get_logger
 from .config import TrlExtConfig, load_config
 from .context import TrainerContext
 from .errors import UsageError
-from .manager import TrlExtPluginManager, check_config_against_plugins, flag_owners, make_plugin_manager
+from .manager import TrlExtPluginManager, make_plugin_manager
 from .patching import Patcher, resolve
 
 __all__ = ["Installation", "install"]
@@ -42,7 +42,8 @@ class Installation:
         self.patcher = Patcher("trl-ext")
         self._contexts: list[weakref.ref] = []
         self._installed = False
-        self._owners = flag_owners(plugin_manager)
+        #: `{TRL config field: plugin}` for the TRL flags that plugins serve (`PluginSpec.trl_flag`).
+        self._owners = plugin_manager.catalog.trl_flag_owners()
         #: Keep every trainer context (and so its plugins' state) after the trainer is gone, for `records`. Off by
         #: default because plugin state may reference models; the `trl-ext dpo` job turns it on.
         self.keep_records = False
@@ -57,18 +58,20 @@ class Installation:
         return self._installed
 
     def enabled_plugins(self, trainer_class: str, trl_args: Any = None) -> list[str]:
-        """The plugins that a `trainer_class` trainer built with `trl_args` gets, in registration order."""
-        defaults = TrlExtConfig()
+        """The plugins that a `trainer_class` trainer built with `trl_args` gets, in registration order.
+
+        A plugin is enabled when it applies to the trainer (`PluginSpec.trainers`) and one of its flags is set, or,
+        for a plugin without flags, when it is named under `plugins:`, or when the trainer's TRL config sets the TRL
+        flag it serves (`PluginSpec.trl_flag`) and the installed TRL ignores that flag.
+        """
         ignored = _compat.trl_ignored_flags(trainer_class)
         enabled = []
-        for name, plugin in self.plugin_manager.list_name_plugin():
-            trainers = getattr(plugin, "TRL_EXT_TRAINERS", None)
-            if trainers is not None and trainer_class not in trainers:
+        for name, spec in self.plugin_manager.catalog.specs.items():
+            if not spec.applies_to(trainer_class):
                 continue
-            flags = getattr(plugin, "TRL_EXT_FLAGS", ())
-            on = name in self.config.plugins and not flags
-            on = on or any(getattr(self.config, f) != getattr(defaults, f) for f in flags)
-            on = on or any(f in ignored and bool(getattr(trl_args, f, False)) for f in flags)
+            on = self.config.flag_is_set(name) if spec.flags else name in self.config.plugins
+            trl_flag = spec.trl_flag
+            on = on or (trl_flag is not None and trl_flag in ignored and bool(getattr(trl_args, trl_flag, False)))
             if on:
                 enabled.append(name)
         return enabled
@@ -301,11 +304,8 @@ def install(
             "its `with` block) before installing again with other flags."
         )
     pm = make_plugin_manager(merged.block)
-    check_config_against_plugins(pm, merged)
-    for name, plugin in pm.list_name_plugin():
-        impl = getattr(plugin, "trl_ext_validate_config", None)
-        if impl is not None:
-            impl(config=merged, options=merged.plugins.get(name, {}), trl_version=trl_version)
+    merged.check_options_apply()
+    pm.hook.trl_ext_validate_config(config=merged, trl_version=trl_version)
     installation = Installation(merged, pm, trl_version)
     try:
         installation._apply()

@@ -1,37 +1,44 @@
-"""Plugin discovery and registration: a fresh pluggy manager per `install()`, built-ins and entry points alike."""
+"""Plugin discovery and registration, and the flag table built from what the plugins declare.
+
+Built-in plugins are the modules and subpackages of `trl_ext.plugins` that declare a `TRL_EXT_PLUGIN`; third-party
+plugins are the entry points of the `trl_ext` group. Both are loaded, checked and registered by the same code
+(`_register`), and nothing here names a plugin: a new plugin is a new module, nothing else.
+"""
 
 from __future__ import annotations
 
 import importlib
 import importlib.metadata
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+import pkgutil
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import pluggy
 
 from . import hookspecs
-from .config import TrlExtConfig
 from .errors import UsageError
-from .plugins import BUILTIN_PLUGINS
+from .spec import Flag, PluginSpec
 
-__all__ = ["ENTRY_POINT_GROUP", "PluginInfo", "TrlExtPluginManager", "call_exclusive", "make_plugin_manager"]
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "SPEC_ATTR",
+    "Catalog",
+    "PluginInfo",
+    "TrlExtPluginManager",
+    "builtin_plugin_modules",
+    "call_exclusive",
+    "load_catalog",
+    "make_plugin_manager",
+]
 
 ENTRY_POINT_GROUP = "trl_ext"
+#: The module attribute through which a plugin declares itself.
+SPEC_ATTR = "TRL_EXT_PLUGIN"
 _HOOK_PREFIX = "trl_ext_"
-
-
-@dataclass(frozen=True)
-class PluginInfo:
-    """What `trl-ext plugins` shows about one plugin."""
-
-    name: str
-    builtin: bool
-    flags: tuple[str, ...] = ()
-    trainers: tuple[str, ...] | None = None  # None: every trainer trl-ext attaches to
-    source: str = ""
-    summary: str = ""
-    hooks: tuple[str, ...] = field(default=())
+#: Top-level configuration keys that are not plugin flags.
+CORE_KEYS = ("plugins", "block")
+_LEGACY_ATTRS = ("TRL_EXT_FLAGS", "TRL_EXT_TRAINERS")
 
 
 class TrlExtPluginManager(pluggy.PluginManager):
@@ -40,11 +47,15 @@ class TrlExtPluginManager(pluggy.PluginManager):
     Like pytest, every function whose name starts with `trl_ext_` is taken as a hook implementation even without the
     `@trl_ext.hookimpl` marker, so that `check_pending()` catches a misspelled hook name at start-up instead of the
     function being silently ignored.
+
+    Attributes:
+        catalog (`Catalog`): the declarations of the registered plugins.
     """
 
     def __init__(self) -> None:
         super().__init__(hookspecs.PROJECT_NAME)
         self.add_hookspecs(hookspecs)
+        self.catalog = Catalog({}, set(), set())
 
     def parse_hookimpl_opts(self, plugin: Any, name: str) -> Any:
         opts = super().parse_hookimpl_opts(plugin, name)
@@ -55,45 +66,182 @@ class TrlExtPluginManager(pluggy.PluginManager):
         return opts
 
 
+# -------------------------------------------------------------------------------------------------------------------
+# Discovery
+# -------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Source:
+    name: str
+    origin: str  # module path or "dist: module"
+    builtin: bool
+    load: Callable[[], Any]
+
+
+def builtin_plugin_modules() -> dict[str, str]:
+    """`{name: module}` of the built-in plugins: every public module or subpackage of `trl_ext.plugins`."""
+    from . import plugins
+
+    return {
+        info.name: f"{plugins.__name__}.{info.name}"
+        for info in sorted(pkgutil.iter_modules(plugins.__path__), key=lambda i: i.name)
+        if not info.name.startswith("_")
+    }
+
+
 def _entry_points() -> list[importlib.metadata.EntryPoint]:
     seen: dict[str, importlib.metadata.EntryPoint] = {}
     for dist in importlib.metadata.distributions():
         for ep in dist.entry_points:
-            if ep.group == ENTRY_POINT_GROUP and ep.name not in seen:
-                seen[ep.name] = ep
-    return list(seen.values())
+            if ep.group == ENTRY_POINT_GROUP:
+                seen.setdefault(ep.name, ep)
+    return sorted(seen.values(), key=lambda ep: ep.name)
 
 
-def known_plugin_names() -> list[str]:
-    return list(BUILTIN_PLUGINS) + [ep.name for ep in _entry_points() if ep.name not in BUILTIN_PLUGINS]
+def _sources() -> Iterator[_Source]:
+    builtins = builtin_plugin_modules()
+    for name, module in builtins.items():
+        yield _Source(name, module, True, lambda module=module: importlib.import_module(module))
+    for ep in _entry_points():
+        if ep.name in builtins:
+            dist = getattr(getattr(ep, "dist", None), "name", "?")
+            if dist == "trl-ext":
+                continue  # trl-ext's own metadata, should it ever list its built-ins
+            raise UsageError(
+                f"The package `{dist}` provides a trl-ext plugin named `{ep.name}`, the name of a built-in plugin. "
+                f"Rename its entry point, or block the built-in one with `block: [{ep.name}]` and uninstall the other."
+            )
+        yield _Source(ep.name, ep.value, False, ep.load)
+
+
+def _load(source: _Source) -> Any:
+    try:
+        return source.load()
+    except UsageError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the user must see which plugin failed
+        raise UsageError(
+            f"Could not load trl-ext plugin `{source.name}` ({source.origin}): {type(exc).__name__}: {exc}. Fix or "
+            f"uninstall the package that provides it, or block it with `block: [{source.name}]`."
+        ) from exc
+
+
+def spec_of(name: str, plugin: Any) -> PluginSpec:
+    """The plugin's declaration, checked against the name it is registered under."""
+    spec = getattr(plugin, SPEC_ATTR, None)
+    if spec is None:
+        legacy = [attr for attr in _LEGACY_ATTRS if hasattr(plugin, attr)]
+        if legacy:
+            raise UsageError(
+                f"trl-ext plugin `{name}` declares {', '.join(legacy)}, which trl-ext no longer reads. Declare the "
+                f"plugin with `{SPEC_ATTR} = trl_ext.PluginSpec(name={name!r}, flags=..., trainers=...)` instead."
+            )
+        doc = (getattr(plugin, "__doc__", None) or "").strip().splitlines()
+        return PluginSpec(name=name, summary=doc[0] if doc else "")
+    if not isinstance(spec, PluginSpec):
+        raise UsageError(f"trl-ext plugin `{name}`: `{SPEC_ATTR}` must be a `trl_ext.PluginSpec`, got {spec!r}.")
+    if spec.name != name:
+        raise UsageError(
+            f"trl-ext plugin registered as `{name}` declares the name `{spec.name}`. A plugin's name is the same "
+            "everywhere: rename its module or entry point, or its `PluginSpec.name`."
+        )
+    return spec
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# The flag table
+# -------------------------------------------------------------------------------------------------------------------
+
+
+class Catalog:
+    """The declarations of the available plugins: the flag table, options and trainers.
+
+    Args:
+        specs (`dict[str, PluginSpec]`): the registered (not blocked) plugins, in registration order.
+        builtin (`set[str]`): which of them ship with trl-ext.
+        blocked (`set[str]`): names blocked by the configuration.
+        blocked_specs (`dict[str, PluginSpec]`, *optional*): declarations of blocked built-ins, for error messages.
+    """
+
+    def __init__(
+        self,
+        specs: dict[str, PluginSpec],
+        builtin: set[str],
+        blocked: set[str],
+        blocked_specs: dict[str, PluginSpec] | None = None,
+    ) -> None:
+        self.specs = dict(specs)
+        self.builtin = set(builtin)
+        self.blocked = set(blocked)
+        self.blocked_specs = dict(blocked_specs or {})
+        self.flags: dict[str, tuple[Flag, str]] = {}
+        for name, spec in self.specs.items():
+            for flag in spec.flags:
+                if flag.name in CORE_KEYS:
+                    raise UsageError(f"Plugin `{name}` declares the flag `{flag.name}`, a reserved trl-ext key.")
+                if flag.name in self.flags:
+                    raise UsageError(
+                        f"Plugins `{self.flags[flag.name][1]}` and `{name}` both declare the flag `{flag.name}`; "
+                        f"block one of them (`block: [{name}]`)."
+                    )
+                self.flags[flag.name] = (flag, name)
+
+    def flag_names(self) -> tuple[str, ...]:
+        return tuple(self.flags)
+
+    def defaults(self) -> dict[str, Any]:
+        return {name: flag.default for name, (flag, _) in self.flags.items()}
+
+    def owner(self, flag: str) -> str:
+        return self.flags[flag][1]
+
+    def trl_flag_owners(self) -> dict[str, str]:
+        """`{TRL config field: plugin}` for plugins that serve a TRL flag TRL ignores."""
+        return {spec.trl_flag: name for name, spec in self.specs.items() if spec.trl_flag}
+
+    def blocked_owner(self, flag: str) -> str | None:
+        for name, spec in self.blocked_specs.items():
+            if flag in spec.flag_names:
+                return name
+        return None
+
+
+def load_catalog(block: Iterable[str] = ()) -> tuple[Catalog, dict[str, Any]]:
+    """Load every available plugin except blocked ones; return the catalog and `{name: plugin object}`."""
+    block = set(block)
+    sources = list(_sources())
+    known = [s.name for s in sources]
+    unknown = sorted(block - set(known))
+    if unknown:
+        raise UsageError(
+            f"`block` names unknown plugin(s) {unknown}; known plugins: {known}. Run `trl-ext plugins` to list them."
+        )
+    specs: dict[str, PluginSpec] = {}
+    plugins: dict[str, Any] = {}
+    builtin: set[str] = set()
+    blocked_specs: dict[str, PluginSpec] = {}
+    for source in sources:
+        if source.name in block:
+            if source.builtin:  # our own modules are safe to import, and their flags make better messages
+                blocked_specs[source.name] = spec_of(source.name, _load(source))
+            continue
+        plugin = _load(source)
+        specs[source.name] = spec_of(source.name, plugin)
+        plugins[source.name] = plugin
+        if source.builtin:
+            builtin.add(source.name)
+    return Catalog(specs, builtin, block, blocked_specs), plugins
 
 
 def make_plugin_manager(block: Iterable[str] = ()) -> TrlExtPluginManager:
-    """Register the built-in plugins, then the `trl_ext` entry points, except blocked names; validate every hook."""
-    block = list(block)
-    unknown = [name for name in block if name not in known_plugin_names()]
-    if unknown:
-        raise UsageError(
-            f"`block` names unknown plugin(s) {unknown}; known plugins: {known_plugin_names()}. "
-            "Run `trl-ext plugins` to list them."
-        )
+    """A fresh manager with every available plugin but the blocked ones registered and validated."""
+    catalog, plugins = load_catalog(block)
     pm = TrlExtPluginManager()
-    for name in block:
+    for name in catalog.blocked:
         pm.set_blocked(name)
-    for name, module in BUILTIN_PLUGINS.items():
-        if not pm.is_blocked(name):
-            pm.register(importlib.import_module(module), name=name)
-    for ep in _entry_points():
-        if pm.is_blocked(ep.name) or pm.get_plugin(ep.name) is not None:
-            continue
-        try:
-            plugin = ep.load()
-        except Exception as exc:  # noqa: BLE001 - the user must see which plugin failed
-            raise UsageError(
-                f"Could not load trl-ext plugin `{ep.name}` ({ep.value}): {type(exc).__name__}: {exc}. Fix or "
-                f"uninstall the package that provides it, or block it with `block: [{ep.name}]`."
-            ) from exc
-        pm.register(plugin, name=ep.name)
+    for name, plugin in plugins.items():
+        _register(pm, name, plugin)
     try:
         pm.check_pending()
     except pluggy.PluginValidationError as exc:
@@ -101,79 +249,78 @@ def make_plugin_manager(block: Iterable[str] = ()) -> TrlExtPluginManager:
             f"trl-ext plugin `{pm.get_name(exc.plugin)}` implements a hook that does not exist: {exc}. Hook names are "
             "listed in `trl_ext.hookspecs`."
         ) from exc
+    pm.catalog = catalog
     return pm
 
 
-def plugin_info(pm: pluggy.PluginManager, name: str) -> PluginInfo:
-    plugin = pm.get_plugin(name)
-    doc = (getattr(plugin, "__doc__", None) or "").strip().splitlines()
-    hooks = tuple(sorted(h.name for h in pm.get_hookcallers(plugin) or ()))
-    trainers = getattr(plugin, "TRL_EXT_TRAINERS", None)
-    return PluginInfo(
-        name=name,
-        builtin=name in BUILTIN_PLUGINS,
-        flags=tuple(getattr(plugin, "TRL_EXT_FLAGS", ())),
-        trainers=tuple(trainers) if trainers is not None else None,
-        source=getattr(plugin, "__name__", type(plugin).__name__),
-        summary=doc[0] if doc else "",
-        hooks=hooks,
-    )
-
-
-def flag_owners(pm: pluggy.PluginManager) -> dict[str, str]:
-    owners: dict[str, str] = {}
-    for name, plugin in pm.list_name_plugin():
-        for flag in getattr(plugin, "TRL_EXT_FLAGS", ()):
-            if flag in owners:
-                raise UsageError(f"Plugins `{owners[flag]}` and `{name}` both claim the flag `{flag}`; block one.")
-            owners[flag] = name
-    return owners
-
-
-#: Which plugin owns each built-in flag, for error messages when that plugin is not registered.
-BUILTIN_FLAG_OWNERS = {
-    "padding_free": "padding_free",
-    "precompute_ref_batch_size": "precompute_ref_batch_size",
-    "ds3_gather_for_generation": "generation",
-    "sync_metrics": "sync_metrics",
-}
-
-
-def check_config_against_plugins(pm: pluggy.PluginManager, config: TrlExtConfig) -> None:
-    """Every flag that is set must have a registered owner, and every name in `plugins` must be registered."""
-    owners = flag_owners(pm)
-    defaults = TrlExtConfig()
-    for flag, owner in BUILTIN_FLAG_OWNERS.items():
-        if getattr(config, flag) == getattr(defaults, flag) or flag in owners:
-            continue
-        why = "is blocked" if pm.is_blocked(owner) else "is not available in this trl-ext release"
+def _register(pm: TrlExtPluginManager, name: str, plugin: Any) -> None:
+    try:
+        pm.register(plugin, name=name)
+    except pluggy.PluginValidationError as exc:
         raise UsageError(
-            f"`{flag}` is set, but the plugin `{owner}` that implements it {why}. Unset `{flag}`"
-            + (f" or remove `{owner}` from `block`." if pm.is_blocked(owner) else ".")
-        )
-    for name in config.plugins:
-        if pm.get_plugin(name) is None:
-            why = "is blocked" if pm.is_blocked(name) else "is not installed"
-            raise UsageError(
-                f"`plugins` names `{name}`, which {why}. Installed plugins: {[n for n, _ in pm.list_name_plugin()]}."
-            )
+            f"trl-ext plugin `{name}` has a hook implementation that does not match its spec: "
+            f"{'; '.join(str(exc).splitlines())}. See the "
+            "signatures in `trl_ext.hookspecs`."
+        ) from exc
+    except ValueError as exc:  # pluggy: the plugin (or its name) is already registered
+        raise UsageError(f"trl-ext plugin `{name}` could not be registered: {exc}.") from exc
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# Exclusive hooks
+# -------------------------------------------------------------------------------------------------------------------
 
 
 def call_exclusive(caller: pluggy.HookCaller, **kwargs: Any) -> Any:
-    """Call every implementation of a `firstresult` hook; return the single non-None result.
+    """Call an exclusive (`trl_ext_make_*`) hook through pluggy; return its single answer, or None.
 
-    Two plugins answering the same call would otherwise be resolved silently by registration order, so that is a
-    `UsageError` naming both plugins.
+    pluggy runs every implementation, wrappers and hook-call monitoring included, and returns the list of non-None
+    results. Two answers for the same call would otherwise be resolved silently by registration order, so that is a
+    `UsageError` naming the plugins that implement the hook for this call.
     """
-    answers: list[tuple[str, Any]] = []
-    for impl in reversed(caller.get_hookimpls()):
-        result = impl.function(*[kwargs[arg] for arg in impl.argnames])
-        if result is not None:
-            answers.append((impl.plugin_name, result))
-    if len(answers) > 1:
-        names = ", ".join(f"`{name}`" for name, _ in answers)
+    results = caller(**kwargs)
+    if len(results) > 1:
+        implementers = [impl.plugin_name for impl in caller.get_hookimpls() if not (impl.wrapper or impl.hookwrapper)]
+        names = ", ".join(f"`{name}`" for name in implementers)
         raise UsageError(
-            f"Enabled plugins {names} all provide `{caller.name}` for the same trainer; only one can. Disable all but "
-            "one of them (unset its flag, or add it to `block`)."
+            f"{len(results)} enabled plugins ({names} implement it) answered `{caller.name}` for the same trainer; "
+            "only one can. Disable all but one of them (unset its flag, or add it to `block`)."
         )
-    return answers[0][1] if answers else None
+    return results[0] if results else None
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# What `trl-ext plugins` shows
+# -------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PluginInfo:
+    """What `trl-ext plugins` shows about one plugin."""
+
+    name: str
+    builtin: bool
+    flags: tuple[str, ...]
+    options: tuple[str, ...]
+    trainers: tuple[str, ...] | None  # None: every trainer trl-ext attaches to
+    trl_flag: str | None
+    source: str
+    summary: str
+    hooks: tuple[str, ...]
+
+
+def plugin_info(pm: TrlExtPluginManager, name: str) -> PluginInfo:
+    plugin = pm.get_plugin(name)
+    spec = pm.catalog.specs[name]
+    hooks = tuple(sorted(h.name for h in pm.get_hookcallers(plugin) or ()))
+    return PluginInfo(
+        name=name,
+        builtin=name in pm.catalog.builtin,
+        flags=spec.flag_names,
+        options=spec.option_names(),
+        trainers=spec.trainers,
+        trl_flag=spec.trl_flag,
+        source=getattr(plugin, "__name__", type(plugin).__name__),
+        summary=spec.summary,
+        hooks=hooks,
+    )

@@ -152,7 +152,7 @@ def _native_padded_tokens(dataset, batch_size, max_length=40):
         ({"ram_budget": "150%"}, "ram_budget"),
         ({"ram_budget": True}, "ram_budget"),
         ({"shard_size": 0}, "shard_size"),
-        ({"shard_size": "10"}, "shard_size"),
+        ({"shard_size": "ten"}, "shard_size"),
         ({"cache_dir": 3}, "cache_dir"),
         ({"cache_dir": ""}, "cache_dir"),
     ],
@@ -169,14 +169,18 @@ def test_bad_batch_size_is_a_usage_error(value):
 
 
 def test_ram_budget_parsing():
-    from trl_ext.plugins.precompute_ref_batch_size import parse_ram_budget
+    from trl_ext.spec import Size
 
-    assert parse_ram_budget("4GB") == ("bytes", 4e9)
-    assert parse_ram_budget("512MiB") == ("bytes", 512 * 2**20)
-    assert parse_ram_budget(1 << 30) == ("bytes", float(1 << 30))
-    assert parse_ram_budget("25%") == ("fraction", 0.25)
-    assert parse_ram_budget(0.5) == ("fraction", 0.5)
-    assert parse_ram_budget("0.5") == ("fraction", 0.5)
+    def ram_budget(value):
+        config = trl_ext.config.load_config(flags={"plugins": {PLUGIN: {"ram_budget": value}}}, environ={})
+        return config.options(PLUGIN).ram_budget
+
+    assert ram_budget("4GB") == Size("bytes", 4e9)
+    assert ram_budget("512MiB") == Size("bytes", 512 * 2**20)
+    assert ram_budget(1 << 30) == Size("bytes", float(1 << 30))
+    assert ram_budget("25%") == Size("fraction", 0.25)
+    assert ram_budget(0.5) == Size("fraction", 0.5)
+    assert ram_budget("0.5") == Size("fraction", 0.5)
 
 
 def test_warns_when_trainer_does_not_precompute(dpo_args, tokenizer, logs, tmp_path):
@@ -405,6 +409,7 @@ def test_iterable_dataset_is_refused(build, tmp_path):
 # -------------------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("mode", ["ddp", "zero3"])
 def test_two_processes(mode, tmp_path):
     env = dict(os.environ, PYTHONWARNINGS="ignore", TQDM_DISABLE="1", OMP_NUM_THREADS="1")

@@ -1,20 +1,20 @@
 """trl-ext's built-in plugins.
 
-Each is a module registered exactly like a third-party plugin (same `PluginManager.register` call, under its name);
-the module docstring is its user documentation. `BUILTIN_PLUGINS` maps each plugin name to its module.
-
-A plugin module may declare, besides its hook implementations:
-
-- `TRL_EXT_FLAGS`: the `TrlExtConfig` flags it owns. Setting any of them (to a non-default value) enables the plugin.
-- `TRL_EXT_TRAINERS`: the trainer class names it applies to (all, if absent).
+Every public module or subpackage here is a plugin. It declares itself with `TRL_EXT_PLUGIN = trl_ext.PluginSpec(...)`
+(flags, options, trainers, the TRL flag it serves) next to its hook implementations, and is registered exactly like
+a third-party plugin (`trl_ext.manager`), under its module name. The module docstring is its user documentation.
+Nothing outside a plugin's own module names it: adding a plugin is adding a module.
 """
 
 from __future__ import annotations
 
-#: name -> module, in registration order. Names are the same everywhere: module, flag, entry point, log lines.
-BUILTIN_PLUGINS: dict[str, str] = {
-    "padding_free": "trl_ext.plugins.padding_free",
-    "precompute_ref_batch_size": "trl_ext.plugins.precompute_ref_batch_size",
-    "generation": "trl_ext.plugins.generation",
-    "sync_metrics": "trl_ext.plugins.sync_metrics",
-}
+from typing import Any
+
+
+def __getattr__(name: str) -> Any:
+    if name == "BUILTIN_PLUGINS":
+        # `{name: module}`, discovered (kept for code that asked for the old constant).
+        from ..manager import builtin_plugin_modules
+
+        return builtin_plugin_modules()
+    raise AttributeError(name)

@@ -67,7 +67,7 @@ DeepSpeed 0.19.8).
 from __future__ import annotations
 
 import copy
-import re
+import dataclasses
 from contextlib import ExitStack
 from typing import Any
 
@@ -75,15 +75,45 @@ from trl_ext._logging import get_logger
 from trl_ext.context import unwrap_causal_lm
 from trl_ext.errors import UsageError
 from trl_ext.hookspecs import hookimpl
+from trl_ext.spec import Flag, PluginSpec, Size, boolean, either, non_negative_float, one_of, optional, size
 
 logger = get_logger(__name__)
 
 NAME = "generation"
-TRL_EXT_FLAGS = ("ds3_gather_for_generation",)
-TRL_EXT_TRAINERS = ("OnlineDPOTrainer", "GRPOTrainer", "RLOOTrainer")
-
-_OPTIONS = ("budget", "auto_margin")
 _DEFAULT_AUTO_MARGIN = 0.25
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationOptions:
+    """Options of the `generation` plugin (`plugins: {generation: {...}}`).
+
+    Args:
+        budget (`str`, `int` or `float`, *optional*):
+            Per-rank budget for full-size (gathered) parameters during generation, for `False` and for `"auto"` when
+            the model does not fit: a size (`"8GB"`, `"512MiB"`, an `int` number of bytes) or a fraction of the
+            model's parameter bytes (`0.5` or `"50%"`).
+        auto_margin (`float`, *optional*, defaults to `0.25`):
+            In `"auto"` mode the model is gathered only if `model bytes * (1 + auto_margin)` is free on every rank.
+    """
+
+    budget: Size | None = dataclasses.field(default=None, metadata={"parse": size})
+    auto_margin: float | None = dataclasses.field(default=None, metadata={"parse": non_negative_float})
+
+
+TRL_EXT_PLUGIN = PluginSpec(
+    name=NAME,
+    summary="Bounded, exception-safe ZeRO-3 generation (gather, stream, a memory budget, or auto).",
+    flags=(
+        Flag(
+            "ds3_gather_for_generation",
+            default=None,
+            parse=optional(either(boolean, one_of("auto"))),
+            help='Gather ZeRO-3 parameters for generation: true, false (stream, bounded) or "auto".',
+        ),
+    ),
+    options=GenerationOptions,
+    trainers=("OnlineDPOTrainer", "GRPOTrainer", "RLOOTrainer"),
+)
 
 #: `PartitionedParameterCoordinator` keeps its limits in name-mangled attributes (deepspeed 0.19.8,
 #: `runtime/zero/partitioned_param_coordinator.py:116-122`). `__params_to_release` releases nothing that reappears
@@ -101,95 +131,26 @@ _RELEASE_CACHE = "_PartitionedParameterCoordinator__params_to_release"
 _PIN = -20_250_616
 _ABSENT = object()
 
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 10**3,
-    "kb": 10**3,
-    "m": 10**6,
-    "mb": 10**6,
-    "g": 10**9,
-    "gb": 10**9,
-    "t": 10**12,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
-
 
 # ---------------------------------------------------------------------------------------------------------------
 # configuration
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def parse_budget(value: Any) -> tuple[str, float]:
-    """`"8GB"` -> `("bytes", 8e9)`, `0.5` -> `("fraction", 0.5)`, `1 << 30` -> `("bytes", 1073741824)`."""
-    where = "`plugins.generation.budget`"
-    if isinstance(value, bool) or value is None:
-        raise UsageError(
-            f'{where} must be a size like "8GB" / "512MiB", a number of bytes, or a fraction in (0, 1]; got {value!r}.'
-        )
-    if isinstance(value, int):
-        if value <= 0:
-            raise UsageError(f"{where} must be positive, got {value!r}.")
-        return "bytes", float(value)
-    if isinstance(value, float):
-        if not 0 < value <= 1:
-            raise UsageError(
-                f"{where}={value!r}: a float is a fraction of the model's parameter bytes and must be in (0, 1]. "
-                'Give a size like "8GB" or an int number of bytes for an absolute budget.'
-            )
-        return "fraction", value
-    if isinstance(value, str):
-        match = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*", value)
-        if match is not None:
-            number, unit = float(match.group(1)), match.group(2).lower()
-            if unit in _UNITS and number > 0:
-                if unit == "" and "." in match.group(1):
-                    return parse_budget(number)  # "0.5" from YAML / environment: a fraction
-                return "bytes", number * _UNITS[unit]
-    raise UsageError(
-        f'{where}={value!r} is not a size ("8GB", "512MiB", "1.5GiB", a number of bytes) or a fraction in (0, 1].'
-    )
-
-
-def _parse_margin(value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        raise UsageError(
-            f"`plugins.generation.auto_margin` must be a number >= 0 (0.25 = 25% headroom), got {value!r}."
-        )
-    return float(value)
-
-
 @hookimpl
-def trl_ext_validate_config(config, options, trl_version):
-    unknown = sorted(set(options) - set(_OPTIONS))
-    if unknown:
-        raise UsageError(
-            f"Unknown option(s) {unknown} for the trl-ext plugin `generation`; known options: {list(_OPTIONS)}."
-        )
+def trl_ext_validate_config(config, trl_version):
+    options: GenerationOptions = config.options(NAME)
     flag = config.ds3_gather_for_generation
-    if options and flag is None:
+    if options.budget is not None and flag is True:
         raise UsageError(
-            f"`plugins.generation` sets {sorted(options)}, but `ds3_gather_for_generation` is not set, so the plugin "
-            '`generation` is off. Set `ds3_gather_for_generation` to false or "auto" (or remove the options).'
+            "`plugins.generation.budget` limits what stays gathered, but `ds3_gather_for_generation=True` gathers "
+            'the whole model. Use `ds3_gather_for_generation=False` (budget mode) or "auto" with the budget.'
         )
-    if "budget" in options:
-        parse_budget(options["budget"])
-        if flag is True:
-            raise UsageError(
-                "`plugins.generation.budget` limits what stays gathered, but `ds3_gather_for_generation=True` gathers "
-                'the whole model. Use `ds3_gather_for_generation=False` (budget mode) or "auto" with the budget.'
-            )
-    if "auto_margin" in options:
-        _parse_margin(options["auto_margin"])
-        if flag != "auto":
-            raise UsageError(
-                '`plugins.generation.auto_margin` only applies to `ds3_gather_for_generation="auto"`, but it is '
-                f'{flag!r}. Remove the option or set the flag to "auto".'
-            )
+    if options.auto_margin is not None and flag != "auto":
+        raise UsageError(
+            '`plugins.generation.auto_margin` only applies to `ds3_gather_for_generation="auto"`, but it is '
+            f'{flag!r}. Remove the option or set the flag to "auto".'
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -210,10 +171,12 @@ class GenerationState:
         generations: number of generation contexts entered (for tests and reports).
     """
 
-    def __init__(self, flag: Any, options: dict[str, Any]) -> None:
+    def __init__(self, flag: Any, options: GenerationOptions | dict[str, Any]) -> None:
+        if isinstance(options, dict):  # raw options (benchmarks, tests): parsed like the user's
+            options = TRL_EXT_PLUGIN.make_options(options, "GenerationState")
         self.flag = flag
-        self.budget = parse_budget(options["budget"]) if "budget" in options else None
-        self.auto_margin = _parse_margin(options.get("auto_margin", _DEFAULT_AUTO_MARGIN))
+        self.budget = (options.budget.kind, options.budget.value) if options.budget is not None else None
+        self.auto_margin = _DEFAULT_AUTO_MARGIN if options.auto_margin is None else options.auto_margin
         self.auto_gather: bool | None = None
         self.plan: BudgetPlan | None = None
         self.logged: set[str] = set()

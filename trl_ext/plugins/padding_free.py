@@ -79,6 +79,7 @@ import torch
 from .._logging import get_logger
 from ..errors import UsageError
 from ..hookspecs import hookimpl
+from ..spec import Flag, PluginSpec, boolean, one_of
 from ..varlen import (
     PACKING_KEY,
     VARLEN_BASES,
@@ -96,15 +97,35 @@ from ..varlen import (
 logger = get_logger(__name__)
 
 NAME = "padding_free"
-TRL_EXT_FLAGS = ("padding_free",)
-TRL_EXT_TRAINERS = ("DPOTrainer",)
+
+
+@dataclasses.dataclass(frozen=True)
+class PaddingFreeOptions:
+    """Options of the `padding_free` plugin (`plugins: {padding_free: {...}}`).
+
+    Args:
+        attention (`str`, *optional*, defaults to `"auto"`):
+            How `sdpa`/`eager` models keep packed sequences apart: `"auto"` and `"varlen"` use the per-segment
+            attention, `"dense"` transformers' block-diagonal mask. Flash-attention models always use their own
+            varlen kernels.
+    """
+
+    attention: str = dataclasses.field(default="auto", metadata={"parse": one_of("auto", "varlen", "dense")})
+
+
+TRL_EXT_PLUGIN = PluginSpec(
+    name=NAME,
+    summary="Packed (padding-free) DPO: no compute spent on padding, equal to padded training.",
+    flags=(Flag(NAME, default=False, parse=boolean, help="Pack DPO sequences so no compute is spent on padding."),),
+    options=PaddingFreeOptions,
+    trainers=("DPOTrainer",),
+    trl_flag="padding_free",  # DPOConfig.padding_free, ignored by TRL >= 0.29 (see _compat.TRL_IGNORED_FLAGS)
+)
 
 #: `config.model_type`s whose packed forward equals the padded one, checked by
 #: tests/plugins/test_padding_free.py::test_architectures (fp64, varlen and dense attention, sdpa and eager).
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma3_text", "phi3", "olmo2")
 _FLASH = ("flash_attention_2", "flash_attention_3", "flash_attention_4")
-_ATTENTION_OPTIONS = ("auto", "varlen", "dense")
-_OPTIONS = {"attention": _ATTENTION_OPTIONS}
 # Batch keys of vision-language collators (DataCollatorForVisionPreference, VLM processors).
 _VISION_KEYS = (
     "pixel_values",
@@ -136,25 +157,10 @@ class PaddingFreeState:
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-@hookimpl
-def trl_ext_validate_config(config, options, trl_version):
-    unknown = sorted(set(options) - set(_OPTIONS))
-    if unknown:
-        raise UsageError(
-            f"Unknown option(s) {unknown} for plugin `padding_free`; known options: {sorted(_OPTIONS)} "
-            f"(`plugins: {{padding_free: {{attention: auto}}}}`)."
-        )
-    attention = options.get("attention", "auto")
-    if attention not in _ATTENTION_OPTIONS:
-        raise UsageError(
-            f"`plugins.padding_free.attention` must be one of {list(_ATTENTION_OPTIONS)}, got {attention!r}."
-        )
-
-
 def _state(context) -> PaddingFreeState:
     state = context.state.get(NAME)
     if state is None:
-        state = context.state[NAME] = PaddingFreeState(attention=context.options(NAME).get("attention", "auto"))
+        state = context.state[NAME] = PaddingFreeState(attention=context.options(NAME).attention)
     return state
 
 

@@ -65,7 +65,6 @@ import hashlib
 import json
 import math
 import os
-import re
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -75,15 +74,51 @@ from typing import Any
 from .._logging import get_logger
 from ..errors import UsageError
 from ..hookspecs import hookimpl
-
-TRL_EXT_FLAGS = ("precompute_ref_batch_size",)
-TRL_EXT_TRAINERS = ("DPOTrainer",)
+from ..spec import Flag, PluginSpec, Size, either, one_of, optional, positive_int, size, text
 
 NAME = "precompute_ref_batch_size"
+
+
+@dataclass(frozen=True)
+class PrecomputeOptions:
+    """Options of the `precompute_ref_batch_size` plugin (`plugins: {precompute_ref_batch_size: {...}}`).
+
+    Args:
+        cache_dir (`str`, *optional*):
+            Directory of a cache of reference log-probs keyed by everything that determines them; also makes an
+            interrupted precompute resumable. `None`: no cache.
+        ram_budget (`str`, `int` or `float`, *optional*, defaults to `0.25`):
+            Memory the `"auto"` probe may use per process on CPU: bytes (`"4GB"`, `"512MiB"`, an int), or a fraction
+            of the memory available when the precompute starts (`0.25`, `"25%"`), shared among the node's processes.
+        sort (`str`, *optional*, defaults to `"length"`):
+            `"length"` plans batches by length; `"none"` keeps TRL's dataset-order batches (for comparison).
+        shard_size (`int`, *optional*, defaults to `4096`):
+            Pairs per resume shard.
+    """
+
+    cache_dir: str | None = field(default=None, metadata={"parse": optional(text)})
+    ram_budget: Size = field(default=Size("fraction", 0.25), metadata={"parse": size})
+    sort: str = field(default="length", metadata={"parse": one_of("length", "none")})
+    shard_size: int = field(default=4096, metadata={"parse": positive_int})
+
+
+TRL_EXT_PLUGIN = PluginSpec(
+    name=NAME,
+    summary="Length-planned, cached, resumable reference log-prob precompute for DPO.",
+    flags=(
+        Flag(
+            NAME,
+            default=None,
+            parse=optional(either(positive_int, one_of("auto"))),
+            help='Pairs per batch for the reference precompute, or "auto" to probe the largest batch that fits.',
+            cli_const="auto",
+        ),
+    ),
+    options=PrecomputeOptions,
+    trainers=("DPOTrainer",),
+)
 #: Bumped whenever the layout or meaning of a cache entry changes, so old entries are never read.
 CACHE_FORMAT = 1
-_DEFAULTS = {"cache_dir": None, "ram_budget": 0.25, "sort": "length", "shard_size": 4096}
-_SORTS = ("length", "none")
 _TOKEN_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
 _REF_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
 #: `"auto"` stops doubling when real tokens/s grew by < 10%, but only past this many tokens per batch: below it, fixed
@@ -96,89 +131,13 @@ logger = get_logger(__name__)
 
 
 # -------------------------------------------------------------------------------------------------------------------
-# Options
-# -------------------------------------------------------------------------------------------------------------------
-
-_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12}
-_UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
-
-
-def parse_ram_budget(value: Any) -> tuple[str, float]:
-    """`("bytes", n)` or `("fraction", f)` from `"4GB"`, `"512MiB"`, `1 << 30`, `0.25` or `"25%"`."""
-    where = f"plugins.{NAME}.ram_budget"
-    hint = 'use bytes ("4GB", "512MiB", an integer) or a fraction of the available memory (0.25 or "25%")'
-    if isinstance(value, bool):
-        raise UsageError(f"`{where}` must be a memory size, got {value!r}: {hint}.")
-    if isinstance(value, int):
-        if value <= 0:
-            raise UsageError(f"`{where}` must be positive, got {value!r}: {hint}.")
-        return ("bytes", float(value))
-    if isinstance(value, float):
-        if not 0 < value <= 1:
-            raise UsageError(f"`{where}` as a float is a fraction in (0, 1], got {value!r}: {hint}.")
-        return ("fraction", value)
-    if isinstance(value, str):
-        text = value.strip().lower().replace(" ", "")
-        if text.endswith("%"):
-            try:
-                pct = float(text[:-1])
-            except ValueError:
-                pct = -1.0
-            if 0 < pct <= 100:
-                return ("fraction", pct / 100)
-            raise UsageError(f"`{where}` percentage must be in (0, 100], got {value!r}: {hint}.")
-        match = re.fullmatch(r"(\d+(?:\.\d+)?)([a-z]*)", text)
-        if match and match.group(2) in _UNITS:
-            number = float(match.group(1))
-            if match.group(2) == "" and number <= 1 and "." in match.group(1):
-                return parse_ram_budget(number)
-            size = number * _UNITS[match.group(2)]
-            if size > 0:
-                return ("bytes", size)
-    raise UsageError(f"`{where}` must be a memory size, got {value!r}: {hint}.")
-
-
-def _options(raw: dict[str, Any]) -> dict[str, Any]:
-    """Validate and normalise this plugin's options; raises `UsageError`."""
-    unknown = sorted(set(raw) - set(_DEFAULTS))
-    if unknown:
-        raise UsageError(
-            f"Unknown option(s) {unknown} for the trl-ext plugin `{NAME}`. Known options: {sorted(_DEFAULTS)}."
-        )
-    opts = {**_DEFAULTS, **raw}
-    cache_dir = opts["cache_dir"]
-    if cache_dir is not None and not isinstance(cache_dir, (str, os.PathLike)):
-        raise UsageError(f"`plugins.{NAME}.cache_dir` must be a directory path, got {cache_dir!r}.")
-    if cache_dir is not None and str(cache_dir).strip() == "":
-        raise UsageError(f"`plugins.{NAME}.cache_dir` must be a directory path, got an empty string.")
-    opts["ram_budget"] = parse_ram_budget(opts["ram_budget"])
-    if opts["sort"] not in _SORTS:
-        raise UsageError(f"`plugins.{NAME}.sort` must be one of {list(_SORTS)}, got {opts['sort']!r}.")
-    size = opts["shard_size"]
-    if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
-        raise UsageError(f"`plugins.{NAME}.shard_size` must be a positive integer (pairs per shard), got {size!r}.")
-    return opts
-
-
-# -------------------------------------------------------------------------------------------------------------------
 # Hooks
 # -------------------------------------------------------------------------------------------------------------------
 
 
 @hookimpl
-def trl_ext_validate_config(config, options, trl_version):
-    _options(options)
-    if options and config.precompute_ref_batch_size is None:
-        logger.warning(
-            "trl-ext: options are given for `%s`, but the flag `precompute_ref_batch_size` is not set, so the plugin "
-            'is off. Set `precompute_ref_batch_size=<int>` or `"auto"` to enable it.',
-            NAME,
-        )
-
-
-@hookimpl
 def trl_ext_trainer_init_start(trainer, context, init_kwargs):
-    context.state[NAME] = PrecomputeState(options=_options(context.options(NAME)))
+    context.state[NAME] = PrecomputeState(options=context.options(NAME))
     args = init_kwargs.get("args")
     if not getattr(args, "precompute_ref_log_probs", False):
         logger.warning(
@@ -199,7 +158,7 @@ def trl_ext_make_ref_precompute(trainer, context, dataset, name, batch_size):
         )
     state = context.state.get(NAME)
     if state is None:  # trainer built before this hook module saw it (cannot happen through install())
-        state = context.state[NAME] = PrecomputeState(options=_options(context.options(NAME)))
+        state = context.state[NAME] = PrecomputeState(options=context.options(NAME))
     return _Precompute(trainer, context, state, dataset, name).run()
 
 
@@ -215,7 +174,7 @@ class PrecomputeState:
         model_hash: the hash of the reference weights, taken at the first precompute.
     """
 
-    options: dict[str, Any]
+    options: PrecomputeOptions
     runs: list[dict[str, Any]] = field(default_factory=list)
     token_budget: float | None = None
     model_hash: str | None = None
@@ -556,7 +515,7 @@ class _Precompute:
         Only the main process touches the disk, so a failure here must not raise: the other ranks would be left
         waiting in the next collective.
         """
-        root = self.opts["cache_dir"]
+        root = self.opts.cache_dir
         if root is None:
             import datasets.config
 
@@ -672,7 +631,7 @@ class _Precompute:
         """Planning order of `indices`: longest first (so "auto" and out-of-memory meet the worst batch first)."""
         import numpy as np
 
-        if self.opts["sort"] == "none":
+        if self.opts.sort == "none":
             return np.sort(indices)
         return indices[np.argsort(-self.unit_cost[indices], kind="stable")]
 
@@ -849,7 +808,7 @@ class _Precompute:
             "packed" if self.packed else "padded",
             count,
         )
-        shard = self.opts["shard_size"]
+        shard = self.opts.shard_size
         pending: list[tuple] = []
         pending_pairs = 0
         for j in range(count):
@@ -875,7 +834,7 @@ class _Precompute:
         if device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
             return _GPU_MEMORY_FRACTION * free
-        kind, value = self.opts["ram_budget"]
+        kind, value = self.opts.ram_budget.kind, self.opts.ram_budget.value
         if kind == "bytes":
             return value
         import psutil

@@ -95,12 +95,18 @@ from .. import _compat
 from .._logging import get_logger
 from ..errors import UsageError
 from ..hookspecs import hookimpl
+from ..spec import Flag, PluginSpec, boolean
 
 logger = get_logger(__name__)
 
 NAME = "sync_metrics"
-TRL_EXT_FLAGS = ("sync_metrics",)
-TRL_EXT_TRAINERS = ("DPOTrainer", "OnlineDPOTrainer")
+
+TRL_EXT_PLUGIN = PluginSpec(
+    name=NAME,
+    summary="Exact global metrics with one collective per logging step.",
+    flags=(Flag(NAME, default=False, parse=boolean, help="Log exact global metrics, one collective per log step."),),
+    trainers=("DPOTrainer", "OnlineDPOTrainer"),
+)
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Metric schemas
@@ -719,15 +725,6 @@ def _install_loss_deferral(trainer: Any, context: Any, state: SyncMetricsState) 
 # ---------------------------------------------------------------------------------------------------------------------
 # Hooks
 # ---------------------------------------------------------------------------------------------------------------------
-
-
-@hookimpl
-def trl_ext_validate_config(config, options, trl_version):
-    if options:
-        raise UsageError(
-            f"`sync_metrics` has no options, got {sorted(options)} under `plugins: {{sync_metrics: ...}}`. Remove "
-            f"them; `sync_metrics=True` is all it takes."
-        )
 
 
 @hookimpl

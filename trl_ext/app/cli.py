@@ -6,14 +6,14 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from . import __version__, _compat
-from .errors import UsageError
+from .. import __version__, _compat
+from ..errors import UsageError
 
 _VERSIONED = ("trl", "transformers", "torch", "accelerate", "deepspeed", "peft", "pluggy")
 
 
 def _cmd_plugins(args: argparse.Namespace) -> int:
-    from .manager import make_plugin_manager, plugin_info
+    from ..manager import make_plugin_manager, plugin_info
 
     pm = make_plugin_manager(args.block or ())
     trl_version = _compat.installed_version("trl")
@@ -27,17 +27,18 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
                 info.name,
                 "built-in" if info.builtin else f"third-party ({info.source})",
                 ", ".join(info.flags) or f"plugins.{info.name}",
+                ", ".join(info.options) or "-",
                 ", ".join(info.trainers) if info.trainers else "all",
                 applies,
                 info.summary,
             )
         )
     for name in args.block or ():
-        rows.append((name, "blocked", "-", "-", "no (blocked)", ""))
+        rows.append((name, "blocked", "-", "-", "-", "no (blocked)", ""))
     if not rows:
         print("No trl-ext plugins are installed.")
         return 0
-    header = ("plugin", "kind", "flags", "trainers", "applies", "summary")
+    header = ("plugin", "kind", "flags", "options", "trainers", "applies", "summary")
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header) - 1)]
     for row in [header, *rows]:
         print("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=False)) + "  " + row[-1])

@@ -19,9 +19,9 @@ import tempfile
 from collections.abc import Sequence
 from typing import Any
 
-from ._logging import get_logger
-from .config import TrlExtConfig, load_config
-from .errors import UsageError
+from .._logging import get_logger
+from ..config import TrlExtConfig, load_config
+from ..errors import UsageError
 
 logger = get_logger(__name__)
 
@@ -29,27 +29,48 @@ _PREFIX = "--trl_ext_"
 _EXTRA_KEYS = ("config",)  # --trl_ext_config PATH: a trl-ext YAML of its own
 
 
+def _cli_name(token: str) -> str | None:
+    """`--trl_ext_padding_free` and `--trl-ext-padding-free` -> `padding_free`; None for other tokens."""
+    head = token.split("=", 1)[0]
+    if not (head.startswith("--trl_ext_") or head.startswith("--trl-ext-")):
+        return None
+    return head[len(_PREFIX) :].replace("-", "_")
+
+
 def split_argv(argv: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
-    """Take `--trl_ext_<flag> VALUE` / `--trl_ext_<flag>=VALUE` out of `argv`; a flag with no value means `true`."""
+    """Take `--trl_ext_<flag> VALUE` / `--trl_ext_<flag>=VALUE` (dashes or underscores) out of `argv`.
+
+    The flags are those the installed plugins declare, plus `--trl_ext_plugins JSON`, `--trl_ext_block A,B` and
+    `--trl_ext_config PATH`. A flag given without a value takes its declared `cli_const` (usually `true`).
+    """
+    from ..manager import load_catalog
+
+    catalog = load_catalog()[0]
     flags: dict[str, Any] = {}
     rest: list[str] = []
     argv = list(argv)
     i = 0
     while i < len(argv):
         token = argv[i]
-        if token.startswith(_PREFIX):
-            name, eq, value = token[len(_PREFIX) :].partition("=")
-            if not eq:
-                if i + 1 < len(argv) and not argv[i + 1].startswith("--"):
-                    value = argv[i + 1]
-                    i += 1
-                else:
-                    value = "true"
-            if name not in TrlExtConfig.flag_names() and name not in _EXTRA_KEYS:
-                load_config(flags={name: value}, environ={})  # raises the UsageError with a suggestion
-            flags[name] = value
-        else:
+        name = _cli_name(token)
+        if name is None:
             rest.append(token)
+            i += 1
+            continue
+        _, eq, value = token.partition("=")
+        if not eq:
+            if i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                value = argv[i + 1]
+                i += 1
+            elif name in catalog.flags:
+                value = catalog.flags[name][0].cli_const
+            else:
+                value = "true"
+        if name not in catalog.flags and name not in (*_EXTRA_KEYS, "plugins", "block"):
+            from ..config import unknown_flag_message
+
+            raise UsageError(unknown_flag_message(catalog, name, f"the command line ({token.split('=', 1)[0]})"))
+        flags[name] = value
         i += 1
     return flags, rest
 
@@ -88,7 +109,8 @@ def _resolve_config(argv: Sequence[str]) -> tuple[TrlExtConfig, list[str], str |
         if section:
             raise UsageError("Give trl-ext flags either in the recipe's `trl_ext:` section or in `--trl_ext_config`.")
         base = own_file
-    return load_config(base, flags=flags), rest, stripped
+    sources = {name: f"the command line (--trl_ext_{name})" for name in flags}
+    return load_config(base, flags=flags, sources=sources), rest, stripped
 
 
 def _prepare_cpu_deepspeed() -> bool:
@@ -238,7 +260,7 @@ def run_online_dpo(argv: Sequence[str]) -> int:
 def _installed_for_job(config: TrlExtConfig, cpu_deepspeed: bool):
     """trl-ext installed for the job; afterwards report the plugins each trainer ran with, uninstall, and on CPU
     DeepSpeed end the process the safe way."""
-    from . import install
+    from .. import install
 
     installation = install(config)
     installation.keep_records = True

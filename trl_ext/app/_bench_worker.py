@@ -92,7 +92,7 @@ def _collectives(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m trl_ext._bench_worker")
+    parser = argparse.ArgumentParser(prog="python -m trl_ext.app._bench_worker")
     sub = parser.add_subparsers(dest="command", required=True)
     c = sub.add_parser("collectives")
     c.add_argument("--out", required=True)

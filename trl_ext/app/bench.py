@@ -27,9 +27,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from . import __version__, _compat
+from .. import __version__, _compat
 
-_WORKER = "trl_ext._bench_worker"
+_WORKER = "trl_ext.app._bench_worker"
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -263,7 +263,7 @@ def _bench_generation(setup: _Setup, quick: bool) -> dict[str, Any]:
         return {"skipped": "DeepSpeed is not installed (pip install trl-ext[deepspeed])"}
     torchrun = Path(sys.executable).with_name("torchrun")
     out = setup.out / "generation.json"
-    cmd = [str(torchrun), "--standalone", "--nproc_per_node", "2", "-m", "trl_ext._bench_generation"]
+    cmd = [str(torchrun), "--standalone", "--nproc_per_node", "2", "-m", "trl_ext.app._bench_generation"]
     cmd += ["--json", str(out), "--output-dir", str(setup.out / "runs" / "generation")]
     cmd += (
         ["--repeats", "1", "--layers", "4", "--hidden", "256", "--new-tokens", "16"] if quick else ["--repeats", "2"]
@@ -420,7 +420,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch
     from transformers.utils import logging as hf_logging
 
-    from .plugins import BUILTIN_PLUGINS
+    from ..manager import load_catalog
 
     # Our own progress lines replace the libraries' bars and warnings, which would bury them.
     datasets.disable_progress_bars()
@@ -438,15 +438,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         "sections": {},
     }
     wanted = args.only or ["padding_free", "precompute", "sync_metrics", "generation"]
-    plugin_of = {
+    # Each section measures the flag it is named after; the flag table says whether a plugin provides it.
+    flag_of = {
         "padding_free": "padding_free",
         "precompute": "precompute_ref_batch_size",
         "sync_metrics": "sync_metrics",
-        "generation": "generation",
+        "generation": "ds3_gather_for_generation",
     }
+    available = load_catalog()[0].flags
     for section in wanted:
-        if plugin_of[section] not in BUILTIN_PLUGINS:
-            report["sections"][section] = {"skipped": f"plugin `{plugin_of[section]}` is not in this release"}
+        if flag_of[section] not in available:
+            report["sections"][section] = {"skipped": f"no installed plugin provides `{flag_of[section]}`"}
             continue
         try:
             if section == "padding_free":

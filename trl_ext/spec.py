@@ -1,0 +1,436 @@
+"""How a plugin declares itself: its flags, its options, the trainers it applies to and the TRL flag it serves.
+
+A plugin module (built-in or third-party) sets one module attribute, `TRL_EXT_PLUGIN`, next to its hook
+implementations:
+
+```python
+from dataclasses import dataclass, field
+
+import trl_ext
+from trl_ext.spec import Flag, PluginSpec, boolean, one_of
+
+
+@dataclass(frozen=True)
+class FusedLossOptions:
+    \"\"\"Options of the `fused_loss` plugin.
+
+    Args:
+        chunk (`int`, *optional*, defaults to `1024`):
+            Tokens per chunk of the fused loss.
+    \"\"\"
+
+    chunk: int = field(default=1024, metadata={"parse": trl_ext.spec.positive_int})
+
+
+TRL_EXT_PLUGIN = PluginSpec(
+    name="fused_loss",
+    summary="Chunked fused DPO loss.",
+    flags=(Flag("fused_loss", default=False, parse=boolean, help="Compute the DPO loss in chunks."),),
+    options=FusedLossOptions,
+    trainers=("DPOTrainer",),
+)
+
+
+@trl_ext.hookimpl
+def trl_ext_trainer_init_end(trainer, context):
+    options = context.options("fused_loss")  # a FusedLossOptions instance
+```
+
+From these declarations trl-ext builds the flag table shared by `install(**flags)`, `TRL_EXT_<FLAG>` environment
+variables, YAML files, the `--trl_ext_<flag>` command-line flags and `trl-ext plugins`, and it validates every value
+with the declared parser. Every mistake is the same `trl_ext.UsageError`, naming the flag and where it came from.
+
+Parsers take a Python value or a string (from the environment, YAML or the command line) and return the normalised
+value, or raise `ValueError`. Each parser has an `expects` text used in error messages ("true or false").
+
+This module imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import UsageError
+
+__all__ = [
+    "Flag",
+    "Parser",
+    "PluginSpec",
+    "Size",
+    "boolean",
+    "either",
+    "non_negative_float",
+    "one_of",
+    "optional",
+    "parse_size",
+    "positive_int",
+    "size",
+    "text",
+]
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# Parsers: one grammar for flags and options, whatever their source
+# -------------------------------------------------------------------------------------------------------------------
+
+
+class Parser:
+    """A value parser: `parser(value)` returns the normalised value or raises `ValueError`.
+
+    Args:
+        function (`Callable[[Any], Any]`): does the parsing.
+        expects (`str`): what a valid value looks like, for error messages ("a positive integer").
+    """
+
+    def __init__(self, function: Callable[[Any], Any], expects: str) -> None:
+        self.function = function
+        self.expects = expects
+
+    def __call__(self, value: Any) -> Any:
+        return self.function(value)
+
+    def __repr__(self) -> str:
+        return f"<Parser {self.expects}>"
+
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+_NONE = {"none", "null"}
+
+
+def _boolean(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+        return value.strip().lower() in _TRUE
+    raise ValueError(value)
+
+
+#: `True`/`False`, or `"true"/"false"/"1"/"0"/"yes"/"no"/"on"/"off"` in any case.
+boolean = Parser(_boolean, "true or false")
+
+
+def _positive_int(value: Any) -> int:
+    if isinstance(value, str):
+        try:
+            value = int(value.strip())
+        except ValueError:
+            raise ValueError(value) from None
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    raise ValueError(value)
+
+
+#: An integer > 0 (`8`, `"8"`).
+positive_int = Parser(_positive_int, "a positive integer")
+
+
+def _non_negative_float(value: Any) -> float:
+    if isinstance(value, str):
+        try:
+            value = float(value.strip())
+        except ValueError:
+            raise ValueError(value) from None
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0:
+        return float(value)
+    raise ValueError(value)
+
+
+#: A finite number >= 0.
+non_negative_float = Parser(_non_negative_float, "a number >= 0")
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, str) and value.strip():
+        return value
+    if hasattr(value, "__fspath__"):
+        return str(value.__fspath__())
+    raise ValueError(value)
+
+
+#: A non-empty string (a path, a name).
+text = Parser(_text, "a non-empty string")
+
+
+def one_of(*choices: str) -> Parser:
+    """One of `choices` (case-insensitive), returned in the spelling of `choices`."""
+
+    def parse(value: Any) -> str:
+        if isinstance(value, str):
+            for choice in choices:
+                if value.strip().lower() == choice.lower():
+                    return choice
+        raise ValueError(value)
+
+    return Parser(parse, " or ".join(f'"{c}"' for c in choices))
+
+
+def optional(parser: Parser) -> Parser:
+    """`None` (or `"none"`, `"null"`), else what `parser` accepts."""
+
+    def parse(value: Any) -> Any:
+        if value is None or (isinstance(value, str) and value.strip().lower() in _NONE):
+            return None
+        return parser(value)
+
+    expects = parser.expects
+    if " or " in expects:  # 'a positive integer or "auto"' -> 'a positive integer, "auto" or None'
+        head, _, tail = expects.rpartition(" or ")
+        expects = f"{head}, {tail}"
+    return Parser(parse, f"{expects} or None")
+
+
+def either(*parsers: Parser) -> Parser:
+    """The first of `parsers` that accepts the value."""
+
+    def parse(value: Any) -> Any:
+        for parser in parsers:
+            try:
+                return parser(value)
+            except ValueError:
+                continue
+        raise ValueError(value)
+
+    return Parser(parse, ", ".join(p.expects for p in parsers[:-1]) + f" or {parsers[-1].expects}")
+
+
+@dataclass(frozen=True)
+class Size:
+    """A memory size: `kind` is `"bytes"` (an absolute number of bytes) or `"fraction"` (of a reference amount that
+    the option documents, e.g. the available memory)."""
+
+    kind: str
+    value: float
+
+    def resolve(self, reference: float) -> float:
+        """Bytes: the size itself, or the fraction of `reference`."""
+        return self.value if self.kind == "bytes" else self.value * reference
+
+    def __str__(self) -> str:
+        return f"{self.value:.0f} bytes" if self.kind == "bytes" else f"{self.value:.0%}"
+
+
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12}
+_UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
+
+
+def parse_size(value: Any) -> Size:
+    """The one size grammar of trl-ext.
+
+    - bytes: an `int` (`1 << 30`), or a string with an optional unit: `"4GB"`, `"512MiB"`, `"1.5 GiB"`, `"1000"`;
+    - a fraction: a `float` in (0, 1] (`0.25`), the same as a string (`"0.25"`), or a percentage (`"25%"`).
+
+    Raises `ValueError` for anything else (booleans, zero, negative sizes, unknown units).
+    """
+    if isinstance(value, bool) or value is None:
+        raise ValueError(value)
+    if isinstance(value, int):
+        if value > 0:
+            return Size("bytes", float(value))
+        raise ValueError(value)
+    if isinstance(value, float):
+        if 0 < value <= 1:
+            return Size("fraction", value)
+        raise ValueError(value)
+    if isinstance(value, str):
+        compact = value.strip().lower().replace(" ", "")
+        if compact.endswith("%"):
+            try:
+                percent = float(compact[:-1])
+            except ValueError:
+                raise ValueError(value) from None
+            if 0 < percent <= 100:
+                return Size("fraction", percent / 100)
+            raise ValueError(value)
+        match = re.fullmatch(r"(\d+(?:\.\d*)?|\.\d+)([a-z]*)", compact)
+        if match and match.group(2) in _UNITS:
+            number = float(match.group(1))
+            if match.group(2) == "" and "." in match.group(1):
+                return parse_size(number)  # "0.25" from YAML or the environment: a fraction
+            if number > 0:
+                return Size("bytes", number * _UNITS[match.group(2)])
+    raise ValueError(value)
+
+
+#: `parse_size` as a parser.
+size = Parser(parse_size, 'a size ("4GB", "512MiB", a number of bytes) or a fraction (0.25 or "25%")')
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# Declarations
+# -------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Flag:
+    """A top-level trl-ext flag owned by one plugin. Setting it to anything but its default enables the plugin.
+
+    Args:
+        name (`str`):
+            The flag, the same in Python (`install(name=...)`), the environment (`TRL_EXT_<NAME>`), YAML and the
+            command line (`--trl_ext_<name>`).
+        default (`Any`):
+            The value that leaves the plugin off. Must be accepted by `parse`.
+        parse (`Parser`):
+            Parses values from any source (Python values, or strings from the environment, YAML, the CLI).
+        help (`str`):
+            One line for `--help` and `trl-ext plugins`.
+        cli_const (`Any`, *optional*, defaults to `True`):
+            The value of a bare `--trl_ext_<name>` given without a value.
+    """
+
+    name: str
+    default: Any
+    parse: Parser
+    help: str
+    cli_const: Any = True
+
+
+@dataclass(frozen=True)
+class PluginSpec:
+    """What a plugin is, declared in its own module as `TRL_EXT_PLUGIN = PluginSpec(...)`.
+
+    Args:
+        name (`str`):
+            The plugin's name: the same as its module (built-in) or entry-point name (third-party), its key under
+            `plugins:` and in log lines.
+        summary (`str`):
+            One line for `trl-ext plugins`.
+        flags (`tuple[Flag, ...]`, *optional*, defaults to `()`):
+            The flags it owns. A plugin with flags is enabled when one of them is not at its default; a plugin
+            without flags is enabled by naming it under `plugins:`.
+        options (`type`, *optional*):
+            A frozen dataclass of its options, every field with a default, documented in an HF-style `Args:`
+            docstring. A field's `metadata["parse"]` (a `Parser`) validates values given by the user; the dataclass'
+            `__post_init__` may check combinations and raise `ValueError` or `UsageError`. `None`: no options.
+        trainers (`tuple[str, ...]`, *optional*):
+            Stock trainer class names it applies to (`"DPOTrainer"`, `"OnlineDPOTrainer"`, ...); `None`: all of them.
+        trl_flag (`str`, *optional*):
+            A TRL config field that TRL accepts but ignores and this plugin implements (`DPOConfig.padding_free`).
+            Setting it on a trainer's TRL config enables the plugin for that trainer.
+    """
+
+    name: str
+    summary: str = ""
+    flags: tuple[Flag, ...] = ()
+    options: type | None = None
+    trainers: tuple[str, ...] | None = None
+    trl_flag: str | None = None
+
+    def __post_init__(self) -> None:
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", self.name or ""):
+            raise UsageError(f"PluginSpec name {self.name!r} must be a Python identifier (it is a flag/option key).")
+        for flag in self.flags:
+            if not isinstance(flag, Flag):
+                raise UsageError(f"Plugin `{self.name}`: `flags` must hold `trl_ext.spec.Flag` objects, got {flag!r}.")
+            try:
+                if flag.parse(flag.default) != flag.default:
+                    raise ValueError(flag.default)
+            except ValueError:
+                raise UsageError(
+                    f"Plugin `{self.name}`: the default {flag.default!r} of flag `{flag.name}` is not a normalised "
+                    f"value of its parser ({flag.parse.expects})."
+                ) from None
+        if self.options is not None:
+            if not (dataclasses.is_dataclass(self.options) and isinstance(self.options, type)):
+                raise UsageError(f"Plugin `{self.name}`: `options` must be a dataclass type, got {self.options!r}.")
+            if not self.options.__dataclass_params__.frozen:  # type: ignore[attr-defined]
+                raise UsageError(
+                    f"Plugin `{self.name}`: the options dataclass `{self.options.__name__}` must be frozen."
+                )
+            for f in dataclasses.fields(self.options):
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                    raise UsageError(
+                        f"Plugin `{self.name}`: option `{f.name}` of `{self.options.__name__}` needs a default."
+                    )
+        if self.trainers is not None and (isinstance(self.trainers, str) or not self.trainers):
+            raise UsageError(f"Plugin `{self.name}`: `trainers` must be a non-empty tuple of class names or None.")
+
+    @property
+    def flag_names(self) -> tuple[str, ...]:
+        return tuple(f.name for f in self.flags)
+
+    def option_names(self) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(self.options)) if self.options is not None else ()
+
+    def option_help(self) -> dict[str, str]:
+        """Each option's description, read from the options dataclass' `Args:` docstring."""
+        return parse_args_docstring(self.options.__doc__ or "") if self.options is not None else {}
+
+    def applies_to(self, trainer_class: str) -> bool:
+        return self.trainers is None or trainer_class in self.trainers
+
+    def make_options(self, raw: Mapping[str, Any], source: str) -> Any:
+        """Build the options dataclass from user values; every mistake is a `UsageError` naming the option."""
+        if self.options is None:
+            if raw:
+                raise UsageError(
+                    f"`plugins.{self.name}` gives options {sorted(raw)} (from {source}), but the plugin `{self.name}` "
+                    "has no options. Use `{}`."
+                )
+            return None
+        known = self.option_names()
+        unknown = sorted(set(raw) - set(known))
+        if unknown:
+            import difflib
+
+            hints = [
+                f"`{u}` (did you mean `{m[0]}`?)" if (m := difflib.get_close_matches(u, known, 1)) else f"`{u}`"
+                for u in unknown
+            ]
+            raise UsageError(
+                f"Unknown option(s) {', '.join(hints)} for the trl-ext plugin `{self.name}` (from {source}). Known "
+                f"options: {', '.join(known) or 'none'}."
+            )
+        values = {}
+        fields = {f.name: f for f in dataclasses.fields(self.options)}
+        for key, value in raw.items():
+            parser = fields[key].metadata.get("parse")
+            if parser is not None:
+                try:
+                    value = parser(value)
+                except ValueError:
+                    raise UsageError(
+                        f"`plugins.{self.name}.{key}` must be {parser.expects}, got {value!r} (from {source})."
+                    ) from None
+            values[key] = value
+        try:
+            return self.options(**values)
+        except UsageError:
+            raise
+        except (ValueError, TypeError) as exc:
+            raise UsageError(f"`plugins.{self.name}`: {exc} (from {source}).") from None
+
+
+def parse_args_docstring(doc: str) -> dict[str, str]:
+    """`{name: description}` from an HF/Google-style `Args:` section."""
+    out: dict[str, str] = {}
+    lines = doc.expandtabs().splitlines()
+    try:
+        start = next(i for i, line in enumerate(lines) if line.strip() == "Args:")
+    except StopIteration:
+        return out
+    indent = None
+    current = None
+    for line in lines[start + 1 :]:
+        if not line.strip():
+            continue
+        depth = len(line) - len(line.lstrip())
+        if indent is None:
+            indent = depth
+        if depth < indent:
+            break
+        if depth == indent:
+            match = re.match(r"\s*(\w+)\s*(\(.*\))?\s*:\s*(.*)", line)
+            if not match:
+                break
+            current = match.group(1)
+            out[current] = match.group(3).strip()
+        elif current is not None:
+            out[current] = (out[current] + " " + line.strip()).strip()
+    return out
