@@ -14,10 +14,23 @@ Importing this package imports neither torch nor TRL; `install()` does.
 from __future__ import annotations
 
 from .config import TrlExtConfig
+from .context import TrainerContext
 from .errors import UsageError
 from .hookspecs import hookimpl, hookspec
 from .installation import Installation, install
+from .spec import Flag, PluginSpec
 
 __version__ = "0.1.0"
 
-__all__ = ["Installation", "TrlExtConfig", "UsageError", "__version__", "hookimpl", "hookspec", "install"]
+__all__ = [
+    "Flag",
+    "Installation",
+    "PluginSpec",
+    "TrainerContext",
+    "TrlExtConfig",
+    "UsageError",
+    "__version__",
+    "hookimpl",
+    "hookspec",
+    "install",
+]

@@ -7,12 +7,13 @@ plugins are the entry points of the `trl_ext` group. Both are loaded, checked an
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.metadata
 import pkgutil
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import pluggy
 
@@ -62,7 +63,7 @@ class TrlExtPluginManager(pluggy.PluginManager):
         if opts is None and name.startswith(_HOOK_PREFIX):
             method = getattr(plugin, name, None)
             if callable(method) and not isinstance(method, type):
-                opts = {}
+                opts = cast("pluggy.HookimplOpts", {})
         return opts
 
 
@@ -102,7 +103,7 @@ def _entry_points() -> list[importlib.metadata.EntryPoint]:
 def _sources() -> Iterator[_Source]:
     builtins = builtin_plugin_modules()
     for name, module in builtins.items():
-        yield _Source(name, module, True, lambda module=module: importlib.import_module(module))
+        yield _Source(name, module, True, functools.partial(importlib.import_module, module))
     for ep in _entry_points():
         if ep.name in builtins:
             dist = getattr(getattr(ep, "dist", None), "name", "?")

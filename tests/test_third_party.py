@@ -1,0 +1,176 @@
+"""A third-party plugin package, built in a temporary directory and installed with pip, used as users would.
+
+It has its own flag (`fused_loss`) and its own options dataclass, is found through the `trl_ext` entry-point group,
+and is enabled from Python, the environment, YAML and the `trl-ext dpo` command line. It records what it saw on the
+trainer, so each test checks that its hooks really ran with the parsed options.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+import trl_ext
+from trl_ext import UsageError
+from trl_ext.testing import make_model, make_preference_dataset, make_tokenizer, preference_rows
+
+PLUGIN_SOURCE = '''
+"""Chunked fused DPO loss (a third-party trl-ext plugin used by trl-ext's tests)."""
+
+from dataclasses import dataclass, field
+
+import trl_ext
+from trl_ext.spec import Flag, PluginSpec, boolean, positive_int
+
+
+@dataclass(frozen=True)
+class FusedLossOptions:
+    """Options of the `fused_loss` plugin.
+
+    Args:
+        chunk (`int`, *optional*, defaults to `1024`):
+            Tokens per chunk.
+    """
+
+    chunk: int = field(default=1024, metadata={"parse": positive_int})
+
+
+TRL_EXT_PLUGIN = PluginSpec(
+    name="fused_loss",
+    summary="Chunked fused DPO loss (test plugin).",
+    flags=(Flag("fused_loss", default=False, parse=boolean, help="Compute the DPO loss in chunks."),),
+    options=FusedLossOptions,
+    trainers=("DPOTrainer",),
+)
+
+
+@trl_ext.hookimpl
+def trl_ext_trainer_init_end(trainer, context):
+    trainer.fused_loss_chunk = context.options("fused_loss").chunk
+    print(f"[fused_loss] chunk={trainer.fused_loss_chunk}", flush=True)
+'''
+
+
+@pytest.fixture(scope="module")
+def plugin_site(tmp_path_factory) -> Path:
+    """`pip install` the package into its own directory (not into the test environment) and return that directory."""
+    src = tmp_path_factory.mktemp("trl_ext_fused_src")
+    (src / "trl_ext_fused.py").write_text(PLUGIN_SOURCE)
+    (src / "pyproject.toml").write_text(
+        textwrap.dedent(
+            """
+            [build-system]
+            requires = ["setuptools"]
+            build-backend = "setuptools.build_meta"
+
+            [project]
+            name = "trl-ext-fused"
+            version = "0.1.0"
+
+            [project.entry-points.trl_ext]
+            fused_loss = "trl_ext_fused"
+
+            [tool.setuptools]
+            py-modules = ["trl_ext_fused"]
+            """
+        )
+    )
+    site = tmp_path_factory.mktemp("site")
+    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target", str(site)]
+    proc = subprocess.run([*cmd, str(src)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert list(site.glob("trl_ext_fused-0.1.0.dist-info/entry_points.txt"))
+    return site
+
+
+@pytest.fixture
+def with_plugin(plugin_site, monkeypatch):
+    monkeypatch.syspath_prepend(str(plugin_site))
+    yield plugin_site
+    sys.modules.pop("trl_ext_fused", None)
+
+
+def _env(site: Path, **extra: str) -> dict[str, str]:
+    env = dict(os.environ, TQDM_DISABLE="1", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", **extra)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), env.get("PYTHONPATH", "")) if p)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
+    return env
+
+
+def _dpo_trainer(tokenizer, dpo_args):
+    from trl import DPOTrainer
+
+    return DPOTrainer(
+        make_model(seed=0),
+        ref_model=make_model(seed=0),
+        args=dpo_args(),
+        train_dataset=make_preference_dataset(4),
+        processing_class=tokenizer,
+    )
+
+
+def test_enabled_from_python(with_plugin, tokenizer, dpo_args):
+    with trl_ext.install(fused_loss=True, plugins={"fused_loss": {"chunk": 7}}) as installation:
+        assert "fused_loss" in installation.plugin_manager.catalog.specs
+        assert "fused_loss" not in installation.plugin_manager.catalog.builtin
+        trainer = _dpo_trainer(tokenizer, dpo_args)
+        assert trainer._trl_ext.enabled == ("fused_loss",)
+        assert trainer.fused_loss_chunk == 7
+    with pytest.raises(UsageError, match=r"`plugins.fused_loss.chunk` must be a positive integer, got 0"):
+        trl_ext.install(fused_loss=True, plugins={"fused_loss": {"chunk": 0}})
+    with pytest.raises(UsageError, match=r"Unknown trl-ext flag `fused_los`.*Did you mean `fused_loss`"):
+        trl_ext.install(fused_los=True)
+
+
+def test_enabled_from_the_environment_and_yaml(with_plugin, tokenizer, dpo_args, monkeypatch, tmp_path):
+    monkeypatch.setenv("TRL_EXT_FUSED_LOSS", "1")
+    monkeypatch.setenv("TRL_EXT_PLUGINS", json.dumps({"fused_loss": {"chunk": "3"}}))
+    with trl_ext.install():
+        assert _dpo_trainer(tokenizer, dpo_args).fused_loss_chunk == 3
+    monkeypatch.delenv("TRL_EXT_FUSED_LOSS")
+    monkeypatch.delenv("TRL_EXT_PLUGINS")
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump({"trl_ext": {"fused_loss": True, "plugins": {"fused_loss": {"chunk": 5}}}}))
+    monkeypatch.setenv("TRL_EXT_CONFIG", str(recipe))
+    with trl_ext.install():
+        assert _dpo_trainer(tokenizer, dpo_args).fused_loss_chunk == 5
+
+
+@pytest.mark.slow
+def test_listed_by_trl_ext_plugins(plugin_site):
+    exe = Path(sys.executable).with_name("trl-ext")
+    out = subprocess.run([exe, "plugins"], capture_output=True, text=True, env=_env(plugin_site), timeout=300)
+    assert out.returncode == 0, out.stderr
+    row = next(line for line in out.stdout.splitlines() if line.startswith("fused_loss"))
+    assert "third-party" in row and "chunk" in row and "DPOTrainer" in row
+
+
+@pytest.mark.slow
+def test_enabled_from_the_trl_ext_dpo_command_line(plugin_site, tmp_path):
+    model_dir = tmp_path / "model"
+    make_model(seed=0).save_pretrained(model_dir)
+    make_tokenizer().save_pretrained(model_dir)
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    (data_dir / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in preference_rows(4, seed=1)))
+    exe = Path(sys.executable).with_name("trl-ext")
+    args = [
+        exe, "dpo",
+        "--model_name_or_path", str(model_dir), "--dataset_name", str(data_dir), "--output_dir", str(tmp_path / "out"),
+        "--per_device_train_batch_size", "2", "--max_steps", "1", "--report_to", "none", "--use_cpu", "true",
+        "--save_strategy", "no", "--max_length", "64",
+        "--trl-ext-fused-loss", "--trl_ext_plugins", json.dumps({"fused_loss": {"chunk": 11}}),
+    ]  # fmt: skip
+    proc = subprocess.run(args, capture_output=True, text=True, env=_env(plugin_site), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "[fused_loss] chunk=11" in proc.stdout
+    help_text = subprocess.run([exe, "dpo", "--help"], capture_output=True, text=True, env=_env(plugin_site))
+    assert help_text.returncode == 0, help_text.stderr[-2000:]
+    assert "--trl_ext_fused_loss" in help_text.stdout
