@@ -17,8 +17,11 @@ from typing import Any
 WORLD = 2
 
 #: The tiny model every cell trains (trl_ext.testing.make_model); 4 layers so that one FSDP2 unit is a small part of
-#: the model (the generation memory check). The reference model is the same weights.
+#: the model (the generation memory check).
 MODEL = dict(num_layers=4, seed=0)
+#: The reference model is another seed: with the reference equal to the initial policy every reward of the first step
+#: is exactly 0, and `rewards/accuracies` (a strict `>`) flips on the float32 rounding of precomputed log-probs.
+REF_SEED = 1
 DPO_PAIRS = 16  # 2 pairs per rank and step, 2 ranks: 4 steps per epoch, no uneven last batch
 DPO_STEPS = 3
 ONLINE_PROMPTS = 8

@@ -162,6 +162,7 @@ def test_stock_runs_under_engine(engine_run, engine, name):
     run = engine_run(engine)
     for record in _records(run, name):
         assert record["plugins"] == []
+        assert record["ref_forwards"] > 0  # the reference is computed on the fly, the baseline of precompute cells
         assert record["world"] == WORLD
         _assert_engine(engine, record)
 
@@ -195,6 +196,10 @@ def test_cell_matches_stock(engine_run, engine, name):
         assert "refused" not in record, f"{name} under {engine} was refused: {record['refused']}"
         _assert_engine(engine, record)
         assert set(record["plugins"]) == {p if p != "ds3_gather_for_generation" else "generation" for p in c.flags}
+        if c.args.get("precompute_ref_log_probs"):
+            # the plugin really precomputed: no reference forward while training
+            assert record["precompute_runs"], record
+            assert record["ref_forwards"] == 0, record["ref_forwards"]
     stock = _records(run, c.baseline)
     tol = ENGINES[engine].rtol
     for got, want in zip(records, stock, strict=True):

@@ -32,7 +32,17 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TQDM_DISABLE", "1")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-from tests.scale.matrix import DPO_PAIRS, DPO_STEPS, ENGINES, MODEL, ONLINE_PROMPTS, ONLINE_STEPS, REFUSE, cells_for  # noqa: E402
+from tests.scale.matrix import (  # noqa: E402
+    DPO_PAIRS,
+    DPO_STEPS,
+    ENGINES,
+    MODEL,
+    ONLINE_PROMPTS,
+    ONLINE_STEPS,
+    REF_SEED,
+    REFUSE,
+    cells_for,
+)
 
 DEEPSPEED = ENGINES[ENGINE].deepspeed
 if DEEPSPEED:
@@ -74,8 +84,8 @@ DPO_DATA = make_preference_dataset(DPO_PAIRS, seed=1, max_prompt=24, max_complet
 PROMPTS = make_prompt_dataset(ONLINE_PROMPTS, seed=3)
 
 
-def model(eos_prone: bool = False):
-    m = make_model(dtype=torch.float64, **MODEL)
+def model(eos_prone: bool = False, seed: int = MODEL["seed"]):
+    m = make_model(dtype=torch.float64, **{**MODEL, "seed": seed})
     if eos_prone:
         # An untrained 256-word model almost never samples EOS, so every completion would have the same length and
         # reward: make EOS a scaled copy of another token (as tests/plugins/scripts/sync_metrics_online_dpo.py).
@@ -138,12 +148,16 @@ def build(cell):
     if cell.trainer == "dpo":
         args = DPOConfig(max_steps=DPO_STEPS, max_length=64, **common_args(cell.name, cell))
         return DPOTrainer(
-            model=model(), ref_model=model(), args=args, train_dataset=DPO_DATA, processing_class=TOKENIZER
+            model=model(),
+            ref_model=model(seed=REF_SEED),
+            args=args,
+            train_dataset=DPO_DATA,
+            processing_class=TOKENIZER,
         )
     args = OnlineDPOConfig(max_steps=ONLINE_STEPS, max_new_tokens=6, temperature=1.0, **common_args(cell.name, cell))
     return OnlineDPOTrainer(
         model=model(eos_prone=True),
-        ref_model=model(eos_prone=True),
+        ref_model=model(eos_prone=True, seed=REF_SEED),
         reward_funcs=length_reward,
         args=args,
         train_dataset=PROMPTS,
@@ -213,6 +227,19 @@ def run(cell) -> dict:
         record["plugins"] = sorted(p for p in PLUGINS if context is not None and context.is_enabled(p))
         if ENGINE == "fsdp2" and cell.trainer == "online_dpo":
             watch_fsdp2_generation(trainer, record)
+        if context is not None and context.is_enabled("precompute_ref_batch_size"):
+            runs = context.state["precompute_ref_batch_size"].runs
+            record["precompute_runs"] = [
+                {k: v for k, v in r.items() if isinstance(v, (int, float, str))} for r in runs
+            ]
+        # Reference forwards during training: none when the reference log-probs were precomputed.
+        record["ref_forwards"] = 0
+        if trainer.ref_model is not None:
+
+            def count(*_):
+                record["ref_forwards"] += 1
+
+            trainer.accelerator.unwrap_model(trainer.ref_model).register_forward_pre_hook(count)
         trainer.train()
         record["logs"] = [dict(entry) for entry in trainer.state.log_history]
         record["distributed_type"] = str(trainer.accelerator.distributed_type)
