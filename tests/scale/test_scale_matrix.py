@@ -174,6 +174,7 @@ def _assert_engine(engine: str, record: dict) -> None:
     elif engine in ("zero2", "zero3"):
         assert record["distributed_type"] == "DistributedType.DEEPSPEED"
         assert record["zero_stage"] == int(engine[-1])
+        assert record["param_dtype"] == "torch.float64"  # bf16/fp16 off: DeepSpeed trains the float64 model as is
     else:
         assert record["distributed_type"] == "DistributedType.FSDP"
         assert record["fsdp2_modules"], "the policy holds no FSDP2 module: the run was not sharded"
