@@ -561,9 +561,7 @@ class _Precompute:
         if self.state.model_hash is None:
             model_hash = getattr(self.trainer, "_precompute_model_hash", None)
             if model_hash is None:
-                from trl.trainer.utils import hash_module
-
-                model_hash = hash_module(self.trainer.ref_model or self.trainer.model)
+                model_hash = _hash_module_full(self.trainer.ref_model or self.trainer.model)
             self.state.model_hash = model_hash
         return self.state.model_hash
 
@@ -995,3 +993,31 @@ def _concat(results):
     if not results:
         return np.zeros(0, np.int64), np.zeros(0, np.float32), np.zeros(0, np.float32)
     return tuple(np.concatenate([np.asarray(r[i]) for r in results]) for i in range(3))
+
+
+def _hash_module_full(module: Any) -> str:
+    """TRL's `hash_module` (trl/trainer/utils.py), also for a reference that FSDP2 already sharded.
+
+    trl 1.12 shards the reference with `prepare_fsdp` before the precompute (dpo_trainer.py:959 vs :986), and TRL's
+    `hash_module` then fails on the sharded `DTensor`s (`.numpy() is not supported for tensor subclasses`; stock TRL
+    1.12 fails the same way). Sharded entries are hashed at full size (`full_tensor()`, a collective: every rank
+    hashes, see `run`), so the hash equals the unsharded model's and cache entries stay valid across engines.
+    """
+    import torch
+    from trl.trainer.utils import hash_module
+
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without DTensor has no FSDP2
+        return hash_module(module)
+    state = module.state_dict()
+    if not any(isinstance(t, DTensor) for t in state.values()):
+        return hash_module(module)
+    h = hashlib.sha256()
+    for _, tensor in sorted(state.items()):
+        tensor = (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().cpu()
+        h.update(str(tensor.dtype).encode())
+        if tensor.dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2):
+            tensor = tensor.to(torch.float32)
+        h.update(tensor.numpy().tobytes())
+    return h.hexdigest()

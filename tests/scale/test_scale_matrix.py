@@ -1,0 +1,233 @@
+"""The scale matrix: every plugin under DDP, ZeRO-2, ZeRO-3 and FSDP2 on 2 CPU ranks (gloo), against stock TRL.
+
+One 2-process launch per engine runs every cell of that engine (tests/scale/scripts/scale_matrix.py); the launch is
+shared by all the tests of that engine (a session-wide cache), so `pytest -k fsdp2` launches only the FSDP2 engine.
+The table of cells, their expectations and the tolerance of each engine (with the reason) are in
+tests/scale/matrix.py. Test ids are `<engine>-<cell>`.
+
+Marked `scale` (with `distributed`, and `deepspeed` for ZeRO): `pytest -m "not scale"` skips the matrix.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.scale.matrix import CELLS, ENGINES, MODEL, REFUSE, WORLD, cell
+
+SCRIPT = Path(__file__).parent / "scripts" / "scale_matrix.py"
+REPO = Path(__file__).resolve().parents[2]
+_RUNS: dict[str, dict] = {}
+
+#: Keys of `log_history` that are timings, not results.
+_TIMING = re.compile(r"runtime|per_second")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(engine: str, out: Path) -> dict:
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        TQDM_DISABLE="1",
+        TRL_EXPERIMENTAL_SILENCE="1",
+        DS_ACCELERATOR="cpu",
+        DS_BUILD_OPS="0",
+        HF_HUB_OFFLINE="1",
+        PYTHONWARNINGS="ignore",
+    )
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    for key in list(env):
+        if key.startswith("TRL_EXT_") and key != "TRL_EXT_LOG_LEVEL":
+            env.pop(key)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(WORLD),
+        "--master_port",
+        str(_free_port()),
+        str(SCRIPT),
+        engine,
+        str(out),
+    ]
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    seconds = time.perf_counter() - start
+    records = {}
+    for c in CELLS:
+        if c.runs_on(engine) and (out / f"{c.name}.rank0.pt").exists():
+            records[c.name] = [torch.load(out / f"{c.name}.rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    return {
+        "rc": proc.returncode,
+        "output": proc.stdout[-3000:] + proc.stderr[-6000:],
+        "cells": records,
+        "seconds": seconds,
+    }
+
+
+@pytest.fixture(scope="session")
+def engine_run(tmp_path_factory):
+    def get(engine: str) -> dict:
+        if engine not in _RUNS:
+            _RUNS[engine] = _launch(engine, tmp_path_factory.mktemp(f"scale-{engine}"))
+        return _RUNS[engine]
+
+    return get
+
+
+def _records(run: dict, name: str) -> list[dict]:
+    assert name in run["cells"], f"cell {name} did not run (launch rc {run['rc']}):\n{run['output']}"
+    records = run["cells"][name]
+    for r in records:
+        assert "error" not in r, f"{name} failed on rank {r['rank']}:\n{r['error']}"
+    return records
+
+
+def _initial_params() -> dict[str, torch.Tensor]:
+    from trl_ext.testing import make_model
+
+    return {n: p.detach().clone() for n, p in make_model(dtype=torch.float64, **MODEL).named_parameters()}
+
+
+def _update_error(got: dict, want: dict, start: dict) -> float:
+    """|| (got - start) - (want - start) || / || want - start ||: the relative error of the whole update."""
+    diff = math.sqrt(sum(float((got[n] - want[n]).pow(2).sum()) for n in want))
+    step = math.sqrt(sum(float((want[n] - start[n].to(want[n].dtype)).pow(2).sum()) for n in want))
+    assert step > 0, "the stock run did not move the parameters: nothing is compared"
+    return diff / step
+
+
+_REWARDS = re.compile(r"^(eval_)?rewards/(chosen|rejected|margins)$")
+BETA = 0.1  # DPOConfig's and OnlineDPOConfig's default, used by every cell
+
+
+def _log_errors(got: list[dict], want: list[dict], skip: tuple[str, ...]) -> dict[str, float]:
+    """Worst relative difference per logged key, over every logging step (absolute floor 1e-12).
+
+    DPO rewards are `beta * (logps - ref_logps)`, differences of log-probs of ~100: their error is relative to
+    `beta * (|logps/chosen| + |logps/rejected|)`, not to the (near-zero) reward itself. The precompute plugin stores
+    reference log-probs as float32 (4e-7 relative of ~100 is ~4e-5 absolute, ~4e-6 on a reward of 0.01).
+    """
+    assert len(got) == len(want), (len(got), len(want))
+    worst: dict[str, float] = {}
+    for g, w in zip(got, want, strict=True):
+        keys = {k for k in w if not _TIMING.search(k) and k not in skip}
+        assert keys <= set(g), f"missing logged keys {sorted(keys - set(g))}"
+        for key in keys:
+            a, b = float(g[key]), float(w[key])
+            scale = abs(b)
+            match = _REWARDS.match(key)
+            if match:
+                prefix = match.group(1) or ""
+                scale = max(
+                    scale, BETA * sum(abs(float(w.get(f"{prefix}logps/{s}", 0.0))) for s in ("chosen", "rejected"))
+                )
+            err = abs(a - b) / max(scale, 1e-12) if abs(a - b) > 1e-12 else 0.0
+            worst[key] = max(worst.get(key, 0.0), err)
+    return worst
+
+
+def _params(engine: str, c) -> list:
+    marks = [pytest.mark.scale, pytest.mark.distributed]
+    if ENGINES[engine].deepspeed:
+        marks.append(pytest.mark.deepspeed)
+    expect = c.expect[engine]
+    if expect.xfail:
+        marks.append(pytest.mark.xfail(strict=True, reason=expect.xfail))
+    return pytest.param(engine, c.name, marks=marks, id=f"{engine}-{c.name}")
+
+
+MATRIX = [_params(e, c) for e in ENGINES for c in CELLS if c.runs_on(e) and c.baseline]
+STOCK = [_params(e, c) for e in ENGINES for c in CELLS if c.runs_on(e) and not c.baseline]
+
+
+@pytest.mark.parametrize("engine,name", STOCK)
+def test_stock_runs_under_engine(engine_run, engine, name):
+    """The stock baseline really trained under the engine (no silent fallback to another engine)."""
+    run = engine_run(engine)
+    for record in _records(run, name):
+        assert record["plugins"] == []
+        assert record["ref_forwards"] > 0  # the reference is computed on the fly, the baseline of precompute cells
+        assert record["world"] == WORLD
+        _assert_engine(engine, record)
+
+
+def _assert_engine(engine: str, record: dict) -> None:
+    if engine == "ddp":
+        assert record["distributed_type"] == "DistributedType.MULTI_CPU"
+        assert record["param_dtype"] == "torch.float64"
+    elif engine in ("zero2", "zero3"):
+        assert record["distributed_type"] == "DistributedType.DEEPSPEED"
+        assert record["zero_stage"] == int(engine[-1])
+        assert record["param_dtype"] == "torch.float64"  # bf16/fp16 off: DeepSpeed trains the float64 model as is
+    else:
+        assert record["distributed_type"] == "DistributedType.FSDP"
+        assert record["fsdp2_modules"], "the policy holds no FSDP2 module: the run was not sharded"
+        assert record["param_dtype"] == "torch.float64"
+
+
+@pytest.mark.parametrize("engine,name", MATRIX)
+def test_cell_matches_stock(engine_run, engine, name):
+    """Each cell equals stock TRL under the same engine (logged values, parameter update), or refuses as declared."""
+    c = cell(name)
+    expect = c.expect[engine]
+    run = engine_run(engine)
+    records = _records(run, name)
+    if expect.kind == REFUSE:
+        for record in records:
+            assert "refused" in record, f"{name} under {engine} must refuse with a UsageError, but it trained"
+            assert re.search(expect.match, record["refused"], re.S), record["refused"]
+        return
+    for record in records:
+        assert "refused" not in record, f"{name} under {engine} was refused: {record['refused']}"
+        _assert_engine(engine, record)
+        assert set(record["plugins"]) == {p if p != "ds3_gather_for_generation" else "generation" for p in c.flags}
+        if c.args.get("precompute_ref_log_probs"):
+            # the plugin really precomputed: no reference forward while training
+            assert record["precompute_runs"], record
+            assert record["ref_forwards"] == 0, record["ref_forwards"]
+    stock = _records(run, c.baseline)
+    tol = ENGINES[engine].rtol
+    for got, want in zip(records, stock, strict=True):
+        errors = _log_errors(got["logs"], want["logs"], c.by_design)
+        bad = {k: e for k, e in errors.items() if e > tol}
+        assert not bad, f"{engine}/{name}: logged values differ from stock beyond {tol:g}: {bad}"
+    err = _update_error(records[0]["params"], stock[0]["params"], _initial_params())
+    assert err <= tol, f"{engine}/{name}: parameter update differs from stock by {err:.2e} (tolerance {tol:g})"
+
+
+@pytest.mark.scale
+@pytest.mark.distributed
+def test_fsdp2_generation_memory(engine_run):
+    """Under FSDP2 generation holds one decoder layer at a time (plus accelerate's unsharded norm + lm_head tail), with
+    and without the generation plugin's `ds3_gather_for_generation=False`; with `reshard_after_forward=False` it holds
+    the whole model, which is why the plugin refuses `False` there (cell online-generation_false_no_reshard)."""
+    from trl_ext.testing import make_model
+
+    reference = make_model(**MODEL)
+    layers = reference.model.layers
+    layer = max(sum(p.numel() for p in m.parameters()) for m in layers)
+    total = sum(p.numel() for p in reference.parameters())
+    one_layer_bound = total - (len(layers) - 1) * layer  # everything but the layers, and one layer
+    run = engine_run("fsdp2")
+    for name in ("online-stock", "online-generation_false"):
+        for record in _records(run, name):
+            assert record["model_numel"] == total
+            assert 0 < record["gen_peak_unsharded"] <= one_layer_bound < total, (name, record["gen_peak_unsharded"])
+    for record in _records(run, "online-stock_no_reshard"):
+        assert record["gen_peak_unsharded"] == total
