@@ -227,7 +227,7 @@ def test_uninstall_restores_every_patched_object_identically(tokenizer, dpo_args
     before = _snapshot(targets)
     installation = trl_ext.install(plugins={"recorder": {}})
     assert DPOTrainer.__dict__["__init__"] is not before[id(DPOTrainer)][1]["__init__"]
-    assert "log" in vars(OnlineDPOTrainer)  # inherited before, now its own entry
+    assert "__init__" in vars(OnlineDPOTrainer) and "log" not in vars(OnlineDPOTrainer)  # per trainer, not per class
     trainer = DPOTrainer(
         make_model(seed=0),
         ref_model=make_model(seed=0),
@@ -245,9 +245,13 @@ def test_uninstall_restores_every_patched_object_identically(tokenizer, dpo_args
         assert now.keys() == attrs.keys(), obj
         changed = [name for name in attrs if now[name] is not attrs[name]]
         assert not changed, (obj, changed)
-    # Instance patches on the trainer and its models are undone too.
+    # The trainer built while installed keeps its plugins (its own attributes, its models, its collator)...
+    assert "forward" in vars(backbone) and trainer._trl_ext.enabled == ("recorder",)
+    # ...until it is detached, which makes it and its models stock.
+    installation.detach(trainer)
     assert "forward" not in vars(backbone)
     assert "_trl_ext" not in vars(trainer)
+    assert not {"log", "train", "evaluate", "predict", "_precompute_ref_logps"} & set(vars(trainer))
     assert trainer.data_collator is recorder.collators[0].inner
     # A trainer built after uninstall is stock: no hooks run.
     events = len(recorder.events)

@@ -111,3 +111,27 @@ def check_trl_version(version: str | None = None) -> str:
 def dpo_uses_fused_lm_head(version: str | None = None) -> bool:
     version = installed_version("trl") if version is None else version
     return parse_version(version or "0")[:2] >= DPO_FUSED_LM_HEAD_SINCE
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# Keywords TRL renamed (for a note on TRL's own "unexpected keyword argument" error; the error itself is TRL's)
+# -------------------------------------------------------------------------------------------------------------------
+
+#: `{trainer class: {old keyword: new spelling}}`. Extend when TRL renames a constructor keyword.
+#: - `OnlineDPOTrainer(reward_model=..., reward_processing_class=...)`: removed in favour of `reward_funcs` /
+#:   `reward_processing_classes` (both absent from `OnlineDPOTrainer.__init__` on 1.12.0 and 1.16.0).
+TRL_RENAMED_KEYWORDS: dict[str, dict[str, str]] = {
+    "OnlineDPOTrainer": {"reward_model": "reward_funcs", "reward_processing_class": "reward_processing_classes"},
+}
+
+
+def renamed_keyword_notes(trainer_class: str, error: BaseException, keywords: object) -> list[str]:
+    """Notes naming the new spelling of each renamed keyword among `keywords` that TRL's `error` rejects."""
+    if not isinstance(error, TypeError) or "unexpected keyword argument" not in str(error):
+        return []
+    renames = TRL_RENAMED_KEYWORDS.get(trainer_class, {})
+    return [
+        f"TRL renamed `{old}=`: pass `{new}=` to {trainer_class} instead (note added by trl-ext)."
+        for old, new in renames.items()
+        if old in keywords
+    ]

@@ -1,25 +1,73 @@
 """trl-ext's loggers, following the Hugging Face convention: one library root logger (`trl_ext`), a handler
-attached once, the level taken from `TRL_EXT_LOG_LEVEL` (default `warning`). Stdlib only, so importing `trl_ext`
-stays light."""
+attached once, the level taken from `TRL_EXT_LOG_LEVEL`. Stdlib only, so importing `trl_ext` stays light.
+
+The default level is `notice`, a level between `info` and `warning` (25): trl-ext's few lines that a user should see
+without asking (which plugins each trainer got, and what `"auto"` chose; a flag that does not apply to a trainer; what
+`uninstall()` leaves in place) are logged at `notice`, so they show by default and `TRL_EXT_LOG_LEVEL=warning`
+hides them. A value that is not a level gives a warning and the default, never an error at `import trl_ext`.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
 
+__all__ = ["LEVELS", "NOTICE", "get_logger", "is_main_process"]
+
 _ROOT = "trl_ext"
+_ENV = "TRL_EXT_LOG_LEVEL"
+NOTICE = 25
+DEFAULT_LEVEL = "notice"
+#: The values `TRL_EXT_LOG_LEVEL` accepts (case-insensitive).
+LEVELS = {
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "notice": NOTICE,
+    "warning": logging.WARNING,
+    "error": logging.ERROR,
+    "critical": logging.CRITICAL,
+}
 _configured = False
+
+
+def _level_from_env() -> tuple[int, str | None]:
+    """The level named by `TRL_EXT_LOG_LEVEL` (default `notice`), and a warning text if the value is not a level."""
+    raw = os.environ.get(_ENV)
+    if raw is None or not raw.strip():
+        return LEVELS[DEFAULT_LEVEL], None
+    value = raw.strip().lower()
+    if value in LEVELS:
+        return LEVELS[value], None
+    return LEVELS[DEFAULT_LEVEL], (
+        f"{_ENV}={raw!r} is not a log level; using {DEFAULT_LEVEL!r}. Use one of: {', '.join(LEVELS)}."
+    )
 
 
 def get_logger(name: str) -> logging.Logger:
     global _configured
     if not _configured:
+        _configured = True
+        if logging.getLevelName(NOTICE) != "NOTICE":
+            logging.addLevelName(NOTICE, "NOTICE")
         root = logging.getLogger(_ROOT)
         if not root.handlers:
             handler = logging.StreamHandler()
             handler.setFormatter(logging.Formatter("[%(name)s|%(levelname)s] %(message)s"))
             root.addHandler(handler)
-        root.setLevel(os.environ.get("TRL_EXT_LOG_LEVEL", "warning").upper())
+        level, problem = _level_from_env()
+        root.setLevel(level)
         root.propagate = False
-        _configured = True
+        if problem is not None:
+            root.warning(problem)
     return logging.getLogger(name if name.startswith(_ROOT) else f"{_ROOT}.{name}")
+
+
+def is_main_process(accelerator: object = None) -> bool:
+    """Whether this is the main process: the accelerator's view if given, else the launcher's `RANK`."""
+    if accelerator is not None and hasattr(accelerator, "is_main_process"):
+        return bool(accelerator.is_main_process)
+    for var in ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
+        value = os.environ.get(var)
+        if value is not None and value.strip().isdigit():
+            return int(value) == 0
+    return True

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import weakref
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from .manager import call_exclusive
@@ -13,7 +15,23 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from .installation import Installation
 
-__all__ = ["TrainerContext", "unwrap_causal_lm"]
+__all__ = ["TrainerContext", "live_contexts", "unwrap_causal_lm"]
+
+#: Every trainer that trl-ext attached to and that is still alive, whatever installation it was built under (an
+#: uninstalled installation's trainers keep their plugins, see `Installation.uninstall`).
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+#: `{key: release}` of the process-wide resources that attached trainers hold (`TrainerContext.hold`).
+_RELEASE: dict[str, Callable[[], None]] = {}
+
+
+def live_contexts() -> list[TrainerContext]:
+    """The contexts of every live, attached trainer, across installations (oldest first)."""
+    out = []
+    for trainer in list(_LIVE):
+        ctx = trainer.__dict__.get("_trl_ext")
+        if ctx is not None and ctx.attached:
+            out.append(ctx)
+    return sorted(out, key=lambda c: c.serial)
 
 
 class _SubsetHooks:
@@ -35,8 +53,12 @@ class TrainerContext:
         trainer_class: `"DPOTrainer"` or `"OnlineDPOTrainer"` (the stock class the trainer derives from).
         enabled: names of the plugins enabled for this trainer, in registration order.
         state: per-plugin objects, by plugin name. A plugin keeps its per-trainer state here, never in globals.
-        patcher: undo stack for changes to this trainer and its models (undone by `Installation.uninstall()`).
+        patcher: undo stack for changes to this trainer and its models. They stay for the trainer's whole life, also
+            after `Installation.uninstall()`, and are undone by `Installation.detach(trainer)`.
+        attached: False once detached (the trainer is then stock again).
     """
+
+    _serial = 0
 
     def __init__(
         self, installation: Installation, trainer: Any, trainer_class: str, enabled: list[str], trl_args: Any
@@ -49,6 +71,14 @@ class TrainerContext:
         self.state: dict[str, Any] = {}
         self.patcher = Patcher(f"trl-ext[{trainer_class}]")
         self.models_ready = False
+        self.attached = True
+        TrainerContext._serial += 1
+        self.serial = TrainerContext._serial
+        #: Module- or class-level patches applied only while this trainer runs (`wrap_while_running`).
+        self._run_patches: list[tuple[Any, str, Callable[[Any], Any]]] = []
+        self._run_patcher = Patcher(f"trl-ext[{trainer_class}] while running")
+        self._run_depth = 0
+        self.held: set[str] = set()
         pm = installation.plugin_manager
         disabled = {plugin for name, plugin in pm.list_name_plugin() if name not in self.enabled}
         self.hook = _SubsetHooks(pm, disabled)
@@ -96,6 +126,69 @@ class TrainerContext:
             if forward is not None:
                 self.patcher.setattr(backbone, "forward", forward)
         self.hook.trl_ext_trainer_models_ready(trainer=trainer, context=self)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # what a trainer needs for its whole life, without touching TRL's classes or modules
+    # ------------------------------------------------------------------------------------------------------------
+
+    def wrap_while_running(self, target: Any, attr: str, make_wrapper: Callable[[Any], Any]) -> None:
+        """Wrap `target.attr` (a TRL/transformers module or class attribute) only while this trainer runs.
+
+        "Running" is TRL's `__init__` and every outermost call of the trainer's `train()`, `evaluate()` and
+        `predict()`. The patch is applied on entry and undone on exit, so TRL's modules are stock between calls and
+        after `Installation.uninstall()`, while the trainer keeps the behaviour for its whole life. The wrapper must be
+        a pass-through for calls that are not this trainer's.
+        """
+        self._run_patches.append((target, attr, make_wrapper))
+        if self._run_depth:
+            self._run_patcher.wrap(target, attr, make_wrapper)
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        """Apply the `wrap_while_running` patches for the duration of the block (re-entrant)."""
+        if self._run_depth == 0:
+            try:
+                for target, attr, make_wrapper in self._run_patches:
+                    self._run_patcher.wrap(target, attr, make_wrapper)
+            except BaseException:
+                self._run_patcher.undo()
+                raise
+        self._run_depth += 1
+        try:
+            yield
+        finally:
+            self._run_depth -= 1
+            if self._run_depth == 0:
+                self._run_patcher.undo()
+
+    def hold(self, key: str, acquire: Callable[[], None], release: Callable[[], None]) -> None:
+        """Acquire a process-wide resource (e.g. an attention function registered with transformers) for this trainer.
+
+        `acquire()` runs now (it must be idempotent); `release()` runs when the last attached trainer holding `key`
+        is detached. A trainer that is garbage-collected without being detached leaves the resource in place: its
+        models may still use it.
+        """
+        acquire()
+        self.held.add(key)
+        _RELEASE[key] = release
+
+    def detach(self) -> None:
+        """Undo every change made for this trainer (its own attributes, its models, its collator) and forget it."""
+        if not self.attached:
+            return
+        self.attached = False
+        self._run_patcher.undo()
+        self._run_patches.clear()
+        self.patcher.undo()
+        trainer = self.trainer
+        if trainer is not None:
+            trainer.__dict__.pop("_trl_ext", None)
+            _LIVE.discard(trainer)
+        still_held = {key for ctx in live_contexts() for key in ctx.held}
+        for key in sorted(self.held - still_held):
+            release = _RELEASE.pop(key, None)
+            if release is not None:
+                release()
 
     def models(self) -> dict[str, Any]:
         """The causal LMs this trainer runs, by role (`"policy"`, `"ref"`), unwrapped from DeepSpeed/DDP and PEFT."""

@@ -103,6 +103,27 @@ def trl_ext_trainer_init_end(trainer: Trainer, context: TrainerContext) -> None:
     """TRL's `__init__` has returned; the trainer is fully constructed. Called once per trainer, on every rank."""
 
 
+@hookspec
+def trl_ext_describe(trainer: Trainer, context: TrainerContext) -> str | None:
+    """A few words on what the plugin chose for this trainer (what `"auto"` resolved to), or None.
+
+    Called once per trainer after `trl_ext_trainer_init_end`, on the main process only, on each enabled plugin; the
+    text goes in parentheses after the plugin's name in the trainer's log line
+    (`trl-ext: DPOTrainer gets plugins padding_free (attention=trl_ext_varlen_sdpa)`).
+    """
+
+
+@hookspec
+def trl_ext_advise_unused(trainer: Trainer, trainer_class: str, trl_args: Any) -> str | None:
+    """A warning for a trainer this plugin applies to but is *not* enabled for, or None.
+
+    The one trainer-scoped hook called on disabled plugins: once per trainer, after construction, on the main process
+    only, on every registered plugin that applies to `trainer_class` and is not enabled for it. Use it when the
+    trainer's TRL config (`trl_args`) sets a TRL flag that TRL honours but the plugin would serve better; the text
+    should say what TRL will do and name the trl-ext flag. The core logs it as a warning.
+    """
+
+
 # -------------------------------------------------------------------------------------------------------------------
 # Extension points, one per optimization (every rank)
 # -------------------------------------------------------------------------------------------------------------------
@@ -127,8 +148,8 @@ def trl_ext_make_packed_forward(
 
     Called once per model the trainer runs (`role` is `"policy"` or `"ref"`; under PEFT, `"policy"` is the base
     model that also serves as the adapter-disabled reference), at the `trl_ext_trainer_models_ready` point. The
-    result is installed as an instance attribute `backbone.forward` through trl-ext's undo stack, so it is removed
-    again by `Installation.uninstall()`. It must accept and return what the original forward does.
+    result is installed as an instance attribute `backbone.forward` through the trainer's undo stack: it stays for the
+    trainer's life and is removed by `Installation.detach(trainer)`. It must accept and return what the original forward does.
     Exclusive: two enabled plugins answering is a `UsageError`.
     """
 
@@ -184,4 +205,7 @@ def trl_ext_uninstall(installation: Installation) -> None:
     """`Installation.uninstall()` is running, before trl-ext's undo stack is unwound.
 
     Called once per installation, on every registered plugin. Undo anything not done through the undo stack.
+    Trainers built under the installation keep their plugins after it (see `Installation.uninstall`): a process-wide
+    resource that such a trainer still needs is acquired per trainer with `context.hold(...)` instead, and released
+    when the last trainer holding it is detached.
     """

@@ -10,14 +10,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from . import _compat
-from ._logging import get_logger
+from ._logging import NOTICE, get_logger, is_main_process
 from .config import TrlExtConfig, load_config
-from .context import TrainerContext
+from .context import _LIVE, TrainerContext
 from .errors import UsageError
 from .manager import TrlExtPluginManager, make_plugin_manager
 from .patching import Patcher, resolve
 
-__all__ = ["Installation", "install"]
+__all__ = ["Installation", "install", "stock_trainer_class"]
 
 logger = get_logger(__name__)
 
@@ -26,6 +26,13 @@ _ATTR = "_trl_ext"  # the attribute that holds a trainer's TrainerContext
 
 class Installation:
     """An active trl-ext installation. Use it as a context manager, or call `uninstall()` when done.
+
+    Lifecycle: while installed, every stock trainer constructed gets its plugins. Everything a trainer needs later
+    lives on the trainer itself (instance attributes of the trainer, its models and its collator, through the
+    trainer's own undo stack), so a trainer keeps its plugins for `train()`, `evaluate()`, `predict()` and a resumed
+    `train(resume_from_checkpoint=...)` whenever they are called, also after `uninstall()` and under a later
+    installation. `uninstall()` makes TRL's classes and modules stock again (new trainers are stock) and leaves live
+    trainers as they are; `detach(trainer)` (or `uninstall(detach=True)`) makes a trainer and its models stock.
 
     Attributes:
         config (`TrlExtConfig`): the merged configuration.
@@ -57,13 +64,31 @@ class Installation:
     def installed(self) -> bool:
         return self._installed
 
-    def enabled_plugins(self, trainer_class: str, trl_args: Any = None) -> list[str]:
-        """The plugins that a `trainer_class` trainer built with `trl_args` gets, in registration order.
+    def enabled_plugins(self, trainer: str | type | Any, trl_args: Any = None) -> list[str]:
+        """The plugins that a trainer gets, in registration order.
 
         A plugin is enabled when it applies to the trainer (`PluginSpec.trainers`) and one of its flags is set, or,
         for a plugin without flags, when it is named under `plugins:`, or when the trainer's TRL config sets the TRL
         flag it serves (`PluginSpec.trl_flag`) and the installed TRL ignores that flag.
+
+        Args:
+            trainer (`str`, `type` or trainer instance):
+                A stock trainer class name (`"DPOTrainer"`), a trainer class (stock or derived from one), or a trainer.
+                For a trainer this installation attached to, its actual plugins; for another instance, those it
+                would get with its own `args` (unless `trl_args` is given).
+            trl_args (TRL config, *optional*):
+                The trainer's TRL config, for the TRL flags plugins serve.
+
+        Raises:
+            `TypeError`: `trainer` is none of these. `trl_ext.UsageError`: not a trainer trl-ext attaches to.
         """
+        if not isinstance(trainer, (str, type)):
+            ctx = getattr(trainer, "__dict__", {}).get(_ATTR)
+            if ctx is not None and ctx.installation is self and ctx.attached and trl_args is None:
+                return list(ctx.enabled)
+            if trl_args is None:
+                trl_args = getattr(trainer, "args", None)
+        trainer_class = stock_trainer_class(trainer)
         ignored = _compat.trl_ignored_flags(trainer_class)
         enabled = []
         for name, spec in self.plugin_manager.catalog.specs.items():
@@ -77,12 +102,12 @@ class Installation:
         return enabled
 
     def contexts(self) -> list[TrainerContext]:
-        """Contexts of the live trainers this installation attached to."""
+        """Contexts of the live trainers this installation attached to (and that were not detached)."""
         out = []
         for ref in self._contexts:
             trainer = ref()
             ctx = trainer.__dict__.get(_ATTR) if trainer is not None else None
-            if ctx is not None and ctx.installation is self:
+            if ctx is not None and ctx.installation is self and ctx.attached:
                 out.append(ctx)
         return out
 
@@ -97,24 +122,50 @@ class Installation:
             out.append({"trainer": ctx.trainer_class, "plugins": list(ctx.enabled), "summaries": summaries})
         return out
 
-    def uninstall(self) -> None:
-        """Undo every change trl-ext made to TRL and to the trainers it attached to. A second call does nothing."""
+    def detach(self, trainer: Any = None) -> None:
+        """Make `trainer` (default: every live trainer this installation attached to) and its models stock again.
+
+        Undoes every change trl-ext made to the trainer, its models and its collator; it then trains as stock TRL.
+        Detaching a trainer twice, or one trl-ext never attached to, does nothing.
+        """
+        if trainer is None:
+            for ctx in reversed(self.contexts()):
+                ctx.detach()
+            return
+        ctx = trainer.__dict__.get(_ATTR)
+        if ctx is not None and ctx.installation is self:
+            ctx.detach()
+
+    def uninstall(self, *, detach: bool = False) -> None:
+        """Make TRL's classes and modules stock again: trainers constructed from now on get no plugins.
+
+        Trainers constructed while installed keep their plugins (for `train()`, `evaluate()`, `predict()`, resuming)
+        until they are garbage-collected or detached; `detach=True` detaches them all now (see `detach`). A second
+        call does nothing.
+        """
         if not self._installed:
+            if detach:
+                self.detach()
             return
         self._installed = False
         try:
             self.plugin_manager.hook.trl_ext_uninstall(installation=self)
         finally:
-            for ctx in reversed(self.contexts()):
-                ctx.patcher.undo()
-                trainer = ctx.trainer
-                if trainer is not None:
-                    trainer.__dict__.pop(_ATTR, None)
-            self._contexts.clear()
+            if detach:
+                self.detach()
             self.patcher.undo()
             if Installation._active is self:
                 Installation._active = None
-            logger.info("trl-ext uninstalled; TRL is stock again")
+            live = [ctx for ctx in self.contexts() if ctx.enabled]
+            if live and is_main_process():
+                logger.log(
+                    NOTICE,
+                    "trl-ext uninstalled: TRL is stock again for new trainers; %d trainer(s) built under it keep "
+                    "their plugins until garbage-collected or `installation.detach(trainer)`",
+                    len(live),
+                )
+            else:
+                logger.info("trl-ext uninstalled: TRL is stock again")
 
     def __enter__(self) -> Installation:
         return self
@@ -127,25 +178,19 @@ class Installation:
         return f"<trl_ext.Installation {state} plugins={[n for n, _ in self.plugin_manager.list_name_plugin()]}>"
 
     # ------------------------------------------------------------------------------------------------------------
-    # patching
+    # patching: TRL's classes only get an `__init__` wrapper; everything else is per trainer
     # ------------------------------------------------------------------------------------------------------------
 
     def _apply(self) -> None:
-        """Patch TRL. Class patches only: instance patches come per trainer, through each trainer's own stack."""
+        """Patch TRL: the `__init__` of each stock trainer class, nothing else (the rest is per trainer)."""
         for trainer_class, (module_name, class_name) in _compat.TRAINERS.items():
             cls = resolve(f"{module_name}.{class_name}")
             self.patcher.wrap(cls, "__init__", functools.partial(self._wrap_init, trainer_class))
-            self.patcher.wrap(cls, "log", self._wrap_log)
             if trainer_class == "DPOTrainer":
-                self.patcher.wrap(cls, _compat.DPO_PRECOMPUTE_METHOD, self._wrap_precompute)
+                resolve(f"{module_name}.{class_name}.{_compat.DPO_PRECOMPUTE_METHOD}")  # fail now if TRL renamed it
         for module_name in _compat.GENERATION_HELPER_MODULES.values():
-            module = resolve(module_name)
-            self.patcher.wrap(module, "unwrap_model_for_generation", self._wrap_unwrap_for_generation)
+            resolve(f"{module_name}.unwrap_model_for_generation")
         self._installed = True
-
-    def _context_of(self, trainer: Any) -> TrainerContext | None:
-        ctx = trainer.__dict__.get(_ATTR)
-        return ctx if ctx is not None and ctx.installation is self and self._installed else None
 
     def _wrap_init(self, trainer_class: str, original):
         installation = self
@@ -155,43 +200,67 @@ class Installation:
         def __init__(trainer, *args, **kwargs):
             if not installation._installed or _ATTR in trainer.__dict__:
                 return original(trainer, *args, **kwargs)
-            bound = signature.bind(trainer, *args, **kwargs)
+            try:
+                bound = signature.bind(trainer, *args, **kwargs)
+            except TypeError:
+                bound = None
+            if bound is None:
+                # The call does not match TRL's signature: let TRL raise its own error, word for word.
+                return _call_for_trl_error(original, trainer_class, trainer, args, kwargs)
             init_kwargs = dict(bound.arguments)
             init_kwargs.pop(next(iter(signature.parameters)))  # self
             trl_args = init_kwargs.get("args")
             enabled = installation.enabled_plugins(trainer_class, trl_args)
+            if enabled:
+                _check_world(trainer_class, trl_args, enabled)
             ctx = TrainerContext(installation, trainer, trainer_class, enabled, trl_args)
             trainer.__dict__[_ATTR] = ctx
+            _LIVE.add(trainer)
             installation._contexts.append(weakref.ref(trainer))
             if installation.keep_records:
                 installation._kept.append(ctx)
-            if enabled:
-                logger.info("trl-ext: %s gets plugins %s", type(trainer).__name__, ", ".join(enabled))
             ctx.hook.trl_ext_trainer_init_start(trainer=trainer, context=ctx, init_kwargs=init_kwargs)
             # A TRL flag that TRL ignores but a trl-ext plugin implements is hidden from TRL while its `__init__` runs
             # (so TRL neither warns that it falls back nor acts on it), then restored on the user's config object.
-            hidden = installation._hide_ignored_flags(trainer_class, init_kwargs.get("args"), ctx)
+            hidden, left = installation._hide_ignored_flags(trainer_class, init_kwargs.get("args"), ctx)
+            if enabled:
+                _attach_before_init(ctx)
             try:
-                original(trainer, **init_kwargs)
+                with ctx.running():
+                    original(trainer, **init_kwargs)
             finally:
                 for flag, value in hidden.items():
                     setattr(init_kwargs["args"], flag, value)
             ctx.prepare_models()
+            if enabled:
+                _attach_after_init(ctx)
             ctx.hook.trl_ext_trainer_init_end(trainer=trainer, context=ctx)
+            installation._announce(ctx, left)
 
         return __init__
 
-    def _hide_ignored_flags(self, trainer_class: str, trl_args: Any, ctx: TrainerContext) -> dict[str, Any]:
+    def _hide_ignored_flags(
+        self, trainer_class: str, trl_args: Any, ctx: TrainerContext
+    ) -> tuple[dict[str, Any], list[str]]:
+        """Hide the TRL flags a plugin serves from TRL; return them, and notes on those left to TRL."""
         # A flag TRL used to ignore but now honours (e.g. a patched TRL) must not be claimed by both.
         ignored_now = set(_compat.trl_ignored_flags(trainer_class))
         honoured = set(_compat.TRL_IGNORED_FLAGS.get(trainer_class, ())) - ignored_now
-        for flag in honoured:
+        left = []
+        for flag in sorted(honoured):
             owner = self._owners.get(flag)
-            if trl_args is not None and getattr(trl_args, flag, False) and owner in ctx.enabled:
+            if owner is None or trl_args is None or not getattr(trl_args, flag, False):
+                continue
+            if owner in ctx.enabled:
                 raise UsageError(
                     f"Both TRL's own `{flag}=True` (this TRL implements it) and the trl-ext plugin `{owner}` are on "
                     f"for this {trainer_class}. Use one: unset `{flag}` in the TRL config, or in trl-ext's flags."
                 )
+            flags = " / ".join(f"`{f}`" for f in self.plugin_manager.catalog.specs[owner].flag_names) or f"`{owner}`"
+            left.append(
+                f"{type(trl_args).__name__}.{flag}=True is left to TRL (this TRL implements it); trl-ext's {flags} "
+                "would serve it instead"
+            )
         hidden = {}
         for flag in _compat.trl_ignored_flags(trainer_class):
             owner = self._owners.get(flag)
@@ -199,64 +268,193 @@ class Installation:
                 hidden[flag] = getattr(trl_args, flag)
                 setattr(trl_args, flag, False)
                 logger.info("trl-ext: `%s=True` in the TRL config is handled by the trl-ext plugin `%s`", flag, owner)
-        return hidden
+        return hidden, left
 
-    def _wrap_precompute(self, original):
-        installation = self
+    def _announce(self, ctx: TrainerContext, left: list[str]) -> None:
+        """The per-trainer lines, on the main process: the plugins and their choices, and what does not apply."""
+        trainer = ctx.trainer
+        if not is_main_process(getattr(trainer, "accelerator", None)):
+            return
+        name = type(trainer).__name__
+        pm = self.plugin_manager
+        specs = pm.catalog.specs
+        if ctx.enabled or left:
+            parts = []
+            for plugin in ctx.enabled:
+                others = {p for n, p in pm.list_name_plugin() if n != plugin}
+                texts = pm.subset_hook_caller("trl_ext_describe", remove_plugins=others)(trainer=trainer, context=ctx)
+                parts.append(f"{plugin} ({'; '.join(texts)})" if texts else plugin)
+            line = f"trl-ext: {name} gets plugins {', '.join(parts)}" if parts else f"trl-ext: {name} gets no plugins"
+            logger.log(NOTICE, "; ".join([line, *left]))
+        stray = []
+        for plugin, spec in specs.items():
+            if spec.flags and not spec.applies_to(ctx.trainer_class) and self.config.flag_is_set(plugin):
+                flags = " / ".join(f"`{f.name}`" for f in spec.flags if self.config.flags[f.name] != f.default)
+                stray.append(f"{flags} is set, but the plugin `{plugin}` applies only to {', '.join(spec.trainers)}")
+        if stray:
+            logger.log(NOTICE, "trl-ext: %s; this %s runs without it", "; ".join(stray), name)
+        # Plugins that apply to this trainer but are off may point at a TRL setting they would serve better.
+        skip = {p for n, p in pm.list_name_plugin() if n in ctx.enabled or n not in specs}
+        skip |= {pm.get_plugin(n) for n, spec in specs.items() if not spec.applies_to(ctx.trainer_class)}
+        caller = pm.subset_hook_caller("trl_ext_advise_unused", remove_plugins=skip)
+        for advice in caller(trainer=trainer, trainer_class=ctx.trainer_class, trl_args=ctx.trl_args):
+            logger.warning("trl-ext: %s", advice)
 
-        @functools.wraps(original)
-        def _precompute_ref_logps(trainer, dataset, name, batch_size):
-            ctx = installation._context_of(trainer)
-            if ctx is None:
-                return original(trainer, dataset, name, batch_size)
-            ctx.prepare_models()
-            result = ctx.call_exclusive(
-                "trl_ext_make_ref_precompute",
-                trainer=trainer,
-                context=ctx,
-                dataset=dataset,
-                name=name,
-                batch_size=batch_size,
+
+# -------------------------------------------------------------------------------------------------------------------
+# per trainer: what the trainer needs for its whole life, on the instance
+# -------------------------------------------------------------------------------------------------------------------
+
+
+def stock_trainer_class(trainer: str | type | Any) -> str:
+    """The name of the stock TRL trainer class (`_compat.TRAINERS`) that `trainer` (a name, class or instance) is."""
+    if isinstance(trainer, str):
+        if trainer not in _compat.TRAINERS:
+            raise UsageError(
+                f"`{trainer}` is not a trainer trl-ext attaches to; use one of {', '.join(_compat.TRAINERS)} (or a "
+                "trainer class or instance)."
             )
-            return original(trainer, dataset, name, batch_size) if result is None else result
+        return trainer
+    cls = trainer if isinstance(trainer, type) else type(trainer)
+    stock = {(module, name): key for key, (module, name) in _compat.TRAINERS.items()}
+    for klass in cls.__mro__:
+        key = stock.get((klass.__module__, klass.__qualname__))
+        if key is not None:
+            return key
+    if isinstance(trainer, type) or hasattr(trainer, "train"):
+        raise UsageError(
+            f"{cls.__qualname__} is not a trainer trl-ext attaches to (nor derived from one): "
+            f"{', '.join(_compat.TRAINERS)}."
+        )
+    raise TypeError(
+        f"expected a trainer class name, a trainer class or a trainer instance, got {type(trainer).__name__}: "
+        f"{trainer!r}"
+    )
 
-        return _precompute_ref_logps
 
-    def _wrap_log(self, original):
-        installation = self
+def _call_for_trl_error(original, trainer_class: str, trainer: Any, args: tuple, kwargs: dict) -> None:
+    """Call TRL's `__init__` with the user's arguments, which do not fit its signature, so TRL's own `TypeError` (class
+    name included) is what the user sees, with a note naming the new spelling of a keyword TRL renamed."""
+    try:
+        original(trainer, *args, **kwargs)
+    except TypeError as exc:
+        for note in _compat.renamed_keyword_notes(trainer_class, exc, kwargs):
+            if hasattr(exc, "add_note"):  # Python >= 3.11
+                exc.add_note(note)
+            else:
+                logger.warning("trl-ext: %s", note)
+        raise
+    # Only if the signature trl-ext read is not the one Python checks (a decorated `__init__`): then the trainer is
+    # built, without plugins, and that must not be silent.
+    logger.warning("trl-ext: could not read the arguments of this %s; it runs without plugins", trainer_class)
 
-        @functools.wraps(original)
-        def log(trainer, logs, *args, **kwargs):
-            ctx = installation._context_of(trainer)
-            if ctx is not None:
-                result = ctx.call_exclusive("trl_ext_reduce_metrics", trainer=trainer, context=ctx, logs=logs)
-                if result is not None:
-                    # The plugin's values replace TRL's buffered ones for this window (DPOTrainer keeps them in
-                    # `_metrics[mode]` and would otherwise merge its own local averages in).
-                    buffers = getattr(trainer, "_metrics", None)
-                    if isinstance(buffers, Mapping):
-                        buffers["train" if trainer.model.training else "eval"].clear()
-                    logs.clear()
-                    logs.update(result)
-            return original(trainer, logs, *args, **kwargs)
 
-        return log
+#: Variables through which launchers announce the number of processes (those accelerate reads, `state.py`).
+_WORLD_SIZE_VARS = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
 
-    def _wrap_unwrap_for_generation(self, original):
-        installation = self
+
+def _check_world(trainer_class: str, trl_args: Any, enabled: list[str]) -> None:
+    """Refuse a launch of several processes in which this trainer would run alone: each process would train its own
+    model, silently (e.g. `torchrun --nproc_per_node 2` on CPU without `use_cpu=True`)."""
+    launched = {}
+    for var in _WORLD_SIZE_VARS:
+        value = os.environ.get(var, "").strip()
+        if value.isdigit() and int(value) > 1:
+            launched[var] = int(value)
+    if not launched or trl_args is None or not hasattr(trl_args, "world_size"):
+        return
+    world = trl_args.world_size  # the accelerate state the trainer's `Accelerator` will use
+    expected = max(launched.values())
+    if world == expected:
+        return
+    var = next(v for v, n in launched.items() if n == expected)
+    config = type(trl_args).__name__
+    raise UsageError(
+        f"{var}={expected} says this is one of {expected} processes, but this {trainer_class} runs a world of {world} "
+        f"(its {config} sees no distributed setup), so each process would train its own model; trl-ext's "
+        f"{', '.join(enabled)} would not be shared either. On CPU, set `use_cpu=True` in the {config}; on GPU, "
+        "give every process a device (check CUDA_VISIBLE_DEVICES); or launch a single process."
+    )
+
+
+def _attach_before_init(ctx: TrainerContext) -> None:
+    """Instance patches TRL's `__init__` already needs: the DPO reference precompute, the generation helper."""
+    trainer = ctx.trainer
+    if ctx.trainer_class == "DPOTrainer":
+        method = _compat.DPO_PRECOMPUTE_METHOD
+        ctx.patcher.setattr(trainer, method, _precompute_wrapper(ctx, getattr(trainer, method)))
+    module_name = _compat.GENERATION_HELPER_MODULES.get(ctx.trainer_class)
+    if module_name is not None:
+        # Trainer modules look `unwrap_model_for_generation` up by name: it is swapped there while this trainer runs.
+        ctx.wrap_while_running(resolve(module_name), "unwrap_model_for_generation", _generation_wrapper(ctx))
+
+
+def _attach_after_init(ctx: TrainerContext) -> None:
+    """Instance patches for the trainer's life: metric reduction in `log`, and the run scope of its entry points."""
+    trainer = ctx.trainer
+    ctx.patcher.setattr(trainer, "log", _log_wrapper(ctx, trainer.log))
+    for entry in ("train", "evaluate", "predict"):
+        ctx.patcher.setattr(trainer, entry, _running_wrapper(ctx, getattr(trainer, entry)))
+
+
+def _running_wrapper(ctx: TrainerContext, original):
+    @functools.wraps(original)
+    def entry_point(*args, **kwargs):
+        with ctx.running():
+            return original(*args, **kwargs)
+
+    return entry_point
+
+
+def _precompute_wrapper(ctx: TrainerContext, original):
+    @functools.wraps(original)
+    def _precompute_ref_logps(dataset, name, batch_size):
+        ctx.prepare_models()
+        result = ctx.call_exclusive(
+            "trl_ext_make_ref_precompute",
+            trainer=ctx.trainer,
+            context=ctx,
+            dataset=dataset,
+            name=name,
+            batch_size=batch_size,
+        )
+        return original(dataset, name, batch_size) if result is None else result
+
+    return _precompute_ref_logps
+
+
+def _log_wrapper(ctx: TrainerContext, original):
+    @functools.wraps(original)
+    def log(logs, *args, **kwargs):
+        trainer = ctx.trainer
+        result = ctx.call_exclusive("trl_ext_reduce_metrics", trainer=trainer, context=ctx, logs=logs)
+        if result is not None:
+            # The plugin's values replace TRL's buffered ones for this window (DPOTrainer keeps them in
+            # `_metrics[mode]` and would otherwise merge its own local averages in).
+            buffers = getattr(trainer, "_metrics", None)
+            if isinstance(buffers, Mapping):
+                buffers["train" if trainer.model.training else "eval"].clear()
+            logs.clear()
+            logs.update(result)
+        return original(logs, *args, **kwargs)
+
+    return log
+
+
+def _generation_wrapper(ctx: TrainerContext):
+    def make(original):
+        signature = inspect.signature(original)
 
         @functools.wraps(original)
         def unwrap_model_for_generation(model, accelerator, *args, **kwargs):
-            ctx = next(
-                (c for c in installation.contexts() if getattr(c.trainer, "accelerator", None) is accelerator), None
-            )
-            if ctx is not None and installation._installed:
-                bound = inspect.signature(original).bind(model, accelerator, *args, **kwargs)
+            trainer = ctx.trainer
+            if trainer is not None and ctx.attached and getattr(trainer, "accelerator", None) is accelerator:
+                bound = signature.bind(model, accelerator, *args, **kwargs)
                 bound.apply_defaults()
                 call_kwargs = {k: v for k, v in bound.arguments.items() if k != "model"}
                 manager = ctx.call_exclusive(
                     "trl_ext_make_generation_context",
-                    trainer=ctx.trainer,
+                    trainer=trainer,
                     context=ctx,
                     model=model,
                     call_kwargs=call_kwargs,
@@ -266,6 +464,8 @@ class Installation:
             return original(model, accelerator, *args, **kwargs)
 
         return unwrap_model_for_generation
+
+    return make
 
 
 def install(

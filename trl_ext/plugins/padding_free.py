@@ -239,7 +239,8 @@ def _configure_model(context, role: str, model) -> str:
         )
     if state.attention == "dense":
         return impl
-    register_varlen_attention()
+    # Held per trainer (not per installation): the trainer keeps its plugins after `uninstall()`.
+    context.hold("varlen_attention", register_varlen_attention, unregister_varlen_attention)
     # `_attn_implementation` is a property over `_attn_implementation_internal` (transformers 5); the private field is
     # never serialized (configuration_utils.py `_remove_keys_not_serialized`), so checkpoints keep the user's choice.
     context.patcher.setattr(config, "_attn_implementation_internal", varlen_attention_name(impl))
@@ -271,8 +272,8 @@ def trl_ext_trainer_models_ready(trainer, context):
 
 
 @hookimpl
-def trl_ext_uninstall(installation):
-    unregister_varlen_attention()
+def trl_ext_describe(trainer, context):
+    return ", ".join(f"{role}: {impl}" for role, impl in _state(context).attn_implementations.items()) or None
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -702,14 +702,13 @@ def _wrap_save_checkpoint(state: SyncMetricsState, original):
 def _install_loss_deferral(trainer: Any, context: Any, state: SyncMetricsState) -> None:
     import importlib
 
-    installation_patcher = context.installation.patcher
     for module_name in _LOSS_GATHER_MODULES:
         module = importlib.import_module(module_name)
         current = getattr(module, "nested_gather", None)
         if current is not None and not getattr(current, "__trl_ext_sync_metrics__", False):
-            # Module-level, once per installation, undone by `Installation.uninstall()`; it acts only inside the
+            # Module-level, only while this trainer runs (so also after `uninstall()`); it acts only inside the
             # `_maybe_log_save_evaluate` of a trainer that has sync_metrics (pass-through everywhere else).
-            installation_patcher.wrap(module, "nested_gather", _deferring_nested_gather)
+            context.wrap_while_running(module, "nested_gather", _deferring_nested_gather)
     patcher = context.patcher
     if hasattr(trainer, "_nested_gather"):
         patcher.setattr(trainer, "_nested_gather", _deferring_nested_gather(trainer._nested_gather))
