@@ -239,7 +239,8 @@ def test_exception_without_zero3_restores_everything(online_dpo_args, tokenizer)
         funcs = _gc_funcs(model)
         flags = [vars(m).get("gradient_checkpointing") for m in model.modules()]
         config, config_json = model.generation_config, model.generation_config.to_json_string()
-        with pytest.raises(Injected, match="boom"):
+        # The trainer module's `unwrap_model_for_generation` is the plugin's while this trainer runs (as in train()).
+        with trainer._trl_ext.running(), pytest.raises(Injected, match="boom"):
             with odt.unwrap_model_for_generation(
                 model, trainer.accelerator, generation_kwargs=trainer.generation_kwargs
             ) as unwrapped:

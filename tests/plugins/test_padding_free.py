@@ -461,6 +461,10 @@ def test_generation_unchanged_and_uninstall_restores(build, tokenizer):
         assert torch.equal(model.generate(**gen_kwargs), expected)
         assert "trl_ext_varlen_sdpa" in AttentionInterface._global_mapping
         installation.uninstall()
+        # TRL is stock again, but the trainer keeps its plugins for its whole life (issue 15) until detached.
+        assert model.config._attn_implementation == "trl_ext_varlen_sdpa"
+        assert "trl_ext_varlen_sdpa" in AttentionInterface._global_mapping
+        installation.detach(trainer)
         assert model.config._attn_implementation == "sdpa"
         assert "forward" not in backbone.__dict__
         assert model.forward != before["forward"] and backbone.forward != before["backbone"]
