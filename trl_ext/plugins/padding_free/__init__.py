@@ -76,10 +76,10 @@ from typing import Any
 
 import torch
 
-from .._logging import get_logger
-from ..errors import UsageError
-from ..hookspecs import hookimpl
-from ..varlen import (
+from ..._logging import get_logger
+from ...errors import UsageError
+from ...hookspecs import hookimpl
+from ...varlen import (
     PACKING_KEY,
     VARLEN_BASES,
     PackInfo,
@@ -92,6 +92,8 @@ from ..varlen import (
     unregister_varlen_attention,
     varlen_attention_name,
 )
+from .architecture import VERIFIED_MODEL_TYPES, Inspection, inspect_model
+from .self_check import PROBE_LENGTHS, SelfCheckResult, self_check
 
 logger = get_logger(__name__)
 
@@ -99,12 +101,13 @@ NAME = "padding_free"
 TRL_EXT_FLAGS = ("padding_free",)
 TRL_EXT_TRAINERS = ("DPOTrainer",)
 
-#: `config.model_type`s whose packed forward equals the padded one, checked by
-#: tests/plugins/test_padding_free.py::test_architectures (fp64, varlen and dense attention, sdpa and eager).
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma3_text", "phi3", "olmo2")
+#: Kept for code written against the allow-list: the verified table (other models now run the self-check).
+SUPPORTED_MODEL_TYPES = VERIFIED_MODEL_TYPES
+
 _FLASH = ("flash_attention_2", "flash_attention_3", "flash_attention_4")
 _ATTENTION_OPTIONS = ("auto", "varlen", "dense")
-_OPTIONS = {"attention": _ATTENTION_OPTIONS}
+_SELF_CHECK_OPTIONS = ("auto", True)
+_OPTIONS = {"attention": _ATTENTION_OPTIONS, "self_check": _SELF_CHECK_OPTIONS}
 # Batch keys of vision-language collators (DataCollatorForVisionPreference, VLM processors).
 _VISION_KEYS = (
     "pixel_values",
@@ -123,7 +126,11 @@ class PaddingFreeState:
     """Per-trainer state of the plugin (`context.state["padding_free"]`)."""
 
     attention: str = "auto"
+    self_check: str | bool = "auto"
     checked: bool = False
+    #: the architecture inspection of each wrapped model, and the self-check results, by role
+    inspections: dict[str, Inspection] = dataclasses.field(default_factory=dict)
+    self_checks: dict[str, SelfCheckResult] = dataclasses.field(default_factory=dict)
     #: attention implementation each wrapped model runs, by role (for logs and tests)
     attn_implementations: dict[str, str] = dataclasses.field(default_factory=dict)
     #: number of packed forward calls, and of calls that could not be packed and ran padded
@@ -149,12 +156,21 @@ def trl_ext_validate_config(config, options, trl_version):
         raise UsageError(
             f"`plugins.padding_free.attention` must be one of {list(_ATTENTION_OPTIONS)}, got {attention!r}."
         )
+    self_check = options.get("self_check", "auto")
+    if self_check not in _SELF_CHECK_OPTIONS or self_check == 1 and self_check is not True:
+        raise UsageError(
+            f'`plugins.padding_free.self_check` must be "auto" (check models not in the verified table) or true '
+            f"(check every model), got {self_check!r}."
+        )
 
 
 def _state(context) -> PaddingFreeState:
     state = context.state.get(NAME)
     if state is None:
-        state = context.state[NAME] = PaddingFreeState(attention=context.options(NAME).get("attention", "auto"))
+        options = context.options(NAME)
+        state = context.state[NAME] = PaddingFreeState(
+            attention=options.get("attention", "auto"), self_check=options.get("self_check", "auto")
+        )
     return state
 
 
@@ -184,12 +200,6 @@ def _check_trainer(trainer, context) -> PaddingFreeState:
             "padding_free does not support vision-language models or image datasets: image features are matched to "
             "placeholder tokens per row. Disable padding_free for this trainer."
         )
-    if getattr(trainer, "aux_loss_enabled", False):
-        raise UsageError(
-            "padding_free does not support the MoE router auxiliary loss: the router logits of a packed row cannot be "
-            "matched to the padded attention mask TRL passes to the load-balancing loss. Set `router_aux_loss_coef=0` "
-            "in the DPOConfig, or disable padding_free."
-        )
     model = getattr(trainer, "model", None)
     peft_config = getattr(model, "peft_config", None)
     if isinstance(peft_config, dict):
@@ -209,17 +219,11 @@ def _configure_model(context, role: str, model) -> str:
     state = _state(context)
     config = model.config
     model_type = getattr(config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    inspection = state.inspections[role] = inspect_model(model)
+    if inspection.refusal is not None:
         raise UsageError(
-            f"padding_free cannot keep packed sequences apart in a `{model_type}` model ({role} model "
-            f"{type(model).__name__}): only {', '.join(SUPPORTED_MODEL_TYPES)} are verified (OPT/Falcon ignore "
-            "position ids in their masks, ALiBi, SSM, hybrid and MoE models mix or route packed sequences). Disable "
-            "padding_free for this model."
-        )
-    if getattr(config, "output_router_logits", False):
-        raise UsageError(
-            f"padding_free does not support router logits (`output_router_logits=True` on the {role} model). "
-            "Set it to False, or disable padding_free."
+            f"padding_free cannot keep packed sequences apart in this `{model_type}` model ({role} model "
+            f"{type(model).__name__}): {inspection.refusal}"
         )
     impl = config._attn_implementation
     if impl in _FLASH:
@@ -261,7 +265,37 @@ def trl_ext_trainer_models_ready(trainer, context):
         if role not in state.attn_implementations:  # a model whose backbone the core could not reach
             state.attn_implementations[role] = _configure_model(context, role, model)
         context.patcher.setattr(model, "forward", _make_causal_lm_forward(model.forward, state))
+        if state.self_check is True or not state.inspections[role].verified:
+            _run_self_check(state, role, model)
     logger.info("padding_free: packing %s", state.attn_implementations)
+
+
+def _run_self_check(state: PaddingFreeState, role: str, model) -> None:
+    """Measure, before the first step, that `model`'s packed forward keeps sequences apart; refuse if it does not."""
+    calls = state.packed_calls, state.unpacked_calls
+    result = self_check(model, model.forward)
+    state.packed_calls, state.unpacked_calls = calls  # the probe's forwards are not training forwards
+    state.self_checks[role] = result
+    model_type = getattr(model.config, "model_type", None)
+    if result.leak is not None:
+        raise UsageError(
+            f"padding_free's self-check failed for the {role} model ({type(model).__name__}, `{model_type}`): "
+            f"{result.leak}. Packed training would mix sequences; train this model without padding_free."
+        )
+    logger.info(
+        "padding_free: self-check passed for the %s model (%s, `%s`, %s): packed sequences stay apart "
+        "(bit-identical) and match each sequence run alone (max relative difference %.2g <= %g); cost %d forwards "
+        "of <= %d tokens, %.2f s",
+        role,
+        type(model).__name__,
+        model_type,
+        next(model.parameters()).dtype,
+        result.max_position_error,
+        result.tolerance,
+        result.forwards,
+        sum(PROBE_LENGTHS),
+        result.seconds,
+    )
 
 
 @hookimpl
@@ -334,7 +368,11 @@ def _packable(kwargs: dict[str, Any]) -> bool:
 
 def _pack_kwargs(kwargs: dict[str, Any], meta: Any) -> tuple[dict[str, Any], PackInfo]:
     input_ids = kwargs["input_ids"]
-    info = PackInfo.from_batch(meta, input_ids) or packing_metadata(kwargs["attention_mask"])
+    info = PackInfo.from_batch(meta, input_ids, kwargs["attention_mask"]) if meta is not None else None
+    if info is None:
+        if meta is not None and not _REBUILT_WARNED:
+            _warn_rebuilt(meta, input_ids)
+        info = packing_metadata(kwargs["attention_mask"])
     packed = dict(kwargs)
     packed["input_ids"] = pack_rows(input_ids, info)
     packed["attention_mask"] = None  # transformers only isolates packed sequences without a 2D mask
@@ -342,6 +380,19 @@ def _pack_kwargs(kwargs: dict[str, Any], meta: Any) -> tuple[dict[str, Any], Pac
     packed["position_ids"] = info.position_ids if position_ids is None else pack_rows(position_ids, info)
     packed.update(info.flash_kwargs())
     return packed, info
+
+
+_REBUILT_WARNED = False
+
+
+def _warn_rebuilt(meta: Any, input_ids: torch.Tensor) -> None:
+    global _REBUILT_WARNED
+    _REBUILT_WARNED = True
+    logger.warning(
+        "padding_free: the packing metadata of a batch did not match its %s input_ids and attention_mask (changed "
+        "after collation); it was rebuilt from attention_mask (once-only warning).",
+        tuple(input_ids.shape),
+    )
 
 
 def _positional_input_ids(args: tuple, kwargs: dict[str, Any]) -> tuple:
@@ -361,7 +412,7 @@ def _make_backbone_forward(original: Callable, state: PaddingFreeState) -> Calla
         if args or not _packable(kwargs):
             return original(*args, **kwargs)
         packed, info = _pack_kwargs(kwargs, meta)
-        with packed_call():
+        with packed_call(info):
             outputs = original(**packed)
         state.packed_calls += 1
         outputs.last_hidden_state = unpack_rows(outputs.last_hidden_state, info)
@@ -394,7 +445,7 @@ def _make_causal_lm_forward(original: Callable, state: PaddingFreeState) -> Call
             packed_labels = pack_rows(labels, info).clone()
             starts = info.cu_seq_lens[:-1].long().clamp(max=max(info.num_tokens - 1, 0))
             packed["labels"] = packed_labels.index_fill_(1, starts, -100)
-        with packed_call():
+        with packed_call(info):
             outputs = original(**packed)
         state.packed_calls += 1
         if kwargs.get("fused_lm_head"):
