@@ -1,6 +1,6 @@
-"""padding_free beyond the dense allow-list: batch dispatching, MoE with its router auxiliary loss, sliding windows, the
-self-check, and refusals by mechanism. Every equivalence runs a stock `DPOTrainer` and one with the plugin on the same
-float64 weights and data, and compares losses, gradients and logged metrics."""
+"""padding_free beyond the dense allow-list: batch dispatching, MoE with its router auxiliary loss, sliding windows,
+the self-check, and refusals by mechanism. Every equivalence runs a stock `DPOTrainer` and one with the plugin on the
+same float64 weights and data, and compares losses, gradients and logged metrics."""
 
 from __future__ import annotations
 
@@ -113,7 +113,9 @@ def _grads(trainer, batch):
     trainer.model.zero_grad(set_to_none=True)
     loss = trainer.compute_loss(trainer.model, batch)
     loss.backward()
-    return loss.detach(), {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+    return loss.detach(), {
+        n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None
+    }
 
 
 def _compare_step(stock, packed, n=6):
@@ -181,11 +183,12 @@ def test_dispatch_batches_train_evaluate_predict(build, dataset, kind):
 def test_dispatch_batches_two_processes(tmp_path):
     """torchrun, 2 CPU processes (gloo), `dispatch_batches=True`: the packed run logs what the stock run logs."""
     script = Path(__file__).parent / "scripts" / "padding_free_dispatch.py"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(trl_ext.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]))
-    env.update(OMP_NUM_THREADS="1", TQDM_DISABLE="1", HF_HUB_OFFLINE="1")
+    repo = str(Path(trl_ext.__file__).parents[1])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]))
+    env.update(OMP_NUM_THREADS="1", TQDM_DISABLE="1", HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore")
     torchrun = Path(sys.executable).with_name("torchrun")
     out = subprocess.run(
-        [str(torchrun), "--nproc_per_node=2", "--master_port=0", str(script), str(tmp_path)],
+        [str(torchrun), "--standalone", "--nproc_per_node=2", str(script), str(tmp_path)],
         env=env,
         capture_output=True,
         text=True,
@@ -287,7 +290,9 @@ def test_self_check_refuses_an_unverified_leaking_model(dpo_args, tokenizer, dat
         m.model.layers[0].mlp = _TokenShift(m.model.layers[0].mlp)
     with trl_ext.install(padding_free=True):
         with pytest.raises(UsageError, match=r"self-check failed .*layers\.0\.mlp \(_TokenShift\)"):
-            DPOTrainer(model, ref_model=ref, args=dpo_args(bf16=False), train_dataset=dataset, processing_class=tokenizer)
+            DPOTrainer(
+                model, ref_model=ref, args=dpo_args(bf16=False), train_dataset=dataset, processing_class=tokenizer
+            )
 
 
 def _tiny_from_config(model_type, **extra):
