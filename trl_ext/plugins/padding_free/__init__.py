@@ -43,20 +43,35 @@ with trl_ext.install():
 Options (`plugins: {padding_free: {...}}`):
 
 - `attention` (`"auto"`, `"varlen"` or `"dense"`, defaults to `"auto"`): how `sdpa`/`eager` models keep packed
-  sequences apart. `"auto"` and `"varlen"` use the per-segment attention, `"dense"` transformers' block-diagonal mask.
-  Flash-attention models always use their own varlen kernels.
+  sequences apart. `"auto"` and `"varlen"` use the per-segment attention (each sequence runs the model's own attention
+  function, so sliding windows, softcapping and attention sinks apply inside each sequence), `"dense"` transformers'
+  block-diagonal mask. Flash-attention models always use their own varlen kernels.
+- `self_check` (`"auto"` or `true`, defaults to `"auto"`): run the self-check (`self_check.py`) for every model, not
+  only for those whose `model_type` is not in the verified table (`architecture.VERIFIED_MODEL_TYPES`).
 
-Refused with `trl_ext.UsageError` (nothing is silently turned off):
+Which models pack exactly is decided by mechanism (`architecture.py`), not by name: attention decoders with
+rotary / partial rotary / learned positions (positions restart per sequence), sliding windows, sinks, softcapping,
+QK-norm and token-choice MoE (the router auxiliary loss stays on: over the real tokens of the packed row it equals the
+mask-weighted loss TRL computes on the padded batch). Every architecture of the installed transformers is checked by
+tests/plugins/test_padding_free_sweep.py. Models outside the verified table (custom, `trust_remote_code`, new) run a
+self-check before their first step: on a probe batch, changing one packed sequence must leave the others'
+logits bit-identical, and each sequence must match its unpacked forward; one log line reports it and its cost.
 
-- model types not verified to keep packed sequences apart (verified: see `SUPPORTED_MODEL_TYPES`). In particular OPT
-  and Falcon (their masks ignore `position_ids`), Bloom and MPT (ALiBi), Mamba and the hybrid SSM / linear-attention
-  models (Qwen3-Next, Falcon-H1, GraniteMoeHybrid; their CPU kernels ignore sequence boundaries), and MoE models;
+Refused with `trl_ext.UsageError` (nothing is silently turned off; the advice is to train without padding_free):
+
+- layers that carry state along the sequence (short convolutions, Mamba/SSM, linear attention: LFM2, NemotronH,
+  Jamba, Qwen3-Next, ...), named in the message; ALiBi models (Bloom, MPT, Falcon with `alibi=True`);
+  capacity-limited MoE routing; any model that fails the self-check (the message names the first leaking layer);
 - attention implementations other than `sdpa`, `eager` and `flash_attention_2/3/4` (e.g. `flex_attention`, which has
   no backward on CPU with torch 2.13);
-- MoE router auxiliary loss (`router_aux_loss_coef` / `output_router_logits`): the router logits would be packed;
 - vision-language models and vision datasets;
 - prompt-learning PEFT (prompt tuning, prefix tuning, P-tuning: virtual tokens are prepended to every row);
 - `use_liger_kernel=True` (not verified; on TRL <= 1.14 its fused DPO loss bypasses the model forward).
+
+Batch dispatching: the collator's packing metadata is row-major (`row_starts`, `row_lengths`), so accelerate's
+`DataLoaderDispatcher` (iterable datasets, `dispatch_batches=True`), which concatenates and slices batches along
+dim 0, keeps it with its rows; it is checked against the batch's `attention_mask` before use and rebuilt from the mask
+(with a warning) when it does not match.
 
 Limits: each row of a batch must hold one sequence whose real tokens are contiguous (TRL's collator pads on the
 right); packed position ids restart at 0, so a user collator that pads on the left gets positions 0..n-1 (what

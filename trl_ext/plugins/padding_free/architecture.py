@@ -41,7 +41,6 @@ _STATEFUL_NAMES = (
     "lightning",
     "recurrent",
     "rwkv",
-    "ssm",
     "mlstm",
     "slstm",
     "xlstm",
