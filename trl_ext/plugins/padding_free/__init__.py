@@ -288,7 +288,8 @@ def trl_ext_trainer_models_ready(trainer, context):
 def _run_self_check(state: PaddingFreeState, role: str, model) -> None:
     """Measure, before the first step, that `model`'s packed forward keeps sequences apart; refuse if it does not."""
     calls = state.packed_calls, state.unpacked_calls
-    result = self_check(model, model.forward)
+    moe = any(m.startswith("MoE") for m in state.inspections[role].mechanisms)
+    result = self_check(model, model.forward, moe=moe)
     state.packed_calls, state.unpacked_calls = calls  # the probe's forwards are not training forwards
     state.self_checks[role] = result
     model_type = getattr(model.config, "model_type", None)

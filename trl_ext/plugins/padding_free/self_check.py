@@ -83,8 +83,16 @@ def _first_change(before: list, after: list, rows: torch.Tensor) -> str:
     return "the model's output (no single module found)"
 
 
-def self_check(model: torch.nn.Module, packed_forward: Callable, dtype: torch.dtype | None = None) -> SelfCheckResult:
-    """Measure whether `packed_forward` (the model's wrapped forward) keeps packed sequences apart."""
+def self_check(
+    model: torch.nn.Module, packed_forward: Callable, dtype: torch.dtype | None = None, moe: bool = False
+) -> SelfCheckResult:
+    """Measure whether `packed_forward` (the model's wrapped forward) keeps packed sequences apart.
+
+    `moe`: the model routes tokens to experts. Changing one sequence's tokens then changes how many tokens each expert
+    multiplies at once, and a matmul kernel may round another token's row differently (seen: PhiMoE in float64, 7e-16).
+    For MoE models the isolation check therefore allows 16 units of round-off of the dtype (relative to the largest
+    logit) instead of bit-identity; a leak smaller than that (possible only in 16-bit dtypes) would pass.
+    """
     start = time.perf_counter()
     device = next(model.parameters()).device
     vocab = model.get_input_embeddings().num_embeddings
@@ -107,13 +115,18 @@ def self_check(model: torch.nn.Module, packed_forward: Callable, dtype: torch.dt
                 before, recorder.outputs = recorder.outputs, []
                 after = packed_forward(input_ids=changed, attention_mask=mask, use_cache=False).logits
                 forwards += 2
+            except Exception as exc:  # noqa: BLE001 - a model that cannot run packed is refused, with the cause
+                leak = f"its packed forward raised {type(exc).__name__}: {exc}"
+                return SelfCheckResult(leak, float("nan"), tolerance, time.perf_counter() - start, forwards)
             finally:
                 recorder.close()
             others = [i for i in range(len(PROBE_LENGTHS)) if i != middle]
             real = mask.bool()
             leak = None
             for i in others:
-                if not torch.equal(base[i][real[i]], after[i][real[i]]):
+                change = (base[i][real[i]].double() - after[i][real[i]].double()).abs().max()
+                allowed = 16 * torch.finfo(base.dtype).eps * base[i][real[i]].double().abs().max() if moe else 0.0
+                if change > allowed:
                     starts = torch.tensor([0, *PROBE_LENGTHS]).cumsum(0)
                     rows = torch.cat([torch.arange(starts[j], starts[j + 1]) for j in others]).to(device)
                     leak = (
@@ -124,14 +137,17 @@ def self_check(model: torch.nn.Module, packed_forward: Callable, dtype: torch.dt
                     break
             worst = 0.0
             if leak is None:
-                for i, length in enumerate(PROBE_LENGTHS):
-                    # `use_cache=True` is never packed: the model's ordinary forward on the sequence alone
-                    ref = packed_forward(input_ids=ids[i : i + 1, :length], use_cache=True).logits[0]
-                    ref = ref.to(torch.float64)
-                    forwards += 1
-                    got = base[i, :length].to(torch.float64)
-                    worst = max(worst, ((got - ref).abs().max() / ref.abs().max().clamp(min=1e-30)).item())
-                if not worst <= tolerance:
+                try:
+                    for i, length in enumerate(PROBE_LENGTHS):
+                        # `use_cache=True` is never packed: the model's ordinary forward on the sequence alone
+                        ref = packed_forward(input_ids=ids[i : i + 1, :length], use_cache=True).logits[0]
+                        ref = ref.to(torch.float64)
+                        forwards += 1
+                        got = base[i, :length].to(torch.float64)
+                        worst = max(worst, ((got - ref).abs().max() / ref.abs().max().clamp(min=1e-30)).item())
+                except Exception as exc:  # noqa: BLE001 - no unpacked reference, no verdict: refuse with the cause
+                    leak = f"its unpacked forward (the reference) raised {type(exc).__name__}: {exc}"
+                if leak is None and not worst <= tolerance:
                     leak = (
                         f"the packed logits differ from each sequence run alone by {worst:.3g} (relative to the "
                         f"largest logit; {dtype} round-off allows {tolerance:g}): positions do not restart per "
