@@ -21,6 +21,8 @@ import sys
 import pytest
 import torch
 
+from trl_ext.plugins.padding_free.architecture import VERIFIED_MODEL_TYPES
+
 REL = 1e-6
 LENGTHS = (12, 10, 11, 12)  # within a window (4) of each other: no fully masked padded query row (eager fp64 NaN)
 AUX_COEF = 0.5
@@ -236,6 +238,14 @@ def test_named_architectures(model_type):
 @pytest.mark.parametrize("model_type", causal_lm_types())
 def test_every_architecture(model_type):
     _check(model_type)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", VERIFIED_MODEL_TYPES)
+def test_verified_table(model_type):
+    """Every model type that skips the self-check by default is exact in the sweep."""
+    mechanism, status, detail = sweep_one(model_type)
+    assert status == "exact", f"{mechanism}: {detail}"
 
 
 def main(types: list[str]) -> None:
