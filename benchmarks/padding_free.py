@@ -21,6 +21,8 @@ Run from the repository root:
 
     python benchmarks/padding_free.py            # full (about 15 minutes on a quiet 2-core CPU)
     python benchmarks/padding_free.py --quick    # smoke run (about 1-2 minutes)
+    python benchmarks/padding_free.py --arch mistral_sw   # sliding-window model (window 64)
+    python benchmarks/padding_free.py --arch mixtral      # MoE model, router auxiliary loss on
 """
 
 from __future__ import annotations
@@ -43,6 +45,47 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 MODEL = dict(vocab_size=32000, hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=1024)
 DATA = dict(prompt_median=77, completion_median=77, sigma=0.8, max_prompt=300, max_completion=600)
 VARIANTS = ("padded", "packed_dense", "packed_varlen")
+#: `--arch`: the dense Llama above; a Mistral of the same size with a 64-token sliding window on every layer (shorter
+#: than most sequences, so the window really applies); a Mixtral with 4 experts (top-2, expert width 512, so that the
+#: active parameters match the Llama's) and its router auxiliary loss on (TRL adds it, coefficient 0.02).
+ARCHS = ("llama", "mistral_sw", "mixtral")
+ARCH = "llama"
+
+
+def make_model(seed: int):
+    import torch
+    from transformers import MistralConfig, MistralForCausalLM, MixtralConfig, MixtralForCausalLM
+
+    from trl_ext.testing import make_model as make_llama
+
+    if ARCH == "llama":
+        return make_llama(seed=seed, **MODEL)
+    common = dict(
+        vocab_size=MODEL["vocab_size"],
+        hidden_size=MODEL["hidden_size"],
+        num_hidden_layers=MODEL["num_layers"],
+        num_attention_heads=MODEL["num_heads"],
+        num_key_value_heads=MODEL["num_kv_heads"],
+        max_position_embeddings=2048,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+    )
+    torch.manual_seed(seed)
+    if ARCH == "mistral_sw":
+        config = MistralConfig(intermediate_size=MODEL["intermediate_size"], sliding_window=64, **common)
+        model = MistralForCausalLM(config)
+    else:
+        config = MixtralConfig(
+            intermediate_size=MODEL["intermediate_size"] // 2,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            router_aux_loss_coef=0.02,
+            **common,
+        )
+        model = MixtralForCausalLM(config)
+    model.config._attn_implementation_internal = "sdpa"
+    return model
 
 
 def parse_args(argv=None):
@@ -54,6 +97,7 @@ def parse_args(argv=None):
     parser.add_argument("--train-steps", type=int, default=4, help="trainer.train() steps per run (0: skip)")
     parser.add_argument("--no-memory", action="store_true", help="skip the per-variant peak-memory processes")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--arch", choices=ARCHS, default="llama", help="model: dense, sliding window, or MoE")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--memory-child", choices=VARIANTS, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -78,8 +122,6 @@ def make_dataset(n: int, seed: int):
 def make_trainer(tokenizer, dataset, output_dir, **overrides):
     from trl import DPOConfig, DPOTrainer
 
-    from trl_ext.testing import make_model
-
     kwargs = dict(
         output_dir=output_dir,
         per_device_train_batch_size=8,
@@ -94,8 +136,8 @@ def make_trainer(tokenizer, dataset, output_dir, **overrides):
     )
     kwargs.update(overrides)
     return DPOTrainer(
-        make_model(**MODEL),
-        ref_model=make_model(seed=1, **MODEL),
+        make_model(seed=0),
+        ref_model=make_model(seed=1),
         args=DPOConfig(**kwargs),
         train_dataset=dataset,
         processing_class=tokenizer,
@@ -244,7 +286,7 @@ def measure_memory(args) -> dict:
     out = {}
     for variant in VARIANTS:
         cmd = [sys.executable, __file__, "--memory-child", variant, "--pairs", str(args.pairs)]
-        cmd += ["--batches", str(args.batches), "--seed", str(args.seed)]
+        cmd += ["--batches", str(args.batches), "--seed", str(args.seed), "--arch", args.arch]
         cmd += ["--threads", str(args.threads)] if args.threads else []
         proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
         out[variant] = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -286,7 +328,9 @@ def time_training(args, tokenizer, dataset, tmp) -> dict:
 
 
 def main(argv=None) -> None:
+    global ARCH
     args = parse_args(argv)
+    ARCH = args.arch
     import torch
 
     if args.threads:
@@ -302,7 +346,7 @@ def main(argv=None) -> None:
     dataset = make_dataset(max(args.pairs * 24, 64), args.seed)
     print(
         f"padding_free benchmark: trl {trl.__version__}, torch {torch.__version__}, {torch.get_num_threads()} threads;"
-        f" Llama {MODEL}, fp32; {args.pairs} pairs per batch, {args.batches} batches x {args.reps} reps (+1 warm-up)",
+        f" {ARCH} {MODEL}, fp32; {args.pairs} pairs per batch, {args.batches} batches x {args.reps} reps (+1 warm-up)",
         flush=True,
     )
     with tempfile.TemporaryDirectory() as tmp:

@@ -60,6 +60,11 @@ _VARLEN_PREFIX = "trl_ext_varlen_"
 # True while a packed forward runs: the mask interface of the varlen implementations then builds no mask at all (the
 # attention function splits the row by `cu_seq_lens_q`). A dynamic-scope flag like torch's grad mode, not state.
 _PACKED_CALL: contextvars.ContextVar[bool] = contextvars.ContextVar("trl_ext_packed_call", default=False)
+# The sequence bounds (cumulative lengths) of the packed row being run, for models that do not forward
+# `cu_seq_lens_q` to their attention function.
+_PACKED_BOUNDS: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar(
+    "trl_ext_packed_bounds", default=None
+)
 
 
 def varlen_attention_name(base: str) -> str:
@@ -100,18 +105,37 @@ class PackInfo:
         return self.indices.numel()
 
     def to_batch(self) -> dict[str, Any]:
-        """A plain dict (tensors and ints) that accelerate's `_prepare_input` moves to the device unchanged."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        """Row-major metadata for the batch: `row_starts` and `row_lengths`, one entry per row (`[rows]` each).
+
+        Every tensor of a batch has the rows on dim 0, so accelerate's `DataLoaderDispatcher` (iterable datasets,
+        `dispatch_batches=True`), which concatenates batches and slices them along dim 0, keeps each row's metadata
+        with its row. `from_batch` still checks it against the batch's `attention_mask` before using it.
+        """
+        lengths = self.cu_seq_lens[1:].long() - self.cu_seq_lens[:-1].long()
+        starts = self.indices.new_zeros(self.rows)
+        if self.num_tokens:
+            first_token = self.cu_seq_lens[:-1].long().clamp(max=self.num_tokens - 1)
+            starts = torch.where(lengths > 0, self.indices[first_token] % self.length, starts)
+        return {"row_starts": starts, "row_lengths": lengths}
 
     @classmethod
-    def from_batch(cls, value: Any, input_ids: torch.Tensor) -> PackInfo | None:
-        """Rebuild from `to_batch()`; None when it does not describe `input_ids` (e.g. after accelerate split it)."""
-        if not isinstance(value, dict) or set(value) != {f.name for f in dataclasses.fields(cls)}:
+    def from_batch(
+        cls, value: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> PackInfo | None:
+        """Rebuild from `to_batch()`; None when it does not describe the batch exactly (wrong keys, shapes or device,
+        or, given `attention_mask`, real tokens other than the mask's), so that the caller packs from the mask."""
+        if not isinstance(value, dict) or set(value) != {"row_starts", "row_lengths"}:
             return None
-        info = cls(**value)
-        if (info.rows, info.length) != tuple(input_ids.shape) or info.indices.device != input_ids.device:
+        starts, lengths = value["row_starts"], value["row_lengths"]
+        rows, length = input_ids.shape
+        for t in (starts, lengths):
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != (rows,) or t.device != input_ids.device:
+                return None
+        cols = torch.arange(length, device=input_ids.device)[None]
+        mask = (cols >= starts[:, None]) & (cols < (starts + lengths)[:, None])
+        if attention_mask is not None and not torch.equal(mask, attention_mask.bool()):
             return None
-        return info
+        return packing_metadata(mask)
 
     def flash_kwargs(self) -> dict[str, Any]:
         """The flash-attention varlen arguments (`FlashAttentionKwargs`) of this packing."""
@@ -175,12 +199,17 @@ def unpack_shifted(x: torch.Tensor | None, info: PackInfo) -> torch.Tensor | Non
 
 
 @contextlib.contextmanager
-def packed_call() -> Iterator[None]:
-    """Mark the enclosed forward as packed (the varlen mask interface then builds no mask)."""
+def packed_call(info: PackInfo | None = None) -> Iterator[None]:
+    """Mark the enclosed forward as packed: the varlen mask interface then builds no mask, and the varlen attention
+    splits the row at the sequence bounds of `info` (read once here, not once per layer) unless the call passes its
+    own `cu_seq_lens_q`."""
+    bounds = None if info is None else [int(b) for b in info.cu_seq_lens.tolist()]
     token = _PACKED_CALL.set(True)
+    bounds_token = _PACKED_BOUNDS.set(bounds)
     try:
         yield
     finally:
+        _PACKED_BOUNDS.reset(bounds_token)
         _PACKED_CALL.reset(token)
 
 
@@ -200,27 +229,54 @@ def _base_attention(base: str, module: torch.nn.Module) -> Callable:
     return ALL_ATTENTION_FUNCTIONS[base]
 
 
+def _segment_mask(n: int, sliding_window: int | None, device: torch.device) -> torch.Tensor:
+    """Causal (and sliding-window) bool mask `[1, 1, n, n]` of one sequence, as transformers builds it: key kv is
+    visible from query q when kv <= q and, with a window, q - sliding_window < kv (`sliding_window_overlay`)."""
+    q_idx = torch.arange(n, device=device)[:, None]
+    kv_idx = torch.arange(n, device=device)[None, :]
+    mask = kv_idx <= q_idx
+    if sliding_window is not None:
+        mask = mask & (kv_idx > q_idx - sliding_window)
+    return mask[None, None]
+
+
 def _segment_attention(
+    base: str,
+    module: torch.nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
     dropout: float,
     scaling: float | None,
-    sliding_window: int | None,
-    enable_gqa: bool,
+    kwargs: dict[str, Any],
 ) -> torch.Tensor:
+    """Attention of one sequence, `[1, n, heads, head_dim]`: exactly what the base implementation computes for that
+    sequence alone (its own eager function with softcapping, sinks, ...), with a plain SDPA fast path."""
     n = query.shape[2]
-    if sliding_window is not None and n > sliding_window:
-        # transformers' `sliding_window_overlay`: key kv is visible from query q when q - sliding_window < kv <= q.
-        q_idx = torch.arange(n, device=query.device)[:, None]
-        kv_idx = torch.arange(n, device=query.device)[None, :]
-        mask = (kv_idx <= q_idx) & (kv_idx > q_idx - sliding_window)
-        return F.scaled_dot_product_attention(
-            query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=enable_gqa
+    sliding_window = kwargs.get("sliding_window")
+    window = sliding_window if sliding_window is not None and n > sliding_window else None
+    plain = base == "sdpa" and kwargs.get("softcap") is None and kwargs.get("s_aux") is None
+    if plain and window is None:
+        out = F.scaled_dot_product_attention(
+            query,
+            key,
+            value,
+            dropout_p=dropout,
+            is_causal=n > 1,
+            scale=scaling,
+            enable_gqa=query.shape[1] != key.shape[1],
         )
-    return F.scaled_dot_product_attention(
-        query, key, value, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=enable_gqa
-    )
+        return out.transpose(1, 2)
+    mask = _segment_mask(n, window, query.device)
+    if base == "eager":
+        mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill_(
+            ~mask, torch.finfo(query.dtype).min
+        )
+    out, _ = _base_attention(base, module)(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
+    return out
+
+
+_VARLEN_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "position_ids")
 
 
 def _make_varlen_attention(base: str) -> Callable:
@@ -235,33 +291,28 @@ def _make_varlen_attention(base: str) -> Callable:
         **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:
         cu_seq_lens = kwargs.get("cu_seq_lens_q")
-        if cu_seq_lens is None or attention_mask is not None:
-            # Not a packed call: exactly what the base implementation does.
+        bounds = cu_seq_lens.tolist() if cu_seq_lens is not None else _PACKED_BOUNDS.get()
+        if bounds is None or attention_mask is not None:
+            # Not a packed call (generation, a user's own forward), or a model that built its own mask inside a
+            # packed call (a dense mask, used as is): exactly what the base implementation does.
             return _base_attention(base, module)(
                 module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
             )
-        if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
+        if query.shape[0] != 1 or query.shape[2] != key.shape[2] or query.shape[2] != bounds[-1]:
             raise RuntimeError(
-                f"padding_free: varlen attention does not implement softcapping or attention sinks "
-                f"({type(module).__name__}); set `plugins: {{padding_free: {{attention: dense}}}}`."
+                f"padding_free: varlen attention expects one packed row of {bounds[-1]} tokens and no cache, got "
+                f"query {tuple(query.shape)} and key {tuple(key.shape)} in {type(module).__name__}"
             )
-        if query.shape[0] != 1 or query.shape[2] != key.shape[2]:
-            raise RuntimeError(
-                f"padding_free: varlen attention expects one packed row and no cache, got query {tuple(query.shape)}"
-                f" and key {tuple(key.shape)}"
-            )
-        sliding_window = kwargs.get("sliding_window")
-        enable_gqa = query.shape[1] != key.shape[1]
-        bounds = cu_seq_lens.tolist()
+        rest = {k: v for k, v in kwargs.items() if k not in _VARLEN_KWARGS}
         outs = [
             _segment_attention(
-                query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], dropout, scaling, sliding_window, enable_gqa
+                base, module, query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], dropout, scaling, rest
             )
             for s, e in zip(bounds[:-1], bounds[1:], strict=True)
             if e > s
         ]
-        out = torch.cat(outs, dim=2) if len(outs) != 1 else outs[0]
-        return out.transpose(1, 2).contiguous(), None
+        out = torch.cat(outs, dim=1) if len(outs) != 1 else outs[0]
+        return out.contiguous(), None
 
     varlen_attention_forward.__name__ = f"{_VARLEN_PREFIX}{base}_attention_forward"
     return varlen_attention_forward

@@ -43,20 +43,35 @@ with trl_ext.install():
 Options (`plugins: {padding_free: {...}}`):
 
 - `attention` (`"auto"`, `"varlen"` or `"dense"`, defaults to `"auto"`): how `sdpa`/`eager` models keep packed
-  sequences apart. `"auto"` and `"varlen"` use the per-segment attention, `"dense"` transformers' block-diagonal mask.
-  Flash-attention models always use their own varlen kernels.
+  sequences apart. `"auto"` and `"varlen"` use the per-segment attention (each sequence runs the model's own attention
+  function, so sliding windows, softcapping and attention sinks apply inside each sequence), `"dense"` transformers'
+  block-diagonal mask. Flash-attention models always use their own varlen kernels.
+- `self_check` (`"auto"` or `true`, defaults to `"auto"`): run the self-check (`self_check.py`) for every model, not
+  only for those whose `model_type` is not in the verified table (`architecture.VERIFIED_MODEL_TYPES`).
 
-Refused with `trl_ext.UsageError` (nothing is silently turned off):
+Which models pack exactly is decided by mechanism (`architecture.py`), not by name: attention decoders with
+rotary / partial rotary / learned positions (positions restart per sequence), sliding windows, sinks, softcapping,
+QK-norm and token-choice MoE (the router auxiliary loss stays on: over the real tokens of the packed row it equals the
+mask-weighted loss TRL computes on the padded batch). Every architecture of the installed transformers is checked by
+tests/plugins/test_padding_free_sweep.py. Models outside the verified table (custom, `trust_remote_code`, new) run a
+self-check before their first step: on a probe batch, changing one packed sequence must leave the others'
+logits bit-identical, and each sequence must match its unpacked forward; one log line reports it and its cost.
 
-- model types not verified to keep packed sequences apart (verified: see `SUPPORTED_MODEL_TYPES`). In particular OPT
-  and Falcon (their masks ignore `position_ids`), Bloom and MPT (ALiBi), Mamba and the hybrid SSM / linear-attention
-  models (Qwen3-Next, Falcon-H1, GraniteMoeHybrid; their CPU kernels ignore sequence boundaries), and MoE models;
+Refused with `trl_ext.UsageError` (nothing is silently turned off; the advice is to train without padding_free):
+
+- layers that carry state along the sequence (short convolutions, Mamba/SSM, linear attention: LFM2, NemotronH,
+  Jamba, Qwen3-Next, ...), named in the message; ALiBi models (Bloom, MPT, Falcon with `alibi=True`);
+  capacity-limited MoE routing; any model that fails the self-check (the message names the first leaking layer);
 - attention implementations other than `sdpa`, `eager` and `flash_attention_2/3/4` (e.g. `flex_attention`, which has
   no backward on CPU with torch 2.13);
-- MoE router auxiliary loss (`router_aux_loss_coef` / `output_router_logits`): the router logits would be packed;
 - vision-language models and vision datasets;
 - prompt-learning PEFT (prompt tuning, prefix tuning, P-tuning: virtual tokens are prepended to every row);
 - `use_liger_kernel=True` (not verified; on TRL <= 1.14 its fused DPO loss bypasses the model forward).
+
+Batch dispatching: the collator's packing metadata is row-major (`row_starts`, `row_lengths`), so accelerate's
+`DataLoaderDispatcher` (iterable datasets, `dispatch_batches=True`), which concatenates and slices batches along
+dim 0, keeps it with its rows; it is checked against the batch's `attention_mask` before use and rebuilt from the mask
+(with a warning) when it does not match.
 
 Limits: each row of a batch must hold one sequence whose real tokens are contiguous (TRL's collator pads on the
 right); packed position ids restart at 0, so a user collator that pads on the left gets positions 0..n-1 (what
@@ -76,11 +91,11 @@ from typing import Any
 
 import torch
 
-from .._logging import get_logger
-from ..errors import UsageError
-from ..hookspecs import hookimpl
-from ..spec import Flag, PluginSpec, boolean, one_of
-from ..varlen import (
+from ..._logging import get_logger
+from ...errors import UsageError
+from ...hookspecs import hookimpl
+from ...spec import Flag, Parser, PluginSpec, boolean, one_of
+from ...varlen import (
     PACKING_KEY,
     VARLEN_BASES,
     PackInfo,
@@ -93,10 +108,23 @@ from ..varlen import (
     unregister_varlen_attention,
     varlen_attention_name,
 )
+from .architecture import VERIFIED_MODEL_TYPES, Inspection, inspect_model
+from .self_check import PROBE_LENGTHS, SelfCheckResult, self_check
 
 logger = get_logger(__name__)
 
 NAME = "padding_free"
+
+
+def _parse_self_check(value: Any) -> str | bool:
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    if boolean(value) is True:
+        return True
+    raise ValueError(value)  # no "never check": an unverified model is only packed after it passed the check
+
+
+_SELF_CHECK = Parser(_parse_self_check, '"auto" or true')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,9 +136,13 @@ class PaddingFreeOptions:
             How `sdpa`/`eager` models keep packed sequences apart: `"auto"` and `"varlen"` use the per-segment
             attention, `"dense"` transformers' block-diagonal mask. Flash-attention models always use their own
             varlen kernels.
+        self_check (`str` or `bool`, *optional*, defaults to `"auto"`):
+            `"auto"`: before the first step, measure on a probe batch whether a model that is not in the verified
+            table keeps packed sequences apart (5 forwards of at most 26 tokens); `true`: check every model.
     """
 
     attention: str = dataclasses.field(default="auto", metadata={"parse": one_of("auto", "varlen", "dense")})
+    self_check: str | bool = dataclasses.field(default="auto", metadata={"parse": _SELF_CHECK})
 
 
 TRL_EXT_PLUGIN = PluginSpec(
@@ -122,9 +154,9 @@ TRL_EXT_PLUGIN = PluginSpec(
     trl_flag="padding_free",  # DPOConfig.padding_free, ignored by TRL >= 0.29 (see _compat.TRL_IGNORED_FLAGS)
 )
 
-#: `config.model_type`s whose packed forward equals the padded one, checked by
-#: tests/plugins/test_padding_free.py::test_architectures (fp64, varlen and dense attention, sdpa and eager).
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma3_text", "phi3", "olmo2")
+#: Kept for code written against the allow-list: the verified table (other models now run the self-check).
+SUPPORTED_MODEL_TYPES = VERIFIED_MODEL_TYPES
+
 _FLASH = ("flash_attention_2", "flash_attention_3", "flash_attention_4")
 # Batch keys of vision-language collators (DataCollatorForVisionPreference, VLM processors).
 _VISION_KEYS = (
@@ -144,7 +176,11 @@ class PaddingFreeState:
     """Per-trainer state of the plugin (`context.state["padding_free"]`)."""
 
     attention: str = "auto"
+    self_check: str | bool = "auto"
     checked: bool = False
+    #: the architecture inspection of each wrapped model, and the self-check results, by role
+    inspections: dict[str, Inspection] = dataclasses.field(default_factory=dict)
+    self_checks: dict[str, SelfCheckResult] = dataclasses.field(default_factory=dict)
     #: attention implementation each wrapped model runs, by role (for logs and tests)
     attn_implementations: dict[str, str] = dataclasses.field(default_factory=dict)
     #: number of packed forward calls, and of calls that could not be packed and ran padded
@@ -160,7 +196,8 @@ class PaddingFreeState:
 def _state(context) -> PaddingFreeState:
     state = context.state.get(NAME)
     if state is None:
-        state = context.state[NAME] = PaddingFreeState(attention=context.options(NAME).attention)
+        options: PaddingFreeOptions = context.options(NAME)
+        state = context.state[NAME] = PaddingFreeState(attention=options.attention, self_check=options.self_check)
     return state
 
 
@@ -190,12 +227,6 @@ def _check_trainer(trainer, context) -> PaddingFreeState:
             "padding_free does not support vision-language models or image datasets: image features are matched to "
             "placeholder tokens per row. Disable padding_free for this trainer."
         )
-    if getattr(trainer, "aux_loss_enabled", False):
-        raise UsageError(
-            "padding_free does not support the MoE router auxiliary loss: the router logits of a packed row cannot be "
-            "matched to the padded attention mask TRL passes to the load-balancing loss. Set `router_aux_loss_coef=0` "
-            "in the DPOConfig, or disable padding_free."
-        )
     model = getattr(trainer, "model", None)
     peft_config = getattr(model, "peft_config", None)
     if isinstance(peft_config, dict):
@@ -215,17 +246,11 @@ def _configure_model(context, role: str, model) -> str:
     state = _state(context)
     config = model.config
     model_type = getattr(config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    inspection = state.inspections[role] = inspect_model(model)
+    if inspection.refusal is not None:
         raise UsageError(
-            f"padding_free cannot keep packed sequences apart in a `{model_type}` model ({role} model "
-            f"{type(model).__name__}): only {', '.join(SUPPORTED_MODEL_TYPES)} are verified (OPT/Falcon ignore "
-            "position ids in their masks, ALiBi, SSM, hybrid and MoE models mix or route packed sequences). Disable "
-            "padding_free for this model."
-        )
-    if getattr(config, "output_router_logits", False):
-        raise UsageError(
-            f"padding_free does not support router logits (`output_router_logits=True` on the {role} model). "
-            "Set it to False, or disable padding_free."
+            f"padding_free cannot keep packed sequences apart in this `{model_type}` model ({role} model "
+            f"{type(model).__name__}): {inspection.refusal}"
         )
     impl = config._attn_implementation
     if impl in _FLASH:
@@ -268,7 +293,38 @@ def trl_ext_trainer_models_ready(trainer, context):
         if role not in state.attn_implementations:  # a model whose backbone the core could not reach
             state.attn_implementations[role] = _configure_model(context, role, model)
         context.patcher.setattr(model, "forward", _make_causal_lm_forward(model.forward, state))
+        if state.self_check is True or not state.inspections[role].verified:
+            _run_self_check(state, role, model)
     logger.info("padding_free: packing %s", state.attn_implementations)
+
+
+def _run_self_check(state: PaddingFreeState, role: str, model) -> None:
+    """Measure, before the first step, that `model`'s packed forward keeps sequences apart; refuse if it does not."""
+    calls = state.packed_calls, state.unpacked_calls
+    moe = any(m.startswith("MoE") for m in state.inspections[role].mechanisms)
+    result = self_check(model, model.forward, moe=moe)
+    state.packed_calls, state.unpacked_calls = calls  # the probe's forwards are not training forwards
+    state.self_checks[role] = result
+    model_type = getattr(model.config, "model_type", None)
+    if result.leak is not None:
+        raise UsageError(
+            f"padding_free's self-check failed for the {role} model ({type(model).__name__}, `{model_type}`): "
+            f"{result.leak}. Packed training would mix sequences; train this model without padding_free."
+        )
+    logger.info(
+        "padding_free: self-check passed for the %s model (%s, `%s`, %s): packed sequences stay apart "
+        "(bit-identical) and match each sequence run alone (max relative difference %.2g <= %g); cost %d forwards "
+        "of <= %d tokens, %.2f s",
+        role,
+        type(model).__name__,
+        model_type,
+        next(model.parameters()).dtype,
+        result.max_position_error,
+        result.tolerance,
+        result.forwards,
+        sum(PROBE_LENGTHS),
+        result.seconds,
+    )
 
 
 @hookimpl
@@ -341,7 +397,11 @@ def _packable(kwargs: dict[str, Any]) -> bool:
 
 def _pack_kwargs(kwargs: dict[str, Any], meta: Any) -> tuple[dict[str, Any], PackInfo]:
     input_ids = kwargs["input_ids"]
-    info = PackInfo.from_batch(meta, input_ids) or packing_metadata(kwargs["attention_mask"])
+    info = PackInfo.from_batch(meta, input_ids, kwargs["attention_mask"]) if meta is not None else None
+    if info is None:
+        if meta is not None and not _REBUILT_WARNED:
+            _warn_rebuilt(meta, input_ids)
+        info = packing_metadata(kwargs["attention_mask"])
     packed = dict(kwargs)
     packed["input_ids"] = pack_rows(input_ids, info)
     packed["attention_mask"] = None  # transformers only isolates packed sequences without a 2D mask
@@ -349,6 +409,19 @@ def _pack_kwargs(kwargs: dict[str, Any], meta: Any) -> tuple[dict[str, Any], Pac
     packed["position_ids"] = info.position_ids if position_ids is None else pack_rows(position_ids, info)
     packed.update(info.flash_kwargs())
     return packed, info
+
+
+_REBUILT_WARNED = False
+
+
+def _warn_rebuilt(meta: Any, input_ids: torch.Tensor) -> None:
+    global _REBUILT_WARNED
+    _REBUILT_WARNED = True
+    logger.warning(
+        "padding_free: the packing metadata of a batch did not match its %s input_ids and attention_mask (changed "
+        "after collation); it was rebuilt from attention_mask (once-only warning).",
+        tuple(input_ids.shape),
+    )
 
 
 def _positional_input_ids(args: tuple, kwargs: dict[str, Any]) -> tuple:
@@ -368,7 +441,7 @@ def _make_backbone_forward(original: Callable, state: PaddingFreeState) -> Calla
         if args or not _packable(kwargs):
             return original(*args, **kwargs)
         packed, info = _pack_kwargs(kwargs, meta)
-        with packed_call():
+        with packed_call(info):
             outputs = original(**packed)
         state.packed_calls += 1
         outputs.last_hidden_state = unpack_rows(outputs.last_hidden_state, info)
@@ -401,7 +474,7 @@ def _make_causal_lm_forward(original: Callable, state: PaddingFreeState) -> Call
             packed_labels = pack_rows(labels, info).clone()
             starts = info.cu_seq_lens[:-1].long().clamp(max=max(info.num_tokens - 1, 0))
             packed["labels"] = packed_labels.index_fill_(1, starts, -100)
-        with packed_call():
+        with packed_call(info):
             outputs = original(**packed)
         state.packed_calls += 1
         if kwargs.get("fused_lm_head"):

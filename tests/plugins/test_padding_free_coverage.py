@@ -1,0 +1,333 @@
+"""padding_free beyond the dense allow-list: batch dispatching, MoE with its router auxiliary loss, sliding windows,
+the self-check, and refusals by mechanism. Every equivalence runs a stock `DPOTrainer` and one with the plugin on the
+same float64 weights and data, and compares losses, gradients and logged metrics."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import trl_ext
+from trl_ext import UsageError
+from trl_ext.testing import make_model, make_preference_dataset
+
+REL = 1e-6  # fp64 weights; TRL 1.16's fused LM head computes log-probs in fp32 (measured deviations <= 2e-7)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def dataset():
+    return make_preference_dataset(16, seed=0)
+
+
+def tiny(kind: str = "llama", seed: int = 0):
+    """Tiny float64 models: a dense Llama, a sliding-window Mistral (window 4), a Mixtral (4 experts, top-2, aux loss
+    coefficient 0.5 so that the auxiliary loss weighs in the comparison)."""
+    from transformers import MistralConfig, MistralForCausalLM, MixtralConfig, MixtralForCausalLM
+
+    common = dict(
+        vocab_size=256,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+    )
+    torch.manual_seed(seed)
+    if kind == "llama":
+        model = make_model(dtype=torch.float64, seed=seed)
+    elif kind == "mistral":
+        model = MistralForCausalLM(MistralConfig(sliding_window=4, **common)).to(torch.float64)
+    elif kind == "mixtral":
+        config = MixtralConfig(num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.5, **common)
+        config._experts_implementation = "eager"  # grouped-mm experts have no fp64 CPU kernel
+        model = MixtralForCausalLM(config).to(torch.float64)
+    else:
+        raise ValueError(kind)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8)  # far from uniform, so misplaced tokens move log-probs a lot
+    model.config._attn_implementation_internal = "sdpa"
+    return model
+
+
+@pytest.fixture
+def build(dpo_args, tokenizer, dataset):
+    def make(kind="llama", *, ref=True, peft_config=None, train_dataset=None, **args):
+        from trl import DPOTrainer
+
+        args.setdefault("bf16", False)
+        args.setdefault("optim", "sgd")
+        model = tiny(kind)
+        ref_model = tiny(kind, seed=1) if ref else None
+        if peft_config is not None:
+            torch.manual_seed(123)
+        return DPOTrainer(
+            model,
+            ref_model=ref_model,
+            args=dpo_args(**args),
+            train_dataset=dataset if train_dataset is None else train_dataset,
+            processing_class=tokenizer,
+            peft_config=peft_config,
+        )
+
+    return make
+
+
+def _state(trainer):
+    return trainer._trl_ext.state["padding_free"]
+
+
+def _assert_logs_equal(stock_logs, packed_logs, rel=REL):
+    assert len(stock_logs) == len(packed_logs) > 0
+    for s, p in zip(stock_logs, packed_logs, strict=True):
+        assert s.keys() == p.keys()
+        for key in s:
+            if key.endswith(("runtime", "per_second")) or key == "epoch":
+                continue
+            assert p[key] == pytest.approx(s[key], rel=rel, abs=1e-9), key
+
+
+def _train(trainer):
+    trainer.train()
+    return [log for log in trainer.state.log_history if "loss" in log]
+
+
+def _grads(trainer, batch):
+    trainer.model.zero_grad(set_to_none=True)
+    loss = trainer.compute_loss(trainer.model, batch)
+    loss.backward()
+    return loss.detach(), {
+        n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None
+    }
+
+
+def _compare_step(stock, packed, n=6):
+    examples = [stock.train_dataset[i] for i in range(n)]
+    calls = _state(packed).packed_calls
+    stock_loss, stock_grads = _grads(stock, stock.data_collator(examples))
+    packed_loss, packed_grads = _grads(packed, packed.data_collator(examples))
+    assert _state(packed).packed_calls > calls and _state(packed).unpacked_calls == 0
+    assert packed_loss.item() == pytest.approx(stock_loss.item(), rel=REL)
+    assert stock_grads.keys() == packed_grads.keys() and stock_grads
+    scale = max(g.abs().max().item() for g in stock_grads.values())
+    worst = max((stock_grads[k] - packed_grads[k]).abs().max().item() for k in stock_grads)
+    assert scale > 0 and worst <= REL * scale, f"grad diff {worst:.3g} vs max |grad| {scale:.3g}"
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# Batch dispatching (accelerate's DataLoaderDispatcher slices every batch tensor along dim 0)
+# -------------------------------------------------------------------------------------------------------------------
+
+
+def test_metadata_survives_dim0_slicing_and_is_checked():
+    from accelerate.utils import concatenate, slice_tensors
+
+    from trl_ext.varlen import PackInfo, packing_metadata
+
+    masks = [torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]]), torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]])]
+    metas = [{"attention_mask": m, "meta": packing_metadata(m).to_batch()} for m in masks]
+    both = concatenate(metas, dim=0)
+    for sl in (slice(0, 2), slice(1, 3), slice(2, 4)):
+        part = slice_tensors(both, sl)
+        mask = part["attention_mask"]
+        info = PackInfo.from_batch(part["meta"], torch.zeros_like(mask), mask)
+        ref = packing_metadata(mask)
+        assert info is not None and torch.equal(info.indices, ref.indices)
+        assert torch.equal(info.cu_seq_lens, ref.cu_seq_lens)
+    # metadata of another batch is refused (the caller rebuilds from the mask), never used
+    wrong = packing_metadata(masks[0]).to_batch()
+    assert PackInfo.from_batch(wrong, torch.zeros_like(masks[1]), masks[1]) is None
+    assert PackInfo.from_batch({"indices": torch.zeros(3)}, torch.zeros_like(masks[1]), masks[1]) is None
+
+
+@pytest.mark.parametrize("kind", ["llama", "mixtral"])
+def test_dispatch_batches_train_evaluate_predict(build, dataset, kind):
+    """`dispatch_batches=True` training, and evaluate()/predict() on an IterableDataset: same as stock."""
+    kwargs = dict(max_steps=3, accelerator_config={"dispatch_batches": True})
+    stock = build(kind, **kwargs)
+    stock_logs = _train(stock)
+    eval_data = stock.train_dataset.select(range(8))
+    stock_eval = stock.evaluate(eval_dataset=eval_data.to_iterable_dataset())
+    stock_pred = stock.predict(eval_data.to_iterable_dataset())
+    with trl_ext.install(padding_free=True):
+        packed = build(kind, **kwargs)
+        packed_logs = _train(packed)
+        packed_eval = packed.evaluate(eval_dataset=eval_data.to_iterable_dataset())
+        packed_pred = packed.predict(eval_data.to_iterable_dataset())
+        assert _state(packed).packed_calls >= 3 * 2 + 2 + 2 and _state(packed).unpacked_calls == 0
+    _assert_logs_equal(stock_logs, packed_logs)
+    _assert_logs_equal([stock_eval], [packed_eval])
+    _assert_logs_equal([stock_pred.metrics], [packed_pred.metrics])
+    if kind == "mixtral":
+        assert "aux_loss" in stock_logs[0] and stock_logs[0]["aux_loss"] > 0
+
+
+@pytest.mark.distributed
+def test_dispatch_batches_two_processes(tmp_path):
+    """torchrun, 2 CPU processes (gloo), `dispatch_batches=True`: the packed run logs what the stock run logs."""
+    script = Path(__file__).parent / "scripts" / "padding_free_dispatch.py"
+    repo = str(Path(trl_ext.__file__).parents[1])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]))
+    env.update(OMP_NUM_THREADS="1", TQDM_DISABLE="1", HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore")
+    torchrun = Path(sys.executable).with_name("torchrun")
+    out = subprocess.run(
+        [str(torchrun), "--standalone", "--nproc_per_node=2", str(script), str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "DISPATCH OK" in out.stdout, out.stdout[-3000:]
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# MoE with the router auxiliary loss on, sliding windows: every path
+# -------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["mistral", "mixtral"])
+def test_policy_ref_and_training_with_gradient_checkpointing(build, kind):
+    stock = build(kind, max_steps=2, gradient_checkpointing=True)
+    with trl_ext.install(padding_free=True):
+        packed = build(kind, max_steps=2, gradient_checkpointing=True)
+        _compare_step(stock, packed)
+        if kind == "mixtral":
+            assert packed.aux_loss_enabled
+        _assert_logs_equal(_train(stock), _train(packed))
+
+
+@pytest.mark.parametrize("kind", ["mistral", "mixtral"])
+def test_precompute(build, kind):
+    stock = build(kind, ref=False, precompute_ref_log_probs=True)
+    with trl_ext.install(padding_free=True):
+        packed = build(kind, ref=False, precompute_ref_log_probs=True)
+        assert _state(packed).packed_calls > 0
+        for column in ("ref_chosen_logps", "ref_rejected_logps"):
+            a, b = torch.tensor(stock.train_dataset[column]), torch.tensor(packed.train_dataset[column])
+            assert torch.allclose(b, a, rtol=REL, atol=0)
+        _compare_step(stock, packed)
+
+
+@pytest.mark.parametrize("kind", ["mistral", "mixtral"])
+def test_peft_lora(build, kind):
+    """LoRA policy, reference = the adapter-disabled base model; for the MoE model the adapter also targets the
+    expert parameters (peft's `target_parameters`)."""
+    from peft import LoraConfig
+
+    def lora():
+        extra = {"target_parameters": ["experts.gate_up_proj", "experts.down_proj"]} if kind == "mixtral" else {}
+        return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, **extra)
+
+    stock = build(kind, ref=False, peft_config=lora())
+    with trl_ext.install(padding_free=True):
+        packed = build(kind, ref=False, peft_config=lora())
+        _compare_step(stock, packed)
+        names = [n for n, p in packed.model.named_parameters() if p.requires_grad]
+        assert any("lora" in n for n in names)
+        if kind == "mixtral":
+            assert any("experts" in n and "lora" in n for n in names), names
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# Self-check and refusals
+# -------------------------------------------------------------------------------------------------------------------
+
+
+class _TokenShift(torch.nn.Module):
+    """A per-layer "mixer" that adds the previous token's hidden state: it leaks across packed sequence bounds."""
+
+    def __init__(self, mlp):
+        super().__init__()
+        self.mlp = mlp
+
+    def forward(self, x):
+        return self.mlp(x) + 0.5 * torch.nn.functional.pad(x, (0, 0, 1, 0))[:, :-1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_self_check_catches_a_leak(build, dtype, caplog):
+    """A deliberately leaking model (a token shift hidden in an MLP, which no inspection recognises) fails the
+    self-check, in float32 and in bfloat16, naming the layer; the same model without the shift passes."""
+    from trl_ext.plugins.padding_free.self_check import self_check
+
+    with trl_ext.install(padding_free=True, plugins={"padding_free": {"self_check": True}}):
+        with caplog.at_level(logging.INFO, logger="trl_ext"):
+            trainer = build()
+        assert set(_state(trainer).self_checks) == {"policy", "ref"}
+        assert any("self-check passed" in r.getMessage() for r in caplog.records)
+        model = trainer.model.to(dtype)
+        assert self_check(model, model.forward).leak is None
+        model.model.layers[1].mlp = _TokenShift(model.model.layers[1].mlp)
+        result = self_check(model, model.forward)
+        assert result.leak is not None and "model.layers.1.mlp (_TokenShift)" in result.leak, result.leak
+
+
+def test_self_check_refuses_an_unverified_leaking_model(dpo_args, tokenizer, dataset):
+    """A model that is not in the verified table runs the self-check automatically; a leak refuses the trainer."""
+    from trl import DPOTrainer
+
+    model, ref = tiny(), tiny(seed=1)
+    model.config.model_type = ref.config.model_type = "my_custom_llama"  # as a trust_remote_code model would be
+    for m in (model, ref):
+        m.model.layers[0].mlp = _TokenShift(m.model.layers[0].mlp)
+    with trl_ext.install(padding_free=True):
+        with pytest.raises(UsageError, match=r"self-check failed .*layers\.0\.mlp \(_TokenShift\)"):
+            DPOTrainer(
+                model, ref_model=ref, args=dpo_args(bf16=False), train_dataset=dataset, processing_class=tokenizer
+            )
+
+
+def _tiny_from_config(model_type, **extra):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        model_type,
+        vocab_size=256,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        **extra,
+    )
+    return AutoModelForCausalLM.from_config(config)
+
+
+@pytest.mark.parametrize(
+    "model_type, extra, match",
+    [
+        ("lfm2", {"layer_types": ["conv", "full_attention"]}, r"conv.*Lfm2ShortConv|Lfm2ShortConv"),
+        ("bloom", {"n_head": 4, "n_layer": 2}, "ALiBi"),
+    ],
+)
+def test_refusals_by_mechanism(dpo_args, tokenizer, dataset, model_type, extra, match):
+    from trl import DPOTrainer
+
+    with trl_ext.install(padding_free=True):
+        with pytest.raises(UsageError, match=match) as info:
+            DPOTrainer(
+                _tiny_from_config(model_type, **extra),
+                ref_model=_tiny_from_config(model_type, **extra),
+                args=dpo_args(bf16=False),
+                train_dataset=dataset,
+                processing_class=tokenizer,
+            )
+        assert "without padding_free" in str(info.value)

@@ -1,0 +1,260 @@
+"""Architecture sweep: every causal-LM architecture the installed transformers ships, packed against padded.
+
+For each `model_type` of `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`, a tiny float64 model is built from its config class
+(2 layers, hidden 32, sliding windows of 4 tokens so that windows trigger on the test lengths, 4 experts / top-2 with
+the router auxiliary loss on). The outcome is one of:
+
+- `exact`: the plugin's packed forward gives the same loss (per-sequence log-probs, weighted, plus the MoE auxiliary
+  loss) and the same gradients as the stock padded forward, within 1e-6 relative;
+- `refused`: the plugin refuses it (inspection or self-check) with its reason;
+- `not built`: the tiny model could not be built from its config alone (a vision/audio model, a config that needs
+  sub-configs); listed, not counted.
+
+A model that is neither exact nor refused fails. Run `python tests/plugins/test_padding_free_sweep.py` to print the
+markdown table (architecture, mechanism, status) that the docs carry.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from trl_ext.plugins.padding_free.architecture import VERIFIED_MODEL_TYPES
+
+REL = 1e-6
+LENGTHS = (12, 10, 11, 12)  # within a window (4) of each other: no fully masked padded query row (eager fp64 NaN)
+AUX_COEF = 0.5
+# A representative handful that runs in the quick suite (the full sweep is `slow`): the issue's named set.
+NAMED = (
+    "qwen2",
+    "llama",
+    "cohere2",
+    "olmo3",
+    "glm4_moe",
+    "gpt_oss",
+    "qwen3_moe",
+    "mixtral",
+    "olmoe",
+    "gemma2",
+    "lfm2",
+    "nemotron_h",
+)
+_SMALL = {
+    "vocab_size": 128,
+    "hidden_size": 32,
+    "n_embd": 32,
+    "d_model": 32,
+    "intermediate_size": 64,
+    "moe_intermediate_size": 32,
+    "expert_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+    "ffn_dim": 64,
+    "n_inner": 64,
+    "num_hidden_layers": 2,
+    "n_layer": 2,
+    "num_layers": 2,
+    "num_attention_heads": 4,
+    "n_head": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "max_position_embeddings": 128,
+    "n_positions": 128,
+    "sliding_window": 4,
+    "num_local_experts": 4,
+    "num_experts": 4,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_topk": 2,
+    "first_k_dense_replace": 0,
+    "n_group": 1,
+    "topk_group": 1,
+    "router_aux_loss_coef": AUX_COEF,
+    "output_router_logits": True,
+    "pad_token_id": 0,
+    "bos_token_id": 2,
+    "eos_token_id": 1,
+}
+
+
+# Configs whose defaults hide the mechanism their released checkpoints use: LFM2's default `layer_types` are all
+# attention, its checkpoints interleave short-convolution layers.
+_OVERRIDES = {"lfm2": {"layer_types": ["conv", "full_attention"], "num_hidden_layers": 2}}
+
+
+def causal_lm_types() -> list[str]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def build_tiny(model_type: str):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    default = AutoConfig.for_model(model_type)
+    kwargs = {k: v for k, v in _SMALL.items() if hasattr(default, k)}
+    layer_types = getattr(default, "layer_types", None)
+    if isinstance(layer_types, (list, tuple)) and layer_types:
+        kinds = list(dict.fromkeys(layer_types))  # one layer of each kind, mixed (sliding + full, conv + attention)
+        kwargs["layer_types"] = (kinds * 2)[:2] if len(kinds) < 2 else kinds[:2]
+        for key in ("num_hidden_layers", "n_layer", "num_layers"):
+            if key in kwargs:
+                kwargs[key] = len(kwargs["layer_types"])
+    if getattr(default, "use_sliding_window", None) is False:
+        kwargs.update(use_sliding_window=True, max_window_layers=1)
+    kwargs.update(_OVERRIDES.get(model_type, {}))
+    config = AutoConfig.for_model(model_type, **kwargs)
+    config._experts_implementation = "eager"  # grouped-mm experts have no fp64 CPU kernel
+    torch.manual_seed(0)
+    try:
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    except (ValueError, ImportError):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    size = sum(p.numel() for p in model.parameters())
+    if size > 5_000_000:  # a config whose size fields have other names: not tiny, and too slow for the sweep
+        raise ValueError(f"the config could not be shrunk ({size / 1e6:.0f}M parameters)")
+    model = model.to(torch.float64).eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8)
+    return model
+
+
+def _batch(vocab: int):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.zeros(len(LENGTHS), max(LENGTHS), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, n in enumerate(LENGTHS):
+        ids[i, :n] = torch.randint(3, vocab, (n,), generator=g)
+        mask[i, :n] = 1
+    return ids, mask
+
+
+def _loss_and_grads(model, forward, ids, mask, moe: bool):
+    model.zero_grad(set_to_none=True)
+    kwargs = dict(input_ids=ids, attention_mask=mask, use_cache=False)
+    if moe:
+        kwargs["output_router_logits"] = True
+    out = forward(**kwargs)
+    logps = out.logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    per_seq = torch.where(mask[:, 1:].bool(), logps, 0.0).sum(1)
+    weights = torch.linspace(0.5, 1.5, len(LENGTHS), dtype=per_seq.dtype)
+    loss = -(per_seq * weights).sum() / mask.sum()
+    aux = getattr(out, "aux_loss", None) if moe else None
+    if aux is not None:
+        loss = loss + AUX_COEF * aux
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.item(), None if aux is None else float(aux), grads
+
+
+def sweep_one(model_type: str) -> tuple[str, str, str]:
+    """(mechanism, status, detail) of one architecture."""
+    from trl_ext.plugins import padding_free as pf
+    from trl_ext.plugins.padding_free.architecture import inspect_model
+    from trl_ext.plugins.padding_free.self_check import self_check
+    from trl_ext.varlen import register_varlen_attention, unregister_varlen_attention, varlen_attention_name
+
+    try:
+        model = build_tiny(model_type)
+    except Exception as exc:  # noqa: BLE001 - recorded in the table
+        return "-", "not built", f"{type(exc).__name__}: {str(exc).splitlines()[0][:100] if str(exc) else ''}"
+    inspection = inspect_model(model)
+    mechanism = ", ".join(inspection.mechanisms)
+    if inspection.refusal is not None:
+        return mechanism, "refused", inspection.refusal.split(". ")[0]
+    moe = any("MoE" in m for m in inspection.mechanisms) and hasattr(model.config, "output_router_logits")
+    ids, mask = _batch(model.config.vocab_size)
+    base = model.config._attn_implementation
+    try:
+        stock_loss, stock_aux, stock_grads = _loss_and_grads(model, model.forward, ids, mask, moe)
+    except Exception as exc:  # noqa: BLE001 - the stock tiny model does not run: nothing to compare
+        return mechanism, "not built", f"stock forward raised {type(exc).__name__}: {str(exc)[:100]}"
+    register_varlen_attention()
+    state = pf.PaddingFreeState()
+    try:
+        model.config._attn_implementation_internal = varlen_attention_name(base)
+        forward = pf._make_causal_lm_forward(model.forward, state)
+        model.base_model.forward = pf._make_backbone_forward(model.base_model.forward, state)
+        try:
+            check = self_check(model, forward, moe=any(m.startswith("MoE") for m in inspection.mechanisms))
+            if check.leak is not None:
+                return mechanism, "refused", f"self-check: {check.leak}"
+            loss, aux, grads = _loss_and_grads(model, forward, ids, mask, moe)
+        except Exception as exc:  # noqa: BLE001 - a crash is neither exact nor a refusal
+            return mechanism, "FAIL", f"packed forward raised {type(exc).__name__}: {str(exc)[:200]}"
+    finally:
+        model.config._attn_implementation_internal = base
+        model.base_model.__dict__.pop("forward", None)
+        unregister_varlen_attention()
+    if state.packed_calls == 0:
+        return mechanism, "FAIL", "the packed path did not run"
+    problems = []
+    if abs(loss - stock_loss) > REL * max(1.0, abs(stock_loss)):
+        problems.append(f"loss {loss:.10g} vs {stock_loss:.10g}")
+    if (aux is None) != (stock_aux is None) or aux is not None and abs(aux - stock_aux) > REL * max(1.0, stock_aux):
+        problems.append(f"aux loss {aux} vs {stock_aux}")
+    if grads.keys() != stock_grads.keys() or not grads:
+        problems.append("different parameters got gradients")
+    else:
+        scale = max(g.abs().max().item() for g in stock_grads.values())
+        worst = max((grads[k] - stock_grads[k]).abs().max().item() for k in grads)
+        if not worst <= REL * scale:
+            problems.append(f"grad diff {worst:.3g} vs max |grad| {scale:.3g}")
+    if problems:
+        return mechanism, "FAIL", "; ".join(problems)
+    detail = f"loss, grads{', aux loss' if aux is not None else ''} within {REL:g}"
+    return mechanism, "exact", detail
+
+
+def _check(model_type: str) -> None:
+    mechanism, status, detail = sweep_one(model_type)
+    if status == "not built":
+        pytest.skip(f"{model_type}: tiny model not buildable from its config alone ({detail})")
+    assert status in ("exact", "refused"), f"{model_type} [{mechanism}]: {detail}"
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_enumerates_the_installed_architectures():
+    types = causal_lm_types()
+    assert len(types) > 100 and set(NAMED) <= set(types)
+
+
+@pytest.mark.parametrize("model_type", NAMED)
+def test_named_architectures(model_type):
+    expected_refusals = {"lfm2", "nemotron_h"}
+    mechanism, status, detail = sweep_one(model_type)
+    assert status == ("refused" if model_type in expected_refusals else "exact"), f"{mechanism}: {detail}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", causal_lm_types())
+def test_every_architecture(model_type):
+    _check(model_type)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", VERIFIED_MODEL_TYPES)
+def test_verified_table(model_type):
+    """Every model type that skips the self-check by default is exact in the sweep."""
+    mechanism, status, detail = sweep_one(model_type)
+    assert status == "exact", f"{mechanism}: {detail}"
+
+
+def main(types: list[str]) -> None:
+    torch.set_num_threads(1)
+    print("| architecture | mechanism | status | detail |\n|---|---|---|---|")
+    for model_type in types:
+        mechanism, status, detail = sweep_one(model_type)
+        print(f"| {model_type} | {mechanism} | {status} | {detail.replace('|', '/')} |", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:] or causal_lm_types())
