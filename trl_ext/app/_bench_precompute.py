@@ -17,6 +17,9 @@ above the RSS before the precompute), each with its ratio against `trl`; best ti
 Usage:
     python benchmarks/precompute.py                       # CPU defaults (about 1-2 minutes)
     python benchmarks/precompute.py --pairs 2048 --hidden 1024 --layers 8 --max-length 1024   # a GPU-sized run
+
+The measuring code (`PrecomputeRig`) is shared with `trl-ext bench`, which runs the same variants in interleaved
+rounds.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import argparse
 import contextlib
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -137,13 +141,63 @@ def timed_precompute(box: dict, cuda: bool):
         DPOTrainer._precompute_ref_logps = original
 
 
+class PrecomputeRig:
+    """Builds `DPOTrainer(precompute_ref_log_probs=True)` for one variant and times only its precompute."""
+
+    def __init__(self, args, policy, reference, tokenizer, data_kwargs: dict, cuda: bool, work: Path) -> None:
+        self.args, self.policy, self.reference, self.tokenizer = args, policy, reference, tokenizer
+        self.data_kwargs, self.cuda, self.work = data_kwargs, cuda, work
+
+    def run(self, variant: str, cache_dir: Path | None):
+        """One build; returns `(timing box, the plugin's run record, (chosen, rejected) columns, dataset)`."""
+        from trl import DPOConfig, DPOTrainer
+
+        import trl_ext
+
+        args, cuda = self.args, self.cuda
+        dpo_args = DPOConfig(
+            output_dir=str(self.work / "out"),
+            report_to=[],
+            use_cpu=not cuda,
+            bf16=args.dtype == "bfloat16" and cuda,
+            precompute_ref_log_probs=True,
+            precompute_ref_batch_size=args.batch_size,
+            max_length=args.max_length,
+            save_strategy="no",
+        )
+        # A new in-memory dataset each time: TRL's cache for those is a fresh temp file, so it always recomputes.
+        dataset = make_dataset(args.pairs, **self.data_kwargs)
+        box: dict = {}
+        kwargs = dict(args=dpo_args, train_dataset=dataset, processing_class=self.tokenizer, ref_model=self.reference)
+        if variant == "trl":
+            with timed_precompute(box, cuda):
+                trainer = DPOTrainer(self.policy, **kwargs)
+            runs = [{}]
+        else:
+            flag = "auto" if variant == "plugin-auto" else args.batch_size
+            options = {"cache_dir": str(cache_dir)}
+            if args.ram_budget is not None:
+                options["ram_budget"] = args.ram_budget
+            with trl_ext.install(precompute_ref_batch_size=flag, plugins={"precompute_ref_batch_size": options}):
+                with timed_precompute(box, cuda):
+                    trainer = DPOTrainer(self.policy, **kwargs)
+                runs = trainer._trl_ext.state["precompute_ref_batch_size"].runs
+        ds = trainer.train_dataset
+        cols = np.asarray(ds["ref_chosen_logps"]), np.asarray(ds["ref_rejected_logps"])
+        return box, runs[0], cols, ds
+
+
+def make_dataset(pairs: int, **kwargs):
+    from trl_ext.testing import make_preference_dataset
+
+    return make_preference_dataset(pairs, **kwargs)
+
+
 def main():
     args = parse_args()
     import trl
-    from trl import DPOConfig, DPOTrainer
 
-    import trl_ext
-    from trl_ext.testing import make_model, make_preference_dataset, make_tokenizer
+    from trl_ext.testing import make_model, make_tokenizer
 
     cuda = torch.cuda.is_available()
     if not cuda:
@@ -174,46 +228,14 @@ def main():
         policy, reference = policy.cuda(), reference.cuda()
     work = Path(tempfile.mkdtemp(prefix="trl_ext_bench_precompute_"))
 
-    def build(variant: str, cache_dir: Path | None):
-        dpo_args = DPOConfig(
-            output_dir=str(work / "out"),
-            report_to=[],
-            use_cpu=not cuda,
-            bf16=args.dtype == "bfloat16" and cuda,
-            precompute_ref_log_probs=True,
-            precompute_ref_batch_size=args.batch_size,
-            max_length=args.max_length,
-            save_strategy="no",
-        )
-        # A new in-memory dataset each time: TRL's cache for those is a fresh temp file, so it always recomputes.
-        dataset = make_preference_dataset(args.pairs, **data_kwargs)
-        box: dict = {}
-        if variant == "trl":
-            with timed_precompute(box, cuda):
-                trainer = DPOTrainer(
-                    policy, args=dpo_args, train_dataset=dataset, processing_class=tokenizer, ref_model=reference
-                )
-            runs = [{}]
-        else:
-            flag = "auto" if variant == "plugin-auto" else args.batch_size
-            options = {"cache_dir": str(cache_dir)}
-            if args.ram_budget is not None:
-                options["ram_budget"] = args.ram_budget
-            with trl_ext.install(precompute_ref_batch_size=flag, plugins={"precompute_ref_batch_size": options}):
-                with timed_precompute(box, cuda):
-                    trainer = DPOTrainer(
-                        policy, args=dpo_args, train_dataset=dataset, processing_class=tokenizer, ref_model=reference
-                    )
-                runs = trainer._trl_ext.state["precompute_ref_batch_size"].runs
-        ds = trainer.train_dataset
-        cols = np.asarray(ds["ref_chosen_logps"]), np.asarray(ds["ref_rejected_logps"])
-        return box, runs[0], cols, ds
+    rig = PrecomputeRig(args, policy, reference, tokenizer, data_kwargs, cuda, work)
 
     variants = ["trl"] + [v for v in args.variants.split(",") if v and v != "trl"]
     unknown = set(variants) - {"trl", "plugin", "plugin-auto", "plugin-cached"}
     if unknown or ("plugin-cached" in variants and "plugin" not in variants):
         raise SystemExit(f"--variants: unknown {sorted(unknown)} (plugin-cached needs plugin)")
     best: dict[str, dict] = {}
+    seconds: dict[str, list[float]] = {}
     reference_cols = None
     for repeat in range(args.repeats):
         for variant in variants:
@@ -221,7 +243,7 @@ def main():
                 cache = work / f"cache-{repeat}-plugin"  # written by this repeat's `plugin` run
             else:
                 cache = work / f"cache-{repeat}-{variant}"
-            box, run, cols, dataset = build(variant, cache)
+            box, run, cols, dataset = rig.run(variant, cache)
             if variant == "trl":
                 reference_cols = cols
                 box["padded_tokens"] = native_padded_tokens(dataset, args.batch_size, args.max_length)
@@ -239,6 +261,7 @@ def main():
                 f"peak {box['peak'] / 2**20:8.1f} MiB",
                 flush=True,
             )
+            seconds.setdefault(variant, []).append(box["seconds"])
             if variant not in best:
                 best[variant] = box
             else:  # best time of each kind over the repeats; the highest peak memory
@@ -278,6 +301,14 @@ def main():
             f"{r['cpu_seconds']:8.3f} {r['cpu_speedup_vs_trl']:7.2f}x {tokens:10d} {token_ratio:>6s} "
             f"{r['peak'] / 2**20:9.1f} {r['peak_ratio_vs_trl']:5.2f}x {str(r.get('batches') or ''):>7s} "
             f"{'' if diff is None else f'{diff:9.2e}'}"
+        )
+    for variant in variants[1:]:
+        if variant == "plugin-cached":
+            continue
+        ratios = sorted(a / b for a, b in zip(seconds["trl"], seconds[variant], strict=True))
+        print(
+            f"{variant}: median of per-repeat speed-ups {statistics.median(ratios):.2f}x "
+            f"(min {ratios[0]:.2f}x, max {ratios[-1]:.2f}x, {len(ratios)} repeats)"
         )
     if "plugin" in best:
         wall, cpu = best["plugin"]["speedup_vs_trl"], best["plugin"]["cpu_speedup_vs_trl"]
