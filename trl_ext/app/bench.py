@@ -605,12 +605,14 @@ def _plot(report: dict[str, Any], path: Path) -> None:
     if "modes" in ge:
         names = [m["mode"] for m in ge["modes"]]
         values = [m["peak_vs_gather"] for m in ge["modes"]]
-        colours = [COLOURS["stock"] if n.startswith("trl") else COLOURS["trl_ext"] for n in names]
-        ax.bar(range(len(names)), values, color=colours, width=0.6)
+        seen: set[str] = set()
+        for x, (name, value) in enumerate(zip(names, values, strict=True)):
+            kind = "stock" if name.startswith("trl") else "trl_ext"
+            label = {"stock": "stock TRL", "trl_ext": "trl-ext"}[kind] if kind not in seen else "_nolegend_"
+            seen.add(kind)
+            ax.bar(x, value, color=COLOURS[kind], width=0.6, label=label)
         ax.errorbar(range(len(names)), values, yerr=[0] * len(names), fmt="none", ecolor="black", capsize=5)
         ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
-        ax.bar([], [], color=COLOURS["stock"], label="stock TRL")
-        ax.bar([], [], color=COLOURS["trl_ext"], label="trl-ext")
     ax.set_title("ZeRO-3 generation, peak params/rank (exact)")
     ax.set_ylabel("vs TRL gather (lower is better)")
     for ax in axes:
