@@ -17,6 +17,8 @@ from trl_ext.app.jobs import split_argv, split_yaml_config
 from trl_ext.plugins import BUILTIN_PLUGINS
 from trl_ext.testing import make_model, make_tokenizer, preference_rows
 
+CPU_LINE = "[trl-ext] no accelerator found: training on CPU in fp32"
+
 #: The plugins this job test switches on through the recipe (those that are built in this release).
 RECIPE_FLAGS = {k: v for k, v in {"padding_free": True, "sync_metrics": True}.items() if k in BUILTIN_PLUGINS}
 
@@ -47,7 +49,7 @@ def _recipe(assets: Path, out: Path, trl_ext_section: dict) -> Path:
         "max_steps": 2,
         "logging_steps": 1,
         "report_to": "none",
-        "use_cpu": True,
+        # no `use_cpu` / `bf16`: on a machine without an accelerator the job picks CPU and fp32 itself
         "save_strategy": "no",
         "max_length": 64,
         "trl_ext": trl_ext_section,
@@ -81,6 +83,7 @@ def test_dpo_job_one_process_from_yaml_recipe(assets, tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     _expect_active(proc.stdout, "DPOTrainer", RECIPE_FLAGS)
+    assert CPU_LINE + " (--use_cpu true, --bf16 false;" in proc.stderr
     assert (tmp_path / "run1" / "model.safetensors").exists()  # TRL's script saved the model
     assert "'loss'" in proc.stdout or '"loss"' in proc.stdout or "loss" in proc.stdout
 
@@ -90,7 +93,8 @@ def test_dpo_job_two_processes_with_cli_flags(assets, tmp_path):
     if shutil.which("torchrun") is None and not (Path(sys.executable).parent / "torchrun").exists():
         pytest.fail("torchrun is part of torch and must be on PATH")
     recipe = _recipe(assets, tmp_path / "run2", {})
-    cli_flags = [f"--trl_ext_{name}" for name in RECIPE_FLAGS]  # boolean flags given with no value mean true
+    # dashed spellings, as TRL's own flags; boolean flags given with no value mean true
+    cli_flags = [f"--trl-ext-{name.replace('_', '-')}" for name in RECIPE_FLAGS]
     proc = subprocess.run(
         [
             str(Path(sys.executable).parent / "torchrun"),
@@ -111,6 +115,7 @@ def test_dpo_job_two_processes_with_cli_flags(assets, tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     _expect_active(proc.stdout, "DPOTrainer", RECIPE_FLAGS)
     assert proc.stdout.count("ran with plugins:") == 1  # reported by the main process only
+    assert proc.stderr.count(CPU_LINE) == 1  # use_cpu chosen on every rank (MULTI_CPU), said once
 
 
 @pytest.mark.distributed
@@ -133,10 +138,7 @@ def test_dpo_job_under_accelerate_launch_with_deepspeed_zero3(assets, tmp_path):
         )
     )
     recipe = _recipe(assets, tmp_path / "run-ds", RECIPE_FLAGS)
-    text = yaml.safe_load(recipe.read_text())
-    del text["use_cpu"]  # `use_cpu` / `accelerate launch --cpu` would switch DeepSpeed off
-    text["bf16"] = False
-    recipe.write_text(yaml.safe_dump(text))
+    # No `use_cpu` (it would switch DeepSpeed off) and no `bf16`: the job sets bf16 false itself.
     accelerate = str(Path(sys.executable).parent / "accelerate")
     cmd = [accelerate, "launch", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no"]
     cmd += ["--dynamo_backend", "no", "--use_deepspeed", "--deepspeed_config_file", str(ds_config)]
@@ -145,25 +147,29 @@ def test_dpo_job_under_accelerate_launch_with_deepspeed_zero3(assets, tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     _expect_active(proc.stdout, "DPOTrainer", RECIPE_FLAGS)
     assert "DeepSpeed on CPU: gloo backend" in proc.stderr
+    assert proc.stderr.count(CPU_LINE + " (--bf16 false;") == 1  # use_cpu left alone under DeepSpeed
     assert proc.stdout.count("ran with plugins:") == 1
 
 
 @pytest.mark.slow
-def test_online_dpo_job(assets, tmp_path):
+def test_online_dpo_job_from_console_script_with_reward_module_in_cwd(assets, tmp_path):
+    """As the README says: `--reward_funcs my_rewards:score` from the directory holding my_rewards.py, no PYTHONPATH
+    for it, no `--use_cpu` / `--bf16` on this CPU machine."""
     data_dir = assets / "prompts"
     data_dir.mkdir(exist_ok=True)
     shutil.copy(assets / "prompts.jsonl", data_dir / "train.jsonl")
+    (tmp_path / "my_rewards.py").write_text(
+        "def score(completions, **kwargs):\n    return [float(len(str(c))) for c in completions]\n"
+    )
     args = [
-        sys.executable,
-        "-m",
-        "trl_ext",
+        str(Path(sys.executable).with_name("trl-ext")),
         "online-dpo",
         "--model_name_or_path",
         str(assets / "model"),
-        "--dataset_name",
+        "--dataset-name",  # dashed, as TRL accepts
         str(data_dir),
         "--reward_funcs",
-        "trl_ext.testing:length_reward",
+        "my_rewards:score",
         "--output_dir",
         str(tmp_path / "online"),
         "--per_device_train_batch_size",
@@ -176,14 +182,72 @@ def test_online_dpo_job(assets, tmp_path):
         "4",
         "--report_to",
         "none",
-        "--use_cpu",
-        "true",
         "--save_strategy",
         "no",
     ]
-    proc = subprocess.run(args, capture_output=True, text=True, env=_env(), timeout=600)
+    proc = subprocess.run(args, capture_output=True, text=True, env=_env(), timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "[trl-ext] OnlineDPOTrainer ran with plugins:" in proc.stdout
+    assert CPU_LINE in proc.stderr and "TRLExperimentalWarning" not in proc.stderr
+    assert str(tmp_path) not in sys.path and "my_rewards" not in sys.modules  # this process was not touched
+
+
+def test_missing_reward_module_is_a_usage_error(tmp_path):
+    from trl_ext.app.jobs import _load_reward
+
+    with pytest.raises(UsageError, match=r"`--reward_funcs no_such_module:f`: cannot import .* current directory"):
+        _load_reward("no_such_module:f")
+    (tmp_path / "here_rewards.py").write_text("def f(completions, **kw):\n    return [0.0] * len(completions)\n")
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        assert _load_reward("here_rewards:f")(["a"]) == [0.0]
+    finally:
+        os.chdir(cwd)
+        sys.modules.pop("here_rewards", None)
+    assert str(tmp_path) not in sys.path  # only on the path for the lookup
+
+
+@pytest.mark.parametrize(
+    ("argv", "deepspeed", "expect", "note"),
+    [
+        ([], False, {"use_cpu": True, "bf16": False}, "--use_cpu true, --bf16 false"),
+        (["--bf16", "true"], False, {"use_cpu": True, "bf16": True}, "--use_cpu true;"),  # explicit flag wins
+        (["--use-cpu", "false", "--bf16=false"], False, {"use_cpu": False, "bf16": False}, None),
+        ([], True, {"use_cpu": False, "bf16": False}, "--bf16 false;"),  # DeepSpeed: use_cpu would turn it off
+    ],
+)
+def test_cpu_and_fp32_are_defaults_without_accelerator_and_user_flags_win(
+    argv, deepspeed, expect, note, monkeypatch, capsys, tmp_path
+):
+    from trl import DPOConfig, ModelConfig, ScriptArguments, TrlParser
+
+    from trl_ext.app import jobs
+
+    monkeypatch.setattr(jobs, "_has_accelerator", lambda: False)
+    parser = TrlParser((ScriptArguments, DPOConfig, ModelConfig), prog="trl-ext dpo")
+    if deepspeed:
+        argv = [*argv, "--use_cpu", "false"]  # what a DeepSpeed user has; checked: it stays false
+    _, training_args, _ = jobs.parse_job_args(parser, "dpo", [*argv, "--output_dir", str(tmp_path)], deepspeed)
+    assert {key: getattr(training_args, key) for key in expect} == expect
+    err = capsys.readouterr().err
+    if note is None:
+        assert CPU_LINE not in err
+    else:
+        assert err.count(CPU_LINE) == 1 and note in err
+
+
+def test_cpu_defaults_yield_to_the_recipe(monkeypatch, tmp_path):
+    from trl import DPOConfig, ModelConfig, ScriptArguments, TrlParser
+
+    from trl_ext.app import jobs
+
+    monkeypatch.setattr(jobs, "_has_accelerator", lambda: False)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"output_dir: {tmp_path}\nbf16: true\n")
+    parser = TrlParser((ScriptArguments, DPOConfig, ModelConfig), prog="trl-ext dpo")
+    _, training_args, _ = jobs.parse_job_args(parser, "dpo", ["--config", str(recipe)], False)
+    assert training_args.bf16 is True and training_args.use_cpu is True
 
 
 def test_split_argv_and_yaml_section(tmp_path):

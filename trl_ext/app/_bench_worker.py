@@ -1,7 +1,8 @@
 """Worker for `trl-ext bench` runs that need several processes (launched with torchrun; gloo on CPU).
 
-`collectives`: trains a tiny DPO model for a few steps and counts every `torch.distributed` collective issued during
-training, per optimizer step and per logging step.
+`collectives`: trains a tiny DPO model for a few steps, stock and with `sync_metrics`, in interleaved rounds in the
+same processes, and counts every `torch.distributed` collective issued during training (per optimizer step and per
+logging step) and the mean step time of each run. `benchmarks/metric_sync.py` and `trl-ext bench` both run it.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -25,13 +27,15 @@ def _collectives(args: argparse.Namespace) -> None:
 
     counter = count_collectives()
     counter.enabled = False
+    import torch
+    import torch.distributed as dist
     from transformers import TrainerCallback
     from trl import DPOConfig, DPOTrainer
 
     import trl_ext
     from trl_ext.testing import make_model, make_preference_dataset, make_tokenizer
 
-    steps = 4 if args.quick else 8
+    steps = args.steps or (4 if args.quick else 8)
     tokenizer = make_tokenizer()
 
     class Window(TrainerCallback):
@@ -51,40 +55,68 @@ def _collectives(args: argparse.Namespace) -> None:
         def on_train_end(self, *a, **k):
             counter.enabled = False
 
-    window = Window()
-    config = DPOConfig(
-        output_dir=args.out + ".runs",
-        per_device_train_batch_size=4,
-        max_steps=steps,
-        logging_steps=2,
-        report_to=[],
-        use_cpu=True,
-        save_strategy="no",
-        seed=0,
-        disable_tqdm=True,
-        accelerator_config={"use_configured_state": True},
-    )
-    with trl_ext.install(sync_metrics=args.sync_metrics):
-        trainer = DPOTrainer(
-            make_model(seed=0),
-            ref_model=make_model(seed=0),
-            args=config,
-            train_dataset=make_preference_dataset(40),
-            processing_class=tokenizer,
-            callbacks=[window],
+    def train(sync_metrics: bool) -> tuple[dict[str, int], float]:
+        window = Window()
+        config = DPOConfig(
+            output_dir=args.out + ".runs",
+            per_device_train_batch_size=args.batch_size,
+            max_steps=steps,
+            logging_steps=args.logging_steps,
+            report_to=[],
+            use_cpu=True,
+            save_strategy="no",
+            seed=0,
+            disable_tqdm=True,
+            accelerator_config={"use_configured_state": True},
         )
-        trainer.train()
-    total = counter.total
-    logging_steps = steps // 2
-    result = {
-        "world_size": state.num_processes,
-        "optimizer_steps": steps,
-        "logging_steps": logging_steps,
-        "collectives": dict(counter.by_name),
-        "collectives_total": total,
-        "collectives_per_step": total / steps,
-        "step_seconds": sorted(window.step_times[1:])[len(window.step_times[1:]) // 2],
-    }
+        with trl_ext.install(sync_metrics=sync_metrics):
+            trainer = DPOTrainer(
+                make_model(seed=0),
+                ref_model=make_model(seed=0),
+                args=config,
+                train_dataset=make_preference_dataset(10 * args.batch_size * state.num_processes),
+                processing_class=tokenizer,
+                callbacks=[window],
+            )
+            trainer.train()
+        times = window.step_times[1:] or window.step_times
+        return dict(counter.by_name), sum(times) / len(times)
+
+    # Interleaved rounds in the same processes (stock, trl-ext, trl-ext, stock, ...): per-round step-time ratios.
+    # Rank 0 decides when to stop and tells the others, outside the counted window.
+    counts: dict[str, dict[str, int]] = {}
+    seconds: dict[str, list[float]] = {"stock": [], "trl_ext": []}
+    start = time.perf_counter()
+    for index in range(args.max_rounds):
+        for mode in ("stock", "trl_ext") if index % 2 == 0 else ("trl_ext", "stock"):
+            by_name, step_seconds = train(mode == "trl_ext")
+            counts.setdefault(mode, by_name)
+            seconds[mode].append(step_seconds)
+        stop = torch.tensor([int(index + 1 >= args.rounds and time.perf_counter() - start > args.seconds)])
+        if index + 1 >= args.rounds:
+            ratios = sorted(a / b for a, b in zip(seconds["stock"], seconds["trl_ext"], strict=True))
+            if len(ratios) >= 4:
+                q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
+            else:
+                q1, q3 = ratios[0], ratios[-1]
+            if (q3 - q1) / statistics.median(ratios) <= 0.10:
+                stop[0] = 1
+        dist.broadcast(stop, src=0)
+        if stop.item():
+            break
+    logging_steps = steps // args.logging_steps
+    result = {"world_size": state.num_processes, "rounds": len(seconds["stock"])}
+    for mode in ("stock", "trl_ext"):
+        total = sum(counts[mode].values())
+        result[mode] = {
+            "world_size": state.num_processes,
+            "optimizer_steps": steps,
+            "logging_steps": logging_steps,
+            "collectives": counts[mode],
+            "collectives_total": total,
+            "collectives_per_step": total / steps,
+            "step_seconds": seconds[mode],
+        }
     if state.is_main_process:
         with open(args.out, "w") as f:
             json.dump(result, f)
@@ -96,8 +128,13 @@ def main() -> None:
     sub = parser.add_subparsers(dest="command", required=True)
     c = sub.add_parser("collectives")
     c.add_argument("--out", required=True)
-    c.add_argument("--sync-metrics", action="store_true")
     c.add_argument("--quick", action="store_true")
+    c.add_argument("--steps", type=int, default=None, help="optimizer steps per training run (quick: 4, else 8)")
+    c.add_argument("--logging-steps", type=int, default=2)
+    c.add_argument("--batch-size", type=int, default=4, help="pairs per rank and step")
+    c.add_argument("--rounds", type=int, default=3, help="at least this many interleaved rounds")
+    c.add_argument("--seconds", type=float, default=20.0, help="add rounds until this time cap")
+    c.add_argument("--max-rounds", type=int, default=20)
     args = parser.parse_args()
     code = 1
     try:

@@ -116,12 +116,16 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser(
         "bench", help="stock TRL vs trl-ext side by side (see `trl-ext bench --help`)", add_help=False
     ).set_defaults(func=None)
-    for job, what in (("dpo", "TRL's own DPO script"), ("online-dpo", "an Online DPO script")):
-        j = sub.add_parser(
-            job,
-            help=f"run {what} with trl-ext installed (all `trl {job}` arguments, plus --trl_ext_<flag> VALUE)",
-            add_help=False,
-        )
+    jobs = (
+        ("dpo", "TRL's own DPO script with trl-ext installed (every `trl dpo` argument, plus --trl-ext-<flag> VALUE)"),
+        (
+            "online-dpo",
+            "an Online DPO script with trl-ext installed (OnlineDPOConfig and ModelConfig arguments, --reward_funcs, "
+            "plus --trl-ext-<flag> VALUE)",
+        ),
+    )
+    for job, what in jobs:
+        j = sub.add_parser(job, help=f"run {what}; `trl-ext {job} --help` lists them", add_help=False)
         j.set_defaults(func=None, job=job)
     return parser
 

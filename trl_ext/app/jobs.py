@@ -16,6 +16,7 @@ import importlib
 import os
 import sys
 import tempfile
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -113,6 +114,171 @@ def _resolve_config(argv: Sequence[str]) -> tuple[TrlExtConfig, list[str], str |
     return load_config(base, flags=flags, sources=sources), rest, stripped
 
 
+def _flag_lines() -> list[tuple[str, str]]:
+    """`(option, help)` for every trl-ext flag the installed plugins declare, plus the core keys."""
+    from ..manager import load_catalog
+
+    catalog = load_catalog()[0]
+    lines = []
+    for name, (flag, owner) in catalog.flags.items():
+        value = "[BOOL]" if flag.cli_const is True and flag.default is False else "VALUE"
+        lines.append((f"--trl-ext-{name.replace('_', '-')} {value}", f"{flag.help} (plugin `{owner}`)"))
+    lines.append(
+        ("--trl-ext-plugins JSON", 'Options by plugin name, e.g. \'{"padding_free": {"attention": "dense"}}\'.')
+    )
+    lines.append(("--trl-ext-block A,B", "Plugins never to load."))
+    lines.append(("--trl-ext-config PATH", "A trl-ext YAML of its own (instead of the recipe's `trl_ext:` section)."))
+    return lines
+
+
+class _OneLine:
+    """A help entry printed as one line, however long the terminal (argparse would wrap it)."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+
+def add_trl_ext_help(parser: Any, command: str) -> None:
+    """Give `trl-ext <command> --help` a short usage line and a first argument group with one line per trl-ext flag.
+
+    The group is built from the flag table, so a third-party plugin's flags appear too. Its entries are
+    documentation only (`split_argv` takes the flags out of the command line before TRL's parser sees it).
+    """
+    import argparse
+
+    parser.usage = f"%(prog)s [-h] [--config RECIPE.yaml] [--trl-ext-<flag> VALUE ...] [{command} arguments below ...]"
+    rows = _flag_lines()
+    width = max(len(option) for option, _ in rows) + 2
+    group = parser.add_argument_group(
+        "trl-ext flags",
+        "Also spelled --trl_ext_<flag>; a boolean flag alone means true. The same flags go under `trl_ext:` in the "
+        "recipe or in TRL_EXT_<FLAG> variables (command line > environment > recipe). `trl-ext plugins` lists the "
+        "plugins' options.",
+    )
+    for option, help_text in rows:
+        action = group.add_argument(
+            f"--trl-ext-help-{len(group._group_actions)}", help=argparse.SUPPRESS, default=argparse.SUPPRESS
+        )
+        action.trl_ext_line = f"  {option.ljust(width)}{help_text}"
+    # argparse lists groups in creation order: put ours first, above TRL's hundreds of options.
+    parser._action_groups.remove(group)
+    parser._action_groups.insert(0, group)
+    base = parser.formatter_class
+
+    class Formatter(base):
+        def add_argument(self, action):
+            line = getattr(action, "trl_ext_line", None)
+            if line is not None:
+                self._add_item(lambda: line + "\n", [])
+            else:
+                super().add_argument(action)
+
+    parser.formatter_class = Formatter
+
+
+def _explicit_keys(argv: Sequence[str], recipe: dict[str, Any] | None) -> set[str]:
+    """Names of the TRL arguments the user gave on the command line or in the recipe."""
+    keys = set(recipe or ())
+    for token in argv:
+        if token.startswith("--"):
+            name = token[2:].split("=", 1)[0].replace("-", "_")
+            keys.add(name[3:] if name.startswith("no_") else name)
+    return keys
+
+
+def _has_accelerator() -> bool:
+    import torch
+
+    if torch.cuda.is_available():
+        return True
+    for backend in ("mps", "xpu", "npu"):
+        module = getattr(torch, backend, None) or getattr(torch.backends, backend, None)
+        available = getattr(module, "is_available", None)
+        if available is not None and available():
+            return True
+    return False
+
+
+def _cpu_defaults(parser: Any, argv: Sequence[str], recipe: dict[str, Any] | None, deepspeed: bool) -> str | None:
+    """On a machine with no accelerator, default to CPU and fp32 (TRL defaults to bf16, which then fails); say so.
+
+    Only arguments the user did not give are defaulted. Under DeepSpeed, `use_cpu` is left alone: it would turn
+    DeepSpeed off.
+    """
+    if _has_accelerator():
+        return None
+    wanted = {"bf16": False} if deepspeed else {"use_cpu": True, "bf16": False}
+    explicit = _explicit_keys(argv, recipe)
+    chosen = {key: value for key, value in wanted.items() if key not in explicit}
+    if not chosen:
+        return None
+    parser.set_defaults_with_config(**chosen)
+    said = ", ".join(f"--{key} {str(value).lower()}" for key, value in chosen.items())
+    return f"[trl-ext] no accelerator found: training on CPU in fp32 ({said}; give them yourself to choose)"
+
+
+def _read_recipe(argv: Sequence[str]) -> dict[str, Any] | None:
+    if "--config" not in argv:
+        return None
+    import yaml
+
+    with open(argv[list(argv).index("--config") + 1]) as f:
+        recipe = yaml.safe_load(f)
+    return recipe if isinstance(recipe, dict) else None
+
+
+def parse_job_args(parser: Any, command: str, rest: list[str], deepspeed: bool) -> tuple[Any, ...]:
+    """Parse TRL's arguments like `trl <command>` does, with trl-ext's help group and CPU defaults; bad arguments
+    give one `UsageError` line naming their source instead of a traceback."""
+    import difflib
+
+    add_trl_ext_help(parser, command)
+
+    def error(message: str) -> None:
+        raise UsageError(f"{message} (from the command line). `trl-ext {command} --help` lists the arguments.")
+
+    parser.error = error
+    helping = any(token in ("-h", "--help") for token in rest)
+    cpu_note = None if helping else _cpu_defaults(parser, rest, _read_recipe(rest), deepspeed)
+    # Warnings raised while the configs are built (e.g. transformers' deprecations) are shown only if the arguments
+    # are good: a bad argument gets one error line.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            *parsed, from_recipe, from_cli = parser.parse_args_and_config(
+                rest, return_remaining_strings=True, separate_remaining_strings=True
+            )
+        except UsageError:
+            raise
+        except ValueError as exc:
+            raise UsageError(f"`trl-ext {command}`: {exc}") from None
+    if from_cli:
+        known = [option for action in parser._actions for option in action.option_strings]
+        unknown = [token for token in from_cli if token.startswith("-")] or from_cli
+        close = difflib.get_close_matches(unknown[0].split("=", 1)[0], known, n=1)
+        hint = f" Did you mean `{close[0]}`?" if close else ""
+        raise UsageError(
+            f"Unknown argument `{unknown[0]}` (from the command line).{hint} `trl-ext {command} --help` lists the "
+            "arguments."
+        )
+    if from_recipe:
+        keys = [token[2:] for token in from_recipe if token.startswith("--")]
+        raise UsageError(
+            f"The recipe (--config) sets {keys}, which are no `trl-ext {command}` arguments. (`trl {command}` "
+            "passes such keys to `accelerate launch`; with trl-ext, launch yourself: `accelerate launch ... "
+            f"$(which trl-ext) {command} ...`.)"
+        )
+    for warning in caught:
+        warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+    if cpu_note and _is_main_process():
+        print(cpu_note, file=sys.stderr, flush=True)
+    return tuple(parsed)
+
+
+def _deepspeed() -> bool:
+    return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+
+
 def _prepare_cpu_deepspeed() -> bool:
     """Under a DeepSpeed launch on a machine without CUDA, apply what DeepSpeed needs on CPU; True if it did.
 
@@ -121,7 +287,7 @@ def _prepare_cpu_deepspeed() -> bool:
     and let the trainer reuse it (`accelerator_config.use_configured_state`, set by the caller); (3) the caller ends
     the process with `destroy_process_group()` then `os._exit`, since gloo can abort at interpreter exit.
     """
-    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
+    if not _deepspeed():
         return False
     import torch
 
@@ -166,9 +332,7 @@ def run_dpo(argv: Sequence[str]) -> int:
     if cpu_deepspeed:
         _use_configured_state(parser)
     try:
-        script_args, training_args, model_args, dataset_args = parser.parse_args_and_config(
-            rest, fail_with_unknown_args=False
-        )
+        script_args, training_args, model_args, dataset_args = parse_job_args(parser, "dpo", rest, _deepspeed())
     finally:
         if stripped:
             os.unlink(stripped)
@@ -199,14 +363,23 @@ class OnlineDPOScriptArguments:
 
 
 def _load_reward(spec: str) -> Any:
+    """`module:function` (modules in the current directory are found, as with `python -m`), or a model path/id."""
     if ":" in spec and not os.path.exists(spec):
         module_name, _, attr = spec.partition(":")
+        cwd = os.getcwd()
+        added = cwd not in sys.path and "" not in sys.path
+        if added:
+            sys.path.insert(0, cwd)
         try:
             return getattr(importlib.import_module(module_name), attr)
         except (ImportError, AttributeError) as exc:
             raise UsageError(
-                f"`--reward_funcs {spec}`: cannot import `{attr}` from `{module_name}` ({exc})."
+                f"`--reward_funcs {spec}`: cannot import `{attr}` from `{module_name}` ({exc}). Modules are looked up "
+                f"in the current directory ({cwd}) and on the Python path."
             ) from None
+        finally:
+            if added:
+                sys.path.remove(cwd)
     return spec  # a reward model path or id: OnlineDPOTrainer loads it
 
 
@@ -215,7 +388,11 @@ def run_online_dpo(argv: Sequence[str]) -> int:
     from datasets import load_dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import ModelConfig, TrlParser
-    from trl.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
+
+    with warnings.catch_warnings():
+        # We chose the experimental trainer for the user; TRL's warning about importing it is noise here.
+        warnings.filterwarnings("ignore", message=".*trl.experimental.*")
+        from trl.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
 
     config, rest, stripped = _resolve_config(argv)
     cpu_deepspeed = _prepare_cpu_deepspeed()
@@ -223,7 +400,7 @@ def run_online_dpo(argv: Sequence[str]) -> int:
     if cpu_deepspeed:
         _use_configured_state(parser)
     try:
-        script_args, training_args, model_args = parser.parse_args_and_config(rest, fail_with_unknown_args=False)
+        script_args, training_args, model_args = parse_job_args(parser, "online-dpo", rest, _deepspeed())
     finally:
         if stripped:
             os.unlink(stripped)
