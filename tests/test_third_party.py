@@ -173,4 +173,4 @@ def test_enabled_from_the_trl_ext_dpo_command_line(plugin_site, tmp_path):
     assert "[fused_loss] chunk=11" in proc.stdout
     help_text = subprocess.run([exe, "dpo", "--help"], capture_output=True, text=True, env=_env(plugin_site))
     assert help_text.returncode == 0, help_text.stderr[-2000:]
-    assert "--trl_ext_fused_loss" in help_text.stdout
+    assert "--trl-ext-fused-loss" in help_text.stdout and "(plugin `fused_loss`)" in help_text.stdout
