@@ -149,7 +149,8 @@ def trl_ext_make_packed_forward(
     Called once per model the trainer runs (`role` is `"policy"` or `"ref"`; under PEFT, `"policy"` is the base
     model that also serves as the adapter-disabled reference), at the `trl_ext_trainer_models_ready` point. The
     result is installed as an instance attribute `backbone.forward` through the trainer's undo stack: it stays for the
-    trainer's life and is removed by `Installation.detach(trainer)`. It must accept and return what the original forward does.
+    trainer's life and is removed by `Installation.detach(trainer)`. It must accept and return what the original
+    forward does.
     Exclusive: two enabled plugins answering is a `UsageError`.
     """
 
