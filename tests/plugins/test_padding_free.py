@@ -460,7 +460,7 @@ def test_generation_unchanged_and_uninstall_restores(build, tokenizer):
         assert model.config._attn_implementation == "trl_ext_varlen_sdpa"
         assert torch.equal(model.generate(**gen_kwargs), expected)
         assert "trl_ext_varlen_sdpa" in AttentionInterface._global_mapping
-        installation.uninstall()
+        installation.uninstall(detach=True)  # a plain uninstall leaves live trainers their plugins (issue 15)
         assert model.config._attn_implementation == "sdpa"
         assert "forward" not in backbone.__dict__
         assert model.forward != before["forward"] and backbone.forward != before["backbone"]

@@ -545,7 +545,7 @@ def test_uninstall_restores_trainer(dpo_args, online_dpo_args, tokenizer):
     for trainer, attrs in patched.items():
         assert all(a in trainer.__dict__ for a in attrs)
         assert "gather" in trainer.accelerator.__dict__ and "gather_for_metrics" in trainer.accelerator.__dict__
-    installation.uninstall()
+    installation.uninstall(detach=True)  # a plain uninstall leaves live trainers their plugins (issue 15)
     for trainer, attrs in patched.items():
         assert not any(a in trainer.__dict__ for a in attrs)
         assert (
