@@ -31,6 +31,11 @@ def _no_leftover_installation(monkeypatch):
 
     assert Installation._active is None or not Installation._active.installed
     yield
+    # Trainers keep their plugins after `uninstall()` (issue 15); detach them so that no test sees another's.
+    from trl_ext.context import live_contexts
+
+    for ctx in reversed(live_contexts()):
+        ctx.detach()
     active = Installation._active
     if active is not None and active.installed:
         active.uninstall()

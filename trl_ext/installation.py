@@ -12,7 +12,7 @@ from typing import Any
 from . import _compat
 from ._logging import NOTICE, get_logger, is_main_process
 from .config import TrlExtConfig, load_config
-from .context import _LIVE, TrainerContext
+from .context import _LIVE, TrainerContext, live_contexts
 from .errors import UsageError
 from .manager import TrlExtPluginManager, make_plugin_manager
 from .patching import Patcher, resolve
@@ -189,7 +189,9 @@ class Installation:
             if trainer_class == "DPOTrainer":
                 resolve(f"{module_name}.{class_name}.{_compat.DPO_PRECOMPUTE_METHOD}")  # fail now if TRL renamed it
         for module_name in _compat.GENERATION_HELPER_MODULES.values():
-            resolve(f"{module_name}.unwrap_model_for_generation")
+            # While installed, the name serves every attached trainer (also when called from outside its methods);
+            # after `uninstall()` each trainer swaps it in only while it runs (`_attach_before_init`).
+            self.patcher.wrap(resolve(module_name), "unwrap_model_for_generation", _generation_wrapper(None))
         self._installed = True
 
     def _wrap_init(self, trainer_class: str, original):
@@ -441,21 +443,27 @@ def _log_wrapper(ctx: TrainerContext, original):
     return log
 
 
-def _generation_wrapper(ctx: TrainerContext):
+def _generation_wrapper(ctx: TrainerContext | None):
+    """`unwrap_model_for_generation` for one trainer's context, or (`None`) for whichever attached trainer owns the
+    accelerator it is called with; a pass-through for every other call."""
+
     def make(original):
         signature = inspect.signature(original)
 
         @functools.wraps(original)
         def unwrap_model_for_generation(model, accelerator, *args, **kwargs):
-            trainer = ctx.trainer
-            if trainer is not None and ctx.attached and getattr(trainer, "accelerator", None) is accelerator:
+            candidates = [ctx] if ctx is not None else live_contexts()
+            owner = next(
+                (c for c in candidates if c.attached and getattr(c.trainer, "accelerator", None) is accelerator), None
+            )
+            if owner is not None and owner.enabled:
                 bound = signature.bind(model, accelerator, *args, **kwargs)
                 bound.apply_defaults()
                 call_kwargs = {k: v for k, v in bound.arguments.items() if k != "model"}
-                manager = ctx.call_exclusive(
+                manager = owner.call_exclusive(
                     "trl_ext_make_generation_context",
-                    trainer=trainer,
-                    context=ctx,
+                    trainer=owner.trainer,
+                    context=owner,
                     model=model,
                     call_kwargs=call_kwargs,
                 )

@@ -180,6 +180,21 @@ def test_decisions_are_logged_once(zero3):
     assert "generation will gather the whole model" in log
 
 
+@pytest.mark.distributed
+@pytest.mark.deepspeed
+def test_trl_no_gather_left_to_trl_is_warned_on_the_main_process(zero3):
+    """`OnlineDPOConfig(ds3_gather_for_generation=False)` under ZeRO-3 without the `generation` plugin: TRL keeps the
+    whole model resident (`stock_nogather` above), so trl-ext warns once, on rank 0, and names its own flag."""
+    assert [modes["advice"]["enabled"] for modes in zero3["ranks"]] == [[], []]
+    warning = (
+        "[trl_ext.installation|WARNING] trl-ext: OnlineDPOConfig(ds3_gather_for_generation=False) is left to TRL, "
+        "whose ZeRO-3 generation keeps the whole model resident with DeepSpeed's default settings; set trl-ext's "
+        '`ds3_gather_for_generation=False` (or "auto") for generation within a bounded budget.'
+    )
+    assert zero3["log"].count(warning) == 1  # main process only; not for the modes where the plugin is enabled
+    assert zero3["log"].count("is left to TRL, whose ZeRO-3 generation") == 1
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # single process: no ZeRO-3 (pass-through), configuration, context-manager contract
 # ---------------------------------------------------------------------------------------------------------------

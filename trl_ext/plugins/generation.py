@@ -269,6 +269,20 @@ def trl_ext_make_generation_context(trainer, context, model, call_kwargs):
     return GenerationContext(state, model, call_kwargs["accelerator"], call_kwargs.get("generation_kwargs"))
 
 
+@hookimpl
+def trl_ext_advise_unused(trainer, trainer_class, trl_args):
+    # TRL honours its own `ds3_gather_for_generation=False`, but under ZeRO-3 with DeepSpeed's default limits its
+    # layer-by-layer fetch keeps every layer resident (19.0 of 19.0 MiB measured on 2 ranks, issue 15).
+    plugin = getattr(getattr(getattr(trainer, "accelerator", None), "state", None), "deepspeed_plugin", None)
+    if getattr(trl_args, "ds3_gather_for_generation", True) is False and getattr(plugin, "zero_stage", None) == 3:
+        return (
+            f"{type(trl_args).__name__}(ds3_gather_for_generation=False) is left to TRL, whose ZeRO-3 generation "
+            "keeps the whole model resident with DeepSpeed's default settings; set trl-ext's "
+            '`ds3_gather_for_generation=False` (or "auto") for generation within a bounded budget.'
+        )
+    return None
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # DeepSpeed ZeRO-3 helpers
 # ---------------------------------------------------------------------------------------------------------------

@@ -76,6 +76,8 @@ MODES = {
     "grpo_stream": ("GRPO", False, True, {}),
     "rloo_stock_gather": ("RLOO", "stock", True, None),
     "rloo_stream": ("RLOO", False, True, {}),
+    # Construction only, trl-ext installed without its `generation` plugin: TRL's own no-gather is advised against.
+    "advice": ("OnlineDPO", "advice", False, None),
 }
 HELPER_MODULES = {
     "OnlineDPO": "trl.experimental.online_dpo.online_dpo_trainer",
@@ -256,8 +258,24 @@ def build_trainer(kind, name, out_dir, trl_flag):
     )
 
 
+def advice_mode(name, out_dir):
+    kind, _, trl_flag, _ = MODES[name]
+    installation = trl_ext.install()
+    try:
+        trainer = build_trainer(kind, name, out_dir, trl_flag)
+        return {"enabled": list(trainer._trl_ext.enabled)}
+    finally:
+        installation.uninstall(detach=True)
+        from accelerate.state import AcceleratorState, GradientState
+
+        AcceleratorState._reset_state()
+        GradientState._reset_state()
+
+
 def run_mode(name, out_dir):
     kind, flag, trl_flag, options = MODES[name]
+    if flag == "advice":
+        return advice_mode(name, out_dir)
     installation = None
     if flag != "stock":
         installation = trl_ext.install(

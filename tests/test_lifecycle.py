@@ -1,0 +1,417 @@
+"""No silent surprises (issue 15): a trainer keeps its plugins for its whole life, TRL's errors stay TRL's, a
+multi-process launch that runs single-process is refused, and what trl-ext does is visible at the default log level.
+
+Real TRL trainers throughout; the only stand-in is the `recorder` test plugin of tests/test_install.py.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import trl_ext
+from trl_ext import UsageError, _compat
+from trl_ext.testing import length_reward, make_model, make_preference_dataset, make_prompt_dataset
+
+from ._fakes import install_fake_plugin
+from .test_install import Recorder
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def recorder(monkeypatch):
+    plugin = Recorder()
+    install_fake_plugin(monkeypatch, "recorder", plugin)
+    return plugin
+
+
+@pytest.fixture
+def trl_ext_log(caplog):
+    """trl-ext's log records (its root logger does not propagate, so caplog's handler is attached to it)."""
+    root = logging.getLogger("trl_ext")
+    root.addHandler(caplog.handler)
+    try:
+        yield caplog
+    finally:
+        root.removeHandler(caplog.handler)
+
+
+def _snapshot_trl():
+    """Every TRL class and module trl-ext may patch, with a copy of its own attributes."""
+    targets = [getattr(importlib.import_module(m), c) for m, c in _compat.TRAINERS.values()]
+    targets += [importlib.import_module(m) for m, _ in _compat.TRAINERS.values()]
+    return {id(t): (t, dict(vars(t))) for t in targets}
+
+
+def _assert_trl_stock(before):
+    for obj, attrs in before.values():
+        now = dict(vars(obj))
+        now.pop("__warningregistry__", None)  # Python's own record of warnings already shown
+        attrs = {k: v for k, v in attrs.items() if k != "__warningregistry__"}
+        assert now.keys() == attrs.keys(), obj
+        assert not [k for k in attrs if now[k] is not attrs[k]], obj
+
+
+def _dpo(tokenizer, dpo_args, n=8, **overrides):
+    from trl import DPOTrainer
+
+    return DPOTrainer(
+        make_model(seed=0),
+        ref_model=make_model(seed=0),
+        args=dpo_args(**overrides),
+        train_dataset=make_preference_dataset(n),
+        eval_dataset=make_preference_dataset(4, seed=1),
+        processing_class=tokenizer,
+    )
+
+
+def _losses(trainer):
+    return [log["loss"] for log in trainer.state.log_history if "loss" in log]
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# 1. a trainer keeps its plugins for its whole life
+# -------------------------------------------------------------------------------------------------------------------
+
+
+def test_trainer_built_inside_the_block_trains_packed_after_it(tokenizer, dpo_args, tmp_path):
+    from trl_ext.plugins.padding_free import PaddingFreeCollator
+
+    before = _snapshot_trl()
+    with trl_ext.install(padding_free=True):
+        reference = _dpo(tokenizer, dpo_args)
+        reference.train()
+        trainer = _dpo(tokenizer, dpo_args, save_strategy="steps", save_steps=1, output_dir=str(tmp_path / "run"))
+    _assert_trl_stock(before)  # TRL is stock again...
+    state = trainer._trl_ext.state["padding_free"]  # ...but the trainer built inside keeps its plugins
+    assert isinstance(trainer.data_collator, PaddingFreeCollator)
+
+    calls = state.packed_calls
+    trainer.train()
+    assert state.packed_calls > calls and state.unpacked_calls == 0
+    assert _losses(trainer) == _losses(reference)  # same packed path, same numbers
+
+    calls = state.packed_calls
+    metrics = trainer.evaluate()
+    assert state.packed_calls > calls and "eval_loss" in metrics
+
+    calls = state.packed_calls
+    trainer.predict(trainer.eval_dataset)  # tokenized by TRL at construction
+    assert state.packed_calls > calls
+
+    calls = state.packed_calls
+    trainer.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-1"))
+    assert state.packed_calls > calls and state.unpacked_calls == 0
+    _assert_trl_stock(before)
+
+
+def test_a_second_install_does_not_disturb_trainers_of_the_first(tokenizer, dpo_args, recorder):
+    first = trl_ext.install(padding_free=True)
+    old = _dpo(tokenizer, dpo_args)
+    first.uninstall()
+    with trl_ext.install(plugins={"recorder": {}}) as second:
+        new = _dpo(tokenizer, dpo_args)
+        assert new._trl_ext.enabled == ("recorder",) and old._trl_ext.enabled == ("padding_free",)
+        assert second.enabled_plugins(old) == ["recorder"] and first.enabled_plugins(old) == ["padding_free"]
+        state = old._trl_ext.state["padding_free"]
+        old.train()  # under the second installation
+        after_first = state.packed_calls
+        assert after_first > 0 and "reduce_metrics" not in recorder.names()
+        new.train()
+        assert state.packed_calls == after_first  # the new trainer is not packed...
+        assert recorder.names().count("reduce_metrics") == 3  # ...and has the second installation's plugin
+    old.train()  # and after both are uninstalled
+    assert state.packed_calls > after_first
+    assert recorder.names().count("reduce_metrics") == 3
+
+
+def test_hooks_outside_init_keep_running_after_uninstall(tokenizer, dpo_args, online_dpo_args, recorder):
+    """`log`, the DPO precompute of `evaluate()` and OnlineDPO's generation were class/module patches: now they are
+    the trainer's own, and TRL's modules are stock between its calls."""
+    from trl.experimental.online_dpo import OnlineDPOTrainer
+    from trl.experimental.online_dpo import online_dpo_trainer as odt
+
+    stock_unwrap = odt.unwrap_model_for_generation
+    with trl_ext.install(plugins={"recorder": {}}):
+        dpo = _dpo(tokenizer, dpo_args, precompute_ref_log_probs=True)
+        online = OnlineDPOTrainer(
+            make_model(seed=0),
+            ref_model=make_model(seed=0),
+            reward_funcs=length_reward,
+            args=online_dpo_args(),
+            train_dataset=make_prompt_dataset(4),
+            processing_class=tokenizer,
+        )
+    assert odt.unwrap_model_for_generation is stock_unwrap
+    start = len(recorder.events)
+    dpo.train()
+    dpo.evaluate(make_preference_dataset(4, seed=3))  # precomputed lazily, through the plugin hook
+    online.train()
+    names = recorder.names()[start:]
+    assert names.count("reduce_metrics") >= 3 + 2
+    assert [e[:2] for e in recorder.events[start:] if e[0] == "make_ref_precompute"] == [
+        ("make_ref_precompute", "eval")
+    ]
+    assert names.count("make_generation_context") == 2  # one generation per OnlineDPO training step
+    assert odt.unwrap_model_for_generation is stock_unwrap
+
+
+def test_detach_makes_the_trainer_stock(tokenizer, dpo_args):
+    from trl.trainer.dpo_trainer import DataCollatorForPreference
+
+    with trl_ext.install(padding_free=True) as installation:
+        trainer = _dpo(tokenizer, dpo_args)
+    model = trainer.model
+    assert model.config._attn_implementation == "trl_ext_varlen_sdpa"
+    packed_forward = vars(model)["forward"]
+    gc.collect()  # trainers of earlier tests, never detached, may still hold the attention registration
+    installation.detach(trainer)
+    installation.detach(trainer)  # a second call does nothing
+    assert "_trl_ext" not in vars(trainer)
+    assert "forward" not in vars(model.model)
+    assert vars(model).get("forward") is not packed_forward
+    assert type(trainer.data_collator) is DataCollatorForPreference
+    assert model.config._attn_implementation == "sdpa"
+    from transformers.modeling_utils import AttentionInterface
+
+    assert "trl_ext_varlen_sdpa" not in AttentionInterface._global_mapping  # the last holder released it
+    trainer.train()  # stock TRL
+
+
+def test_uninstall_with_detach_and_the_uninstall_line(tokenizer, dpo_args, trl_ext_log):
+    installation = trl_ext.install(padding_free=True)
+    trainer = _dpo(tokenizer, dpo_args)
+    installation.uninstall()
+    assert "trl-ext uninstalled: TRL is stock again for new trainers; 1 trainer(s) built under it keep" in (
+        trl_ext_log.text
+    )
+    assert trainer._trl_ext.enabled == ("padding_free",)
+    installation.uninstall(detach=True)
+    assert "_trl_ext" not in vars(trainer)
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# 2. TRL's own flags: visible when left to TRL (the ZeRO-3 warning is in tests/plugins/test_generation.py)
+# -------------------------------------------------------------------------------------------------------------------
+
+
+def test_trl_flag_left_to_trl_is_named_in_the_trainer_line(tokenizer, dpo_args, monkeypatch, trl_ext_log):
+    monkeypatch.setattr(_compat, "dpo_honours_padding_free", lambda: True)  # as on a TRL with patches/0001
+    with trl_ext.install(sync_metrics=True):
+        _dpo(tokenizer, dpo_args, padding_free=True)
+    lines = [r.getMessage() for r in trl_ext_log.records if "DPOTrainer gets" in r.getMessage()]
+    assert lines == [
+        "trl-ext: DPOTrainer gets plugins sync_metrics; DPOConfig.padding_free=True is left to TRL (this TRL "
+        "implements it); trl-ext's `padding_free` would serve it instead"
+    ]
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# 3. TRL's errors stay TRL's
+# -------------------------------------------------------------------------------------------------------------------
+
+
+def _old_online_dpo_call(tokenizer, online_dpo_args):
+    from trl.experimental.online_dpo import OnlineDPOTrainer
+
+    return OnlineDPOTrainer(
+        model=make_model(seed=0),
+        reward_model=make_model(seed=1),
+        reward_processing_class=tokenizer,
+        args=online_dpo_args(),
+        train_dataset=make_prompt_dataset(4),
+        processing_class=tokenizer,
+    )
+
+
+def test_trl_signature_error_reads_as_without_trl_ext(tokenizer, online_dpo_args):
+    with pytest.raises(TypeError) as stock:
+        _old_online_dpo_call(tokenizer, online_dpo_args)
+    assert "OnlineDPOTrainer.__init__() got an unexpected keyword argument 'reward_model'" in str(stock.value)
+    with trl_ext.install(sync_metrics=True):
+        with pytest.raises(TypeError) as ours:
+            _old_online_dpo_call(tokenizer, online_dpo_args)
+    assert type(ours.value) is type(stock.value) and str(ours.value) == str(stock.value)
+    if sys.version_info >= (3, 11):
+        notes = "\n".join(ours.value.__notes__)
+        assert "pass `reward_funcs=`" in notes and "pass `reward_processing_classes=`" in notes
+        assert ours.value.__cause__ is None and ours.value.__context__ is None
+
+
+def test_trl_errors_from_inside_init_are_untouched(tokenizer, dpo_args):
+    from trl import DPOTrainer
+
+    def build():
+        return DPOTrainer(make_model(seed=0), args=dpo_args(), processing_class=tokenizer)  # no train_dataset
+
+    with pytest.raises(Exception) as stock:
+        build()
+    with trl_ext.install(padding_free=True):
+        with pytest.raises(Exception) as ours:
+            build()
+    assert type(ours.value) is type(stock.value) and str(ours.value) == str(stock.value)
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# 4. a distributed launch that runs single-process
+# -------------------------------------------------------------------------------------------------------------------
+
+
+def test_world_size_without_a_distributed_trainer_is_refused(tokenizer, dpo_args, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    args = dpo_args(use_cpu=False, bf16=False)  # what torchrun on CPU gives without `use_cpu=True`: a world of 1
+    assert args.world_size == 1
+    from trl import DPOTrainer
+
+    with trl_ext.install(padding_free=True):
+        with pytest.raises(UsageError, match=r"WORLD_SIZE=2 says .* runs a world of 1 .*set `use_cpu=True`"):
+            DPOTrainer(
+                make_model(seed=0),
+                ref_model=make_model(seed=0),
+                args=args,
+                train_dataset=make_preference_dataset(4),
+                processing_class=tokenizer,
+            )
+
+
+_WORLD_SCRIPT = """
+import os, sys
+import trl_ext
+from trl import DPOConfig, DPOTrainer
+from trl_ext.testing import make_model, make_preference_dataset, make_tokenizer
+
+def build(**kw):
+    args = DPOConfig(output_dir=sys.argv[1], report_to=[], bf16=False, max_steps=1, **kw)
+    return DPOTrainer(make_model(seed=0), ref_model=make_model(seed=0), args=args,
+                      train_dataset=make_preference_dataset(4), processing_class=make_tokenizer())
+
+with trl_ext.install(sync_metrics=True):
+    try:
+        build()
+        print("NOT REFUSED", flush=True)
+    except trl_ext.UsageError as exc:
+        print("REFUSED:", exc, flush=True)
+    trainer = build(use_cpu=True)
+    print("WORLD", trainer.accelerator.num_processes, trainer._trl_ext.enabled, flush=True)
+"""
+
+
+@pytest.mark.distributed
+def test_torchrun_on_cpu_without_use_cpu_is_refused(tmp_path):
+    script = tmp_path / "world.py"
+    script.write_text(textwrap.dedent(_WORLD_SCRIPT))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRL_EXT_")}
+    env.update(OMP_NUM_THREADS="1", TQDM_DISABLE="1", HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
+    proc = subprocess.run(cmd + [str(tmp_path / "out")], env=env, capture_output=True, text=True, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    refused = [line for line in proc.stdout.splitlines() if line.startswith("REFUSED:")]
+    assert len(refused) == 2 and "NOT REFUSED" not in proc.stdout, out[-4000:]
+    assert all("WORLD_SIZE=2 says" in line and "set `use_cpu=True`" in line for line in refused)
+    assert proc.stdout.count("WORLD 2 ('sync_metrics',)") == 2, out[-4000:]
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# 8. visible at the default log level, on the main process
+# -------------------------------------------------------------------------------------------------------------------
+
+
+def test_one_line_per_trainer_with_plugins_and_auto_choices(tokenizer, dpo_args, online_dpo_args, trl_ext_log):
+    from trl.experimental.online_dpo import OnlineDPOTrainer
+
+    with trl_ext.install(padding_free=True):
+        _dpo(tokenizer, dpo_args)
+        OnlineDPOTrainer(
+            make_model(seed=0),
+            reward_funcs=length_reward,
+            args=online_dpo_args(),
+            train_dataset=make_prompt_dataset(4),
+            processing_class=tokenizer,
+        )
+    messages = [(r.levelname, r.getMessage()) for r in trl_ext_log.records]
+    assert (
+        "NOTICE",
+        "trl-ext: DPOTrainer gets plugins padding_free (policy: trl_ext_varlen_sdpa, ref: trl_ext_varlen_sdpa)",
+    ) in messages
+    assert (
+        "NOTICE",
+        "trl-ext: `padding_free` is set, but the plugin `padding_free` applies only to DPOTrainer; this "
+        "OnlineDPOTrainer runs without it",
+    ) in messages
+    assert not any("OnlineDPOTrainer gets" in m for _, m in messages)  # it got no plugins: no plugin line
+
+
+_LOG_SCRIPT = """
+import trl_ext
+from trl import DPOConfig, DPOTrainer
+from trl_ext.testing import make_model, make_preference_dataset, make_tokenizer
+
+with trl_ext.install(padding_free=True):
+    DPOTrainer(make_model(seed=0), ref_model=make_model(seed=0),
+               args=DPOConfig(output_dir="{out}", report_to=[], use_cpu=True, bf16=False),
+               train_dataset=make_preference_dataset(4), processing_class=make_tokenizer())
+print("DONE")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("level", "shown", "warned"),
+    [(None, True, False), ("warning", False, False), ("INFO", True, False), ("loud", True, True)],
+)
+def test_log_level_env(tmp_path, level, shown, warned):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRL_EXT_")}
+    env.update(OMP_NUM_THREADS="1", TQDM_DISABLE="1", HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    if level is not None:
+        env["TRL_EXT_LOG_LEVEL"] = level
+    code = textwrap.dedent(_LOG_SCRIPT).format(out=tmp_path / "out")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("DONE"), proc.stderr[-3000:]
+    assert ("[trl_ext.installation|NOTICE] trl-ext: DPOTrainer gets plugins padding_free" in proc.stderr) == shown
+    bad = f"TRL_EXT_LOG_LEVEL={level!r} is not a log level; using 'notice'"
+    assert (bad in proc.stderr) == warned, proc.stderr[-3000:]
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# 9. enabled_plugins takes a name, a class or an instance; nothing else
+# -------------------------------------------------------------------------------------------------------------------
+
+
+def test_enabled_plugins_accepts_classes_and_instances(tokenizer, dpo_args):
+    from trl import DPOTrainer
+    from trl.experimental.online_dpo import OnlineDPOTrainer
+
+    class MyDPOTrainer(DPOTrainer):
+        pass
+
+    with trl_ext.install(padding_free=True) as installation:
+        assert installation.enabled_plugins("DPOTrainer") == ["padding_free"]
+        assert installation.enabled_plugins(DPOTrainer) == ["padding_free"]
+        assert installation.enabled_plugins(MyDPOTrainer) == ["padding_free"]
+        assert installation.enabled_plugins(OnlineDPOTrainer) == []
+        trainer = MyDPOTrainer(
+            make_model(seed=0),
+            ref_model=make_model(seed=0),
+            args=dpo_args(),
+            train_dataset=make_preference_dataset(4),
+            processing_class=tokenizer,
+        )
+        assert installation.enabled_plugins(trainer) == ["padding_free"]
+        for bad in (42, None, dpo_args()):
+            with pytest.raises(TypeError, match="expected a trainer class name, a trainer class or a trainer"):
+                installation.enabled_plugins(bad)
+        for bad in ("SFTTrainer", "DPOTrainr", dict):
+            with pytest.raises(UsageError, match="not a trainer trl-ext attaches to"):
+                installation.enabled_plugins(bad)
