@@ -24,7 +24,8 @@ disabling, `ld_alpha` and the DeepSpeed precompute engine are TRL's):
   `truncation_mode`, `ld_alpha`, padding-free on/off, dtype/mixed precision, attention implementation and the TRL
   version. The data file is written to a temp file and renamed, and a `meta.json` with its SHA-256 and row count is
   written last; a file that does not match is reported with a warning and recomputed, never used. Results are also
-  saved in shards while computing, so an interrupted precompute resumes where it stopped.
+  saved in shards while computing (every `shard_size` pairs, and at least every `shard_interval` seconds), so an
+  interrupted precompute resumes where it stopped, with the same final values.
 - **Multi-process.** The work is split across ranks (equal batch counts, so ZeRO-3 ranks run their forwards in
   lockstep), results are all-gathered, rank 0 alone reads and writes the cache and broadcasts what it read: no rank
   ever opens a file another rank wrote, so in-memory datasets work under DDP and DeepSpeed.
@@ -52,10 +53,16 @@ Options, under `plugins: {precompute_ref_batch_size: {...}}`:
   `"25%"`), shared among the processes of the node.
 - `sort` (`"length"` or `"none"`, defaults to `"length"`): `"none"` keeps TRL's dataset-order batches (for comparison).
 - `shard_size` (`int`, defaults to `4096`): pairs per resume shard.
+- `shard_interval` (`float`, defaults to `60`): a resume shard is also saved once this many seconds of precompute have
+  passed since the last one, so an interruption (Ctrl-C, a killed job) loses at most about that much work whatever
+  the dataset size. A resumed run computes the remaining batches exactly as the uninterrupted run would have, so the
+  final cache is bit-identical to an uninterrupted run's (with `"auto"`, unless the interruption came during its
+  probes). With several processes, deciding the time-based shards costs one tiny all-reduce per batch.
 
-Refuses (`trl_ext.UsageError`): unknown options or bad values, and an `IterableDataset` (TRL cannot precompute one
-either). It only applies to `DPOTrainer` with `precompute_ref_log_probs=True`; with that off it logs a warning that it
-has nothing to do.
+Refuses (`trl_ext.UsageError`): unknown options or bad values. An `IterableDataset` is left to TRL, which refuses it
+with its own `ValueError` (the same message as without trl-ext, so code that matches TRL's message keeps working).
+It only applies to `DPOTrainer` with `precompute_ref_log_probs=True`; with that off it logs a warning that it has
+nothing to do.
 """
 
 from __future__ import annotations
@@ -64,9 +71,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..._logging import get_logger
-from ...errors import UsageError
 from ...hookspecs import hookimpl
-from ...spec import Flag, PluginSpec, Size, either, one_of, optional, positive_int, size, text
+from ...spec import Flag, PluginSpec, Size, either, non_negative_float, one_of, optional, positive_int, size, text
 
 NAME = "precompute_ref_batch_size"
 
@@ -86,12 +92,16 @@ class PrecomputeOptions:
             `"length"` plans batches by length; `"none"` keeps TRL's dataset-order batches (for comparison).
         shard_size (`int`, *optional*, defaults to `4096`):
             Pairs per resume shard.
+        shard_interval (`float`, *optional*, defaults to `60.0`):
+            Seconds of precompute after which a resume shard is saved even if it holds fewer than `shard_size` pairs,
+            so an interruption loses at most about this much work.
     """
 
     cache_dir: str | None = field(default=None, metadata={"parse": optional(text)})
     ram_budget: Size = field(default=Size("fraction", 0.25), metadata={"parse": size})
     sort: str = field(default="length", metadata={"parse": one_of("length", "none")})
     shard_size: int = field(default=4096, metadata={"parse": positive_int})
+    shard_interval: float = field(default=60.0, metadata={"parse": non_negative_float})
 
 
 TRL_EXT_PLUGIN = PluginSpec(
@@ -133,11 +143,10 @@ def trl_ext_make_ref_precompute(trainer, context, dataset, name, batch_size):
     from datasets import IterableDataset
 
     if isinstance(dataset, IterableDataset):
-        raise UsageError(
-            f"`precompute_ref_batch_size` (trl-ext plugin `{NAME}`) needs a map-style dataset for the {name} split, "
-            "got an IterableDataset (TRL cannot precompute one either). Use a `datasets.Dataset`, or set "
-            "`precompute_ref_log_probs=False`."
-        )
+        # Step aside so that TRL's own check speaks first, in TRL's words (`_compat.DPO_PRECOMPUTE_ITERABLE_MESSAGE`,
+        # the first statement of `_precompute_ref_logps`): nobody can precompute a stream.
+        logger.info("trl-ext `%s`: the %s split is an IterableDataset; leaving it to TRL.", NAME, name)
+        return None
     from .runner import Precompute
 
     state = context.state.get(NAME)

@@ -132,7 +132,8 @@ class CacheEntry:
             return None
 
     def load_parts(self):
-        """Rows finished by an interrupted earlier run: `(indices, chosen, rejected)` or None."""
+        """Rows finished by an interrupted earlier run: `(indices, chosen, rejected, plan)` or None (`plan`: what
+        `write_plan` saved, or None)."""
         import numpy as np
 
         if not self.parts.is_dir():
@@ -156,7 +157,26 @@ class CacheEntry:
             rejected.append(r)
         if not idx:
             return None
-        return np.concatenate(idx), np.concatenate(chosen), np.concatenate(rejected)
+        return np.concatenate(idx), np.concatenate(chosen), np.concatenate(rejected), self._load_plan()
+
+    def write_plan(self, plan: dict[str, Any]) -> None:
+        """The `"auto"` decision of this split (token budget, pairs left after the probes), for an exact resume."""
+        self.parts.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(self.parts / "plan.json", json.dumps(plan))
+
+    def _load_plan(self) -> dict[str, Any] | None:
+        path = self.parts / "plan.json"
+        if not path.exists():
+            return None
+        try:
+            plan = json.loads(path.read_text())
+            rest = plan["rest"]
+            if not all(isinstance(i, int) and 0 <= i < self.n_rows for i in rest):
+                raise ValueError("indices out of range")
+            return {"token_budget": float(plan["token_budget"]), "rest": rest}
+        except Exception as exc:  # noqa: BLE001 - a damaged plan: probe again
+            logger.warning("trl-ext `%s`: discarding damaged resume plan %s (%s).", NAME, path, exc)
+            return None
 
     def write_part(self, number: int, indices, chosen, rejected) -> None:
         self.parts.mkdir(parents=True, exist_ok=True)

@@ -211,8 +211,9 @@ class Precompute:
         chosen = np.full(n, np.nan, dtype=np.float32)
         rejected = np.full(n, np.nan, dtype=np.float32)
         done = np.zeros(n, dtype=bool)
+        saved_plan = None
         if resumed is not None:
-            idx, c, r = resumed
+            idx, c, r, saved_plan = resumed
             chosen[idx], rejected[idx], done[idx] = c, r, True
             logger.warning(
                 "trl-ext `%s`: resuming the %s precompute, %d of %d pairs were saved by an interrupted run.",
@@ -242,13 +243,28 @@ class Precompute:
 
         progress = self._progress(n, int(done.sum()))
         try:
+            # The batches are planned over every pair the uninterrupted run would have planned (`rest`), and those an
+            # interrupted run finished are skipped, so a resumed run computes every other batch exactly as the
+            # uninterrupted one: the same pairs together, the same values, bit for bit. ("auto": once its probes are
+            # done, the budget and the pairs they left are saved with the shards; only a run interrupted during its
+            # probes re-plans the rest, within float rounding.)
+            rest = np.arange(n, dtype=np.int64)
             if len(todo) and self.requested == "auto":
-                todo = probe(self, model, todo, store, progress)
+                if self.state.token_budget is not None:  # chosen by an earlier split of this trainer: no probe
+                    self.record["token_budget"] = self.state.token_budget
+                elif saved_plan is not None:
+                    self.state.token_budget = self.record["token_budget"] = saved_plan["token_budget"]
+                    rest = np.asarray(saved_plan["rest"], dtype=np.int64)
+                else:
+                    rest = probe(self, model, todo, store, progress)
+                    if entry is not None:
+                        _guarded(entry.write_plan, {"token_budget": self.state.token_budget, "rest": rest.tolist()})
             if len(todo):
                 if self.requested == "auto":
-                    batches = self.plan.budget_batches(todo, self.state.token_budget)
+                    batches = self.plan.budget_batches(rest, self.state.token_budget)
                 else:
-                    batches = self.plan.fixed_batches(todo, int(self.requested))
+                    batches = self.plan.fixed_batches(rest, int(self.requested))
+                batches = [b for b in batches if not done[b].all()]
                 self._run_batches(model, batches, store, progress)
         finally:
             if progress is not None:
@@ -287,9 +303,11 @@ class Precompute:
             "packed" if self.packed else "padded",
             count,
         )
-        shard = self.opts.shard_size
+        shard, interval = self.opts.shard_size, self.opts.shard_interval
         pending: list[tuple] = []
         pending_pairs = 0
+        device = self.trainer.accelerator.device
+        last_store = time.monotonic()
         for j in range(count):
             batch, filler = mine[j]
             results = self._forward_or_split(model, batch)
@@ -300,9 +318,16 @@ class Precompute:
             pending_pairs += step_pairs
             if progress is not None:
                 progress.update(step_pairs)
-            if pending_pairs >= shard or j == count - 1:
+            due = pending_pairs >= shard or j == count - 1
+            if not due:
+                # Also by elapsed time, so an interruption loses at most about `shard_interval` seconds of work
+                # whatever the dataset size. Clocks differ between ranks: any rank that is due makes all store
+                # (one all-reduce per batch with several processes, none with one).
+                due = self.ranks.any_true(time.monotonic() - last_store >= interval, device)
+            if due:
                 store(concat_results(pending))
                 pending, pending_pairs = [], 0
+                last_store = time.monotonic()
 
     # ---------------------------------------------------------------------------------------------------------------
     # "auto"

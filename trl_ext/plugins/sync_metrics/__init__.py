@@ -169,6 +169,7 @@ def trl_ext_trainer_init_end(trainer, context):
         # The Trainer fetches a whole gradient-accumulation window before computing it, so the dataloader's
         # end-of-epoch state must be read at fetch time (transformers trainer.py `get_batch_samples`).
         state.fetched.clear()
+        state.close_step()  # a new optimizer step begins
         wrapped = _RecordingIterator(epoch_iterator, state, accelerator.gradient_state)
         return original_get_batch_samples(wrapped, num_batches, *args, **kwargs)
 

@@ -39,6 +39,10 @@ class SyncMetricsState:
         self.pending_loss_steps = 0
         self.pending_flos = 0.0
         self.in_checkpoint = False
+        #: DPO: the training loss of the current optimizer step over its real pairs (see `add_step_loss`), and the
+        #: correction to this rank's held-back loss that makes the logged `loss` the mean over real pairs
+        self.step_loss: dict[str, Any] | None = None
+        self.loss_correction: torch.Tensor | float = 0.0
         #: number of collectives this plugin issued (for tests and benchmarks)
         self.collectives = 0
 
@@ -66,6 +70,48 @@ class SyncMetricsState:
         if remainder is None:
             return n
         return min(max(remainder - self.rank * n, 0), n)
+
+    def global_real_count(self, remainder: int | None, n: int) -> int:
+        """Real samples in the batches of `n` of all ranks (every rank knows it: same remainder, same rule)."""
+        if remainder is None:
+            return n * self.world
+        return sum(min(max(remainder - rank * n, 0), n) for rank in range(self.world))
+
+    # -- the logged training loss over real pairs --------------------------------------------------------------------
+    #
+    # The Trainer adds each micro-batch's loss (`training_step`'s return value) to its running loss and logs the mean
+    # over ranks. At the last step of an epoch with duplicates, that mean counts the duplicated pairs. The real-pair
+    # mean of a step is `sum over ranks and micro-batches of (real pairs x their mean loss) / all real pairs`; every
+    # rank knows the denominator, so each rank can hold back `world x (its share) - (what the Trainer added)` and the
+    # mean over ranks, taken in the plugin's one collective, becomes the real-pair mean. Only the logged loss changes:
+    # the gradients (training itself) keep accelerate's behaviour.
+
+    def add_step_loss(self, real_sum: Any, real_count: int, duplicates: bool) -> None:
+        """One micro-batch of the current optimizer step: `real_sum` = real pairs x their mean loss (a tensor),
+        `real_count` = real pairs of this micro-batch on all ranks."""
+        step = self.step_loss
+        if step is None:
+            step = self.step_loss = {"real": 0.0, "count": 0, "trainer": 0.0, "duplicates": False}
+        step["real"] = step["real"] + real_sum
+        step["count"] += real_count
+        step["duplicates"] = step["duplicates"] or duplicates
+
+    def add_trainer_loss(self, value: Any) -> None:
+        """What the Trainer adds to its running loss for the micro-batch just computed (`training_step`'s return)."""
+        if self.step_loss is not None:
+            self.step_loss["trainer"] = self.step_loss["trainer"] + value.detach()
+
+    def close_step(self) -> None:
+        """End of an optimizer step: fold its correction into `loss_correction` if it held duplicates."""
+        step, self.step_loss = self.step_loss, None
+        if step is None or not step["duplicates"] or step["count"] == 0:
+            return
+        real = step["real"] * self.world / step["count"]
+        self.loss_correction = self.loss_correction + (real - step["trainer"]).detach().to(torch.float64)
+
+    def take_loss_correction(self) -> torch.Tensor | float:
+        value, self.loss_correction = self.loss_correction, 0.0
+        return value
 
     # -- capture -------------------------------------------------------------------------------------------------
 

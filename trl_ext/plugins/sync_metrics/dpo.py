@@ -88,6 +88,8 @@ def _wrap_compute_loss(trainer: Any, state: SyncMetricsState, original):
         remainder = state.batch_remainder(mode, trainer.accelerator.gradient_state)
         with _Capture(state) as captured:
             result = original(model, inputs, return_outputs)
+        loss = result[0] if isinstance(result, tuple) else result
+        real_loss = loss
         if remainder is not None:
             # Last batch of a dataloader with duplicates (the same step on every rank). Per-token sums cannot be
             # split by row, so recompute the metrics on the real rows alone; every rank runs this forward so that
@@ -95,8 +97,11 @@ def _wrap_compute_loss(trainer: Any, state: SyncMetricsState, original):
             k = state.real_count(remainder, n)
             devices = [trainer.accelerator.device] if trainer.accelerator.device.type == "cuda" else []
             with torch.no_grad(), torch.random.fork_rng(devices=devices), _Capture(state) as real:
-                original(model, _slice_pairs(inputs, max(k, 1)), False)
+                real_loss = original(model, _slice_pairs(inputs, max(k, 1)), False)
             captured = real if k > 0 else None
+        if mode == "train":
+            k = state.real_count(remainder, n)
+            state.add_step_loss(real_loss.detach() * k, state.global_real_count(remainder, n), remainder is not None)
         if captured is not None:
             state.windows[mode].add(_items(state, trainer, captured, mode))
         else:
@@ -121,7 +126,18 @@ def _check_and_clear_trl_buffer(trainer: Any, mode: str) -> None:
     buffer.clear()
 
 
+def _wrap_training_step(state: SyncMetricsState, original):
+    @functools.wraps(original)
+    def training_step(*args, **kwargs):
+        loss = original(*args, **kwargs)
+        state.add_trainer_loss(loss)
+        return loss
+
+    return training_step
+
+
 def install(trainer: Any, patcher: Any, state: SyncMetricsState) -> None:
-    """Capture the metrics of every `_compute_loss` call of this trainer."""
+    """Capture the metrics of every `_compute_loss` call of this trainer, and each micro-batch's training loss."""
     name = _compat.DPO_COMPUTE_LOSS
     patcher.setattr(trainer, name, _wrap_compute_loss(trainer, state, getattr(trainer, name)))
+    patcher.setattr(trainer, "training_step", _wrap_training_step(state, trainer.training_step))

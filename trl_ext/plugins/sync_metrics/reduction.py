@@ -30,7 +30,11 @@ def reduce_logs(trainer: Any, state: SyncMetricsState, logs: dict[str, Any]) -> 
             train.device_sums[schema.tokens] = 0.0
     local_loss = state.pending_loss
     if local_loss is not None:
-        vec[schema.loss] = local_loss.to(vec.device, torch.float64)
+        state.close_step()
+        correction = state.take_loss_correction()  # last step of an epoch: count real pairs only (DPO)
+        vec[schema.loss] = local_loss.to(vec.device, torch.float64) + (
+            correction.to(vec.device) if isinstance(correction, torch.Tensor) else correction
+        )
         vec[schema.loss_count] = 1.0
     vec[schema.flos] = state.pending_flos
     state.pending_loss, state.pending_flos = None, 0.0
