@@ -7,6 +7,7 @@ every entry below, and only then raise `TRL_MAX_EXCLUSIVE`.
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 import re
 
@@ -72,6 +73,11 @@ GENERATION_HELPER_MODULES: dict[str, str] = {
 DPO_PRECOMPUTE_METHOD = "_precompute_ref_logps"
 
 
+def import_object(module: str, name: str):
+    """`getattr(importlib.import_module(module), name)`, for the `(module, name)` facts below."""
+    return getattr(importlib.import_module(module), name)
+
+
 def parse_version(version: str) -> tuple[int, ...]:
     """`"1.16.0"` -> `(1, 16, 0)`; pre-release and local suffixes are dropped (`"1.17.0.dev0"` -> `(1, 17, 0)`)."""
     match = re.match(r"(\d+(?:\.\d+)*)", version)
@@ -135,3 +141,170 @@ def renamed_keyword_notes(trainer_class: str, error: BaseException, keywords: ob
         for old, new in renames.items()
         if old in keywords
     ]
+
+
+# ===================================================================================================================
+# The facts the plugins rely on, by consumer. Each is checked against the installed TRL/transformers/DeepSpeed by
+# tests/test_compat.py; a new release that changes one fails there, with the entry's name, before any plugin test.
+# ===================================================================================================================
+
+# -- precompute_ref_batch_size ---------------------------------------------------------------------------------------
+
+#: TRL's own refusal of an `IterableDataset` in `DPOTrainer._precompute_ref_logps` (its first statement; raised as a
+#: `ValueError`). Consumer: precompute_ref_batch_size, which steps aside for an IterableDataset so that TRL's check
+#: speaks (issue 15, point 7). Identical on 1.12.0 (dpo_trainer.py:1134-1138) and 1.16.0 (:1169-1173).
+DPO_PRECOMPUTE_ITERABLE_MESSAGE = (
+    "`precompute_ref_log_probs=True` is not supported with IterableDataset. Please use a map-style "
+    "Dataset or set `precompute_ref_log_probs=False`."
+)
+#: `DPOTrainer.compute_ref_log_probs(self, model, inputs) -> (chosen_logps, rejected_logps)`: TRL's per-batch
+#: reference math. Consumer: precompute_ref_batch_size (runner). Checked 1.12.0, 1.16.0.
+DPO_COMPUTE_REF_METHOD = "compute_ref_log_probs"
+#: The DeepSpeed inference engine TRL builds once for the precompute when there is no separate reference model
+#: (`self._precompute_engine = prepare_deepspeed(self.model, self.accelerator)`, with `prepare_deepspeed` imported by
+#: name into `trl.trainer.dpo_trainer`). Consumer: precompute_ref_batch_size (runner). 1.16.0 dpo_trainer.py:1196-1201,
+#: 1.12.0 :1161-1166.
+DPO_PRECOMPUTE_ENGINE_ATTR = "_precompute_engine"
+DPO_PREPARE_DEEPSPEED = ("trl.trainer.dpo_trainer", "prepare_deepspeed")
+#: The weight hash TRL keys its precompute cache on: `trl.trainer.utils.hash_module(module) -> str`, stored at
+#: `__init__` as `_precompute_model_hash` since 1.13 (absent on 1.12.0, which hashes at every call). Consumer:
+#: precompute_ref_batch_size (runner). Checked 1.12.0 (absent), 1.16.0 (dpo_trainer.py:980).
+DPO_HASH_MODULE = ("trl.trainer.utils", "hash_module")
+DPO_PRECOMPUTE_HASH_ATTR = "_precompute_model_hash"
+DPO_PRECOMPUTE_HASH_SINCE = (1, 13)
+
+# -- sync_metrics: DPO -----------------------------------------------------------------------------------------------
+
+#: The private per-mode metric buffer of `DPOTrainer` (`self._metrics[mode][name]`, a dict of lists); `log()` averages
+#: and clears it. Consumers: sync_metrics (dpo), the core's `log` wrapper. Checked 1.12.0, 1.16.0.
+DPO_METRICS_BUFFER = "_metrics"
+#: `DPOTrainer._compute_loss(self, model, inputs, return_outputs)`: where every metric is computed and gathered.
+#: Consumer: sync_metrics (dpo). Checked 1.12.0, 1.16.0.
+DPO_COMPUTE_LOSS = "_compute_loss"
+#: The metrics `_compute_loss` writes, in the order it writes them, with the number of `accelerator.gather` /
+#: `gather_for_metrics` calls made since the previous write (its gather order: sync_metrics identifies each gathered
+#: tensor by its position). `aux_loss` only with `aux_loss_enabled`; `num_tokens` (the attention-mask tokens of the
+#: batch) only in training. The token metrics gather (sum, count) scalar pairs, the pair metrics one `[B]` vector each.
+#: Consumer: sync_metrics (dpo). Identical on 1.12.0 (dpo_trainer.py:1610-1683) and 1.16.0 (:1530-1601), the fused and
+#: the logits paths alike.
+DPO_METRIC_GATHERS: tuple[tuple[str, int], ...] = (
+    ("aux_loss", 1),
+    ("entropy", 2),
+    ("num_tokens", 1),
+    ("logits/chosen", 4),
+    ("logits/rejected", 0),
+    ("mean_token_accuracy", 2),
+    ("rewards/chosen", 2),
+    ("rewards/rejected", 0),
+    ("rewards/accuracies", 1),
+    ("rewards/margins", 1),
+    ("logps/chosen", 1),
+    ("logps/rejected", 1),
+)
+#: The token metrics: gathered as (sum, count) scalar pairs, entropy first (then `num_tokens` in training), in this
+#: order. Consumer: sync_metrics (schema, dpo). Checked 1.12.0, 1.16.0.
+DPO_TOKEN_METRICS = ("entropy", "logits/chosen", "logits/rejected", "mean_token_accuracy")
+#: The per-pair metrics: one `[B]` vector each, gathered last, in this order. Consumer: sync_metrics. 1.12.0, 1.16.0.
+DPO_PAIR_METRICS = (
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+)
+#: Gathers per `_compute_loss` call without `aux_loss` and outside training (the sum of `DPO_METRIC_GATHERS` minus the
+#: optional two). Consumer: sync_metrics (dpo). Checked 1.12.0, 1.16.0.
+DPO_GATHERS_PER_CALL = 14
+#: `DPOTrainer` attributes sync_metrics reads or updates: whether the MoE aux loss is added, and the running count of
+#: training tokens behind `num_tokens`. Checked 1.12.0, 1.16.0 (dpo_trainer.py:905, :966 on 1.16.0).
+DPO_AUX_LOSS_FLAG = "aux_loss_enabled"
+DPO_TOTAL_TRAIN_TOKENS = "_total_train_tokens"
+
+# -- sync_metrics: OnlineDPO -----------------------------------------------------------------------------------------
+
+#: `OnlineDPOTrainer.stats` keys (its metric buffer), by what each averages over: per pair, and per completion (two
+#: completions per prompt). The `objective/rlhf_reward`, `objective/scores*` keys exist only with reward functions.
+#: Consumer: sync_metrics (online_dpo). online_dpo_trainer.py 1.16.0:352-368, 1.12.0:343-359.
+ONLINE_DPO_STATS = "stats"
+ONLINE_DPO_PAIR_METRICS = (
+    "beta",
+    "logps/chosen",
+    "logps/rejected",
+    "objective/scores_margin",
+    "rewards/accuracies",
+    "rewards/chosen",
+    "rewards/margins",
+    "rewards/rejected",
+)
+ONLINE_DPO_COMPLETION_METRICS = (
+    "objective/entropy",
+    "objective/kl",
+    "objective/non_score_reward",
+    "objective/rlhf_reward",
+    "objective/scores",
+    "val/contain_eos_token",
+)
+#: The `OnlineDPOTrainer` methods sync_metrics wraps for one training step. Checked 1.12.0, 1.16.0.
+ONLINE_DPO_STEP_METHODS = ("training_step", "_forward", "_generate", "_calculate_rewards_from_functions")
+#: `OnlineDPOTrainer._generate(...)` returns `(prompt_ids, prompt_mask, completion_ids, completion_mask[,
+#: vision_inputs])`: the positions of the completion ids and mask. Consumer: sync_metrics (online_dpo). Checked
+#: 1.12.0, 1.16.0 (online_dpo_trainer.py:1056 on 1.16.0).
+ONLINE_DPO_GENERATE_RETURN = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
+ONLINE_DPO_COMPLETION_IDS, ONLINE_DPO_COMPLETION_MASK = 2, 3
+#: EOS ids checked for `val/contain_eos_token`: `self.eos_token_ids` (a list) since 1.13; 1.12.0 checks only
+#: `self._tokenizer.eos_token_id` (online_dpo_trainer.py:1152). Consumer: sync_metrics (online_dpo).
+ONLINE_DPO_EOS_IDS_ATTR = "eos_token_ids"
+ONLINE_DPO_TOKENIZER_ATTR = "_tokenizer"
+#: OnlineDPO rounds its logged training loss to this many decimals in its own `_maybe_log_save_evaluate`
+#: (`round(tr_loss_scalar / steps, 4)`). Consumer: sync_metrics (reduction). 1.16.0:1332, 1.12.0:1333.
+ONLINE_DPO_LOSS_DECIMALS = 4
+
+# -- sync_metrics: transformers Trainer ------------------------------------------------------------------------------
+
+#: Modules whose `nested_gather` gathers the training loss in `_maybe_log_save_evaluate`: transformers >= 5.2 and
+#: OnlineDPO's own override (imported by name there). Consumer: sync_metrics (loss deferral). Checked transformers
+#: 5.23.0 with trl 1.12.0 and 1.16.0.
+LOSS_GATHER_MODULES = ("transformers.trainer", "trl.experimental.online_dpo.online_dpo_trainer")
+#: `transformers.Trainer` members sync_metrics wraps or reads (the logging step, FLO bookkeeping, checkpointing, the
+#: batch prefetch of a gradient-accumulation window, the last logged step and the running loss). Checked 5.23.0.
+TRAINER_METHODS = ("_maybe_log_save_evaluate", "store_flos", "_save_checkpoint", "get_batch_samples")
+TRAINER_STATE_ATTRS = ("_globalstep_last_logged", "_total_loss_scalar", "current_flos")
+
+# -- generation: DeepSpeed ZeRO-3 ------------------------------------------------------------------------------------
+
+#: `PartitionedParameterCoordinator` keeps its limits in name-mangled attributes (deepspeed 0.19.8,
+#: runtime/zero/partitioned_param_coordinator.py:116-122): the reuse distance (nothing reappearing within it is
+#: released), the prefetch bucket and the live-parameter limit. Consumer: generation (deepspeed). Checked 0.19.8.
+DS_COORDINATOR_LIMITS = (
+    "_PartitionedParameterCoordinator__max_reuse_dist_in_numel",
+    "_PartitionedParameterCoordinator__prefetch_bucket_sz",
+    "_PartitionedParameterCoordinator__max_n_available_params",
+)
+#: `__params_to_release` is `functools.lru_cache`d (wrapped by `instrument_w_nvtx` without `functools.wraps`), so it
+#: must be cleared around generation. Consumer: generation (deepspeed). 0.19.8 :633-634.
+DS_RELEASE_CACHE = "_PartitionedParameterCoordinator__params_to_release"
+#: Coordinator methods generation calls. Checked 0.19.8.
+DS_COORDINATOR_METHODS = ("is_invalid_trace", "_invalidate_trace", "_clean_inflight_param_registry")
+#: `DeepSpeedZeRoOffload` members: the coordinator, the module hooks, re-registration. Consumer: generation
+#: (deepspeed), like TRL's own `remove_hooks`/`add_hooks` (trl/models/utils.py). Checked 0.19.8.
+DS_OFFLOAD_ATTRS = ("param_coordinator", "forward_hooks", "backward_hooks", "module")
+DS_OFFLOAD_METHODS = ("_register_deepspeed_module",)
+#: The ZeRO-3 optimizer holds the `DeepSpeedZeRoOffload` as this attribute. Consumer: generation. Checked 0.19.8.
+DS_OPTIMIZER_OFFLOAD_ATTR = "parameter_offload"
+#: DeepSpeed's global stack of modules inside a forward (`runtime/zero/parameter_offload.py:20`), pushed/popped by
+#: its hooks; and the per-module dict of "external" parameters it keeps gathered for the module's forward (:380-398).
+#: Consumer: generation (deepspeed, budget). Checked 0.19.8.
+DS_FWD_MODULE_STACK = ("deepspeed.runtime.zero.parameter_offload", "FWD_MODULE_STACK")
+DS_EXTERNAL_PARAMS_ATTR = "_external_params"
+#: Per-parameter ZeRO-3 attributes read by generation: full size, status, active modules, persistence. 0.19.8.
+DS_PARAM_ATTRS = ("ds_numel", "ds_status", "ds_active_sub_modules", "ds_persist")
+
+# -- padding_free: TRL's fused LM head (TRL >= 1.15) -----------------------------------------------------------------
+
+#: Per-token outputs of TRL's fused LM head (`trl.trainer.utils.FusedCausalLMOutput`), `[B, L - 1]` each; the
+#: padding_free plugin re-pads them (its own `_FUSED_FIELDS`, kept in its module). Checked 1.16.0; absent on 1.12.0.
+FUSED_LM_HEAD_OUTPUT = ("trl.trainer.utils", "FusedCausalLMOutput")
+FUSED_LM_HEAD_FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1", "label_mask")
+#: The keyword DPO passes to the model forward to get the fused output. Consumer: padding_free. Checked 1.16.0.
+FUSED_LM_HEAD_KWARG = "fused_lm_head"

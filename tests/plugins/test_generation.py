@@ -355,7 +355,8 @@ def test_auto_decides_once_from_free_memory(monkeypatch):
     model_bytes = sum(generation.param_bytes(p) for p in model.parameters())
     accelerator = types.SimpleNamespace(device=torch.device("cpu"))
     free = {"bytes": int(model_bytes * 1.3)}
-    monkeypatch.setattr(generation, "free_memory_bytes", lambda device: free["bytes"])
+    # `GenerationContext` looks the function up in its own module (trl_ext/plugins/generation/context.py).
+    monkeypatch.setattr(generation.context, "free_memory_bytes", lambda device: free["bytes"])
 
     def decide(options):
         state = generation.GenerationState("auto", options)

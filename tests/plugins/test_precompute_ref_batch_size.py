@@ -14,6 +14,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +22,7 @@ import pytest
 import torch
 
 import trl_ext
-from trl_ext import UsageError
+from trl_ext import UsageError, _compat
 from trl_ext.testing import make_model, make_preference_dataset
 
 PLUGIN = "precompute_ref_batch_size"
@@ -153,6 +154,7 @@ def _native_padded_tokens(dataset, batch_size, max_length=40):
         ({"ram_budget": True}, "ram_budget"),
         ({"shard_size": 0}, "shard_size"),
         ({"shard_size": "ten"}, "shard_size"),
+        ({"shard_interval": -1}, "shard_interval"),
         ({"cache_dir": 3}, "cache_dir"),
         ({"cache_dir": ""}, "cache_dir"),
     ],
@@ -397,11 +399,78 @@ def test_interrupted_precompute_resumes(build, logs, tmp_path):
     assert not list(cache.glob("*/parts/*.npz"))
 
 
-def test_iterable_dataset_is_refused(build, tmp_path):
-    with trl_ext.install(precompute_ref_batch_size=2, plugins={PLUGIN: {"cache_dir": str(tmp_path)}}):
+def test_iterable_dataset_is_refused_in_trls_words(build, tmp_path):
+    """TRL's own check speaks: the same exception type and message as stock TRL (issue 15, point 7)."""
+
+    def refusal():
         trainer, _ = build(_data(6))
-        with pytest.raises(UsageError, match="IterableDataset"):
+        with pytest.raises(Exception) as info:
             trainer.evaluate(_data(6).to_iterable_dataset())
+        return type(info.value), str(info.value)
+
+    stock = refusal()
+    with trl_ext.install(precompute_ref_batch_size=2, plugins={PLUGIN: {"cache_dir": str(tmp_path)}}):
+        with_plugin = refusal()
+    assert with_plugin == stock
+    assert stock == (ValueError, _compat.DPO_PRECOMPUTE_ITERABLE_MESSAGE)
+
+
+@pytest.mark.slow
+def test_sigint_during_precompute_then_resume_is_bit_identical(tmp_path):
+    """A real Ctrl-C (SIGINT) part way through a 300-pair precompute with the default `shard_size` (4096) saves
+    time-based shards; a second run resumes from them, computes only the missing batches, and its cache is
+    bit-identical to an uninterrupted run's (issue 15, point 6)."""
+    import signal
+
+    script = SCRIPTS / "precompute_interrupt.py"
+    env = dict(os.environ, PYTHONWARNINGS="ignore", TQDM_DISABLE="1", OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+
+    def launch(cache, out, sleep):
+        command = [sys.executable, str(script), str(cache), str(out), "0.5", str(sleep)]
+        return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def finish(proc):
+        output, _ = proc.communicate(timeout=600)
+        assert proc.returncode == 0, output[-3000:]
+
+    reference = launch(tmp_path / "reference", tmp_path / "reference.json", 0.0)
+    finish(reference)
+    total = json.loads((tmp_path / "reference.json").read_text())
+    assert "resumed_pairs" not in total and total["forwards"] == math.ceil(total["n_pairs"] / 2)
+
+    cache = tmp_path / "cache"
+    first = launch(cache, tmp_path / "first.json", 0.05)  # ~0.05 s per batch: several seconds in all
+    deadline = time.monotonic() + 300
+    while len(list(cache.glob("*/parts/part-*.npz"))) < 2:
+        assert first.poll() is None, "the precompute ended before two shards were saved"
+        assert time.monotonic() < deadline, "no time-based shard was saved"
+        time.sleep(0.05)
+    first.send_signal(signal.SIGINT)
+    output, _ = first.communicate(timeout=120)
+    assert first.returncode != 0 and "KeyboardInterrupt" in output, output[-3000:]
+    assert not (tmp_path / "first.json").exists()
+    assert not list(cache.glob("*/ref_logps.npz"))  # interrupted before the end: no complete entry
+    saved = 0
+    for part in cache.glob("*/parts/part-*.npz"):
+        with np.load(part) as npz:
+            saved += len(npz["indices"])
+    assert 0 < saved < total["n_pairs"]
+
+    resumed = launch(cache, tmp_path / "resumed.json", 0.0)
+    finish(resumed)
+    record = json.loads((tmp_path / "resumed.json").read_text())
+    assert record["resumed_pairs"] == saved
+    # Only the missing batches ran: shards hold whole batches of 2.
+    assert record["forwards"] == record["forward_batches"] == math.ceil((total["n_pairs"] - saved) / 2)
+    assert not list(cache.glob("*/parts/*"))
+    (entry,) = cache.glob("*/ref_logps.npz")
+    (expected,) = (tmp_path / "reference").glob("*/ref_logps.npz")
+    assert entry.parent.name == expected.parent.name  # the same cache key
+    with np.load(entry) as got, np.load(expected) as want:
+        for column in ("chosen", "rejected"):
+            assert got[column].dtype == want[column].dtype
+            assert np.array_equal(got[column], want[column])  # bit-identical, not merely close
 
 
 # -------------------------------------------------------------------------------------------------------------------

@@ -199,9 +199,11 @@ def _expected_dpo_metrics(runs, out_dir, weights):
         trainer.model.train(mode == "train")
         trainer._metrics[mode].clear()
         with torch.no_grad():
-            trainer._compute_loss(trainer.model, batch, False)
+            loss = trainer._compute_loss(trainer.model, batch, False)
         values = {key: vals[-1] for key, vals in trainer._metrics[mode].items() if key != "num_tokens"}
         values["num_tokens"] = total_tokens
+        if mode == "train":
+            values["loss"] = float(loss)  # the mean DPO loss over the window's real pairs
         expected[window] = values
     # The real pairs of each epoch are the dataset's 9 pairs, each once: the duplicate rule above is right.
     for rows in epoch_pairs.values():
@@ -221,13 +223,18 @@ def _check_train_logs(runs, expected_by_window):
     assert [step for step, _ in train_logs] == [1, 2, 3, 4]
     for step, entry in train_logs:
         expected = expected_by_window[step - 1]
-        got = {k: v for k, v in entry.items() if k not in ("loss", "grad_norm", "learning_rate", "epoch")}
+        # `loss` too: on the last step of each epoch (steps 2 and 4: 1 real pair, 3 duplicates), the mean over the
+        # real pair only (issue 15, point 5); stock logs the mean over the duplicates as well.
+        got = {k: v for k, v in entry.items() if k not in ("grad_norm", "learning_rate", "epoch")}
         assert set(got) == set(expected), (step, sorted(got), sorted(expected))
         bad = _mismatches(got, expected)
         assert not bad, f"step {step}: logged vs single-process reference {bad}"
     # Windows 2 and 4 hold 1 real pair (rank 0) and none on rank 1: a rank with no pairs still syncs.
     final = [entry for _, mode, entry in runs[0]["logs"] if "train_runtime" in entry]
     assert len(final) == 1 and "rewards/chosen" not in final[0]  # nothing left over after the last logging step
+    # `train_loss` is the Trainer's mean of the logged step losses, so it counts real pairs only as well.
+    step_losses = [expected_by_window[step - 1]["loss"] for step, _ in train_logs]
+    assert _close(final[0]["train_loss"], sum(step_losses) / len(step_losses)), (final[0], step_losses)
 
 
 def _check_eval_logs(runs, expected_by_window):
@@ -267,14 +274,25 @@ def test_dpo_zero3_no_deadlock_and_exact(tmp_path):
 
 @pytest.mark.distributed
 def test_dpo_loss_and_gradients_identical_to_stock(dpo_runs):
-    """Same losses, gradient norms and trained weights as stock TRL; the training loss and FLOs that the plugin folds
-    into its collective equal transformers' own gathers."""
+    """Same gradient norms and trained weights as stock TRL (training keeps accelerate's duplicates); the training
+    loss and FLOs that the plugin folds into its collective equal transformers' own gathers, except the loss of the
+    last step of each epoch, which counts the real pairs only (its value is checked against the single-process
+    reference in `test_dpo_train_metrics_equal_single_process`)."""
     plugin, stock = dpo_runs["plugin"][0], dpo_runs["stock"][0]
-    keys = ("loss", "grad_norm", "learning_rate", "eval_loss")
+    keys = ("grad_norm", "learning_rate", "eval_loss")
     seq = lambda run: [{k: e[k] for k in keys if k in e} for _, _, e in run["logs"]]  # noqa: E731
     assert seq(plugin) == seq(stock)
+    losses = lambda run: {step: e["loss"] for step, _, e in run["logs"] if "loss" in e}  # noqa: E731
+    assert sorted(losses(plugin)) == sorted(losses(stock)) == [1, 2, 3, 4]
+    epoch_ends = (2, 4)  # 1 real pair and 3 duplicates
+    for step in (1, 3):
+        assert losses(plugin)[step] == losses(stock)[step]
+    for step in epoch_ends:
+        assert abs(losses(plugin)[step] - losses(stock)[step]) > 1e-3  # stock counts the duplicates
     final = lambda run: next(e for _, _, e in run["logs"] if "train_loss" in e)  # noqa: E731
-    assert math.isclose(final(plugin)["train_loss"], final(stock)["train_loss"], rel_tol=1e-12)
+    # train_loss is the mean of the logged step losses, in both.
+    shift = sum(losses(plugin)[s] - losses(stock)[s] for s in epoch_ends) / 4
+    assert math.isclose(final(plugin)["train_loss"], final(stock)["train_loss"] + shift, rel_tol=1e-6)
     assert plugin["total_flos"] == stock["total_flos"] > 0
     for name, value in plugin["final_params"].items():
         torch.testing.assert_close(value, stock["final_params"][name], rtol=0, atol=0)
@@ -379,7 +397,9 @@ def test_online_dpo_metrics_equal_single_process(online_runs, tmp_path):
     assert [step for step, _ in logs] == sorted(expected) == [1, 2]
     for step, entry in logs:
         want = {key: s / n for key, (s, n) in expected[step].items()}
-        got = {k: v for k, v in entry.items() if k not in ("loss", "grad_norm", "learning_rate", "epoch")}
+        # `loss` too: on the last step of each epoch (steps 2 and 4: 1 real pair, 3 duplicates), the mean over the
+        # real pair only (issue 15, point 5); stock logs the mean over the duplicates as well.
+        got = {k: v for k, v in entry.items() if k not in ("grad_norm", "learning_rate", "epoch")}
         assert set(got) == set(want)
         bad = {k: (got[k], want[k]) for k in want if not _close(got[k], want[k])}
         assert not bad, f"step {step}: logged vs single-process replay {bad}"

@@ -1,0 +1,341 @@
+"""Every TRL / transformers / DeepSpeed fact in `trl_ext._compat`, checked against the installed versions.
+
+A new release that changes one of them fails here first, with the fact's name and what to re-check, before any plugin
+test (where the same change would show up as a wrong metric inside a 2-process run). Each test reads the installed
+source (`inspect`), checks that attributes exist and that signatures and return layouts match.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import re
+
+import pytest
+
+from trl_ext import _compat
+
+TRL = _compat.installed_version("trl")
+TRL_V = _compat.parse_version(TRL or "0")[:2]
+
+
+def _fail(fact: str, detail: str) -> str:
+    versions = ", ".join(f"{d}=={_compat.installed_version(d)}" for d in ("trl", "transformers", "deepspeed"))
+    return (
+        f"trl_ext._compat.{fact} no longer holds on {versions}: {detail}. Re-check its consumers (see its comment) "
+        "before raising the supported range."
+    )
+
+
+def _dpo():
+    from trl.trainer.dpo_trainer import DPOTrainer
+
+    return DPOTrainer
+
+
+def _online():
+    from trl.experimental.online_dpo.online_dpo_trainer import OnlineDPOTrainer
+
+    return OnlineDPOTrainer
+
+
+def _source(obj) -> str:
+    return inspect.getsource(obj)
+
+
+def _params(func) -> list[str]:
+    return list(inspect.signature(func).parameters)
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# Range and trainers
+# -------------------------------------------------------------------------------------------------------------------
+
+
+def test_installed_trl_is_in_the_supported_range():
+    assert _compat.is_supported_trl(TRL), _fail("TRL_MIN/TRL_MAX_EXCLUSIVE", f"trl {TRL} is outside the range")
+
+
+@pytest.mark.parametrize("name", sorted(_compat.TRAINERS))
+def test_trainer_locations(name):
+    module, cls = _compat.TRAINERS[name]
+    assert hasattr(importlib.import_module(module), cls), _fail("TRAINERS", f"{module}.{cls} is gone")
+
+
+@pytest.mark.parametrize("name", sorted(_compat.GENERATION_HELPER_MODULES))
+def test_generation_helper_imported_by_name(name):
+    module = importlib.import_module(_compat.GENERATION_HELPER_MODULES[name])
+    assert hasattr(module, "unwrap_model_for_generation"), _fail(
+        "GENERATION_HELPER_MODULES", f"{module.__name__} no longer imports `unwrap_model_for_generation` by name"
+    )
+
+
+def test_trl_ignored_flags():
+    from trl import DPOConfig
+
+    source = _source(_dpo().__init__)
+    for flag in _compat.TRL_IGNORED_FLAGS["DPOTrainer"]:
+        assert flag in {f.name for f in dataclasses.fields(DPOConfig)}, _fail("TRL_IGNORED_FLAGS", f"no {flag}")
+        assert f"args.{flag}" in source, _fail("TRL_IGNORED_FLAGS", f"DPOTrainer.__init__ no longer reads {flag}")
+    assert _compat.dpo_honours_padding_free() is False, _fail(
+        "TRL_IGNORED_FLAGS", "DataCollatorForPreference has a padding_free field: TRL honours the flag again"
+    )
+
+
+def test_fused_lm_head_since():
+    dpo_source = inspect.getsource(importlib.import_module("trl.trainer.dpo_trainer"))
+    uses_fused = _compat.FUSED_LM_HEAD_KWARG in dpo_source
+    assert uses_fused == _compat.dpo_uses_fused_lm_head(TRL), _fail(
+        "DPO_FUSED_LM_HEAD_SINCE", f"`{_compat.FUSED_LM_HEAD_KWARG}` in dpo_trainer.py: {uses_fused}"
+    )
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# precompute_ref_batch_size
+# -------------------------------------------------------------------------------------------------------------------
+
+
+def test_precompute_method_signature():
+    method = getattr(_dpo(), _compat.DPO_PRECOMPUTE_METHOD, None)
+    assert method is not None, _fail("DPO_PRECOMPUTE_METHOD", "DPOTrainer has no such method")
+    assert _params(method) == ["self", "dataset", "name", "batch_size"], _fail(
+        "DPO_PRECOMPUTE_METHOD", f"signature is {inspect.signature(method)}"
+    )
+
+
+def test_precompute_iterable_message_is_trls_first_check():
+    source = _source(getattr(_dpo(), _compat.DPO_PRECOMPUTE_METHOD))
+    body = source.split(":", 1)[1]
+    # The adjacent string literals of the `raise ValueError(...)`, joined as Python joins them.
+    match = re.search(r"isinstance\(dataset, IterableDataset\):\s*raise ValueError\(((?:\s*\"[^\"]*\")+)\s*\)", body)
+    assert match, _fail("DPO_PRECOMPUTE_ITERABLE_MESSAGE", "no `raise ValueError` for an IterableDataset")
+    message = "".join(re.findall(r"\"([^\"]*)\"", match.group(1)))
+    assert message == _compat.DPO_PRECOMPUTE_ITERABLE_MESSAGE, _fail("DPO_PRECOMPUTE_ITERABLE_MESSAGE", message)
+    first = next(line.strip() for line in body.splitlines()[1:] if line.strip() and not line.strip().startswith("#"))
+    assert first.startswith("if isinstance(dataset, IterableDataset)"), _fail(
+        "DPO_PRECOMPUTE_ITERABLE_MESSAGE", f"it is no longer the first check (first statement: {first})"
+    )
+
+
+def test_compute_ref_log_probs():
+    method = getattr(_dpo(), _compat.DPO_COMPUTE_REF_METHOD, None)
+    assert method is not None and _params(method) == ["self", "model", "inputs"], _fail(
+        "DPO_COMPUTE_REF_METHOD", "missing or new signature"
+    )
+    # `(chosen, rejected)`: a pair of names, or the chosen/rejected halves of one tensor (`.chunk(2, dim=0)`).
+    returned = re.findall(r"return (.+)", _source(method))[-1]
+    assert re.fullmatch(r"\w+, \w+|\w+\.chunk\(2, dim=0\)", returned.strip()), _fail(
+        "DPO_COMPUTE_REF_METHOD", f"no longer returns a (chosen, rejected) pair: `return {returned}`"
+    )
+
+
+def test_precompute_engine_and_hash():
+    source = _source(getattr(_dpo(), _compat.DPO_PRECOMPUTE_METHOD))
+    engine = _compat.DPO_PRECOMPUTE_ENGINE_ATTR
+    assert f"self.{engine} = prepare_deepspeed(self.model, self.accelerator)" in source, _fail(
+        "DPO_PRECOMPUTE_ENGINE_ATTR", "TRL builds its precompute engine differently"
+    )
+    prepare = _compat.import_object(*_compat.DPO_PREPARE_DEEPSPEED)
+    assert _params(prepare)[:2] == ["model", "accelerator"], _fail("DPO_PREPARE_DEEPSPEED", "new signature")
+    hash_module = _compat.import_object(*_compat.DPO_HASH_MODULE)
+    assert _params(hash_module) == ["module"], _fail("DPO_HASH_MODULE", "new signature")
+    init = _source(_dpo().__init__)
+    has_hash_attr = f"self.{_compat.DPO_PRECOMPUTE_HASH_ATTR} =" in init
+    assert has_hash_attr == (TRL_V >= _compat.DPO_PRECOMPUTE_HASH_SINCE), _fail(
+        "DPO_PRECOMPUTE_HASH_ATTR", f"set in __init__: {has_hash_attr}"
+    )
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# sync_metrics: DPO
+# -------------------------------------------------------------------------------------------------------------------
+
+
+def _dpo_gather_sequence() -> list[tuple[str, int]]:
+    """`(metric, gathers since the previous metric write)` in the order `_compute_loss` writes its metrics."""
+    source = _source(getattr(_dpo(), _compat.DPO_COMPUTE_LOSS))
+    buffer = re.escape(_compat.DPO_METRICS_BUFFER)
+    sequence, pending = [], 0
+    for line in source.splitlines():
+        # On one line, the gather is evaluated before the append it feeds (`_metrics[mode]["x"].append(gather(...))`).
+        pending += len(re.findall(r"accelerator\.gather(?:_for_metrics)?\(", line))
+        for name in re.findall(rf"self\.{buffer}\[mode\]\[\"([^\"]+)\"\]", line):
+            sequence.append((name, pending))
+            pending = 0
+    return sequence
+
+
+def test_dpo_gather_order_and_metric_names():
+    got = _dpo_gather_sequence()
+    assert tuple(got) == _compat.DPO_METRIC_GATHERS, _fail("DPO_METRIC_GATHERS", f"_compute_loss now does {got}")
+    names = [name for name, _ in got]
+    token = [n for n in names if n in _compat.DPO_TOKEN_METRICS]
+    pair = [n for n in names if n in _compat.DPO_PAIR_METRICS]
+    assert tuple(token) == _compat.DPO_TOKEN_METRICS, _fail("DPO_TOKEN_METRICS", f"order {token}")
+    assert tuple(pair) == _compat.DPO_PAIR_METRICS and names[-len(pair) :] == pair, _fail(
+        "DPO_PAIR_METRICS", f"order {pair}, not last"
+    )
+    optional = dict(got)["aux_loss"] + dict(got)["num_tokens"]
+    assert sum(n for _, n in got) - optional == _compat.DPO_GATHERS_PER_CALL, _fail("DPO_GATHERS_PER_CALL", str(got))
+
+
+def test_dpo_pair_metrics_gather_one_vector_each():
+    source = _source(getattr(_dpo(), _compat.DPO_COMPUTE_LOSS))
+    # The per-pair values go through `accelerator.gather` (vectors); the token metrics through `gather_for_metrics`.
+    assert len(re.findall(r"accelerator\.gather\(", source)) == len(_compat.DPO_PAIR_METRICS), _fail(
+        "DPO_PAIR_METRICS", "the number of `accelerator.gather(` calls changed"
+    )
+
+
+def test_dpo_private_attributes():
+    init = _source(_dpo().__init__)
+    for attr in (_compat.DPO_AUX_LOSS_FLAG, _compat.DPO_TOTAL_TRAIN_TOKENS, _compat.DPO_METRICS_BUFFER):
+        assert f"self.{attr} =" in init, _fail(attr, f"DPOTrainer.__init__ no longer sets self.{attr}")
+    loss = getattr(_dpo(), _compat.DPO_COMPUTE_LOSS)
+    assert _params(loss) == ["self", "model", "inputs", "return_outputs"], _fail("DPO_COMPUTE_LOSS", "new signature")
+    assert f"self.{_compat.DPO_TOTAL_TRAIN_TOKENS} +=" in _source(loss), _fail(
+        "DPO_TOTAL_TRAIN_TOKENS", "_compute_loss no longer counts the training tokens"
+    )
+    assert f"{_compat.DPO_METRICS_BUFFER}[mode].clear()" in _source(_dpo().log), _fail(
+        "DPO_METRICS_BUFFER", "DPOTrainer.log no longer clears the buffer"
+    )
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# sync_metrics: OnlineDPO
+# -------------------------------------------------------------------------------------------------------------------
+
+
+def test_online_dpo_metric_names():
+    init = _source(_online().__init__)
+    stats = re.search(rf"self\.{_compat.ONLINE_DPO_STATS} = \{{(.*?)\}}", init, re.S)
+    assert stats, _fail("ONLINE_DPO_STATS", "OnlineDPOTrainer.__init__ no longer builds `self.stats`")
+    names = set(re.findall(r"\"([^\"]+)\":", stats.group(1)))
+    names |= set(re.findall(rf"self\.{_compat.ONLINE_DPO_STATS}\[\"([^\"]+)\"\] = \[\]", init))
+    known = set(_compat.ONLINE_DPO_PAIR_METRICS + _compat.ONLINE_DPO_COMPLETION_METRICS)
+    assert names == known, _fail("ONLINE_DPO_*_METRICS", f"new {sorted(names - known)}, gone {sorted(known - names)}")
+    step = _source(_online().training_step)
+    for name in names:
+        assert f'"{name}"' in step, _fail("ONLINE_DPO_*_METRICS", f"training_step no longer logs {name}")
+
+
+def test_online_dpo_step_methods_and_generate_layout():
+    for name in _compat.ONLINE_DPO_STEP_METHODS:
+        assert callable(getattr(_online(), name, None)), _fail("ONLINE_DPO_STEP_METHODS", f"no {name}")
+    generate = _source(_online()._generate)
+    returned = re.findall(r"return (.+)", generate)[-1]
+    fields = [f.strip() for f in returned.split(",")]
+    assert tuple(fields[:4]) == _compat.ONLINE_DPO_GENERATE_RETURN, _fail("ONLINE_DPO_GENERATE_RETURN", returned)
+    assert fields[_compat.ONLINE_DPO_COMPLETION_IDS] == "completion_ids"
+    assert fields[_compat.ONLINE_DPO_COMPLETION_MASK] == "completion_mask"
+    step = _source(_online().training_step)
+    assert re.search(r"prompt_ids, prompt_mask, completion_ids, completion_mask.* = self\._generate\(", step), _fail(
+        "ONLINE_DPO_GENERATE_RETURN", "training_step unpacks `_generate` differently"
+    )
+
+
+def test_online_dpo_eos_ids():
+    init = _source(_online().__init__)
+    has_list = f"self.{_compat.ONLINE_DPO_EOS_IDS_ATTR} =" in init
+    assert has_list == (TRL_V >= (1, 13)), _fail("ONLINE_DPO_EOS_IDS_ATTR", f"set in __init__: {has_list}")
+    assert f"self.{_compat.ONLINE_DPO_TOKENIZER_ATTR}" in init, _fail("ONLINE_DPO_TOKENIZER_ATTR", "gone")
+
+
+def test_online_dpo_loss_rounding():
+    source = _source(_online()._maybe_log_save_evaluate)
+    assert re.search(rf"logs\[\"loss\"\] = round\(.*, {_compat.ONLINE_DPO_LOSS_DECIMALS}\)", source), _fail(
+        "ONLINE_DPO_LOSS_DECIMALS", "OnlineDPO no longer rounds its logged loss this way"
+    )
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# sync_metrics: transformers Trainer
+# -------------------------------------------------------------------------------------------------------------------
+
+
+def test_loss_gather_modules():
+    from transformers import Trainer
+
+    for module_name in _compat.LOSS_GATHER_MODULES:
+        module = importlib.import_module(module_name)
+        assert callable(getattr(module, "nested_gather", None)), _fail(
+            "LOSS_GATHER_MODULES", f"{module_name} has no module-level `nested_gather`"
+        )
+    assert "nested_gather(tr_loss" in _source(Trainer._maybe_log_save_evaluate), _fail(
+        "LOSS_GATHER_MODULES", "Trainer._maybe_log_save_evaluate no longer gathers the loss with `nested_gather`"
+    )
+
+
+def test_trainer_members():
+    from transformers import Trainer
+
+    for name in _compat.TRAINER_METHODS:
+        assert callable(getattr(Trainer, name, None)), _fail("TRAINER_METHODS", f"Trainer.{name} is gone")
+    source = inspect.getsource(importlib.import_module("transformers.trainer"))
+    for attr in _compat.TRAINER_STATE_ATTRS:
+        assert f"self.{attr} =" in source, _fail("TRAINER_STATE_ATTRS", f"Trainer no longer sets self.{attr}")
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# generation: DeepSpeed ZeRO-3
+# -------------------------------------------------------------------------------------------------------------------
+
+
+def test_deepspeed_coordinator():
+    pytest.importorskip("deepspeed")
+    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
+
+    init = _source(PartitionedParameterCoordinator.__init__)
+    for attr in _compat.DS_COORDINATOR_LIMITS:
+        short = attr.replace("_PartitionedParameterCoordinator", "")
+        assert re.search(rf"self\.{re.escape(short)}\b(: [\w\[\], ]+)? =", init), _fail(
+            "DS_COORDINATOR_LIMITS", f"the coordinator no longer sets {short}"
+        )
+    fn = PartitionedParameterCoordinator.__dict__.get(_compat.DS_RELEASE_CACHE)
+    cells = getattr(fn, "__closure__", None) or ()
+    candidates = (fn, getattr(fn, "__wrapped__", None), *(c.cell_contents for c in cells))
+    assert any(hasattr(c, "cache_clear") for c in candidates), _fail("DS_RELEASE_CACHE", "no lru_cache to clear")
+    for name in _compat.DS_COORDINATOR_METHODS:
+        assert callable(getattr(PartitionedParameterCoordinator, name, None)), _fail("DS_COORDINATOR_METHODS", name)
+
+
+def test_deepspeed_offload_and_params():
+    pytest.importorskip("deepspeed")
+    from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    init = _source(DeepSpeedZeRoOffload.__init__)
+    for attr in _compat.DS_OFFLOAD_ATTRS:
+        assert f"self.{attr} =" in init, _fail("DS_OFFLOAD_ATTRS", f"DeepSpeedZeRoOffload no longer sets {attr}")
+    for name in _compat.DS_OFFLOAD_METHODS:
+        assert callable(getattr(DeepSpeedZeRoOffload, name, None)), _fail("DS_OFFLOAD_METHODS", name)
+    assert f"self.{_compat.DS_OPTIMIZER_OFFLOAD_ATTR} =" in _source(DeepSpeedZeroOptimizer_Stage3.__init__), _fail(
+        "DS_OPTIMIZER_OFFLOAD_ATTR", "the ZeRO-3 optimizer no longer holds the offload there"
+    )
+    assert isinstance(_compat.import_object(*_compat.DS_FWD_MODULE_STACK), list), _fail("DS_FWD_MODULE_STACK", "")
+    offload_source = inspect.getsource(importlib.import_module("deepspeed.runtime.zero.parameter_offload"))
+    assert f".{_compat.DS_EXTERNAL_PARAMS_ATTR}" in offload_source, _fail("DS_EXTERNAL_PARAMS_ATTR", "gone")
+    partition = inspect.getsource(importlib.import_module("deepspeed.runtime.zero.partition_parameters"))
+    for attr in _compat.DS_PARAM_ATTRS:
+        assert f"param.{attr} =" in partition or f".{attr} = " in partition, _fail("DS_PARAM_ATTRS", attr)
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# padding_free: TRL's fused LM head
+# -------------------------------------------------------------------------------------------------------------------
+
+
+def test_fused_lm_head_fields():
+    utils = importlib.import_module(_compat.FUSED_LM_HEAD_OUTPUT[0])
+    output = getattr(utils, _compat.FUSED_LM_HEAD_OUTPUT[1], None)
+    if not _compat.dpo_uses_fused_lm_head(TRL):
+        assert output is None, _fail("DPO_FUSED_LM_HEAD_SINCE", f"trl {TRL} already has the fused output")
+        return
+    fields = {f.name for f in dataclasses.fields(output)}
+    missing = set(_compat.FUSED_LM_HEAD_FIELDS) - fields
+    assert not missing, _fail("FUSED_LM_HEAD_FIELDS", f"FusedCausalLMOutput lost {sorted(missing)}")
+    from trl_ext.plugins import padding_free
+
+    # padding_free keeps its own copy of the field names; both must agree with TRL.
+    assert set(padding_free._FUSED_FIELDS) == set(_compat.FUSED_LM_HEAD_FIELDS)

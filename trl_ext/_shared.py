@@ -1,0 +1,115 @@
+"""Helpers shared by trl-ext's built-in plugins (private: not part of the plugin API).
+
+- `Ranks`: the one way trl-ext runs a collective across the processes of a run. Every method is a no-op (no
+  `torch.distributed` call at all) with one process, and every rank must call the same methods in the same order.
+- `free_memory_bytes`: free memory where tensors of a device would live.
+
+The size grammar shared by every option lives in `trl_ext.spec` (`parse_size`). This module imports nothing heavy at
+import time.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+__all__ = ["Ranks", "free_memory_bytes"]
+
+
+class Ranks:
+    """The processes of a run as the trainer's accelerator sees them, and the collectives trl-ext runs across them.
+
+    Args:
+        world (`int`): number of processes.
+        rank (`int`): this process's index.
+        local_world (`int`, *optional*): processes on this node (`LOCAL_WORLD_SIZE`, else `world`).
+    """
+
+    def __init__(self, world: int, rank: int, local_world: int | None = None) -> None:
+        self.world = max(1, int(world))
+        self.rank = int(rank)
+        self.is_main = self.rank == 0
+        if local_world is None:
+            local = os.environ.get("LOCAL_WORLD_SIZE")
+            local_world = int(local) if local and local.isdigit() else self.world
+        self.local_world = local_world
+
+    @classmethod
+    def of(cls, accelerator: Any) -> Ranks:
+        """The ranks of a trainer's `accelerate.Accelerator` (anything without `num_processes` is one process)."""
+        return cls(
+            int(getattr(accelerator, "num_processes", 1) or 1), int(getattr(accelerator, "process_index", 0) or 0)
+        )
+
+    def __repr__(self) -> str:
+        return f"Ranks(world={self.world}, rank={self.rank})"
+
+    # -- Python objects (pickled; for small host-side values) ---------------------------------------------------
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        """Every rank's `obj`, in rank order (one `all_gather_object`)."""
+        if self.world == 1:
+            return [obj]
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's `obj` on every rank (one `broadcast_object_list`)."""
+        if self.world == 1:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj if self.is_main else None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    # -- tensors (no pickling, stay on their device) ------------------------------------------------------------
+
+    def all_gather_rows(self, vec: Any) -> Any:
+        """Every rank's 1-D tensor `vec` as the rows of a `[world, numel]` tensor, in rank order (one collective)."""
+        if self.world == 1:
+            return vec.unsqueeze(0)
+        import torch
+        import torch.distributed as dist
+
+        out = torch.empty(self.world * vec.numel(), dtype=vec.dtype, device=vec.device)
+        # torch 2.13 renamed `all_gather_into_tensor` to `all_gather_single` and warns on the old name.
+        (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, vec)
+        return out.view(self.world, vec.numel())
+
+    def all_true(self, flag: bool, device: Any) -> bool:
+        """True only if `flag` is True on every rank (one `all_reduce(MIN)` of a one-element tensor on `device`)."""
+        return self._reduce_flag(flag, device, "MIN")
+
+    def any_true(self, flag: bool, device: Any) -> bool:
+        """True if `flag` is True on any rank (one `all_reduce(MAX)` of a one-element tensor on `device`)."""
+        return self._reduce_flag(flag, device, "MAX")
+
+    def _reduce_flag(self, flag: bool, device: Any, op: str) -> bool:
+        if self.world == 1:
+            return bool(flag)
+        import torch
+        import torch.distributed as dist
+
+        value = torch.tensor([1 if flag else 0], device=device)
+        dist.all_reduce(value, op=getattr(dist.ReduceOp, op))
+        return bool(value.item())
+
+
+def free_memory_bytes(device: Any) -> int:
+    """Free memory where tensors on `device` would live: device memory on an accelerator, available RAM on CPU."""
+    import torch
+
+    kind = getattr(device, "type", "cpu")
+    if kind == "cpu":
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    if kind == "cuda" and torch.cuda.is_available():
+        return int(torch.cuda.mem_get_info(device)[0])
+    from deepspeed.accelerator import get_accelerator  # other accelerators (XPU, NPU, ...)
+
+    return int(get_accelerator().available_memory(getattr(device, "index", None)))

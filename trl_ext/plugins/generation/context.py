@@ -1,0 +1,183 @@
+"""`GenerationContext`: the context manager returned in place of TRL's `unwrap_model_for_generation(...)`, and the
+state it restores on every path (training modes, gradient checkpointing, `generation_config`)."""
+
+from __future__ import annotations
+
+import copy
+from contextlib import ExitStack
+from typing import TYPE_CHECKING, Any
+
+from ..._shared import Ranks, free_memory_bytes
+from ...context import unwrap_causal_lm
+from .budget import BudgetPlan, fmt, param_bytes
+from .deepspeed import gather_all, is_zero3_engine, stream, zero3_offload
+
+if TYPE_CHECKING:
+    from . import GenerationState
+
+_ABSENT = object()
+
+
+class GenerationContext:
+    """Context manager returned in place of TRL's `unwrap_model_for_generation(...)`; yields the unwrapped model.
+
+    A class (not a generator-based `@contextmanager`), so it cannot yield twice or fail to stop. Every change is pushed
+    on an `ExitStack` as it is made, so whatever was changed before an exception is undone, newest first.
+    """
+
+    def __init__(self, state: GenerationState, model: Any, accelerator: Any, generation_kwargs: dict | None) -> None:
+        self.state = state
+        self.model = model
+        self.accelerator = accelerator
+        self.generation_kwargs = generation_kwargs
+        self.mode: str | None = None  # "gather", "stream", "budget" or "passthrough", once entered
+        self._stack: ExitStack | None = None
+
+    def __enter__(self) -> Any:
+        if self._stack is not None:
+            raise RuntimeError("trl-ext generation context entered twice; create a new one per generation")
+        self._stack = ExitStack()
+        try:
+            unwrapped = self._enter(self._stack)
+        except BaseException:
+            self._stack.close()
+            raise
+        self.state.generations += 1
+        return unwrapped
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        stack, self._stack = self._stack, None
+        if stack is not None:
+            stack.__exit__(exc_type, exc, tb)
+        return False  # never swallow the caller's exception
+
+    # -- steps ------------------------------------------------------------------------------------------------
+
+    def _enter(self, stack: ExitStack) -> Any:
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        _keep_training_modes(stack, unwrapped)
+        _pause_gradient_checkpointing(stack, unwrapped)
+        _keep_generation_config(stack, unwrapped, self.generation_kwargs)
+        if not is_zero3_engine(self.model):
+            self.mode = "passthrough"
+            self.state.log_once(
+                "no-zero3",
+                "generation: the model is not a DeepSpeed ZeRO-3 engine (single process, DDP, ZeRO-1/2 or FSDP): "
+                "nothing to gather or stream; generation only gets trl-ext's exception-safe restore of modes, "
+                "gradient checkpointing and generation_config",
+            )
+            return unwrapped
+        offload = zero3_offload(self.model)
+        mode = self._choose_mode(unwrapped)
+        self.mode = mode
+        if mode == "gather":
+            gather_all(stack, self.model, offload)
+        else:
+            plan = self.state.plan if mode == "budget" else None
+            stream(stack, unwrapped, offload, plan.params() if plan is not None else [])
+        return unwrapped
+
+    def _choose_mode(self, unwrapped: Any) -> str:
+        state = self.state
+        flag = state.flag
+        if flag == "auto":
+            if state.auto_gather is None:
+                model_bytes = sum(param_bytes(p) for p in unwrapped.parameters())
+                free = free_memory_bytes(self.accelerator.device)
+                fits = model_bytes * (1 + state.auto_margin) <= free
+                state.auto_gather = Ranks.of(self.accelerator).all_true(fits, self.accelerator.device)
+                state.log_once(
+                    "auto",
+                    'generation: ds3_gather_for_generation="auto": the %s model %s %s free on %s with a %d%% margin; '
+                    "generation will %s",
+                    fmt(model_bytes),
+                    "fits in" if fits else "does not fit in",
+                    fmt(free),
+                    "this rank" if fits == state.auto_gather else "this rank but not on every rank",
+                    round(100 * state.auto_margin),
+                    "gather the whole model"
+                    if state.auto_gather
+                    else ("keep layers gathered within the budget" if state.budget else "stream without gathering"),
+                )
+            if state.auto_gather:
+                return "gather"
+        elif flag is True:
+            return "gather"
+        if state.budget is None:
+            return "stream"
+        # Planned at every generation (cheap next to generating): DeepSpeed may register external parameters during
+        # training that change what streaming holds. Logged once per distinct plan.
+        state.plan = BudgetPlan(unwrapped, state.budget)
+        state.log_once(f"plan{state.plan.gathered_layers}", "generation: %s", state.plan.describe())
+        return "budget"
+
+
+def _keep_training_modes(stack: ExitStack, model: Any) -> None:
+    modes = [(m, m.training) for m in model.modules()]
+
+    def restore() -> None:
+        for module, training in modes:
+            if module.training != training:
+                module.training = training
+
+    stack.callback(restore)
+
+
+def _pause_gradient_checkpointing(stack: ExitStack, model: Any) -> None:
+    """Switch gradient checkpointing off for generation and put back the user's exact setting afterwards.
+
+    TRL calls `gradient_checkpointing_disable()` / `gradient_checkpointing_enable()` (trl/models/utils.py), which
+    re-creates the checkpoint function without the user's `gradient_checkpointing_kwargs` (B12; OnlineDPO passes none,
+    trl 1.16 online_dpo_trainer.py:1032-1036). Here the per-module flags and checkpoint functions are saved and
+    restored as they were, so the kwargs survive, and the PEFT input-grad hooks those methods toggle are left alone.
+    """
+    saved = []
+    for module in model.modules():
+        if hasattr(module, "gradient_checkpointing"):
+            own = vars(module)
+            saved.append(
+                (
+                    module,
+                    bool(module.gradient_checkpointing),
+                    own.get("gradient_checkpointing", _ABSENT),
+                    own.get("_gradient_checkpointing_func", _ABSENT),
+                )
+            )
+    if not any(enabled for _, enabled, _, _ in saved):
+        return
+
+    def restore() -> None:
+        # Put back each module's own entries exactly (or their absence, so a class default shows through again).
+        for module, _, flag, func in saved:
+            for attr, value in (("gradient_checkpointing", flag), ("_gradient_checkpointing_func", func)):
+                if value is _ABSENT:
+                    vars(module).pop(attr, None)
+                else:
+                    vars(module)[attr] = value
+
+    stack.callback(restore)
+    for module, enabled, _, _ in saved:
+        if enabled:
+            module.gradient_checkpointing = False
+
+
+def _keep_generation_config(stack: ExitStack, model: Any, generation_kwargs: dict | None) -> None:
+    """Give generation a private copy of `generation_config`, so changes made inside the context do not stick.
+
+    OnlineDPO sets `unwrapped_model.generation_config.cache_implementation` inside the context (trl 1.16
+    online_dpo_trainer.py:1042-1043); TRL only swaps in a copy on transformers < 5
+    (`_override_model_generation_config`, trl/models/utils.py), where it also applies the trainer's
+    `generation_kwargs`, as done here.
+    """
+    base = unwrap_causal_lm(model)
+    original = getattr(base, "generation_config", None)
+    if original is None:
+        return
+    import transformers
+    from packaging.version import Version
+
+    private = copy.deepcopy(original)
+    if generation_kwargs is not None and Version(transformers.__version__) < Version("5.0.0"):
+        private.update(**generation_kwargs)
+    stack.callback(setattr, base, "generation_config", original)
+    base.generation_config = private

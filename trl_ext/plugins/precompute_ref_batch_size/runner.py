@@ -1,0 +1,372 @@
+"""The precompute of one split: cache lookup, batch planning, the forwards (split on out-of-memory), the resume
+shards, and the exchange between ranks."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ... import _compat
+from ..._logging import get_logger
+from ..._shared import Ranks
+from .cache import REF_COLUMNS, CacheEntry, cache_key, scan_dataset
+from .plan import BatchPlan, concat_results
+from .sizer import probe
+
+if TYPE_CHECKING:
+    from . import PrecomputeState
+
+NAME = "precompute_ref_batch_size"
+logger = get_logger(f"trl_ext.plugins.{NAME}")
+
+
+class Precompute:
+    """One call of `DPOTrainer._precompute_ref_logps`, on every rank."""
+
+    def __init__(self, trainer, context, state: PrecomputeState, dataset, name: str) -> None:
+        self.trainer = trainer
+        self.context = context
+        self.state = state
+        self.opts = state.options
+        self.dataset = dataset
+        self.name = name
+        self.ranks = Ranks.of(trainer.accelerator)
+        self.packed = context.is_enabled("padding_free")
+        self.requested = context.config.precompute_ref_batch_size
+        self.record: dict[str, Any] = {"name": name, "n_pairs": len(dataset), "packed": self.packed}
+
+    def info(self, *args) -> None:
+        if self.ranks.is_main:  # every rank plans the same, so one copy of each message is enough
+            logger.info(*args)
+
+    # ---------------------------------------------------------------------------------------------------------------
+
+    def run(self):
+        start = time.perf_counter()
+        dataset = self.dataset
+        present = [c for c in REF_COLUMNS if c in dataset.column_names]
+        if present:
+            logger.warning(
+                "trl-ext `%s`: replacing the existing %s columns of the %s dataset.", NAME, present, self.name
+            )
+            dataset = dataset.remove_columns(present)
+        self.dataset = dataset
+        n = len(dataset)
+        lengths, content = scan_dataset(dataset, want_hash=self.ranks.is_main)
+        collator = self.trainer.data_collator
+        max_length = getattr(collator, "max_length", getattr(self.trainer.args, "max_length", None))
+        self.plan = BatchPlan(lengths, max_length, self.packed, self.opts.sort)
+
+        # TRL hashes the weights on every rank (rank-dependent under ZeRO-3, so only rank 0's value counts); doing the
+        # same keeps any collective inside `state_dict()` matched.
+        model_hash = self._model_hash()
+        key, details = (
+            cache_key(self.trainer, dataset, content, model_hash, self.packed) if self.ranks.is_main else (None, None)
+        )
+        entry = self._open_entry(key, n, details) if self.ranks.is_main else None
+        # Rank 0 alone touches the disk; the others get what it found (fixes TRL's multi-process in-memory crash, B7).
+        found = entry.load() if entry is not None else None
+        found = self.ranks.broadcast(found)
+        if found is not None:
+            chosen, rejected = found
+            self.record.update(source="cache", seconds=time.perf_counter() - start, forward_batches=0)
+            self.info("trl-ext `%s`: reused cached reference log-probs for %s (%d pairs).", NAME, self.name, n)
+        else:
+            resumed = entry.load_parts() if entry is not None else None
+            resumed = self.ranks.broadcast(resumed)
+            chosen, rejected = self._compute(n, entry, resumed)
+            if entry is not None:
+                _guarded(entry.write, chosen, rejected)
+            self.record.update(seconds=time.perf_counter() - start)
+        if entry is not None:
+            self.record["cache_dir"] = str(entry.dir)
+        self.state.runs.append(self.record)
+        return self._attach(dataset, chosen, rejected, key if key is not None else "")
+
+    def _attach(self, dataset, chosen, rejected, key):
+        import numpy as np
+        from datasets.fingerprint import Hasher
+
+        fingerprint = self.ranks.broadcast(Hasher.hash((dataset._fingerprint, key)))
+        dataset = dataset.add_column(
+            "ref_chosen_logps", np.asarray(chosen, dtype=np.float32), new_fingerprint=fingerprint
+        )
+        return dataset.add_column(
+            "ref_rejected_logps",
+            np.asarray(rejected, dtype=np.float32),
+            new_fingerprint=Hasher.hash((fingerprint, "rejected")),
+        )
+
+    # ---------------------------------------------------------------------------------------------------------------
+
+    def _open_entry(self, key: str, n: int, details: dict[str, Any]) -> CacheEntry | None:
+        """The main process's cache entry, or None (with a warning) when the cache directory cannot be created.
+
+        Only the main process touches the disk, so a failure here must not raise: the other ranks would be left
+        waiting in the next collective.
+        """
+        root = self.opts.cache_dir
+        if root is None:
+            import datasets.config
+
+            root = Path(datasets.config.HF_DATASETS_CACHE) / "trl_ext_ref_logps"
+        root = Path(root).expanduser()
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            logger.warning(
+                "trl-ext `%s`: cannot create the cache directory %s (%s); computing without a cache. Set "
+                "`plugins.%s.cache_dir` to a writable directory.",
+                NAME,
+                root,
+                exc,
+                NAME,
+            )
+            return None
+        return CacheEntry(root, key, n, details)
+
+    def _ref_model(self):
+        """What TRL's `_precompute_ref_logps` runs: the DeepSpeed precompute engine, else `ref_model or model`."""
+        trainer = self.trainer
+        if trainer.ref_model is None and getattr(trainer, "is_deepspeed_enabled", False):
+            # trl 1.10-1.16 build one inference engine over the policy, reused across splits and `evaluate()` calls
+            # (trl-1.16.0 trl/trainer/dpo_trainer.py:1196-1201; trl-1.12.0 :1161-1166).
+            attr = _compat.DPO_PRECOMPUTE_ENGINE_ATTR
+            if getattr(trainer, attr, None) is None:
+                prepare_deepspeed = _compat.import_object(*_compat.DPO_PREPARE_DEEPSPEED)
+                setattr(trainer, attr, prepare_deepspeed(trainer.model, trainer.accelerator))
+            return getattr(trainer, attr)
+        return trainer.ref_model or trainer.model
+
+    def _model_hash(self) -> str:
+        """TRL's hash of the reference weights, taken once per trainer, before any precompute forward.
+
+        trl 1.16 hashes in `__init__` before sharding (`_precompute_model_hash`, dpo_trainer.py:980). trl 1.12 hashes
+        at every precompute call (dpo_trainer.py:1139), so under ZeRO-3 its eval-split hash is taken after the train
+        split's inference engine partitioned the weights and changes from run to run; the first hash is the stable one
+        (the reference does not change afterwards: TRL refuses a precompute after training unless the reference is a
+        separate model or the PEFT base).
+        """
+        if self.state.model_hash is None:
+            model_hash = getattr(self.trainer, _compat.DPO_PRECOMPUTE_HASH_ATTR, None)
+            if model_hash is None:
+                model_hash = hash_module_full(self.trainer.ref_model or self.trainer.model)
+            self.state.model_hash = model_hash
+        return self.state.model_hash
+
+    # ---------------------------------------------------------------------------------------------------------------
+    # running
+
+    def forward(self, model, batch_indices):
+        """TRL's own per-batch math (`compute_ref_log_probs`) on one collated batch; returns float32 numpy arrays."""
+        import numpy as np
+        import torch
+
+        examples = self.dataset.__getitems__([int(i) for i in batch_indices])
+        batch = self.trainer.data_collator(examples)
+        device = self.trainer.accelerator.device
+        batch = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+        with torch.no_grad():
+            chosen, rejected = getattr(self.trainer, _compat.DPO_COMPUTE_REF_METHOD)(model, batch)
+        self.record["forward_batches"] = self.record.get("forward_batches", 0) + 1
+        self.record["padded_tokens"] = self.record.get("padded_tokens", 0) + int(batch["input_ids"].numel())
+        return (
+            chosen.detach().float().cpu().numpy().astype(np.float32),
+            rejected.detach().float().cpu().numpy().astype(np.float32),
+        )
+
+    def _forward_or_split(self, model, batch):
+        """Forward one batch; on out-of-memory, halve it and retry (one pair that does not fit is an error).
+
+        Not under multi-process DeepSpeed: there every rank must run the same forwards (ZeRO-3 gathers parameters in
+        each), and a rank cannot add forwards on its own.
+        """
+        import torch
+
+        try:
+            return [(batch, *self.forward(model, batch))]
+        except torch.OutOfMemoryError:
+            lockstep = self.ranks.world > 1 and getattr(self.trainer, "is_deepspeed_enabled", False)
+            if len(batch) == 1 or lockstep:
+                raise
+            if self.trainer.accelerator.device.type == "cuda":
+                torch.cuda.empty_cache()
+            self.record["oom_splits"] = self.record.get("oom_splits", 0) + 1
+            logger.warning(
+                "trl-ext `%s`: out of memory on a batch of %d pairs (%d tokens); splitting it in two. Use a smaller "
+                '`precompute_ref_batch_size` or "auto".',
+                NAME,
+                len(batch),
+                int(self.plan.batch_cost(batch)),
+            )
+            half = len(batch) // 2
+            return self._forward_or_split(model, batch[:half]) + self._forward_or_split(model, batch[half:])
+
+    def _compute(self, n: int, entry: CacheEntry | None, resumed):
+        import numpy as np
+
+        chosen = np.full(n, np.nan, dtype=np.float32)
+        rejected = np.full(n, np.nan, dtype=np.float32)
+        done = np.zeros(n, dtype=bool)
+        saved_plan = None
+        if resumed is not None:
+            idx, c, r, saved_plan = resumed
+            chosen[idx], rejected[idx], done[idx] = c, r, True
+            logger.warning(
+                "trl-ext `%s`: resuming the %s precompute, %d of %d pairs were saved by an interrupted run.",
+                NAME,
+                self.name,
+                int(done.sum()),
+                n,
+            )
+            self.record["resumed_pairs"] = int(done.sum())
+        self.record["source"] = "computed"
+        todo = np.flatnonzero(~done)
+        model = self._ref_model() if len(todo) else None
+        part_number = [int(time.time() * 1000) % 10**9]
+
+        def store(results) -> None:
+            """Every rank gets every rank's results; rank 0 also saves them as a resume shard."""
+            gathered = self.ranks.all_gather(results)
+            idx = np.concatenate([g[0] for g in gathered]) if gathered else np.zeros(0, dtype=np.int64)
+            if len(idx) == 0:
+                return
+            c = np.concatenate([g[1] for g in gathered])
+            r = np.concatenate([g[2] for g in gathered])
+            chosen[idx], rejected[idx], done[idx] = c, r, True
+            if entry is not None:
+                part_number[0] += 1
+                _guarded(entry.write_part, part_number[0], idx, c, r)
+
+        progress = self._progress(n, int(done.sum()))
+        try:
+            # The batches are planned over every pair the uninterrupted run would have planned (`rest`), and those an
+            # interrupted run finished are skipped, so a resumed run computes every other batch exactly as the
+            # uninterrupted one: the same pairs together, the same values, bit for bit. ("auto": once its probes are
+            # done, the budget and the pairs they left are saved with the shards; only a run interrupted during its
+            # probes re-plans the rest, within float rounding.)
+            rest = np.arange(n, dtype=np.int64)
+            if len(todo) and self.requested == "auto":
+                if self.state.token_budget is not None:  # chosen by an earlier split of this trainer: no probe
+                    self.record["token_budget"] = self.state.token_budget
+                elif saved_plan is not None:
+                    self.state.token_budget = self.record["token_budget"] = saved_plan["token_budget"]
+                    rest = np.asarray(saved_plan["rest"], dtype=np.int64)
+                else:
+                    rest = probe(self, model, todo, store, progress)
+                    if entry is not None:
+                        _guarded(entry.write_plan, {"token_budget": self.state.token_budget, "rest": rest.tolist()})
+            if len(todo):
+                if self.requested == "auto":
+                    batches = self.plan.budget_batches(rest, self.state.token_budget)
+                else:
+                    batches = self.plan.fixed_batches(rest, int(self.requested))
+                batches = [b for b in batches if not done[b].all()]
+                self._run_batches(model, batches, store, progress)
+        finally:
+            if progress is not None:
+                progress.close()
+        if not done.all():  # pragma: no cover - a planning bug; never hand out NaNs
+            raise RuntimeError(f"trl-ext `{NAME}`: {int((~done).sum())} pairs were not computed")
+        return chosen, rejected
+
+    def _progress(self, total: int, initial: int):
+        disable = (
+            not self.ranks.is_main
+            or bool(os.environ.get("TQDM_DISABLE", ""))
+            or bool(getattr(self.trainer.args, "disable_tqdm", False))
+        )
+        if disable:
+            return None
+        from tqdm.auto import tqdm
+
+        return tqdm(
+            total=total, initial=initial, unit="pair", desc=f"Reference log-probs ({self.name})", dynamic_ncols=True
+        )
+
+    def _run_batches(self, model, batches, store, progress) -> None:
+
+        per_rank = self.plan.deal(batches, self.ranks.world)
+        mine = per_rank[self.ranks.rank]
+        count = len(mine)
+        self.record["batches"] = len(batches)
+        self.record["batch_pairs_max"] = max((len(b) for b in batches), default=0)
+        self.info(
+            "trl-ext `%s`: %s split, %d pairs in %d batches (%s), %d per rank",
+            NAME,
+            self.name,
+            sum(len(b) for b in batches),
+            len(batches),
+            "packed" if self.packed else "padded",
+            count,
+        )
+        shard, interval = self.opts.shard_size, self.opts.shard_interval
+        pending: list[tuple] = []
+        pending_pairs = 0
+        device = self.trainer.accelerator.device
+        last_store = time.monotonic()
+        for j in range(count):
+            batch, filler = mine[j]
+            results = self._forward_or_split(model, batch)
+            if not filler:  # a filler only keeps ZeRO-3 ranks in lockstep; its result is dropped
+                pending.extend(results)
+            # Every rank knows every rank's plan, so all reach the same shard boundaries (collectives stay matched).
+            step_pairs = sum(len(lst[j][0]) for lst in per_rank if not lst[j][1])
+            pending_pairs += step_pairs
+            if progress is not None:
+                progress.update(step_pairs)
+            due = pending_pairs >= shard or j == count - 1
+            if not due:
+                # Also by elapsed time, so an interruption loses at most about `shard_interval` seconds of work
+                # whatever the dataset size. Clocks differ between ranks: any rank that is due makes all store
+                # (one all-reduce per batch with several processes, none with one).
+                due = self.ranks.any_true(time.monotonic() - last_store >= interval, device)
+            if due:
+                store(concat_results(pending))
+                pending, pending_pairs = [], 0
+                last_store = time.monotonic()
+
+    # ---------------------------------------------------------------------------------------------------------------
+    # "auto"
+
+
+def _guarded(write, *args) -> None:
+    """Run a cache write on the main process; a full disk or a read-only directory costs the cache, not the run."""
+    try:
+        write(*args)
+    except OSError as exc:
+        logger.warning(
+            "trl-ext `%s`: could not write the reference log-prob cache (%s); continuing without it.", NAME, exc
+        )
+
+
+def hash_module_full(module: Any) -> str:
+    """TRL's `hash_module` (`_compat.DPO_HASH_MODULE`), also for a reference that FSDP2 already sharded.
+
+    trl 1.12 shards the reference with `prepare_fsdp` before the precompute (dpo_trainer.py:959 vs :986), and TRL's
+    `hash_module` then fails on the sharded `DTensor`s (`.numpy() is not supported for tensor subclasses`; stock TRL
+    1.12 fails the same way). Sharded entries are hashed at full size (`full_tensor()`, a collective: every rank
+    hashes), so the hash equals the unsharded model's and cache entries stay valid across engines.
+    """
+    import hashlib
+
+    import torch
+
+    hash_module = _compat.import_object(*_compat.DPO_HASH_MODULE)
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without DTensor has no FSDP2
+        return hash_module(module)
+    state = module.state_dict()
+    if not any(isinstance(t, DTensor) for t in state.values()):
+        return hash_module(module)
+    h = hashlib.sha256()
+    for _, tensor in sorted(state.items()):
+        tensor = (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().cpu()
+        h.update(str(tensor.dtype).encode())
+        if tensor.dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2):
+            tensor = tensor.to(torch.float32)
+        h.update(tensor.numpy().tobytes())
+    return h.hexdigest()

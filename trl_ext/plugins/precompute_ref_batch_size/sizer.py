@@ -1,0 +1,217 @@
+"""The `"auto"` batch size: memory probing (peak RSS on CPU, the allocator on GPU) and the probe that picks the
+per-batch token budget."""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+from ..._logging import get_logger
+from ..._shared import free_memory_bytes
+from .plan import concat_results
+
+NAME = "precompute_ref_batch_size"
+logger = get_logger(f"trl_ext.plugins.{NAME}")
+
+#: `"auto"` stops doubling when real tokens/s grew by < 10%, but only past this many tokens per batch: below it, fixed
+#: per-batch costs dominate and timings are noise.
+PLATEAU_MIN_TOKENS = 4096
+#: Share of the free GPU memory the `"auto"` probe may fill.
+GPU_MEMORY_FRACTION = 0.9
+
+
+def _cpu_rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+class _PeakMemory:
+    """Extra memory one forward needs beyond what the process holds before it (GPU: allocator; CPU: peak RSS)."""
+
+    def __init__(self, device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.cpu_ok = Path("/proc/self/clear_refs").exists()
+
+    def __enter__(self):
+        import torch
+
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.base = torch.cuda.memory_allocated(self.device)
+        else:
+            self.base = _cpu_rss()
+            try:
+                # "5" resets the peak-RSS counter (VmHWM) of this process (Linux >= 4.0, proc(5)).
+                with open("/proc/self/clear_refs", "w") as f:
+                    f.write("5")
+            except OSError:
+                self.cpu_ok = False
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import torch
+
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            self.used = torch.cuda.max_memory_allocated(self.device) - self.base
+        else:
+            hwm = 0
+            with open("/proc/self/status") as f:
+                for line in f:
+                    if line.startswith("VmHWM:"):
+                        hwm = int(line.split()[1]) * 1024
+            self.used = max(0, (hwm if self.cpu_ok else _cpu_rss()) - self.base)
+
+
+def budget_bytes(options, device, ranks) -> float:
+    """Memory one probe forward may use: a share of the free device memory on GPU, `ram_budget` on CPU."""
+    if device.type == "cuda":
+        return GPU_MEMORY_FRACTION * free_memory_bytes(device)
+    kind, value = options.ram_budget.kind, options.ram_budget.value
+    if kind == "bytes":
+        return value
+    return value * free_memory_bytes(device) / max(1, ranks.local_world)
+
+
+def probe(run, model, todo, store, progress):
+    """Find the largest useful batch that fits; keep what the probes computed; set the token budget.
+
+    Probes run the heaviest pairs first (each probe the next heaviest ones, and their values are kept, so no
+    pair is computed twice), doubling the pairs per rank until a batch no longer fits (over the memory
+    budget, or out of memory; then two bisection steps between the last size that fit and the first that did
+    not), or until doubling stops paying: past 4096 tokens per batch, real tokens per second grew by less than
+    10%, so a bigger batch would only hold more memory (and, padded, mix more lengths). Every rank probes its own
+    share of the heaviest pairs and all ranks take each decision from everyone's outcome, so they run the same
+    forwards (ZeRO-3 lockstep).
+    """
+    import numpy as np
+
+    state = run.state
+    if state.token_budget is not None:  # chosen by an earlier split of this trainer
+        run.record["token_budget"] = state.token_budget
+        return todo
+    device = run.trainer.accelerator.device
+    budget = budget_bytes(run.opts, device, run.ranks)
+    world, rank = run.ranks.world, run.ranks.rank
+    heavy = todo[np.argsort(-run.plan.unit_cost[todo], kind="stable")]
+    share = heavy[rank::world]
+    limit = len(todo) // world  # every rank can run a probe of this many pairs
+    largest = {"k": 0, "cost": 0.0, "used": 0.0}  # the largest probe that fit
+    fastest = {"k": 0, "cost": 0.0, "speed": 0.0}  # the fitting probe with the most real tokens per second
+    fail = {"k": math.inf, "cost": math.inf, "oom": False}
+    taken = 0  # pairs per rank the probes computed: each probe takes the next `k` heaviest, so none is redone
+
+    def probe(k: int) -> float | None:
+        """Probe `k` pairs per rank; return the real tokens/s over all ranks if it fit everywhere, else None."""
+        nonlocal taken
+        batch = share[taken : taken + k]
+        cost = run.plan.batch_cost(batch)
+        # CPU: process CPU time, which other jobs on a shared machine barely disturb; GPU: wall time.
+        clock = time.process_time if device.type == "cpu" else time.perf_counter
+        start = clock()
+        result, used = measured_forward(run, model, batch, device)
+        seconds = clock() - start
+        fits = result is not None and used <= budget
+        real = float(run.plan.real_tokens[batch].sum())
+        outcomes = run.ranks.all_gather((fits, result is None, cost, used, real, seconds))
+        if not any(o[1] for o in outcomes):
+            # Nobody ran out of memory: keep the values (also from a probe that was merely over budget).
+            store(concat_results([(batch, *result)]))
+            if progress is not None:
+                progress.update(k * world)
+            taken += k
+        else:
+            store(concat_results([]))
+        speed = sum(o[4] for o in outcomes) / max(max(o[5] for o in outcomes), 1e-9)
+        run.info(
+            "trl-ext `%s`: auto probe %d pairs/rank, %s tokens: %s, %.0f real tokens/s",
+            NAME,
+            k,
+            [int(o[2]) for o in outcomes],
+            ["out of memory" if o[1] else f"{o[3] / 2**20:.1f} MiB" for o in outcomes],
+            speed,
+        )
+        if all(o[0] for o in outcomes):
+            largest.update(k=k, cost=min(o[2] for o in outcomes), used=max(o[3] for o in outcomes))
+            if speed > fastest["speed"]:
+                fastest.update(k=k, cost=largest["cost"], speed=speed)
+            return speed
+        fail.update(k=k, cost=min(o[2] for o in outcomes if not o[0]), oom=any(o[1] for o in outcomes))
+        return None
+
+    k, reason = 1, "the whole split fit"
+    while limit and k <= limit - taken:
+        before = fastest["speed"]
+        speed = probe(k)
+        if speed is None:
+            reason = "memory"
+            break
+        if largest["cost"] >= PLATEAU_MIN_TOKENS and speed < 1.1 * before:
+            reason = "throughput stopped growing"
+            break
+        if taken == limit:
+            break
+        k = min(2 * k, limit - taken)
+    if reason == "memory":
+        for _ in range(2):  # bisect between the last fit and the first failure
+            mid = min((largest["k"] + fail["k"]) // 2, limit - taken)
+            if mid <= largest["k"] or mid >= fail["k"]:
+                break
+            probe(mid)
+
+    if limit == 0:
+        token_budget = math.inf  # fewer pairs than processes: one batch each, nothing to measure
+    elif largest["k"] == 0:
+        # Even one pair per batch does not fit: run one pair at a time and say so.
+        logger.warning(
+            "trl-ext `%s`: a single pair needs more than the memory budget (%.0f MiB); using one pair per batch. "
+            "On CPU, raise `plugins.%s.ram_budget`.",
+            NAME,
+            budget / 2**20,
+            NAME,
+        )
+        token_budget = 0.0
+    elif reason != "memory":
+        token_budget = fastest["cost"] if reason != "the whole split fit" else largest["cost"]
+    elif fail["oom"]:
+        token_budget = largest["cost"]  # out of memory is not measured: never go beyond what ran
+    else:
+        # Memory grows about linearly with tokens: extrapolate from the largest probe that fit, with 10% headroom,
+        # but never up to the size that did not fit.
+        projected = largest["cost"] * 0.9 * budget / largest["used"] if largest["used"] > 0 else math.inf
+        token_budget = max(largest["cost"], min(projected, fail["cost"] - 1))
+    token_budget = run.ranks.broadcast(token_budget)
+    state.token_budget = token_budget
+    run.record.update(token_budget=token_budget, probe_pairs_per_rank=taken, auto_stop=reason)
+    run.info(
+        'trl-ext `%s`: "auto" chose a budget of %s %s tokens per batch (stopped by: %s; memory budget %.0f MiB '
+        "per process on %s)",
+        NAME,
+        "unlimited" if math.isinf(token_budget) else f"{token_budget:.0f}",
+        "real" if run.packed else "padded",
+        reason,
+        budget / 2**20,
+        device.type,
+    )
+    covered = np.concatenate([heavy[r::world][:taken] for r in range(world)]) if taken else np.zeros(0, np.int64)
+    return np.setdiff1d(todo, covered, assume_unique=True)
+
+
+def measured_forward(run, model, batch, device):
+    """`((chosen, rejected), extra bytes)` of one forward, or `(None, 0)` when it ran out of memory."""
+    import torch
+
+    try:
+        with _PeakMemory(device) as peak:
+            result = run.forward(model, batch)
+    except torch.OutOfMemoryError:
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        return None, 0.0
+    return result, float(peak.used)

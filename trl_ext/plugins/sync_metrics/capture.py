@@ -1,0 +1,166 @@
+"""Per-trainer state and the capture of what TRL gathers: during a loss computation the trainer's accelerator answers
+`gather`/`gather_for_metrics` locally and records the tensor; the end-of-epoch duplicates are counted at fetch time."""
+
+from __future__ import annotations
+
+import collections
+import functools
+import weakref
+from typing import Any
+
+import torch
+
+from ... import _compat
+from .schema import Schema, Window
+
+
+class SyncMetricsState:
+    """Per-trainer state (`context.state["sync_metrics"]`): the schema, one window per mode, the capture buffer."""
+
+    def __init__(self, trainer: Any, trainer_class: str, schema: Schema) -> None:
+        self.trainer_class = trainer_class
+        self.schema = schema
+        self.windows = {"train": Window(schema), "eval": Window(schema)}
+        accelerator = trainer.accelerator
+        self.rank = accelerator.process_index
+        self.world = accelerator.num_processes
+        self.even_batches = bool(getattr(accelerator, "even_batches", True))
+        #: tensors handed to `gather`/`gather_for_metrics` during the current capture (None: not capturing)
+        self.captured: list[torch.Tensor] | None = None
+        #: OnlineDPO captures of the current training step
+        self.online: dict[str, Any] | None = None
+        #: for each training batch fetched but not yet computed: the dataloader remainder if it is the last batch of a
+        #: dataloader with duplicates, else None
+        self.fetched: collections.deque = collections.deque()
+        #: the Trainer's training loss and FLOs, held back from transformers' own gathers until the next log
+        self.trainer_ref = weakref.ref(trainer)
+        self.expect_loss = False
+        self.pending_loss: torch.Tensor | None = None
+        self.pending_loss_steps = 0
+        self.pending_flos = 0.0
+        self.in_checkpoint = False
+        #: DPO: the training loss of the current optimizer step over its real pairs (see `add_step_loss`), and the
+        #: correction to this rank's held-back loss that makes the logged `loss` the mean over real pairs
+        self.step_loss: dict[str, Any] | None = None
+        self.loss_correction: torch.Tensor | float = 0.0
+        #: number of collectives this plugin issued (for tests and benchmarks)
+        self.collectives = 0
+
+    # -- duplicates ----------------------------------------------------------------------------------------------
+
+    def remainder_now(self, gradient_state: Any) -> int | None:
+        """The dataloader remainder when the current batch is the last one of a dataloader that added duplicates."""
+        if not self.even_batches or self.world == 1:
+            return None
+        try:
+            if gradient_state.end_of_dataloader and gradient_state.remainder > 0:
+                return int(gradient_state.remainder)
+        except Exception:  # no active dataloader / no length: like `gather_for_metrics`, keep everything
+            return None
+        return None
+
+    def batch_remainder(self, mode: str, gradient_state: Any) -> int | None:
+        if mode == "train" and self.fetched:
+            return self.fetched.popleft()
+        return self.remainder_now(gradient_state)
+
+    def real_count(self, remainder: int | None, n: int) -> int:
+        """Real samples in this rank's batch of `n`: the first `remainder` of the rank-major concatenation are real
+        (accelerate's `gather_for_metrics` rule, accelerator.py `_adjust_samples`)."""
+        if remainder is None:
+            return n
+        return min(max(remainder - self.rank * n, 0), n)
+
+    def global_real_count(self, remainder: int | None, n: int) -> int:
+        """Real samples in the batches of `n` of all ranks (every rank knows it: same remainder, same rule)."""
+        if remainder is None:
+            return n * self.world
+        return sum(min(max(remainder - rank * n, 0), n) for rank in range(self.world))
+
+    # -- the logged training loss over real pairs --------------------------------------------------------------------
+    #
+    # The Trainer adds each micro-batch's loss (`training_step`'s return value) to its running loss and logs the mean
+    # over ranks. At the last step of an epoch with duplicates, that mean counts the duplicated pairs. The real-pair
+    # mean of a step is `sum over ranks and micro-batches of (real pairs x their mean loss) / all real pairs`; every
+    # rank knows the denominator, so each rank can hold back `world x (its share) - (what the Trainer added)` and the
+    # mean over ranks, taken in the plugin's one collective, becomes the real-pair mean. Only the logged loss changes:
+    # the gradients (training itself) keep accelerate's behaviour.
+
+    def add_step_loss(self, real_sum: Any, real_count: int, duplicates: bool) -> None:
+        """One micro-batch of the current optimizer step: `real_sum` = real pairs x their mean loss (a tensor),
+        `real_count` = real pairs of this micro-batch on all ranks."""
+        step = self.step_loss
+        if step is None:
+            step = self.step_loss = {"real": 0.0, "count": 0, "trainer": 0.0, "duplicates": False}
+        step["real"] = step["real"] + real_sum
+        step["count"] += real_count
+        step["duplicates"] = step["duplicates"] or duplicates
+
+    def add_trainer_loss(self, value: Any) -> None:
+        """What the Trainer adds to its running loss for the micro-batch just computed (`training_step`'s return)."""
+        if self.step_loss is not None:
+            self.step_loss["trainer"] = self.step_loss["trainer"] + value.detach()
+
+    def close_step(self) -> None:
+        """End of an optimizer step: fold its correction into `loss_correction` if it held duplicates."""
+        step, self.step_loss = self.step_loss, None
+        if step is None or not step["duplicates"] or step["count"] == 0:
+            return
+        real = step["real"] * self.world / step["count"]
+        self.loss_correction = self.loss_correction + (real - step["trainer"]).detach().to(torch.float64)
+
+    def take_loss_correction(self) -> torch.Tensor | float:
+        value, self.loss_correction = self.loss_correction, 0.0
+        return value
+
+    # -- capture -------------------------------------------------------------------------------------------------
+
+    def record(self, data: Any) -> torch.Tensor:
+        if not isinstance(data, torch.Tensor):
+            raise RuntimeError(
+                f"sync_metrics: TRL gathered a {type(data).__name__} during a metric capture; only tensors are "
+                f"supported (trl=={_compat.installed_version('trl')}). Disable sync_metrics and report this."
+            )
+        self.captured.append(data.detach())
+        # CPU zeros: TRL's `.item()` on them is free, and the values it derives from them are discarded.
+        return torch.zeros(data.shape if data.dim() else (1,), dtype=data.dtype)
+
+
+class _Capture:
+    def __init__(self, state: SyncMetricsState) -> None:
+        self.state = state
+
+    def __enter__(self) -> list[torch.Tensor]:
+        self.previous = self.state.captured
+        self.state.captured = []
+        return self.state.captured
+
+    def __exit__(self, *exc: object) -> None:
+        self.state.captured = self.previous
+
+
+def _make_local_gather(state: SyncMetricsState, original):
+    @functools.wraps(original)
+    def gather(input_data, *args, **kwargs):
+        if state.captured is None:
+            return original(input_data, *args, **kwargs)
+        return state.record(input_data)
+
+    return gather
+
+
+class _RecordingIterator:
+    """Wraps the Trainer's epoch iterator to note, for each fetched batch, whether it holds duplicates."""
+
+    def __init__(self, iterator: Any, state: SyncMetricsState, gradient_state: Any) -> None:
+        self._iterator = iterator
+        self._state = state
+        self._gradient_state = gradient_state
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        batch = next(self._iterator)
+        self._state.fetched.append(self._state.remainder_now(self._gradient_state))
+        return batch

@@ -1,0 +1,143 @@
+"""The DPO adapter: TRL's gathered tensors of one `DPOTrainer._compute_loss` call, identified by their position in
+TRL's gather order (`_compat.DPO_METRIC_GATHERS`), become window additions; the last partial batch of an epoch is
+recomputed on its real pairs."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from ... import _compat
+from .capture import SyncMetricsState, _Capture
+from .schema import Metric, Schema
+
+
+def make_schema(trainer: Any) -> Schema:
+    metrics = [Metric(n) for n in _compat.DPO_TOKEN_METRICS + _compat.DPO_PAIR_METRICS]
+    if getattr(trainer, _compat.DPO_AUX_LOSS_FLAG, False):
+        metrics.append(Metric("aux_loss"))
+    return Schema(metrics)
+
+
+def _items(state: SyncMetricsState, trainer: Any, captured: list[torch.Tensor], mode: str) -> list:
+    """Turn the tensors TRL gathered in one `_compute_loss` into (slot, value) additions to the window."""
+    aux = getattr(trainer, _compat.DPO_AUX_LOSS_FLAG, False)
+    expected = _compat.DPO_GATHERS_PER_CALL + (1 if mode == "train" else 0) + (1 if aux else 0)
+    pairs = captured[-6:]
+    n = pairs[0].numel() if pairs else -1
+    if (
+        len(captured) != expected
+        or any(t.dim() != 1 or t.numel() != n for t in pairs)
+        or any(t.dim() != 0 for t in captured[:-6])
+    ):
+        shapes = [tuple(t.shape) for t in captured]
+        raise RuntimeError(
+            f"sync_metrics: TRL's DPO `_compute_loss` gathered {len(captured)} tensors of shapes {shapes}; expected "
+            f"{expected} ({expected - 6} scalars, then 6 per-pair vectors). The installed "
+            f"trl=={_compat.installed_version('trl')} computes its metrics differently from the versions trl-ext "
+            f"was checked on; disable sync_metrics and report this."
+        )
+    s = state.schema
+    it = iter(captured)
+    items: list = [(s.calls, 1)]
+    if aux:
+        value = next(it)
+        items += [(s.sum_slot("aux_loss"), value.float() * n), (s.count_slot("aux_loss"), n)]
+    items += [(s.sum_slot("entropy"), next(it)), (s.count_slot("entropy"), next(it))]
+    if mode == "train":
+        items.append((s.tokens, next(it)))
+    for name in _compat.DPO_TOKEN_METRICS[1:]:  # entropy came first
+        items += [(s.sum_slot(name), next(it)), (s.count_slot(name), next(it))]
+    for name, tensor in zip(_compat.DPO_PAIR_METRICS, it, strict=True):
+        items += [(s.sum_slot(name), tensor.float().sum()), (s.count_slot(name), n)]
+    return items
+
+
+def _slice_pairs(inputs: dict[str, Any], k: int) -> dict[str, Any]:
+    """The first `k` pairs of a DPO batch (`[2B, ...]` rows: chosen then rejected; `[B]` per-pair columns).
+
+    trl-ext batch metadata (keys starting with `trl_ext`, e.g. padding_free's packing indices) describes the whole
+    batch, so it is dropped; its plugin recomputes it from `attention_mask`.
+    """
+    n2 = inputs["input_ids"].shape[0]
+    n = n2 // 2
+    rows = torch.cat([torch.arange(k), torch.arange(n, n + k)])
+    out = {}
+    for key, value in inputs.items():
+        if key.startswith("trl_ext"):
+            continue
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == n2:
+            out[key] = value[rows.to(value.device)]
+        elif isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == n:
+            out[key] = value[:k]
+        else:
+            raise RuntimeError(
+                f"sync_metrics: cannot take the real pairs of the last batch of the epoch: batch entry {key!r} is not "
+                f"laid out per sequence ([2B, ...]) or per pair ([B]). Disable sync_metrics for this collator."
+            )
+    return out
+
+
+def _wrap_compute_loss(trainer: Any, state: SyncMetricsState, original):
+    @functools.wraps(original)
+    def _compute_loss(model, inputs, return_outputs):
+        mode = "train" if trainer.model.training else "eval"
+        n = inputs["input_ids"].shape[0] // 2
+        remainder = state.batch_remainder(mode, trainer.accelerator.gradient_state)
+        with _Capture(state) as captured:
+            result = original(model, inputs, return_outputs)
+        loss = result[0] if isinstance(result, tuple) else result
+        real_loss = loss
+        if remainder is not None:
+            # Last batch of a dataloader with duplicates (the same step on every rank). Per-token sums cannot be
+            # split by row, so recompute the metrics on the real rows alone; every rank runs this forward so that
+            # collectives inside it (DDP buffer broadcast, ZeRO-3 gathers) stay matched.
+            k = state.real_count(remainder, n)
+            devices = [trainer.accelerator.device] if trainer.accelerator.device.type == "cuda" else []
+            with torch.no_grad(), torch.random.fork_rng(devices=devices), _Capture(state) as real:
+                real_loss = original(model, _slice_pairs(inputs, max(k, 1)), False)
+            captured = real if k > 0 else None
+        if mode == "train":
+            k = state.real_count(remainder, n)
+            state.add_step_loss(real_loss.detach() * k, state.global_real_count(remainder, n), remainder is not None)
+        if captured is not None:
+            state.windows[mode].add(_items(state, trainer, captured, mode))
+        else:
+            state.windows[mode].add([(state.schema.calls, 1)])
+        _check_and_clear_trl_buffer(trainer, mode)
+        return result
+
+    return _compute_loss
+
+
+def _check_and_clear_trl_buffer(trainer: Any, mode: str) -> None:
+    """TRL appended placeholder values (computed from the CPU zeros) to `_metrics[mode]`: check that it logged no
+    metric this plugin does not know, then drop them."""
+    buffer = getattr(trainer, _compat.DPO_METRICS_BUFFER)[mode]
+    known = {name for name, _ in _compat.DPO_METRIC_GATHERS}
+    unknown = set(buffer) - known
+    if unknown:
+        raise RuntimeError(
+            f"sync_metrics: TRL logged metrics {sorted(unknown)} that sync_metrics does not reduce "
+            f"(trl=={_compat.installed_version('trl')}). Disable sync_metrics and report this."
+        )
+    buffer.clear()
+
+
+def _wrap_training_step(state: SyncMetricsState, original):
+    @functools.wraps(original)
+    def training_step(*args, **kwargs):
+        loss = original(*args, **kwargs)
+        state.add_trainer_loss(loss)
+        return loss
+
+    return training_step
+
+
+def install(trainer: Any, patcher: Any, state: SyncMetricsState) -> None:
+    """Capture the metrics of every `_compute_loss` call of this trainer, and each micro-batch's training loss."""
+    name = _compat.DPO_COMPUTE_LOSS
+    patcher.setattr(trainer, name, _wrap_compute_loss(trainer, state, getattr(trainer, name)))
+    patcher.setattr(trainer, "training_step", _wrap_training_step(state, trainer.training_step))

@@ -1,0 +1,164 @@
+"""The OnlineDPO adapter: TRL's OnlineDPO metrics re-derived per completion from what one training step produced."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from ... import _compat
+from ...errors import UsageError
+from .capture import SyncMetricsState, _Capture
+from .schema import Metric, Schema
+
+
+def make_schema(trainer: Any) -> Schema:
+    stats = getattr(trainer, _compat.ONLINE_DPO_STATS)
+    known = set(_compat.ONLINE_DPO_PAIR_METRICS + _compat.ONLINE_DPO_COMPLETION_METRICS)
+    unknown = set(stats) - known
+    if unknown:
+        raise UsageError(
+            f"sync_metrics does not know how to reduce the OnlineDPO metrics {sorted(unknown)} of "
+            f"trl=={_compat.installed_version('trl')}; disable `sync_metrics` for this trainer."
+        )
+    return Schema([Metric(name) for name in stats])
+
+
+def _eos_ids(trainer: Any) -> list[int]:
+    # 1.16.0 checks every id in `self.eos_token_ids` (online_dpo_trainer.py:1176-1178); 1.12.0 only
+    # `self._tokenizer.eos_token_id` (online_dpo_trainer.py:1152).
+    ids = getattr(trainer, _compat.ONLINE_DPO_EOS_IDS_ATTR, None)
+    if ids is None:
+        ids = [getattr(trainer, _compat.ONLINE_DPO_TOKENIZER_ATTR).eos_token_id]
+    return list(ids) if isinstance(ids, (list, tuple)) else [ids]
+
+
+def _items(state: SyncMetricsState, trainer: Any, batch_size: int, k: int) -> list:
+    """Re-derive TRL's OnlineDPO metrics per completion (online_dpo_trainer.py 1.16.0:1218-1294) for the `k` real
+    prompts of this step, as (slot, value) additions."""
+    cap = state.online
+    if len(cap["forward"]) != 2 or cap["completion"] is None or cap["rewards"] is None:
+        raise RuntimeError(
+            "sync_metrics: OnlineDPO's training step did not run one generation, two forwards (policy, reference) "
+            f"and one reward computation (trl=={_compat.installed_version('trl')}). Disable sync_metrics and report."
+        )
+    s = state.schema
+    beta = float(trainer.beta)
+    items: list = [(s.calls, 1)]
+    if k == 0:
+        return items
+    logprobs, ref_logprobs = (t.detach() for t in cap["forward"])
+    completion_ids, completion_mask = cap["completion"]
+    rewards = cap["rewards"].detach()  # missing-EOS penalty already applied in place by TRL
+    B = batch_size
+    device = logprobs.device
+    eos = torch.tensor(_eos_ids(trainer), device=completion_ids.device)
+    contain_eos = torch.isin(completion_ids, eos).any(dim=-1)
+
+    first, second = rewards.split(B)
+    chosen_first = first >= second
+    rng = torch.arange(B, device=device)
+    chosen_idx = rng + (~chosen_first).long().to(device) * B
+    rejected_idx = rng + chosen_first.long().to(device) * B
+    mask = completion_mask.to(logprobs.dtype)
+    logps_sum = (logprobs * mask).sum(1)
+    ref_logps_sum = (ref_logprobs * mask).sum(1)
+    kl = (logprobs - ref_logprobs).sum(1)  # TRL sums over every completion position (online_dpo_trainer.py:1270)
+    non_score = -beta * kl
+    chosen_rewards = beta * (logps_sum[chosen_idx] - ref_logps_sum[chosen_idx])
+    rejected_rewards = beta * (logps_sum[rejected_idx] - ref_logps_sum[rejected_idx])
+    margins = chosen_rewards - rejected_rewards
+    rewards = rewards.to(device)
+
+    pair = {
+        "objective/scores_margin": rewards[chosen_idx] - rewards[rejected_idx],
+        "logps/chosen": logps_sum[chosen_idx],
+        "logps/rejected": logps_sum[rejected_idx],
+        "rewards/chosen": chosen_rewards,
+        "rewards/rejected": rejected_rewards,
+        "rewards/margins": margins,
+        "rewards/accuracies": (margins > 0).to(logprobs.dtype),
+    }
+    completion = {
+        "objective/scores": rewards,
+        "val/contain_eos_token": contain_eos.to(device=device, dtype=logprobs.dtype),
+        "objective/kl": kl,
+        "objective/non_score_reward": non_score,
+        "objective/rlhf_reward": rewards + non_score,
+        "objective/entropy": -logprobs.sum(1),
+    }
+    # Completions are [prompt_0..prompt_{B-1}, prompt_0..prompt_{B-1}] (two samples per prompt); pairs follow prompts.
+    real_rows = torch.cat([torch.arange(k), torch.arange(B, B + k)]).to(device)
+    for name in s.index:
+        if name == "beta":
+            items += [(s.sum_slot(name), beta * k), (s.count_slot(name), k)]
+        elif name in pair:
+            items += [(s.sum_slot(name), pair[name][:k].sum()), (s.count_slot(name), k)]
+        elif name in completion:
+            items += [(s.sum_slot(name), completion[name][real_rows].sum()), (s.count_slot(name), 2 * k)]
+    return items
+
+
+def _wrap_training_step(trainer: Any, state: SyncMetricsState, original):
+    @functools.wraps(original)
+    def training_step(model, inputs, *args, **kwargs):
+        remainder = state.batch_remainder("train", trainer.accelerator.gradient_state)
+        batch_size = len(inputs["prompt"])
+        state.online = {"forward": [], "completion": None, "rewards": None}
+        try:
+            with _Capture(state):
+                loss = original(model, inputs, *args, **kwargs)
+            k = state.real_count(remainder, batch_size)
+            state.windows["train"].add(_items(state, trainer, batch_size, k))
+        finally:
+            state.online = None
+        return loss
+
+    return training_step
+
+
+def _wrap_forward(state: SyncMetricsState, original):
+    @functools.wraps(original)
+    def _forward(*args, **kwargs):
+        out = original(*args, **kwargs)
+        if state.online is not None:
+            state.online["forward"].append(out.detach())
+        return out
+
+    return _forward
+
+
+def _wrap_generate(state: SyncMetricsState, original):
+    @functools.wraps(original)
+    def _generate(*args, **kwargs):
+        out = original(*args, **kwargs)
+        if state.online is not None:
+            # `_compat.ONLINE_DPO_GENERATE_RETURN`
+            state.online["completion"] = (
+                out[_compat.ONLINE_DPO_COMPLETION_IDS],
+                out[_compat.ONLINE_DPO_COMPLETION_MASK],
+            )
+        return out
+
+    return _generate
+
+
+def _wrap_rewards(state: SyncMetricsState, original):
+    @functools.wraps(original)
+    def _calculate_rewards_from_functions(*args, **kwargs):
+        out = original(*args, **kwargs)
+        if state.online is not None:
+            state.online["rewards"] = out  # TRL subtracts the missing-EOS penalty from this tensor in place
+        return out
+
+    return _calculate_rewards_from_functions
+
+
+def install(trainer: Any, patcher: Any, state: SyncMetricsState) -> None:
+    """Capture what each OnlineDPO training step generates, scores and computes (`_compat.ONLINE_DPO_STEP_METHODS`)."""
+    step, forward, generate, rewards = _compat.ONLINE_DPO_STEP_METHODS
+    patcher.setattr(trainer, step, _wrap_training_step(trainer, state, getattr(trainer, step)))
+    patcher.setattr(trainer, forward, _wrap_forward(state, getattr(trainer, forward)))
+    patcher.setattr(trainer, generate, _wrap_generate(state, getattr(trainer, generate)))
+    patcher.setattr(trainer, rewards, _wrap_rewards(state, getattr(trainer, rewards)))

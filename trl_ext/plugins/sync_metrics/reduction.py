@@ -1,0 +1,68 @@
+"""The reduction at a logging point: the window's packed vector, the Trainer's held-back loss and FLOs, one collective
+(`trl_ext._shared.Ranks.all_gather_rows`), and the logged values."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ... import _compat
+from ..._shared import Ranks
+from .capture import SyncMetricsState
+
+
+def reduce_logs(trainer: Any, state: SyncMetricsState, logs: dict[str, Any]) -> dict[str, Any] | None:
+    """The logs with every metric of the window replaced by its exact global value (None: leave TRL's logs)."""
+    mode = "train" if trainer.model.training else "eval"
+    if state.trainer_class == "OnlineDPOTrainer" and mode == "eval":
+        return None  # OnlineDPO evaluation logs no `stats`; TRL's own evaluation metrics stay as they are
+    schema = state.schema
+    window = state.windows[mode]
+    vec = window.pack(trainer.accelerator.device)
+    window.reset()
+    # Training tokens of the train window ride along in every collective, so `num_tokens` is exact at eval points.
+    if mode == "eval":
+        train = state.windows["train"]
+        vec[schema.tokens] += train.pack(vec.device)[schema.tokens]
+        train.host[schema.tokens] = 0.0
+        if train.device_sums is not None:
+            train.device_sums[schema.tokens] = 0.0
+    local_loss = state.pending_loss
+    if local_loss is not None:
+        state.close_step()
+        correction = state.take_loss_correction()  # last step of an epoch: count real pairs only (DPO)
+        vec[schema.loss] = local_loss.to(vec.device, torch.float64) + (
+            correction.to(vec.device) if isinstance(correction, torch.Tensor) else correction
+        )
+        vec[schema.loss_count] = 1.0
+    vec[schema.flos] = state.pending_flos
+    state.pending_loss, state.pending_flos = None, 0.0
+
+    rows = Ranks(state.world, state.rank).all_gather_rows(vec)
+    state.collectives += 1
+    metrics, total = schema.reduce(rows)
+
+    out = {key: value for key, value in logs.items() if key not in schema.index}
+    if local_loss is not None and total[schema.loss_count] > 0:
+        # Exactly transformers' `nested_gather(tr_loss).mean().item()` (a float32 mean over ranks, in rank order).
+        global_loss = rows[:, schema.loss].to(local_loss.dtype).mean().item()
+        value = global_loss / state.pending_loss_steps
+        # OnlineDPO rounds its own logged loss (`_compat.ONLINE_DPO_LOSS_DECIMALS`).
+        out["loss"] = (
+            round(value, _compat.ONLINE_DPO_LOSS_DECIMALS) if state.trainer_class == "OnlineDPOTrainer" else value
+        )
+        trainer._total_loss_scalar += global_loss - local_loss.item()
+    trainer.state.total_flos += total[schema.flos]
+    if (
+        "total_flos" in out
+    ):  # the final summary read `state.total_flos` before this log (trainer.py `_inner_training_loop`)
+        out["total_flos"] = trainer.state.total_flos
+    if state.trainer_class == "DPOTrainer":
+        tokens = getattr(trainer, _compat.DPO_TOTAL_TRAIN_TOKENS) + int(round(total[schema.tokens]))
+        setattr(trainer, _compat.DPO_TOTAL_TRAIN_TOKENS, tokens)
+        if total[schema.calls] > 0:
+            metrics["num_tokens"] = tokens
+    prefix = "eval_" if mode == "eval" else ""  # TRL's `log` prefixes eval metrics with "eval_" (dpo_trainer.py)
+    out.update({f"{prefix}{key}": value for key, value in metrics.items()})
+    return out

@@ -1,0 +1,104 @@
+"""The Trainer's own gathers at a logging step (the training loss in `nested_gather`, the FLOs in `store_flos`), kept
+local and carried in sync_metrics' one collective instead."""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+from typing import Any
+
+import torch
+
+from ... import _compat
+from .capture import SyncMetricsState
+
+#: The state of the trainer whose `_maybe_log_save_evaluate` is running (transformers calls the module-level
+#: `nested_gather` there, with no reference to the trainer; a context variable keeps this per call, not global).
+_LOGGING_TRAINER: contextvars.ContextVar[SyncMetricsState | None] = contextvars.ContextVar(
+    "trl_ext_sync_metrics_logging_trainer", default=None
+)
+
+
+def _deferring_nested_gather(original):
+    @functools.wraps(original)
+    def nested_gather(tensors, *args, **kwargs):
+        state = _LOGGING_TRAINER.get()
+        if state is None or not state.expect_loss or not isinstance(tensors, torch.Tensor):
+            return original(tensors, *args, **kwargs)
+        # The loss of this logging step: keep it local (TRL/transformers then log the local value, and
+        # `trl_ext_reduce_metrics` replaces it with the global mean from the one collective).
+        trainer = state.trainer_ref()
+        state.expect_loss = False
+        state.pending_loss = tensors.detach().clone().reshape(())  # the caller zeroes `tr_loss` in place next
+        state.pending_loss_steps = trainer.state.global_step - trainer._globalstep_last_logged
+        return state.pending_loss.reshape(1)
+
+    nested_gather.__trl_ext_sync_metrics__ = True
+    return nested_gather
+
+
+def _wrap_maybe_log_save_evaluate(trainer: Any, state: SyncMetricsState, original):
+    @functools.wraps(original)
+    def _maybe_log_save_evaluate(*args, **kwargs):
+        # transformers gathers the loss only under this condition (trainer.py `_maybe_log_save_evaluate`).
+        state.expect_loss = bool(
+            trainer.control.should_log and trainer.state.global_step > trainer._globalstep_last_logged
+        )
+        token = _LOGGING_TRAINER.set(state)
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _LOGGING_TRAINER.reset(token)
+            state.expect_loss = False
+
+    return _maybe_log_save_evaluate
+
+
+def _wrap_store_flos(trainer: Any, state: SyncMetricsState, original):
+    @functools.wraps(original)
+    def store_flos():
+        if state.in_checkpoint:
+            # A checkpoint writes `state.total_flos` to disk right after: make it exact now (transformers' gather).
+            trainer.current_flos += state.pending_flos
+            state.pending_flos = 0.0
+            return original()
+        state.pending_flos += float(trainer.current_flos)
+        trainer.current_flos = 0
+        return None
+
+    return store_flos
+
+
+def _wrap_save_checkpoint(state: SyncMetricsState, original):
+    @functools.wraps(original)
+    def _save_checkpoint(*args, **kwargs):
+        state.in_checkpoint = True
+        try:
+            return original(*args, **kwargs)
+        finally:
+            state.in_checkpoint = False
+
+    return _save_checkpoint
+
+
+def install(trainer: Any, context: Any, state: SyncMetricsState) -> None:
+    import importlib
+
+    # `_compat.LOSS_GATHER_MODULES`; older transformers call `self._nested_gather`, patched per trainer below.
+    for module_name in _compat.LOSS_GATHER_MODULES:
+        module = importlib.import_module(module_name)
+        current = getattr(module, "nested_gather", None)
+        if current is not None and not getattr(current, "__trl_ext_sync_metrics__", False):
+            # Module-level, only while this trainer runs (so also after `uninstall()`); it acts only inside the
+            # `_maybe_log_save_evaluate` of a trainer that has sync_metrics (pass-through everywhere else).
+            context.wrap_while_running(module, "nested_gather", _deferring_nested_gather)
+    patcher = context.patcher
+    if hasattr(trainer, "_nested_gather"):
+        patcher.setattr(trainer, "_nested_gather", _deferring_nested_gather(trainer._nested_gather))
+    patcher.setattr(
+        trainer,
+        "_maybe_log_save_evaluate",
+        _wrap_maybe_log_save_evaluate(trainer, state, trainer._maybe_log_save_evaluate),
+    )
+    patcher.setattr(trainer, "store_flos", _wrap_store_flos(trainer, state, trainer.store_flos))
+    patcher.setattr(trainer, "_save_checkpoint", _wrap_save_checkpoint(state, trainer._save_checkpoint))
