@@ -255,10 +255,14 @@ def test_trl_errors_from_inside_init_are_untouched(tokenizer, dpo_args):
 
     with pytest.raises(Exception) as stock:
         build()
+    from trl_ext.context import live_contexts
+
+    live = len(live_contexts())
     with trl_ext.install(padding_free=True):
         with pytest.raises(Exception) as ours:
             build()
     assert type(ours.value) is type(stock.value) and str(ours.value) == str(stock.value)
+    assert len(live_contexts()) == live  # the trainer TRL refused to build holds no plugins
 
 
 # -------------------------------------------------------------------------------------------------------------------
@@ -320,6 +324,7 @@ def test_torchrun_on_cpu_without_use_cpu_is_refused(tmp_path):
     assert len(refused) == 2 and "NOT REFUSED" not in proc.stdout, out[-4000:]
     assert all("WORLD_SIZE=2 says" in line and "set `use_cpu=True`" in line for line in refused)
     assert proc.stdout.count("WORLD 2 ('sync_metrics',)") == 2, out[-4000:]
+    assert proc.stderr.count("trl-ext: DPOTrainer gets plugins sync_metrics") == 1  # the main process only
 
 
 # -------------------------------------------------------------------------------------------------------------------

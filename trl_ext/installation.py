@@ -221,25 +221,34 @@ class Installation:
             installation._contexts.append(weakref.ref(trainer))
             if installation.keep_records:
                 installation._kept.append(ctx)
-            ctx.hook.trl_ext_trainer_init_start(trainer=trainer, context=ctx, init_kwargs=init_kwargs)
-            # A TRL flag that TRL ignores but a trl-ext plugin implements is hidden from TRL while its `__init__` runs
-            # (so TRL neither warns that it falls back nor acts on it), then restored on the user's config object.
-            hidden, left = installation._hide_ignored_flags(trainer_class, init_kwargs.get("args"), ctx)
-            if enabled:
-                _attach_before_init(ctx)
             try:
-                with ctx.running():
-                    original(trainer, **init_kwargs)
-            finally:
-                for flag, value in hidden.items():
-                    setattr(init_kwargs["args"], flag, value)
-            ctx.prepare_models()
-            if enabled:
-                _attach_after_init(ctx)
-            ctx.hook.trl_ext_trainer_init_end(trainer=trainer, context=ctx)
+                left = installation._build(ctx, original, init_kwargs)
+            except BaseException:
+                ctx.detach()  # a trainer TRL (or a plugin) refused to build holds nothing
+                raise
             installation._announce(ctx, left)
 
         return __init__
+
+    def _build(self, ctx: TrainerContext, original, init_kwargs: dict[str, Any]) -> list[str]:
+        trainer, enabled = ctx.trainer, ctx.enabled
+        ctx.hook.trl_ext_trainer_init_start(trainer=trainer, context=ctx, init_kwargs=init_kwargs)
+        # A TRL flag that TRL ignores but a trl-ext plugin implements is hidden from TRL while its `__init__` runs
+        # (so TRL neither warns that it falls back nor acts on it), then restored on the user's config object.
+        hidden, left = self._hide_ignored_flags(ctx.trainer_class, init_kwargs.get("args"), ctx)
+        if enabled:
+            _attach_before_init(ctx)
+        try:
+            with ctx.running():
+                original(trainer, **init_kwargs)
+        finally:
+            for flag, value in hidden.items():
+                setattr(init_kwargs["args"], flag, value)
+        ctx.prepare_models()
+        if enabled:
+            _attach_after_init(ctx)
+        ctx.hook.trl_ext_trainer_init_end(trainer=trainer, context=ctx)
+        return left
 
     def _hide_ignored_flags(
         self, trainer_class: str, trl_args: Any, ctx: TrainerContext
