@@ -96,11 +96,14 @@ def _attend(
     scaling: float | None,
     sliding_window: int | None,
     enable_gqa: bool,
+    valid_keys: int | None = None,
 ) -> torch.Tensor:
-    """Attention of `q` queries over `offset + q` keys: all of the first `offset`, causal over the rest."""
+    """Attention of `q` queries over `offset + q` keys: all of the first `offset`, causal over the rest, and none from
+    `valid_keys` on (trailing padding that is read back but never attended to)."""
     q, k = query.shape[2], key.shape[2]
     windowed = sliding_window is not None and k > sliding_window
-    if offset == 0 and not windowed:
+    hidden_keys = valid_keys is not None and valid_keys < k
+    if offset == 0 and not windowed and not hidden_keys:
         return F.scaled_dot_product_attention(
             query, key, value, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=enable_gqa
         )
@@ -109,6 +112,8 @@ def _attend(
     mask = k_pos <= q_pos
     if windowed:
         mask = mask & (k_pos > q_pos - sliding_window)
+    if hidden_keys:
+        mask = mask & (k_pos < valid_keys)
     return F.scaled_dot_product_attention(
         query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=enable_gqa
     )
@@ -150,7 +155,7 @@ def _make_shared_attention(base: str) -> Callable:
                     _attend(query[:, :, ps:pe], key[:, :, ps:pe], value[:, :, ps:pe], 0, dropout, scaling,
                             sliding_window, gqa)
                 )  # fmt: skip
-            for bs, be in branches:
+            for bs, be, ke in branches:
                 if be == bs:
                     continue
                 if pe > ps:
@@ -158,7 +163,10 @@ def _make_shared_attention(base: str) -> Callable:
                     v = torch.cat([value[:, :, ps:pe], value[:, :, bs:be]], dim=2)
                 else:
                     k, v = key[:, :, bs:be], value[:, :, bs:be]
-                outs.append(_attend(query[:, :, bs:be], k, v, pe - ps, dropout, scaling, sliding_window, gqa))
+                offset = pe - ps
+                outs.append(
+                    _attend(query[:, :, bs:be], k, v, offset, dropout, scaling, sliding_window, gqa, offset + ke - bs)
+                )
         out = torch.cat(outs, dim=2) if len(outs) != 1 else outs[0]
         return out.transpose(1, 2).contiguous(), None
 

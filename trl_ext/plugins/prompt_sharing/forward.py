@@ -4,7 +4,8 @@ Wrapped are the causal LM's `forward` (TRL's fused LM head on TRL >= 1.15, the m
 backbone's (`model.base_model`). A wrapped forward that gets a padded scoring call (`use_cache=False`, a 2D
 `attention_mask`, nothing that needs per-row outputs such as a cache or hidden states) takes the layout from the batch
 (the collator's), or builds it from what the call carries: TRL's DPO labels (-100 exactly outside the completion), or
-the prompt width that Online DPO's `_forward` announces (`online_prompt_columns`). It then runs the model once on the
+the prompt width that Online DPO's `_forward` announces (`online_prompt_columns`). A call with none of these (e.g.
+generation, a user's own forward) runs as it came. It then runs the model once on the
 shared row, with the segments for the shared attention, and scatters the per-token outputs back:
 
 - fused LM head: `log_probs`, `entropy`, `mean_logits`, `is_top1`, `log_sum_sq_probs` as `[rows, length - 1]`;
@@ -83,19 +84,20 @@ def _shareable(kwargs: dict[str, Any], online: bool) -> bool:
     )
 
 
-def _layout_for(kwargs: dict[str, Any], meta: Any, online: int | None) -> SharedLayout:
+def _layout_for(kwargs: dict[str, Any], meta: Any, online: int | None) -> SharedLayout | None:
+    """The layout of a shareable call, or None when nothing says where its prompts end (not a TRL scoring call:
+    generation without a cache, a user's own forward); such calls run as they came."""
     input_ids, attention_mask = kwargs["input_ids"], kwargs["attention_mask"]
     layout = SharedLayout.from_batch(meta, input_ids)
     if layout is not None:
         return layout
     labels = kwargs.get("labels")
     if online is not None:
-        prompt_end = [online] * input_ids.shape[0]
-    elif isinstance(labels, torch.Tensor) and labels.shape == input_ids.shape:
-        prompt_end = prompt_end_from_labels(labels, attention_mask)
-    else:
-        prompt_end = None  # nothing tells where the prompts end: packed, unshared
-    return build_layout(input_ids, attention_mask, prompt_end)
+        # Online DPO reads (and logs metrics over) the logits of the completion padding too
+        return build_layout(input_ids, attention_mask, [online] * input_ids.shape[0], trailing_padding=True)
+    if isinstance(labels, torch.Tensor) and labels.shape == input_ids.shape:
+        return build_layout(input_ids, attention_mask, prompt_end_from_labels(labels, attention_mask))
+    return None
 
 
 def shared_kwargs(kwargs: dict[str, Any], layout: SharedLayout) -> dict[str, Any]:
@@ -148,15 +150,15 @@ def make_causal_lm_forward(original: Callable, state: Any, role: str, check: Cal
         meta = kwargs.pop(LAYOUT_KEY, None)
         args = _positional_input_ids(args, kwargs)
         online = _ONLINE_PROMPT_COLUMNS.get()
-        if args or not _shareable(kwargs, online is not None):
-            if kwargs.get("use_cache") is False and isinstance(kwargs.get("attention_mask"), torch.Tensor):
-                # A scoring call on a padded batch that sharing cannot reproduce (e.g. `output_hidden_states`): it
-                # runs as it came, which is correct; say so once instead of hiding it.
+        layout = None if args or not _shareable(kwargs, online is not None) else _layout_for(kwargs, meta, online)
+        if layout is None:
+            if meta is not None or online is not None or kwargs.get("labels") is not None:
+                # A TRL scoring call that sharing cannot reproduce (e.g. `output_hidden_states`): it runs as it
+                # came, which is correct; say so once instead of hiding it.
                 state.unshared_calls += 1
                 if state.unshared_calls == 1:
                     logger.warning("prompt_sharing: a forward with %s ran unshared (not shareable)", sorted(kwargs))
             return original(*args, **kwargs)
-        layout = _layout_for(kwargs, meta, online)
         outputs = run(kwargs, layout)
         state.record(layout)
         if check is not None:
@@ -174,9 +176,9 @@ def make_backbone_forward(original: Callable, state: Any) -> Callable:
         meta = kwargs.pop(LAYOUT_KEY, None)
         args = _positional_input_ids(args, kwargs)
         online = _ONLINE_PROMPT_COLUMNS.get()
-        if args or not _shareable(kwargs, online is not None):
+        layout = None if args or not _shareable(kwargs, online is not None) else _layout_for(kwargs, meta, online)
+        if layout is None:
             return original(*args, **kwargs)
-        layout = _layout_for(kwargs, meta, online)
         with shared_call():
             outputs = original(**shared_kwargs(kwargs, layout))
         state.record(layout)

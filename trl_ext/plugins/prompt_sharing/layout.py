@@ -38,9 +38,11 @@ __all__ = ["LAYOUT_KEY", "Groups", "PromptSharingCollator", "SharedLayout", "bui
 #: 1.12.0 and 1.16.0); the wrappers pop it before the model sees its kwargs.
 LAYOUT_KEY = "trl_ext_prompt_sharing"
 
-#: Groups of a shared row as host ints: `((prefix_start, prefix_end, ((branch_start, branch_end), ...)), ...)`, in
-#: row order; every token of the row belongs to exactly one prefix or branch.
-Groups = tuple[tuple[int, int, tuple[tuple[int, int], ...]], ...]
+#: Groups of a shared row as host ints: `((prefix_start, prefix_end, ((branch_start, branch_end, keys_end), ...)),
+#: ...)`, in row order; every token of the row belongs to exactly one prefix or branch. A branch's tokens from
+#: `keys_end` on are trailing padding whose outputs the caller reads (Online DPO): they attend to the real tokens
+#: only, as in the padded forward, and no token attends to them.
+Groups = tuple[tuple[int, int, tuple[tuple[int, int, int], ...]], ...]
 
 # Batch keys of vision-language collators (images are matched to placeholder tokens per row).
 _VISION_KEYS = ("pixel_values", "pixel_attention_mask", "image_grid_thw", "image_sizes", "token_type_ids")
@@ -98,7 +100,9 @@ class SharedLayout:
         if (layout.rows, layout.length) != tuple(input_ids.shape) or layout.gather.device != input_ids.device:
             return None
         # accelerate's `send_to_device` rebuilds tuples as tuples, lists as lists: normalise the host ints
-        layout.groups = tuple((int(a), int(b), tuple((int(s), int(e)) for s, e in br)) for a, b, br in layout.groups)
+        layout.groups = tuple(
+            (int(a), int(b), tuple(tuple(int(x) for x in branch) for branch in br)) for a, b, br in layout.groups
+        )
         return layout
 
 
@@ -127,6 +131,7 @@ def build_layout(
     attention_mask: torch.Tensor,
     prompt_end: torch.Tensor | list[int] | None,
     share: bool = True,
+    trailing_padding: bool = False,
 ) -> SharedLayout:
     """The shared layout of a padded batch.
 
@@ -137,6 +142,10 @@ def build_layout(
             completion starts (the row's end when it has no completion token). `None`: nothing is shared.
         share (`bool`, *optional*, defaults to `True`): `False` gives the unshared packed layout (every row one
             segment), which the self-check compares with.
+        trailing_padding (`bool`, *optional*, defaults to `False`): also compute the padding after each row's real
+            tokens (as queries over the real tokens only, exactly what a padded forward gives there). Online DPO logs
+            metrics summed over every completion column, padding included (online_dpo_trainer.py `objective/kl`,
+            `objective/entropy`, `objective/non_score_reward`, checked 1.12.0 and 1.16.0).
 
     Returns:
         `SharedLayout`, on the device of `input_ids`.
@@ -197,16 +206,17 @@ def build_layout(
         for k, r in enumerate(members):
             s, e = starts[r], ends[r]
             b0 = s + n_prefix
-            cols = torch.arange(b0, e)
-            bs, be = cursor, cursor + (e - b0)
+            stop = length if trailing_padding and e > s else e
+            cols = torch.arange(b0, stop)
+            bs, ke, be = cursor, cursor + (e - b0), cursor + (stop - b0)
             gather.append(r * length + cols)
             positions.append(cols)
             if be > bs and (k > 0 or not n_prefix):
                 label_starts.append(bs)
-            # every real token of row r: its prefix part maps to the group's prefix, the rest to its branch
-            real_flat.append(r * length + torch.arange(s, e))
+            # every token of row r read back: its prefix part maps to the group's prefix, the rest to its branch
+            real_flat.append(r * length + torch.arange(s, stop))
             real_shared.append(torch.cat([torch.arange(ps, pe), torch.arange(bs, be)]))
-            branches.append((bs, be))
+            branches.append((bs, be, ke))
             cursor = be
         groups.append((ps, pe, tuple(branches)))
 
@@ -219,7 +229,7 @@ def build_layout(
     row_of = torch.div(real_flat_t, length, rounding_mode="floor")
     col_of = real_flat_t - row_of * length
     ends_t = torch.tensor(ends, dtype=torch.long)[row_of] if rows else torch.zeros(0, dtype=torch.long)
-    has_next = col_of + 1 < ends_t
+    has_next = col_of + 1 < ends_t  # padding read back (`trailing_padding`) predicts nothing TRL scores
     shift_flat = row_of[has_next] * (length - 1) + col_of[has_next]
     shift_shared = real_shared_t[has_next]
 
@@ -239,7 +249,7 @@ def build_layout(
         groups=tuple(groups),
         shared_rows=shared_rows,
         unshared_rows=rows - shared_rows,
-        padded_tokens=real_flat_t.numel(),
+        padded_tokens=int(attention_mask.sum()),
     )
 
 
