@@ -142,8 +142,12 @@ def _online_trainer(tokenizer, flags: dict, prompts: list[list[int]], completion
     lengths = torch.randint(completion_len // 3, completion_len + 1, (2 * len(prompts),), generator=g)
     completion_mask = (torch.arange(completion_len)[None] < lengths[:, None]).long()
     completion_ids = completion_ids.masked_fill(completion_mask == 0, 0)
-    trainer._generate = lambda model, prompts, images=None: (prompt_ids, prompt_mask, completion_ids, completion_mask,
-                                                             None)  # fmt: skip
+    import inspect
+
+    batch = (prompt_ids, prompt_mask, completion_ids, completion_mask, None)
+    if "vision_inputs = self._generate(" not in inspect.getsource(OnlineDPOTrainer.training_step):
+        batch = batch[:4]  # TRL < 1.16 returns no vision inputs
+    trainer._generate = lambda model, prompts, images=None: batch
     return trainer
 
 

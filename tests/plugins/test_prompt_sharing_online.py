@@ -39,6 +39,15 @@ def _fixed_generation(prompt_lens=(5, 9, 2), completion_lens=(6, 3, 1, 4, 6, 2),
     return prompt_ids, prompt_mask, completion_ids, completion_mask
 
 
+def _generate_arity() -> int:
+    """`OnlineDPOTrainer._generate` returns 4 tensors on TRL 1.12 and those plus `vision_inputs` on 1.16."""
+    import inspect
+
+    from trl.experimental.online_dpo import OnlineDPOTrainer
+
+    return 5 if "vision_inputs = self._generate(" in inspect.getsource(OnlineDPOTrainer.training_step) else 4
+
+
 @pytest.fixture
 def build(online_dpo_args, tokenizer):
     def make(*, generation=None, ref=True, peft_config=None, **overrides):
@@ -57,8 +66,9 @@ def build(online_dpo_args, tokenizer):
             processing_class=tokenizer,
             peft_config=peft_config,
         )
-        batch = generation or _fixed_generation()
-        trainer._generate = lambda model, prompts, images=None: (*batch, None)  # the same completions for both
+        batch = (*(generation or _fixed_generation()), None)[: _generate_arity()]
+        trainer._generate = lambda model, prompts, images=None: batch  # the same completions for both
+
         return trainer
 
     return make
