@@ -274,6 +274,21 @@ def test_precompute_ref_log_probs(build):
         _compare(stock, shared, _examples(stock))
 
 
+def test_with_precompute_ref_batch_size_plugin(build, tmp_path):
+    """Together with the `precompute_ref_batch_size` plugin, which batches the precompute itself (with the trainer's
+    collator, so the batches carry the layout): shared, same reference columns."""
+    stock = build(ref=False, precompute_ref_log_probs=True)
+    plugins = {"precompute_ref_batch_size": {"cache_dir": str(tmp_path / "ref_cache")}}
+    with trl_ext.install(prompt_sharing=True, precompute_ref_batch_size=3, plugins=plugins):
+        shared = build(ref=False, precompute_ref_log_probs=True)
+        assert set(shared._trl_ext.enabled) >= {"prompt_sharing", "precompute_ref_batch_size"}
+        state = _state(shared)
+        assert state.shared_calls > 0 and state.unshared_calls == 0
+        for column in ("ref_chosen_logps", "ref_rejected_logps"):
+            a, b = torch.tensor(stock.train_dataset[column]), torch.tensor(shared.train_dataset[column])
+            assert _max_rel(b, a) <= LOGPS_RTOL
+
+
 def test_peft_lora_policy(build):
     """LoRA policy whose reference is the adapter-disabled base model: both forwards run shared."""
     from peft import LoraConfig

@@ -336,5 +336,11 @@ class PromptSharingCollator:
         batch[LAYOUT_KEY] = layout.to_batch()
         return batch
 
+    def __getattr__(self, name: str) -> Any:
+        # What the wrapped collator knows (`max_length`, `truncation_mode`, `pad_token_id`, read by other plugins)
+        if name == "collator":  # not set yet (unpickling in a data-loader worker)
+            raise AttributeError(name)
+        return getattr(self.collator, name)
+
     def __repr__(self) -> str:
         return f"PromptSharingCollator({self.collator!r})"
