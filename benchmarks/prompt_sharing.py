@@ -17,7 +17,8 @@ same batch, in rotated order, one at a time (the others wait), after one warm-up
   that also counts attention (superlinear in length, so sharing can beat the token bound by a little);
 - the measured ratio padding_free / prompt_sharing (median of the per-round ratios, with min and max), and the same
   over stock; the target is >= 0.85x the bound over padding_free;
-- each variant's median step time and peak RSS during a step (the kernel's high-water mark, reset before the step).
+- each variant's median step time (wall and process CPU; CPU time is less disturbed by other jobs on the machine) and
+  peak RSS during a step (the kernel's high-water mark, reset before the step).
 
 With `--online`, the same for one `OnlineDPOTrainer.training_step` (stock vs prompt_sharing) with fixed completions
 (generation replaced by a stored batch, so the step times the scoring forwards, the loss and the backward).
@@ -275,8 +276,13 @@ def main(args) -> None:
         wall = {n: [r[n]["wall"] for r in rounds] for n in variants}
         result["median_wall_s"] = {n: statistics.median(w) for n, w in wall.items()}
         result["peak_rss_mib"] = {n: max(r[n]["peak_mib"] for r in rounds) for n in variants}
+        result["median_cpu_s"] = {n: statistics.median(r[n]["cpu"] for r in rounds) for n in variants}
         over_stock = [r["stock"]["wall"] / r["prompt_sharing"]["wall"] for r in rounds]
         result["prompt_sharing_over_stock"] = _spread(over_stock)
+        # process CPU time: less disturbed than wall time when other jobs share the machine
+        result["prompt_sharing_over_stock_cpu"] = _spread(
+            [r["stock"]["cpu"] / r["prompt_sharing"]["cpu"] for r in rounds]
+        )
         if shape != "online":
             tok = [r["stock"]["tokens"] for r in rounds]
             shared_bound = [(2 * t["P"] + t["CR"]) / (t["P"] + t["CR"]) for t in tok]
@@ -292,6 +298,9 @@ def main(args) -> None:
                 token_bound_over_packing=round(bound, 3),
                 flop_bound_over_packing=round(statistics.median(flop_bound), 3),
                 prompt_sharing_over_padding_free=_spread(over_pf),
+                prompt_sharing_over_padding_free_cpu=_spread(
+                    [r["padding_free"]["cpu"] / r["prompt_sharing"]["cpu"] for r in rounds]
+                ),
                 fraction_of_bound=round(ratio / bound, 3),
                 padding_free_over_stock=_spread(pf_over_stock),
                 packing_bound_over_stock=round(statistics.median(pack_bound), 3),
