@@ -28,6 +28,7 @@ declare -A EQUIVALENCE_TESTS=(
   ["0003-dpo-precompute-cache-key.patch"]="tests/patches/test_native_precompute_cache.py"
   ["0004-dpo-single-collective-metrics.patch"]="tests/patches/test_native_metrics_sync.py"
   ["0005-bounded-zero3-generation.patch"]="tests/patches/test_native_bounded_generation.py"
+  ["0006-dpo-prompt-sharing.patch"]="tests/patches/test_native_prompt_sharing.py"
 )
 
 fail() {

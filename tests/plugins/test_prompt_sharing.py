@@ -1,0 +1,552 @@
+"""prompt_sharing: DPO with each prompt computed once equals stock padded DPO (TRL 1.16 fused LM head, 1.12 logits).
+
+Every equivalence test runs a stock `DPOTrainer` (trl-ext not installed) and a trainer with the plugin, on the same
+float64 weights and the same examples, and compares per-sequence log-probs, losses, gradients and logged metrics.
+TRL >= 1.15's fused LM head computes its log-softmax in float32 whatever the model dtype, so there the bound is
+float32 round-off (relative 1e-6 on the log-probs); on TRL 1.12 (logits path) it is float64 round-off.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import trl_ext
+from trl_ext import UsageError, _compat
+from trl_ext.testing import make_model, make_preference_dataset
+
+TRL_LOSS_TYPES = [
+    "sigmoid",
+    "hinge",
+    "ipo",
+    "exo_pair",
+    "nca_pair",
+    "robust",
+    "bco_pair",
+    "sppo_hard",
+    "aot",
+    "aot_unpaired",
+    "apo_zero",
+    "apo_down",
+    "discopop",
+    "sft",
+    "sigmoid_norm",
+]
+
+FUSED = _compat.dpo_uses_fused_lm_head()
+# Per-sequence log-probs, relative to max(1, |x|): fp32 round-off of the fused head (1.16), fp64 round-off (1.12). A
+# sharing bug (a response attending to the other response, a position off by one, a token scored from the wrong
+# segment) moves them by > 1e-2 with these sharpened models.
+LOGPS_RTOL = 1e-6 if FUSED else 1e-11
+# Gradients (max |diff| relative to max |grad|), on both versions: Llama's RMSNorm computes in float32 whatever the
+# model dtype (modeling_llama.py `LlamaRMSNorm.forward`, `hidden_states.to(torch.float32)`), and a shared prompt token
+# receives the sum of both branches' gradients *before* that float32 backward, where the padded run sums after it.
+# Measured 5e-8 (1.12: exactly 0 with padding_free, which sums nothing); a real bug moves gradients by > 1e-3.
+GRAD_RTOL = 1e-6
+# Logged metrics after SGD steps inherit that round-off; differences of log-probs (rewards/margins) lose the relative
+# bound to cancellation, so they get an absolute one at the size of log-probs ~100 times 1e-7.
+METRIC_RTOL = 1e-6
+METRIC_ATOL = 1e-5
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def dataset():
+    # prompts about as long as the responses, so that sharing matters
+    return make_preference_dataset(16, seed=0, prompt_median=14, completion_median=8)
+
+
+def _sharpen(model):
+    """Scale the LM head of a fresh tiny model so its next-token distribution is far from uniform: scoring a token
+    from the wrong context then moves the log-probs a lot, not by a hair."""
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(16)
+    return model
+
+
+@pytest.fixture
+def build(dpo_args, tokenizer, dataset):
+    """A DPOTrainer on float64 models: policy seed 0, reference seed 1 (unless PEFT or precompute)."""
+
+    def make(*, ref: bool = True, peft_config=None, model_kwargs=None, train_dataset=None, **args):
+        from trl import DPOTrainer
+
+        model_kwargs = {"dtype": torch.float64, **(model_kwargs or {})}
+        args.setdefault("bf16", False)
+        model = _sharpen(make_model(**model_kwargs))
+        ref_model = _sharpen(make_model(seed=1, **model_kwargs)) if ref else None
+        if peft_config is not None:
+            torch.manual_seed(123)  # same LoRA init in both trainers
+        return DPOTrainer(
+            model,
+            ref_model=ref_model,
+            args=dpo_args(**args),
+            train_dataset=dataset if train_dataset is None else train_dataset,
+            processing_class=tokenizer,
+            peft_config=peft_config,
+        )
+
+    return make
+
+
+def _examples(trainer, n=6):
+    return [trainer.train_dataset[i] for i in range(n)]
+
+
+def _state(trainer):
+    return trainer._trl_ext.state["prompt_sharing"]
+
+
+def _max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).abs() / b.double().abs().clamp(min=1.0)).max().item()
+
+
+def _loss_and_grads(trainer, batch):
+    trainer.model.zero_grad(set_to_none=True)
+    loss = trainer.compute_loss(trainer.model, batch)
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads
+
+
+def _assert_same_grads(stock: dict, shared: dict) -> None:
+    assert stock.keys() == shared.keys() and stock
+    scale = max(g.abs().max().item() for g in stock.values())
+    worst = max((stock[n] - shared[n]).abs().max().item() for n in stock)
+    assert scale > 0
+    assert worst <= GRAD_RTOL * scale, f"grad diff {worst:.3g} vs max |grad| {scale:.3g}"
+
+
+def _compare(stock, shared, examples, logps=True):
+    """Per-sequence logps, loss and gradients of a stock and a sharing trainer on the same examples."""
+    stock_batch = stock.data_collator(examples)
+    shared_batch = shared.data_collator(examples)
+    assert "trl_ext_prompt_sharing" in shared_batch and "trl_ext_prompt_sharing" not in stock_batch
+    calls = _state(shared).shared_calls
+    if logps:  # `compute_ref_log_probs(model, batch)` is TRL's own per-sequence scoring (the precompute's)
+        stock_logps = stock.compute_ref_log_probs(stock.model, stock_batch)
+        shared_logps = shared.compute_ref_log_probs(shared.model, shared_batch)
+        for a, b in zip(stock_logps, shared_logps, strict=True):
+            assert _max_rel(b, a) <= LOGPS_RTOL
+    stock_loss, stock_grads = _loss_and_grads(stock, stock_batch)
+    shared_loss, shared_grads = _loss_and_grads(shared, shared_batch)
+    assert _state(shared).shared_calls > calls  # the shared path really ran
+    assert _state(shared).unshared_calls == 0
+    assert abs(shared_loss.item() - stock_loss.item()) <= METRIC_RTOL * max(1.0, abs(stock_loss.item()))
+    _assert_same_grads(stock_grads, shared_grads)
+    return stock_batch, shared_batch
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# Layout
+# -------------------------------------------------------------------------------------------------------------------
+
+
+def test_layout_shares_each_prompt_once(build):
+    from trl_ext.plugins.prompt_sharing.layout import build_layout
+
+    with trl_ext.install(prompt_sharing=True):
+        trainer = build()
+        examples = _examples(trainer)
+        batch = trainer.data_collator(examples)
+    lay = batch["trl_ext_prompt_sharing"]
+    prompts = [len(e["prompt_ids"]) for e in examples]
+    responses = [len(e["chosen_ids"]) + len(e["rejected_ids"]) for e in examples]
+    # prompt[:-1] once, then (prompt[-1], response) per branch: P + C + R + 1 tokens per pair
+    assert lay["gather"].numel() == sum(p + r + 1 for p, r in zip(prompts, responses, strict=True))
+    assert lay["unshared_rows"] == 0 and lay["padded_tokens"] == int(batch["attention_mask"].sum())
+    for (ps, pe, branches), p in zip(lay["groups"], prompts, strict=True):
+        assert pe - ps == p - 1 and len(branches) == 2
+        for bs, *_ in branches:  # both branches continue from the prompt
+            assert lay["position_ids"][0, bs].item() == p - 1
+    # the unshared layout: every row one segment, positions from 0
+    flat = build_layout(batch["input_ids"], batch["attention_mask"], None)
+    assert flat.gather.numel() == int(batch["attention_mask"].sum()) and flat.shared_rows == 0
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# Equivalence: every loss type and loss option, through TRL's real `compute_loss`
+# -------------------------------------------------------------------------------------------------------------------
+
+# As in test_padding_free.py: both trainers are built once with `use_weighting=True` (so TRL 1.16's fused head also
+# returns `log_sum_sq_probs`) and each case sets the loss attributes `DPOTrainer.__init__` stores from `DPOConfig`
+# (checked identical in 1.12.0 and 1.16.0) on both. exo_pair needs label_smoothing > 0.
+LOSS_CASES = [{"loss_types": [t], **({"label_smoothing": 1e-3} if t == "exo_pair" else {})} for t in TRL_LOSS_TYPES]
+LOSS_CASES += [
+    {"loss_types": ["robust"], "label_smoothing": 0.1},
+    {"loss_types": ["aot", "aot_unpaired"], "label_smoothing": 0.1},
+    {"loss_types": ["sigmoid", "bco_pair", "sft"], "loss_weights": [0.8, 0.2, 1.0]},
+    {"loss_types": ["sigmoid"], "ld_alpha": 0.5},
+    {"loss_types": ["sigmoid_norm", "ipo"], "ld_alpha": 0.3, "loss_weights": [1.0, 0.5]},
+    {"loss_types": ["sigmoid", "ipo", "apo_down"], "use_weighting": True},
+]
+
+
+def _set_loss(trainer, case):
+    trainer.loss_types = case["loss_types"]
+    trainer.loss_weights = case.get("loss_weights", [1.0] * len(case["loss_types"]))
+    trainer.label_smoothing = case.get("label_smoothing", 0.0)
+    trainer.ld_alpha = case.get("ld_alpha")
+    trainer.use_weighting = case.get("use_weighting", False)
+
+
+@pytest.mark.parametrize("case", LOSS_CASES, ids=lambda c: "+".join(c["loss_types"]) + ("-opt" if len(c) > 1 else ""))
+def test_every_loss_type_and_option(build, case):
+    stock = build(use_weighting=True, label_smoothing=1e-3, loss_type=["exo_pair"])
+    with trl_ext.install(prompt_sharing=True):
+        shared = build(use_weighting=True, label_smoothing=1e-3, loss_type=["exo_pair"])
+        _set_loss(stock, case)
+        _set_loss(shared, case)
+        _compare(stock, shared, _examples(stock), logps=case is LOSS_CASES[0])
+
+
+def test_loss_cases_cover_every_trl_loss_type():
+    assert {t for case in LOSS_CASES for t in case["loss_types"]} == set(TRL_LOSS_TYPES)
+
+
+def test_fp64_per_sequence_logps(build):
+    stock = build()
+    with trl_ext.install(prompt_sharing=True):
+        shared = build()
+        examples = _examples(stock, 8)
+        a = torch.cat(stock.compute_ref_log_probs(stock.model, stock.data_collator(examples)))
+        b = torch.cat(shared.compute_ref_log_probs(shared.model, shared.data_collator(examples)))
+        assert _state(shared).rows == 16 and _state(shared).unshared_rows == 0
+    assert (a.abs() > 5).all()  # real, sizeable log-probs
+    assert _max_rel(b, a) <= LOGPS_RTOL
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# Training, evaluation, precompute, PEFT, gradient checkpointing, unshared pairs
+# -------------------------------------------------------------------------------------------------------------------
+
+
+def _train_logs(trainer):
+    trainer.train()
+    return [log for log in trainer.state.log_history if "loss" in log]
+
+
+def _assert_same_logs(stock_logs, shared_logs):
+    assert len(stock_logs) == len(shared_logs) > 0
+    for s, p in zip(stock_logs, shared_logs, strict=True):
+        assert s.keys() == p.keys()
+        for key in s:
+            if key.endswith("runtime") or key.endswith("per_second"):
+                continue
+            assert p[key] == pytest.approx(s[key], rel=METRIC_RTOL, abs=METRIC_ATOL), key
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("gradient_checkpointing", [False, True])
+def test_train_steps_and_metrics_match(build, dataset, gradient_checkpointing):
+    """Three SGD steps + evaluate: same losses and every logged metric, with and without gradient checkpointing."""
+    kwargs = dict(max_steps=3, optim="sgd", learning_rate=0.1)
+    stock = build(**kwargs)
+    stock_logs = _train_logs(stock)
+    stock_eval = stock.evaluate(dataset.select(range(8)))
+    with trl_ext.install(prompt_sharing=True):
+        shared = build(gradient_checkpointing=gradient_checkpointing, **kwargs)
+        shared_logs = _train_logs(shared)
+        shared_eval = shared.evaluate(dataset.select(range(8)))
+        assert _state(shared).shared_calls >= 3 * 2 + 2  # policy + ref per step, and evaluation
+        assert set(_state(shared).checked) == {"policy", "ref"}  # the self-check ran on both
+    _assert_same_logs([*stock_logs, stock_eval], [*shared_logs, shared_eval])
+    assert shared_logs[-1]["num_tokens"] == stock_logs[-1]["num_tokens"]  # real tokens, exactly
+
+
+def test_precompute_ref_log_probs(build):
+    """`precompute_ref_log_probs=True`: the precompute runs shared (inside `__init__`), same columns, same loss."""
+    stock = build(ref=False, precompute_ref_log_probs=True)
+    with trl_ext.install(prompt_sharing=True):
+        shared = build(ref=False, precompute_ref_log_probs=True)
+        assert _state(shared).shared_calls > 0  # the precompute ran through the shared forward, not a cache file
+        assert _state(shared).shared_tokens < _state(shared).padded_tokens
+        for column in ("ref_chosen_logps", "ref_rejected_logps"):
+            a, b = torch.tensor(stock.train_dataset[column]), torch.tensor(shared.train_dataset[column])
+            assert _max_rel(b, a) <= LOGPS_RTOL
+        _compare(stock, shared, _examples(stock))
+
+
+def test_with_precompute_ref_batch_size_plugin(build, tmp_path):
+    """Together with the `precompute_ref_batch_size` plugin, which batches the precompute itself (with the trainer's
+    collator, so the batches carry the layout): shared, same reference columns."""
+    stock = build(ref=False, precompute_ref_log_probs=True)
+    plugins = {"precompute_ref_batch_size": {"cache_dir": str(tmp_path / "ref_cache")}}
+    with trl_ext.install(prompt_sharing=True, precompute_ref_batch_size=3, plugins=plugins):
+        shared = build(ref=False, precompute_ref_log_probs=True)
+        assert set(shared._trl_ext.enabled) >= {"prompt_sharing", "precompute_ref_batch_size"}
+        state = _state(shared)
+        assert state.shared_calls > 0 and state.unshared_calls == 0
+        for column in ("ref_chosen_logps", "ref_rejected_logps"):
+            a, b = torch.tensor(stock.train_dataset[column]), torch.tensor(shared.train_dataset[column])
+            assert _max_rel(b, a) <= LOGPS_RTOL
+
+
+def test_peft_lora_policy(build):
+    """LoRA policy whose reference is the adapter-disabled base model: both forwards run shared."""
+    from peft import LoraConfig
+
+    def lora():
+        return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+
+    stock = build(ref=False, peft_config=lora())
+    with trl_ext.install(prompt_sharing=True):
+        shared = build(ref=False, peft_config=lora())
+        assert set(_state(shared).attn_implementations) == {"policy"}
+        _compare(stock, shared, _examples(stock))
+
+
+def test_with_padding_free_means_the_same(build):
+    """Both flags: prompt_sharing owns the collator and the forward (padding_free's exclusive hooks step aside)."""
+    stock = build()
+    with trl_ext.install(prompt_sharing=True, padding_free=True):
+        shared = build()
+        assert set(shared._trl_ext.enabled) >= {"padding_free", "prompt_sharing"}
+        assert type(shared.data_collator).__name__ == "PromptSharingCollator"
+        assert shared.model.config._attn_implementation == "trl_ext_shared_sdpa"
+        _compare(stock, shared, _examples(stock))
+
+
+def test_keep_end_truncation_runs_unshared_and_says_so(build, caplog):
+    """`truncation_mode="keep_end"` cuts prompts differently for the chosen and the rejected sequence: those pairs
+    run unshared (and are counted), the others share, and everything still equals stock."""
+    from datasets import Dataset
+
+    words = lambda a, n: " ".join(f"w{a + i}" for i in range(n))  # noqa: E731
+    rows = [
+        {"prompt": words(1, 6), "chosen": " " + words(10, 9), "rejected": " " + words(30, 2)},  # cut differently
+        {"prompt": words(40, 5), "chosen": " " + words(50, 3), "rejected": " " + words(60, 4)},  # fits: shared
+        {"prompt": words(80, 6), "chosen": " " + words(90, 1), "rejected": " " + words(100, 3)},  # fits: shared
+    ]
+    data = Dataset.from_list(rows)
+    stock = build(train_dataset=data, max_length=10, truncation_mode="keep_end")
+    with trl_ext.install(prompt_sharing=True):
+        shared = build(train_dataset=data, max_length=10, truncation_mode="keep_end")
+        with caplog.at_level("WARNING"):
+            _compare(stock, shared, _examples(stock, 3))
+        state = _state(shared)
+        assert state.unshared_rows > 0 and state.unshared_rows < state.rows
+        assert state.summary()["unshared_fraction"] == pytest.approx(state.unshared_rows / state.rows)
+    assert "run unshared" in caplog.text
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# Isolation and the self-check
+# -------------------------------------------------------------------------------------------------------------------
+
+
+def test_isolation(build):
+    """Changing a rejected response changes no chosen log-prob (and no other sequence); changing a prompt changes both
+    sequences of its pair and nothing else."""
+    with trl_ext.install(prompt_sharing=True):
+        trainer = build()
+        examples = _examples(trainer)
+        n = len(examples)
+
+        def logps(exs):
+            return torch.cat(trainer.compute_ref_log_probs(trainer.model, trainer.data_collator(exs)))
+
+        base = logps(examples)
+        changed = [dict(e) for e in examples]
+        changed[2]["rejected_ids"] = [(t + 7) % 250 + 4 for t in changed[2]["rejected_ids"]]
+        after = logps(changed)
+        assert (after[n + 2] - base[n + 2]).abs() > 1e-3  # the changed rejected response did change
+        others = [i for i in range(2 * n) if i != n + 2]
+        assert torch.equal(after[others], base[others])  # its chosen response (row 2) included
+
+        changed = [dict(e) for e in examples]
+        changed[4]["prompt_ids"] = [(t + 3) % 250 + 4 for t in changed[4]["prompt_ids"]]
+        after = logps(changed)
+        touched = [4, n + 4]
+        assert ((after[touched] - base[touched]).abs() > 1e-3).all()
+        others = [i for i in range(2 * n) if i not in touched]
+        assert torch.equal(after[others], base[others])
+
+
+def test_self_check_names_what_differed(build, monkeypatch):
+    """A shared attention that lets the rejected response see the chosen one is caught by the self-check on the first
+    forward, with a UsageError naming the model and the output."""
+    from trl_ext.plugins.prompt_sharing import attention
+
+    original = attention._attend
+
+    def leaky(query, key, value, offset, *args):
+        if offset:  # a branch: also show it the keys just before it (the previous branch, for a rejected one)
+            return original(query, key, value, 0, *args)
+        return original(query, key, value, offset, *args)
+
+    monkeypatch.setattr(attention, "_attend", leaky)
+    with trl_ext.install(prompt_sharing=True):
+        trainer = build()
+        batch = trainer.data_collator(_examples(trainer))
+        with pytest.raises(UsageError, match=r"self-check failed on the (policy|ref) model .*differs"):
+            trainer.compute_loss(trainer.model, batch)
+    with trl_ext.install(prompt_sharing=True, plugins={"prompt_sharing": {"self_check": False}}):
+        trainer = build()
+        trainer.compute_loss(trainer.model, trainer.data_collator(_examples(trainer)))  # unchecked: runs (wrong)
+        assert _state(trainer).checked == set()
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# Architectures: sliding windows, both attention bases
+# -------------------------------------------------------------------------------------------------------------------
+
+_ARCH_KWARGS = dict(
+    vocab_size=128,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=256,
+    pad_token_id=0,
+    bos_token_id=2,
+    eos_token_id=1,
+)
+_ARCH_EXTRA = {
+    "mistral": {"sliding_window": 6},
+    "qwen2": {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1},
+    "gemma3_text": {"sliding_window": 6, "layer_types": ["sliding_attention", "full_attention"]},
+    "phi3": {"sliding_window": 6},
+}
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma3_text", "phi3", "olmo2"])
+def test_architectures(model_type, attn):
+    """fp64: the shared forward of every allowlisted architecture (sliding windows shorter than prompt + response)
+    equals running each sequence alone, through the causal-LM wrapper and the backbone wrapper."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from trl_ext.patching import Patcher
+    from trl_ext.plugins.prompt_sharing import forward as fw
+    from trl_ext.plugins.prompt_sharing.attention import unregister_shared_attention
+    from trl_ext.plugins.prompt_sharing.layout import build_layout
+    from trl_ext.plugins.prompt_sharing.setup import PromptSharingState, configure_model
+
+    config = AutoConfig.for_model(model_type, **_ARCH_KWARGS, **_ARCH_EXTRA.get(model_type, {}))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float64).eval()
+    # Three pairs: prompts of 9, 4 and 1 tokens (the last one: nothing to share), responses of various lengths.
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 128, (n,), generator=g) for n in (9, 4, 1)]
+    responses = [[torch.randint(3, 128, (n,), generator=g) for n in pair] for pair in ((5, 8), (1, 6), (3, 2))]
+    seqs = [torch.cat([p, r[0]]) for p, r in zip(prompts, responses, strict=True)]
+    seqs += [torch.cat([p, r[1]]) for p, r in zip(prompts, responses, strict=True)]
+    length = max(len(s) for s in seqs)
+    ids = torch.zeros(len(seqs), length, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)], mask[i, : len(s)] = s, 1
+    prompt_end = [len(p) for p in prompts] * 2
+    with torch.no_grad():
+        expected = [model(input_ids=s[None], use_cache=False).logits[0] for s in seqs]
+        expected_hidden = [model.base_model(input_ids=s[None], use_cache=False).last_hidden_state[0] for s in seqs]
+
+    class Ctx:
+        patcher = Patcher("test")
+
+    layout = build_layout(ids, mask, prompt_end)
+    assert layout.shared_rows == 4 and layout.unshared_rows == 2
+    try:
+        assert configure_model(Ctx, "policy", model) == f"trl_ext_shared_{attn}"
+        state = PromptSharingState()
+        forward = fw.make_causal_lm_forward(model.forward, state, "policy", None)
+        backbone = fw.make_backbone_forward(model.base_model.forward, state)
+        with torch.no_grad():
+            kwargs = dict(
+                input_ids=ids, attention_mask=mask, use_cache=False, trl_ext_prompt_sharing=layout.to_batch()
+            )
+            logits = forward(**kwargs).logits
+            kwargs["trl_ext_prompt_sharing"] = layout.to_batch()
+            hidden = backbone(**kwargs).last_hidden_state
+        assert state.shared_calls == 2
+    finally:
+        Ctx.patcher.undo()
+        unregister_shared_attention()
+    assert model.config._attn_implementation == attn
+    # eager takes its softmax in fp32 for fp64 models on some architectures; the shared path runs SDPA in fp64
+    tol = 1e-10 if attn == "sdpa" else 1e-6
+    for i, s in enumerate(seqs):
+        n = len(s)
+        assert (logits[i, :n] - expected[i]).abs().max().item() < tol * 100, i
+        assert (hidden[i, :n] - expected_hidden[i]).abs().max().item() < tol, i
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# Generation, uninstall, refusals
+# -------------------------------------------------------------------------------------------------------------------
+
+
+def test_generation_unchanged_and_uninstall_restores(build):
+    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.modeling_utils import AttentionInterface
+
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 200, (3, 7), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0  # left padding, for generation
+    mask[2, :2] = 0
+    stock = build()
+    gen_kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+    expected = stock.model.generate(**gen_kwargs)
+    with trl_ext.install(prompt_sharing=True) as installation:
+        trainer = build()
+        model, backbone = trainer.model, trainer.model.base_model
+        wrapped = model.forward
+        assert model.config._attn_implementation == "trl_ext_shared_sdpa"
+        assert torch.equal(model.generate(**gen_kwargs), expected)
+        installation.uninstall()
+        assert model.config._attn_implementation == "sdpa"
+        # TRL 1.16's fused head sets an instance `forward` of its own: ours is gone, theirs is back
+        assert "forward" not in backbone.__dict__ and model.forward != wrapped
+        assert type(trainer.data_collator).__name__ == "DataCollatorForPreference"
+        assert "trl_ext_shared_sdpa" not in AttentionInterface._global_mapping
+        assert "trl_ext_shared_sdpa" not in AttentionMaskInterface._global_mapping
+        assert torch.equal(model.generate(**gen_kwargs), expected)
+
+
+def test_refuses_bad_options():
+    with pytest.raises(UsageError, match="self_chek"):
+        trl_ext.install(prompt_sharing=True, plugins={"prompt_sharing": {"self_chek": False}})
+
+
+@pytest.mark.parametrize("case", ["opt", "flex_attention", "liger", "prompt_tuning"])
+def test_refusals(build, dpo_args, tokenizer, dataset, case):
+    from trl import DPOTrainer
+
+    with trl_ext.install(prompt_sharing=True):
+        if case == "opt":  # its mask ignores position ids: outside the padding_free allowlist
+            from transformers import OPTConfig, OPTForCausalLM
+
+            config = OPTConfig(
+                vocab_size=256, hidden_size=32, ffn_dim=64, num_hidden_layers=1, num_attention_heads=4,
+                word_embed_proj_dim=32, pad_token_id=0,
+            )  # fmt: skip
+            with pytest.raises(UsageError, match="`opt` model"):
+                DPOTrainer(
+                    OPTForCausalLM(config),
+                    ref_model=make_model(),
+                    args=dpo_args(bf16=False),
+                    train_dataset=dataset,
+                    processing_class=tokenizer,
+                )
+        elif case == "flex_attention":
+            with pytest.raises(UsageError, match="flex_attention"):
+                build(model_kwargs={"attn_implementation": "flex_attention"})
+        elif case == "liger":
+            with pytest.raises(UsageError, match="use_liger_kernel"):
+                build(use_liger_kernel=True)
+        elif case == "prompt_tuning":
+            from peft import PromptTuningConfig
+
+            with pytest.raises(UsageError, match="prompt-learning"):
+                build(ref=False, peft_config=PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=2))

@@ -1,0 +1,173 @@
+"""prompt_sharing on `OnlineDPOTrainer`: the scoring forwards over generated completions share each prompt and equal
+stock Online DPO at the same completions.
+
+Generation is replaced, on both trainers, by one stored batch (left-padded prompts repeated twice as TRL does, and
+completions of different lengths, padded after their end), so both score exactly the same tokens; the models are
+float64 and the optimizer SGD. Tolerances as in test_prompt_sharing.py (Llama's RMSNorm runs in float32).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import trl_ext
+from trl_ext.testing import length_reward, make_model, make_prompt_dataset
+
+GRAD_RTOL = 1e-6
+LOGPS_RTOL = 1e-9
+
+
+def _sharpen(model):
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(16)
+    return model
+
+
+def _fixed_generation(prompt_lens=(5, 9, 2), completion_lens=(6, 3, 1, 4, 6, 2), width=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    p = max(prompt_lens)
+    prompt_ids = torch.zeros(len(prompt_lens), p, dtype=torch.long)
+    prompt_mask = torch.zeros_like(prompt_ids)
+    for i, n in enumerate(prompt_lens):
+        prompt_ids[i, p - n :] = torch.randint(4, 250, (n,), generator=g)
+        prompt_mask[i, p - n :] = 1
+    prompt_ids, prompt_mask = prompt_ids.repeat(2, 1), prompt_mask.repeat(2, 1)
+    completion_ids = torch.randint(4, 250, (len(completion_lens), width), generator=g)
+    completion_mask = (torch.arange(width)[None] < torch.tensor(completion_lens)[:, None]).long()
+    completion_ids = completion_ids.masked_fill(completion_mask == 0, 0)
+    return prompt_ids, prompt_mask, completion_ids, completion_mask
+
+
+def _generate_arity() -> int:
+    """`OnlineDPOTrainer._generate` returns 4 tensors on TRL 1.12 and those plus `vision_inputs` on 1.16."""
+    import inspect
+
+    from trl.experimental.online_dpo import OnlineDPOTrainer
+
+    return 5 if "vision_inputs = self._generate(" in inspect.getsource(OnlineDPOTrainer.training_step) else 4
+
+
+@pytest.fixture
+def build(online_dpo_args, tokenizer):
+    def make(*, generation=None, ref=True, peft_config=None, **overrides):
+        from trl.experimental.online_dpo import OnlineDPOTrainer
+
+        overrides.setdefault("bf16", False)
+        args = online_dpo_args(per_device_train_batch_size=3, optim="sgd", learning_rate=0.1, **overrides)
+        if peft_config is not None:
+            torch.manual_seed(123)
+        trainer = OnlineDPOTrainer(
+            model=_sharpen(make_model(dtype=torch.float64)),
+            ref_model=_sharpen(make_model(seed=1, dtype=torch.float64)) if ref else None,
+            reward_funcs=length_reward,
+            args=args,
+            train_dataset=make_prompt_dataset(6),
+            processing_class=tokenizer,
+            peft_config=peft_config,
+        )
+        batch = (*(generation or _fixed_generation()), None)[: _generate_arity()]
+        trainer._generate = lambda model, prompts, images=None: batch  # the same completions for both
+
+        return trainer
+
+    return make
+
+
+def _step(trainer):
+    trainer.model.zero_grad(set_to_none=True)
+    loss = trainer.training_step(trainer.model, {"prompt": ["w1 w2"] * 3})
+    grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+    return loss, grads
+
+
+def _assert_same_grads(stock, shared):
+    assert stock.keys() == shared.keys() and stock
+    scale = max(g.abs().max().item() for g in stock.values())
+    worst = max((stock[n] - shared[n]).abs().max().item() for n in stock)
+    assert 0 < scale and worst <= GRAD_RTOL * scale, f"grad diff {worst:.3g} vs max |grad| {scale:.3g}"
+
+
+@pytest.mark.parametrize("max_length", [None, 12])
+def test_training_step_equals_stock(build, max_length):
+    """One training step (policy and reference scoring, the loss, the backward), prompts shared; with `max_length=12`
+    TRL cuts the prompts on the left first (the same columns for every row, so they still share)."""
+    kwargs = {} if max_length is None else {"max_length": max_length}
+    stock = build(**kwargs)
+    with trl_ext.install(prompt_sharing=True):
+        shared = build(**kwargs)
+        assert "prompt_sharing" in shared._trl_ext.enabled
+        prompt_ids, prompt_mask, completion_ids, completion_mask = _fixed_generation()
+        # TRL's own per-token log-probs of the completions, from the wrapped `_forward`
+        a = stock._forward(stock.model, prompt_ids, prompt_mask, completion_ids, completion_mask)
+        b = shared._forward(shared.model, prompt_ids, prompt_mask, completion_ids, completion_mask)
+        real = completion_mask.bool()
+        assert (a[real] - b[real]).abs().max().item() <= LOGPS_RTOL * a[real].abs().max().item()
+        stock_loss, stock_grads = _step(stock)
+        shared_loss, shared_grads = _step(shared)
+        state = shared._trl_ext.state["prompt_sharing"]
+        assert state.shared_calls >= 3 and state.unshared_rows == 0 and state.unshared_calls == 0
+        if max_length is None:
+            # per call: each prompt's first P - 1 tokens once, then per completion the last prompt token and all 6
+            # completion columns (the padding after an end too: TRL logs metrics over it)
+            per_call = sum(p - 1 for p in (5, 9, 2)) + 6 * (1 + 6)
+            assert state.shared_tokens == state.shared_calls * per_call
+        assert state.checked == {"policy", "ref"}  # the self-check ran on both models
+    assert shared_loss.item() == pytest.approx(stock_loss.item(), rel=1e-9)
+    _assert_same_grads(stock_grads, shared_grads)
+
+
+def test_train_logs_equal_stock(build):
+    """Two SGD steps through `trainer.train()`: every logged metric equal."""
+    stock = build(max_steps=2)
+    stock.train()
+    with trl_ext.install(prompt_sharing=True):
+        shared = build(max_steps=2, gradient_checkpointing=True)
+        shared.train()
+    logs = [[h for h in t.state.log_history if "loss" in h] for t in (stock, shared)]
+    assert len(logs[0]) == len(logs[1]) == 2
+    for s, p in zip(*logs, strict=True):
+        assert s.keys() == p.keys()
+        for key in s:
+            if not (key.endswith("runtime") or key.endswith("per_second")):
+                assert p[key] == pytest.approx(s[key], rel=1e-6, abs=1e-6), key
+
+
+def test_peft_reference_is_adapter_disabled_model(build):
+    from peft import LoraConfig
+
+    def lora():
+        return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+
+    stock = build(ref=False, peft_config=lora())
+    with trl_ext.install(prompt_sharing=True):
+        shared = build(ref=False, peft_config=lora())
+        stock_loss, stock_grads = _step(stock)
+        shared_loss, shared_grads = _step(shared)
+        assert shared._trl_ext.state["prompt_sharing"].shared_calls >= 2
+    assert shared_loss.item() == pytest.approx(stock_loss.item(), rel=1e-9)
+    _assert_same_grads(stock_grads, shared_grads)
+
+
+def test_generation_is_not_shared(online_dpo_args, tokenizer):
+    """Real generation runs untouched (cache, left-padded mask): the same completions as stock, greedy."""
+    from trl.experimental.online_dpo import OnlineDPOTrainer
+
+    def make():
+        return OnlineDPOTrainer(
+            model=make_model(),
+            reward_funcs=length_reward,
+            args=online_dpo_args(bf16=False, generation_kwargs={"do_sample": False}),
+            train_dataset=make_prompt_dataset(4),
+            processing_class=tokenizer,
+        )
+
+    prompts = [[{"role": "user", "content": "w1 w2 w3"}], [{"role": "user", "content": "w4"}]]
+    stock = make()
+    expected = stock._generate(stock.model, prompts)
+    with trl_ext.install(prompt_sharing=True):
+        shared = make()
+        got = shared._generate(shared.model, prompts)
+        assert shared._trl_ext.state["prompt_sharing"].shared_calls == 0
+    for x, y in zip(expected[:4], got[:4], strict=True):
+        assert torch.equal(x, y)

@@ -1,0 +1,139 @@
+"""Prompt sharing for DPO and Online DPO: every prompt is computed once, with results equal to padded training.
+
+A padded DPO batch computes each prompt twice (once with the chosen, once with the rejected response); Online DPO
+computes it once per generated completion. Packing (padding_free) removes the padding but keeps the duplicate. With
+`prompt_sharing=True`, the batch is packed into one row in which each prompt appears once, followed by its responses:
+
+    prompt[:-1] | prompt[-1] chosen | prompt[-1] rejected | next prompt[:-1] | ...
+
+Both responses attend to the prompt and to themselves, never to each other, and their positions continue from the
+prompt; so every per-token output equals the padded forward's. TRL's loss and metric code then runs unchanged on the
+outputs scattered back to the padded layout (fused LM head fields on TRL >= 1.15, logits before), every loss type,
+`ld_alpha`, `use_weighting` and every metric included. The prompt's hidden states receive the sum of both branches'
+gradients, so the gradients are equal too. Token bound over packing alone, per pair: (2P + C + R) / (P + C + 1 + R).
+
+What runs shared:
+
+- `DPOTrainer`: the policy forward and backward, the reference forward (a reference model, or the adapter-disabled
+  PEFT model), the reference precompute, evaluation; with gradient checkpointing as well. The collator (TRL's, or the
+  user's, wrapped) builds the layout in the data loader.
+- `OnlineDPOTrainer`: the policy and reference scoring forwards over the generated completions (the two completions
+  of a prompt share it). Generation itself is untouched.
+
+Rows share a prompt when their prompt tokens are identical and start at the same column (so at the same positions).
+Where TRL's truncation leaves two different prompt prefixes for a pair (`truncation_mode="keep_end"`), that pair runs
+unshared (packed, one segment per sequence); the share of sequences that ran unshared is logged (a warning the first
+time, and in `context.state["prompt_sharing"].summary()`).
+
+`prompt_sharing=True` packs by itself; enabling `padding_free` as well means the same (prompt_sharing then owns the
+collator and the forward).
+
+Attention. The model's `sdpa`/`eager` attention is switched, for as long as trl-ext is installed, to a shared
+attention registered in transformers' `AttentionInterface` (`trl_ext_shared_sdpa` / `trl_ext_shared_eager`): per
+segment, the prompt's keys/values plus the segment's own, so its cost follows the shared layout. It acts only on
+shared calls; generation and every other call run the original attention with its usual mask. Sliding windows are
+applied by position. Flash attention and FlexAttention are not supported yet (refused, see below).
+
+Self-check (option `self_check`, defaults to true): on the first shared forward of each model, the same batch is also
+run through the unshared packed layout without gradients and the per-token outputs compared; a difference raises
+`trl_ext.UsageError` naming the model, the output and where it differed.
+
+Enable it with:
+
+```python
+with trl_ext.install(prompt_sharing=True):
+    trainer = DPOTrainer(...)          # or OnlineDPOTrainer(...)
+```
+
+Options (`plugins: {prompt_sharing: {...}}`):
+
+- `self_check` (`bool`, defaults to `true`): compare the shared forward with the unshared packed forward on the first
+  batch of each model.
+
+Refused with `trl_ext.UsageError`: the architectures and settings padding_free refuses (model types outside
+`padding_free.SUPPORTED_MODEL_TYPES`, i.e. ALiBi, SSM / linear-attention and hybrid token mixers that carry state
+across sequence boundaries, MoE; router logits; vision-language models; prompt-learning PEFT; `use_liger_kernel`),
+and attention implementations other than `sdpa` and `eager`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from ...hookspecs import hookimpl
+from ...spec import Flag, PluginSpec, boolean
+
+NAME = "prompt_sharing"
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptSharingOptions:
+    """Options of the `prompt_sharing` plugin (`plugins: {prompt_sharing: {...}}`).
+
+    Args:
+        self_check (`bool`, *optional*, defaults to `True`):
+            On the first shared forward of each model, compare it with the unshared packed forward of the same batch
+            and raise `UsageError` on a difference.
+    """
+
+    self_check: bool = dataclasses.field(default=True, metadata={"parse": boolean})
+
+
+TRL_EXT_PLUGIN = PluginSpec(
+    name=NAME,
+    summary="Prompt sharing: each prompt computed once in a packed row, equal to padded DPO / Online DPO.",
+    flags=(Flag(NAME, default=False, parse=boolean, help="Compute each prompt once (packed, shared prefix)."),),
+    options=PromptSharingOptions,
+    trainers=("DPOTrainer", "OnlineDPOTrainer"),
+    trl_flag=None,
+)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Hooks (behaviour lives in .setup, .layout, .attention, .forward, .selfcheck)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@hookimpl
+def trl_ext_trainer_init_start(trainer: Any, context: Any, init_kwargs: dict[str, Any]) -> None:
+    from .setup import check_init_kwargs, state_of
+
+    state_of(context)
+    check_init_kwargs(init_kwargs)
+
+
+@hookimpl
+def trl_ext_make_collator(trainer: Any, context: Any, collator: Any) -> Any:
+    from .layout import PromptSharingCollator
+    from .setup import check_trainer
+
+    check_trainer(trainer, context)
+    if context.trainer_class != "DPOTrainer":
+        return None  # Online DPO's collator hands prompts to generation; its scoring calls are shared in `_forward`
+    return PromptSharingCollator(collator)
+
+
+@hookimpl
+def trl_ext_make_packed_forward(trainer: Any, context: Any, role: str, backbone: Any) -> Any:
+    from .forward import make_backbone_forward
+    from .setup import check_trainer
+
+    state = check_trainer(trainer, context)
+    # The model's attention is switched in `trl_ext_trainer_models_ready` (after padding_free's, when both are on).
+    return make_backbone_forward(backbone.forward, state)
+
+
+@hookimpl(trylast=True)
+def trl_ext_trainer_models_ready(trainer: Any, context: Any) -> None:
+    # trylast: the causal-LM wrapper is installed outermost, over padding_free's when both are enabled.
+    from .setup import wrap_models
+
+    wrap_models(trainer, context)
+
+
+@hookimpl
+def trl_ext_uninstall(installation: Any) -> None:
+    from .attention import unregister_shared_attention
+
+    unregister_shared_attention()

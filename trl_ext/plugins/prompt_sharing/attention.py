@@ -1,0 +1,204 @@
+"""Shared-prompt attention: each branch attends to its group's prefix and to itself, never to another branch.
+
+Registered in transformers' `AttentionInterface` as `trl_ext_shared_sdpa` / `trl_ext_shared_eager`; a model with
+prompt_sharing enabled is switched to it (for as long as trl-ext is installed). It acts only on calls that carry the
+layout's segments (the `trl_ext_shared_groups` keyword, which transformers hands through the model to every attention
+call, also when gradient checkpointing re-runs a layer); every other call goes to padding_free's varlen attention when
+that is registered (a packed call of padding_free's), else to the model's own attention with the mask transformers
+builds for it, so generation and plain forwards are unchanged.
+
+CPU (sdpa / eager): one SDPA call per segment. The prefix attends to itself causally; a branch's queries run against
+the prefix's keys/values followed by its own, with a bottom-right causal mask (every prefix key visible, the branch
+causal), so the cost is `P^2 + sum_b B_b (P + B_b)` per group, the cost of the shared layout, not of a dense mask over
+the row. Sliding windows are applied by position (a key at `j` is visible from `i` when `i - window < j <= i`), as
+transformers' `sliding_window_overlay` does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from ...varlen import varlen_attention_name
+
+__all__ = [
+    "GROUPS_KWARG",
+    "SHARED_BASES",
+    "register_shared_attention",
+    "shared_attention_name",
+    "shared_call",
+    "unregister_shared_attention",
+]
+
+#: The keyword that carries the layout's groups (`layout.Groups`) from the model call down to the attention.
+GROUPS_KWARG = "trl_ext_shared_groups"
+#: Attention implementations the shared attention stands in for.
+SHARED_BASES = ("sdpa", "eager")
+_PREFIX = "trl_ext_shared_"
+
+# True while a shared forward runs: the mask interface then builds no mask (the attention uses the segments).
+_SHARED_CALL: contextvars.ContextVar[bool] = contextvars.ContextVar("trl_ext_shared_call", default=False)
+
+
+def shared_attention_name(base: str) -> str:
+    """The registered name of the shared attention that stands in for `base` (`"sdpa"` or `"eager"`)."""
+    return f"{_PREFIX}{base}"
+
+
+def base_of(impl: str) -> str | None:
+    """`"sdpa"`/`"eager"` for a base, padding_free varlen or shared implementation name; None for anything else."""
+    for base in SHARED_BASES:
+        if impl in (base, varlen_attention_name(base), shared_attention_name(base)):
+            return base
+    return None
+
+
+@contextlib.contextmanager
+def shared_call() -> Iterator[None]:
+    """Mark the enclosed forward as a shared call (the mask interface of the shared attention then builds no mask)."""
+    token = _SHARED_CALL.set(True)
+    try:
+        yield
+    finally:
+        _SHARED_CALL.reset(token)
+
+
+def _fallback_attention(base: str, module: torch.nn.Module) -> Callable:
+    """What a non-shared call runs: padding_free's varlen attention if registered (it handles packed calls and hands
+    the rest to the base), else the base implementation the layer would have used."""
+    varlen = varlen_attention_name(base)
+    if varlen in AttentionInterface._global_mapping:
+        return ALL_ATTENTION_FUNCTIONS[varlen]
+    if base == "eager":
+        # each modeling file has its own `eager_attention_forward` (the layer's default)
+        fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+        if fn is None:
+            raise RuntimeError(f"prompt_sharing: no eager attention found for {type(module).__name__}")
+        return fn
+    return ALL_ATTENTION_FUNCTIONS[base]
+
+
+def _attend(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    offset: int,
+    dropout: float,
+    scaling: float | None,
+    sliding_window: int | None,
+    enable_gqa: bool,
+    valid_keys: int | None = None,
+) -> torch.Tensor:
+    """Attention of `q` queries over `offset + q` keys: all of the first `offset`, causal over the rest, and none from
+    `valid_keys` on (trailing padding that is read back but never attended to)."""
+    q, k = query.shape[2], key.shape[2]
+    windowed = sliding_window is not None and k > sliding_window
+    hidden_keys = valid_keys is not None and valid_keys < k
+    if offset == 0 and not windowed and not hidden_keys:
+        return F.scaled_dot_product_attention(
+            query, key, value, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=enable_gqa
+        )
+    q_pos = torch.arange(offset, offset + q, device=query.device)[:, None]
+    k_pos = torch.arange(k, device=query.device)[None, :]
+    mask = k_pos <= q_pos
+    if windowed:
+        mask = mask & (k_pos > q_pos - sliding_window)
+    if hidden_keys:
+        mask = mask & (k_pos < valid_keys)
+    return F.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=enable_gqa
+    )
+
+
+def _make_shared_attention(base: str) -> Callable:
+    def shared_attention_forward(
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        dropout: float = 0.0,
+        scaling: float | None = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
+        groups = kwargs.pop(GROUPS_KWARG, None)
+        if groups is None:
+            return _fallback_attention(base, module)(
+                module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+            )
+        if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
+            raise RuntimeError(
+                f"prompt_sharing: the shared attention does not implement softcapping or attention sinks "
+                f"({type(module).__name__}); disable prompt_sharing for this model."
+            )
+        if attention_mask is not None or query.shape[0] != 1 or query.shape[2] != key.shape[2]:
+            raise RuntimeError(
+                "prompt_sharing: the shared attention expects one shared row, no mask and no cache, got query "
+                f"{tuple(query.shape)}, key {tuple(key.shape)}, mask "
+                f"{None if attention_mask is None else tuple(attention_mask.shape)}"
+            )
+        sliding_window = kwargs.get("sliding_window")
+        gqa = query.shape[1] != key.shape[1]
+        outs = []
+        for ps, pe, branches in groups:
+            if pe > ps:
+                outs.append(
+                    _attend(query[:, :, ps:pe], key[:, :, ps:pe], value[:, :, ps:pe], 0, dropout, scaling,
+                            sliding_window, gqa)
+                )  # fmt: skip
+            for bs, be, ke in branches:
+                if be == bs:
+                    continue
+                if pe > ps:
+                    k = torch.cat([key[:, :, ps:pe], key[:, :, bs:be]], dim=2)
+                    v = torch.cat([value[:, :, ps:pe], value[:, :, bs:be]], dim=2)
+                else:
+                    k, v = key[:, :, bs:be], value[:, :, bs:be]
+                offset = pe - ps
+                outs.append(
+                    _attend(query[:, :, bs:be], k, v, offset, dropout, scaling, sliding_window, gqa, offset + ke - bs)
+                )
+        out = torch.cat(outs, dim=2) if len(outs) != 1 else outs[0]
+        return out.transpose(1, 2).contiguous(), None
+
+    shared_attention_forward.__name__ = f"{_PREFIX}{base}_attention_forward"
+    return shared_attention_forward
+
+
+def _make_shared_mask(base: str) -> Callable:
+    def shared_mask(*args: Any, **kwargs: Any) -> Any:
+        if _SHARED_CALL.get() and kwargs.get("attention_mask") is None:
+            return None
+        varlen = varlen_attention_name(base)
+        fallback = varlen if varlen in AttentionMaskInterface._global_mapping else base
+        return ALL_MASK_ATTENTION_FUNCTIONS[fallback](*args, **kwargs)
+
+    shared_mask.__name__ = f"{_PREFIX}{base}_mask"
+    return shared_mask
+
+
+def register_shared_attention() -> None:
+    """Register `trl_ext_shared_sdpa` / `trl_ext_shared_eager` with transformers (idempotent)."""
+    for base in SHARED_BASES:
+        name = shared_attention_name(base)
+        if name not in AttentionInterface._global_mapping:
+            AttentionInterface.register(name, _make_shared_attention(base))
+        if name not in AttentionMaskInterface._global_mapping:
+            AttentionMaskInterface.register(name, _make_shared_mask(base))
+
+
+def unregister_shared_attention() -> None:
+    """Remove the registrations of `register_shared_attention` (transformers' registries are global)."""
+    for base in SHARED_BASES:
+        name = shared_attention_name(base)
+        AttentionInterface._global_mapping.pop(name, None)
+        AttentionMaskInterface._global_mapping.pop(name, None)

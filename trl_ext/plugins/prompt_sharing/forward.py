@@ -1,0 +1,206 @@
+"""The shared forward: run a model on the shared row and hand its outputs back in the padded layout.
+
+Wrapped are the causal LM's `forward` (TRL's fused LM head on TRL >= 1.15, the model's own logits before) and its
+backbone's (`model.base_model`). A wrapped forward that gets a padded scoring call (`use_cache=False`, a 2D
+`attention_mask`, nothing that needs per-row outputs such as a cache or hidden states) takes the layout from the batch
+(the collator's), or builds it from what the call carries: TRL's DPO labels (-100 exactly outside the completion), or
+the prompt width that Online DPO's `_forward` announces (`online_prompt_columns`). A call with none of these (e.g.
+generation, a user's own forward) runs as it came. It then runs the model once on the
+shared row, with the segments for the shared attention, and scatters the per-token outputs back:
+
+- fused LM head: `log_probs`, `entropy`, `mean_logits`, `is_top1`, `log_sum_sq_probs` as `[rows, length - 1]`;
+- logits: `[rows, length, vocab]` (zeros at padding);
+- backbone: `last_hidden_state` as `[rows, length, hidden]`.
+
+Every real token of a row reads the shared token that stands for it; the scatter is an `index_select`, so the
+gradient that reaches a shared prompt token is the sum of what both branches send it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from ..._logging import get_logger
+from .attention import GROUPS_KWARG, shared_call
+from .layout import (
+    LAYOUT_KEY,
+    SharedLayout,
+    build_layout,
+    pack,
+    pack_labels,
+    prompt_end_from_labels,
+    unpack,
+    unpack_shifted,
+)
+
+logger = get_logger(__name__)
+
+__all__ = ["make_backbone_forward", "make_causal_lm_forward", "online_prompt_columns", "shared_kwargs"]
+
+# Per-token outputs of TRL's fused LM head (trl/trainer/utils.py `FusedCausalLMOutput`, TRL >= 1.15), `[B, L - 1]`.
+FUSED_FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+_VISION_KEYS = ("pixel_values", "pixel_attention_mask", "image_grid_thw", "image_sizes", "token_type_ids")
+
+# Set by the Online DPO `_forward` wrapper: the number of prompt columns of the call it makes (same for every row).
+_ONLINE_PROMPT_COLUMNS: contextvars.ContextVar[int | None] = contextvars.ContextVar(
+    "trl_ext_online_prompt_columns", default=None
+)
+
+
+@contextlib.contextmanager
+def online_prompt_columns(columns: int) -> Iterator[None]:
+    """Announce that the model calls inside are Online DPO scoring calls whose first `columns` columns are prompt."""
+    token = _ONLINE_PROMPT_COLUMNS.set(columns)
+    try:
+        yield
+    finally:
+        _ONLINE_PROMPT_COLUMNS.reset(token)
+
+
+def _shareable(kwargs: dict[str, Any], online: bool) -> bool:
+    """Whether a call is a scoring forward on a padded batch that the shared layout reproduces exactly."""
+    input_ids, attention_mask = kwargs.get("input_ids"), kwargs.get("attention_mask")
+    return (
+        isinstance(input_ids, torch.Tensor)
+        and input_ids.dim() == 2
+        and isinstance(attention_mask, torch.Tensor)
+        and attention_mask.shape == input_ids.shape
+        and kwargs.get("inputs_embeds") is None
+        and kwargs.get("past_key_values") is None
+        # TRL's DPO passes use_cache=False; Online DPO's scoring call leaves it to the config (the cache it would build
+        # is never read), generation and plain calls use a cache
+        and (kwargs.get("use_cache") is False or (online and not kwargs.get("use_cache")))
+        and not kwargs.get("output_hidden_states")
+        and not kwargs.get("output_attentions")
+        and kwargs.get("shift_labels") is None
+        and not kwargs.get("logits_to_keep")
+        and not any(k in kwargs for k in _VISION_KEYS)
+    )
+
+
+def _layout_for(kwargs: dict[str, Any], meta: Any, online: int | None) -> SharedLayout | None:
+    """The layout of a shareable call, or None when nothing says where its prompts end (not a TRL scoring call:
+    generation without a cache, a user's own forward); such calls run as they came."""
+    input_ids, attention_mask = kwargs["input_ids"], kwargs["attention_mask"]
+    layout = SharedLayout.from_batch(meta, input_ids)
+    if layout is not None:
+        return layout
+    labels = kwargs.get("labels")
+    if online is not None:
+        # Online DPO reads (and logs metrics over) the logits of the completion padding too
+        return build_layout(input_ids, attention_mask, [online] * input_ids.shape[0], trailing_padding=True)
+    if isinstance(labels, torch.Tensor) and labels.shape == input_ids.shape:
+        return build_layout(input_ids, attention_mask, prompt_end_from_labels(labels, attention_mask))
+    return None
+
+
+def shared_kwargs(kwargs: dict[str, Any], layout: SharedLayout) -> dict[str, Any]:
+    """The keyword arguments of the shared call for a padded call's `kwargs`."""
+    packed = dict(kwargs)
+    packed["input_ids"] = pack(kwargs["input_ids"], layout)
+    packed["attention_mask"] = None
+    position_ids = kwargs.get("position_ids")
+    packed["position_ids"] = layout.position_ids if position_ids is None else pack(position_ids, layout)
+    packed["use_cache"] = False
+    labels = kwargs.get("labels")
+    if labels is not None:
+        packed["labels"] = pack_labels(labels, layout)
+    packed[GROUPS_KWARG] = layout.groups
+    return packed
+
+
+def _positional_input_ids(args: tuple, kwargs: dict[str, Any]) -> tuple:
+    if args and isinstance(args[0], torch.Tensor) and "input_ids" not in kwargs:
+        kwargs["input_ids"] = args[0]
+        return args[1:]
+    return args
+
+
+def _unpack_outputs(outputs: Any, layout: SharedLayout, fused: bool) -> Any:
+    if fused:
+        for name in FUSED_FIELDS:
+            value = getattr(outputs, name, None)
+            if value is not None:
+                setattr(outputs, name, unpack_shifted(value, layout))
+    elif getattr(outputs, "logits", None) is not None:
+        outputs.logits = unpack(outputs.logits, layout)
+    return outputs
+
+
+def make_causal_lm_forward(original: Callable, state: Any, role: str, check: Callable | None) -> Callable:
+    """Causal-LM forward: run the shared row, return outputs in the padded layout.
+
+    `check(run, kwargs, layout, outputs, role)` (the self-check) is called on the first shared call, with `run` a
+    function that runs the wrapped forward on another layout.
+    """
+
+    def run(kwargs: dict[str, Any], layout: SharedLayout) -> Any:
+        with shared_call():
+            outputs = original(**shared_kwargs(kwargs, layout))
+        return _unpack_outputs(outputs, layout, bool(kwargs.get("fused_lm_head")))
+
+    @functools.wraps(original)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        meta = kwargs.pop(LAYOUT_KEY, None)
+        args = _positional_input_ids(args, kwargs)
+        online = _ONLINE_PROMPT_COLUMNS.get()
+        layout = None if args or not _shareable(kwargs, online is not None) else _layout_for(kwargs, meta, online)
+        if layout is None:
+            if meta is not None or online is not None or kwargs.get("labels") is not None:
+                # A TRL scoring call that sharing cannot reproduce (e.g. `output_hidden_states`): it runs as it
+                # came, which is correct; say so once instead of hiding it.
+                state.unshared_calls += 1
+                if state.unshared_calls == 1:
+                    logger.warning("prompt_sharing: a forward with %s ran unshared (not shareable)", sorted(kwargs))
+            return original(*args, **kwargs)
+        outputs = run(kwargs, layout)
+        state.record(layout)
+        if check is not None:
+            check(run, kwargs, layout, outputs, role)
+        return outputs
+
+    return forward
+
+
+def make_backbone_forward(original: Callable, state: Any) -> Callable:
+    """Backbone (`model.base_model`) forward: share a padded batch, scatter `last_hidden_state` back."""
+
+    @functools.wraps(original)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        meta = kwargs.pop(LAYOUT_KEY, None)
+        args = _positional_input_ids(args, kwargs)
+        online = _ONLINE_PROMPT_COLUMNS.get()
+        layout = None if args or not _shareable(kwargs, online is not None) else _layout_for(kwargs, meta, online)
+        if layout is None:
+            return original(*args, **kwargs)
+        with shared_call():
+            outputs = original(**shared_kwargs(kwargs, layout))
+        state.record(layout)
+        outputs.last_hidden_state = unpack(outputs.last_hidden_state, layout)
+        return outputs
+
+    return forward
+
+
+def make_online_forward(original: Callable, max_length: Callable[[], int | None]) -> Callable:
+    """Wrap `OnlineDPOTrainer._forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask, ...)`: the
+    model call inside learns how many of its columns are prompt (after TRL's left truncation to `max_length`)."""
+
+    @functools.wraps(original)
+    def _forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask, *args, **kwargs):
+        vision_inputs = args[0] if args else kwargs.get("vision_inputs")
+        columns = prompt_ids.size(1)
+        limit = max_length()
+        if vision_inputs is None and limit is not None:
+            # online_dpo_trainer.py `_forward`: the prompt is cut on the left so that prompt + completion <= max_length
+            columns -= max(prompt_ids.size(1) + completion_ids.size(1) - limit, 0)
+        with online_prompt_columns(columns):
+            return original(model, prompt_ids, prompt_mask, completion_ids, completion_mask, *args, **kwargs)
+
+    return _forward

@@ -1,0 +1,346 @@
+"""The shared layout: how a padded `[rows, length]` batch maps to one row in which every prompt appears once.
+
+Rows whose prompt parts are identical (same tokens, starting at the same column, so at the same positions) form a
+*group*. A group is laid out as
+
+    prefix = prompt[:-1]        (once)
+    branch = (prompt[-1], completion of row a)
+    branch = (prompt[-1], completion of row b)
+    ...
+
+and the groups follow each other in one packed row `[1, N]`. A row whose prompt no other row shares is a group of
+one branch and no prefix (one causal segment, exactly as padding_free packs it). Each branch repeats the last prompt
+token, so that the hidden state which predicts the branch's first completion token sits in the branch and the usual
+`hidden[:, :-1]` / `labels[:, 1:]` shift of a packed row stays right (the layout of Wang & Hegde 2024, arXiv
+2410.20305; see /work/shared/research/prefix_sharing.md). Positions are the tokens' columns in the padded batch,
+which is what a padded forward without `position_ids` uses (transformers' `arange`), so both branches continue from
+the prompt.
+
+A prefix token attends to the prefix causally; a branch token attends to the whole prefix and causally to its own
+branch, never to another branch. Everything is computed on the host, in the data loader (`PromptSharingCollator`),
+so the training step does no host work to build it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ...errors import UsageError
+
+__all__ = ["LAYOUT_KEY", "Groups", "PromptSharingCollator", "SharedLayout", "build_layout"]
+
+#: Batch key under which the collator hands the layout to the model wrappers. TRL 1.x passes every batch key except
+#: `completion_mask` and `ref_*` into `model(...)` (dpo_trainer.py `_compute_loss` / `compute_ref_log_probs`, checked
+#: 1.12.0 and 1.16.0); the wrappers pop it before the model sees its kwargs.
+LAYOUT_KEY = "trl_ext_prompt_sharing"
+
+#: Groups of a shared row as host ints: `((prefix_start, prefix_end, ((branch_start, branch_end, keys_end), ...)),
+#: ...)`, in row order; every token of the row belongs to exactly one prefix or branch. A branch's tokens from
+#: `keys_end` on are trailing padding whose outputs the caller reads (Online DPO): they attend to the real tokens
+#: only, as in the padded forward, and no token attends to them.
+Groups = tuple[tuple[int, int, tuple[tuple[int, int, int], ...]], ...]
+
+# Batch keys of vision-language collators (images are matched to placeholder tokens per row).
+_VISION_KEYS = ("pixel_values", "pixel_attention_mask", "image_grid_thw", "image_sizes", "token_type_ids")
+
+
+@dataclasses.dataclass
+class SharedLayout:
+    """How a padded `[rows, length]` batch maps to one shared row of `N` tokens.
+
+    Attributes:
+        rows (`int`), length (`int`): the padded shape the layout was made for.
+        gather (`torch.LongTensor` of shape `(N,)`): for each shared token, its flat position in `rows * length`.
+        position_ids (`torch.LongTensor` of shape `(1, N)`): the column of each shared token (its padded position).
+        real_flat (`torch.LongTensor` of shape `(M,)`), real_shared (`(M,)`): every real token of the padded batch
+            (flat position) and the shared token that stands for it.
+        shift_flat (`torch.LongTensor` of shape `(K,)`), shift_shared (`(K,)`): every position `(r, p)` of a shifted
+            per-token output (`[:, :-1]` predicting `[:, 1:]`, flat in `rows * (length - 1)`) whose two tokens are
+            real, and the shared position whose hidden state predicts it.
+        label_starts (`torch.LongTensor`): shared positions whose label must be -100 (the first token of every segment
+            that no shared hidden state predicts: a group's first token, and the repeated prompt token of every branch
+            after the first).
+        groups (`Groups`): the segments, as host ints, for the attention.
+        shared_rows (`int`): rows that share their prompt with another row; unshared_rows: the others.
+        padded_tokens (`int`): real tokens of the padded batch (`M`).
+    """
+
+    rows: int
+    length: int
+    gather: torch.Tensor
+    position_ids: torch.Tensor
+    real_flat: torch.Tensor
+    real_shared: torch.Tensor
+    shift_flat: torch.Tensor
+    shift_shared: torch.Tensor
+    label_starts: torch.Tensor
+    groups: Groups
+    shared_rows: int
+    unshared_rows: int
+    padded_tokens: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.gather.numel()
+
+    def to_batch(self) -> dict[str, Any]:
+        """A plain dict (tensors, ints, nested tuples of ints) that accelerate moves to the device unchanged."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_batch(cls, value: Any, input_ids: torch.Tensor) -> SharedLayout | None:
+        """Rebuild from `to_batch()`; None when it does not describe `input_ids` (e.g. after accelerate split it)."""
+        if not isinstance(value, dict) or set(value) != {f.name for f in dataclasses.fields(cls)}:
+            return None
+        layout = cls(**value)
+        if (layout.rows, layout.length) != tuple(input_ids.shape) or layout.gather.device != input_ids.device:
+            return None
+        # accelerate's `send_to_device` rebuilds tuples as tuples, lists as lists: normalise the host ints
+        layout.groups = tuple(
+            (int(a), int(b), tuple(tuple(int(x) for x in branch) for branch in br)) for a, b, br in layout.groups
+        )
+        return layout
+
+
+def _row_bounds(attention_mask: torch.Tensor) -> tuple[list[int], list[int]]:
+    mask = attention_mask.bool()
+    rows, length = mask.shape
+    lengths = mask.sum(1)
+    cols = torch.arange(length, device=mask.device).expand(rows, length)
+    first = torch.where(mask, cols, length).min(1).values
+    starts, lens = first.tolist(), lengths.tolist()
+    ends = [s + n if n else s for s, n in zip(starts, lens, strict=True)]
+    starts = [s if n else 0 for s, n in zip(starts, lens, strict=True)]
+    ends = [e if n else 0 for e, n in zip(ends, lens, strict=True)]
+    last = torch.where(mask, cols, -1).max(1).values.tolist()
+    for r, (e, end) in enumerate(zip(ends, last, strict=True)):
+        if lens[r] and end + 1 != e:
+            raise UsageError(
+                "prompt_sharing needs the real tokens of every row to be contiguous (padding only before or after "
+                f"them, as TRL's collators make them); row {r} of the batch has holes in its `attention_mask`."
+            )
+    return starts, ends
+
+
+def build_layout(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    prompt_end: torch.Tensor | list[int] | None,
+    share: bool = True,
+    trailing_padding: bool = False,
+) -> SharedLayout:
+    """The shared layout of a padded batch.
+
+    Args:
+        input_ids (`torch.LongTensor` of shape `(rows, length)`): the padded batch.
+        attention_mask (`torch.Tensor` of shape `(rows, length)`): 1 on real tokens (contiguous in every row).
+        prompt_end (`torch.Tensor` or `list[int]` of length `rows`, or `None`): for each row, the column where its
+            completion starts (the row's end when it has no completion token). `None`: nothing is shared.
+        share (`bool`, *optional*, defaults to `True`): `False` gives the unshared packed layout (every row one
+            segment), which the self-check compares with.
+        trailing_padding (`bool`, *optional*, defaults to `False`): also compute the padding after each row's real
+            tokens (as queries over the real tokens only, exactly what a padded forward gives there). Online DPO logs
+            metrics summed over every completion column, padding included (online_dpo_trainer.py `objective/kl`,
+            `objective/entropy`, `objective/non_score_reward`, checked 1.12.0 and 1.16.0).
+
+    Returns:
+        `SharedLayout`, on the device of `input_ids`.
+    """
+    device = input_ids.device
+    rows, length = input_ids.shape
+    starts, ends = _row_bounds(attention_mask)
+    if prompt_end is None:
+        share = False
+        ends_of_prompt = ends
+    else:
+        ends_of_prompt = prompt_end.tolist() if isinstance(prompt_end, torch.Tensor) else list(prompt_end)
+    ids_host = input_ids.detach().cpu() if share else None
+
+    # Group rows by (first column, prompt tokens); a group needs a prefix of at least one token to share anything.
+    order: list[list[int]] = []
+    prefix_len: list[int] = []
+    keys: dict[Any, int] = {}
+    for r in range(rows):
+        s, e = starts[r], ends[r]
+        p_end = min(max(int(ends_of_prompt[r]), s), e)
+        if share and p_end - s >= 2:
+            key = (s, tuple(ids_host[r, s:p_end].tolist()))
+            g = keys.get(key)
+            if g is not None:
+                order[g].append(r)
+                continue
+            keys[key] = len(order)
+            order.append([r])
+            prefix_len.append(p_end - s - 1)
+        else:
+            order.append([r])
+            prefix_len.append(0)
+    # a prompt that no other row has: one causal segment, no prefix
+    groups_rows = [(m, n) if len(m) > 1 else (m, 0) for m, n in zip(order, prefix_len, strict=True)]
+
+    gather: list[torch.Tensor] = []
+    positions: list[torch.Tensor] = []
+    real_flat: list[torch.Tensor] = []
+    real_shared: list[torch.Tensor] = []
+    label_starts: list[int] = []
+    groups = []
+    shared_rows = 0
+    cursor = 0
+    for members, n_prefix in groups_rows:
+        if len(members) > 1:
+            shared_rows += len(members)
+        first = members[0]
+        s0 = starts[first]
+        ps, pe = cursor, cursor + n_prefix
+        if n_prefix:
+            cols = torch.arange(s0, s0 + n_prefix)
+            gather.append(first * length + cols)
+            positions.append(cols)
+            label_starts.append(ps)
+        cursor = pe
+        branches = []
+        for k, r in enumerate(members):
+            s, e = starts[r], ends[r]
+            b0 = s + n_prefix
+            stop = length if trailing_padding and e > s else e
+            cols = torch.arange(b0, stop)
+            bs, ke, be = cursor, cursor + (e - b0), cursor + (stop - b0)
+            gather.append(r * length + cols)
+            positions.append(cols)
+            if be > bs and (k > 0 or not n_prefix):
+                label_starts.append(bs)
+            # every token of row r read back: its prefix part maps to the group's prefix, the rest to its branch
+            real_flat.append(r * length + torch.arange(s, stop))
+            real_shared.append(torch.cat([torch.arange(ps, pe), torch.arange(bs, be)]))
+            branches.append((bs, be, ke))
+            cursor = be
+        groups.append((ps, pe, tuple(branches)))
+
+    def cat(parts: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+
+    real_flat_t, real_shared_t = cat(real_flat), cat(real_shared)
+    # Shifted outputs: position p of row r predicts token p + 1; it is real when both tokens are, and the shared hidden
+    # state of token p predicts it (at a prefix end, the first branch's repeated prompt token is the same token).
+    row_of = torch.div(real_flat_t, length, rounding_mode="floor")
+    col_of = real_flat_t - row_of * length
+    ends_t = torch.tensor(ends, dtype=torch.long)[row_of] if rows else torch.zeros(0, dtype=torch.long)
+    has_next = col_of + 1 < ends_t  # padding read back (`trailing_padding`) predicts nothing TRL scores
+    shift_flat = row_of[has_next] * (length - 1) + col_of[has_next]
+    shift_shared = real_shared_t[has_next]
+
+    def dev(x: torch.Tensor) -> torch.Tensor:
+        return x.to(device=device, dtype=torch.long)
+
+    return SharedLayout(
+        rows=rows,
+        length=length,
+        gather=dev(cat(gather)),
+        position_ids=dev(cat(positions)).unsqueeze(0),
+        real_flat=dev(real_flat_t),
+        real_shared=dev(real_shared_t),
+        shift_flat=dev(shift_flat),
+        shift_shared=dev(shift_shared),
+        label_starts=dev(torch.tensor(label_starts, dtype=torch.long)),
+        groups=tuple(groups),
+        shared_rows=shared_rows,
+        unshared_rows=rows - shared_rows,
+        padded_tokens=int(attention_mask.sum()),
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Packing and unpacking
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def pack(x: torch.Tensor, layout: SharedLayout) -> torch.Tensor:
+    """`[rows, length, ...]` -> `[1, N, ...]`."""
+    return x.reshape(layout.rows * layout.length, *x.shape[2:]).index_select(0, layout.gather).unsqueeze(0)
+
+
+def unpack(x: torch.Tensor, layout: SharedLayout) -> torch.Tensor:
+    """`[1, N, ...]` -> `[rows, length, ...]`, zeros at padding (differentiable: a shared prompt token's gradient is
+    the sum over the rows that read it)."""
+    rest = x.shape[2:]
+    out = x.new_zeros(layout.rows * layout.length, *rest)
+    out = out.index_copy(0, layout.real_flat, x[0].index_select(0, layout.real_shared))
+    return out.view(layout.rows, layout.length, *rest)
+
+
+def unpack_shifted(x: torch.Tensor | None, layout: SharedLayout) -> torch.Tensor | None:
+    """A shifted per-token output `[1, N - 1]` -> `[rows, length - 1]`, zeros/False where there is no prediction."""
+    if x is None:
+        return None
+    out = x.new_zeros(layout.rows * (layout.length - 1))
+    out = out.index_copy(0, layout.shift_flat, x[0].index_select(0, layout.shift_shared))
+    return out.view(layout.rows, layout.length - 1)
+
+
+def pack_labels(labels: torch.Tensor, layout: SharedLayout) -> torch.Tensor:
+    """Labels of the shared row: -100 on every first token that the row's shift would score from another segment."""
+    packed = pack(labels, layout).clone()
+    return packed.index_fill_(1, layout.label_starts, -100)
+
+
+def prompt_end_from_completion_mask(completion_mask: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """The column where each row's completion starts (its end when it has none), from TRL's `completion_mask`."""
+    length = completion_mask.shape[1]
+    cols = torch.arange(length, device=completion_mask.device).expand_as(completion_mask)
+    first = torch.where(completion_mask.bool(), cols, length).min(1).values
+    row_end = torch.where(attention_mask.bool(), cols + 1, 0).max(1).values
+    return torch.minimum(first, row_end)
+
+
+def prompt_end_from_labels(labels: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """The column where each row's scored tokens start: TRL's DPO labels are -100 exactly outside the completion."""
+    return prompt_end_from_completion_mask(labels != -100, attention_mask)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Collator
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+class PromptSharingCollator:
+    """Wraps a preference collator and adds the shared layout under `trl_ext_prompt_sharing`.
+
+    The padded batch is kept as it is (TRL reads `completion_mask`, `attention_mask` and the reference columns from
+    it); the layout is computed here, in the data-loader process.
+
+    Args:
+        collator (`Callable`): the collator to wrap (TRL's `DataCollatorForPreference` or a user's): it must return
+            `input_ids`, a 2D `attention_mask` and a `completion_mask`.
+    """
+
+    def __init__(self, collator: Callable) -> None:
+        self.collator = collator
+
+    def __call__(self, examples: list[dict[str, Any]], *args: Any, **kwargs: Any) -> dict[str, Any]:
+        batch = self.collator(examples, *args, **kwargs)
+        vision = [k for k in _VISION_KEYS if k in batch]
+        if vision:
+            raise UsageError(f"prompt_sharing cannot share vision-language batches (keys {vision}); disable it.")
+        ids, mask, completion = batch.get("input_ids"), batch.get("attention_mask"), batch.get("completion_mask")
+        if not all(isinstance(t, torch.Tensor) and t.dim() == 2 for t in (ids, mask, completion)):
+            raise UsageError(
+                "prompt_sharing needs the collator to return 2D `input_ids`, `attention_mask` and `completion_mask`, "
+                f"as TRL's DataCollatorForPreference does; {type(self.collator).__name__} returned "
+                f"{sorted(batch)}."
+            )
+        layout = build_layout(ids, mask, prompt_end_from_completion_mask(completion, mask))
+        batch[LAYOUT_KEY] = layout.to_batch()
+        return batch
+
+    def __getattr__(self, name: str) -> Any:
+        # What the wrapped collator knows (`max_length`, `truncation_mode`, `pad_token_id`, read by other plugins)
+        if name == "collator":  # not set yet (unpickling in a data-loader worker)
+            raise AttributeError(name)
+        return getattr(self.collator, name)
+
+    def __repr__(self) -> str:
+        return f"PromptSharingCollator({self.collator!r})"

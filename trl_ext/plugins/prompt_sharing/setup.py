@@ -1,0 +1,178 @@
+"""Per-trainer state, the refusals, and the wiring of the shared forward into a trainer's models."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from ..._logging import get_logger
+from ...errors import UsageError
+from ..padding_free import SUPPORTED_MODEL_TYPES
+from .attention import base_of, register_shared_attention, shared_attention_name
+from .forward import make_causal_lm_forward, make_online_forward
+from .layout import SharedLayout
+from .selfcheck import self_check
+
+logger = get_logger(__name__)
+
+NAME = "prompt_sharing"
+
+
+@dataclasses.dataclass
+class PromptSharingState:
+    """Per-trainer state of the plugin (`context.state["prompt_sharing"]`)."""
+
+    self_check: bool = True
+    checked_trainer: bool = False
+    #: roles whose first shared forward passed the self-check
+    checked: set[str] = dataclasses.field(default_factory=set)
+    #: attention implementation each wrapped model runs, by role
+    attn_implementations: dict[str, str] = dataclasses.field(default_factory=dict)
+    shared_calls: int = 0
+    #: padded scoring calls that could not be shared (ran as they came)
+    unshared_calls: int = 0
+    rows: int = 0
+    unshared_rows: int = 0
+    padded_tokens: int = 0
+    shared_tokens: int = 0
+
+    def record(self, layout: SharedLayout) -> None:
+        first = self.unshared_rows == 0
+        self.shared_calls += 1
+        self.rows += layout.rows
+        self.unshared_rows += layout.unshared_rows
+        self.padded_tokens += layout.padded_tokens
+        self.shared_tokens += layout.num_tokens
+        if layout.unshared_rows and first:
+            logger.warning(
+                "prompt_sharing: %d of %d sequences in a batch share their prompt with no other sequence (e.g. a pair "
+                "whose prompts differ after truncation) and run unshared; running total in "
+                "`trainer._trl_ext.state['prompt_sharing'].summary()`",
+                layout.unshared_rows,
+                layout.rows,
+            )
+
+    @property
+    def unshared_fraction(self) -> float:
+        return self.unshared_rows / self.rows if self.rows else 0.0
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "shared_calls": self.shared_calls,
+            "unshared_calls": self.unshared_calls,
+            "sequences": self.rows,
+            "unshared_sequences": self.unshared_rows,
+            "unshared_fraction": self.unshared_fraction,
+            "padded_tokens": self.padded_tokens,
+            "shared_tokens": self.shared_tokens,
+            "self_checked": sorted(self.checked),
+            "attention": dict(self.attn_implementations),
+        }
+
+
+def state_of(context: Any) -> PromptSharingState:
+    state = context.state.get(NAME)
+    if state is None:
+        state = context.state[NAME] = PromptSharingState(self_check=context.options(NAME).self_check)
+    return state
+
+
+def check_init_kwargs(init_kwargs: dict[str, Any]) -> None:
+    args = init_kwargs.get("args")
+    if args is not None and getattr(args, "use_liger_kernel", False):
+        raise UsageError(
+            "prompt_sharing does not support `use_liger_kernel=True` (on TRL <= 1.14 the Liger DPO loss calls the "
+            "backbone directly with its own layout). Set `use_liger_kernel=False` or disable prompt_sharing."
+        )
+
+
+def check_trainer(trainer: Any, context: Any) -> PromptSharingState:
+    """Refuse what sharing cannot do correctly; runs once, before the first shared forward."""
+    state = state_of(context)
+    if state.checked_trainer:
+        return state
+    if getattr(trainer, "_is_vlm", False) or getattr(trainer, "_is_vision_dataset", False):
+        raise UsageError(
+            "prompt_sharing does not support vision-language models or image datasets (image features are matched to "
+            "placeholder tokens per row). Disable prompt_sharing for this trainer."
+        )
+    if getattr(trainer, "aux_loss_enabled", False):
+        raise UsageError(
+            "prompt_sharing does not support the MoE router auxiliary loss: a shared prompt is routed once, so the "
+            "load-balancing statistics would differ from padded training. Set `router_aux_loss_coef=0` or disable "
+            "prompt_sharing."
+        )
+    peft_config = getattr(getattr(trainer, "model", None), "peft_config", None)
+    if isinstance(peft_config, dict):
+        from peft import PromptLearningConfig
+
+        if any(isinstance(cfg, PromptLearningConfig) for cfg in peft_config.values()):
+            raise UsageError(
+                "prompt_sharing does not support prompt-learning PEFT methods (prompt tuning, prefix tuning, "
+                "P-tuning): they prepend virtual tokens to every row. Use a weight adapter such as LoRA."
+            )
+    state.checked_trainer = True
+    return state
+
+
+def configure_model(context: Any, role: str, model: Any) -> str:
+    """Check one causal LM and switch its attention to the shared attention; returns the implementation it runs."""
+    config = model.config
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UsageError(
+            f"prompt_sharing cannot share prompts in a `{model_type}` model ({role} model {type(model).__name__}): "
+            f"only {', '.join(SUPPORTED_MODEL_TYPES)} are verified (the padding_free allowlist: ALiBi, SSM, hybrid "
+            "and linear-attention mixers carry state across segment boundaries, MoE routes packed tokens). Disable "
+            "prompt_sharing for this model."
+        )
+    if getattr(config, "output_router_logits", False):
+        raise UsageError(
+            f"prompt_sharing does not support router logits (`output_router_logits=True` on the {role} model). Set it "
+            "to False, or disable prompt_sharing."
+        )
+    impl = config._attn_implementation
+    base = base_of(impl)
+    if base is None:
+        raise UsageError(
+            f"prompt_sharing supports the attention implementations sdpa and eager, but the {role} model uses "
+            f'`{impl}`. Load it with `attn_implementation="sdpa"`, or use padding_free alone (which also runs '
+            "flash-attention varlen kernels)."
+        )
+    register_shared_attention()
+    name = shared_attention_name(base)
+    if impl != name:
+        # A property over `_attn_implementation_internal` (transformers 5); never serialized, so checkpoints keep the
+        # user's choice (configuration_utils.py `_remove_keys_not_serialized`).
+        context.patcher.setattr(config, "_attn_implementation_internal", name)
+    return name
+
+
+def _dropout_active(model: Any) -> bool:
+    if not model.training:
+        return False
+    if float(getattr(model.config, "attention_dropout", 0.0) or 0.0) > 0:
+        return True
+    return any(type(m).__name__ == "Dropout" and m.p > 0 for m in model.modules())
+
+
+def wrap_models(trainer: Any, context: Any) -> None:
+    state = check_trainer(trainer, context)
+    for role, model in context.models().items():
+        state.attn_implementations[role] = configure_model(context, role, model)
+        check = None
+        if state.self_check:
+
+            def check(run, kwargs, layout, outputs, role, _model=model):
+                if role in state.checked or _dropout_active(_model):
+                    return  # with active dropout two forwards differ anyway: checked on a later (eval) call
+                if self_check(run, kwargs, layout, outputs, role, type(_model).__name__):
+                    state.checked.add(role)
+
+        forward = make_causal_lm_forward(model.forward, state, role, check)
+        context.patcher.setattr(model, "forward", forward)
+    if context.trainer_class == "OnlineDPOTrainer":
+        context.patcher.setattr(
+            trainer, "_forward", make_online_forward(trainer._forward, lambda: getattr(trainer, "max_length", None))
+        )
+    logger.info("prompt_sharing: sharing prompts in %s", state.attn_implementations)
