@@ -13,6 +13,7 @@ import torch
 
 import trl_ext
 from trl_ext import UsageError, _compat
+from trl_ext.plugins.prompt_sharing.setup import SUPPORTED_MODEL_TYPES
 from trl_ext.testing import make_model, make_preference_dataset
 
 TRL_LOSS_TYPES = [
@@ -420,7 +421,7 @@ _ARCH_EXTRA = {
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma3_text", "phi3", "olmo2"])
+@pytest.mark.parametrize("model_type", SUPPORTED_MODEL_TYPES)
 def test_architectures(model_type, attn):
     """fp64: the shared forward of every allowlisted architecture (sliding windows shorter than prompt + response)
     equals running each sequence alone, through the causal-LM wrapper and the backbone wrapper."""
@@ -453,6 +454,10 @@ def test_architectures(model_type, attn):
 
     class Ctx:
         patcher = Patcher("test")
+
+        @staticmethod
+        def hold(key, acquire, release):  # a trainer context holds the registration; here the test releases it
+            acquire()
 
     layout = build_layout(ids, mask, prompt_end)
     assert layout.shared_rows == 4 and layout.unshared_rows == 2
@@ -505,6 +510,9 @@ def test_generation_unchanged_and_uninstall_restores(build):
         assert model.config._attn_implementation == "trl_ext_shared_sdpa"
         assert torch.equal(model.generate(**gen_kwargs), expected)
         installation.uninstall()
+        # TRL is stock again, but the trainer keeps its plugins for its whole life (issue 15) until detached.
+        assert model.config._attn_implementation == "trl_ext_shared_sdpa"
+        installation.detach(trainer)
         assert model.config._attn_implementation == "sdpa"
         # TRL 1.16's fused head sets an instance `forward` of its own: ours is gone, theirs is back
         assert "forward" not in backbone.__dict__ and model.forward != wrapped

@@ -50,9 +50,9 @@ Options (`plugins: {prompt_sharing: {...}}`):
 - `self_check` (`bool`, defaults to `true`): compare the shared forward with the unshared packed forward on the first
   batch of each model.
 
-Refused with `trl_ext.UsageError`: the architectures and settings padding_free refuses (model types outside
-`padding_free.SUPPORTED_MODEL_TYPES`, i.e. ALiBi, SSM / linear-attention and hybrid token mixers that carry state
-across sequence boundaries, MoE; router logits; vision-language models; prompt-learning PEFT; `use_liger_kernel`),
+Refused with `trl_ext.UsageError`: model types outside `setup.SUPPORTED_MODEL_TYPES` (the ones verified for
+prompt sharing; ALiBi, SSM / linear-attention and hybrid token mixers carry state across sequence boundaries), MoE
+router logits; vision-language models; prompt-learning PEFT; `use_liger_kernel`),
 and attention implementations other than `sdpa` and `eager`.
 """
 
@@ -130,10 +130,3 @@ def trl_ext_trainer_models_ready(trainer: Any, context: Any) -> None:
     from .setup import wrap_models
 
     wrap_models(trainer, context)
-
-
-@hookimpl
-def trl_ext_uninstall(installation: Any) -> None:
-    from .attention import unregister_shared_attention
-
-    unregister_shared_attention()

@@ -7,8 +7,7 @@ from typing import Any
 
 from ..._logging import get_logger
 from ...errors import UsageError
-from ..padding_free import SUPPORTED_MODEL_TYPES
-from .attention import base_of, register_shared_attention, shared_attention_name
+from .attention import base_of, register_shared_attention, shared_attention_name, unregister_shared_attention
 from .forward import make_causal_lm_forward, make_online_forward
 from .layout import SharedLayout
 from .selfcheck import self_check
@@ -115,6 +114,12 @@ def check_trainer(trainer: Any, context: Any) -> PromptSharingState:
     return state
 
 
+#: Model types whose shared forward equals each sequence run alone, checked by
+#: tests/plugins/test_prompt_sharing.py::test_architectures (fp64, sdpa and eager, sliding windows shorter than the
+#: sequences). padding_free covers more (by mechanism, with a self-check); prompt sharing is verified on these.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma3_text", "phi3", "olmo2")
+
+
 def configure_model(context: Any, role: str, model: Any) -> str:
     """Check one causal LM and switch its attention to the shared attention; returns the implementation it runs."""
     config = model.config
@@ -122,9 +127,9 @@ def configure_model(context: Any, role: str, model: Any) -> str:
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UsageError(
             f"prompt_sharing cannot share prompts in a `{model_type}` model ({role} model {type(model).__name__}): "
-            f"only {', '.join(SUPPORTED_MODEL_TYPES)} are verified (the padding_free allowlist: ALiBi, SSM, hybrid "
-            "and linear-attention mixers carry state across segment boundaries, MoE routes packed tokens). Disable "
-            "prompt_sharing for this model."
+            f"only {', '.join(SUPPORTED_MODEL_TYPES)} are verified for prompt sharing (ALiBi, SSM, hybrid and "
+            "linear-attention mixers carry state across segment boundaries, MoE routes packed tokens). Disable "
+            "prompt_sharing for this model; `padding_free` alone supports more architectures."
         )
     if getattr(config, "output_router_logits", False):
         raise UsageError(
@@ -139,7 +144,8 @@ def configure_model(context: Any, role: str, model: Any) -> str:
             f'`{impl}`. Load it with `attn_implementation="sdpa"`, or use padding_free alone (which also runs '
             "flash-attention varlen kernels)."
         )
-    register_shared_attention()
+    # Held per trainer (not per installation): the trainer keeps its plugins after `uninstall()` (issue 15).
+    context.hold("prompt_sharing_attention", register_shared_attention, unregister_shared_attention)
     name = shared_attention_name(base)
     if impl != name:
         # A property over `_attn_implementation_internal` (transformers 5); never serialized, so checkpoints keep the
