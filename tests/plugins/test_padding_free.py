@@ -403,8 +403,8 @@ def test_architectures(model_type, attn):
     """fp64: the packed forward of every allowlisted architecture equals running each sequence alone (varlen and dense
     attention, sliding windows shorter than the sequences), through the causal-LM wrapper and the backbone wrapper."""
     from trl_ext.plugins import padding_free as pf
+    from trl_ext.plugins._packing import register_varlen_attention, unregister_varlen_attention, varlen_attention_name
     from trl_ext.plugins.padding_free import SUPPORTED_MODEL_TYPES, PaddingFreeState
-    from trl_ext.varlen import register_varlen_attention, unregister_varlen_attention, varlen_attention_name
 
     assert model_type in SUPPORTED_MODEL_TYPES
     model = _tiny(model_type, attn)

@@ -151,9 +151,9 @@ def _loss_and_grads(model, forward, ids, mask, moe: bool):
 def sweep_one(model_type: str) -> tuple[str, str, str]:
     """(mechanism, status, detail) of one architecture."""
     from trl_ext.plugins import padding_free as pf
+    from trl_ext.plugins._packing import register_varlen_attention, unregister_varlen_attention, varlen_attention_name
     from trl_ext.plugins.padding_free.architecture import inspect_model
     from trl_ext.plugins.padding_free.self_check import self_check
-    from trl_ext.varlen import register_varlen_attention, unregister_varlen_attention, varlen_attention_name
 
     try:
         model = build_tiny(model_type)

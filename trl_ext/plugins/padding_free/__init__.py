@@ -95,7 +95,7 @@ from ..._logging import get_logger
 from ...errors import UsageError
 from ...hookspecs import hookimpl
 from ...spec import Flag, Parser, PluginSpec, boolean, one_of
-from ...varlen import (
+from .._packing import (
     PACKING_KEY,
     VARLEN_BASES,
     PackInfo,

@@ -1,12 +1,12 @@
 """What a causal LM's layers do to a packed row: the mechanisms that decide whether packing is exact.
 
 Packing is exact when every layer is per-token except attention, and attention is kept inside each sequence (the
-varlen attention of `trl_ext.varlen`, flash-attention's varlen kernels, or transformers' block-diagonal mask) with
-positions that restart per sequence (`position_ids`). `inspect_model` reads the model's modules and config and either
-returns the mechanisms it found or the reason packing cannot be exact (a layer that carries state from token to token,
-ALiBi biases, capacity-limited routing). Architectures checked end to end (packed == padded in float64, loss, MoE
-auxiliary loss and gradients) by tests/plugins/test_padding_free_sweep.py are listed in `VERIFIED_MODEL_TYPES`; any
-other model is measured by the self-check (`self_check.py`) before its first step.
+varlen attention of `trl_ext.plugins._packing`, flash-attention's varlen kernels, or transformers' block-diagonal
+mask) with positions that restart per sequence (`position_ids`). `inspect_model` reads the model's modules and
+config and either returns the mechanisms it found or the reason packing cannot be exact (a layer that carries state
+from token to token, ALiBi biases, capacity-limited routing). Architectures checked end to end (packed == padded in
+float64, loss, MoE auxiliary loss and gradients) by tests/plugins/test_padding_free_sweep.py are listed in
+`VERIFIED_MODEL_TYPES`; any other model is measured by the self-check (`self_check.py`) before its first step.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from ...varlen import varlen_attention_name
+from .._packing import varlen_attention_name
 
 __all__ = [
     "GROUPS_KWARG",
