@@ -234,6 +234,7 @@ def test_named_architectures(model_type):
     assert status == ("refused" if model_type in expected_refusals else "exact"), f"{mechanism}: {detail}"
 
 
+@pytest.mark.sweep
 @pytest.mark.slow
 @pytest.mark.parametrize("model_type", causal_lm_types())
 def test_every_architecture(model_type):
