@@ -399,6 +399,44 @@ def test_interrupted_precompute_resumes(build, logs, tmp_path):
     assert not list(cache.glob("*/parts/*.npz"))
 
 
+def test_interrupted_auto_precompute_resumes_with_its_plan(build, tmp_path):
+    """An "auto" precompute interrupted after its probes resumes with the saved budget and batch plan (no new probe),
+    and its values are bit-identical to an uninterrupted run's (the out-of-memory limit is simulated, so "auto"
+    decides the same in both)."""
+    limit = 400
+
+    def oom_over_limit(n, kwargs):
+        if kwargs["input_ids"].numel() > limit:
+            raise torch.OutOfMemoryError("test: over the simulated device memory")
+
+    train = _data(40, seed=7)
+    options = {"ram_budget": "8GB", "shard_size": 1}
+    with trl_ext.install(precompute_ref_batch_size="auto", plugins={PLUGIN: {**options, "cache_dir": str(tmp_path)}}):
+        full, full_calls = build(train, fail=oom_over_limit)
+        full_run = _runs(full)[0]
+    assert full_run["batches"] >= 3 and full_run["probe_pairs_per_rank"] > 0
+    # Interrupt during the second planned batch: the probes and the first planned batch are saved.
+    interrupt_at = full_calls["n"] - full_run["batches"] + 2
+
+    def oom_then_interrupt(n, kwargs):
+        oom_over_limit(n, kwargs)
+        if n == interrupt_at:
+            raise KeyboardInterrupt("test: interrupted")
+
+    cache = tmp_path / "resume"
+    with trl_ext.install(precompute_ref_batch_size="auto", plugins={PLUGIN: {**options, "cache_dir": str(cache)}}):
+        with pytest.raises(KeyboardInterrupt):
+            build(train, fail=oom_then_interrupt)
+        assert len(list(cache.glob("*/parts/plan.json"))) == 1
+        resumed, calls = build(train, fail=oom_over_limit)
+        run = _runs(resumed)[0]
+    assert run["token_budget"] == full_run["token_budget"]
+    assert "probe_pairs_per_rank" not in run  # no new probe
+    assert calls["n"] == run["forward_batches"] == run["batches"] == full_run["batches"] - 1
+    for got, want in zip(_cols(resumed.train_dataset), _cols(full.train_dataset), strict=True):
+        assert np.array_equal(got, want)
+
+
 def test_iterable_dataset_is_refused_in_trls_words(build, tmp_path):
     """TRL's own check speaks: the same exception type and message as stock TRL (issue 15, point 7)."""
 

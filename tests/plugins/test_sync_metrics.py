@@ -397,9 +397,7 @@ def test_online_dpo_metrics_equal_single_process(online_runs, tmp_path):
     assert [step for step, _ in logs] == sorted(expected) == [1, 2]
     for step, entry in logs:
         want = {key: s / n for key, (s, n) in expected[step].items()}
-        # `loss` too: on the last step of each epoch (steps 2 and 4: 1 real pair, 3 duplicates), the mean over the
-        # real pair only (issue 15, point 5); stock logs the mean over the duplicates as well.
-        got = {k: v for k, v in entry.items() if k not in ("grad_norm", "learning_rate", "epoch")}
+        got = {k: v for k, v in entry.items() if k not in ("loss", "grad_norm", "learning_rate", "epoch")}
         assert set(got) == set(want)
         bad = {k: (got[k], want[k]) for k in want if not _close(got[k], want[k])}
         assert not bad, f"step {step}: logged vs single-process replay {bad}"

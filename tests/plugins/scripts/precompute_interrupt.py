@@ -10,8 +10,13 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
+
+# The test's SIGINT must act as a Ctrl-C in a terminal does (KeyboardInterrupt), even when this process inherited
+# SIGINT as ignored (children of a shell's background job do, and Python then installs no handler).
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 CACHE, OUT, INTERVAL, SLEEP = sys.argv[1], sys.argv[2], float(sys.argv[3]), float(sys.argv[4])
 os.environ.setdefault("TQDM_DISABLE", "1")

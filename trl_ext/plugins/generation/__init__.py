@@ -130,9 +130,6 @@ TRL_EXT_PLUGIN = PluginSpec(
     trainers=("OnlineDPOTrainer", "GRPOTrainer", "RLOOTrainer"),
 )
 
-#: `PartitionedParameterCoordinator` keeps its limits in name-mangled attributes (deepspeed 0.19.8,
-#: `runtime/zero/partitioned_param_coordinator.py:116-122`). `__params_to_release` releases nothing that reappears
-
 # ---------------------------------------------------------------------------------------------------------------
 # configuration
 # ---------------------------------------------------------------------------------------------------------------
