@@ -62,6 +62,13 @@ def parse_args(argv=None):
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per worker")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="prompt_sharing_bench.json", help="where to write every round as JSON")
+    parser.add_argument(
+        "--layout",
+        action="store_true",
+        help="instead: in one process, one model, the shared vs the unshared packed layout of the same batches "
+        "(policy forward with TRL's fused head + backward), interleaved, process CPU time; isolates the layout from "
+        "the machine's load and from the other plugins' code",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.quick:
@@ -317,9 +324,53 @@ def main(args) -> None:
     print(f"wrote {args.out}")
 
 
+def layout_only(args) -> None:
+    import torch
+
+    import trl_ext
+    from trl_ext.plugins.prompt_sharing import forward as fw
+    from trl_ext.plugins.prompt_sharing.layout import build_layout, prompt_end_from_completion_mask
+    from trl_ext.testing import make_tokenizer
+
+    torch.set_num_threads(args.threads)
+    tokenizer = make_tokenizer(MODEL["vocab_size"])
+    with trl_ext.install(prompt_sharing=True, plugins={"prompt_sharing": {"self_check": False}}):
+        for shape in SHAPES:
+            dataset, index = _batches(tokenizer, shape, args.pairs, args.rounds, args.seed)
+            trainer = _dpo_trainer(tokenizer, dataset, {})
+            model = trainer.model
+            forward = fw.make_causal_lm_forward(model.forward.__wrapped__, trainer._trl_ext.state["prompt_sharing"],
+                                                "policy", None)  # fmt: skip
+            ratios, bounds = [], []
+            for k, idx in enumerate(index):
+                batch = trainer.data_collator([trainer.train_dataset[i] for i in idx])
+                ids, mask, completion = batch["input_ids"], batch["attention_mask"], batch["completion_mask"]
+                kwargs = dict(input_ids=ids, attention_mask=mask, use_cache=False, fused_lm_head=True,
+                              labels=ids.masked_fill(completion == 0, -100))  # fmt: skip
+                prompt_end = prompt_end_from_completion_mask(completion, mask)
+                layouts = {"unshared": build_layout(ids, mask, None), "shared": build_layout(ids, mask, prompt_end)}
+                times = {}
+                for name in sorted(layouts, reverse=bool(k % 2)):
+                    model.zero_grad(set_to_none=True)
+                    start = time.process_time()
+                    out = forward(**kwargs, trl_ext_prompt_sharing=layouts[name].to_batch())
+                    out.log_probs.sum().backward()
+                    times[name] = time.process_time() - start
+                if k:  # batch 0 warms up
+                    ratios.append(times["unshared"] / times["shared"])
+                    pairs = ids.shape[0] // 2
+                    p = (mask - completion)[:pairs].sum().item()
+                    bounds.append((2 * p + completion.sum().item()) / (p + completion.sum().item()))
+            bound = statistics.median(bounds)
+            print(f"== {shape} (layout only, CPU time): unshared/shared {_spread(ratios)}; token bound "
+                  f"{bound:.3f}; fraction of bound {statistics.median(ratios) / bound:.3f}", flush=True)  # fmt: skip
+
+
 if __name__ == "__main__":
     parsed = parse_args()
     if parsed.worker:
         worker(parsed)
+    elif parsed.layout:
+        layout_only(parsed)
     else:
         main(parsed)
