@@ -17,7 +17,6 @@ import pytest
 from trl_ext import _compat
 
 TRL = _compat.installed_version("trl")
-TRL_V = _compat.parse_version(TRL or "0")[:2]
 
 
 def _fail(fact: str, detail: str) -> str:
@@ -140,10 +139,11 @@ def test_precompute_engine_and_hash():
     assert _params(prepare)[:2] == ["model", "accelerator"], _fail("DPO_PREPARE_DEEPSPEED", "new signature")
     hash_module = _compat.import_object(*_compat.DPO_HASH_MODULE)
     assert _params(hash_module) == ["module"], _fail("DPO_HASH_MODULE", "new signature")
+    # Either `__init__` stores `hash_module(...)` in the attribute, or the precompute calls `hash_module` itself.
     init = _source(_dpo().__init__)
-    has_hash_attr = f"self.{_compat.DPO_PRECOMPUTE_HASH_ATTR} =" in init
-    assert has_hash_attr == (TRL_V >= _compat.DPO_PRECOMPUTE_HASH_SINCE), _fail(
-        "DPO_PRECOMPUTE_HASH_ATTR", f"set in __init__: {has_hash_attr}"
+    stored = re.search(rf"self\.{_compat.DPO_PRECOMPUTE_HASH_ATTR} = \(?\s*hash_module\(", init)
+    assert stored or "hash_module(self.ref_model or self.model)" in source, _fail(
+        "DPO_PRECOMPUTE_HASH_ATTR", "TRL hashes the reference weights another way"
     )
 
 
@@ -236,10 +236,14 @@ def test_online_dpo_step_methods_and_generate_layout():
 
 
 def test_online_dpo_eos_ids():
-    init = _source(_online().__init__)
-    has_list = f"self.{_compat.ONLINE_DPO_EOS_IDS_ATTR} =" in init
-    assert has_list == (TRL_V >= (1, 13)), _fail("ONLINE_DPO_EOS_IDS_ATTR", f"set in __init__: {has_list}")
+    init, step = _source(_online().__init__), _source(_online().training_step)
     assert f"self.{_compat.ONLINE_DPO_TOKENIZER_ATTR}" in init, _fail("ONLINE_DPO_TOKENIZER_ATTR", "gone")
+    # With the attribute, `val/contain_eos_token` checks every id in it; without, the tokenizer's EOS id only.
+    if f"self.{_compat.ONLINE_DPO_EOS_IDS_ATTR} =" in init:
+        expected = f"self.{_compat.ONLINE_DPO_EOS_IDS_ATTR}"
+    else:
+        expected = f"self.{_compat.ONLINE_DPO_TOKENIZER_ATTR}.eos_token_id"
+    assert expected in step, _fail("ONLINE_DPO_EOS_IDS_ATTR", f"training_step does not check `{expected}`")
 
 
 def test_online_dpo_loss_rounding():

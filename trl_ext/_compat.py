@@ -166,12 +166,12 @@ DPO_COMPUTE_REF_METHOD = "compute_ref_log_probs"
 #: 1.12.0 :1161-1166.
 DPO_PRECOMPUTE_ENGINE_ATTR = "_precompute_engine"
 DPO_PREPARE_DEEPSPEED = ("trl.trainer.dpo_trainer", "prepare_deepspeed")
-#: The weight hash TRL keys its precompute cache on: `trl.trainer.utils.hash_module(module) -> str`, stored at
-#: `__init__` as `_precompute_model_hash` since 1.13 (absent on 1.12.0, which hashes at every call). Consumer:
-#: precompute_ref_batch_size (runner). Checked 1.12.0 (absent), 1.16.0 (dpo_trainer.py:980).
+#: The weight hash TRL keys its precompute cache on: `trl.trainer.utils.hash_module(module) -> str`. 1.16.0 stores it
+#: at `__init__` as `_precompute_model_hash` (dpo_trainer.py:980); 1.12.0 has no such attribute and calls
+#: `hash_module` in `_precompute_ref_logps` (:1139). The release in between that added it was not checked: the
+#: consumer uses the attribute when it exists and `hash_module` otherwise. Consumer: precompute_ref_batch_size.
 DPO_HASH_MODULE = ("trl.trainer.utils", "hash_module")
 DPO_PRECOMPUTE_HASH_ATTR = "_precompute_model_hash"
-DPO_PRECOMPUTE_HASH_SINCE = (1, 13)
 
 # -- sync_metrics: DPO -----------------------------------------------------------------------------------------------
 
@@ -252,8 +252,9 @@ ONLINE_DPO_STEP_METHODS = ("training_step", "_forward", "_generate", "_calculate
 #: 1.12.0, 1.16.0 (online_dpo_trainer.py:1056 on 1.16.0).
 ONLINE_DPO_GENERATE_RETURN = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
 ONLINE_DPO_COMPLETION_IDS, ONLINE_DPO_COMPLETION_MASK = 2, 3
-#: EOS ids checked for `val/contain_eos_token`: `self.eos_token_ids` (a list) since 1.13; 1.12.0 checks only
-#: `self._tokenizer.eos_token_id` (online_dpo_trainer.py:1152). Consumer: sync_metrics (online_dpo).
+#: EOS ids checked for `val/contain_eos_token`: `self.eos_token_ids` (a list) on 1.16.0 (online_dpo_trainer.py:406,
+#: :1177); 1.12.0 has no such attribute and checks only `self._tokenizer.eos_token_id` (:1152). The consumer uses the
+#: attribute when it exists. Consumer: sync_metrics (online_dpo).
 ONLINE_DPO_EOS_IDS_ATTR = "eos_token_ids"
 ONLINE_DPO_TOKENIZER_ATTR = "_tokenizer"
 #: OnlineDPO rounds its logged training loss to this many decimals in its own `_maybe_log_save_evaluate`
