@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import re
+from collections.abc import Iterable
 
 from .errors import UsageError
 
@@ -131,7 +132,7 @@ TRL_RENAMED_KEYWORDS: dict[str, dict[str, str]] = {
 }
 
 
-def renamed_keyword_notes(trainer_class: str, error: BaseException, keywords: object) -> list[str]:
+def renamed_keyword_notes(trainer_class: str, error: BaseException, keywords: Iterable[str]) -> list[str]:
     """Notes naming the new spelling of each renamed keyword among `keywords` that TRL's `error` rejects."""
     if not isinstance(error, TypeError) or "unexpected keyword argument" not in str(error):
         return []

@@ -301,7 +301,9 @@ class Installation:
         for plugin, spec in specs.items():
             if spec.flags and not spec.applies_to(ctx.trainer_class) and self.config.flag_is_set(plugin):
                 flags = " / ".join(f"`{f.name}`" for f in spec.flags if self.config.flags[f.name] != f.default)
-                stray.append(f"{flags} is set, but the plugin `{plugin}` applies only to {', '.join(spec.trainers)}")
+                stray.append(
+                    f"{flags} is set, but the plugin `{plugin}` applies only to {', '.join(spec.trainers or ())}"
+                )
         if stray:
             logger.log(NOTICE, "trl-ext: %s; this %s runs without it", "; ".join(stray), name)
         # Plugins that apply to this trainer but are off may point at a TRL setting they would serve better.

@@ -33,6 +33,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("TQDM_DISABLE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -134,11 +135,11 @@ def timed_precompute(box: dict, cuda: bool):
         box["peak"] = max(box.get("peak", 0), peak.peak)
         return out
 
-    DPOTrainer._precompute_ref_logps = timed
+    DPOTrainer._precompute_ref_logps = timed  # type: ignore[method-assign]  # timing wrapper, restored below
     try:
         yield box
     finally:
-        DPOTrainer._precompute_ref_logps = original
+        DPOTrainer._precompute_ref_logps = original  # type: ignore[method-assign]
 
 
 class PrecomputeRig:
@@ -172,7 +173,7 @@ class PrecomputeRig:
         if variant == "trl":
             with timed_precompute(box, cuda):
                 trainer = DPOTrainer(self.policy, **kwargs)
-            runs = [{}]
+            runs: list[dict[str, Any]] = [{}]
         else:
             flag = "auto" if variant == "plugin-auto" else args.batch_size
             options = {"cache_dir": str(cache_dir)}
@@ -181,8 +182,8 @@ class PrecomputeRig:
             with trl_ext.install(precompute_ref_batch_size=flag, plugins={"precompute_ref_batch_size": options}):
                 with timed_precompute(box, cuda):
                     trainer = DPOTrainer(self.policy, **kwargs)
-                runs = trainer._trl_ext.state["precompute_ref_batch_size"].runs
-        ds = trainer.train_dataset
+                runs = trainer._trl_ext.state["precompute_ref_batch_size"].runs  # type: ignore[attr-defined]
+        ds: Any = trainer.train_dataset
         cols = np.asarray(ds["ref_chosen_logps"]), np.asarray(ds["ref_rejected_logps"])
         return box, runs[0], cols, ds
 

@@ -254,7 +254,7 @@ def _bench_padding_free(setup: _Setup, rounds: int, seconds: float) -> dict[str,
         )
         loader = trainer.get_train_dataloader()
         # Fixed batches, in dataset order, through each trainer's own collator (padded, or packed).
-        rows = trainer.train_dataset
+        rows: Any = trainer.train_dataset
         batches = [
             loader.collate_fn([rows[i] for i in range(k * setup.size["batch"], (k + 1) * setup.size["batch"])])
             for k in range(n_batches)

@@ -163,7 +163,7 @@ def add_trl_ext_help(parser: Any, command: str) -> None:
     # argparse lists groups in creation order: put ours first, above TRL's hundreds of options.
     parser._action_groups.remove(group)
     parser._action_groups.insert(0, group)
-    base = parser.formatter_class
+    base: Any = parser.formatter_class
 
     class Formatter(base):
         def add_argument(self, action):
@@ -293,7 +293,8 @@ def _prepare_cpu_deepspeed() -> bool:
 
     if torch.cuda.is_available():
         return False
-    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    shm: Any = importlib.import_module("deepspeed.comm.torch")
+    shm.build_shm_op = lambda: None
     from accelerate import PartialState
 
     PartialState(backend="gloo")
@@ -396,7 +397,8 @@ def run_online_dpo(argv: Sequence[str]) -> int:
 
     config, rest, stripped = _resolve_config(argv)
     cpu_deepspeed = _prepare_cpu_deepspeed()
-    parser = TrlParser((OnlineDPOScriptArguments, OnlineDPOConfig, ModelConfig), prog="trl-ext online-dpo")
+    dataclass_types: Any = (OnlineDPOScriptArguments, OnlineDPOConfig, ModelConfig)
+    parser = TrlParser(dataclass_types, prog="trl-ext online-dpo")
     if cpu_deepspeed:
         _use_configured_state(parser)
     try:

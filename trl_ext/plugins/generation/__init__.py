@@ -172,6 +172,7 @@ class GenerationState:
     def __init__(self, flag: Any, options: GenerationOptions | dict[str, Any]) -> None:
         if isinstance(options, dict):  # raw options (benchmarks, tests): parsed like the user's
             options = TRL_EXT_PLUGIN.make_options(options, "GenerationState")
+        assert isinstance(options, GenerationOptions)
         self.flag = flag
         self.budget = (options.budget.kind, options.budget.value) if options.budget is not None else None
         self.auto_margin = _DEFAULT_AUTO_MARGIN if options.auto_margin is None else options.auto_margin

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import copy
 from contextlib import ExitStack
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from ..._shared import Ranks, free_memory_bytes
 from ...context import unwrap_causal_lm
@@ -45,7 +45,7 @@ class GenerationContext:
         self.state.generations += 1
         return unwrapped
 
-    def __exit__(self, exc_type, exc, tb) -> bool:
+    def __exit__(self, exc_type, exc, tb) -> Literal[False]:
         stack, self._stack = self._stack, None
         if stack is not None:
             stack.__exit__(exc_type, exc, tb)

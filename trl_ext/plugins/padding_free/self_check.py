@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 
@@ -95,7 +96,8 @@ def self_check(
     """
     start = time.perf_counter()
     device = next(model.parameters()).device
-    vocab = model.get_input_embeddings().num_embeddings
+    embeddings: Any = cast(Any, model).get_input_embeddings()  # a PreTrainedModel method: an nn.Embedding
+    vocab: int = embeddings.num_embeddings
     dtype = dtype or next(model.parameters()).dtype
     tolerance = _TOLERANCE.get(dtype, _HALF_TOLERANCE)
     ids, mask = _probe(vocab, device, seed=0)
@@ -116,19 +118,19 @@ def self_check(
                 after = packed_forward(input_ids=changed, attention_mask=mask, use_cache=False).logits
                 forwards += 2
             except Exception as exc:  # noqa: BLE001 - a model that cannot run packed is refused, with the cause
-                leak = f"its packed forward raised {type(exc).__name__}: {exc}"
-                return SelfCheckResult(leak, float("nan"), tolerance, time.perf_counter() - start, forwards)
+                raised = f"its packed forward raised {type(exc).__name__}: {exc}"
+                return SelfCheckResult(raised, float("nan"), tolerance, time.perf_counter() - start, forwards)
             finally:
                 recorder.close()
             others = [i for i in range(len(PROBE_LENGTHS)) if i != middle]
             real = mask.bool()
-            leak = None
+            leak: str | None = None
             for i in others:
                 change = (base[i][real[i]].double() - after[i][real[i]].double()).abs().max()
                 allowed = 16 * torch.finfo(base.dtype).eps * base[i][real[i]].double().abs().max() if moe else 0.0
                 if change > allowed:
                     starts = torch.tensor([0, *PROBE_LENGTHS]).cumsum(0)
-                    rows = torch.cat([torch.arange(starts[j], starts[j + 1]) for j in others]).to(device)
+                    rows = torch.cat([torch.arange(int(starts[j]), int(starts[j + 1])) for j in others]).to(device)
                     leak = (
                         f"the logits of probe sequence {i} changed when only the tokens of another sequence in the "
                         f"packed row changed (max change {(base[i] - after[i]).abs().max().item():.3g}); the first "

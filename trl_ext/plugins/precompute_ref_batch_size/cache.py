@@ -40,7 +40,7 @@ def scan_dataset(dataset, want_hash: bool):
             f"`{NAME}`: the dataset has no {missing} column(s); the precompute runs on TRL's tokenized dataset "
             "(prompt_ids/chosen_ids/rejected_ids). Vision datasets are not supported (TRL refuses them too)."
         )
-    lengths = {c: [] for c in TOKEN_COLUMNS}
+    lengths: dict[str, list[Any]] = {c: [] for c in TOKEN_COLUMNS}
     digest = hashlib.sha256() if want_hash else None
     view = dataset.select_columns(list(TOKEN_COLUMNS)).with_format("arrow")
     for table in view.iter(batch_size=65536):
@@ -52,7 +52,7 @@ def scan_dataset(dataset, want_hash: bool):
                     # `value_lengths`/`flatten` respect slicing, so views of the same rows hash the same.
                     digest.update(chunk.value_lengths().fill_null(0).to_numpy(zero_copy_only=False).astype("<i8"))
                     flat = chunk.flatten().cast(pa.int64()).to_numpy(zero_copy_only=False)
-                    digest.update(np.ascontiguousarray(flat, dtype="<i8"))
+                    digest.update(np.ascontiguousarray(flat, dtype="<i8").tobytes())
     out = {c: (np.concatenate(v) if v else np.zeros(0, dtype=np.int64)).astype(np.int64) for c, v in lengths.items()}
     return out, (digest.hexdigest() if digest is not None else None)
 

@@ -54,7 +54,9 @@ class BatchPlan:
         import numpy as np
 
         ordered = self.order(indices)
-        batches, current, cur_max, cur_sum = [], [], 0, 0
+        batches: list[list[int]] = []
+        current: list[int] = []
+        cur_max, cur_sum = 0, 0
         for i in ordered.tolist():
             new_max = max(cur_max, int(self.pair_len[i]))
             new_sum = cur_sum + int(self.real_tokens[i])

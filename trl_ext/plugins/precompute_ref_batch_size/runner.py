@@ -107,12 +107,13 @@ class Precompute:
         Only the main process touches the disk, so a failure here must not raise: the other ranks would be left
         waiting in the next collective.
         """
-        root = self.opts.cache_dir
-        if root is None:
+        if self.opts.cache_dir is None:
             import datasets.config
 
             root = Path(datasets.config.HF_DATASETS_CACHE) / "trl_ext_ref_logps"
-        root = Path(root).expanduser()
+        else:
+            root = Path(self.opts.cache_dir)
+        root = root.expanduser()
         try:
             root.mkdir(parents=True, exist_ok=True)
         except OSError as exc:

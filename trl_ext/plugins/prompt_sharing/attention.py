@@ -111,8 +111,10 @@ def _attend(
     k_pos = torch.arange(k, device=query.device)[None, :]
     mask = k_pos <= q_pos
     if windowed:
+        assert sliding_window is not None
         mask = mask & (k_pos > q_pos - sliding_window)
     if hidden_keys:
+        assert valid_keys is not None
         mask = mask & (k_pos < valid_keys)
     return F.scaled_dot_product_attention(
         query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=enable_gqa

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -100,8 +100,11 @@ class SharedLayout:
         if (layout.rows, layout.length) != tuple(input_ids.shape) or layout.gather.device != input_ids.device:
             return None
         # accelerate's `send_to_device` rebuilds tuples as tuples, lists as lists: normalise the host ints
-        layout.groups = tuple(
-            (int(a), int(b), tuple(tuple(int(x) for x in branch) for branch in br)) for a, b, br in layout.groups
+        layout.groups = cast(
+            Groups,
+            tuple(
+                (int(a), int(b), tuple(tuple(int(x) for x in branch) for branch in br)) for a, b, br in layout.groups
+            ),
         )
         return layout
 
@@ -168,6 +171,7 @@ def build_layout(
         s, e = starts[r], ends[r]
         p_end = min(max(int(ends_of_prompt[r]), s), e)
         if share and p_end - s >= 2:
+            assert ids_host is not None
             key = (s, tuple(ids_host[r, s:p_end].tolist()))
             g = keys.get(key)
             if g is not None:

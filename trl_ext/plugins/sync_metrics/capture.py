@@ -121,6 +121,7 @@ class SyncMetricsState:
                 f"sync_metrics: TRL gathered a {type(data).__name__} during a metric capture; only tensors are "
                 f"supported (trl=={_compat.installed_version('trl')}). Disable sync_metrics and report this."
             )
+        assert self.captured is not None  # set by the capture that is running
         self.captured.append(data.detach())
         # CPU zeros: TRL's `.item()` on them is free, and the values it derives from them are discarded.
         return torch.zeros(data.shape if data.dim() else (1,), dtype=data.dtype)

@@ -38,6 +38,7 @@ def _items(state: SyncMetricsState, trainer: Any, batch_size: int, k: int) -> li
     """Re-derive TRL's OnlineDPO metrics per completion (online_dpo_trainer.py 1.16.0:1218-1294) for the `k` real
     prompts of this step, as (slot, value) additions."""
     cap = state.online
+    assert cap is not None  # set when the training step started
     if len(cap["forward"]) != 2 or cap["completion"] is None or cap["rewards"] is None:
         raise RuntimeError(
             "sync_metrics: OnlineDPO's training step did not run one generation, two forwards (policy, reference) "
