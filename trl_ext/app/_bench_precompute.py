@@ -119,27 +119,50 @@ def native_padded_tokens(dataset, batch_size: int, max_length: int) -> int:
 
 @contextlib.contextmanager
 def timed_precompute(box: dict, cuda: bool):
-    """Time `DPOTrainer._precompute_ref_logps` (trl-ext's wrapper when installed) and record its peak memory."""
+    """Time DPO's reference precompute, stock or trl-ext's, and record its peak memory.
+
+    Stock TRL runs `DPOTrainer._precompute_ref_logps`; a trainer with trl-ext runs the instance wrapper that trl-ext
+    attaches before TRL's `__init__` (it keeps its plugins for its whole life), which may never call the class
+    method. Both are timed here; only the outermost timed call counts, so nothing is counted twice.
+    """
     from trl import DPOTrainer
 
+    from .. import installation
+
     original = DPOTrainer.__dict__["_precompute_ref_logps"]
+    original_wrapper = installation._precompute_wrapper
+    depth = [0]
 
-    def timed(self, dataset, name, batch_size):
-        with _Peak(cuda) as peak:
-            start, cpu_start = time.perf_counter(), time.process_time()
-            out = original(self, dataset, name, batch_size)
-            if cuda:
-                torch.cuda.synchronize()
-            box["seconds"] = box.get("seconds", 0.0) + time.perf_counter() - start
-            box["cpu_seconds"] = box.get("cpu_seconds", 0.0) + time.process_time() - cpu_start
-        box["peak"] = max(box.get("peak", 0), peak.peak)
-        return out
+    def timing(call):
+        def timed(*args):
+            if depth[0]:
+                return call(*args)
+            depth[0] += 1
+            try:
+                with _Peak(cuda) as peak:
+                    start, cpu_start = time.perf_counter(), time.process_time()
+                    out = call(*args)
+                    if cuda:
+                        torch.cuda.synchronize()
+                    box["seconds"] = box.get("seconds", 0.0) + time.perf_counter() - start
+                    box["cpu_seconds"] = box.get("cpu_seconds", 0.0) + time.process_time() - cpu_start
+                box["peak"] = max(box.get("peak", 0), peak.peak)
+            finally:
+                depth[0] -= 1
+            return out
 
-    DPOTrainer._precompute_ref_logps = timed  # type: ignore[method-assign]  # timing wrapper, restored below
+        return timed
+
+    def timed_wrapper(ctx, method):
+        return timing(original_wrapper(ctx, method))
+
+    DPOTrainer._precompute_ref_logps = timing(original)  # type: ignore[method-assign]  # restored below
+    installation._precompute_wrapper = timed_wrapper  # type: ignore[assignment]
     try:
         yield box
     finally:
         DPOTrainer._precompute_ref_logps = original  # type: ignore[method-assign]
+        installation._precompute_wrapper = original_wrapper  # type: ignore[assignment]
 
 
 class PrecomputeRig:
