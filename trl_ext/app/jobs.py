@@ -448,19 +448,27 @@ def _installed_for_job(config: TrlExtConfig, cpu_deepspeed: bool):
         _report(installation)
     finally:
         installation.uninstall()
-    if cpu_deepspeed:
-        _exit_distributed()
+    _exit_distributed(force_exit=cpu_deepspeed)
 
 
-def _exit_distributed() -> None:
+def _exit_distributed(force_exit: bool = False) -> None:
+    """End a successful distributed job cleanly: every rank reaches a barrier, then the process group is destroyed.
+
+    On gloo (CPU ranks) the process then ends with `os._exit(0)`: gloo's worker threads can still be alive when the
+    interpreter tears down, and the C++ runtime then aborts the rank ("terminate called without an active exception",
+    SIGABRT) after a run that succeeded. NCCL jobs return normally, so `atexit` handlers (loggers, trackers) run.
+    """
     import torch.distributed as dist
 
-    if dist.is_initialized():
+    gloo = False
+    if dist.is_available() and dist.is_initialized():
+        gloo = dist.get_backend() == "gloo"
         dist.barrier()
         dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    if gloo or force_exit:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def main_job(command: str, argv: Sequence[str]) -> int:
