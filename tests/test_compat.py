@@ -339,7 +339,10 @@ def test_fused_lm_head_fields():
     fields = {f.name for f in dataclasses.fields(output)}
     missing = set(_compat.FUSED_LM_HEAD_FIELDS) - fields
     assert not missing, _fail("FUSED_LM_HEAD_FIELDS", f"FusedCausalLMOutput lost {sorted(missing)}")
-    from trl_ext.plugins import padding_free
+    from trl_ext.plugins import _packing
+    from trl_ext.plugins.prompt_sharing import forward as prompt_sharing_forward
 
-    # padding_free keeps its own copy of the field names; both must agree with TRL.
-    assert set(padding_free._FUSED_FIELDS) == set(_compat.FUSED_LM_HEAD_FIELDS)
+    # Both packing plugins re-pad every per-token field TRL returns (one left packed would reach TRL in the wrong
+    # shape); the others are scalars (`loss`, `aux_loss`).
+    assert set(_packing.FUSED_FIELDS) == fields - {"loss", "aux_loss"} == set(_compat.FUSED_LM_HEAD_FIELDS)
+    assert prompt_sharing_forward.FUSED_FIELDS is _packing.FUSED_FIELDS

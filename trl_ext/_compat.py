@@ -305,7 +305,8 @@ DS_PARAM_ATTRS = ("ds_numel", "ds_status", "ds_active_sub_modules", "ds_persist"
 # -- padding_free: TRL's fused LM head (TRL >= 1.15) -----------------------------------------------------------------
 
 #: Per-token outputs of TRL's fused LM head (`trl.trainer.utils.FusedCausalLMOutput`), `[B, L - 1]` each; the
-#: padding_free plugin re-pads them (its own `_FUSED_FIELDS`, kept in its module). Checked 1.16.0; absent on 1.12.0.
+#: padding_free and prompt_sharing plugins re-pad them (`plugins/_packing.py` `FUSED_FIELDS`). Checked 1.16.0; absent
+#: on 1.12.0.
 FUSED_LM_HEAD_OUTPUT = ("trl.trainer.utils", "FusedCausalLMOutput")
 FUSED_LM_HEAD_FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1", "label_mask")
 #: The keyword DPO passes to the model forward to get the fused output. Consumer: padding_free. Checked 1.16.0.

@@ -16,8 +16,12 @@ The varlen attention only acts on packed calls (those that carry `cu_seq_lens_q`
 (generation, a user's own forward) is handed to the base implementation with the mask transformers builds for it,
 so a model switched to varlen attention behaves exactly as before outside packed calls.
 
-Nothing here imports TRL; torch and transformers are imported at module level (this module is only imported by the
-`padding_free` plugin, after `trl_ext.install()`).
+What both packing plugins (`padding_free`, `prompt_sharing`) need around the model lives here too, once: the
+attention registration with transformers, the collator base that annotates batches, the trainer refusals (vision,
+prompt-learning PEFT), the predicate of a scoring call, and re-padding of the fused LM head outputs.
+
+Nothing here imports TRL; torch and transformers are imported at module level (this module is only imported by those
+plugins, after `trl_ext.install()`).
 """
 
 from __future__ import annotations
@@ -35,13 +39,27 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from .. import _compat
+from ..errors import UsageError
+
 __all__ = [
+    "FUSED_FIELDS",
     "PACKING_KEY",
     "VARLEN_BASES",
+    "VISION_KEYS",
+    "AnnotatingCollator",
     "PackInfo",
+    "base_attention",
+    "check_packable_trainer",
     "pack_rows",
     "packing_metadata",
+    "positional_input_ids",
+    "register_attention",
     "register_varlen_attention",
+    "repad_outputs",
+    "scoring_call",
+    "skip_mask_while",
+    "unregister_attention",
     "unpack_rows",
     "unpack_shifted",
     "unregister_varlen_attention",
@@ -218,13 +236,14 @@ def packed_call(info: PackInfo | None = None) -> Iterator[None]:
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def _base_attention(base: str, module: torch.nn.Module) -> Callable:
+def base_attention(base: str, module: torch.nn.Module) -> Callable:
+    """The attention function a layer would run for `base` (`"sdpa"` or `"eager"`) without trl-ext."""
     if base == "eager":
         # Each modeling file has its own `eager_attention_forward` (softcapping, sinks, ...); the layer's default is
         # the one of its own module, exactly as `ALL_ATTENTION_FUNCTIONS.get_interface(name, eager_attention_forward)`.
         fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
         if fn is None:
-            raise RuntimeError(f"padding_free: no eager attention found for {type(module).__name__}")
+            raise RuntimeError(f"trl-ext: no eager attention found for {type(module).__name__}")
         return fn
     return ALL_ATTENTION_FUNCTIONS[base]
 
@@ -272,7 +291,7 @@ def _segment_attention(
         mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill_(
             ~mask, torch.finfo(query.dtype).min
         )
-    out, _ = _base_attention(base, module)(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
+    out, _ = base_attention(base, module)(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
     return out
 
 
@@ -295,7 +314,7 @@ def _make_varlen_attention(base: str) -> Callable:
         if bounds is None or attention_mask is not None:
             # Not a packed call (generation, a user's own forward), or a model that built its own mask inside a
             # packed call (a dense mask, used as is): exactly what the base implementation does.
-            return _base_attention(base, module)(
+            return base_attention(base, module)(
                 module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
             )
         if query.shape[0] != 1 or query.shape[2] != key.shape[2] or query.shape[2] != bounds[-1]:
@@ -318,29 +337,168 @@ def _make_varlen_attention(base: str) -> Callable:
     return varlen_attention_forward
 
 
-def _make_varlen_mask(base: str) -> Callable:
-    def varlen_mask(*args: Any, **kwargs: Any) -> Any:
-        if _PACKED_CALL.get() and kwargs.get("attention_mask") is None:
-            return None
-        return ALL_MASK_ATTENTION_FUNCTIONS[base](*args, **kwargs)
+def skip_mask_while(flag: contextvars.ContextVar[bool], name: str, fallback: str | Callable[[], str]) -> Callable:
+    """A mask function for `AttentionMaskInterface`: no mask while `flag` is set and the call brings none (the
+    attention splits the row itself), else the mask of the implementation `fallback` names (or returns, if a
+    function: looked up on each call)."""
 
-    varlen_mask.__name__ = f"{_VARLEN_PREFIX}{base}_mask"
-    return varlen_mask
+    def mask(*args: Any, **kwargs: Any) -> Any:
+        if flag.get() and kwargs.get("attention_mask") is None:
+            return None
+        other = fallback if isinstance(fallback, str) else fallback()
+        return ALL_MASK_ATTENTION_FUNCTIONS[other](*args, **kwargs)
+
+    mask.__name__ = f"{name}_mask"
+    return mask
+
+
+def register_attention(name: str, forward: Callable, mask: Callable) -> None:
+    """Register an attention implementation and its mask function with transformers under `name` (idempotent)."""
+    if name not in AttentionInterface._global_mapping:
+        AttentionInterface.register(name, forward)
+    if name not in AttentionMaskInterface._global_mapping:
+        AttentionMaskInterface.register(name, mask)
+
+
+def unregister_attention(name: str) -> None:
+    """Undo `register_attention` (transformers' registries are global)."""
+    AttentionInterface._global_mapping.pop(name, None)
+    AttentionMaskInterface._global_mapping.pop(name, None)
 
 
 def register_varlen_attention() -> None:
     """Register `trl_ext_varlen_sdpa` / `trl_ext_varlen_eager` with transformers (idempotent)."""
     for base in VARLEN_BASES:
         name = varlen_attention_name(base)
-        if name not in AttentionInterface._global_mapping:
-            AttentionInterface.register(name, _make_varlen_attention(base))
-        if name not in AttentionMaskInterface._global_mapping:
-            AttentionMaskInterface.register(name, _make_varlen_mask(base))
+        register_attention(name, _make_varlen_attention(base), skip_mask_while(_PACKED_CALL, name, base))
 
 
 def unregister_varlen_attention() -> None:
-    """Remove the registrations of `register_varlen_attention` (transformers' registries are global)."""
+    """Remove the registrations of `register_varlen_attention`."""
     for base in VARLEN_BASES:
-        name = varlen_attention_name(base)
-        AttentionInterface._global_mapping.pop(name, None)
-        AttentionMaskInterface._global_mapping.pop(name, None)
+        unregister_attention(varlen_attention_name(base))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# What padding_free and prompt_sharing share around the model: batch checks, collator, call predicate
+# ---------------------------------------------------------------------------------------------------------------------
+
+#: Batch keys of vision-language collators (DataCollatorForVisionPreference, VLM processors): image features are
+#: matched to placeholder tokens per row, which neither packing nor sharing keeps.
+VISION_KEYS = (
+    "pixel_values",
+    "pixel_attention_mask",
+    "image_grid_thw",
+    "image_sizes",
+    "token_type_ids",
+    "mm_token_type_ids",
+)
+#: Per-token outputs of TRL's fused LM head (TRL >= 1.15), `[B, L - 1]` each, put back into the padded layout.
+FUSED_FIELDS = _compat.FUSED_LM_HEAD_FIELDS
+
+
+def check_packable_trainer(trainer: Any, plugin: str) -> None:
+    """Refuse, with a `UsageError` naming `plugin`, the trainers whose rows cannot be packed: vision-language models
+    or datasets, and prompt-learning PEFT (virtual tokens prepended to every row)."""
+    if getattr(trainer, "_is_vlm", False) or getattr(trainer, "_is_vision_dataset", False):
+        raise UsageError(
+            f"{plugin} does not support vision-language models or image datasets: image features are matched to "
+            f"placeholder tokens per row. Disable {plugin} for this trainer."
+        )
+    peft_config = getattr(getattr(trainer, "model", None), "peft_config", None)
+    if isinstance(peft_config, dict):
+        from peft import PromptLearningConfig
+
+        if any(isinstance(cfg, PromptLearningConfig) for cfg in peft_config.values()):
+            raise UsageError(
+                f"{plugin} does not support prompt-learning PEFT methods (prompt tuning, prefix tuning, P-tuning): "
+                f"they prepend virtual tokens to every row. Use a weight adapter such as LoRA, or disable {plugin}."
+            )
+
+
+class AnnotatingCollator:
+    """Wraps a preference collator and adds a plugin's metadata to each batch, computed in the data-loader process.
+
+    The padded batch is kept as it is (TRL reads `completion_mask`, `attention_mask` and the reference columns from
+    it); the model wrappers pop the metadata before the model sees its kwargs. Attributes of the wrapped collator
+    (`max_length`, `truncation_mode`, `pad_token_id`, read by other plugins) are read through. Subclasses set
+    `plugin` and implement `annotate(batch)`.
+
+    Args:
+        collator (`Callable`): the collator to wrap (TRL's `DataCollatorForPreference` or a user's).
+    """
+
+    plugin = "trl-ext"
+
+    def __init__(self, collator: Callable) -> None:
+        self.collator = collator
+
+    def annotate(self, batch: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def __call__(self, examples: list[dict[str, Any]], *args: Any, **kwargs: Any) -> dict[str, Any]:
+        batch = self.collator(examples, *args, **kwargs)
+        vision = [k for k in VISION_KEYS if k in batch]
+        if vision:
+            raise UsageError(f"{self.plugin} cannot pack vision-language batches (keys {vision}); disable it.")
+        self.annotate(batch)
+        return batch
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "collator":  # not set yet (unpickling in a data-loader worker)
+            raise AttributeError(name)
+        return getattr(self.collator, name)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.collator!r})"
+
+
+def positional_input_ids(args: tuple, kwargs: dict[str, Any]) -> tuple:
+    """Move a positional `input_ids` (`model(ids, ...)`) into `kwargs`; returns the positional arguments left."""
+    if args and isinstance(args[0], torch.Tensor) and "input_ids" not in kwargs:
+        kwargs["input_ids"] = args[0]
+        return args[1:]
+    return args
+
+
+def scoring_call(kwargs: dict[str, Any], cache_unset_ok: bool = False) -> bool:
+    """Whether a model call is a scoring forward on a padded batch that a packed layout reproduces exactly.
+
+    TRL's DPO passes `use_cache=False`; generation and plain calls use a cache. With `cache_unset_ok` a call that
+    leaves `use_cache` to the config also qualifies (Online DPO's scoring call: the cache it would build is never
+    read).
+    """
+    input_ids, attention_mask = kwargs.get("input_ids"), kwargs.get("attention_mask")
+    use_cache = kwargs.get("use_cache")
+    return (
+        isinstance(input_ids, torch.Tensor)
+        and input_ids.dim() == 2
+        and isinstance(attention_mask, torch.Tensor)
+        and attention_mask.shape == input_ids.shape
+        and kwargs.get("inputs_embeds") is None
+        and kwargs.get("past_key_values") is None
+        and (use_cache is False or (cache_unset_ok and not use_cache))
+        and not kwargs.get("output_hidden_states")
+        and not kwargs.get("output_attentions")
+        and kwargs.get("shift_labels") is None
+        and not kwargs.get("logits_to_keep")
+        and not any(k in kwargs for k in VISION_KEYS)
+    )
+
+
+def repad_outputs(
+    outputs: Any,
+    fused: bool,
+    unpack: Callable[[torch.Tensor], torch.Tensor],
+    unpack_shifted: Callable[[torch.Tensor], torch.Tensor | None],
+) -> Any:
+    """Put a packed causal-LM output back into the padded layout, in place: the fused LM head's per-token fields
+    (`fused`, shifted `[1, N - 1]` -> `[R, L - 1]`) or the logits (`[1, N, V]` -> `[R, L, V]`)."""
+    if fused:
+        for name in FUSED_FIELDS:
+            value = getattr(outputs, name, None)
+            if value is not None:
+                setattr(outputs, name, unpack_shifted(value))
+    elif getattr(outputs, "logits", None) is not None:
+        outputs.logits = unpack(outputs.logits)
+    return outputs

@@ -96,13 +96,19 @@ from ...errors import UsageError
 from ...hookspecs import hookimpl
 from ...spec import Flag, Parser, PluginSpec, boolean, one_of
 from .._packing import (
+    FUSED_FIELDS,
     PACKING_KEY,
     VARLEN_BASES,
+    AnnotatingCollator,
     PackInfo,
+    check_packable_trainer,
     pack_rows,
     packed_call,
     packing_metadata,
+    positional_input_ids,
     register_varlen_attention,
+    repad_outputs,
+    scoring_call,
     unpack_rows,
     unpack_shifted,
     unregister_varlen_attention,
@@ -158,17 +164,8 @@ TRL_EXT_PLUGIN = PluginSpec(
 SUPPORTED_MODEL_TYPES = VERIFIED_MODEL_TYPES
 
 _FLASH = ("flash_attention_2", "flash_attention_3", "flash_attention_4")
-# Batch keys of vision-language collators (DataCollatorForVisionPreference, VLM processors).
-_VISION_KEYS = (
-    "pixel_values",
-    "pixel_attention_mask",
-    "image_grid_thw",
-    "image_sizes",
-    "token_type_ids",
-    "mm_token_type_ids",
-)
-# Per-token outputs of TRL's fused LM head (trl/trainer/utils.py `FusedCausalLMOutput`, TRL >= 1.15), `[B, L - 1]`.
-_FUSED_FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1", "label_mask")
+#: Kept for code written against the module: the fused LM head outputs re-padded (same as `_packing.FUSED_FIELDS`).
+_FUSED_FIELDS = FUSED_FIELDS
 
 
 @dataclasses.dataclass
@@ -222,21 +219,7 @@ def _check_trainer(trainer, context) -> PaddingFreeState:
     state = _state(context)
     if state.checked:
         return state
-    if getattr(trainer, "_is_vlm", False) or getattr(trainer, "_is_vision_dataset", False):
-        raise UsageError(
-            "padding_free does not support vision-language models or image datasets: image features are matched to "
-            "placeholder tokens per row. Disable padding_free for this trainer."
-        )
-    model = getattr(trainer, "model", None)
-    peft_config = getattr(model, "peft_config", None)
-    if isinstance(peft_config, dict):
-        from peft import PromptLearningConfig
-
-        if any(isinstance(cfg, PromptLearningConfig) for cfg in peft_config.values()):
-            raise UsageError(
-                "padding_free does not support prompt-learning PEFT methods (prompt tuning, prefix tuning, P-tuning): "
-                "they prepend virtual tokens to every row. Use a weight adapter such as LoRA, or disable padding_free."
-            )
+    check_packable_trainer(trainer, NAME)
     state.checked = True
     return state
 
@@ -341,7 +324,7 @@ def trl_ext_describe(trainer, context):
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-class PaddingFreeCollator:
+class PaddingFreeCollator(AnnotatingCollator):
     """Wraps a preference collator and adds the packing metadata under `trl_ext_packing`.
 
     The padded batch is kept as it is (TRL reads `completion_mask` and `attention_mask` from it); the metadata is
@@ -351,16 +334,9 @@ class PaddingFreeCollator:
         collator (`Callable`): the collator to wrap (TRL's `DataCollatorForPreference` or a user's).
     """
 
-    def __init__(self, collator: Callable) -> None:
-        self.collator = collator
+    plugin = NAME
 
-    def __call__(self, examples: list[dict[str, Any]], *args: Any, **kwargs: Any) -> dict[str, Any]:
-        batch = self.collator(examples, *args, **kwargs)
-        vision = [k for k in _VISION_KEYS if k in batch]
-        if vision:
-            raise UsageError(
-                f"padding_free cannot pack vision-language batches (keys {vision}); disable padding_free."
-            )
+    def annotate(self, batch: dict[str, Any]) -> None:
         mask = batch.get("attention_mask")
         if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
             raise UsageError(
@@ -369,34 +345,11 @@ class PaddingFreeCollator:
                 f"{type(mask).__name__ if mask is None else tuple(mask.shape)}."
             )
         batch[PACKING_KEY] = packing_metadata(mask).to_batch()
-        return batch
-
-    def __repr__(self) -> str:
-        return f"PaddingFreeCollator({self.collator!r})"
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Forward wrappers
 # ---------------------------------------------------------------------------------------------------------------------
-
-
-def _packable(kwargs: dict[str, Any]) -> bool:
-    """Whether a call is a training/scoring forward on a padded batch that packing reproduces exactly."""
-    input_ids, attention_mask = kwargs.get("input_ids"), kwargs.get("attention_mask")
-    return (
-        isinstance(input_ids, torch.Tensor)
-        and input_ids.dim() == 2
-        and isinstance(attention_mask, torch.Tensor)
-        and attention_mask.shape == input_ids.shape
-        and kwargs.get("inputs_embeds") is None
-        and kwargs.get("past_key_values") is None
-        and kwargs.get("use_cache") is False  # TRL passes use_cache=False; generation and plain calls use a cache
-        and not kwargs.get("output_hidden_states")
-        and not kwargs.get("output_attentions")
-        and kwargs.get("shift_labels") is None
-        and not kwargs.get("logits_to_keep")
-        and not any(k in kwargs for k in _VISION_KEYS)
-    )
 
 
 def _pack_kwargs(kwargs: dict[str, Any], meta: Any) -> tuple[dict[str, Any], PackInfo]:
@@ -428,21 +381,14 @@ def _warn_rebuilt(meta: Any, input_ids: torch.Tensor) -> None:
     )
 
 
-def _positional_input_ids(args: tuple, kwargs: dict[str, Any]) -> tuple:
-    if args and isinstance(args[0], torch.Tensor) and "input_ids" not in kwargs:
-        kwargs["input_ids"] = args[0]
-        return args[1:]
-    return args
-
-
 def _make_backbone_forward(original: Callable, state: PaddingFreeState) -> Callable:
     """Backbone (`model.base_model`) forward: pack a padded batch, scatter `last_hidden_state` back to `[R, L, H]`."""
 
     @functools.wraps(original)
     def forward(*args: Any, **kwargs: Any) -> Any:
         meta = kwargs.pop(PACKING_KEY, None)
-        args = _positional_input_ids(args, kwargs)
-        if args or not _packable(kwargs):
+        args = positional_input_ids(args, kwargs)
+        if args or not scoring_call(kwargs):
             return original(*args, **kwargs)
         packed, info = _pack_kwargs(kwargs, meta)
         with packed_call(info):
@@ -460,8 +406,8 @@ def _make_causal_lm_forward(original: Callable, state: PaddingFreeState) -> Call
     @functools.wraps(original)
     def forward(*args: Any, **kwargs: Any) -> Any:
         meta = kwargs.pop(PACKING_KEY, None)
-        args = _positional_input_ids(args, kwargs)
-        if args or not _packable(kwargs):
+        args = positional_input_ids(args, kwargs)
+        if args or not scoring_call(kwargs):
             if kwargs.get("use_cache") is False and isinstance(kwargs.get("attention_mask"), torch.Tensor):
                 # A scoring call on a padded batch that packing cannot reproduce (e.g. `output_hidden_states`): it
                 # runs padded, which is correct; say so once instead of hiding it.
@@ -481,13 +427,7 @@ def _make_causal_lm_forward(original: Callable, state: PaddingFreeState) -> Call
         with packed_call(info):
             outputs = original(**packed)
         state.packed_calls += 1
-        if kwargs.get("fused_lm_head"):
-            for name in _FUSED_FIELDS:
-                value = getattr(outputs, name, None)
-                if value is not None:
-                    setattr(outputs, name, unpack_shifted(value, info))
-        elif getattr(outputs, "logits", None) is not None:
-            outputs.logits = unpack_rows(outputs.logits, info)
-        return outputs
+        fused = bool(kwargs.get("fused_lm_head"))
+        return repad_outputs(outputs, fused, lambda x: unpack_rows(x, info), lambda x: unpack_shifted(x, info))
 
     return forward

@@ -18,17 +18,24 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import sys
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .._packing import varlen_attention_name
+from .._packing import (
+    VARLEN_BASES,
+    base_attention,
+    register_attention,
+    skip_mask_while,
+    unregister_attention,
+    varlen_attention_name,
+)
 
 __all__ = [
     "GROUPS_KWARG",
@@ -41,8 +48,8 @@ __all__ = [
 
 #: The keyword that carries the layout's groups (`layout.Groups`) from the model call down to the attention.
 GROUPS_KWARG = "trl_ext_shared_groups"
-#: Attention implementations the shared attention stands in for.
-SHARED_BASES = ("sdpa", "eager")
+#: Attention implementations the shared attention stands in for (those padding_free's varlen attention covers).
+SHARED_BASES = VARLEN_BASES
 _PREFIX = "trl_ext_shared_"
 
 # True while a shared forward runs: the mask interface then builds no mask (the attention uses the segments).
@@ -78,13 +85,13 @@ def _fallback_attention(base: str, module: torch.nn.Module) -> Callable:
     varlen = varlen_attention_name(base)
     if varlen in AttentionInterface._global_mapping:
         return ALL_ATTENTION_FUNCTIONS[varlen]
-    if base == "eager":
-        # each modeling file has its own `eager_attention_forward` (the layer's default)
-        fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
-        if fn is None:
-            raise RuntimeError(f"prompt_sharing: no eager attention found for {type(module).__name__}")
-        return fn
-    return ALL_ATTENTION_FUNCTIONS[base]
+    return base_attention(base, module)
+
+
+def _fallback_mask(base: str) -> str:
+    """The mask of a non-shared call: padding_free's varlen mask if registered, else the base's."""
+    varlen = varlen_attention_name(base)
+    return varlen if varlen in AttentionMaskInterface._global_mapping else base
 
 
 def _attend(
@@ -176,31 +183,15 @@ def _make_shared_attention(base: str) -> Callable:
     return shared_attention_forward
 
 
-def _make_shared_mask(base: str) -> Callable:
-    def shared_mask(*args: Any, **kwargs: Any) -> Any:
-        if _SHARED_CALL.get() and kwargs.get("attention_mask") is None:
-            return None
-        varlen = varlen_attention_name(base)
-        fallback = varlen if varlen in AttentionMaskInterface._global_mapping else base
-        return ALL_MASK_ATTENTION_FUNCTIONS[fallback](*args, **kwargs)
-
-    shared_mask.__name__ = f"{_PREFIX}{base}_mask"
-    return shared_mask
-
-
 def register_shared_attention() -> None:
     """Register `trl_ext_shared_sdpa` / `trl_ext_shared_eager` with transformers (idempotent)."""
     for base in SHARED_BASES:
         name = shared_attention_name(base)
-        if name not in AttentionInterface._global_mapping:
-            AttentionInterface.register(name, _make_shared_attention(base))
-        if name not in AttentionMaskInterface._global_mapping:
-            AttentionMaskInterface.register(name, _make_shared_mask(base))
+        mask = skip_mask_while(_SHARED_CALL, name, functools.partial(_fallback_mask, base))
+        register_attention(name, _make_shared_attention(base), mask)
 
 
 def unregister_shared_attention() -> None:
-    """Remove the registrations of `register_shared_attention` (transformers' registries are global)."""
+    """Remove the registrations of `register_shared_attention`."""
     for base in SHARED_BASES:
-        name = shared_attention_name(base)
-        AttentionInterface._global_mapping.pop(name, None)
-        AttentionMaskInterface._global_mapping.pop(name, None)
+        unregister_attention(shared_attention_name(base))

@@ -8,7 +8,8 @@ the prompt width that Online DPO's `_forward` announces (`online_prompt_columns`
 generation, a user's own forward) runs as it came. It then runs the model once on the
 shared row, with the segments for the shared attention, and scatters the per-token outputs back:
 
-- fused LM head: `log_probs`, `entropy`, `mean_logits`, `is_top1`, `log_sum_sq_probs` as `[rows, length - 1]`;
+- fused LM head: `log_probs`, `entropy`, `mean_logits`, `is_top1`, `log_sum_sq_probs`, `label_mask` as
+  `[rows, length - 1]`;
 - logits: `[rows, length, vocab]` (zeros at padding);
 - backbone: `last_hidden_state` as `[rows, length, hidden]`.
 
@@ -27,6 +28,8 @@ from typing import Any
 import torch
 
 from ..._logging import get_logger
+from .._packing import FUSED_FIELDS as _FUSED_FIELDS
+from .._packing import positional_input_ids, repad_outputs, scoring_call
 from .attention import GROUPS_KWARG, shared_call
 from .layout import (
     LAYOUT_KEY,
@@ -43,9 +46,8 @@ logger = get_logger(__name__)
 
 __all__ = ["make_backbone_forward", "make_causal_lm_forward", "online_prompt_columns", "shared_kwargs"]
 
-# Per-token outputs of TRL's fused LM head (trl/trainer/utils.py `FusedCausalLMOutput`, TRL >= 1.15), `[B, L - 1]`.
-FUSED_FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
-_VISION_KEYS = ("pixel_values", "pixel_attention_mask", "image_grid_thw", "image_sizes", "token_type_ids")
+#: Per-token outputs of TRL's fused LM head, re-padded after a shared forward (the same as padding_free's).
+FUSED_FIELDS = _FUSED_FIELDS
 
 # Set by the Online DPO `_forward` wrapper: the number of prompt columns of the call it makes (same for every row).
 _ONLINE_PROMPT_COLUMNS: contextvars.ContextVar[int | None] = contextvars.ContextVar(
@@ -61,27 +63,6 @@ def online_prompt_columns(columns: int) -> Iterator[None]:
         yield
     finally:
         _ONLINE_PROMPT_COLUMNS.reset(token)
-
-
-def _shareable(kwargs: dict[str, Any], online: bool) -> bool:
-    """Whether a call is a scoring forward on a padded batch that the shared layout reproduces exactly."""
-    input_ids, attention_mask = kwargs.get("input_ids"), kwargs.get("attention_mask")
-    return (
-        isinstance(input_ids, torch.Tensor)
-        and input_ids.dim() == 2
-        and isinstance(attention_mask, torch.Tensor)
-        and attention_mask.shape == input_ids.shape
-        and kwargs.get("inputs_embeds") is None
-        and kwargs.get("past_key_values") is None
-        # TRL's DPO passes use_cache=False; Online DPO's scoring call leaves it to the config (the cache it would build
-        # is never read), generation and plain calls use a cache
-        and (kwargs.get("use_cache") is False or (online and not kwargs.get("use_cache")))
-        and not kwargs.get("output_hidden_states")
-        and not kwargs.get("output_attentions")
-        and kwargs.get("shift_labels") is None
-        and not kwargs.get("logits_to_keep")
-        and not any(k in kwargs for k in _VISION_KEYS)
-    )
 
 
 def _layout_for(kwargs: dict[str, Any], meta: Any, online: int | None) -> SharedLayout | None:
@@ -115,22 +96,18 @@ def shared_kwargs(kwargs: dict[str, Any], layout: SharedLayout) -> dict[str, Any
     return packed
 
 
-def _positional_input_ids(args: tuple, kwargs: dict[str, Any]) -> tuple:
-    if args and isinstance(args[0], torch.Tensor) and "input_ids" not in kwargs:
-        kwargs["input_ids"] = args[0]
-        return args[1:]
-    return args
+def _call_layout(args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, Any, int | None, SharedLayout | None]:
+    """Pop the batch's layout and move a positional `input_ids` into `kwargs`; returns the positional arguments left,
+    the popped layout, the announced Online DPO prompt width, and the layout to run the call with (None: unshared)."""
+    meta = kwargs.pop(LAYOUT_KEY, None)
+    args = positional_input_ids(args, kwargs)
+    online = _ONLINE_PROMPT_COLUMNS.get()
+    shareable = not args and scoring_call(kwargs, cache_unset_ok=online is not None)
+    return args, meta, online, _layout_for(kwargs, meta, online) if shareable else None
 
 
 def _unpack_outputs(outputs: Any, layout: SharedLayout, fused: bool) -> Any:
-    if fused:
-        for name in FUSED_FIELDS:
-            value = getattr(outputs, name, None)
-            if value is not None:
-                setattr(outputs, name, unpack_shifted(value, layout))
-    elif getattr(outputs, "logits", None) is not None:
-        outputs.logits = unpack(outputs.logits, layout)
-    return outputs
+    return repad_outputs(outputs, fused, lambda x: unpack(x, layout), lambda x: unpack_shifted(x, layout))
 
 
 def make_causal_lm_forward(original: Callable, state: Any, role: str, check: Callable | None) -> Callable:
@@ -147,10 +124,7 @@ def make_causal_lm_forward(original: Callable, state: Any, role: str, check: Cal
 
     @functools.wraps(original)
     def forward(*args: Any, **kwargs: Any) -> Any:
-        meta = kwargs.pop(LAYOUT_KEY, None)
-        args = _positional_input_ids(args, kwargs)
-        online = _ONLINE_PROMPT_COLUMNS.get()
-        layout = None if args or not _shareable(kwargs, online is not None) else _layout_for(kwargs, meta, online)
+        args, meta, online, layout = _call_layout(args, kwargs)
         if layout is None:
             if meta is not None or online is not None or kwargs.get("labels") is not None:
                 # A TRL scoring call that sharing cannot reproduce (e.g. `output_hidden_states`): it runs as it
@@ -173,10 +147,7 @@ def make_backbone_forward(original: Callable, state: Any) -> Callable:
 
     @functools.wraps(original)
     def forward(*args: Any, **kwargs: Any) -> Any:
-        meta = kwargs.pop(LAYOUT_KEY, None)
-        args = _positional_input_ids(args, kwargs)
-        online = _ONLINE_PROMPT_COLUMNS.get()
-        layout = None if args or not _shareable(kwargs, online is not None) else _layout_for(kwargs, meta, online)
+        args, meta, online, layout = _call_layout(args, kwargs)
         if layout is None:
             return original(*args, **kwargs)
         with shared_call():

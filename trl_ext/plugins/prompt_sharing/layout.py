@@ -24,12 +24,12 @@ so the training step does no host work to build it.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import Any, cast
 
 import torch
 
 from ...errors import UsageError
+from .._packing import AnnotatingCollator
 
 __all__ = ["LAYOUT_KEY", "Groups", "PromptSharingCollator", "SharedLayout", "build_layout"]
 
@@ -45,7 +45,6 @@ LAYOUT_KEY = "trl_ext_prompt_sharing"
 Groups = tuple[tuple[int, int, tuple[tuple[int, int, int], ...]], ...]
 
 # Batch keys of vision-language collators (images are matched to placeholder tokens per row).
-_VISION_KEYS = ("pixel_values", "pixel_attention_mask", "image_grid_thw", "image_sizes", "token_type_ids")
 
 
 @dataclasses.dataclass
@@ -310,7 +309,7 @@ def prompt_end_from_labels(labels: torch.Tensor, attention_mask: torch.Tensor) -
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-class PromptSharingCollator:
+class PromptSharingCollator(AnnotatingCollator):
     """Wraps a preference collator and adds the shared layout under `trl_ext_prompt_sharing`.
 
     The padded batch is kept as it is (TRL reads `completion_mask`, `attention_mask` and the reference columns from
@@ -321,14 +320,9 @@ class PromptSharingCollator:
             `input_ids`, a 2D `attention_mask` and a `completion_mask`.
     """
 
-    def __init__(self, collator: Callable) -> None:
-        self.collator = collator
+    plugin = "prompt_sharing"
 
-    def __call__(self, examples: list[dict[str, Any]], *args: Any, **kwargs: Any) -> dict[str, Any]:
-        batch = self.collator(examples, *args, **kwargs)
-        vision = [k for k in _VISION_KEYS if k in batch]
-        if vision:
-            raise UsageError(f"prompt_sharing cannot share vision-language batches (keys {vision}); disable it.")
+    def annotate(self, batch: dict[str, Any]) -> None:
         ids, mask, completion = batch.get("input_ids"), batch.get("attention_mask"), batch.get("completion_mask")
         if not all(isinstance(t, torch.Tensor) and t.dim() == 2 for t in (ids, mask, completion)):
             raise UsageError(
@@ -336,15 +330,5 @@ class PromptSharingCollator:
                 f"as TRL's DataCollatorForPreference does; {type(self.collator).__name__} returned "
                 f"{sorted(batch)}."
             )
-        layout = build_layout(ids, mask, prompt_end_from_completion_mask(completion, mask))
-        batch[LAYOUT_KEY] = layout.to_batch()
-        return batch
-
-    def __getattr__(self, name: str) -> Any:
-        # What the wrapped collator knows (`max_length`, `truncation_mode`, `pad_token_id`, read by other plugins)
-        if name == "collator":  # not set yet (unpickling in a data-loader worker)
-            raise AttributeError(name)
-        return getattr(self.collator, name)
-
-    def __repr__(self) -> str:
-        return f"PromptSharingCollator({self.collator!r})"
+        ids, mask, completion = cast(torch.Tensor, ids), cast(torch.Tensor, mask), cast(torch.Tensor, completion)
+        batch[LAYOUT_KEY] = build_layout(ids, mask, prompt_end_from_completion_mask(completion, mask)).to_batch()

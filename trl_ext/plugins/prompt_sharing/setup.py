@@ -7,6 +7,7 @@ from typing import Any
 
 from ..._logging import get_logger
 from ...errors import UsageError
+from .._packing import check_packable_trainer
 from .attention import base_of, register_shared_attention, shared_attention_name, unregister_shared_attention
 from .forward import make_causal_lm_forward, make_online_forward
 from .layout import SharedLayout
@@ -90,26 +91,13 @@ def check_trainer(trainer: Any, context: Any) -> PromptSharingState:
     state = state_of(context)
     if state.checked_trainer:
         return state
-    if getattr(trainer, "_is_vlm", False) or getattr(trainer, "_is_vision_dataset", False):
-        raise UsageError(
-            "prompt_sharing does not support vision-language models or image datasets (image features are matched to "
-            "placeholder tokens per row). Disable prompt_sharing for this trainer."
-        )
+    check_packable_trainer(trainer, NAME)
     if getattr(trainer, "aux_loss_enabled", False):
         raise UsageError(
             "prompt_sharing does not support the MoE router auxiliary loss: a shared prompt is routed once, so the "
             "load-balancing statistics would differ from padded training. Set `router_aux_loss_coef=0` or disable "
             "prompt_sharing."
         )
-    peft_config = getattr(getattr(trainer, "model", None), "peft_config", None)
-    if isinstance(peft_config, dict):
-        from peft import PromptLearningConfig
-
-        if any(isinstance(cfg, PromptLearningConfig) for cfg in peft_config.values()):
-            raise UsageError(
-                "prompt_sharing does not support prompt-learning PEFT methods (prompt tuning, prefix tuning, "
-                "P-tuning): they prepend virtual tokens to every row. Use a weight adapter such as LoRA."
-            )
     state.checked_trainer = True
     return state
 
