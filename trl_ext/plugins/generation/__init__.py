@@ -205,6 +205,16 @@ def trl_ext_trainer_init_end(trainer, context):
 
 
 @hookimpl
+def trl_ext_describe(trainer, context):
+    state = _state(context)
+    text = f"ds3_gather_for_generation={state.flag!r}"
+    if state.budget is not None:
+        kind, value = state.budget
+        text += f", budget {value:.0%} of the model" if kind == "fraction" else f", budget {int(value)} bytes"
+    return text
+
+
+@hookimpl
 def trl_ext_advise_unused(trainer, trainer_class, trl_args):
     # TRL honours its own `ds3_gather_for_generation=False`, but under ZeRO-3 with DeepSpeed's default limits its
     # layer-by-layer fetch keeps every layer resident (19.0 of 19.0 MiB measured on 2 ranks, issue 15).

@@ -155,6 +155,21 @@ def trl_ext_make_ref_precompute(trainer, context, dataset, name, batch_size):
     return Precompute(trainer, context, state, dataset, name).run()
 
 
+@hookimpl
+def trl_ext_describe(trainer, context):
+    state = context.state.get(NAME)
+    if state is None:
+        return None
+    parts = [f"batch size {context.config.precompute_ref_batch_size}"]
+    if state.options.cache_dir is not None:
+        parts.append(f"cache {state.options.cache_dir}")
+    # TRL precomputes in `__init__` on the versions that do it eagerly: say what already ran.
+    how = {"cache": "from the cache", "computed": "computed"}
+    for run in state.runs:
+        parts.append(f"{run['name']}: {run['n_pairs']} pairs {how.get(run.get('source', ''), 'computed')}")
+    return ", ".join(parts)
+
+
 @dataclass
 class PrecomputeState:
     """Per-trainer state, `context.state["precompute_ref_batch_size"]`.

@@ -130,3 +130,14 @@ def trl_ext_trainer_models_ready(trainer: Any, context: Any) -> None:
     from .setup import wrap_models
 
     wrap_models(trainer, context)
+
+
+@hookimpl
+def trl_ext_describe(trainer: Any, context: Any) -> str | None:
+    from .setup import state_of
+
+    state = state_of(context)
+    parts = [f"{role}: {impl}" for role, impl in state.attn_implementations.items()]
+    if not state.self_check:
+        parts.append("self-check off")
+    return ", ".join(parts) or None
