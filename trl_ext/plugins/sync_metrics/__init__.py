@@ -57,14 +57,14 @@ How it works.
   `total_flos` equal transformers' values (the loss is the same float32 mean over ranks), except on the last step of
   an epoch with duplicates, below. A checkpoint still gathers the FLOs itself, since it writes them to disk at once.
   `grad_norm` needs no reduction (gradients are already synchronized).
-- *The loss of an epoch's last step (DPO).* There the Trainer's loss averages over the duplicated pairs too (in
+- *The loss of an epoch's last step.* There the Trainer's loss averages over the duplicated pairs too (in
   tests/plugins/test_sync_metrics.py, 2 ranks and 9 pairs, stock logs 0.3412 at the end of the first epoch, where
-  the one real pair's loss is 0.5841). Each rank knows how many real pairs
-  every rank holds (same remainder, same rule), takes the real-pair mean loss from the no-grad recompute above, and
-  carries in its one collective the difference to what the Trainer added, so the logged `loss` (and `train_loss`) is
-  the mean over real pairs, like every other metric. **Training itself keeps accelerate's behaviour:** the
-  duplicated pairs still contribute their gradients to that last step (as without trl-ext); only the logged value
-  changes. OnlineDPO's logged loss still counts them.
+  the one real pair's loss is 0.5841). Each rank knows how many real pairs every rank holds (same remainder, same
+  rule), takes the real-pair loss (DPO: from the no-grad recompute above; OnlineDPO: TRL's per-pair loss formula on
+  the step's captured log-probs and rewards, `online_dpo._real_loss_sum`), and carries in its one collective the
+  difference to what the Trainer added, so the logged `loss` (and `train_loss`) is the mean over real pairs, like
+  every other metric. **Training itself keeps accelerate's behaviour:** the duplicated pairs still contribute their
+  gradients to that last step (as without trl-ext); only the logged value changes.
 
 Differences from stock TRL's numbers, all on purpose: window means are weighted by pairs/tokens instead of averaging
 per-step means; duplicate samples are excluded (also from `num_tokens` and from DPO's logged `loss`); `aux_loss`

@@ -101,6 +101,36 @@ def _items(state: SyncMetricsState, trainer: Any, batch_size: int, k: int) -> li
     return items
 
 
+def _real_loss_sum(state: SyncMetricsState, trainer: Any, batch_size: int, k: int) -> torch.Tensor:
+    """The sum of TRL's per-pair OnlineDPO losses over the `k` real prompts of this step (online_dpo_trainer.py
+    1.16.0:1218-1256: chosen/rejected by reward, log-prob sums over the completion mask, sigmoid or IPO loss), so that
+    the logged loss of an epoch's last step counts real pairs only. The step's own loss (and gradients) is TRL's."""
+    cap = state.online
+    assert cap is not None
+    logprobs, ref_logprobs = (t.detach() for t in cap["forward"])
+    if k == 0:
+        return logprobs.new_zeros(())
+    first, second = cap["rewards"].detach().split(batch_size)
+    device = logprobs.device
+    chosen_first = (first >= second).to(device)
+    rng = torch.arange(batch_size, device=device)
+    chosen_idx = rng + (~chosen_first).long() * batch_size
+    rejected_idx = rng + chosen_first.long() * batch_size
+    mask = cap["completion"][1].to(device=device, dtype=torch.bool)
+    logps = (logprobs * mask).sum(1)
+    ref_logps = (ref_logprobs * mask).sum(1)
+    logits = (logps[chosen_idx] - logps[rejected_idx]) - (ref_logps[chosen_idx] - ref_logps[rejected_idx])
+    beta = float(trainer.beta)
+    loss_type = trainer.args.loss_type
+    if loss_type == "sigmoid":
+        losses = -torch.nn.functional.logsigmoid(beta * logits)
+    elif loss_type == "ipo":
+        losses = (logits - 1 / (2 * beta)) ** 2
+    else:  # TRL itself raises NotImplementedError for any other type before this runs
+        raise RuntimeError(f"sync_metrics: unknown OnlineDPO loss_type {loss_type!r}")
+    return losses[:k].sum()
+
+
 def _wrap_training_step(trainer: Any, state: SyncMetricsState, original):
     @functools.wraps(original)
     def training_step(model, inputs, *args, **kwargs):
@@ -112,6 +142,9 @@ def _wrap_training_step(trainer: Any, state: SyncMetricsState, original):
                 loss = original(model, inputs, *args, **kwargs)
             k = state.real_count(remainder, batch_size)
             state.windows["train"].add(_items(state, trainer, batch_size, k))
+            real_sum = _real_loss_sum(state, trainer, batch_size, k)
+            state.add_step_loss(real_sum, state.global_real_count(remainder, batch_size), remainder is not None)
+            state.add_trainer_loss(loss)
         finally:
             state.online = None
         return loss
