@@ -82,6 +82,12 @@ class Cell:
     expect: dict[str, Expect] = field(default_factory=dict)  # engine -> Expect; engines not listed: not run
     #: logged keys that differ from stock on purpose (documented by the plugin), not compared
     by_design: tuple[str, ...] = ()
+    #: a tolerance of the cell's own, instead of the engine's (0: the engine's), and why
+    rtol: float = 0.0
+    rtol_why: str = ""
+
+    def tolerance(self, engine: str) -> float:
+        return self.rtol or ENGINES[engine].rtol
 
     def runs_on(self, engine: str) -> bool:
         return engine in self.expect
@@ -97,6 +103,16 @@ def _on(*engines: str, **special: Expect) -> dict[str, Expect]:
 
 
 FSDP2_GATHER_REFUSED = Expect(REFUSE, r"ds3_gather_for_generation.*FSDP2")
+
+#: prompt_sharing computes a prompt token once for both responses, so its gradient is the sum of both branches'
+#: *before* it flows back through Llama's RMSNorm, which runs in float32 even in a float64 model
+#: (transformers/models/llama/modeling_llama.py `LlamaRMSNorm.forward`: `hidden_states.to(torch.float32)`); stock TRL
+#: sums after. The forward is float64-exact (per-token log-probs equal to 3e-16, tests/plugins/
+#: test_prompt_sharing_online.py), the gradients differ by float32 rounding (~6e-8), which DPO's chosen-minus-rejected
+#: differences of log-prob sums amplify. Measured worst over the four engines, trl 1.16 and 1.12: 2.7e-6 (OnlineDPO
+#: `grad_norm` at step 2, ZeRO-2); a prompt attended by the wrong branch moves these values by 1e-3 or more.
+PROMPT_SHARING_RTOL = 1e-5
+_PROMPT_SHARING_WHY = "float32 RMSNorm backward of a gradient summed over branches (see PROMPT_SHARING_RTOL)"
 
 CELLS: tuple[Cell, ...] = (
     # -- DPO ---------------------------------------------------------------------------------------------------------
@@ -122,6 +138,16 @@ CELLS: tuple[Cell, ...] = (
         expect=ALL,
     ),
     Cell("dpo-sync_metrics", "dpo", {"sync_metrics": True}, baseline="dpo-stock", expect=ALL),
+    # Each prompt computed once for its chosen and rejected response (the script records the plugin's shared calls).
+    Cell(
+        "dpo-prompt_sharing",
+        "dpo",
+        {"prompt_sharing": True},
+        baseline="dpo-stock",
+        expect=ALL,
+        rtol=PROMPT_SHARING_RTOL,
+        rtol_why=_PROMPT_SHARING_WHY,
+    ),
     Cell(
         "dpo-all",
         "dpo",
@@ -165,6 +191,16 @@ CELLS: tuple[Cell, ...] = (
         engine_args={"reshard_after_forward": False},
         baseline="online-stock",
         expect={"fsdp2": Expect(REFUSE, r"reshard_after_forward")},
+    ),
+    # Each prompt computed once for its two completions in the policy and reference scoring forwards.
+    Cell(
+        "online-prompt_sharing",
+        "online_dpo",
+        {"prompt_sharing": True},
+        baseline="online-stock",
+        expect=ALL,
+        rtol=PROMPT_SHARING_RTOL,
+        rtol_why=_PROMPT_SHARING_WHY,
     ),
     Cell(
         "online-sync_metrics",

@@ -197,12 +197,18 @@ def test_cell_matches_stock(engine_run, engine, name):
         assert "refused" not in record, f"{name} under {engine} was refused: {record['refused']}"
         _assert_engine(engine, record)
         assert set(record["plugins"]) == {p if p != "ds3_gather_for_generation" else "generation" for p in c.flags}
+        if "prompt_sharing" in c.flags:
+            # the plugin really shared prompts, in every scoring forward, with its own attention
+            shared = record["prompt_sharing"]
+            assert shared["shared_calls"] > 0 and shared["shared_rows"] > 0, shared
+            assert shared["unshared_calls"] == 0, shared
+            assert set(shared["attn_implementations"].values()) == {"trl_ext_shared_sdpa"}, shared
         if c.args.get("precompute_ref_log_probs"):
             # the plugin really precomputed: no reference forward while training
             assert record["precompute_runs"], record
             assert record["ref_forwards"] == 0, record["ref_forwards"]
     stock = _records(run, c.baseline)
-    tol = ENGINES[engine].rtol
+    tol = c.tolerance(engine)
     for got, want in zip(records, stock, strict=True):
         errors = _log_errors(got["logs"], want["logs"], c.by_design)
         bad = {k: e for k, e in errors.items() if e > tol}

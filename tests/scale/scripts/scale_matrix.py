@@ -77,7 +77,7 @@ from trl_ext.testing import (  # noqa: E402
     make_tokenizer,
 )
 
-PLUGINS = ("padding_free", "precompute_ref_batch_size", "sync_metrics", "generation")
+PLUGINS = ("padding_free", "precompute_ref_batch_size", "sync_metrics", "generation", "prompt_sharing")
 RANK = STATE.process_index
 TOKENIZER = make_tokenizer()
 DPO_DATA = make_preference_dataset(DPO_PAIRS, seed=1, max_prompt=24, max_completion=24)
@@ -242,6 +242,14 @@ def run(cell) -> dict:
             trainer.accelerator.unwrap_model(trainer.ref_model).register_forward_pre_hook(count)
         trainer.train()
         record["logs"] = [dict(entry) for entry in trainer.state.log_history]
+        if context is not None and context.is_enabled("prompt_sharing"):
+            shared = context.state["prompt_sharing"]
+            record["prompt_sharing"] = {
+                "shared_calls": shared.shared_calls,
+                "unshared_calls": shared.unshared_calls,
+                "shared_rows": shared.rows - shared.unshared_rows,
+                "attn_implementations": dict(shared.attn_implementations),
+            }
         record["distributed_type"] = str(trainer.accelerator.distributed_type)
         if DEEPSPEED:
             record["zero_stage"] = trainer.model_wrapped.zero_optimization_stage()

@@ -45,9 +45,9 @@ class PromptSharingState:
         self.shared_tokens += layout.num_tokens
         if layout.unshared_rows and first:
             logger.warning(
-                "prompt_sharing: %d of %d sequences in a batch share their prompt with no other sequence (e.g. a pair "
-                "whose prompts differ after truncation) and run unshared; running total in "
-                "`trainer._trl_ext.state['prompt_sharing'].summary()`",
+                "prompt_sharing: %d of %d sequences in a batch share no prompt prefix with another sequence (a "
+                "single-token prompt, or a pair whose prompts differ after truncation) and run unshared; running total"
+                " in `trainer._trl_ext.state['prompt_sharing'].summary()`",
                 layout.unshared_rows,
                 layout.rows,
             )
