@@ -18,25 +18,9 @@ import inspect
 import pytest
 import torch
 
+from tests import equivalence as eq
+from tests.equivalence import TRL_LOSS_TYPES
 from trl_ext.testing import make_model, make_preference_dataset
-
-TRL_LOSS_TYPES = [
-    "sigmoid",
-    "hinge",
-    "ipo",
-    "exo_pair",
-    "nca_pair",
-    "robust",
-    "bco_pair",
-    "sppo_hard",
-    "aot",
-    "aot_unpaired",
-    "apo_zero",
-    "apo_down",
-    "discopop",
-    "sft",
-    "sigmoid_norm",
-]
 
 # fp32: per-sequence summed log-probs agree to float32 summation noise (~1e-7 relative). A packing bug (a token scored
 # from the wrong sequence, a position off by one, attention across sequences) moves them by more than 1e-2.
@@ -74,51 +58,7 @@ def dataset():
 @pytest.fixture
 def build(dpo_args, tokenizer, dataset):
     """Build a DPOTrainer: policy seed 0, reference seed 1 (unless PEFT or precompute), both from `make_model`."""
-
-    def make(*, ref=True, peft_config=None, model_kwargs=None, train_dataset=None, eval_dataset=None, **args):
-        from trl import DPOTrainer
-
-        model_kwargs = model_kwargs or {}
-        args.setdefault("bf16", False)  # equivalence is checked in fp32
-        model = make_model(**model_kwargs)
-        ref_model = make_model(seed=1, **model_kwargs) if ref else None
-        if peft_config is not None:
-            torch.manual_seed(123)  # same LoRA init in every trainer
-        return DPOTrainer(
-            model,
-            ref_model=ref_model,
-            args=dpo_args(**args),
-            train_dataset=dataset if train_dataset is None else train_dataset,
-            eval_dataset=eval_dataset,
-            processing_class=tokenizer,
-            peft_config=peft_config,
-        )
-
-    return make
-
-
-def _examples(trainer, n=6):
-    return [trainer.train_dataset[i] for i in range(n)]
-
-
-def _max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).abs() / b.double().abs().clamp(min=1.0)).max().item()
-
-
-def _loss_and_grads(trainer, batch):
-    trainer.model.zero_grad(set_to_none=True)
-    loss = trainer.compute_loss(trainer.model, batch)
-    loss.backward()
-    grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
-    return loss.detach(), grads
-
-
-def _assert_same_grads(expected: dict, actual: dict) -> None:
-    assert expected.keys() == actual.keys() and expected
-    scale = max(g.abs().max().item() for g in expected.values())
-    worst = max((expected[n] - actual[n]).abs().max().item() for n in expected)
-    assert scale > 0
-    assert worst <= GRAD_RTOL * scale, f"grad diff {worst:.3g} vs max |grad| {scale:.3g}"
+    return eq.dpo_builder(dpo_args, tokenizer, dataset, sharpened=False)
 
 
 def _assert_packed(batch) -> None:
@@ -137,11 +77,11 @@ def _compare(expected, actual, examples, logps=True):
         actual_logps = actual.compute_ref_log_probs(actual.model, actual_batch)
         for a, b in zip(expected_logps, actual_logps, strict=True):
             assert a.shape == b.shape == (len(examples),)
-            assert _max_rel(b, a) <= LOGPS_RTOL
-    expected_loss, expected_grads = _loss_and_grads(expected, expected_batch)
-    actual_loss, actual_grads = _loss_and_grads(actual, actual_batch)
+            assert eq.max_rel(b, a) <= LOGPS_RTOL
+    expected_loss, expected_grads = eq.loss_and_grads(expected, expected_batch)
+    actual_loss, actual_grads = eq.loss_and_grads(actual, actual_batch)
     assert abs(actual_loss.item() - expected_loss.item()) <= LOSS_RTOL * max(1.0, abs(expected_loss.item()))
-    _assert_same_grads(expected_grads, actual_grads)
+    eq.assert_same_grads(expected_grads, actual_grads, GRAD_RTOL)
     return expected_batch, actual_batch
 
 
@@ -190,7 +130,7 @@ def test_native_flag_is_honoured(build, caplog):
     assert Installation._active is None or not Installation._active.installed  # TRL alone, no trl-ext involved
     assert native.padding_free is True and native.data_collator.padding_free is True
     assert "temporarily unavailable" not in caplog.text
-    _assert_packed(native.data_collator(_examples(native)))
+    _assert_packed(native.data_collator(eq.examples(native)))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -204,7 +144,7 @@ def test_every_loss_type_and_option(build):
     kwargs = dict(use_weighting=True, label_smoothing=1e-3, loss_type=["exo_pair"])
     stock = build(**kwargs)
     native = build(padding_free=True, **kwargs)
-    examples = _examples(stock)
+    examples = eq.examples(stock)
     stock_batch, native_batch = _compare(stock, native, examples)
     assert stock_batch["attention_mask"].eq(0).float().mean() > 0.3  # the padded batch is mostly padding
     _assert_packed(native_batch)
@@ -226,7 +166,7 @@ def test_loss_options_from_config(build, config):
     """`ld_alpha` and `use_weighting` set through `DPOConfig` (the precompute path and the fused head's outputs)."""
     stock = build(**config)
     native = build(padding_free=True, **config)
-    _compare(stock, native, _examples(stock))
+    _compare(stock, native, eq.examples(stock))
 
 
 def test_keep_end_truncation_first_token_is_completion(build):
@@ -245,14 +185,14 @@ def test_keep_end_truncation_first_token_is_completion(build):
     kwargs = dict(train_dataset=data, max_length=10, truncation_mode="keep_end", loss_type=["ipo", "sigmoid_norm"])
     stock = build(**kwargs)
     native = build(padding_free=True, **kwargs)
-    stock_batch, _ = _compare(stock, native, _examples(stock, 3))
+    stock_batch, _ = _compare(stock, native, eq.examples(stock, 3))
     assert stock_batch["completion_mask"][:, 0].any() and stock_batch["attention_mask"].eq(0).any()
 
 
 def test_sequences_are_isolated(build):
     """Changing one sequence of the packed row changes its log-prob and no other (no attention across sequences)."""
     native = build(padding_free=True)
-    examples = _examples(native)
+    examples = eq.examples(native)
     base = torch.cat(native.compute_ref_log_probs(native.model, native.data_collator(examples)))
     changed = [dict(e) for e in examples]
     changed[2]["chosen_ids"] = [(t + 7) % 250 + 4 for t in changed[2]["chosen_ids"]]  # same length, other tokens
@@ -282,8 +222,8 @@ def test_precompute_ref_log_probs(build):
     native = build(ref=False, precompute_ref_log_probs=True, padding_free=True)
     for column in ("ref_chosen_logps", "ref_rejected_logps"):
         a, b = torch.tensor(stock.train_dataset[column]), torch.tensor(native.train_dataset[column])
-        assert _max_rel(b, a) <= LOGPS_RTOL
-    _compare(stock, native, _examples(stock))
+        assert eq.max_rel(b, a) <= LOGPS_RTOL
+    _compare(stock, native, eq.examples(stock))
 
 
 def test_peft_lora_policy(build):
@@ -295,7 +235,7 @@ def test_peft_lora_policy(build):
 
     stock = build(ref=False, peft_config=lora())
     native = build(ref=False, peft_config=lora(), padding_free=True)
-    _compare(stock, native, _examples(stock))
+    _compare(stock, native, eq.examples(stock))
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
@@ -303,7 +243,7 @@ def test_qwen2_attention_implementations(build, attn):
     model_kwargs = {"arch": "qwen2", "attn_implementation": attn}
     stock = build(model_kwargs=model_kwargs)
     native = build(padding_free=True, model_kwargs=model_kwargs)
-    _compare(stock, native, _examples(stock))
+    _compare(stock, native, eq.examples(stock))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -338,7 +278,7 @@ def test_equals_plugin_loss_options(build, plugin_build):
     installation, plugin = plugin_build(**kwargs)
     try:
         assert plugin.padding_free is False and "padding_free" in plugin._trl_ext.enabled
-        examples = _examples(native)
+        examples = eq.examples(native)
         _compare(plugin, native, examples)
         failures = []
         for case in PLUGIN_LOSS_CASES:

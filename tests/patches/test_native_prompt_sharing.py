@@ -12,15 +12,10 @@ import pytest
 import torch
 
 import trl_ext
+from tests import equivalence as eq
 from trl_ext.testing import make_model, make_preference_dataset
 
 RTOL = 1e-6
-
-
-def _sharpen(model):
-    with torch.no_grad():
-        model.get_output_embeddings().weight.mul_(16)
-    return model
 
 
 @pytest.fixture
@@ -31,8 +26,8 @@ def build(dpo_args, tokenizer):
         from trl import DPOTrainer
 
         return DPOTrainer(
-            _sharpen(make_model(dtype=torch.float64)),
-            ref_model=_sharpen(make_model(seed=1, dtype=torch.float64)),
+            eq.sharpen(make_model(dtype=torch.float64)),
+            ref_model=eq.sharpen(make_model(seed=1, dtype=torch.float64)),
             args=dpo_args(bf16=False, **args),
             train_dataset=data,
             processing_class=tokenizer,

@@ -10,27 +10,11 @@ import pytest
 import torch
 
 import trl_ext
+from tests import equivalence as eq
+from tests.equivalence import TRL_LOSS_TYPES
 from trl_ext import UsageError
 from trl_ext.context import live_contexts
-from trl_ext.testing import make_model, make_preference_dataset
-
-TRL_LOSS_TYPES = [
-    "sigmoid",
-    "hinge",
-    "ipo",
-    "exo_pair",
-    "nca_pair",
-    "robust",
-    "bco_pair",
-    "sppo_hard",
-    "aot",
-    "aot_unpaired",
-    "apo_zero",
-    "apo_down",
-    "discopop",
-    "sft",
-    "sigmoid_norm",
-]
+from trl_ext.testing import make_preference_dataset
 
 # fp32: per-sequence summed log-probs agree to float32 round-off (measured max 1.1e-7 relative); a real packing
 # bug (a token scored from the wrong sequence, a position off by one, attention across sequences) moves them by >1e-2.
@@ -38,13 +22,7 @@ LOGPS_RTOL = 1e-5
 GRAD_RTOL = 2e-5  # max |grad diff| relative to max |grad| (measured ~1e-6)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models: one intra-op thread is as fast alone and much faster on a shared 2-core box (no spin-waiting)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+_one_thread = pytest.fixture(scope="module", autouse=True)(eq.one_thread)
 
 
 @pytest.fixture(scope="module")
@@ -55,86 +33,27 @@ def dataset():
 @pytest.fixture
 def build(dpo_args, tokenizer, dataset):
     """Build a DPOTrainer: policy seed 0, reference seed 1 (unless PEFT or precompute), both from `make_model`."""
-
-    def make(*, ref: bool = True, peft_config=None, model_kwargs=None, train_dataset=None, eval_dataset=None, **args):
-        from trl import DPOTrainer
-
-        model_kwargs = model_kwargs or {}
-        # TRL 1.x defaults to bf16 autocast where supported (CPU included); equivalence is checked in fp32 unless a
-        # test asks for bf16.
-        args.setdefault("bf16", False)
-        model = _sharpen(make_model(**model_kwargs))
-        ref_model = _sharpen(make_model(seed=1, **model_kwargs)) if ref else None
-        if peft_config is not None:
-            torch.manual_seed(123)  # same LoRA init in both trainers
-        return DPOTrainer(
-            model,
-            ref_model=ref_model,
-            args=dpo_args(**args),
-            train_dataset=dataset if train_dataset is None else train_dataset,
-            eval_dataset=eval_dataset,
-            processing_class=tokenizer,
-            peft_config=peft_config,
-        )
-
-    return make
-
-
-def _sharpen(model):
-    """Scale the LM head of a freshly initialised tiny model: its next-token distribution is then far from uniform
-    (logit std ~2.5 instead of ~0.16), so scoring a token from the wrong position or sequence moves the log-probs a
-    lot, not by a hair."""
-    with torch.no_grad():
-        model.get_output_embeddings().weight.mul_(16)
-    return model
-
-
-def _examples(trainer, n=6):
-    return [trainer.train_dataset[i] for i in range(n)]
+    return eq.dpo_builder(dpo_args, tokenizer, dataset)
 
 
 def _state(trainer):
     return trainer._trl_ext.state["padding_free"]
 
 
-def _max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).abs() / b.double().abs().clamp(min=1.0)).max().item()
-
-
-def _loss_and_grads(trainer, batch):
-    trainer.model.zero_grad(set_to_none=True)
-    loss = trainer.compute_loss(trainer.model, batch)
-    loss.backward()
-    grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
-    return loss.detach(), grads
-
-
-def _assert_same_grads(stock: dict, packed: dict) -> None:
-    assert stock.keys() == packed.keys() and stock
-    scale = max(g.abs().max().item() for g in stock.values())
-    worst = max((stock[n] - packed[n]).abs().max().item() for n in stock)
-    assert scale > 0
-    assert worst <= GRAD_RTOL * scale, f"grad diff {worst:.3g} vs max |grad| {scale:.3g}"
-
-
 def _compare(stock, packed, examples, logps=True):
     """Per-sequence logps (policy), loss and gradients of a stock and a packed trainer on the same examples."""
-    stock_batch = stock.data_collator(examples)
-    packed_batch = packed.data_collator(examples)
-    assert "trl_ext_packing" in packed_batch and "trl_ext_packing" not in stock_batch
-    calls = _state(packed).packed_calls
-    if logps:  # `compute_ref_log_probs(model, batch)` is TRL's own per-sequence scoring (the precompute's)
-        stock_logps = stock.compute_ref_log_probs(stock.model, stock_batch)
-        packed_logps = packed.compute_ref_log_probs(packed.model, packed_batch)
-        for a, b in zip(stock_logps, packed_logps, strict=True):
-            assert _max_rel(b, a) <= LOGPS_RTOL
-    stock_loss, stock_grads = _loss_and_grads(stock, stock_batch)
-    packed_loss, packed_grads = _loss_and_grads(packed, packed_batch)
-    assert _state(packed).packed_calls > calls  # the packed path really ran
-    assert _state(packed).unpacked_calls == 0
-    assert abs(packed_loss.item() - stock_loss.item()) <= 1e-5 * max(1.0, abs(stock_loss.item()))
-    _assert_same_grads(stock_grads, packed_grads)
-    return stock_batch, packed_batch
+    return eq.compare(
+        stock,
+        packed,
+        examples,
+        batch_key="trl_ext_packing",
+        calls=lambda: _state(packed).packed_calls,
+        misses=lambda: _state(packed).unpacked_calls,
+        logps_rtol=LOGPS_RTOL,
+        loss_rtol=1e-5,
+        grad_rtol=GRAD_RTOL,
+        logps=logps,
+    )
 
 
 # -------------------------------------------------------------------------------------------------------------------
@@ -171,7 +90,7 @@ def test_every_loss_type_and_option(build):
     stock = build(use_weighting=True, label_smoothing=1e-3, loss_type=["exo_pair"])
     with trl_ext.install(padding_free=True):
         packed = build(use_weighting=True, label_smoothing=1e-3, loss_type=["exo_pair"])
-        examples = _examples(stock)
+        examples = eq.examples(stock)
         assert stock.data_collator(examples)["attention_mask"].eq(0).float().mean() > 0.3  # mostly padding
         _compare(stock, packed, examples)  # per-sequence logps, and the loss/grads of exo_pair with WPO weights
         failures = []
@@ -192,7 +111,7 @@ def test_use_weighting_from_config(build):
     stock = build(use_weighting=True, loss_type=["sigmoid", "ipo"])
     with trl_ext.install(padding_free=True):
         packed = build(use_weighting=True, loss_type=["sigmoid", "ipo"])
-        _compare(stock, packed, _examples(stock))
+        _compare(stock, packed, eq.examples(stock))
 
 
 def test_keep_end_truncation_first_token_is_completion(build):
@@ -210,7 +129,7 @@ def test_keep_end_truncation_first_token_is_completion(build):
     stock = build(train_dataset=data, max_length=10, truncation_mode="keep_end")
     with trl_ext.install(padding_free=True):
         packed = build(train_dataset=data, max_length=10, truncation_mode="keep_end")
-        examples = _examples(stock, 3)
+        examples = eq.examples(stock, 3)
         batch, _ = _compare(stock, packed, examples)
     assert batch["completion_mask"][:, 0].any() and batch["attention_mask"].eq(0).any()
 
@@ -223,12 +142,12 @@ def test_fp64_logps_match_to_roundoff(build):
     stock = build(model_kwargs={"dtype": torch.float64})
     with trl_ext.install(padding_free=True):
         packed = build(model_kwargs={"dtype": torch.float64})
-        examples = _examples(stock)
+        examples = eq.examples(stock)
         a = stock.compute_ref_log_probs(stock.model, stock.data_collator(examples))
         b = packed.compute_ref_log_probs(packed.model, packed.data_collator(examples))
     tol = 1e-6 if _compat.dpo_uses_fused_lm_head() else 1e-12
     for x, y in zip(a, b, strict=True):
-        assert _max_rel(y, x) <= tol
+        assert eq.max_rel(y, x) <= tol
 
 
 # -------------------------------------------------------------------------------------------------------------------
@@ -272,8 +191,8 @@ def test_precompute_ref_log_probs(build):
         assert _state(packed).packed_calls > 0  # the precompute ran through the packed forward, not a cache file
         for column in ("ref_chosen_logps", "ref_rejected_logps"):
             a, b = torch.tensor(stock.train_dataset[column]), torch.tensor(packed.train_dataset[column])
-            assert _max_rel(b, a) <= LOGPS_RTOL
-        _compare(stock, packed, _examples(stock))
+            assert eq.max_rel(b, a) <= LOGPS_RTOL
+        _compare(stock, packed, eq.examples(stock))
 
 
 def test_with_precompute_ref_batch_size_plugin(build, tmp_path):
@@ -288,7 +207,7 @@ def test_with_precompute_ref_batch_size_plugin(build, tmp_path):
         assert _state(packed).packed_calls > 0
         for column in ("ref_chosen_logps", "ref_rejected_logps"):
             a, b = torch.tensor(stock.train_dataset[column]), torch.tensor(packed.train_dataset[column])
-            assert _max_rel(b, a) <= LOGPS_RTOL
+            assert eq.max_rel(b, a) <= LOGPS_RTOL
 
 
 def test_peft_lora_policy(build):
@@ -302,7 +221,7 @@ def test_peft_lora_policy(build):
     with trl_ext.install(padding_free=True):
         packed = build(ref=False, peft_config=lora())
         assert set(_state(packed).attn_implementations) == {"policy"}
-        _compare(stock, packed, _examples(stock))
+        _compare(stock, packed, eq.examples(stock))
 
 
 # -------------------------------------------------------------------------------------------------------------------
@@ -314,7 +233,7 @@ def test_peft_lora_policy(build):
 def test_isolation(build, attention, monkeypatch):
     with trl_ext.install(padding_free=True, plugins={"padding_free": {"attention": attention}}):
         trainer = build()
-        examples = _examples(trainer)
+        examples = eq.examples(trainer)
         base = torch.cat(trainer.compute_ref_log_probs(trainer.model, trainer.data_collator(examples)))
         # Same lengths, other tokens: the chosen completion of pair 2 (row 2) and the prompt of pair 4 (rows 4 and
         # 10, its chosen and rejected sequences). Rows are packed in order, so rows 3 and 5 follow changed tokens.
@@ -484,14 +403,14 @@ def test_batches_without_metadata_are_packed(build):
     stock = build()
     with trl_ext.install(padding_free=True):
         packed = build()
-        examples = _examples(stock)
+        examples = eq.examples(stock)
         batch = stock.data_collator(examples)  # the stock collator: no `trl_ext_packing`
         calls = _state(packed).packed_calls
         a = stock.compute_ref_log_probs(stock.model, batch)
         b = packed.compute_ref_log_probs(packed.model, batch)
         assert _state(packed).packed_calls == calls + 1
         for x, y in zip(a, b, strict=True):
-            assert _max_rel(y, x) <= LOGPS_RTOL
+            assert eq.max_rel(y, x) <= LOGPS_RTOL
 
 
 # -------------------------------------------------------------------------------------------------------------------
@@ -532,7 +451,7 @@ def test_collator_refusals(build):
     with trl_ext.install(padding_free=True):
         trainer = build()
         collator = trainer.data_collator
-        examples = _examples(trainer, 2)
+        examples = eq.examples(trainer, 2)
         inner = collator.collator
         collator.collator = lambda ex: {**inner(ex), "pixel_values": torch.zeros(1)}
         with pytest.raises(UsageError, match="vision"):

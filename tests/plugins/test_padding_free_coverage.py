@@ -14,18 +14,14 @@ import pytest
 import torch
 
 import trl_ext
+from tests import equivalence as eq
 from trl_ext import UsageError
 from trl_ext.testing import make_model, make_preference_dataset
 
 REL = 1e-6  # fp64 weights; TRL 1.16's fused LM head computes log-probs in fp32 (measured deviations <= 2e-7)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+_one_thread = pytest.fixture(scope="module", autouse=True)(eq.one_thread)
 
 
 @pytest.fixture(scope="module")

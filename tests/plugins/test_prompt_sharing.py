@@ -12,27 +12,11 @@ import pytest
 import torch
 
 import trl_ext
+from tests import equivalence as eq
+from tests.equivalence import TRL_LOSS_TYPES
 from trl_ext import UsageError, _compat
 from trl_ext.plugins.prompt_sharing.setup import SUPPORTED_MODEL_TYPES
 from trl_ext.testing import make_model, make_preference_dataset
-
-TRL_LOSS_TYPES = [
-    "sigmoid",
-    "hinge",
-    "ipo",
-    "exo_pair",
-    "nca_pair",
-    "robust",
-    "bco_pair",
-    "sppo_hard",
-    "aot",
-    "aot_unpaired",
-    "apo_zero",
-    "apo_down",
-    "discopop",
-    "sft",
-    "sigmoid_norm",
-]
 
 FUSED = _compat.dpo_uses_fused_lm_head()
 # Per-sequence log-probs, relative to max(1, |x|): fp32 round-off of the fused head (1.16), fp64 round-off (1.12). A
@@ -50,12 +34,7 @@ METRIC_RTOL = 1e-6
 METRIC_ATOL = 1e-5
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+_one_thread = pytest.fixture(scope="module", autouse=True)(eq.one_thread)
 
 
 @pytest.fixture(scope="module")
@@ -64,85 +43,30 @@ def dataset():
     return make_preference_dataset(16, seed=0, prompt_median=14, completion_median=8)
 
 
-def _sharpen(model):
-    """Scale the LM head of a fresh tiny model so its next-token distribution is far from uniform: scoring a token
-    from the wrong context then moves the log-probs a lot, not by a hair."""
-    with torch.no_grad():
-        model.get_output_embeddings().weight.mul_(16)
-    return model
-
-
 @pytest.fixture
 def build(dpo_args, tokenizer, dataset):
     """A DPOTrainer on float64 models: policy seed 0, reference seed 1 (unless PEFT or precompute)."""
-
-    def make(*, ref: bool = True, peft_config=None, model_kwargs=None, train_dataset=None, **args):
-        from trl import DPOTrainer
-
-        model_kwargs = {"dtype": torch.float64, **(model_kwargs or {})}
-        args.setdefault("bf16", False)
-        model = _sharpen(make_model(**model_kwargs))
-        ref_model = _sharpen(make_model(seed=1, **model_kwargs)) if ref else None
-        if peft_config is not None:
-            torch.manual_seed(123)  # same LoRA init in both trainers
-        return DPOTrainer(
-            model,
-            ref_model=ref_model,
-            args=dpo_args(**args),
-            train_dataset=dataset if train_dataset is None else train_dataset,
-            processing_class=tokenizer,
-            peft_config=peft_config,
-        )
-
-    return make
-
-
-def _examples(trainer, n=6):
-    return [trainer.train_dataset[i] for i in range(n)]
+    return eq.dpo_builder(dpo_args, tokenizer, dataset, dtype=torch.float64)
 
 
 def _state(trainer):
     return trainer._trl_ext.state["prompt_sharing"]
 
 
-def _max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).abs() / b.double().abs().clamp(min=1.0)).max().item()
-
-
-def _loss_and_grads(trainer, batch):
-    trainer.model.zero_grad(set_to_none=True)
-    loss = trainer.compute_loss(trainer.model, batch)
-    loss.backward()
-    grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
-    return loss.detach(), grads
-
-
-def _assert_same_grads(stock: dict, shared: dict) -> None:
-    assert stock.keys() == shared.keys() and stock
-    scale = max(g.abs().max().item() for g in stock.values())
-    worst = max((stock[n] - shared[n]).abs().max().item() for n in stock)
-    assert scale > 0
-    assert worst <= GRAD_RTOL * scale, f"grad diff {worst:.3g} vs max |grad| {scale:.3g}"
-
-
 def _compare(stock, shared, examples, logps=True):
     """Per-sequence logps, loss and gradients of a stock and a sharing trainer on the same examples."""
-    stock_batch = stock.data_collator(examples)
-    shared_batch = shared.data_collator(examples)
-    assert "trl_ext_prompt_sharing" in shared_batch and "trl_ext_prompt_sharing" not in stock_batch
-    calls = _state(shared).shared_calls
-    if logps:  # `compute_ref_log_probs(model, batch)` is TRL's own per-sequence scoring (the precompute's)
-        stock_logps = stock.compute_ref_log_probs(stock.model, stock_batch)
-        shared_logps = shared.compute_ref_log_probs(shared.model, shared_batch)
-        for a, b in zip(stock_logps, shared_logps, strict=True):
-            assert _max_rel(b, a) <= LOGPS_RTOL
-    stock_loss, stock_grads = _loss_and_grads(stock, stock_batch)
-    shared_loss, shared_grads = _loss_and_grads(shared, shared_batch)
-    assert _state(shared).shared_calls > calls  # the shared path really ran
-    assert _state(shared).unshared_calls == 0
-    assert abs(shared_loss.item() - stock_loss.item()) <= METRIC_RTOL * max(1.0, abs(stock_loss.item()))
-    _assert_same_grads(stock_grads, shared_grads)
-    return stock_batch, shared_batch
+    return eq.compare(
+        stock,
+        shared,
+        examples,
+        batch_key="trl_ext_prompt_sharing",
+        calls=lambda: _state(shared).shared_calls,
+        misses=lambda: _state(shared).unshared_calls,
+        logps_rtol=LOGPS_RTOL,
+        loss_rtol=METRIC_RTOL,
+        grad_rtol=GRAD_RTOL,
+        logps=logps,
+    )
 
 
 # -------------------------------------------------------------------------------------------------------------------
@@ -155,7 +79,7 @@ def test_layout_shares_each_prompt_once(build):
 
     with trl_ext.install(prompt_sharing=True):
         trainer = build()
-        examples = _examples(trainer)
+        examples = eq.examples(trainer)
         batch = trainer.data_collator(examples)
     lay = batch["trl_ext_prompt_sharing"]
     prompts = [len(e["prompt_ids"]) for e in examples]
@@ -205,7 +129,7 @@ def test_every_loss_type_and_option(build, case):
         shared = build(use_weighting=True, label_smoothing=1e-3, loss_type=["exo_pair"])
         _set_loss(stock, case)
         _set_loss(shared, case)
-        _compare(stock, shared, _examples(stock), logps=case is LOSS_CASES[0])
+        _compare(stock, shared, eq.examples(stock), logps=case is LOSS_CASES[0])
 
 
 def test_loss_cases_cover_every_trl_loss_type():
@@ -216,12 +140,12 @@ def test_fp64_per_sequence_logps(build):
     stock = build()
     with trl_ext.install(prompt_sharing=True):
         shared = build()
-        examples = _examples(stock, 8)
+        examples = eq.examples(stock, 8)
         a = torch.cat(stock.compute_ref_log_probs(stock.model, stock.data_collator(examples)))
         b = torch.cat(shared.compute_ref_log_probs(shared.model, shared.data_collator(examples)))
         assert _state(shared).rows == 16 and _state(shared).unshared_rows == 0
     assert (a.abs() > 5).all()  # real, sizeable log-probs
-    assert _max_rel(b, a) <= LOGPS_RTOL
+    assert eq.max_rel(b, a) <= LOGPS_RTOL
 
 
 # -------------------------------------------------------------------------------------------------------------------
@@ -271,8 +195,8 @@ def test_precompute_ref_log_probs(build):
         assert _state(shared).shared_tokens < _state(shared).padded_tokens
         for column in ("ref_chosen_logps", "ref_rejected_logps"):
             a, b = torch.tensor(stock.train_dataset[column]), torch.tensor(shared.train_dataset[column])
-            assert _max_rel(b, a) <= LOGPS_RTOL
-        _compare(stock, shared, _examples(stock))
+            assert eq.max_rel(b, a) <= LOGPS_RTOL
+        _compare(stock, shared, eq.examples(stock))
 
 
 def test_with_precompute_ref_batch_size_plugin(build, tmp_path):
@@ -287,7 +211,7 @@ def test_with_precompute_ref_batch_size_plugin(build, tmp_path):
         assert state.shared_calls > 0 and state.unshared_calls == 0
         for column in ("ref_chosen_logps", "ref_rejected_logps"):
             a, b = torch.tensor(stock.train_dataset[column]), torch.tensor(shared.train_dataset[column])
-            assert _max_rel(b, a) <= LOGPS_RTOL
+            assert eq.max_rel(b, a) <= LOGPS_RTOL
 
 
 def test_peft_lora_policy(build):
@@ -301,7 +225,7 @@ def test_peft_lora_policy(build):
     with trl_ext.install(prompt_sharing=True):
         shared = build(ref=False, peft_config=lora())
         assert set(_state(shared).attn_implementations) == {"policy"}
-        _compare(stock, shared, _examples(stock))
+        _compare(stock, shared, eq.examples(stock))
 
 
 def test_with_padding_free_means_the_same(build):
@@ -312,7 +236,7 @@ def test_with_padding_free_means_the_same(build):
         assert set(shared._trl_ext.enabled) >= {"padding_free", "prompt_sharing"}
         assert type(shared.data_collator).__name__ == "PromptSharingCollator"
         assert shared.model.config._attn_implementation == "trl_ext_shared_sdpa"
-        _compare(stock, shared, _examples(stock))
+        _compare(stock, shared, eq.examples(stock))
 
 
 def test_keep_end_truncation_runs_unshared_and_says_so(build, caplog):
@@ -331,7 +255,7 @@ def test_keep_end_truncation_runs_unshared_and_says_so(build, caplog):
     with trl_ext.install(prompt_sharing=True):
         shared = build(train_dataset=data, max_length=10, truncation_mode="keep_end")
         with caplog.at_level("WARNING"):
-            _compare(stock, shared, _examples(stock, 3))
+            _compare(stock, shared, eq.examples(stock, 3))
         state = _state(shared)
         assert state.unshared_rows > 0 and state.unshared_rows < state.rows
         assert state.summary()["unshared_fraction"] == pytest.approx(state.unshared_rows / state.rows)
@@ -348,7 +272,7 @@ def test_isolation(build):
     sequences of its pair and nothing else."""
     with trl_ext.install(prompt_sharing=True):
         trainer = build()
-        examples = _examples(trainer)
+        examples = eq.examples(trainer)
         n = len(examples)
 
         def logps(exs):
@@ -386,12 +310,12 @@ def test_self_check_names_what_differed(build, monkeypatch):
     monkeypatch.setattr(attention, "_attend", leaky)
     with trl_ext.install(prompt_sharing=True):
         trainer = build()
-        batch = trainer.data_collator(_examples(trainer))
+        batch = trainer.data_collator(eq.examples(trainer))
         with pytest.raises(UsageError, match=r"self-check failed on the (policy|ref) model .*differs"):
             trainer.compute_loss(trainer.model, batch)
     with trl_ext.install(prompt_sharing=True, plugins={"prompt_sharing": {"self_check": False}}):
         trainer = build()
-        trainer.compute_loss(trainer.model, trainer.data_collator(_examples(trainer)))  # unchecked: runs (wrong)
+        trainer.compute_loss(trainer.model, trainer.data_collator(eq.examples(trainer)))  # unchecked: runs (wrong)
         assert _state(trainer).checked == set()
 
 

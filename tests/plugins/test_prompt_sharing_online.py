@@ -12,16 +12,11 @@ import pytest
 import torch
 
 import trl_ext
+from tests import equivalence as eq
 from trl_ext.testing import length_reward, make_model, make_prompt_dataset
 
 GRAD_RTOL = 1e-6
 LOGPS_RTOL = 1e-9
-
-
-def _sharpen(model):
-    with torch.no_grad():
-        model.get_output_embeddings().weight.mul_(16)
-    return model
 
 
 def _fixed_generation(prompt_lens=(5, 9, 2), completion_lens=(6, 3, 1, 4, 6, 2), width=6, seed=0):
@@ -58,8 +53,8 @@ def build(online_dpo_args, tokenizer):
         if peft_config is not None:
             torch.manual_seed(123)
         trainer = OnlineDPOTrainer(
-            model=_sharpen(make_model(dtype=torch.float64)),
-            ref_model=_sharpen(make_model(seed=1, dtype=torch.float64)) if ref else None,
+            model=eq.sharpen(make_model(dtype=torch.float64)),
+            ref_model=eq.sharpen(make_model(seed=1, dtype=torch.float64)) if ref else None,
             reward_funcs=length_reward,
             args=args,
             train_dataset=make_prompt_dataset(6),
@@ -79,13 +74,6 @@ def _step(trainer):
     loss = trainer.training_step(trainer.model, {"prompt": ["w1 w2"] * 3})
     grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
     return loss, grads
-
-
-def _assert_same_grads(stock, shared):
-    assert stock.keys() == shared.keys() and stock
-    scale = max(g.abs().max().item() for g in stock.values())
-    worst = max((stock[n] - shared[n]).abs().max().item() for n in stock)
-    assert 0 < scale and worst <= GRAD_RTOL * scale, f"grad diff {worst:.3g} vs max |grad| {scale:.3g}"
 
 
 @pytest.mark.parametrize("max_length", [None, 12])
@@ -114,7 +102,7 @@ def test_training_step_equals_stock(build, max_length):
             assert state.shared_tokens == state.shared_calls * per_call
         assert state.checked == {"policy", "ref"}  # the self-check ran on both models
     assert shared_loss.item() == pytest.approx(stock_loss.item(), rel=1e-9)
-    _assert_same_grads(stock_grads, shared_grads)
+    eq.assert_same_grads(stock_grads, shared_grads, GRAD_RTOL)
 
 
 def test_train_logs_equal_stock(build):
@@ -146,7 +134,7 @@ def test_peft_reference_is_adapter_disabled_model(build):
         shared_loss, shared_grads = _step(shared)
         assert shared._trl_ext.state["prompt_sharing"].shared_calls >= 2
     assert shared_loss.item() == pytest.approx(stock_loss.item(), rel=1e-9)
-    _assert_same_grads(stock_grads, shared_grads)
+    eq.assert_same_grads(stock_grads, shared_grads, GRAD_RTOL)
 
 
 def test_generation_is_not_shared(online_dpo_args, tokenizer):

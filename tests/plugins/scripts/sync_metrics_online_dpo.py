@@ -139,7 +139,7 @@ def main(out_dir: str, which: str) -> None:
         run(out_dir, mode)
         dist.barrier()
     dist.destroy_process_group()
-    # gloo's threads can outlive the interpreter's teardown and abort a rank that succeeded (research/deepspeed_cpu.md).
+    # gloo's threads can outlive the interpreter's teardown and abort a rank that succeeded (deepspeed_cpu.md).
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -1,0 +1,158 @@
+"""What the DPO equivalence tests share: a trainer builder, sharpened tiny models, and the stock-vs-optimized
+comparison of per-sequence log-probs, loss and gradients on the same examples.
+
+Used by tests/plugins/test_padding_free*.py, tests/plugins/test_prompt_sharing.py and the patched-TRL tests in
+tests/patches/ (which run against a patched TRL, see patches/check.sh). Each test module keeps its own tolerances,
+with the reason next to them; the helpers take them as arguments.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from trl_ext.testing import make_model
+
+#: Every DPO loss type of TRL 1.16.0 (`DPOConfig.loss_type`).
+TRL_LOSS_TYPES = [
+    "sigmoid",
+    "hinge",
+    "ipo",
+    "exo_pair",
+    "nca_pair",
+    "robust",
+    "bco_pair",
+    "sppo_hard",
+    "aot",
+    "aot_unpaired",
+    "apo_zero",
+    "apo_down",
+    "discopop",
+    "sft",
+    "sigmoid_norm",
+]
+
+
+def one_thread() -> Iterator[None]:
+    """Body of a module fixture: tiny models run as fast on one intra-op thread, and much faster on a shared 2-core
+    machine (no spin-waiting). Use as `_one_thread = pytest.fixture(scope="module", autouse=True)(one_thread)`."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def sharpen(model: Any) -> Any:
+    """Scale the LM head of a freshly initialised tiny model: its next-token distribution is then far from uniform
+    (logit std ~2.5 instead of ~0.16), so scoring a token from the wrong position, sequence or segment moves the
+    log-probs a lot, not by a hair."""
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(16)
+    return model
+
+
+def dpo_builder(
+    dpo_args: Callable, tokenizer: Any, dataset: Any, *, dtype: torch.dtype | None = None, sharpened: bool = True
+) -> Callable[..., Any]:
+    """A `make(**kwargs)` that builds a `DPOTrainer`: policy seed 0, reference seed 1 (`ref=False`: none, for PEFT or
+    precompute), both from `make_model` (in `dtype` if given, sharpened unless `sharpened=False`); the other keyword
+    arguments go to the `DPOConfig` (bf16 off unless asked: equivalence is checked in full precision)."""
+
+    def make(
+        *,
+        ref: bool = True,
+        peft_config: Any = None,
+        model_kwargs: dict | None = None,
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
+        **args: Any,
+    ) -> Any:
+        from trl import DPOTrainer
+
+        model_kwargs = dict(model_kwargs or {})
+        if dtype is not None:
+            model_kwargs.setdefault("dtype", dtype)
+        # TRL 1.x defaults to bf16 autocast where supported (CPU included)
+        args.setdefault("bf16", False)
+        shape = sharpen if sharpened else (lambda m: m)
+        model = shape(make_model(**model_kwargs))
+        ref_model = shape(make_model(**{**model_kwargs, "seed": 1})) if ref else None
+        if peft_config is not None:
+            torch.manual_seed(123)  # the same LoRA init in every trainer
+        return DPOTrainer(
+            model,
+            ref_model=ref_model,
+            args=dpo_args(**args),
+            train_dataset=dataset if train_dataset is None else train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=tokenizer,
+            peft_config=peft_config,
+        )
+
+    return make
+
+
+def examples(trainer: Any, n: int = 6) -> list[dict]:
+    return [trainer.train_dataset[i] for i in range(n)]
+
+
+def max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The largest `|a - b| / max(1, |b|)`, in float64."""
+    return ((a.double() - b.double()).abs() / b.double().abs().clamp(min=1.0)).max().item()
+
+
+def loss_and_grads(trainer: Any, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """TRL's DPO loss of `batch` and the policy's gradients of it."""
+    trainer.model.zero_grad(set_to_none=True)
+    loss = trainer.compute_loss(trainer.model, batch)
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads
+
+
+def assert_same_grads(expected: dict, actual: dict, rtol: float) -> None:
+    """Every gradient equal within `rtol` times the largest |gradient| (and there are gradients to compare)."""
+    assert expected.keys() == actual.keys() and expected
+    scale = max(g.abs().max().item() for g in expected.values())
+    worst = max((expected[n] - actual[n]).abs().max().item() for n in expected)
+    assert scale > 0
+    assert worst <= rtol * scale, f"grad diff {worst:.3g} vs max |grad| {scale:.3g}"
+
+
+def compare(
+    stock: Any,
+    other: Any,
+    batch_examples: list[dict],
+    *,
+    batch_key: str,
+    calls: Callable[[], int],
+    misses: Callable[[], int],
+    logps_rtol: float,
+    loss_rtol: float,
+    grad_rtol: float,
+    logps: bool = True,
+) -> tuple[dict, dict]:
+    """Per-sequence log-probs (TRL's own `compute_ref_log_probs`, the precompute's scoring), loss and gradients of a
+    stock trainer and a trainer with a plugin on the same examples.
+
+    `batch_key` is the key the plugin's collator adds; `calls()` counts the plugin's optimized forwards (it must
+    grow) and `misses()` its scoring forwards that ran unoptimized (it must stay 0).
+    """
+    stock_batch = stock.data_collator(batch_examples)
+    other_batch = other.data_collator(batch_examples)
+    assert batch_key in other_batch and batch_key not in stock_batch
+    before = calls()
+    if logps:
+        stock_logps = stock.compute_ref_log_probs(stock.model, stock_batch)
+        other_logps = other.compute_ref_log_probs(other.model, other_batch)
+        for a, b in zip(stock_logps, other_logps, strict=True):
+            assert max_rel(b, a) <= logps_rtol
+    stock_loss, stock_grads = loss_and_grads(stock, stock_batch)
+    other_loss, other_grads = loss_and_grads(other, other_batch)
+    assert calls() > before  # the optimized path really ran
+    assert misses() == 0
+    assert abs(other_loss.item() - stock_loss.item()) <= loss_rtol * max(1.0, abs(stock_loss.item()))
+    assert_same_grads(stock_grads, other_grads, grad_rtol)
+    return stock_batch, other_batch
