@@ -306,6 +306,15 @@ with trl_ext.install(sync_metrics=True):
         print("REFUSED:", exc, flush=True)
     trainer = build(use_cpu=True)
     print("WORLD", trainer.accelerator.num_processes, trainer._trl_ext.enabled, flush=True)
+
+# gloo's threads can outlive the interpreter's teardown and abort a rank that succeeded (research/deepspeed_cpu.md)
+import torch.distributed as dist
+if dist.is_initialized():
+    dist.barrier()
+    dist.destroy_process_group()
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(0)
 """
 
 
