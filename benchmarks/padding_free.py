@@ -185,10 +185,12 @@ def step(trainer, batch) -> tuple[float, float]:
 
 
 def batch_stats(batch) -> dict:
+    from trl_ext.app.bench import padding_bounds
+
     mask = batch["attention_mask"]
     real, slots = int(mask.sum()), mask.numel()
-    f = 1 - real / slots
-    return {"shape": tuple(mask.shape), "real": real, "slots": slots, "f": f, "bound": 1 / (1 - f)}
+    return {"shape": tuple(mask.shape), "real": real, "slots": slots, "f": 1 - real / slots, "mask": mask.clone(),
+            **padding_bounds([mask])}  # fmt: skip
 
 
 def pick_batches(dataset, pairs: int, count: int, seed: int):
@@ -243,7 +245,8 @@ def time_steps(args, tokenizer, dataset, tmp):
             )
             print(
                 f"  batch {b}: {stats['shape'][0]}x{stats['shape'][1]}, {stats['real']} real tokens, "
-                f"f={stats['f']:.1%} (bound {stats['bound']:.2f}x): padded {med['padded']:.2f}s, "
+                f"f={stats['f']:.1%} (bound {stats['bound']:.2f}x: tokens {stats['token_bound']:.2f}x, attention "
+                f"{stats['attention_bound']:.2f}x): padded {med['padded']:.2f}s, "
                 f"dense {med['packed_dense']:.2f}s ({med['padded'] / med['packed_dense']:.2f}x), "
                 f"varlen {med['packed_varlen']:.2f}s ({med['padded'] / med['packed_varlen']:.2f}x)",
                 flush=True,
@@ -352,15 +355,19 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         print("One DPO step (TRL compute_loss: policy fwd + ref fwd + loss + metrics, then backward):", flush=True)
         rows = time_steps(args, tokenizer, dataset, tmp)
-        real = sum(r["real"] for r in rows)
-        slots = sum(r["slots"] for r in rows)
-        f = 1 - real / slots
-        bound = 1 / (1 - f)
+        from trl_ext.app.bench import padding_bounds
+
+        bounds = padding_bounds([r.pop("mask") for r in rows])
+        f, bound = bounds["padding_fraction"], bounds["bound"]
         totals = {v: sum(r[f"t_{v}"] for r in rows) for v in VARIANTS}
         cpu_totals = {v: sum(r[f"c_{v}"] for r in rows) for v in VARIANTS}
         gm = lambda xs: math.exp(statistics.mean(math.log(x) for x in xs))  # noqa: E731
         print(f"\nSummary over {len(rows)} batches (total time, all batches):")
-        print(f"  padding fraction f = {f:.1%}; bound 1/(1-f) = {bound:.2f}x")
+        print(
+            f"  padding fraction f = {f:.1%}; bound {bound:.2f}x, the larger of tokens 1/(1-f) = "
+            f"{bounds['token_bound']:.2f}x and attention sum(L^2)/sum(len^2) = {bounds['attention_bound']:.2f}x (a "
+            "step costs a*tokens + b*attention)"
+        )
         for v in ("packed_dense", "packed_varlen"):
             speedup = totals["padded"] / totals[v]
             per_batch = gm([r["t_padded"] / r[f"t_{v}"] / r["bound"] for r in rows])

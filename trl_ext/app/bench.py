@@ -227,6 +227,25 @@ def _ratios(times: dict[str, list[float]], base: str, arm: str) -> list[float]:
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+def padding_bounds(masks: Sequence[Any]) -> dict[str, float]:
+    """The speed-up bound of dropping the padding of batches with these 2D attention masks.
+
+    A step costs `a * tokens + b * sum(len^2)` (attention) with `a, b >= 0`, and a padded row costs its padded length
+    in both, so the speed-up is at most the larger of the token ratio and the attention ratio (`bound`). Also returns
+    each ratio and the padding fraction.
+    """
+    real = sum(int(m.sum()) for m in masks)
+    padded = sum(m.numel() for m in masks)
+    attn_real = sum(int(row.sum()) ** 2 for m in masks for row in m)
+    attn_padded = sum(m.shape[0] * m.shape[1] ** 2 for m in masks)
+    return {
+        "padding_fraction": 1 - real / padded,
+        "token_bound": padded / real,
+        "attention_bound": attn_padded / attn_real,
+        "bound": max(padded / real, attn_padded / attn_real),
+    }
+
+
 def _bench_padding_free(setup: _Setup, rounds: int, seconds: float) -> dict[str, Any]:
     """Forward + backward of a DPO training step (`trainer.training_step`, TRL's real loss) on the same batches and
     weights, stock trainer against a `padding_free` trainer, one pass over the batches per arm and round."""
@@ -291,20 +310,11 @@ def _bench_padding_free(setup: _Setup, rounds: int, seconds: float) -> dict[str,
             return total
 
         times = interleave(dict.fromkeys(sides), rounds=rounds, seconds=seconds, what="padding_free", paired=one_round)
-    # The bound: padded work over real work. A step costs a*tokens + b*sum(len^2) (attention) with a, b >= 0, so the
-    # speed-up from dropping padding is at most the larger of the two ratios (padded rows cost L^2 each in attention).
-    real = sum(int(b["attention_mask"].sum()) for b in stock_batches)
-    padded = sum(b["attention_mask"].numel() for b in stock_batches)
-    attn_real = sum(int(m.sum() ** 2) for b in stock_batches for m in b["attention_mask"])
-    attn_padded = sum(b["attention_mask"].shape[0] * b["attention_mask"].shape[1] ** 2 for b in stock_batches)
-    f = 1 - real / padded
-    bound = max(padded / real, attn_padded / attn_real)
+    bounds = padding_bounds([b["attention_mask"] for b in stock_batches])
+    bound = bounds["bound"]
     speed = summarize(_ratios(times, "stock", "trl_ext"), bound=bound)
     return {
-        "padding_fraction": f,
-        "token_bound": 1 / (1 - f),
-        "attention_bound": attn_padded / attn_real,
-        "bound": bound,
+        **bounds,
         "speedup": speed,
         "fraction_of_bound": speed["median"] / bound,
         "batches": n_batches,
