@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import importlib
+import json
 import logging
 import os
 import subprocess
@@ -288,7 +289,7 @@ def test_world_size_without_a_distributed_trainer_is_refused(tokenizer, dpo_args
 
 
 _WORLD_SCRIPT = """
-import os, sys
+import json, os, sys
 import trl_ext
 from trl import DPOConfig, DPOTrainer
 from trl_ext.testing import make_model, make_preference_dataset, make_tokenizer
@@ -298,14 +299,19 @@ def build(**kw):
     return DPOTrainer(make_model(seed=0), ref_model=make_model(seed=0), args=args,
                       train_dataset=make_preference_dataset(4), processing_class=make_tokenizer())
 
+# Each rank reports to its own file: two ranks printing to one pipe can interleave mid-line (seen in CI).
+result = {}
 with trl_ext.install(sync_metrics=True):
     try:
         build()
-        print("NOT REFUSED", flush=True)
+        result["refused"] = None
     except trl_ext.UsageError as exc:
-        print("REFUSED:", exc, flush=True)
+        result["refused"] = str(exc)
     trainer = build(use_cpu=True)
-    print("WORLD", trainer.accelerator.num_processes, trainer._trl_ext.enabled, flush=True)
+    result["world"] = trainer.accelerator.num_processes
+    result["enabled"] = list(trainer._trl_ext.enabled)
+with open(os.path.join(sys.argv[2], f"rank{os.environ['RANK']}.json"), "w") as f:
+    json.dump(result, f)
 
 # gloo's threads can outlive the interpreter's teardown and abort a rank that succeeded (research/deepspeed_cpu.md)
 import torch.distributed as dist
@@ -326,13 +332,19 @@ def test_torchrun_on_cpu_without_use_cpu_is_refused(tmp_path):
     env.update(OMP_NUM_THREADS="1", TQDM_DISABLE="1", HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
-    proc = subprocess.run(cmd + [str(tmp_path / "out")], env=env, capture_output=True, text=True, timeout=600)
+    reports = tmp_path / "reports"
+    reports.mkdir()
+    proc = subprocess.run(
+        cmd + [str(tmp_path / "out"), str(reports)], env=env, capture_output=True, text=True, timeout=600
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
-    refused = [line for line in proc.stdout.splitlines() if line.startswith("REFUSED:")]
-    assert len(refused) == 2 and "NOT REFUSED" not in proc.stdout, out[-4000:]
-    assert all("WORLD_SIZE=2 says" in line and "set `use_cpu=True`" in line for line in refused)
-    assert proc.stdout.count("WORLD 2 ('sync_metrics',)") == 2, out[-4000:]
+    results = [json.loads((reports / f"rank{rank}.json").read_text()) for rank in range(2)]
+    for result in results:
+        refused = result["refused"]
+        assert refused is not None, "rank was not refused"
+        assert "WORLD_SIZE=2 says" in refused and "set `use_cpu=True`" in refused, refused
+        assert result["world"] == 2 and result["enabled"] == ["sync_metrics"], result
     assert proc.stderr.count("trl-ext: DPOTrainer gets plugins sync_metrics") == 1  # the main process only
 
 
