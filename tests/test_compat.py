@@ -346,3 +346,26 @@ def test_fused_lm_head_fields():
     # shape); the others are scalars (`loss`, `aux_loss`).
     assert set(_packing.FUSED_FIELDS) == fields - {"loss", "aux_loss"} == set(_compat.FUSED_LM_HEAD_FIELDS)
     assert prompt_sharing_forward.FUSED_FIELDS is _packing.FUSED_FIELDS
+
+
+def test_moe_aux_loss():
+    """The load-balancing loss prompt_sharing recomputes: signature, and a mask-weighted mean over token rows (a padded
+    row with a zero mask changes nothing; a real row counted twice changes the value)."""
+    import torch
+
+    module, name = _compat.MOE_AUX_LOSS
+    balance = getattr(importlib.import_module(module), name)
+    params = list(inspect.signature(balance).parameters)
+    assert params[:4] == ["gate_logits", "num_experts", "top_k", "attention_mask"], _fail("MOE_AUX_LOSS", str(params))
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 4, generator=g, dtype=torch.float64)
+    mask = torch.ones(2, 3, dtype=torch.long)
+    value = balance((logits,), 4, 2, mask)
+    padded = torch.cat([logits.view(2, 3, 4), torch.randn(2, 1, 4, generator=g, dtype=torch.float64)], 1)
+    padded_mask = torch.cat([mask, torch.zeros(2, 1, dtype=torch.long)], 1)
+    assert torch.allclose(balance((padded.reshape(8, 4),), 4, 2, padded_mask), value), _fail("MOE_AUX_LOSS", "mask")
+    doubled = torch.cat([logits, logits[:1]])
+    assert not torch.allclose(balance((doubled,), 4, 2, None), value), _fail("MOE_AUX_LOSS", "not a token mean")
+    source = inspect.getsource(importlib.import_module("transformers.models.mixtral.modeling_mixtral"))
+    call = "load_balancing_loss_func(\n                outputs.router_logits,\n                self.num_experts,"
+    assert call in source, _fail("MOE_AUX_LOSS", "MixtralForCausalLM.forward no longer calls it as documented")

@@ -311,3 +311,14 @@ FUSED_LM_HEAD_OUTPUT = ("trl.trainer.utils", "FusedCausalLMOutput")
 FUSED_LM_HEAD_FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1", "label_mask")
 #: The keyword DPO passes to the model forward to get the fused output. Consumer: padding_free. Checked 1.16.0.
 FUSED_LM_HEAD_KWARG = "fused_lm_head"
+
+# -- prompt_sharing: the MoE router auxiliary loss ---------------------------------------------------------------
+
+#: transformers' load-balancing loss, `load_balancing_loss_func(gate_logits: tuple[[tokens, experts], ...],
+#: num_experts, top_k, attention_mask)`, a mask-weighted mean over `[batch * length]` token rows. Each MoE modeling
+#: module carries its own copy (the model's forward calls it as `(outputs.router_logits, self.num_experts,
+#: self.num_experts_per_tok, attention_mask)`), and TRL >= 1.15's fused LM head calls Mixtral's on the backbone's
+#: router logits (trl/trainer/utils.py `add_fused_lm_head`). Consumer: prompt_sharing (moe), which recomputes it in the
+#: padded layout after a shared forward with the model module's copy, Mixtral's when the module has none. Checked on
+#: transformers 5.24.0 (mixtral, qwen3_moe, olmoe, gpt_oss, granitemoe, jetmoe, ernie4_5_moe).
+MOE_AUX_LOSS = ("transformers.models.mixtral.modeling_mixtral", "load_balancing_loss_func")

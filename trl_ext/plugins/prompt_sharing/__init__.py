@@ -50,10 +50,17 @@ Options (`plugins: {prompt_sharing: {...}}`):
 - `self_check` (`bool`, defaults to `true`): compare the shared forward with the unshared packed forward on the first
   batch of each model.
 
-Refused with `trl_ext.UsageError`: model types outside `setup.SUPPORTED_MODEL_TYPES` (the ones verified for
-prompt sharing; ALiBi, SSM / linear-attention and hybrid token mixers carry state across sequence boundaries), MoE
-router logits; vision-language models; prompt-learning PEFT; `use_liger_kernel`),
-and attention implementations other than `sdpa` and `eager`.
+Architectures: the model types of `setup.VERIFIED_MODEL_TYPES` (padding_free's verified table but StableLM), each
+checked against the padded forward in float64 by tests/plugins/test_prompt_sharing_architectures.py: rotary, partial
+rotary and learned positions, sliding windows mixed with full layers, attention sinks (GPT-OSS), softcapping
+(Gemma 2), QK-norm, parallel blocks, and token-choice MoE with the router auxiliary loss on (`moe.py` recomputes it
+in the padded layout, so it counts a shared prompt once per response, as stock TRL does). Layers other than plain
+SDPA (eager, softcapping, sinks) run their own attention function per segment with an explicit mask.
+
+Refused with `trl_ext.UsageError`: what padding_free's inspection refuses (layers that carry state along the
+sequence, ALiBi, capacity-limited routing), naming the layer; model types outside the verified table (padding_free
+alone runs them); a layer that drops the segments on the way to its attention; vision-language models;
+prompt-learning PEFT; `use_liger_kernel`; attention implementations other than `sdpa` and `eager`.
 """
 
 from __future__ import annotations

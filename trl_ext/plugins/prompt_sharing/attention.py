@@ -7,7 +7,8 @@ call, also when gradient checkpointing re-runs a layer); every other call goes t
 that is registered (a packed call of padding_free's), else to the model's own attention with the mask transformers
 builds for it, so generation and plain forwards are unchanged.
 
-CPU (sdpa / eager): one SDPA call per segment. The prefix attends to itself causally; a branch's queries run against
+CPU (sdpa / eager): one attention call per segment (SDPA for plain SDPA layers; the layer's own attention function,
+with an explicit mask, for eager layers and for softcapping or attention sinks). The prefix attends to itself causally; a branch's queries run against
 the prefix's keys/values followed by its own, with a bottom-right causal mask (every prefix key visible, the branch
 causal), so the cost is `P^2 + sum_b B_b (P + B_b)` per group, the cost of the shared layout, not of a dense mask over
 the row. Sliding windows are applied by position (a key at `j` is visible from `i` when `i - window < j <= i`), as
@@ -28,6 +29,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from ...errors import UsageError
 from .._packing import (
     VARLEN_BASES,
     base_attention,
@@ -94,38 +96,61 @@ def _fallback_mask(base: str) -> str:
     return varlen if varlen in AttentionMaskInterface._global_mapping else base
 
 
+def _visible(
+    q: int, k: int, offset: int, sliding_window: int | None, valid_keys: int | None, device: torch.device
+) -> torch.Tensor:
+    """Bool mask `[q, k]` of `q` queries at positions `offset..offset+q-1` over `k` keys at `0..k-1`: causal, within
+    the window, and none from `valid_keys` on."""
+    q_pos = torch.arange(offset, offset + q, device=device)[:, None]
+    k_pos = torch.arange(k, device=device)[None, :]
+    mask = k_pos <= q_pos
+    if sliding_window is not None and k > sliding_window:
+        mask = mask & (k_pos > q_pos - sliding_window)
+    if valid_keys is not None and valid_keys < k:
+        mask = mask & (k_pos < valid_keys)
+    return mask
+
+
 def _attend(
+    base: str,
+    module: torch.nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
     offset: int,
     dropout: float,
     scaling: float | None,
-    sliding_window: int | None,
-    enable_gqa: bool,
+    kwargs: dict[str, Any],
     valid_keys: int | None = None,
 ) -> torch.Tensor:
-    """Attention of `q` queries over `offset + q` keys: all of the first `offset`, causal over the rest, and none from
-    `valid_keys` on (trailing padding that is read back but never attended to)."""
+    """Attention `[1, heads, q, head_dim]` of `q` queries over `offset + q` keys: all of the first `offset`, causal
+    over the rest, and none from `valid_keys` on (trailing padding that is read back but never attended to).
+
+    Plain SDPA models run `F.scaled_dot_product_attention` directly; every other layer (eager, softcapping, attention
+    sinks) runs the attention function it would run without trl-ext, with this mask, so whatever that function does
+    per key (softcap, sink logits, its own softmax precision) is done exactly as in the padded forward."""
     q, k = query.shape[2], key.shape[2]
-    windowed = sliding_window is not None and k > sliding_window
-    hidden_keys = valid_keys is not None and valid_keys < k
-    if offset == 0 and not windowed and not hidden_keys:
+    sliding_window = kwargs.get("sliding_window")
+    plain = base == "sdpa" and kwargs.get("softcap") is None and kwargs.get("s_aux") is None
+    simple = offset == 0 and not (sliding_window is not None and k > sliding_window)
+    simple = simple and not (valid_keys is not None and valid_keys < k)
+    if plain and simple:
         return F.scaled_dot_product_attention(
-            query, key, value, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=enable_gqa
+            query, key, value, dropout_p=dropout, is_causal=True, scale=scaling,
+            enable_gqa=query.shape[1] != key.shape[1],
+        )  # fmt: skip
+    mask = _visible(q, k, offset, sliding_window, valid_keys, query.device)[None, None]
+    if plain:
+        return F.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling,
+            enable_gqa=query.shape[1] != key.shape[1],
+        )  # fmt: skip
+    if base == "eager":
+        mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill_(
+            ~mask, torch.finfo(query.dtype).min
         )
-    q_pos = torch.arange(offset, offset + q, device=query.device)[:, None]
-    k_pos = torch.arange(k, device=query.device)[None, :]
-    mask = k_pos <= q_pos
-    if windowed:
-        assert sliding_window is not None
-        mask = mask & (k_pos > q_pos - sliding_window)
-    if hidden_keys:
-        assert valid_keys is not None
-        mask = mask & (k_pos < valid_keys)
-    return F.scaled_dot_product_attention(
-        query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=enable_gqa
-    )
+    out, _ = base_attention(base, module)(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
+    return out.transpose(1, 2)
 
 
 def _make_shared_attention(base: str) -> Callable:
@@ -140,14 +165,17 @@ def _make_shared_attention(base: str) -> Callable:
         **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:
         groups = kwargs.pop(GROUPS_KWARG, None)
+        if groups is None and _SHARED_CALL.get():
+            # The layer dropped the keyword arguments the model was called with (e.g. StableLM's decoder layer): run
+            # as is, the row would be one causal sequence, responses seeing each other.
+            raise UsageError(
+                f"prompt_sharing: {type(module).__name__} was called without the shared layout's segments (its layer "
+                "does not pass attention keyword arguments through), so it cannot keep responses apart. Disable "
+                "prompt_sharing for this model."
+            )
         if groups is None:
             return _fallback_attention(base, module)(
                 module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-            )
-        if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
-            raise RuntimeError(
-                f"prompt_sharing: the shared attention does not implement softcapping or attention sinks "
-                f"({type(module).__name__}); disable prompt_sharing for this model."
             )
         if attention_mask is not None or query.shape[0] != 1 or query.shape[2] != key.shape[2]:
             raise RuntimeError(
@@ -155,14 +183,12 @@ def _make_shared_attention(base: str) -> Callable:
                 f"{tuple(query.shape)}, key {tuple(key.shape)}, mask "
                 f"{None if attention_mask is None else tuple(attention_mask.shape)}"
             )
-        sliding_window = kwargs.get("sliding_window")
-        gqa = query.shape[1] != key.shape[1]
         outs = []
         for ps, pe, branches in groups:
             if pe > ps:
                 outs.append(
-                    _attend(query[:, :, ps:pe], key[:, :, ps:pe], value[:, :, ps:pe], 0, dropout, scaling,
-                            sliding_window, gqa)
+                    _attend(base, module, query[:, :, ps:pe], key[:, :, ps:pe], value[:, :, ps:pe], 0, dropout,
+                            scaling, kwargs)
                 )  # fmt: skip
             for bs, be, ke in branches:
                 if be == bs:
@@ -174,7 +200,7 @@ def _make_shared_attention(base: str) -> Callable:
                     k, v = key[:, :, bs:be], value[:, :, bs:be]
                 offset = pe - ps
                 outs.append(
-                    _attend(query[:, :, bs:be], k, v, offset, dropout, scaling, sliding_window, gqa, offset + ke - bs)
+                    _attend(base, module, query[:, :, bs:be], k, v, offset, dropout, scaling, kwargs, offset + ke - bs)
                 )
         out = torch.cat(outs, dim=2) if len(outs) != 1 else outs[0]
         return out.transpose(1, 2).contiguous(), None

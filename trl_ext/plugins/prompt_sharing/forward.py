@@ -41,6 +41,7 @@ from .layout import (
     unpack,
     unpack_shifted,
 )
+from .moe import MoeAuxLoss
 
 logger = get_logger(__name__)
 
@@ -110,16 +111,22 @@ def _unpack_outputs(outputs: Any, layout: SharedLayout, fused: bool) -> Any:
     return repad_outputs(outputs, fused, lambda x: unpack(x, layout), lambda x: unpack_shifted(x, layout))
 
 
-def make_causal_lm_forward(original: Callable, state: Any, role: str, check: Callable | None) -> Callable:
+def make_causal_lm_forward(
+    original: Callable, state: Any, role: str, check: Callable | None, aux_loss: MoeAuxLoss | None = None
+) -> Callable:
     """Causal-LM forward: run the shared row, return outputs in the padded layout.
 
     `check(run, kwargs, layout, outputs, role)` (the self-check) is called on the first shared call, with `run` a
-    function that runs the wrapped forward on another layout.
+    function that runs the wrapped forward on another layout. `aux_loss` (MoE models whose auxiliary loss is on,
+    `moe.MoeAuxLoss`) captures the router logits of the shared call and recomputes the auxiliary loss in the padded
+    layout.
     """
 
     def run(kwargs: dict[str, Any], layout: SharedLayout) -> Any:
-        with shared_call():
+        with shared_call(), aux_loss.capture() if aux_loss is not None else contextlib.nullcontext():
             outputs = original(**shared_kwargs(kwargs, layout))
+        if aux_loss is not None:
+            aux_loss.apply(outputs, layout, kwargs["attention_mask"])
         return _unpack_outputs(outputs, layout, bool(kwargs.get("fused_lm_head")))
 
     @functools.wraps(original)

@@ -8,9 +8,11 @@ from typing import Any
 from ..._logging import get_logger
 from ...errors import UsageError
 from .._packing import check_packable_trainer
+from ..padding_free.architecture import inspect_model
 from .attention import base_of, register_shared_attention, shared_attention_name, unregister_shared_attention
 from .forward import make_causal_lm_forward, make_online_forward
 from .layout import SharedLayout
+from .moe import MoeAuxLoss
 from .selfcheck import self_check
 
 logger = get_logger(__name__)
@@ -92,38 +94,70 @@ def check_trainer(trainer: Any, context: Any) -> PromptSharingState:
     if state.checked_trainer:
         return state
     check_packable_trainer(trainer, NAME)
-    if getattr(trainer, "aux_loss_enabled", False):
-        raise UsageError(
-            "prompt_sharing does not support the MoE router auxiliary loss: a shared prompt is routed once, so the "
-            "load-balancing statistics would differ from padded training. Set `router_aux_loss_coef=0` or disable "
-            "prompt_sharing."
-        )
     state.checked_trainer = True
     return state
 
 
-#: Model types whose shared forward equals each sequence run alone, checked by
-#: tests/plugins/test_prompt_sharing.py::test_architectures (fp64, sdpa and eager, sliding windows shorter than the
-#: sequences). padding_free covers more (by mechanism, with a self-check); prompt sharing is verified on these.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma3_text", "phi3", "olmo2")
+#: Model types whose shared forward equals the stock padded forward in float64 (loss over per-sequence log-probs, MoE
+#: auxiliary loss with the router on, gradients; sliding windows shorter than prompt + response, attention sinks,
+#: softcapping), measured by tests/plugins/test_prompt_sharing_architectures.py: every model type of padding_free's
+#: verified table except `stablelm`, whose decoder layer does not hand attention keyword arguments (the segments) to
+#: its attention. Other model types are refused (padding_free alone runs them, with its self-check).
+VERIFIED_MODEL_TYPES = (
+    "cohere",
+    "cohere2",
+    "ernie4_5_moe",
+    "exaone4",
+    "gemma",
+    "gemma2",
+    "gemma3_text",
+    "glm4_moe",
+    "gpt2",
+    "gpt_neox",
+    "gpt_oss",
+    "granite",
+    "granitemoe",
+    "jetmoe",
+    "llama",
+    "mistral",
+    "mixtral",
+    "olmo2",
+    "olmo3",
+    "olmoe",
+    "opt",
+    "phi",
+    "phi3",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "seed_oss",
+    "smollm3",
+    "starcoder2",
+)
+#: Kept for code that imported the previous name.
+SUPPORTED_MODEL_TYPES = VERIFIED_MODEL_TYPES
+
+_ADVICE = "Disable prompt_sharing for this model"
 
 
 def configure_model(context: Any, role: str, model: Any) -> str:
     """Check one causal LM and switch its attention to the shared attention; returns the implementation it runs."""
     config = model.config
     model_type = getattr(config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    inspection = inspect_model(model)
+    if inspection.refusal is not None:
+        reason = inspection.refusal.split(" Train this model without padding_free")[0]
         raise UsageError(
-            f"prompt_sharing cannot share prompts in a `{model_type}` model ({role} model {type(model).__name__}): "
-            f"only {', '.join(SUPPORTED_MODEL_TYPES)} are verified for prompt sharing (ALiBi, SSM, hybrid and "
-            "linear-attention mixers carry state across segment boundaries, MoE routes packed tokens). Disable "
-            "prompt_sharing for this model; `padding_free` alone supports more architectures."
+            f"prompt_sharing cannot share prompts in this `{model_type}` model ({role} model {type(model).__name__}): "
+            f"{reason} {_ADVICE} (and padding_free, which refuses it for the same reason)."
         )
-    if getattr(config, "output_router_logits", False):
+    if model_type not in VERIFIED_MODEL_TYPES:
         raise UsageError(
-            f"prompt_sharing does not support router logits (`output_router_logits=True` on the {role} model). Set it "
-            "to False, or disable prompt_sharing."
+            f"prompt_sharing is not verified on `{model_type}` models ({role} model {type(model).__name__}); it is "
+            f"verified on {', '.join(VERIFIED_MODEL_TYPES)}. {_ADVICE}: `padding_free` alone runs any attention "
+            "decoder, and checks models outside its verified table before the first step."
         )
+    MoeAuxLoss.of(model)  # refuses a MoE model whose auxiliary loss cannot be reproduced
     impl = config._attn_implementation
     base = base_of(impl)
     if base is None:
@@ -163,7 +197,7 @@ def wrap_models(trainer: Any, context: Any) -> None:
                 if self_check(run, kwargs, layout, outputs, role, type(_model).__name__):
                     state.checked.add(role)
 
-        forward = make_causal_lm_forward(model.forward, state, role, check)
+        forward = make_causal_lm_forward(model.forward, state, role, check, MoeAuxLoss.of(model))
         context.patcher.setattr(model, "forward", forward)
     if context.trainer_class == "OnlineDPOTrainer":
         context.patcher.setattr(
