@@ -9,7 +9,10 @@ without gradients:
    module (in execution order) whose output at the other sequences' tokens changed.
 2. positions: each sequence alone, through the model's ordinary (unpacked) forward, must give the same logits as in
    the packed row, to the dtype's round-off (relative to the largest logit: 1e-9 in float64, 1e-4 in float32, 5e-2 in
-   16-bit). This catches positions that do not restart per sequence.
+   16-bit). This catches positions that do not restart per sequence. MoE models in float64 are allowed 1e-6: their
+   routers often compute in float32 inside a float64 model (GLM4-MoE casts the router matmul to float32), and a float32
+   matmul over a sequence alone may round differently from the same rows in the packed row (seen: 2.7e-8 on an AMD EPYC
+   CPU, exact on others). A position bug moves logits by far more (order 1e-1).
 
 Cost: three packed forwards of 26 tokens and three unpacked forwards of at most 11 tokens (timed and logged).
 """
@@ -26,6 +29,8 @@ import torch
 PROBE_LENGTHS = (9, 6, 11)
 _TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}
 _HALF_TOLERANCE = 5e-2
+#: MoE models in float64: float32 routers round per kernel choice (see the module docstring)
+_MOE_FLOAT64_TOLERANCE = 1e-6
 
 
 @dataclasses.dataclass
@@ -92,7 +97,8 @@ def self_check(
     `moe`: the model routes tokens to experts. Changing one sequence's tokens then changes how many tokens each expert
     multiplies at once, and a matmul kernel may round another token's row differently (seen: PhiMoE in float64, 7e-16).
     For MoE models the isolation check therefore allows 16 units of round-off of the dtype (relative to the largest
-    logit) instead of bit-identity; a leak smaller than that (possible only in 16-bit dtypes) would pass.
+    logit) instead of bit-identity; a leak smaller than that (possible only in 16-bit dtypes) would pass. In float64
+    their position check allows 1e-6 instead of 1e-9 (float32 routers; module docstring).
     """
     start = time.perf_counter()
     device = next(model.parameters()).device
@@ -100,6 +106,8 @@ def self_check(
     vocab: int = embeddings.num_embeddings
     dtype = dtype or next(model.parameters()).dtype
     tolerance = _TOLERANCE.get(dtype, _HALF_TOLERANCE)
+    if moe and dtype == torch.float64:
+        tolerance = _MOE_FLOAT64_TOLERANCE
     ids, mask = _probe(vocab, device, seed=0)
     changed = ids.clone()
     middle = 1
