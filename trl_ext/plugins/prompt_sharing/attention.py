@@ -11,8 +11,8 @@ CPU (sdpa / eager): one attention call per segment (SDPA for plain SDPA layers; 
 with an explicit mask, for eager layers and for softcapping or attention sinks). The prefix attends to itself
 causally; a branch's queries run against the prefix's keys/values followed by its own, with a bottom-right causal
 mask (every prefix key visible, the branch causal), so the cost is `P^2 + sum_b B_b (P + B_b)` per group, the cost
-of the shared layout, not of a dense mask over the row. Sliding windows are applied by position (a key at `j` is visible from `i` when `i - window < j <= i`), as
-transformers' `sliding_window_overlay` does.
+of the shared layout, not of a dense mask over the row. Sliding windows are applied by position (a key at `j` is
+visible from `i` when `i - window < j <= i`), as transformers' `sliding_window_overlay` does.
 """
 
 from __future__ import annotations
