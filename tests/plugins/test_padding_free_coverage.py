@@ -31,8 +31,15 @@ def dataset():
 
 def tiny(kind: str = "llama", seed: int = 0):
     """Tiny float64 models: a dense Llama, a sliding-window Mistral (window 4), a Mixtral (4 experts, top-2, aux loss
-    coefficient 0.5 so that the auxiliary loss weighs in the comparison)."""
-    from transformers import MistralConfig, MistralForCausalLM, MixtralConfig, MixtralForCausalLM
+    coefficient 0.5 so that the auxiliary loss weighs in the comparison), a StableLM (partial rotary)."""
+    from transformers import (
+        MistralConfig,
+        MistralForCausalLM,
+        MixtralConfig,
+        MixtralForCausalLM,
+        StableLmConfig,
+        StableLmForCausalLM,
+    )
 
     common = dict(
         vocab_size=256,
@@ -55,6 +62,10 @@ def tiny(kind: str = "llama", seed: int = 0):
         config = MixtralConfig(num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.5, **common)
         config._experts_implementation = "eager"  # grouped-mm experts have no fp64 CPU kernel
         model = MixtralForCausalLM(config).to(torch.float64)
+    elif kind == "stablelm":
+        # its decoder layer drops `cu_seq_lens_q` on the way to the attention: under gradient checkpointing the
+        # recomputed layer finds the sequence bounds in the packed position_ids only
+        model = StableLmForCausalLM(StableLmConfig(**common)).to(torch.float64)
     else:
         raise ValueError(kind)
     with torch.no_grad():
@@ -199,7 +210,7 @@ def test_dispatch_batches_two_processes(tmp_path):
 # -------------------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["mistral", "mixtral"])
+@pytest.mark.parametrize("kind", ["mistral", "mixtral", "stablelm"])
 def test_policy_ref_and_training_with_gradient_checkpointing(build, kind):
     stock = build(kind, max_steps=2, gradient_checkpointing=True)
     with trl_ext.install(padding_free=True):

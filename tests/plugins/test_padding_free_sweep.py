@@ -249,6 +249,61 @@ def test_verified_table(model_type):
     assert status == "exact", f"{mechanism}: {detail}"
 
 
+def _no_dropout(model) -> None:
+    """Dropout off in train mode (gradient checkpointing only runs in training), modules and functional alike."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        for name in ("attention_dropout", "dropout", "attn_dropout", "residual_dropout"):
+            if isinstance(getattr(module, name, None), float):
+                setattr(module, name, 0.0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", VERIFIED_MODEL_TYPES)
+def test_verified_table_gradient_checkpointing(model_type):
+    """Packed with gradient checkpointing equals padded without it. Checkpointing recomputes each layer during the
+    backward, outside the packed call; a layer that drops `cu_seq_lens_q` on the way to its attention (StableLM) must
+    find the same sequence bounds there (it raised `CheckpointError` before the bounds were read off the packed
+    `position_ids`)."""
+    from trl_ext.plugins import padding_free as pf
+    from trl_ext.plugins._packing import register_varlen_attention, unregister_varlen_attention, varlen_attention_name
+    from trl_ext.plugins.padding_free.architecture import inspect_model
+
+    model = build_tiny(model_type)
+    if not model.supports_gradient_checkpointing:  # transformers refuses it for this model, packed or not
+        with pytest.raises(ValueError, match="does not support"):
+            model.gradient_checkpointing_enable()
+        return
+    _no_dropout(model)
+    model.train()
+    moe = any("MoE" in m for m in inspect_model(model).mechanisms) and hasattr(model.config, "output_router_logits")
+    ids, mask = _batch(model.config.vocab_size)
+    stock_loss, stock_aux, stock_grads = _loss_and_grads(model, model.forward, ids, mask, moe)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    base = model.config._attn_implementation
+    register_varlen_attention()
+    state = pf.PaddingFreeState()
+    try:
+        model.config._attn_implementation_internal = varlen_attention_name(base)
+        forward = pf._make_causal_lm_forward(model.forward, state)
+        model.base_model.forward = pf._make_backbone_forward(model.base_model.forward, state)
+        loss, aux, grads = _loss_and_grads(model, forward, ids, mask, moe)
+    finally:
+        model.config._attn_implementation_internal = base
+        model.base_model.__dict__.pop("forward", None)
+        unregister_varlen_attention()
+    assert state.packed_calls == 1
+    assert loss == pytest.approx(stock_loss, rel=REL)
+    assert (aux is None) == (stock_aux is None)
+    if aux is not None:
+        assert aux == pytest.approx(stock_aux, rel=REL)
+    assert grads.keys() == stock_grads.keys() and grads
+    scale = max(g.abs().max().item() for g in stock_grads.values())
+    worst = max((grads[k] - stock_grads[k]).abs().max().item() for k in grads)
+    assert worst <= REL * scale, f"grad diff {worst:.3g} vs max |grad| {scale:.3g}"
+
+
 def main(types: list[str]) -> None:
     torch.set_num_threads(1)
     print("| architecture | mechanism | status | detail |\n|---|---|---|---|")

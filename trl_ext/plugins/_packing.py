@@ -295,6 +295,26 @@ def _segment_attention(
     return out
 
 
+def _bounds_from_positions(position_ids: Any, query: torch.Tensor, key: torch.Tensor) -> list[int] | None:
+    """Sequence bounds of a packed row read off its `position_ids` (a new sequence wherever the position does not
+    continue the previous one), or None if the call is not one packed row without a cache or holds one sequence.
+
+    Gradient checkpointing recomputes a decoder layer during the backward, outside `packed_call`. A layer that drops
+    `cu_seq_lens_q` on the way to its attention (StableLM's decoder layer) then has only the packed `position_ids`,
+    which restart at every sequence of the row padding_free built: the bounds read here are those of the original
+    forward, so the recomputation runs the same attention (transformers reads packed rows off `position_ids` the
+    same way when it builds masks)."""
+    if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or position_ids.shape[0] != 1:
+        return None
+    n = position_ids.shape[1]
+    if query.shape[0] != 1 or query.shape[2] != n or key.shape[2] != n or n < 2:
+        return None
+    starts = (position_ids[0, 1:] != position_ids[0, :-1] + 1).nonzero().flatten() + 1
+    if starts.numel() == 0:
+        return None
+    return [0, *starts.tolist(), n]
+
+
 _VARLEN_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "position_ids")
 
 
@@ -311,6 +331,8 @@ def _make_varlen_attention(base: str) -> Callable:
     ) -> tuple[torch.Tensor, None]:
         cu_seq_lens = kwargs.get("cu_seq_lens_q")
         bounds = cu_seq_lens.tolist() if cu_seq_lens is not None else _PACKED_BOUNDS.get()
+        if bounds is None and attention_mask is None:
+            bounds = _bounds_from_positions(kwargs.get("position_ids"), query, key)
         if bounds is None or attention_mask is not None:
             # Not a packed call (generation, a user's own forward), or a model that built its own mask inside a
             # packed call (a dense mask, used as is): exactly what the base implementation does.
