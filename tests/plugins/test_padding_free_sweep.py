@@ -106,6 +106,15 @@ def build_tiny(model_type: str):
     kwargs.update(_OVERRIDES.get(model_type, {}))
     config = AutoConfig.for_model(model_type, **kwargs)
     config._experts_implementation = "eager"  # grouped-mm experts have no fp64 CPU kernel
+    # Count the parameters on the meta device first: a config whose size fields have other names builds a full-size
+    # model (dots3_note: 280B parameters), which would exhaust the machine's memory before any check.
+    with torch.device("meta"):
+        try:
+            meta = AutoModelForCausalLM.from_config(config)
+        except Exception:  # noqa: BLE001 - the real build below raises it, or builds another way
+            meta = None
+    if meta is not None and (size := sum(p.numel() for p in meta.parameters())) > 5_000_000:
+        raise ValueError(f"the config could not be shrunk ({size / 1e6:.0f}M parameters)")
     torch.manual_seed(0)
     try:
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
