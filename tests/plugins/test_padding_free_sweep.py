@@ -16,6 +16,7 @@ markdown table (architecture, mechanism, status) that the docs carry.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import pytest
@@ -157,10 +158,46 @@ def _loss_and_grads(model, forward, ids, mask, moe: bool):
     return loss.item(), None if aux is None else float(aux), grads
 
 
+@contextlib.contextmanager
+def _packed_forward(model, state):
+    """The plugin's packed causal-LM forward for `model` (varlen attention registered, backbone wrapped); undone on
+    exit."""
+    from trl_ext.plugins import padding_free as pf
+    from trl_ext.plugins._packing import register_varlen_attention, unregister_varlen_attention, varlen_attention_name
+
+    base = model.config._attn_implementation
+    register_varlen_attention()
+    try:
+        model.config._attn_implementation_internal = varlen_attention_name(base)
+        model.base_model.forward = pf._make_backbone_forward(model.base_model.forward, state)
+        yield pf._make_causal_lm_forward(model.forward, state)
+    finally:
+        model.config._attn_implementation_internal = base
+        model.base_model.__dict__.pop("forward", None)
+        unregister_varlen_attention()
+
+
+def _differences(stock, packed) -> list[str]:
+    """What differs between two `_loss_and_grads` results beyond `REL`: loss, auxiliary loss, gradients."""
+    (stock_loss, stock_aux, stock_grads), (loss, aux, grads) = stock, packed
+    problems = []
+    if abs(loss - stock_loss) > REL * max(1.0, abs(stock_loss)):
+        problems.append(f"loss {loss:.10g} vs {stock_loss:.10g}")
+    if (aux is None) != (stock_aux is None) or aux is not None and abs(aux - stock_aux) > REL * max(1.0, stock_aux):
+        problems.append(f"aux loss {aux} vs {stock_aux}")
+    if grads.keys() != stock_grads.keys() or not grads:
+        problems.append("different parameters got gradients")
+    else:
+        scale = max(g.abs().max().item() for g in stock_grads.values())
+        worst = max((grads[k] - stock_grads[k]).abs().max().item() for k in grads)
+        if not worst <= REL * scale:
+            problems.append(f"grad diff {worst:.3g} vs max |grad| {scale:.3g}")
+    return problems
+
+
 def sweep_one(model_type: str) -> tuple[str, str, str]:
     """(mechanism, status, detail) of one architecture."""
     from trl_ext.plugins import padding_free as pf
-    from trl_ext.plugins._packing import register_varlen_attention, unregister_varlen_attention, varlen_attention_name
     from trl_ext.plugins.padding_free.architecture import inspect_model
     from trl_ext.plugins.padding_free.self_check import self_check
 
@@ -174,44 +211,25 @@ def sweep_one(model_type: str) -> tuple[str, str, str]:
         return mechanism, "refused", inspection.refusal.split(". ")[0]
     moe = any("MoE" in m for m in inspection.mechanisms) and hasattr(model.config, "output_router_logits")
     ids, mask = _batch(model.config.vocab_size)
-    base = model.config._attn_implementation
     try:
-        stock_loss, stock_aux, stock_grads = _loss_and_grads(model, model.forward, ids, mask, moe)
+        stock = _loss_and_grads(model, model.forward, ids, mask, moe)
     except Exception as exc:  # noqa: BLE001 - the stock tiny model does not run: nothing to compare
         return mechanism, "not built", f"stock forward raised {type(exc).__name__}: {str(exc)[:100]}"
-    register_varlen_attention()
     state = pf.PaddingFreeState()
-    try:
-        model.config._attn_implementation_internal = varlen_attention_name(base)
-        forward = pf._make_causal_lm_forward(model.forward, state)
-        model.base_model.forward = pf._make_backbone_forward(model.base_model.forward, state)
+    with _packed_forward(model, state) as forward:
         try:
             check = self_check(model, forward, moe=any(m.startswith("MoE") for m in inspection.mechanisms))
             if check.leak is not None:
                 return mechanism, "refused", f"self-check: {check.leak}"
-            loss, aux, grads = _loss_and_grads(model, forward, ids, mask, moe)
+            packed = _loss_and_grads(model, forward, ids, mask, moe)
         except Exception as exc:  # noqa: BLE001 - a crash is neither exact nor a refusal
             return mechanism, "FAIL", f"packed forward raised {type(exc).__name__}: {str(exc)[:200]}"
-    finally:
-        model.config._attn_implementation_internal = base
-        model.base_model.__dict__.pop("forward", None)
-        unregister_varlen_attention()
     if state.packed_calls == 0:
         return mechanism, "FAIL", "the packed path did not run"
-    problems = []
-    if abs(loss - stock_loss) > REL * max(1.0, abs(stock_loss)):
-        problems.append(f"loss {loss:.10g} vs {stock_loss:.10g}")
-    if (aux is None) != (stock_aux is None) or aux is not None and abs(aux - stock_aux) > REL * max(1.0, stock_aux):
-        problems.append(f"aux loss {aux} vs {stock_aux}")
-    if grads.keys() != stock_grads.keys() or not grads:
-        problems.append("different parameters got gradients")
-    else:
-        scale = max(g.abs().max().item() for g in stock_grads.values())
-        worst = max((grads[k] - stock_grads[k]).abs().max().item() for k in grads)
-        if not worst <= REL * scale:
-            problems.append(f"grad diff {worst:.3g} vs max |grad| {scale:.3g}")
+    problems = _differences(stock, packed)
     if problems:
         return mechanism, "FAIL", "; ".join(problems)
+    aux = packed[1]
     detail = f"loss, grads{', aux loss' if aux is not None else ''} within {REL:g}"
     return mechanism, "exact", detail
 
@@ -276,7 +294,6 @@ def test_verified_table_gradient_checkpointing(model_type):
     find the same sequence bounds there (it raised `CheckpointError` before the bounds were read off the packed
     `position_ids`)."""
     from trl_ext.plugins import padding_free as pf
-    from trl_ext.plugins._packing import register_varlen_attention, unregister_varlen_attention, varlen_attention_name
     from trl_ext.plugins.padding_free.architecture import inspect_model
 
     model = build_tiny(model_type)
@@ -288,29 +305,36 @@ def test_verified_table_gradient_checkpointing(model_type):
     model.train()
     moe = any("MoE" in m for m in inspect_model(model).mechanisms) and hasattr(model.config, "output_router_logits")
     ids, mask = _batch(model.config.vocab_size)
-    stock_loss, stock_aux, stock_grads = _loss_and_grads(model, model.forward, ids, mask, moe)
+    stock = _loss_and_grads(model, model.forward, ids, mask, moe)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    base = model.config._attn_implementation
-    register_varlen_attention()
     state = pf.PaddingFreeState()
-    try:
-        model.config._attn_implementation_internal = varlen_attention_name(base)
-        forward = pf._make_causal_lm_forward(model.forward, state)
-        model.base_model.forward = pf._make_backbone_forward(model.base_model.forward, state)
-        loss, aux, grads = _loss_and_grads(model, forward, ids, mask, moe)
-    finally:
-        model.config._attn_implementation_internal = base
-        model.base_model.__dict__.pop("forward", None)
-        unregister_varlen_attention()
+    with _packed_forward(model, state) as forward:
+        packed = _loss_and_grads(model, forward, ids, mask, moe)
     assert state.packed_calls == 1
-    assert loss == pytest.approx(stock_loss, rel=REL)
-    assert (aux is None) == (stock_aux is None)
-    if aux is not None:
-        assert aux == pytest.approx(stock_aux, rel=REL)
-    assert grads.keys() == stock_grads.keys() and grads
-    scale = max(g.abs().max().item() for g in stock_grads.values())
-    worst = max((grads[k] - stock_grads[k]).abs().max().item() for k in grads)
-    assert worst <= REL * scale, f"grad diff {worst:.3g} vs max |grad| {scale:.3g}"
+    assert (packed[1] is None) == (stock[1] is None)
+    assert _differences(stock, packed) == []
+
+
+def test_position_ids_that_hide_the_packed_bounds_are_refused_in_training():
+    """StableLM's layer drops `cu_seq_lens_q`: a recomputed layer splits the row where the position_ids restart.
+    Position ids that run on across sequences would split it elsewhere, so training refuses them up front."""
+    from trl_ext import UsageError
+    from trl_ext.plugins import padding_free as pf
+
+    model = build_tiny("stablelm")
+    _no_dropout(model)
+    model.train()
+    ids, mask = _batch(model.config.vocab_size)
+    rows, length = ids.shape
+    with _packed_forward(model, pf.PaddingFreeState()) as forward:
+        running_on = torch.arange(rows * length).view(rows, length)  # row 1 continues row 0 (12 tokens, no padding)
+        with pytest.raises(UsageError, match="do not restart at every packed sequence"):
+            forward(input_ids=ids, attention_mask=mask, position_ids=running_on, use_cache=False)
+        restarting = torch.arange(length).expand(rows, length)
+        out = forward(input_ids=ids, attention_mask=mask, position_ids=restarting, use_cache=False)
+    stock = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    real = mask.bool()
+    assert torch.allclose(out.logits[real], stock[real], rtol=REL, atol=0)
 
 
 def main(types: list[str]) -> None:

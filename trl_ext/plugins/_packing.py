@@ -331,8 +331,23 @@ def _make_varlen_attention(base: str) -> Callable:
     ) -> tuple[torch.Tensor, None]:
         cu_seq_lens = kwargs.get("cu_seq_lens_q")
         bounds = cu_seq_lens.tolist() if cu_seq_lens is not None else _PACKED_BOUNDS.get()
-        if bounds is None and attention_mask is None:
-            bounds = _bounds_from_positions(kwargs.get("position_ids"), query, key)
+        if cu_seq_lens is None and attention_mask is None:
+            from_positions = _bounds_from_positions(kwargs.get("position_ids"), query, key)
+            if bounds is None:
+                # a layer recomputed by gradient checkpointing (outside `packed_call`) that dropped `cu_seq_lens_q`
+                bounds = from_positions
+            elif (
+                module.training
+                and isinstance(kwargs.get("position_ids"), torch.Tensor)
+                and (from_positions or [0, bounds[-1]]) != sorted(set(bounds))
+            ):
+                # The recomputation above would split the row elsewhere than this forward does: refuse now.
+                raise UsageError(
+                    f"padding_free: {type(module).__name__} does not receive the packed sequence bounds, and the "
+                    "position_ids the model got do not restart at every packed sequence, so a layer recomputed by "
+                    "gradient checkpointing could not tell the sequences apart. Pass position_ids that restart at 0 "
+                    "for every sequence, or none (padding_free builds them)."
+                )
         if bounds is None or attention_mask is not None:
             # Not a packed call (generation, a user's own forward), or a model that built its own mask inside a
             # packed call (a dense mask, used as is): exactly what the base implementation does.
