@@ -14,6 +14,10 @@ from collections.abc import Iterable
 
 from .errors import UsageError
 
+#: The private config field behind transformers' `config._attn_implementation` property (transformers 5: the property
+#: reads it, `_remove_keys_not_serialized` keeps it out of saved configs). Checked on transformers 5.24.0.
+ATTN_IMPLEMENTATION_FIELD = "_attn_implementation_internal"
+
 #: Supported TRL range: >= 1.10, < 1.17. Checked on 1.12.0 and 1.16.0 (CI), read on 1.10.0 and 1.14.0.
 TRL_MIN = (1, 10)
 TRL_MAX_EXCLUSIVE = (1, 17)

@@ -30,6 +30,7 @@ import contextlib
 import contextvars
 import dataclasses
 import sys
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -41,6 +42,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .. import _compat
 from ..errors import UsageError
+from ._probe import STOCK_CALL
 
 __all__ = [
     "FUSED_FIELDS",
@@ -49,6 +51,7 @@ __all__ = [
     "VISION_KEYS",
     "AnnotatingCollator",
     "PackInfo",
+    "attention_users",
     "base_attention",
     "check_packable_trainer",
     "pack_rows",
@@ -59,6 +62,7 @@ __all__ = [
     "repad_outputs",
     "scoring_call",
     "skip_mask_while",
+    "switch_attention",
     "unregister_attention",
     "unpack_rows",
     "unpack_shifted",
@@ -397,10 +401,41 @@ def register_attention(name: str, forward: Callable, mask: Callable) -> None:
         AttentionMaskInterface.register(name, mask)
 
 
-def unregister_attention(name: str) -> None:
-    """Undo `register_attention` (transformers' registries are global)."""
+# The configs switched to a trl-ext attention (by `switch_attention`), weakly: a registration stays while a live model
+# still names it, so a model that outlives its trainer (garbage-collected, never detached) keeps a valid attention.
+_SWITCHED: dict[int, weakref.ref] = {}
+
+
+def switch_attention(patcher: Any, config: Any, name: str) -> None:
+    """Switch `config` to the registered attention `name` through `patcher` (undone when the trainer is detached),
+    and remember the config so that `unregister_attention(name)` leaves the registration while it still uses it."""
+    # `_attn_implementation` is a property over `_attn_implementation_internal` (transformers 5); the private field is
+    # never serialized (configuration_utils.py `_remove_keys_not_serialized`), so checkpoints keep the user's choice.
+    patcher.setattr(config, _compat.ATTN_IMPLEMENTATION_FIELD, name)
+    _SWITCHED[id(config)] = weakref.ref(config)
+
+
+def attention_users(name: str) -> int:
+    """How many live model configs run the attention registered as `name` (switched by `switch_attention`)."""
+    users = 0
+    for key, ref in list(_SWITCHED.items()):
+        config = ref()
+        if config is None:
+            _SWITCHED.pop(key, None)
+        elif config.__dict__.get(_compat.ATTN_IMPLEMENTATION_FIELD) == name:
+            users += 1
+    return users
+
+
+def unregister_attention(name: str) -> bool:
+    """Undo `register_attention` (transformers' registries are global), unless a live model still runs `name`
+    (its trainer was garbage-collected without being detached): then the registration stays, and False is
+    returned."""
+    if attention_users(name):
+        return False
     AttentionInterface._global_mapping.pop(name, None)
     AttentionMaskInterface._global_mapping.pop(name, None)
+    return True
 
 
 def register_varlen_attention() -> None:
@@ -505,6 +540,8 @@ def scoring_call(kwargs: dict[str, Any], cache_unset_ok: bool = False) -> bool:
     leaves `use_cache` to the config also qualifies (Online DPO's scoring call: the cache it would build is never
     read).
     """
+    if STOCK_CALL.get():  # a self-check's stock reference: every call runs as stock transformers runs it
+        return False
     input_ids, attention_mask = kwargs.get("input_ids"), kwargs.get("attention_mask")
     use_cache = kwargs.get("use_cache")
     return (

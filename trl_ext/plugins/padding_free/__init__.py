@@ -109,13 +109,15 @@ from .._packing import (
     register_varlen_attention,
     repad_outputs,
     scoring_call,
+    switch_attention,
     unpack_rows,
     unpack_shifted,
     unregister_varlen_attention,
     varlen_attention_name,
 )
+from .._probe import STOCK_CALL, declared_localities, probe_lengths, training_max_length
 from .architecture import VERIFIED_MODEL_TYPES, Inspection, inspect_model
-from .self_check import PROBE_LENGTHS, SelfCheckResult, self_check
+from .self_check import SelfCheckResult, self_check
 
 logger = get_logger(__name__)
 
@@ -144,7 +146,8 @@ class PaddingFreeOptions:
             varlen kernels.
         self_check (`str` or `bool`, *optional*, defaults to `"auto"`):
             `"auto"`: before the first step, measure on a probe batch whether a model that is not in the verified
-            table keeps packed sequences apart (5 forwards of at most 26 tokens); `true`: check every model.
+            table keeps packed sequences apart and equals its stock padded forward (3 forwards; the longest probe
+            sequence is as long as the longest training sequence); `true`: check every model.
     """
 
     attention: str = dataclasses.field(default="auto", metadata={"parse": one_of("auto", "varlen", "dense")})
@@ -249,9 +252,7 @@ def _configure_model(context, role: str, model) -> str:
         return impl
     # Held per trainer (not per installation): the trainer keeps its plugins after `uninstall()`.
     context.hold("varlen_attention", register_varlen_attention, unregister_varlen_attention)
-    # `_attn_implementation` is a property over `_attn_implementation_internal` (transformers 5); the private field is
-    # never serialized (configuration_utils.py `_remove_keys_not_serialized`), so checkpoints keep the user's choice.
-    context.patcher.setattr(config, "_attn_implementation_internal", varlen_attention_name(impl))
+    switch_attention(context.patcher, config, varlen_attention_name(impl))
     return varlen_attention_name(impl)
 
 
@@ -281,35 +282,58 @@ def trl_ext_trainer_models_ready(trainer, context):
             state.attn_implementations[role] = _configure_model(context, role, model)
         context.patcher.setattr(model, "forward", _make_causal_lm_forward(model.forward, state))
         if state.self_check is True or not state.inspections[role].verified:
-            _run_self_check(state, role, model)
+            _run_self_check(state, role, model, trainer)
     logger.info("padding_free: packing %s", state.attn_implementations)
 
 
-def _run_self_check(state: PaddingFreeState, role: str, model) -> None:
-    """Measure, before the first step, that `model`'s packed forward keeps sequences apart; refuse if it does not."""
+#: The longest probe the self-check builds from a model's position limit when the training length is unknown.
+_UNKNOWN_LENGTH_LIMIT = 8192
+
+
+def _probe_lengths(model, trainer) -> tuple[int, ...]:
+    """Probe lengths for `model` under `trainer`: one as long as the longest training sequence, the others longer
+    than every window or chunk the config declares (`trl_ext.plugins._probe`)."""
+    config = model.config
+    max_positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    longest = training_max_length(trainer)
+    if longest is None:
+        if not max_positions or max_positions > _UNKNOWN_LENGTH_LIMIT:
+            raise UsageError(
+                f"padding_free's self-check for the `{getattr(config, 'model_type', None)}` model needs the longest "
+                "sequence training will feed, to size its probe: set `max_length` in the trainer's config (the "
+                "dataset is not a tokenized map-style dataset whose lengths can be read)."
+            )
+        longest = int(max_positions)
+    return probe_lengths(longest, declared_localities(config), max_positions)
+
+
+def _run_self_check(state: PaddingFreeState, role: str, model, trainer) -> None:
+    """Measure, before the first step, that `model`'s packed forward equals its stock padded forward on a probe sized
+    from what training will feed; refuse if it does not."""
     calls = state.packed_calls, state.unpacked_calls
     moe = any(m.startswith("MoE") for m in state.inspections[role].mechanisms)
-    result = self_check(model, model.forward, moe=moe)
+    lengths = _probe_lengths(model, trainer)
+    result = self_check(model, model.forward, lengths=lengths, moe=moe)
     state.packed_calls, state.unpacked_calls = calls  # the probe's forwards are not training forwards
     state.self_checks[role] = result
     model_type = getattr(model.config, "model_type", None)
     if result.leak is not None:
         raise UsageError(
             f"padding_free's self-check failed for the {role} model ({type(model).__name__}, `{model_type}`): "
-            f"{result.leak}. Packed training would mix sequences; train this model without padding_free."
+            f"{result.leak}. Packed training would differ from stock; train this model without padding_free."
         )
     logger.info(
         "padding_free: self-check passed for the %s model (%s, `%s`, %s): packed sequences stay apart "
-        "(bit-identical) and match each sequence run alone (max relative difference %.2g <= %g); cost %d forwards "
-        "of <= %d tokens, %.2f s",
+        "(bit-identical) and equal the stock padded forward (max relative difference %.2g <= %g) on probe sequences "
+        "of %s tokens; cost %d forwards, %.2f s",
         role,
         type(model).__name__,
         model_type,
         next(model.parameters()).dtype,
         result.max_position_error,
         result.tolerance,
+        list(result.lengths),
         result.forwards,
-        sum(PROBE_LENGTHS),
         result.seconds,
     )
 
@@ -408,7 +432,11 @@ def _make_causal_lm_forward(original: Callable, state: PaddingFreeState) -> Call
         meta = kwargs.pop(PACKING_KEY, None)
         args = positional_input_ids(args, kwargs)
         if args or not scoring_call(kwargs):
-            if kwargs.get("use_cache") is False and isinstance(kwargs.get("attention_mask"), torch.Tensor):
+            if (
+                kwargs.get("use_cache") is False
+                and isinstance(kwargs.get("attention_mask"), torch.Tensor)
+                and not STOCK_CALL.get()
+            ):
                 # A scoring call on a padded batch that packing cannot reproduce (e.g. `output_hidden_states`): it
                 # runs padded, which is correct; say so once instead of hiding it.
                 state.unpacked_calls += 1

@@ -7,7 +7,7 @@ from typing import Any
 
 from ..._logging import get_logger
 from ...errors import UsageError
-from .._packing import check_packable_trainer
+from .._packing import check_packable_trainer, switch_attention
 from ..padding_free.architecture import inspect_model
 from .attention import base_of, register_shared_attention, shared_attention_name, unregister_shared_attention
 from .forward import make_causal_lm_forward, make_online_forward
@@ -172,7 +172,7 @@ def configure_model(context: Any, role: str, model: Any) -> str:
     if impl != name:
         # A property over `_attn_implementation_internal` (transformers 5); never serialized, so checkpoints keep the
         # user's choice (configuration_utils.py `_remove_keys_not_serialized`).
-        context.patcher.setattr(config, "_attn_implementation_internal", name)
+        switch_attention(context.patcher, config, name)
     return name
 
 

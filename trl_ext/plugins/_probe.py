@@ -1,0 +1,162 @@
+"""Sizing and reference of the packing plugins' self-checks: what training will feed, and the stock forward.
+
+A self-check can only see a locality (a sliding window, a chunk, any mask function) that is shorter than one of its
+probe sequences. So its probe is sized from what the trainer will feed, not from a fixed constant:
+
+- one probe sequence is as long as the longest sequence the trainer will feed (`training_max_length`): any locality
+  shorter than a training sequence then acts inside the probe, whether the config declares it or not;
+- the other probe sequences are longer than every locality the config declares (`declared_localities`), capped at that
+  longest length (a window longer than every training sequence never acts, in stock TRL or packed).
+
+The reference is the model's own *stock padded* forward (`stock_forward`): its original attention implementation, the
+padded batch with its `attention_mask`, `use_cache=False`, as TRL's scoring forward calls it; never another trl-ext
+path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from typing import Any
+
+__all__ = [
+    "STOCK_CALL",
+    "declared_localities",
+    "dataset_longest_pair",
+    "probe_lengths",
+    "stock_attention",
+    "stock_forward",
+    "training_max_length",
+]
+
+#: True while a self-check runs the stock reference forward: the packing wrappers then pass every call through as it
+#: is (no packing, no prompt sharing). A dynamic-scope flag like torch's grad mode.
+STOCK_CALL: contextvars.ContextVar[bool] = contextvars.ContextVar("trl_ext_stock_call", default=False)
+
+#: Tokenized DPO dataset columns (prompt, chosen, rejected), by TRL layout. 1.13+ tokenizes to `prompt_ids`,
+#: `chosen_ids`, `rejected_ids` (checked 1.16.0); 1.10-1.12 to `prompt_input_ids`, `chosen_input_ids`,
+#: `rejected_input_ids` (checked 1.12.0).
+_DPO_COLUMNS = (
+    ("prompt_ids", "chosen_ids", "rejected_ids"),
+    ("prompt_input_ids", "chosen_input_ids", "rejected_input_ids"),
+)
+#: The shortest probe sequences when the config declares no locality (long enough for every mechanism the checks
+#: compare: positions, per-token layers, attention over several keys).
+_MIN_PROBE = 9
+
+
+def _configs(config: Any) -> Iterator[Any]:
+    """`config` and its sub-configs (text configs of composite models), each once."""
+    seen: set[int] = set()
+    stack = [config]
+    while stack:
+        current = stack.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        yield current
+        for value in vars(current).values():
+            if hasattr(value, "to_dict") and hasattr(value, "model_type"):
+                stack.append(value)
+
+
+def declared_localities(config: Any) -> dict[str, int]:
+    """Every positive length a config declares under a name that says window or chunk (`sliding_window`,
+    `attention_chunk_size`, `local_attention_window_len`, ...), by attribute name. Deliberately broad: a name that
+    is not a locality only makes the probe longer, a missed one would hide a window from the self-check."""
+    found: dict[str, int] = {}
+    for sub in _configs(config):
+        for name, value in vars(sub).items():
+            lowered = name.lower()
+            if "window" not in lowered and "chunk" not in lowered:
+                continue
+            values = value if isinstance(value, (list, tuple)) else [value]
+            lengths = [v for v in values if isinstance(v, int) and not isinstance(v, bool) and v > 0]
+            if lengths:
+                found[name] = max(max(lengths), found.get(name, 0))
+    return found
+
+
+def dataset_longest_pair(dataset: Any) -> int | None:
+    """The longest prompt+completion of a tokenized DPO dataset (map-style, Arrow-backed), or None when it cannot be
+    read without iterating (an iterable dataset, another layout)."""
+    data = getattr(dataset, "data", None)
+    names = getattr(dataset, "column_names", None)
+    if data is None or not isinstance(names, list):
+        return None
+    for prompt, chosen, rejected in _DPO_COLUMNS:
+        if {prompt, chosen, rejected} <= set(names):
+            break
+    else:
+        return None
+    try:
+        import pyarrow.compute as pc
+
+        def lengths(column: str) -> Any:
+            return pc.list_value_length(data.column(column))
+
+        p = lengths(prompt)
+        longest = pc.max(pc.max_element_wise(pc.add(p, lengths(chosen)), pc.add(p, lengths(rejected)))).as_py()
+    except Exception:  # noqa: BLE001 - an unexpected layout: the caller falls back to max_length
+        return None
+    return int(longest) if longest is not None else None
+
+
+def training_max_length(trainer: Any, args: Any = None) -> int | None:
+    """The longest sequence `trainer` will feed its models: `args.max_length`, or the longest pair of a tokenized
+    training/eval dataset when that is shorter. None when neither is known (no max_length, unreadable dataset)."""
+    args = args if args is not None else getattr(trainer, "args", None)
+    max_length = getattr(args, "max_length", None)
+    datasets: list[Any] = []
+    for name in ("train_dataset", "eval_dataset"):
+        value = getattr(trainer, name, None)
+        if isinstance(value, dict):
+            datasets.extend(value.values())
+        elif value is not None:
+            datasets.append(value)
+    longest = [dataset_longest_pair(d) for d in datasets]
+    if datasets and all(n is not None for n in longest):
+        data_max = max(n for n in longest if n is not None)
+        return data_max if max_length is None else min(int(max_length), data_max)
+    return int(max_length) if max_length is not None else None
+
+
+def probe_lengths(longest: int, localities: dict[str, int] | None = None, max_positions: int | None = None) -> tuple:
+    """Three probe sequence lengths: the first `longest` (the longest training sequence), the others longer than
+    every declared locality (capped at `longest`), all within `max_positions`."""
+    longest = int(longest)
+    if max_positions:
+        longest = min(longest, int(max_positions))
+    longest = max(longest, 2)
+    acting = [w for w in (localities or {}).values() if w < longest]
+    other = min(longest, max(w + 1 for w in acting) if acting else _MIN_PROBE)
+    return (longest, other, min(longest, other + 2))
+
+
+def stock_attention(name: str) -> str:
+    """The attention implementation a trl-ext attention (`trl_ext_varlen_sdpa`, `trl_ext_shared_eager`, ...) stands in
+    for; any other name is returned as it is."""
+    if name.startswith("trl_ext_"):
+        return name.rsplit("_", 1)[-1]
+    return name
+
+
+@contextlib.contextmanager
+def stock_forward(model: Any, base_impl: str | None = None) -> Iterator[None]:
+    """Run `model` as stock transformers would for the duration of the block: its attention implementation set back
+    to `base_impl` (default: the one its trl-ext attention stands in for) and the packing wrappers passing calls
+    through."""
+    config = model.config
+    current = config._attn_implementation
+    base_impl = base_impl or stock_attention(current)
+    switched = current != base_impl
+    token = STOCK_CALL.set(True)
+    try:
+        if switched:
+            config._attn_implementation_internal = base_impl
+        yield
+    finally:
+        if switched:
+            config._attn_implementation_internal = current
+        STOCK_CALL.reset(token)
