@@ -318,6 +318,93 @@ def test_fixed_batch_splits_on_out_of_memory(build, logs, tmp_path):
     assert any("splitting it in two" in r.getMessage() for r in logs)
 
 
+def test_auto_logs_its_choice_once_at_the_default_level(build, logs, tmp_path):
+    """What "auto" chose is one line at `notice` (shown by default), per split; the probes are `info`."""
+    from trl_ext._logging import DEFAULT_LEVEL, LEVELS, NOTICE
+
+    with trl_ext.install(precompute_ref_batch_size="auto", plugins={PLUGIN: {"cache_dir": str(tmp_path)}}):
+        build(_data(12, seed=3))
+    chose = [r for r in logs if '"auto" chose a budget of' in r.getMessage()]
+    assert len(chose) == 1 and chose[0].levelno == NOTICE >= LEVELS[DEFAULT_LEVEL]
+    assert "train split" in chose[0].getMessage() and "\n" not in chose[0].getMessage()
+    assert all(r.levelno == logging.INFO for r in logs if "auto probe" in r.getMessage())
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# out of memory where the ranks run in lockstep (multi-process DeepSpeed / FSDP)
+# -------------------------------------------------------------------------------------------------------------------
+
+
+def test_lockstep_and_the_budget_projection():
+    """The two decisions the "auto" probe takes under lockstep: whether an out-of-memory error may be caught, and
+    whether the next probe is expected over the budget."""
+    from types import SimpleNamespace
+
+    from trl_ext._shared import Ranks
+    from trl_ext.plugins.precompute_ref_batch_size.sizer import lockstep, over_budget
+
+    deepspeed = SimpleNamespace(is_deepspeed_enabled=True, is_fsdp_enabled=False)
+    fsdp = SimpleNamespace(is_deepspeed_enabled=False, is_fsdp_enabled=True)
+    ddp = SimpleNamespace(is_deepspeed_enabled=False, is_fsdp_enabled=False)
+    assert lockstep(deepspeed, Ranks(2, 0)) and lockstep(fsdp, Ranks(4, 3))
+    assert not lockstep(ddp, Ranks(2, 0))  # a DDP forward has no collective: backing off alone is safe
+    assert not lockstep(deepspeed, Ranks(1, 0))  # one process: nobody to hang
+    assert not over_budget(cost=2000, ref_cost=1000, ref_used=400, budget=1000)  # 800 bytes expected
+    assert over_budget(cost=3000, ref_cost=1000, ref_used=400, budget=1000)  # 1200 bytes expected
+    assert not over_budget(cost=1e9, ref_cost=1000, ref_used=0, budget=1)  # nothing measured: nothing projected
+
+
+@pytest.fixture
+def lockstep_ranks(monkeypatch):
+    """Take the lockstep path (several DeepSpeed/FSDP ranks) in this single process, to exercise the real probe's
+    decisions; `test_zero3_out_of_memory_in_the_auto_probe_fails_fast` runs the real thing."""
+    from trl_ext.plugins.precompute_ref_batch_size import runner, sizer
+
+    monkeypatch.setattr(sizer, "lockstep", lambda trainer, ranks: True)
+    monkeypatch.setattr(runner, "lockstep", lambda trainer, ranks: True)
+
+
+def test_lockstep_out_of_memory_is_raised_not_caught(build, lockstep_ranks, tmp_path):
+    """Under lockstep an out-of-memory error in an "auto" probe, or in a planned batch, propagates with advice."""
+
+    def oom_over_limit(n, kwargs):
+        if kwargs["input_ids"].numel() > 400:
+            raise torch.OutOfMemoryError("test: over the simulated device memory")
+
+    options = {"cache_dir": str(tmp_path), "ram_budget": "8GB"}
+    for size in ("auto", 16):
+        with trl_ext.install(precompute_ref_batch_size=size, plugins={PLUGIN: options}):
+            with pytest.raises(torch.OutOfMemoryError) as info:
+                build(_data(40, seed=7), fail=oom_over_limit)
+        assert any("cannot back off alone" in note for note in getattr(info.value, "__notes__", [])), size
+
+
+def test_lockstep_auto_stops_at_the_budget_check(build, lockstep_ranks, logs, tmp_path):
+    """Under lockstep no probe runs whose memory, extrapolated from the largest probe that fit, exceeds the budget.
+
+    Each forward really allocates 256 KiB per token (measured by the peak-RSS counter like any forward), so a probe
+    of k pairs of 80 padded tokens needs about k * 20 MiB: with a 50 MiB budget, 1 and 2 pairs run, 4 does not.
+    """
+    per_token = 2**18
+    seen = []
+
+    def allocate(n, kwargs):
+        tokens = kwargs["input_ids"].numel()
+        seen.append(tokens)
+        torch.ones(tokens * per_token // 4, dtype=torch.float32).sum()
+
+    train = _data(40, seed=7)
+    native, _ = build(train)
+    options = {"cache_dir": str(tmp_path), "ram_budget": "50MiB"}
+    with trl_ext.install(precompute_ref_batch_size="auto", plugins={PLUGIN: options}):
+        plugin, _ = build(train, fail=allocate)
+        run = _runs(plugin)[0]
+    assert run["auto_stop"] == "memory (projected from the largest probe)" and run["auto_projected_stops"] >= 1
+    assert max(seen) * per_token <= 50 * 2**20  # no forward went over the budget
+    assert any("not run" in r.getMessage() and "projected" in r.getMessage() for r in logs)
+    assert_same_precompute(native.train_dataset, plugin.train_dataset)
+
+
 # -------------------------------------------------------------------------------------------------------------------
 # cache
 # -------------------------------------------------------------------------------------------------------------------
@@ -369,6 +456,25 @@ def test_unusable_cache_dir_warns_and_computes(build, logs, tmp_path):
         run = _runs(plugin)[0]
     assert run["source"] == "computed" and "cache_dir" not in run
     assert any("cannot create the cache directory" in r.getMessage() for r in logs)
+    assert_same_precompute(native_train, plugin.train_dataset)
+
+
+def test_read_only_cache_dir_warns_once_before_the_forwards(build, logs):
+    """A cache directory that exists but cannot be written (`/proc/self`, read-only even for root) is reported once,
+    before the first forward, and the run computes without writing."""
+    warned_before = []
+
+    def first_forward(n, kwargs):
+        if n == 1:
+            warned_before.append(any("not writable" in r.getMessage() for r in logs))
+
+    native_train, _ = _native(build)
+    with trl_ext.install(precompute_ref_batch_size=8, plugins={PLUGIN: {"cache_dir": "/proc/self", "shard_size": 4}}):
+        plugin, _ = build(_data(30, seed=5), fail=first_forward)
+    warnings = [r.getMessage() for r in logs if r.levelno >= logging.WARNING]
+    assert warned_before == [True]
+    assert len([m for m in warnings if "not writable" in m]) == 1
+    assert not [m for m in warnings if "could not write" in m]
     assert_same_precompute(native_train, plugin.train_dataset)
 
 

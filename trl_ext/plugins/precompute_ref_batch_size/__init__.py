@@ -17,15 +17,20 @@ disabling, `ld_alpha` and the DeepSpeed precompute engine are TRL's):
   longer pays (past 4096 tokens per batch, less than 10% more real tokens per second), since a bigger batch then only
   holds more memory. The chosen token budget and the reason are logged; the remaining pairs are packed into
   length-sorted batches of at most that many (padded, or with `padding_free` real) tokens. The probes' values are kept.
-- **Out of memory** on a planned batch (fixed size too) halves the batch and retries, with a warning (not under
-  multi-process DeepSpeed, where ranks must run the same forwards).
+  The choice is logged in one line at the default level (`notice`); each probe at `info`.
+- **Out of memory** on a planned batch (fixed size too) halves the batch and retries, with a warning. Not under
+  multi-process DeepSpeed or FSDP, where every rank must run the same forwards (they gather parameters with
+  collectives), so a rank that caught the error could hang the others: there an out-of-memory error is re-raised
+  with advice, and the `"auto"` probe stops at the budget check instead (a probe whose memory, extrapolated from the
+  largest probe that fit, would exceed the budget is not run).
 - **A cache you can trust.** One directory per key, where the key covers the token columns of the dataset (hashed, so
   in-memory datasets are keyed by content), the reference weights (TRL's `hash_module`), the tokenizer, `max_length`,
   `truncation_mode`, `ld_alpha`, padding-free on/off, dtype/mixed precision, attention implementation and the TRL
   version. The data file is written to a temp file and renamed, and a `meta.json` with its SHA-256 and row count is
-  written last; a file that does not match is reported with a warning and recomputed, never used. Results are also
-  saved in shards while computing (every `shard_size` pairs, and at least every `shard_interval` seconds), so an
-  interrupted precompute resumes where it stopped, with the same final values.
+  written last; a file that does not match is reported with a warning and recomputed, never used. A read-only
+  cache directory is reported once, before the forwards; its entries are still read, and nothing is written.
+  Results are also saved in shards while computing (every `shard_size` pairs, and at least every `shard_interval`
+  seconds), so an interrupted precompute resumes where it stopped, with the same final values.
 - **Multi-process.** The work is split across ranks (equal batch counts, so ZeRO-3 ranks run their forwards in
   lockstep), results are all-gathered, rank 0 alone reads and writes the cache and broadcasts what it read: no rank
   ever opens a file another rank wrote, so in-memory datasets work under DDP and DeepSpeed.

@@ -4,6 +4,7 @@ shards, and the exchange between ranks."""
 from __future__ import annotations
 
 import os
+import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -13,7 +14,7 @@ from ..._logging import get_logger
 from ..._shared import Ranks
 from .cache import REF_COLUMNS, CacheEntry, cache_key, scan_dataset
 from .plan import BatchPlan, concat_results
-from .sizer import probe
+from .sizer import OOM_ADVICE, lockstep, probe
 
 if TYPE_CHECKING:
     from . import PrecomputeState
@@ -36,6 +37,7 @@ class Precompute:
         self.packed = context.is_enabled("padding_free")
         self.requested = context.config.precompute_ref_batch_size
         self.record: dict[str, Any] = {"name": name, "n_pairs": len(dataset), "packed": self.packed}
+        self.cache_writable = True  # False once a cache write failed (or the directory is read-only): warned once
 
     def info(self, *args) -> None:
         if self.ranks.is_main:  # every rank plans the same, so one copy of each message is enough
@@ -78,7 +80,7 @@ class Precompute:
             resumed = self.ranks.broadcast(resumed)
             chosen, rejected = self._compute(n, entry, resumed)
             if entry is not None:
-                _guarded(entry.write, chosen, rejected)
+                self._guarded(entry.write, chosen, rejected)
             self.record.update(seconds=time.perf_counter() - start)
         if entry is not None:
             self.record["cache_dir"] = str(entry.dir)
@@ -126,7 +128,38 @@ class Precompute:
                 NAME,
             )
             return None
+        try:  # a read-only directory: say so now, once, rather than at every write after the forwards
+            with tempfile.TemporaryFile(dir=root):
+                pass
+        except OSError as exc:
+            self.cache_writable = False
+            logger.warning(
+                "trl-ext `%s`: the cache directory %s is not writable (%s); an entry already there is used, but "
+                "nothing is saved (no cache entry, no resume shards). Set `plugins.%s.cache_dir` to a writable "
+                "directory.",
+                NAME,
+                root,
+                exc,
+                NAME,
+            )
         return CacheEntry(root, key, n, details)
+
+    def _guarded(self, write, *args) -> None:
+        """Run a cache write on the main process; a full disk or a read-only directory costs the cache, not the run.
+
+        The first failure is reported and ends the cache writes of this split (one warning, not one per shard).
+        """
+        if not self.cache_writable:
+            return
+        try:
+            write(*args)
+        except OSError as exc:
+            self.cache_writable = False
+            logger.warning(
+                "trl-ext `%s`: could not write the reference log-prob cache (%s); continuing without saving it.",
+                NAME,
+                exc,
+            )
 
     def _ref_model(self):
         """What TRL's `_precompute_ref_logps` runs: the DeepSpeed precompute engine, else `ref_model or model`."""
@@ -181,16 +214,18 @@ class Precompute:
     def _forward_or_split(self, model, batch):
         """Forward one batch; on out-of-memory, halve it and retry (one pair that does not fit is an error).
 
-        Not under multi-process DeepSpeed: there every rank must run the same forwards (ZeRO-3 gathers parameters in
-        each), and a rank cannot add forwards on its own.
+        Not under multi-process DeepSpeed or FSDP (`lockstep`): there every rank must run the same forwards (they
+        gather parameters in each), and a rank cannot add forwards on its own.
         """
         import torch
 
         try:
             return [(batch, *self.forward(model, batch))]
-        except torch.OutOfMemoryError:
-            lockstep = self.ranks.world > 1 and getattr(self.trainer, "is_deepspeed_enabled", False)
-            if len(batch) == 1 or lockstep:
+        except torch.OutOfMemoryError as exc:
+            if lockstep(self.trainer, self.ranks):
+                exc.add_note(OOM_ADVICE)
+                raise
+            if len(batch) == 1:
                 raise
             if self.trainer.accelerator.device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -239,7 +274,7 @@ class Precompute:
             chosen[idx], rejected[idx], done[idx] = c, r, True
             if entry is not None:
                 part_number[0] += 1
-                _guarded(entry.write_part, part_number[0], idx, c, r)
+                self._guarded(entry.write_part, part_number[0], idx, c, r)
 
         progress = self._progress(n, int(done.sum()))
         try:
@@ -258,7 +293,9 @@ class Precompute:
                 else:
                     rest = probe(self, model, todo, store, progress)
                     if entry is not None:
-                        _guarded(entry.write_plan, {"token_budget": self.state.token_budget, "rest": rest.tolist()})
+                        self._guarded(
+                            entry.write_plan, {"token_budget": self.state.token_budget, "rest": rest.tolist()}
+                        )
             if len(todo):
                 if self.requested == "auto":
                     batches = self.plan.budget_batches(rest, self.state.token_budget)
@@ -331,16 +368,6 @@ class Precompute:
 
     # ---------------------------------------------------------------------------------------------------------------
     # "auto"
-
-
-def _guarded(write, *args) -> None:
-    """Run a cache write on the main process; a full disk or a read-only directory costs the cache, not the run."""
-    try:
-        write(*args)
-    except OSError as exc:
-        logger.warning(
-            "trl-ext `%s`: could not write the reference log-prob cache (%s); continuing without it.", NAME, exc
-        )
 
 
 def hash_module_full(module: Any) -> str:

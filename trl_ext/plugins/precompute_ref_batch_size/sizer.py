@@ -7,7 +7,7 @@ import math
 import time
 from pathlib import Path
 
-from ..._logging import get_logger
+from ..._logging import NOTICE, get_logger
 from ..._shared import free_memory_bytes
 from .plan import concat_results
 
@@ -19,6 +19,28 @@ logger = get_logger(f"trl_ext.plugins.{NAME}")
 PLATEAU_MIN_TOKENS = 4096
 #: Share of the free GPU memory the `"auto"` probe may fill.
 GPU_MEMORY_FRACTION = 0.9
+#: Added to an out-of-memory error that is re-raised because the ranks run in lockstep.
+OOM_ADVICE = (
+    f"trl-ext `{NAME}`: out of memory in the reference precompute under multi-process DeepSpeed/FSDP, where every "
+    "rank must run the same forwards, so a rank cannot back off alone. Set a smaller fixed "
+    f'`precompute_ref_batch_size`, or "auto" with a smaller `plugins.{NAME}.ram_budget` on CPU.'
+)
+
+
+def lockstep(trainer, ranks) -> bool:
+    """Whether the ranks must run the same forwards: several processes under DeepSpeed or FSDP, whose forwards gather
+    parameters with collectives. There, an out-of-memory error is never caught: the rank that caught it would enter
+    the next collective while the others are still inside the forward's, and the job could hang."""
+    sharded = getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False)
+    return ranks.world > 1 and bool(sharded)
+
+
+def over_budget(cost: float, ref_cost: float, ref_used: float, budget: float) -> bool:
+    """Whether a batch of `cost` tokens is expected to need more than `budget` bytes, extrapolated linearly from a
+    measured batch of `ref_cost` tokens that needed `ref_used` bytes (nothing measured: not expected)."""
+    if ref_cost <= 0 or ref_used <= 0:
+        return False
+    return ref_used * cost / ref_cost > budget
 
 
 def _cpu_rss() -> int:
@@ -89,6 +111,10 @@ def probe(run, model, todo, store, progress):
     10%, so a bigger batch would only hold more memory (and, padded, mix more lengths). Every rank probes its own
     share of the heaviest pairs and all ranks take each decision from everyone's outcome, so they run the same
     forwards (ZeRO-3 lockstep).
+
+    Under `lockstep` (several DeepSpeed or FSDP processes) an out-of-memory error cannot be caught safely, so the
+    probe stops at the budget check instead: a probe whose memory, extrapolated from the largest probe that fit, would
+    exceed the budget is not run and counts as the first size that does not fit; an out-of-memory error is re-raised.
     """
     import numpy as np
 
@@ -102,6 +128,8 @@ def probe(run, model, todo, store, progress):
     heavy = todo[np.argsort(-run.plan.unit_cost[todo], kind="stable")]
     share = heavy[rank::world]
     limit = len(todo) // world  # every rank can run a probe of this many pairs
+    strict = lockstep(run.trainer, run.ranks)
+    projected_stops = 0
     largest = {"k": 0, "cost": 0.0, "used": 0.0}  # the largest probe that fit
     fastest = {"k": 0, "cost": 0.0, "speed": 0.0}  # the fitting probe with the most real tokens per second
     fail = {"k": math.inf, "cost": math.inf, "oom": False}
@@ -109,13 +137,26 @@ def probe(run, model, todo, store, progress):
 
     def probe(k: int) -> float | None:
         """Probe `k` pairs per rank; return the real tokens/s over all ranks if it fit everywhere, else None."""
-        nonlocal taken
+        nonlocal taken, projected_stops
+        if strict and largest["k"]:
+            # Every rank knows every rank's share, so all take this decision alike without a collective.
+            cost = max(run.plan.batch_cost(heavy[r::world][taken : taken + k]) for r in range(world))
+            if over_budget(cost, largest["cost"], largest["used"], budget):
+                projected_stops += 1
+                fail.update(k=k, cost=cost, oom=False)
+                run.info(
+                    "trl-ext `%s`: auto probe %d pairs/rank not run: %.1f MiB projected, over the budget",
+                    NAME,
+                    k,
+                    largest["used"] * cost / largest["cost"] / 2**20,
+                )
+                return None
         batch = share[taken : taken + k]
         cost = run.plan.batch_cost(batch)
         # CPU: process CPU time, which other jobs on a shared machine barely disturb; GPU: wall time.
         clock = time.process_time if device.type == "cpu" else time.perf_counter
         start = clock()
-        result, used = measured_forward(run, model, batch, device)
+        result, used = measured_forward(run, model, batch, device, strict)
         seconds = clock() - start
         fits = result is not None and used <= budget
         real = float(run.plan.real_tokens[batch].sum())
@@ -188,29 +229,41 @@ def probe(run, model, todo, store, progress):
         token_budget = max(largest["cost"], min(projected, fail["cost"] - 1))
     token_budget = run.ranks.broadcast(token_budget)
     state.token_budget = token_budget
-    run.record.update(token_budget=token_budget, probe_pairs_per_rank=taken, auto_stop=reason)
-    run.info(
-        'trl-ext `%s`: "auto" chose a budget of %s %s tokens per batch (stopped by: %s; memory budget %.0f MiB '
-        "per process on %s)",
-        NAME,
-        "unlimited" if math.isinf(token_budget) else f"{token_budget:.0f}",
-        "real" if run.packed else "padded",
-        reason,
-        budget / 2**20,
-        device.type,
+    if reason == "memory" and projected_stops:
+        reason = "memory (projected from the largest probe)"
+    run.record.update(
+        token_budget=token_budget, probe_pairs_per_rank=taken, auto_stop=reason, auto_projected_stops=projected_stops
     )
+    if run.ranks.is_main:  # the one line a user sees by default (`notice`): what "auto" chose and why
+        logger.log(
+            NOTICE,
+            'trl-ext `%s`: "auto" chose a budget of %s %s tokens per batch for the %s split (probed %d pairs per '
+            "process; stopped by: %s; memory budget %.0f MiB per process on %s)",
+            NAME,
+            "unlimited" if math.isinf(token_budget) else f"{token_budget:.0f}",
+            "real" if run.packed else "padded",
+            run.name,
+            taken,
+            reason,
+            budget / 2**20,
+            device.type,
+        )
     covered = np.concatenate([heavy[r::world][:taken] for r in range(world)]) if taken else np.zeros(0, np.int64)
     return np.setdiff1d(todo, covered, assume_unique=True)
 
 
-def measured_forward(run, model, batch, device):
-    """`((chosen, rejected), extra bytes)` of one forward, or `(None, 0)` when it ran out of memory."""
+def measured_forward(run, model, batch, device, strict: bool):
+    """`((chosen, rejected), extra bytes)` of one forward, or `(None, 0)` when it ran out of memory (re-raised under
+    `lockstep`, `strict`)."""
     import torch
 
     try:
         with _PeakMemory(device) as peak:
             result = run.forward(model, batch)
-    except torch.OutOfMemoryError:
+    except torch.OutOfMemoryError as exc:
+        if strict:
+            exc.add_note(OOM_ADVICE)
+            raise
         if device.type == "cuda":
             torch.cuda.empty_cache()
         return None, 0.0
