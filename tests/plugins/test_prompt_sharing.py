@@ -74,22 +74,29 @@ def _compare(stock, shared, examples, logps=True):
 
 
 def test_layout_shares_each_prompt_once(build):
-    from trl_ext.plugins.prompt_sharing.layout import build_layout
+    from trl_ext.plugins.prompt_sharing.layout import SharedLayout, build_layout
 
     with trl_ext.install(prompt_sharing=True):
         trainer = build()
         examples = eq.examples(trainer)
         batch = trainer.data_collator(examples)
-    lay = batch["trl_ext_prompt_sharing"]
+    assert all(isinstance(v, torch.Tensor) for v in batch["trl_ext_prompt_sharing"].values())  # tensors only
+    lay = SharedLayout.from_batch(batch["trl_ext_prompt_sharing"], batch["input_ids"])
+    assert lay is not None
     prompts = [len(e["prompt_ids"]) for e in examples]
     responses = [len(e["chosen_ids"]) + len(e["rejected_ids"]) for e in examples]
     # prompt[:-1] once, then (prompt[-1], response) per branch: P + C + R + 1 tokens per pair
-    assert lay["gather"].numel() == sum(p + r + 1 for p, r in zip(prompts, responses, strict=True))
-    assert lay["unshared_rows"] == 0 and lay["padded_tokens"] == int(batch["attention_mask"].sum())
-    for (ps, pe, branches), p in zip(lay["groups"], prompts, strict=True):
+    assert lay.gather.numel() == sum(p + r + 1 for p, r in zip(prompts, responses, strict=True))
+    assert lay.unshared_rows == 0 and lay.padded_tokens == int(batch["attention_mask"].sum())
+    for (ps, pe, branches), p in zip(lay.groups, prompts, strict=True):
         assert pe - ps == p - 1 and len(branches) == 2
         for bs, *_ in branches:  # both branches continue from the prompt
-            assert lay["position_ids"][0, bs].item() == p - 1
+            assert lay.position_ids[0, bs].item() == p - 1
+    # the serialized layout decodes to what the collator built
+    again = build_layout(batch["input_ids"], batch["attention_mask"], lay.prompt_end)
+    for name in ("gather", "position_ids", "real_flat", "real_shared", "shift_flat", "shift_shared", "label_starts"):
+        assert torch.equal(getattr(lay, name), getattr(again, name)), name
+    assert lay.groups == again.groups and lay.shared_rows == again.shared_rows
     # the unshared layout: every row one segment, positions from 0
     flat = build_layout(batch["input_ids"], batch["attention_mask"], None)
     assert flat.gather.numel() == int(batch["attention_mask"].sum()) and flat.shared_rows == 0
@@ -259,6 +266,81 @@ def test_keep_end_truncation_runs_unshared_and_says_so(build, caplog):
         assert state.unshared_rows > 0 and state.unshared_rows < state.rows
         assert state.summary()["unshared_fraction"] == pytest.approx(state.unshared_rows / state.rows)
     assert "run unshared" in caplog.text
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# Batch dispatching (accelerate's DataLoaderDispatcher concatenates batches and slices every tensor along dim 0)
+# -------------------------------------------------------------------------------------------------------------------
+
+
+def test_layout_entry_survives_dispatch_slicing(build):
+    """The batch entry is tensors only; after accelerate's concatenation and dim-0 slicing the serialized layout is
+    recognized as cut and the layout is rebuilt from the row-major prompt ends, equal to the collator's."""
+    from accelerate.utils import concatenate, slice_tensors
+
+    from trl_ext.plugins.prompt_sharing.forward import _layout_for
+    from trl_ext.plugins.prompt_sharing.layout import SharedLayout
+
+    with trl_ext.install(prompt_sharing=True):
+        trainer = build(max_length=48, pad_to_multiple_of=48)
+        batches = [trainer.data_collator(eq.examples(trainer, 8)[i : i + 4]) for i in (0, 4)]
+    both = concatenate(batches, dim=0)  # two processes' batches, as rank 0 gathers them
+    for part, whole in ((slice(0, 8), batches[0]), (slice(8, 16), batches[1])):
+        batch = slice_tensors(both, part)
+        meta = batch["trl_ext_prompt_sharing"]
+        assert SharedLayout.from_batch(meta, batch["input_ids"]) is None  # the serialized layout was cut
+        rebuilt = _layout_for(dict(batch), meta, None)
+        expected = SharedLayout.from_batch(whole["trl_ext_prompt_sharing"], whole["input_ids"])
+        assert rebuilt is not None and expected is not None and rebuilt.shared_rows == 8
+        assert rebuilt.groups == expected.groups and torch.equal(rebuilt.gather, expected.gather)
+
+
+def _dispatch_run(trainer):
+    logs = _train_logs(trainer)
+    eval_data = trainer.train_dataset.select(range(8))
+    logs.append(trainer.evaluate(eval_dataset=eval_data.to_iterable_dataset()))
+    logs.append(trainer.predict(eval_data.to_iterable_dataset()).metrics)
+    return logs
+
+
+@pytest.mark.slow
+def test_dispatch_batches_train_evaluate_predict(build):
+    """`dispatch_batches=True` training, and evaluate()/predict() on an IterableDataset (dispatched too), one
+    process: every logged metric equals stock, and every scoring forward ran shared."""
+    kwargs = dict(max_steps=3, optim="sgd", learning_rate=0.1, accelerator_config={"dispatch_batches": True})
+    stock_logs = _dispatch_run(build(**kwargs))
+    with trl_ext.install(prompt_sharing=True):
+        shared = build(**kwargs)
+        shared_logs = _dispatch_run(shared)
+        state = _state(shared)
+        assert state.shared_calls >= 3 * 2 + 2 * 2 and state.unshared_calls == 0 and state.unshared_rows == 0
+    _assert_same_logs(stock_logs, shared_logs)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_dispatch_batches_two_processes(tmp_path):
+    """torchrun, 2 CPU processes (gloo), `dispatch_batches=True`: train, evaluate and predict with prompt_sharing log
+    what the stock run logs, on every rank."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parent / "scripts" / "prompt_sharing_dispatch.py"
+    repo = str(Path(trl_ext.__file__).parents[1])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]))
+    env.update(OMP_NUM_THREADS="1", TQDM_DISABLE="1", HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore")
+    torchrun = Path(sys.executable).with_name("torchrun")
+    out = subprocess.run(
+        [str(torchrun), "--standalone", "--nproc_per_node=2", str(script), str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert out.stdout.count("DISPATCH OK") == 2, out.stdout[-3000:]
 
 
 # -------------------------------------------------------------------------------------------------------------------

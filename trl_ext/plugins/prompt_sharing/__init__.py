@@ -25,6 +25,10 @@ Where TRL's truncation leaves two different prompt prefixes for a pair (`truncat
 unshared (packed, one segment per sequence); the share of sequences that ran unshared is logged (a warning the first
 time, and in `context.state["prompt_sharing"].summary()`).
 
+Batch dispatching (`dispatch_batches=True`, iterable datasets): the batch carries the layout as tensors only, with the
+prompt ends row-major; when accelerate's dim-0 concatenation and slicing cut the serialized layout, the forward
+rebuilds it from the prompt ends (a once-only warning), so dispatched training, evaluation and prediction equal stock.
+
 `prompt_sharing=True` packs by itself; enabling `padding_free` as well means the same (prompt_sharing then owns the
 collator and the forward).
 

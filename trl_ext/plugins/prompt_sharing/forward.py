@@ -38,6 +38,7 @@ from .layout import (
     pack,
     pack_labels,
     prompt_end_from_labels,
+    prompt_end_of,
     unpack,
     unpack_shifted,
 )
@@ -73,6 +74,12 @@ def _layout_for(kwargs: dict[str, Any], meta: Any, online: int | None) -> Shared
     layout = SharedLayout.from_batch(meta, input_ids)
     if layout is not None:
         return layout
+    prompt_end = prompt_end_of(meta, input_ids)
+    if prompt_end is not None:
+        # the serialized layout did not survive (accelerate's dispatching slices every batch tensor along dim 0);
+        # the row-major prompt ends did
+        _warn_rebuilt(input_ids)
+        return build_layout(input_ids, attention_mask, prompt_end)
     labels = kwargs.get("labels")
     if online is not None:
         # Online DPO reads (and logs metrics over) the logits of the completion padding too
@@ -80,6 +87,22 @@ def _layout_for(kwargs: dict[str, Any], meta: Any, online: int | None) -> Shared
     if isinstance(labels, torch.Tensor) and labels.shape == input_ids.shape:
         return build_layout(input_ids, attention_mask, prompt_end_from_labels(labels, attention_mask))
     return None
+
+
+_REBUILT_WARNED = False
+
+
+def _warn_rebuilt(input_ids: torch.Tensor) -> None:
+    global _REBUILT_WARNED
+    if _REBUILT_WARNED:
+        return
+    _REBUILT_WARNED = True
+    logger.warning(
+        "prompt_sharing: the shared layout of a %s batch did not match it (accelerate's batch dispatching, "
+        "`dispatch_batches=True` or an iterable dataset, slices batches after collation); it is rebuilt in the "
+        "forward from the batch's prompt ends (same result, host work in the step; once-only warning).",
+        tuple(input_ids.shape),
+    )
 
 
 def shared_kwargs(kwargs: dict[str, Any], layout: SharedLayout) -> dict[str, Any]:

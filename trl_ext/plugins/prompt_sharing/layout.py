@@ -19,6 +19,12 @@ the prompt.
 A prefix token attends to the prefix causally; a branch token attends to the whole prefix and causally to its own
 branch, never to another branch. Everything is computed on the host, in the data loader (`PromptSharingCollator`),
 so the training step does no host work to build it.
+
+In the batch, the layout travels as two tensors (`SharedLayout.to_batch`): `prompt_end`, one entry per row, and
+`layout`, the whole layout serialized into one 1-D integer tensor. accelerate's batch dispatching
+(`dispatch_batches=True`, iterable datasets) concatenates batches and slices every tensor along dim 0: `prompt_end`
+stays with its rows, the serialized layout does not (a slice is shorter than any serialized layout, so it is
+recognized), and the forward rebuilds the layout from `input_ids`, `attention_mask` and `prompt_end`.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ import torch
 from ...errors import UsageError
 from .._packing import AnnotatingCollator
 
-__all__ = ["LAYOUT_KEY", "Groups", "PromptSharingCollator", "SharedLayout", "build_layout"]
+__all__ = ["LAYOUT_KEY", "Groups", "PromptSharingCollator", "SharedLayout", "build_layout", "prompt_end_of"]
 
 #: Batch key under which the collator hands the layout to the model wrappers. TRL 1.x passes every batch key except
 #: `completion_mask` and `ref_*` into `model(...)` (dpo_trainer.py `_compute_loss` / `compute_ref_log_probs`, checked
@@ -66,6 +72,8 @@ class SharedLayout:
         groups (`Groups`): the segments, as host ints, for the attention.
         shared_rows (`int`): rows that share their prompt with another row; unshared_rows: the others.
         padded_tokens (`int`): real tokens of the padded batch (`M`).
+        prompt_end (`torch.LongTensor` of shape `(rows,)`, on the host): the `prompt_end` the layout was built from,
+            -1 where none was given; what the layout is rebuilt from when accelerate's dispatching cut it.
     """
 
     rows: int
@@ -81,31 +89,100 @@ class SharedLayout:
     shared_rows: int
     unshared_rows: int
     padded_tokens: int
+    prompt_end: torch.Tensor = dataclasses.field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
 
     @property
     def num_tokens(self) -> int:
         return self.gather.numel()
 
-    def to_batch(self) -> dict[str, Any]:
-        """A plain dict (tensors, ints, nested tuples of ints) that accelerate moves to the device unchanged."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+    def to_batch(self) -> dict[str, torch.Tensor]:
+        """The layout as batch tensors: `prompt_end` (`[rows]`, row-major) and `layout` (1-D, serialized).
+
+        Only tensors, so accelerate moves, concatenates and slices them like the rest of the batch. The serialized
+        layout is longer than `rows` (every row is a branch of three ints), so any dim-0 slice of it is shorter than
+        a serialized layout and `from_batch` recognizes it.
+        """
+        groups: list[int] = []
+        for ps, pe, branches in self.groups:
+            groups += [ps, pe, len(branches)]
+            for branch in branches:
+                groups += list(branch)
+        sections = (
+            self.gather, self.position_ids[0], self.real_flat, self.real_shared, self.shift_flat, self.shift_shared,
+            self.label_starts,
+        )  # fmt: skip
+        header = [_MAGIC, 0, self.rows, self.length, self.shared_rows, self.padded_tokens, len(groups)]
+        header += [t.numel() for t in sections]
+        header[1] = len(header) + len(groups) + sum(t.numel() for t in sections)
+        device = self.gather.device
+        flat = torch.cat([torch.tensor(header + groups, dtype=torch.long, device=device), *sections])
+        return {"prompt_end": self.prompt_end.to(device), "layout": flat}
 
     @classmethod
     def from_batch(cls, value: Any, input_ids: torch.Tensor) -> SharedLayout | None:
-        """Rebuild from `to_batch()`; None when it does not describe `input_ids` (e.g. after accelerate split it)."""
-        if not isinstance(value, dict) or set(value) != {f.name for f in dataclasses.fields(cls)}:
+        """Decode `to_batch()`; None when it does not describe `input_ids` (not a serialized layout, another shape or
+        device, or a piece of one cut by accelerate's dispatching): the caller then rebuilds it (`prompt_end_of`)."""
+        flat = value.get("layout") if isinstance(value, dict) else None
+        if not isinstance(flat, torch.Tensor) or flat.dim() != 1 or flat.device != input_ids.device:
             return None
-        layout = cls(**value)
-        if (layout.rows, layout.length) != tuple(input_ids.shape) or layout.gather.device != input_ids.device:
+        head_len = _HEADER + _SECTIONS
+        if flat.numel() < head_len or flat.dtype != torch.long:
             return None
-        # accelerate's `send_to_device` rebuilds tuples as tuples, lists as lists: normalise the host ints
-        layout.groups = cast(
-            Groups,
-            tuple(
-                (int(a), int(b), tuple(tuple(int(x) for x in branch) for branch in br)) for a, b, br in layout.groups
-            ),
+        head = flat[:head_len].tolist()
+        magic, total, rows, length, shared_rows, padded_tokens, n_groups = head[:_HEADER]
+        sizes = head[_HEADER:]
+        if magic != _MAGIC or total != flat.numel() or (rows, length) != tuple(input_ids.shape):
+            return None
+        if total != head_len + n_groups + sum(sizes):
+            return None
+        ints = flat[head_len : head_len + n_groups].tolist()
+        groups = []
+        i = 0
+        while i < len(ints):
+            ps, pe, nb = ints[i : i + 3]
+            branches = tuple(tuple(ints[i + 3 + 3 * b : i + 6 + 3 * b]) for b in range(nb))
+            groups.append((ps, pe, branches))
+            i += 3 + 3 * nb
+        parts = torch.split(flat[head_len + n_groups :], sizes)
+        gather, positions, real_flat, real_shared, shift_flat, shift_shared, label_starts = parts
+        prompt_end = value.get("prompt_end")
+        if not isinstance(prompt_end, torch.Tensor) or tuple(prompt_end.shape) != (rows,):
+            prompt_end = torch.full((rows,), -1, dtype=torch.long)
+        return cls(
+            rows=rows,
+            length=length,
+            gather=gather,
+            position_ids=positions.unsqueeze(0),
+            real_flat=real_flat,
+            real_shared=real_shared,
+            shift_flat=shift_flat,
+            shift_shared=shift_shared,
+            label_starts=label_starts,
+            groups=cast(Groups, tuple(groups)),
+            shared_rows=shared_rows,
+            unshared_rows=rows - shared_rows,
+            padded_tokens=padded_tokens,
+            prompt_end=prompt_end,
         )
-        return layout
+
+
+#: First entry of a serialized layout (`SharedLayout.to_batch`): a value no index, position or count takes.
+_MAGIC = 0x7472_6C5F_6578_7450
+#: Serialized header: magic, total length, rows, length, shared_rows, padded_tokens, number of group ints; then the
+#: sizes of the seven tensor sections.
+_HEADER = 7
+_SECTIONS = 7
+
+
+def prompt_end_of(value: Any, input_ids: torch.Tensor) -> torch.Tensor | list[int] | None:
+    """The row-major `prompt_end` of a batch's layout entry when it describes `input_ids`'s rows (it survives
+    accelerate's dim-0 concatenation and slicing), else None. Entries of -1 (a layout built without prompt ends)
+    give None too: nothing is shared."""
+    prompt_end = value.get("prompt_end") if isinstance(value, dict) else None
+    if not isinstance(prompt_end, torch.Tensor) or tuple(prompt_end.shape) != (input_ids.shape[0],):
+        return None
+    ends = prompt_end.tolist()
+    return None if any(e < 0 for e in ends) else ends
 
 
 def _row_bounds(attention_mask: torch.Tensor) -> tuple[list[int], list[int]]:
@@ -253,6 +330,7 @@ def build_layout(
         shared_rows=shared_rows,
         unshared_rows=rows - shared_rows,
         padded_tokens=int(attention_mask.sum()),
+        prompt_end=torch.tensor(ends_of_prompt if share else [-1] * rows, dtype=torch.long),
     )
 
 
