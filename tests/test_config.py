@@ -137,3 +137,29 @@ def test_bad_yaml_files(tmp_path):
 
 def test_usage_error_is_a_value_error():
     assert issubclass(UsageError, ValueError)
+
+
+def test_options_of_a_plugin_whose_flag_is_off_are_refused_built_in_and_third_party(monkeypatch):
+    """Naming a plugin with flags under `plugins:` gives its options; its flag enables it. Without the flag the
+    options would do nothing: a UsageError, for built-in and third-party plugins alike, with or without options."""
+    import types
+
+    import trl_ext
+    from trl_ext.spec import Flag, PluginSpec, boolean
+
+    from ._fakes import install_fake_plugin
+
+    module = types.ModuleType("_trl_ext_fake_turbo")
+    module.TRL_EXT_PLUGIN = PluginSpec(name="turbo", flags=(Flag("turbo", default=False, parse=boolean, help="x"),))
+    install_fake_plugin(monkeypatch, "turbo", module)
+    for plugins, flag in [
+        ({"generation": {"budget": "8GB"}}, "ds3_gather_for_generation"),
+        ({"precompute_ref_batch_size": {"sort": "none"}}, "precompute_ref_batch_size"),
+        ({"sync_metrics": {}}, "sync_metrics"),
+        ({"turbo": {}}, "turbo"),
+    ]:
+        name = next(iter(plugins))
+        with pytest.raises(UsageError, match=rf"`plugins.{name}` .*but `{flag}` is not set.*its flag enables it"):
+            trl_ext.install(plugins=plugins)
+    with trl_ext.install(turbo=True, plugins={"turbo": {}}) as installation:
+        assert installation.enabled_plugins("DPOTrainer")[-1:] == ["turbo"]

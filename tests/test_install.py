@@ -351,13 +351,63 @@ def test_renamed_trl_attribute_fails_clearly_and_leaves_trl_untouched(monkeypatc
     assert dict(vars(DPOTrainer)) == before
 
 
-def test_double_install_is_an_error_and_context_manager_uninstalls():
-    with trl_ext.install() as installation:
-        assert installation.installed
-        with pytest.raises(UsageError, match="already installed"):
-            trl_ext.install()
-    assert not installation.installed
-    trl_ext.install().uninstall()  # installable again
+def test_install_again_with_the_same_flags_returns_the_active_installation():
+    """A notebook cell run twice: the same flags give the active installation; other flags a clear error."""
+    assert trl_ext.current() is None
+    with trl_ext.install(sync_metrics=True) as installation:
+        assert installation.installed and trl_ext.current() is installation
+        assert trl_ext.install(sync_metrics=True) is installation
+        assert trl_ext.install({"sync_metrics": "true"}) is installation  # the same merged configuration
+        with pytest.raises(
+            UsageError, match=r"already installed .*Uninstall it first: `trl_ext.current\(\).uninstall"
+        ):
+            trl_ext.install(padding_free=True)
+        assert trl_ext.current() is installation
+    assert not installation.installed and trl_ext.current() is None
+    trl_ext.install(padding_free=True).uninstall()  # installable again
+    assert trl_ext.current() is None
+
+
+def test_trainer_built_before_install_is_reported_stock(tokenizer, dpo_args):
+    from trl import DPOTrainer
+
+    trainer = DPOTrainer(
+        make_model(seed=0),
+        ref_model=make_model(seed=0),
+        args=dpo_args(),
+        train_dataset=make_preference_dataset(4),
+        processing_class=tokenizer,
+    )
+    with trl_ext.install(padding_free=True) as installation:
+        assert installation.enabled_plugins(trainer) == []  # it runs stock: nothing was attached to it
+        assert installation.enabled_plugins("DPOTrainer") == ["padding_free"]  # what a trainer built now gets
+        assert installation.enabled_plugins(trainer, dpo_args()) == ["padding_free"]
+
+
+def test_options_of_a_plugin_its_trl_flag_could_enable_must_be_used(tokenizer, dpo_args):
+    """`plugins: {padding_free: {...}}` without `padding_free: true`: the options apply to trainers whose DPOConfig
+    sets `padding_free=True`, and a trainer without it is refused instead of silently ignoring them."""
+    from trl import DPOTrainer
+
+    def build(args):
+        return DPOTrainer(
+            make_model(seed=0),
+            ref_model=make_model(seed=0),
+            args=args,
+            train_dataset=make_preference_dataset(4),
+            processing_class=tokenizer,
+        )
+
+    with trl_ext.install(plugins={"padding_free": {"attention": "dense"}}):
+        with pytest.raises(
+            UsageError,
+            match=r"`plugins.padding_free` sets \['attention'\], but `padding_free` is not set, so the plugin "
+            r"`padding_free` is off for this DPOTrainer.*`padding_free=True` in the DPOConfig",
+        ):
+            build(dpo_args())
+        trainer = build(dpo_args(padding_free=True))
+        assert trainer._trl_ext.enabled == ("padding_free",)
+        assert trainer._trl_ext.state["padding_free"].attention == "dense"
 
 
 @pytest.mark.parametrize(

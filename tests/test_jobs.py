@@ -17,7 +17,7 @@ from trl_ext.app.jobs import split_argv, split_yaml_config
 from trl_ext.plugins import BUILTIN_PLUGINS
 from trl_ext.testing import make_model, make_tokenizer, preference_rows
 
-CPU_LINE = "[trl-ext] no accelerator found: training on CPU in fp32"
+CPU_LINE = "[trl-ext] no accelerator found: training on CPU in"
 
 #: The plugins this job test switches on through the recipe (those that are built in this release).
 RECIPE_FLAGS = {k: v for k, v in {"padding_free": True, "sync_metrics": True}.items() if k in BUILTIN_PLUGINS}
@@ -83,7 +83,7 @@ def test_dpo_job_one_process_from_yaml_recipe(assets, tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     _expect_active(proc.stdout, "DPOTrainer", RECIPE_FLAGS)
-    assert CPU_LINE + " (--use_cpu true, --bf16 false;" in proc.stderr
+    assert CPU_LINE + " fp32 (--use_cpu true, --bf16 false;" in proc.stderr
     assert (tmp_path / "run1" / "model.safetensors").exists()  # TRL's script saved the model
     assert "'loss'" in proc.stdout or '"loss"' in proc.stdout or "loss" in proc.stdout
 
@@ -147,7 +147,7 @@ def test_dpo_job_under_accelerate_launch_with_deepspeed_zero3(assets, tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     _expect_active(proc.stdout, "DPOTrainer", RECIPE_FLAGS)
     assert "DeepSpeed on CPU: gloo backend" in proc.stderr
-    assert proc.stderr.count(CPU_LINE + " (--bf16 false;") == 1  # use_cpu left alone under DeepSpeed
+    assert proc.stderr.count(CPU_LINE + " fp32 (--bf16 false;") == 1  # use_cpu left alone under DeepSpeed
     assert proc.stdout.count("ran with plugins:") == 1
 
 
@@ -211,10 +211,10 @@ def test_missing_reward_module_is_a_usage_error(tmp_path):
 @pytest.mark.parametrize(
     ("argv", "deepspeed", "expect", "note"),
     [
-        ([], False, {"use_cpu": True, "bf16": False}, "--use_cpu true, --bf16 false"),
-        (["--bf16", "true"], False, {"use_cpu": True, "bf16": True}, "--use_cpu true;"),  # explicit flag wins
+        ([], False, {"use_cpu": True, "bf16": False}, "fp32 (--use_cpu true, --bf16 false"),
+        (["--bf16", "true"], False, {"use_cpu": True, "bf16": True}, "bf16 (--use_cpu true;"),  # explicit flag wins
         (["--use-cpu", "false", "--bf16=false"], False, {"use_cpu": False, "bf16": False}, None),
-        ([], True, {"use_cpu": False, "bf16": False}, "--bf16 false;"),  # DeepSpeed: use_cpu would turn it off
+        ([], True, {"use_cpu": False, "bf16": False}, "fp32 (--bf16 false;"),  # DeepSpeed: use_cpu would turn it off
     ],
 )
 def test_cpu_and_fp32_are_defaults_without_accelerator_and_user_flags_win(
@@ -270,3 +270,97 @@ def test_split_argv_and_yaml_section(tmp_path):
     assert section == {"padding_free": True}
     assert yaml.safe_load(Path(stripped).read_text()) == {"learning_rate": 0.1}
     assert argv == ["--config", stripped, "--y"]
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# Precedence of the job's sources: command line > TRL_EXT_* environment > recipe > defaults, for every pair
+# -------------------------------------------------------------------------------------------------------------------
+
+_SOURCES = ("cli", "env", "recipe")
+_PAIRS = [(high, low) for i, high in enumerate(_SOURCES) for low in (*_SOURCES[i + 1 :], "default")]
+
+
+def _job_config(monkeypatch, tmp_path, flag: str, values: dict[str, bool]):
+    """Resolve `flag` as `trl-ext dpo` does from `values` by source, install it as the job does, return the value
+    the installation has."""
+    from trl_ext.app import jobs
+
+    argv = ["--output_dir", str(tmp_path)]
+    if "cli" in values:
+        argv += [f"--trl-ext-{flag.replace('_', '-')}", str(values["cli"]).lower()]
+    if "env" in values:
+        monkeypatch.setenv(f"TRL_EXT_{flag.upper()}", "1" if values["env"] else "0")
+    else:
+        monkeypatch.delenv(f"TRL_EXT_{flag.upper()}", raising=False)
+    if "recipe" in values:
+        recipe = tmp_path / "recipe.yaml"
+        recipe.write_text(yaml.safe_dump({"learning_rate": 0.1, "trl_ext": {flag: values["recipe"]}}))
+        argv = ["--config", str(recipe), *argv]
+    config, _, stripped = jobs._resolve_config(argv)
+    if stripped:
+        os.unlink(stripped)
+    with jobs._installed_for_job(config, cpu_deepspeed=False) as installation:
+        return getattr(installation.config, flag)
+
+
+@pytest.fixture
+def third_party_flag(monkeypatch):
+    import types
+
+    from trl_ext.spec import Flag, PluginSpec, boolean
+
+    from ._fakes import install_fake_plugin
+
+    module = types.ModuleType("_trl_ext_fake_turbo")
+    module.TRL_EXT_PLUGIN = PluginSpec(name="turbo", flags=(Flag("turbo", default=False, parse=boolean, help="x"),))
+    install_fake_plugin(monkeypatch, "turbo", module)
+    return "turbo"
+
+
+@pytest.mark.parametrize("flag", ["padding_free", "third_party"])
+@pytest.mark.parametrize(("high", "low"), _PAIRS)
+def test_job_precedence_command_line_over_environment_over_recipe(flag, high, low, monkeypatch, tmp_path, request):
+    if flag == "third_party":
+        flag = request.getfixturevalue("third_party_flag")
+    for value in (True, False):
+        values = {high: value} if low == "default" else {high: value, low: not value}
+        assert _job_config(monkeypatch, tmp_path, flag, values) is value, (flag, values)
+
+
+def test_cpu_line_names_the_precision_it_trains_in(monkeypatch, capsys, tmp_path):
+    from trl import DPOConfig, ModelConfig, ScriptArguments, TrlParser
+
+    from trl_ext.app import jobs
+
+    monkeypatch.setattr(jobs, "_has_accelerator", lambda: False)
+    parser = TrlParser((ScriptArguments, DPOConfig, ModelConfig), prog="trl-ext dpo")
+    jobs.parse_job_args(parser, "dpo", ["--bf16", "true", "--output_dir", str(tmp_path)], False)
+    err = capsys.readouterr().err
+    assert "[trl-ext] no accelerator found: training on CPU in bf16 (--use_cpu true;" in err and "fp32" not in err
+
+
+def test_job_ends_without_an_uninstall_line(monkeypatch, tmp_path, tokenizer, dpo_args, caplog):
+    """The job's trainers are done when it ends: no "trainers keep their plugins" line."""
+    import logging
+
+    from trl import DPOTrainer
+
+    from trl_ext.app import jobs
+    from trl_ext.config import load_config
+    from trl_ext.testing import make_model, make_preference_dataset
+
+    root = logging.getLogger("trl_ext")
+    root.addHandler(caplog.handler)
+    try:
+        with jobs._installed_for_job(load_config(flags={"sync_metrics": True}), cpu_deepspeed=False):
+            trainer = DPOTrainer(
+                make_model(seed=0),
+                ref_model=make_model(seed=0),
+                args=dpo_args(),
+                train_dataset=make_preference_dataset(4),
+                processing_class=tokenizer,
+            )
+    finally:
+        root.removeHandler(caplog.handler)
+    assert "_trl_ext" not in vars(trainer)  # detached: stock again
+    assert not [r for r in caplog.records if "uninstalled" in r.getMessage() and r.levelno >= 25], caplog.text

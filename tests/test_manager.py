@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
+import re
 import types
 
 import pytest
@@ -102,23 +103,135 @@ def test_third_party_plugin_declares_a_flag_and_options(monkeypatch):
         assert installation.enabled_plugins("OnlineDPOTrainer") == []
 
 
-def test_legacy_declarations_and_bad_specs_are_refused(monkeypatch):
+@pytest.fixture
+def manager_log(caplog, monkeypatch):
+    """trl-ext's log records, with the once-per-process memory of reported broken plugins cleared."""
+    import logging
+
+    import trl_ext.manager
+
+    monkeypatch.setattr(trl_ext.manager, "_WARNED", set())
+    root = logging.getLogger("trl_ext")
+    root.addHandler(caplog.handler)
+    try:
+        yield caplog
+    finally:
+        root.removeHandler(caplog.handler)
+
+
+def _assert_broken(name: str, match: str, log, enable: dict | None = None) -> None:
+    """`name` is skipped with one warning naming it and the exact block setting; the other plugins still work; enabling
+    it is a UsageError with the same advice; blocking it silences it."""
+    pm = make_plugin_manager()
+    assert pm.get_plugin(name) is None and set(BUILTIN_PLUGINS) <= {n for n, _ in pm.list_name_plugin()}
+    warnings = [r.getMessage() for r in log.records if r.levelname == "WARNING" and f"`{name}`" in r.getMessage()]
+    assert len(warnings) == 1, log.text
+    assert f"`TRL_EXT_BLOCK={name}`" in warnings[0] and f"`block: [{name}]`" in warnings[0], warnings[0]
+    assert re.search(match, warnings[0]), warnings[0]
+    make_plugin_manager()
+    assert len([r for r in log.records if f"`{name}`" in r.getMessage()]) == 1  # once per process
+    with trl_ext.install(sync_metrics=True) as installation:  # every other plugin is usable
+        assert installation.enabled_plugins("DPOTrainer") == ["sync_metrics"]
+    with pytest.raises(UsageError, match=rf"(?s)`{name}`.*{match}.*`TRL_EXT_BLOCK={name}`"):
+        trl_ext.install(**(enable or {"plugins": {name: {}}}))
+    log.clear()
+    assert make_plugin_manager(block=[name]).is_blocked(name)
+    assert not [r for r in log.records if f"`{name}`" in r.getMessage()]
+
+
+def test_legacy_declaration_is_a_broken_plugin(monkeypatch, manager_log):
     install_fake_plugin(monkeypatch, "old", _module_plugin("old", TRL_EXT_FLAGS=("old",)))
-    with pytest.raises(UsageError, match=r"`old` declares TRL_EXT_FLAGS.*TRL_EXT_PLUGIN = trl_ext.PluginSpec"):
-        make_plugin_manager()
+    _assert_broken("old", r"declares TRL_EXT_FLAGS.*TRL_EXT_PLUGIN = trl_ext.PluginSpec", manager_log)
 
 
-def test_spec_name_must_match_the_registration_name(monkeypatch):
+def test_spec_name_must_match_the_registration_name(monkeypatch, manager_log):
     install_fake_plugin(monkeypatch, "thirdparty", _module_plugin("x", PluginSpec(name="other")))
-    with pytest.raises(UsageError, match="registered as `thirdparty` declares the name `other`"):
-        make_plugin_manager()
+    _assert_broken("thirdparty", "registered as `thirdparty` declares the name `other`", manager_log)
 
 
-def test_two_plugins_cannot_own_one_flag(monkeypatch):
+def test_two_plugins_cannot_own_one_flag(monkeypatch, manager_log):
     spec = PluginSpec(name="clash", flags=(Flag("padding_free", default=False, parse=boolean, help="x"),))
     install_fake_plugin(monkeypatch, "clash", _module_plugin("clash", spec))
-    with pytest.raises(UsageError, match="both declare the flag `padding_free`"):
-        make_plugin_manager()
+    _assert_broken(
+        "clash", "declares the flag `padding_free`, which the plugin `padding_free` declares too", manager_log
+    )
+
+
+def test_flag_of_a_broken_plugin_names_it(monkeypatch, manager_log):
+    class BadHook:
+        TRL_EXT_PLUGIN = PluginSpec(name="turbo", flags=(Flag("turbo", default=False, parse=boolean, help="x"),))
+
+        def trl_ext_trainer_init_strat(self, trainer, context, init_kwargs):  # misspelled
+            pass
+
+    install_fake_plugin(monkeypatch, "turbo", BadHook())
+    _assert_broken("turbo", "implements a hook that does not exist", manager_log, enable={"turbo": True})
+    with pytest.raises(UsageError, match=r"`turbo` is set \(from environment variable \$TRL_EXT_TURBO\)"):
+        load_config(environ={"TRL_EXT_TURBO": "1"})
+    # A broken plugin whose declaration cannot be read: unknown flags point at it.
+    fake = FakeDistribution("trl-ext-gone", {"gone": "_trl_ext_no_such_module:plugin"})
+    real = importlib.metadata.distributions
+    monkeypatch.setattr(importlib.metadata, "distributions", lambda **kw: [fake, *real(**kw)])
+    with pytest.raises(UsageError, match=r"Unknown trl-ext flag `gone_fast`.*could not be loaded.*`gone`"):
+        load_config(flags={"gone_fast": True}, environ={})
+
+
+def test_misspelled_hook_is_a_broken_plugin(monkeypatch, manager_log):
+    class Typo:
+        def trl_ext_trainer_init_strat(self, trainer, context, init_kwargs):  # note the typo, and no marker
+            pass
+
+    install_fake_plugin(monkeypatch, "typo", Typo())
+    _assert_broken("typo", r"`typo` implements a hook that does not exist.*trl_ext_trainer_init_strat", manager_log)
+
+
+def test_wrong_hook_arguments_are_a_broken_plugin(monkeypatch, manager_log):
+    class BadArgs:
+        @trl_ext.hookimpl
+        def trl_ext_trainer_init_end(self, trainer, ctx):  # `ctx` is not a spec argument
+            pass
+
+    install_fake_plugin(monkeypatch, "badargs", BadArgs())
+    _assert_broken("badargs", r"`badargs` has a hook implementation that does not match its spec.*ctx", manager_log)
+
+
+def test_broken_entry_point_names_the_plugin(monkeypatch, manager_log):
+    fake = FakeDistribution("trl-ext-broken", {"broken": "_trl_ext_no_such_module:plugin"})
+    real = importlib.metadata.distributions
+    monkeypatch.setattr(importlib.metadata, "distributions", lambda **kw: [fake, *real(**kw)])
+    _assert_broken(
+        "broken", r"importing `_trl_ext_no_such_module:plugin` \(package `trl-ext-broken`\) failed", manager_log
+    )
+    from trl_ext.app.cli import main
+
+    assert main(["plugins"]) == 0  # `trl-ext plugins` lists the others
+
+
+def test_two_distributions_with_one_plugin_name(monkeypatch, manager_log):
+    install_fake_plugin(monkeypatch, "twin", Answering("a"), dist_name="trl-ext-twin-a")
+    install_fake_plugin(monkeypatch, "twin", Answering("b"), dist_name="trl-ext-twin-b")
+    _assert_broken(
+        "twin", r"`trl-ext-twin-b`, `trl-ext-twin-a` each provide a trl-ext plugin named `twin`", manager_log
+    )
+
+
+def test_same_distribution_twice_on_the_path_is_one_plugin(monkeypatch, manager_log):
+    module = install_fake_plugin(monkeypatch, "single", Answering("a"), dist_name="trl-ext-single")
+    again = FakeDistribution("trl_ext.single", {"single": f"{module}:plugin"})  # same name, normalised
+    real = importlib.metadata.distributions
+    monkeypatch.setattr(importlib.metadata, "distributions", lambda **kw: [*real(**kw), again])
+    assert make_plugin_manager().get_plugin("single") is not None
+    assert not [r for r in manager_log.records if "`single`" in r.getMessage()]
+
+
+def test_builtin_name_taken_by_a_third_party(monkeypatch, manager_log):
+    install_fake_plugin(monkeypatch, "sync_metrics", Answering("x"), dist_name="trl-ext-impostor")
+    pm = make_plugin_manager()
+    assert pm.get_plugin("sync_metrics") is None and pm.get_plugin("padding_free") is not None
+    with pytest.raises(UsageError, match=r"`sync_metrics` is set.*`trl-ext-impostor` provides .* built-in"):
+        trl_ext.install(sync_metrics=True)
+    with trl_ext.install(padding_free=True):
+        pass
 
 
 def test_bad_declarations_fail_when_declared():
@@ -142,35 +255,6 @@ def test_blocked_plugin_is_not_loaded(monkeypatch):
 def test_blocking_an_unknown_name_is_an_error():
     with pytest.raises(UsageError, match="`block` names unknown plugin"):
         make_plugin_manager(block=["no_such_plugin"])
-
-
-def test_misspelled_hook_fails_at_start_up(monkeypatch):
-    class Typo:
-        def trl_ext_trainer_init_strat(self, trainer, context, init_kwargs):  # note the typo, and no marker
-            pass
-
-    install_fake_plugin(monkeypatch, "typo", Typo())
-    with pytest.raises(UsageError, match=r"`typo` implements a hook that does not exist.*trl_ext_trainer_init_strat"):
-        make_plugin_manager()
-
-
-def test_wrong_hook_arguments_are_a_usage_error(monkeypatch):
-    class BadArgs:
-        @trl_ext.hookimpl
-        def trl_ext_trainer_init_end(self, trainer, ctx):  # `ctx` is not a spec argument
-            pass
-
-    install_fake_plugin(monkeypatch, "badargs", BadArgs())
-    with pytest.raises(UsageError, match=r"`badargs` has a hook implementation that does not match its spec.*ctx"):
-        make_plugin_manager()
-
-
-def test_broken_entry_point_names_the_plugin(monkeypatch):
-    fake = FakeDistribution("trl-ext-broken", {"broken": "_trl_ext_no_such_module:plugin"})
-    real = importlib.metadata.distributions
-    monkeypatch.setattr(importlib.metadata, "distributions", lambda **kw: [fake, *real(**kw)])
-    with pytest.raises(UsageError, match=r"Could not load trl-ext plugin `broken`.*block: \[broken\]"):
-        make_plugin_manager()
 
 
 def test_exclusive_hook_with_two_answers_is_an_error():

@@ -17,7 +17,7 @@ from .config import TrlExtConfig
 from .context import TrainerContext
 from .errors import UsageError
 from .hookspecs import hookimpl, hookspec
-from .installation import Installation, install
+from .installation import Installation, current, install
 from .spec import Flag, PluginSpec
 
 __version__ = "0.1.0"
@@ -30,6 +30,7 @@ __all__ = [
     "TrlExtConfig",
     "UsageError",
     "__version__",
+    "current",
     "hookimpl",
     "hookspec",
     "install",

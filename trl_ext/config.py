@@ -82,6 +82,8 @@ class TrlExtConfig:
         for name, raw in self.plugins.items():
             spec = catalog.specs.get(name)
             if spec is None:
+                if name in catalog.broken:
+                    raise UsageError(f"`plugins` names `{name}` (from {_source}). {catalog.broken_message(name)}")
                 why = "is blocked" if name in catalog.blocked else "is not installed"
                 raise UsageError(
                     f"`plugins` names `{name}` (from {_source}), which {why}. Available plugins: "
@@ -147,19 +149,36 @@ class TrlExtConfig:
         return any(self.flags[f.name] != f.default for f in spec.flags)
 
     def check_options_apply(self) -> None:
-        """Options given for a plugin that nothing enables do nothing: refuse them, whatever the plugin.
+        """A plugin with flags is enabled by its flag, never by naming it under `plugins:`: options (or an empty entry)
+        for such a plugin whose flags are all at their defaults would do nothing, so they are refused, whatever the
+        plugin.
 
-        A plugin that serves a TRL flag (`PluginSpec.trl_flag`) can still be enabled per trainer by that TRL flag, so
-        its options are kept.
+        A plugin that serves a TRL flag (`PluginSpec.trl_flag`) can still be enabled per trainer by that TRL flag; its
+        options are checked when each trainer is built (`unused_options`).
         """
         for name in self.plugins:
             spec = self.catalog.specs[name]
-            if spec.flags and not self.flag_is_set(name) and not spec.trl_flag and self.plugins[name]:
-                flags = " or ".join(f"`{f}`" for f in spec.flag_names)
-                raise UsageError(
-                    f"`plugins.{name}` sets {sorted(self.plugins[name])}, but {flags} is not set, so the plugin "
-                    f"`{name}` is off and its options would do nothing. Set {flags}, or remove the options."
-                )
+            if spec.flags and not self.flag_is_set(name) and not spec.trl_flag:
+                raise UsageError(self.unused_options_message(name))
+
+    def unused_options_message(
+        self, plugin: str, trainer_class: str | None = None, trl_config: str | None = None
+    ) -> str:
+        """Why the `plugins:` entry of `plugin`, whose flags are off, does nothing (for `trainer_class`, built with a
+        `trl_config`), and what to do."""
+        spec = self.catalog.specs[plugin]
+        flags = " or ".join(f"`{f}`" for f in spec.flag_names)
+        options = self.plugins[plugin]
+        what = f"sets {sorted(options)}" if options else "is given"
+        where = f" for this {trainer_class}" if trainer_class else ""
+        how = flags
+        if spec.trl_flag:
+            how += f" (trl-ext), or `{spec.trl_flag}=True` in the {trl_config or 'TRL config'}"
+        return (
+            f"`plugins.{plugin}` {what}, but {flags} is not set, so the plugin `{plugin}` is off{where} and its "
+            f"options would do nothing (naming a plugin under `plugins:` gives its options; its flag enables it). Set "
+            f"{how}, or remove `plugins.{plugin}`."
+        )
 
 
 # -------------------------------------------------------------------------------------------------------------------
@@ -215,6 +234,9 @@ def _parse_plugins(value: Any, source: str) -> dict[str, dict[str, Any]]:
 def unknown_flag_message(catalog: Catalog, name: str, source: str) -> str:
     import difflib
 
+    broken = catalog.broken_flags.get(name)
+    if broken is not None:
+        return f"`{name}` is set (from {source}), but its plugin cannot be loaded. {catalog.broken_message(broken)}"
     owner = catalog.blocked_owner(name)
     if owner is not None:
         return (
@@ -224,9 +246,13 @@ def unknown_flag_message(catalog: Catalog, name: str, source: str) -> str:
     known = [*catalog.flag_names(), "plugins", "block"]
     close = difflib.get_close_matches(name, known, n=1)
     hint = f" Did you mean `{close[0]}`?" if close else ""
+    note = ""
+    if catalog.broken:
+        names = ", ".join(f"`{b}`" for b in sorted(catalog.broken))
+        note = f" (Plugins that could not be loaded, whose flags are unknown: {names}; see the warning above.)"
     return (
         f"Unknown trl-ext flag `{name}` (from {source}).{hint} Known flags: {', '.join(known)}. Options of a plugin "
-        f"go under `plugins: {{<plugin name>: {{...}}}}`; `trl-ext plugins` lists every flag and option."
+        f"go under `plugins: {{<plugin name>: {{...}}}}`; `trl-ext plugins` lists every flag and option.{note}"
     )
 
 

@@ -17,7 +17,7 @@ from .errors import UsageError
 from .manager import TrlExtPluginManager, make_plugin_manager
 from .patching import Patcher, resolve
 
-__all__ = ["Installation", "install", "stock_trainer_class"]
+__all__ = ["Installation", "current", "install", "install_config", "stock_trainer_class"]
 
 logger = get_logger(__name__)
 
@@ -74,21 +74,21 @@ class Installation:
         Args:
             trainer (`str`, `type` or trainer instance):
                 A stock trainer class name (`"DPOTrainer"`), a trainer class (stock or derived from one), or a trainer.
-                For a trainer this installation attached to, its actual plugins; for another instance, those it
-                would get with its own `args` (unless `trl_args` is given).
+                For a class or name, the plugins a trainer built now would get; for a trainer instance, the plugins
+                it actually runs (`[]` for a trainer built before `install()`, or detached: it is stock).
             trl_args (TRL config, *optional*):
-                The trainer's TRL config, for the TRL flags plugins serve.
+                The trainer's TRL config, for the TRL flags plugins serve. With an instance, asks what a trainer of
+                that class built now with `trl_args` would get.
 
         Raises:
             `TypeError`: `trainer` is none of these. `trl_ext.UsageError`: not a trainer trl-ext attaches to.
         """
-        if not isinstance(trainer, (str, type)):
-            ctx = getattr(trainer, "__dict__", {}).get(_ATTR)
-            if ctx is not None and ctx.installation is self and ctx.attached and trl_args is None:
-                return list(ctx.enabled)
-            if trl_args is None:
-                trl_args = getattr(trainer, "args", None)
         trainer_class = stock_trainer_class(trainer)
+        if not isinstance(trainer, (str, type)) and trl_args is None:
+            # An instance runs what was attached when it was built: nothing if it was built before `install()` (or
+            # detached), whatever this installation would give a new trainer.
+            ctx = getattr(trainer, "__dict__", {}).get(_ATTR)
+            return list(ctx.enabled) if ctx is not None and ctx.attached else []
         ignored = _compat.trl_ignored_flags(trainer_class)
         enabled = []
         for name, spec in self.plugin_manager.catalog.specs.items():
@@ -213,6 +213,7 @@ class Installation:
             init_kwargs.pop(next(iter(signature.parameters)))  # self
             trl_args = init_kwargs.get("args")
             enabled = installation.enabled_plugins(trainer_class, trl_args)
+            installation._check_options_used(trainer_class, trl_args, enabled)
             if enabled:
                 _check_world(trainer_class, trl_args, enabled)
             ctx = TrainerContext(installation, trainer, trainer_class, enabled, trl_args)
@@ -229,6 +230,16 @@ class Installation:
             installation._announce(ctx, left)
 
         return __init__
+
+    def _check_options_used(self, trainer_class: str, trl_args: Any, enabled: list[str]) -> None:
+        """Options given for a plugin that a TRL flag could enable (checked at install time for the others) must not
+        be silently unused by a trainer it applies to."""
+        catalog = self.plugin_manager.catalog
+        for name in self.config.plugins:
+            spec = catalog.specs[name]
+            if spec.flags and spec.trl_flag and spec.applies_to(trainer_class) and name not in enabled:
+                config = type(trl_args).__name__ if trl_args is not None else None
+                raise UsageError(self.config.unused_options_message(name, trainer_class, config))
 
     def _build(self, ctx: TrainerContext, original, init_kwargs: dict[str, Any]) -> list[str]:
         trainer, enabled = ctx.trainer, ctx.enabled
@@ -499,11 +510,14 @@ def install(
             `TrlExtConfig` fields; they override `TRL_EXT_*` environment variables, which override `config`.
 
     Returns:
-        `Installation`: a context manager; `uninstall()` restores TRL exactly.
+        `Installation`: a context manager; `uninstall()` restores TRL exactly. Calling `install()` again with the same
+        resulting configuration while installed returns the active installation (re-running a notebook cell is
+        harmless); `trl_ext.current()` returns it too.
 
     Raises:
         `trl_ext.UsageError`: unknown flag or option, bad value, unsupported TRL, a blocked or missing plugin that a
-            flag needs, a combination a plugin cannot run correctly, or trl-ext already installed.
+            flag needs, a combination a plugin cannot run correctly, or trl-ext already installed with another
+            configuration.
 
     Example:
     ```python
@@ -515,22 +529,40 @@ def install(
         trainer.train()
     ```
     """
-    merged = load_config(config, flags)
+    return install_config(load_config(config, flags))
+
+
+def install_config(config: TrlExtConfig) -> Installation:
+    """Install exactly `config`, an already merged configuration: no environment variable or file is read.
+
+    The command line (`trl-ext dpo`) merges its sources itself (command line > `TRL_EXT_*` environment > recipe) and
+    installs the result with this function. Same return value and errors as `install()`.
+    """
     trl_version = _compat.check_trl_version()
-    if Installation._active is not None and Installation._active.installed:
+    active = current()
+    if active is not None:
+        if active.config == config:
+            logger.info("trl-ext is already installed with the same configuration; returning that installation")
+            return active
         raise UsageError(
-            "trl-ext is already installed in this process. Call `uninstall()` on the existing installation (or leave "
-            "its `with` block) before installing again with other flags."
+            f"trl-ext is already installed in this process with {active.config}; this call asks for {config}. "
+            "Uninstall it first: `trl_ext.current().uninstall()` (or leave its `with` block), then install again."
         )
-    pm = make_plugin_manager(merged.block)
-    merged.check_options_apply()
-    pm.hook.trl_ext_validate_config(config=merged, trl_version=trl_version)
-    installation = Installation(merged, pm, trl_version)
+    pm = make_plugin_manager(config.block)
+    config.check_options_apply()
+    pm.hook.trl_ext_validate_config(config=config, trl_version=trl_version)
+    installation = Installation(config, pm, trl_version)
     try:
         installation._apply()
     except BaseException:
         installation.patcher.undo()
         raise
     Installation._active = installation
-    logger.info("trl-ext installed on trl %s with %s", trl_version, merged)
+    logger.info("trl-ext installed on trl %s with %s", trl_version, config)
     return installation
+
+
+def current() -> Installation | None:
+    """The active installation (the one `install()` returned and that is not uninstalled), or None."""
+    active = Installation._active
+    return active if active is not None and active.installed else None

@@ -11,13 +11,14 @@ import functools
 import importlib
 import importlib.metadata
 import pkgutil
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, cast
 
 import pluggy
 
 from . import hookspecs
+from ._logging import get_logger
 from .errors import UsageError
 from .spec import Flag, PluginSpec
 
@@ -40,6 +41,8 @@ _HOOK_PREFIX = "trl_ext_"
 #: Top-level configuration keys that are not plugin flags.
 CORE_KEYS = ("plugins", "block")
 _LEGACY_ATTRS = ("TRL_EXT_FLAGS", "TRL_EXT_TRAINERS")
+
+logger = get_logger(__name__)
 
 
 class TrlExtPluginManager(pluggy.PluginManager):
@@ -75,9 +78,10 @@ class TrlExtPluginManager(pluggy.PluginManager):
 @dataclass(frozen=True)
 class _Source:
     name: str
-    origin: str  # module path or "dist: module"
+    origin: str  # module path, or the entry point's target
     builtin: bool
     load: Callable[[], Any]
+    dist: str | None = None  # the distribution that provides a third-party plugin
 
 
 def builtin_plugin_modules() -> dict[str, str]:
@@ -91,29 +95,61 @@ def builtin_plugin_modules() -> dict[str, str]:
     }
 
 
-def _entry_points() -> list[importlib.metadata.EntryPoint]:
-    seen: dict[str, importlib.metadata.EntryPoint] = {}
+def _dist_name(dist: Any) -> str:
+    name = (getattr(dist, "metadata", None) or {}).get("Name") or getattr(dist, "name", None) or "?"
+    return str(name)
+
+
+def _entry_points() -> tuple[list[tuple[importlib.metadata.EntryPoint, str]], dict[str, list[str]]]:
+    """The `trl_ext` entry points, each with its distribution's name, and `{name: [distributions]}` for names that
+    several distributions provide.
+
+    A distribution found twice on the path (an editable and a regular install, or a `--target` directory) counts once:
+    the first one on the path, the one Python imports.
+    """
+    seen_dists: set[str] = set()
+    found: dict[str, list[tuple[importlib.metadata.EntryPoint, str]]] = {}
     for dist in importlib.metadata.distributions():
-        for ep in dist.entry_points:
-            if ep.group == ENTRY_POINT_GROUP:
-                seen.setdefault(ep.name, ep)
-    return sorted(seen.values(), key=lambda ep: ep.name)
+        eps = [ep for ep in dist.entry_points if ep.group == ENTRY_POINT_GROUP]
+        if not eps:
+            continue
+        dist_name = _dist_name(dist)
+        key = dist_name.lower().replace("_", "-").replace(".", "-")
+        if key in seen_dists:
+            continue
+        seen_dists.add(key)
+        for ep in eps:
+            found.setdefault(ep.name, []).append((ep, dist_name))
+    first = sorted((providers[0] for providers in found.values()), key=lambda pair: pair[0].name)
+    conflicts = {name: [d for _, d in providers] for name, providers in found.items() if len(providers) > 1}
+    return first, conflicts
 
 
-def _sources() -> Iterator[_Source]:
+def _sources() -> tuple[list[_Source], dict[str, str]]:
+    """Every plugin source, and `{name: why it cannot be used}` for names two sources claim."""
     builtins = builtin_plugin_modules()
-    for name, module in builtins.items():
-        yield _Source(name, module, True, functools.partial(importlib.import_module, module))
-    for ep in _entry_points():
+    sources = [
+        _Source(name, module, True, functools.partial(importlib.import_module, module))
+        for name, module in builtins.items()
+    ]
+    eps, conflicts = _entry_points()
+    clashes: dict[str, str] = {}
+    for name, dists in conflicts.items():
+        clashes[name] = (
+            f"the packages {', '.join(f'`{d}`' for d in dists)} each provide a trl-ext plugin named `{name}`, so "
+            "which one runs would depend on the install order. Uninstall all but one of them (`pip uninstall ...`)"
+        )
+    for ep, dist in eps:
         if ep.name in builtins:
-            dist = getattr(getattr(ep, "dist", None), "name", "?")
             if dist == "trl-ext":
                 continue  # trl-ext's own metadata, should it ever list its built-ins
-            raise UsageError(
-                f"The package `{dist}` provides a trl-ext plugin named `{ep.name}`, the name of a built-in plugin. "
-                f"Rename its entry point, or block the built-in one with `block: [{ep.name}]` and uninstall the other."
+            clashes[ep.name] = (
+                f"the package `{dist}` provides a trl-ext plugin named `{ep.name}`, the name of a built-in plugin. "
+                "Rename its entry point, or uninstall it"
             )
-        yield _Source(ep.name, ep.value, False, ep.load)
+            continue
+        sources.append(_Source(ep.name, ep.value, False, ep.load, dist))
+    return sources, clashes
 
 
 def _load(source: _Source) -> Any:
@@ -126,6 +162,16 @@ def _load(source: _Source) -> Any:
             f"Could not load trl-ext plugin `{source.name}` ({source.origin}): {type(exc).__name__}: {exc}. Fix or "
             f"uninstall the package that provides it, or block it with `block: [{source.name}]`."
         ) from exc
+
+
+def block_advice(name: str, block: Iterable[str] = ()) -> str:
+    """The exact settings that block `name` (with the names already blocked)."""
+    names = sorted({*block, name})
+    return f"`TRL_EXT_BLOCK={','.join(names)}` (or `block: [{', '.join(names)}]` in YAML, `block=[...]` in Python)"
+
+
+#: Broken plugins already reported in this process (one warning each).
+_WARNED: set[tuple[str, str]] = set()
 
 
 def spec_of(name: str, plugin: Any) -> PluginSpec:
@@ -163,6 +209,10 @@ class Catalog:
         builtin (`set[str]`): which of them ship with trl-ext.
         blocked (`set[str]`): names blocked by the configuration.
         blocked_specs (`dict[str, PluginSpec]`, *optional*): declarations of blocked built-ins, for error messages.
+        broken (`dict[str, str]`, *optional*): third-party plugins that could not be loaded or registered, each with
+            the reason and what to do; they are skipped, and enabling one is a `UsageError`.
+        broken_flags (`dict[str, str]`, *optional*): `{flag: plugin}` for the flags of broken plugins whose
+            declaration could be read.
     """
 
     def __init__(
@@ -171,21 +221,21 @@ class Catalog:
         builtin: set[str],
         blocked: set[str],
         blocked_specs: dict[str, PluginSpec] | None = None,
+        broken: dict[str, str] | None = None,
+        broken_flags: dict[str, str] | None = None,
     ) -> None:
         self.specs = dict(specs)
         self.builtin = set(builtin)
         self.blocked = set(blocked)
         self.blocked_specs = dict(blocked_specs or {})
+        self.broken = dict(broken or {})
+        self.broken_flags = dict(broken_flags or {})
         self.flags: dict[str, tuple[Flag, str]] = {}
         for name, spec in self.specs.items():
+            clash = _flag_clash(self.flags, name, spec)
+            if clash is not None:
+                raise UsageError(f"trl-ext plugin `{name}`: {clash}.")
             for flag in spec.flags:
-                if flag.name in CORE_KEYS:
-                    raise UsageError(f"Plugin `{name}` declares the flag `{flag.name}`, a reserved trl-ext key.")
-                if flag.name in self.flags:
-                    raise UsageError(
-                        f"Plugins `{self.flags[flag.name][1]}` and `{name}` both declare the flag `{flag.name}`; "
-                        f"block one of them (`block: [{name}]`)."
-                    )
                 self.flags[flag.name] = (flag, name)
 
     def flag_names(self) -> tuple[str, ...]:
@@ -207,13 +257,42 @@ class Catalog:
                 return name
         return None
 
+    def broken_message(self, name: str) -> str:
+        """Why the broken plugin `name` cannot be used, and the two ways out (fix it, or block it)."""
+        return (
+            f"The trl-ext plugin `{name}` cannot be used: {self.broken[name]}. Or, if you do not need it, block it: "
+            f"{block_advice(name, self.blocked)}."
+        )
 
-def load_catalog(block: Iterable[str] = ()) -> tuple[Catalog, dict[str, Any]]:
-    """Load every available plugin except blocked ones; return the catalog and `{name: plugin object}`."""
+
+def _flag_clash(owned: dict[str, tuple[Flag, str]], name: str, spec: PluginSpec) -> str | None:
+    for flag in spec.flags:
+        if flag.name in CORE_KEYS:
+            return f"it declares the flag `{flag.name}`, a reserved trl-ext key"
+        if flag.name in owned:
+            return f"it declares the flag `{flag.name}`, which the plugin `{owned[flag.name][1]}` declares too"
+    return None
+
+
+def _validate_hooks(name: str, plugin: Any) -> None:
+    """Register `plugin` on a scratch manager: a hook name or signature that does not match the specs raises."""
+    pm = TrlExtPluginManager()
+    _register(pm, name, plugin)
+    _check_pending(pm)
+
+
+def load_catalog(block: Iterable[str] = (), *, warn: bool = True) -> tuple[Catalog, dict[str, Any]]:
+    """Load every available plugin except blocked ones; return the catalog and `{name: plugin object}`.
+
+    A built-in plugin that fails is a bug and raises. A third-party plugin that cannot be imported, declared or
+    registered, or whose name or flag another plugin claims too, is *broken*: it is skipped (with one warning per
+    process naming it and the exact `block` setting that silences it, if `warn`), the other plugins work, and enabling
+    it is a `UsageError` with the same advice.
+    """
     block = set(block)
-    sources = list(_sources())
-    known = [s.name for s in sources]
-    unknown = sorted(block - set(known))
+    sources, clashes = _sources()
+    known = list(dict.fromkeys(s.name for s in sources))
+    unknown = sorted(block - set(known) - set(clashes))
     if unknown:
         raise UsageError(
             f"`block` names unknown plugin(s) {unknown}; known plugins: {known}. Run `trl-ext plugins` to list them."
@@ -222,27 +301,83 @@ def load_catalog(block: Iterable[str] = ()) -> tuple[Catalog, dict[str, Any]]:
     plugins: dict[str, Any] = {}
     builtin: set[str] = set()
     blocked_specs: dict[str, PluginSpec] = {}
+    broken: dict[str, str] = {}
+    broken_flags: dict[str, str] = {}
+    owned: dict[str, tuple[Flag, str]] = {}
     for source in sources:
         if source.name in block:
             if source.builtin:  # our own modules are safe to import, and their flags make better messages
                 blocked_specs[source.name] = spec_of(source.name, _load(source))
             continue
-        plugin = _load(source)
-        specs[source.name] = spec_of(source.name, plugin)
+        if source.name in clashes:
+            broken[source.name] = clashes[source.name]
+            if source.builtin:
+                spec = spec_of(source.name, _load(source))
+                broken_flags.update({flag: source.name for flag in spec.flag_names})
+            continue
+        if source.builtin:
+            plugin = _load(source)
+            spec = spec_of(source.name, plugin)
+        else:
+            try:
+                plugin = source.load()
+            except Exception as exc:  # noqa: BLE001 - reported with the plugin's name, never raised for all
+                broken[source.name] = (
+                    f"importing `{source.origin}` (package `{source.dist}`) failed with {type(exc).__name__}: {exc}. "
+                    "Fix or uninstall that package"
+                )
+                continue
+            try:
+                spec = spec_of(source.name, plugin)
+            except UsageError as exc:
+                broken[source.name] = f"{exc}".rstrip(".") + f" (package `{source.dist}`)"
+                continue
+            try:
+                _validate_hooks(source.name, plugin)
+            except UsageError as exc:
+                broken[source.name] = f"{exc}".rstrip(".") + f" (package `{source.dist}`)"
+                broken_flags.update({flag: source.name for flag in spec.flag_names})
+                continue
+            clash = _flag_clash(owned, source.name, spec)
+            if clash is not None:
+                broken[source.name] = f"{clash} (package `{source.dist}`); only one plugin can own a flag"
+                broken_flags.update({f: source.name for f in spec.flag_names if f not in owned})
+                continue
+        specs[source.name] = spec
         plugins[source.name] = plugin
+        owned.update({flag.name: (flag, source.name) for flag in spec.flags})
         if source.builtin:
             builtin.add(source.name)
-    return Catalog(specs, builtin, block, blocked_specs), plugins
+    catalog = Catalog(specs, builtin, block, blocked_specs, broken, broken_flags)
+    if warn:
+        for name in sorted(broken):
+            key = (name, broken[name])
+            if key not in _WARNED:
+                _WARNED.add(key)
+                logger.warning(
+                    "trl-ext: the plugin `%s` is skipped: %s. Nothing else is affected; enabling it is an error. To "
+                    "skip it without this warning: %s.",
+                    name,
+                    broken[name],
+                    block_advice(name, block),
+                )
+    return catalog, plugins
 
 
 def make_plugin_manager(block: Iterable[str] = ()) -> TrlExtPluginManager:
-    """A fresh manager with every available plugin but the blocked ones registered and validated."""
+    """A fresh manager with every available plugin but the blocked and broken ones registered and validated."""
     catalog, plugins = load_catalog(block)
     pm = TrlExtPluginManager()
     for name in catalog.blocked:
         pm.set_blocked(name)
     for name, plugin in plugins.items():
         _register(pm, name, plugin)
+    _check_pending(pm)
+    pm.catalog = catalog
+    return pm
+
+
+def _check_pending(pm: TrlExtPluginManager) -> None:
     try:
         pm.check_pending()
     except pluggy.PluginValidationError as exc:
@@ -250,8 +385,6 @@ def make_plugin_manager(block: Iterable[str] = ()) -> TrlExtPluginManager:
             f"trl-ext plugin `{pm.get_name(exc.plugin)}` implements a hook that does not exist: {exc}. Hook names are "
             "listed in `trl_ext.hookspecs`."
         ) from exc
-    pm.catalog = catalog
-    return pm
 
 
 def _register(pm: TrlExtPluginManager, name: str, plugin: Any) -> None:

@@ -46,7 +46,7 @@ def split_argv(argv: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
     """
     from ..manager import load_catalog
 
-    catalog = load_catalog()[0]
+    catalog = load_catalog(warn=False)[0]  # broken plugins are reported once, when the configuration is loaded
     flags: dict[str, Any] = {}
     rest: list[str] = []
     argv = list(argv)
@@ -111,6 +111,8 @@ def _resolve_config(argv: Sequence[str]) -> tuple[TrlExtConfig, list[str], str |
             raise UsageError("Give trl-ext flags either in the recipe's `trl_ext:` section or in `--trl_ext_config`.")
         base = own_file
     sources = {name: f"the command line (--trl_ext_{name})" for name in flags}
+    # The one merge of the job's sources: command line > TRL_EXT_* environment > recipe > defaults. The result is
+    # installed as it is (`install_config`), so the environment is not applied a second time over the command line.
     return load_config(base, flags=flags, sources=sources), rest, stripped
 
 
@@ -118,7 +120,7 @@ def _flag_lines() -> list[tuple[str, str]]:
     """`(option, help)` for every trl-ext flag the installed plugins declare, plus the core keys."""
     from ..manager import load_catalog
 
-    catalog = load_catalog()[0]
+    catalog = load_catalog(warn=False)[0]
     lines = []
     for name, (flag, owner) in catalog.flags.items():
         value = "[BOOL]" if flag.cli_const is True and flag.default is False else "VALUE"
@@ -199,8 +201,11 @@ def _has_accelerator() -> bool:
     return False
 
 
-def _cpu_defaults(parser: Any, argv: Sequence[str], recipe: dict[str, Any] | None, deepspeed: bool) -> str | None:
-    """On a machine with no accelerator, default to CPU and fp32 (TRL defaults to bf16, which then fails); say so.
+def _cpu_defaults(
+    parser: Any, argv: Sequence[str], recipe: dict[str, Any] | None, deepspeed: bool
+) -> dict[str, Any] | None:
+    """On a machine with no accelerator, default to CPU and fp32 (TRL defaults to bf16, which then fails); return
+    the defaults chosen (`cpu_note` says so once the arguments are parsed).
 
     Only arguments the user did not give are defaulted. Under DeepSpeed, `use_cpu` is left alone: it would turn
     DeepSpeed off.
@@ -213,8 +218,17 @@ def _cpu_defaults(parser: Any, argv: Sequence[str], recipe: dict[str, Any] | Non
     if not chosen:
         return None
     parser.set_defaults_with_config(**chosen)
+    return chosen
+
+
+def cpu_note(chosen: dict[str, Any], training_args: Any) -> str:
+    """The line that says what the job chose on a machine without an accelerator, with the precision it trains in
+    (the user's `--bf16 true` / `--fp16 true` included)."""
+    precision = "fp32"
+    if getattr(training_args, "bf16", False) or getattr(training_args, "fp16", False):
+        precision = "bf16" if training_args.bf16 else "fp16"
     said = ", ".join(f"--{key} {str(value).lower()}" for key, value in chosen.items())
-    return f"[trl-ext] no accelerator found: training on CPU in fp32 ({said}; give them yourself to choose)"
+    return f"[trl-ext] no accelerator found: training on CPU in {precision} ({said}; give them yourself to choose)"
 
 
 def _read_recipe(argv: Sequence[str]) -> dict[str, Any] | None:
@@ -239,7 +253,7 @@ def parse_job_args(parser: Any, command: str, rest: list[str], deepspeed: bool) 
 
     parser.error = error
     helping = any(token in ("-h", "--help") for token in rest)
-    cpu_note = None if helping else _cpu_defaults(parser, rest, _read_recipe(rest), deepspeed)
+    cpu_chosen = None if helping else _cpu_defaults(parser, rest, _read_recipe(rest), deepspeed)
     # Warnings raised while the configs are built (e.g. transformers' deprecations) are shown only if the arguments
     # are good: a bad argument gets one error line.
     with warnings.catch_warnings(record=True) as caught:
@@ -270,8 +284,9 @@ def parse_job_args(parser: Any, command: str, rest: list[str], deepspeed: bool) 
         )
     for warning in caught:
         warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
-    if cpu_note and _is_main_process():
-        print(cpu_note, file=sys.stderr, flush=True)
+    if cpu_chosen and _is_main_process():
+        training_args = next((p for p in parsed if hasattr(p, "bf16")), None)
+        print(cpu_note(cpu_chosen, training_args), file=sys.stderr, flush=True)
     return tuple(parsed)
 
 
@@ -437,17 +452,18 @@ def run_online_dpo(argv: Sequence[str]) -> int:
 
 @contextlib.contextmanager
 def _installed_for_job(config: TrlExtConfig, cpu_deepspeed: bool):
-    """trl-ext installed for the job; afterwards report the plugins each trainer ran with, uninstall, and on CPU
-    DeepSpeed end the process the safe way."""
-    from .. import install
+    """trl-ext installed for the job (exactly `config`, merged once); afterwards report the plugins each trainer ran
+    with, uninstall, and on CPU DeepSpeed end the process the safe way."""
+    from ..installation import install_config
 
-    installation = install(config)
+    installation = install_config(config)
     installation.keep_records = True
     try:
         yield installation
         _report(installation)
     finally:
-        installation.uninstall()
+        # The job is over: its trainers are detached with the uninstall, so no "trainers keep their plugins" line.
+        installation.uninstall(detach=True)
     _exit_distributed(force_exit=cpu_deepspeed)
 
 
