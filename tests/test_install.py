@@ -449,3 +449,38 @@ def test_importing_trl_ext_imports_neither_torch_nor_trl():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+@pytest.mark.parametrize(("eval_pairs", "said"), [(5, True), (8, False)])
+def test_sync_metrics_says_when_uneven_eval_batches_make_its_means_differ_from_stock(
+    eval_pairs, said, tokenizer, dpo_args
+):
+    """A partial last eval batch (5 pairs in batches of 4 and 1): sync_metrics' eval means are over pairs, stock's
+    over per-batch means, and one line says so; full batches: no line."""
+    import logging
+
+    from trl import DPOTrainer
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    root = logging.getLogger("trl_ext")
+    root.addHandler(handler)
+    try:
+        with trl_ext.install(sync_metrics=True):
+            trainer = DPOTrainer(
+                make_model(seed=0),
+                ref_model=make_model(seed=0),
+                args=dpo_args(per_device_eval_batch_size=4),
+                train_dataset=make_preference_dataset(4),
+                eval_dataset=make_preference_dataset(eval_pairs, seed=3),
+                processing_class=tokenizer,
+            )
+            trainer.evaluate()
+            trainer.evaluate()
+    finally:
+        root.removeHandler(handler)
+    lines = [r.getMessage() for r in records if "sync_metrics: the eval batches" in r.getMessage()]
+    assert len(lines) == (1 if said else 0), lines  # once per trainer
+    if said:
+        assert "held 4 / 1 pairs (5 in all)" in lines[0] and "stock TRL averages the per-batch means" in lines[0]

@@ -45,6 +45,10 @@ class SyncMetricsState:
         self.loss_correction: torch.Tensor | float = 0.0
         #: number of collectives this plugin issued (for tests and benchmarks)
         self.collectives = 0
+        #: DPO: the real pairs of each batch of the current window, by mode, and the modes whose window held batches
+        #: of different sizes (where the pair-weighted mean differs from stock's mean of per-batch means)
+        self.batch_pairs: dict[str, list[int]] = {"train": [], "eval": []}
+        self.uneven_said: set[str] = set()
 
     # -- duplicates ----------------------------------------------------------------------------------------------
 

@@ -102,6 +102,7 @@ def _wrap_compute_loss(trainer: Any, state: SyncMetricsState, original):
         if mode == "train":
             k = state.real_count(remainder, n)
             state.add_step_loss(real_loss.detach() * k, state.global_real_count(remainder, n), remainder is not None)
+        state.batch_pairs[mode].append(state.real_count(remainder, n))
         if captured is not None:
             state.windows[mode].add(_items(state, trainer, captured, mode))
         else:

@@ -8,8 +8,32 @@ from typing import Any
 import torch
 
 from ... import _compat
+from ..._logging import NOTICE, get_logger
 from ..._shared import Ranks
 from .capture import SyncMetricsState
+
+logger = get_logger(__name__)
+
+
+def _say_uneven_batches(state: SyncMetricsState, mode: str) -> None:
+    """One line (per trainer and mode, main process) when a window's batches held different numbers of pairs, e.g. a
+    partial last eval batch: there the logged means are over pairs, and stock TRL's mean of per-batch means differs."""
+    pairs = state.batch_pairs[mode]
+    sizes = sorted(set(pairs), reverse=True)
+    state.batch_pairs[mode] = []
+    if len(sizes) < 2 or mode in state.uneven_said or state.rank != 0:
+        return
+    state.uneven_said.add(mode)
+    logger.log(
+        NOTICE,
+        "trl-ext sync_metrics: the %s batches since the last log held %s pairs (%d in all); the logged %smetrics are "
+        "means over those pairs, while stock TRL averages the per-batch means, so its numbers differ here (by "
+        "design; said once per trainer)",
+        mode,
+        " / ".join(str(size) for size in sizes),
+        sum(pairs),
+        "eval_" if mode == "eval" else "",
+    )
 
 
 def reduce_logs(trainer: Any, state: SyncMetricsState, logs: dict[str, Any]) -> dict[str, Any] | None:
@@ -18,6 +42,7 @@ def reduce_logs(trainer: Any, state: SyncMetricsState, logs: dict[str, Any]) -> 
     if state.trainer_class == "OnlineDPOTrainer" and mode == "eval":
         return None  # OnlineDPO evaluation logs no `stats`; TRL's own evaluation metrics stay as they are
     schema = state.schema
+    _say_uneven_batches(state, mode)
     window = state.windows[mode]
     vec = window.pack(trainer.accelerator.device)
     window.reset()
