@@ -369,3 +369,23 @@ def test_moe_aux_loss():
     source = inspect.getsource(importlib.import_module("transformers.models.mixtral.modeling_mixtral"))
     call = "load_balancing_loss_func(\n                outputs.router_logits,\n                self.num_experts,"
     assert call in source, _fail("MOE_AUX_LOSS", "MixtralForCausalLM.forward no longer calls it as documented")
+
+
+def test_dpo_tokenized_columns(tokenizer, dpo_args):
+    """The packing self-checks size their probe from these columns of the dataset `DPOTrainer` tokenized."""
+    from trl import DPOTrainer
+
+    from trl_ext.plugins._probe import dataset_longest_pair, training_max_length
+    from trl_ext.testing import make_model, make_preference_dataset
+
+    trainer = DPOTrainer(
+        make_model(),
+        ref_model=make_model(seed=1),
+        args=dpo_args(max_length=1000, bf16=False),
+        train_dataset=make_preference_dataset(4),
+        processing_class=tokenizer,
+    )
+    assert set(_compat.DPO_TOKENIZED_COLUMNS) <= set(trainer.train_dataset.column_names)
+    rows = trainer.train_dataset
+    longest = max(len(r["prompt_ids"]) + max(len(r["chosen_ids"]), len(r["rejected_ids"])) for r in rows)
+    assert dataset_longest_pair(rows) == longest == training_max_length(trainer) < 1000

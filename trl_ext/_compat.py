@@ -18,6 +18,10 @@ from .errors import UsageError
 #: reads it, `_remove_keys_not_serialized` keeps it out of saved configs). Checked on transformers 5.24.0.
 ATTN_IMPLEMENTATION_FIELD = "_attn_implementation_internal"
 
+#: The columns of a DPO dataset after `DPOTrainer` tokenized it (prompt, chosen, rejected token ids): what the
+#: packing self-checks read to find the longest pair training will feed. Checked on 1.12.0 and 1.16.0.
+DPO_TOKENIZED_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
+
 #: Supported TRL range: >= 1.10, < 1.17. Checked on 1.12.0 and 1.16.0 (CI), read on 1.10.0 and 1.14.0.
 TRL_MIN = (1, 10)
 TRL_MAX_EXCLUSIVE = (1, 17)
@@ -326,3 +330,18 @@ FUSED_LM_HEAD_KWARG = "fused_lm_head"
 #: padded layout after a shared forward with the model module's copy, Mixtral's when the module has none. Checked on
 #: transformers 5.24.0 (mixtral, qwen3_moe, olmoe, gpt_oss, granitemoe, jetmoe, ernie4_5_moe).
 MOE_AUX_LOSS = ("transformers.models.mixtral.modeling_mixtral", "load_balancing_loss_func")
+
+# -- padding_free: attention that bypasses transformers' attention interface -----------------------------------------
+
+#: `model_type`s whose attention modules compute attention themselves (no `ALL_ATTENTION_FUNCTIONS`) from the 4D mask
+#: that `masking_utils.create_causal_mask` returns, adding it as a float bias (MPT: `.to(torch.bool)` of it, True =
+#: masked); Falcon takes its SDPA branch only for an implementation named exactly "sdpa". Their ALiBi biases (Bloom,
+#: MPT, Falcon with `alibi=True`) grow linearly with the key's index in the row, so within one sequence they differ
+#: from the padded biases by a per-query constant, which softmax ignores. Consumer: padding_free (a packed call gives
+#: them the block-diagonal float mask of the packed sequences). Checked 5.24.0 (modeling_bloom/falcon/mpt/
+#: gpt_neox_japanese).
+OWN_ATTENTION_MODEL_TYPES = ("bloom", "falcon", "gpt_neox_japanese", "mpt")
+#: Model types whose mask creation receives the packed `position_ids` (so transformers remaps chunk boundaries to each
+#: sequence's own positions) and whose chunked attention lives only in the mask (`attention_chunk_size`). Consumer:
+#: padding_free inspection. Checked 5.24.0 (modeling_llama4 `create_chunked_causal_mask(..., position_ids=...)`).
+CHUNKED_MASK_MODEL_TYPES = ("llama4", "llama4_text")

@@ -64,72 +64,88 @@ def test_a_model_outlives_its_trainer(plugin, ending, tokenizer, dpo_args):
     _assert_stock_equal(model, twin)
 
 
-def _windowed_moe(window: int):
-    """PhiMoE: its decoder builds a sliding-window mask, its attention layers never receive `sliding_window`."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+def _mask_window_model(window: int, seed: int = 0):
+    """A custom decoder (model type outside every table) whose attention layers apply a sliding window only through
+    the 4D mask tensor they receive: as `trust_remote_code` code that derives its locality from the padded mask.
+    Nothing in the config or the layer arguments says so; only a measurement can see it."""
+    model = make_model(seed=seed, dtype=torch.float64)
+    model.config.model_type = "my_mask_window_llama"
+    model.config.local_span = window  # declared under a name that says neither window nor chunk
 
-    config = AutoConfig.for_model(
-        "phimoe",
-        vocab_size=256,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_local_experts=4,
-        max_position_embeddings=256,
-        sliding_window=window,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=2,
-    )
-    config._experts_implementation = "eager"
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(torch.float64)
+    def add_window(module, args, kwargs):
+        mask = kwargs.get("attention_mask")
+        if isinstance(mask, torch.Tensor):
+            n, k = mask.shape[-2], mask.shape[-1]
+            near = torch.arange(n)[:, None] - torch.arange(k)[None, :] < window
+            kwargs["attention_mask"] = mask & near if mask.dtype == torch.bool else mask.masked_fill(~near, -1e30)
+        return args, kwargs
+
+    for layer in model.model.layers:
+        layer.self_attn.register_forward_pre_hook(add_window, with_kwargs=True)
+    return model
 
 
-def test_self_check_sees_a_window_that_lives_only_in_the_mask():
-    """Driven directly: the sized probe (one sequence as long as training's, the others longer than the window)
-    finds the lost window; the old fixed probe of 9/6/11 tokens, shorter than the window, passed it."""
+def _packed(model):
     from trl_ext.plugins import padding_free as pf
     from trl_ext.plugins._packing import register_varlen_attention, varlen_attention_name
-    from trl_ext.plugins._probe import declared_localities, probe_lengths
-    from trl_ext.plugins.padding_free.self_check import self_check
 
-    model = _windowed_moe(16).eval()
-    assert declared_localities(model.config)["sliding_window"] == 16
-    lengths = probe_lengths(40, declared_localities(model.config), 256)
-    assert lengths[0] == 40 and min(lengths) > 16
     register_varlen_attention()
     state = pf.PaddingFreeState()
     model.config._attn_implementation_internal = varlen_attention_name("sdpa")
     model.base_model.forward = pf._make_backbone_forward(model.base_model.forward, state)
-    forward = pf._make_causal_lm_forward(model.forward, state)
-    old = self_check(model, forward, lengths=(9, 6, 11), moe=True)
+    return pf._make_causal_lm_forward(model.forward, state)
+
+
+def test_self_check_sees_a_window_that_lives_only_in_the_mask():
+    """Driven directly: the sized probe (one sequence as long as training's) finds the window the packed call loses;
+    the old fixed probe of 9/6/11 tokens, shorter than the window, passed it."""
+    from trl_ext.plugins._probe import declared_localities, probe_lengths
+    from trl_ext.plugins.padding_free.self_check import self_check
+
+    model = _mask_window_model(16).eval()
+    lengths = probe_lengths(40, declared_localities(model.config), 2048)
+    assert lengths[0] == 40
+    forward = _packed(model)
+    old = self_check(model, forward, lengths=(9, 6, 11))
     assert old.leak is None  # the defect: a probe shorter than the window cannot see it
-    sized = self_check(model, forward, lengths=lengths, moe=True)
+    sized = self_check(model, forward, lengths=lengths)
     assert sized.leak is not None and "stock padded forward" in sized.leak, sized.leak
     assert sized.max_position_error > 1e-3
 
 
 def test_a_mask_only_window_is_refused_before_the_first_step(tokenizer, dpo_args):
-    """Through a real DPOTrainer: a model type outside the verified table whose window lives only in the mask is
-    refused with a UsageError before the first step (by the inspection, or the sized self-check)."""
+    """Through a real DPOTrainer: the custom model is refused with a UsageError before the first step, because
+    training feeds sequences longer than its window (the probe is sized from the dataset's longest pair)."""
     from trl import DPOTrainer
 
-    model, ref = _windowed_moe(16), _windowed_moe(16)
-    for m in (model, ref):
-        m.config.model_type = "my_windowed_moe"  # as a trust_remote_code model would be: not in any table
     dataset = make_preference_dataset(8, prompt_median=24, completion_median=12)
     with trl_ext.install(padding_free=True):
-        with pytest.raises(UsageError, match="window|stock padded forward"):
+        with pytest.raises(UsageError, match="self-check failed .*stock padded forward"):
             DPOTrainer(
-                model,
-                ref_model=ref,
+                _mask_window_model(16),
+                ref_model=_mask_window_model(16, seed=1),
                 args=dpo_args(bf16=False, max_length=64),
                 train_dataset=dataset,
                 processing_class=tokenizer,
             )
+
+
+def test_a_window_longer_than_training_is_admitted(tokenizer, dpo_args):
+    """The same model with a window longer than every training sequence trains exactly as stock: the window never
+    acts, so the self-check (sized from training) passes it."""
+    from trl import DPOTrainer
+
+    dataset = make_preference_dataset(8)
+    with trl_ext.install(padding_free=True):
+        trainer = DPOTrainer(
+            _mask_window_model(1000),
+            ref_model=_mask_window_model(1000, seed=1),
+            args=dpo_args(bf16=False, max_length=64),
+            train_dataset=dataset,
+            processing_class=tokenizer,
+        )
+        checks = trainer._trl_ext.state["padding_free"].self_checks
+        assert checks["policy"].leak is None and checks["policy"].lengths[0] <= 64
 
 
 def test_probe_lengths_follow_training():

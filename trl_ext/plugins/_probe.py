@@ -20,6 +20,8 @@ import contextvars
 from collections.abc import Iterator
 from typing import Any
 
+from .. import _compat
+
 __all__ = [
     "STOCK_CALL",
     "declared_localities",
@@ -34,13 +36,6 @@ __all__ = [
 #: is (no packing, no prompt sharing). A dynamic-scope flag like torch's grad mode.
 STOCK_CALL: contextvars.ContextVar[bool] = contextvars.ContextVar("trl_ext_stock_call", default=False)
 
-#: Tokenized DPO dataset columns (prompt, chosen, rejected), by TRL layout. 1.13+ tokenizes to `prompt_ids`,
-#: `chosen_ids`, `rejected_ids` (checked 1.16.0); 1.10-1.12 to `prompt_input_ids`, `chosen_input_ids`,
-#: `rejected_input_ids` (checked 1.12.0).
-_DPO_COLUMNS = (
-    ("prompt_ids", "chosen_ids", "rejected_ids"),
-    ("prompt_input_ids", "chosen_input_ids", "rejected_input_ids"),
-)
 #: The shortest probe sequences when the config declares no locality (long enough for every mechanism the checks
 #: compare: positions, per-token layers, attention over several keys).
 _MIN_PROBE = 9
@@ -85,10 +80,8 @@ def dataset_longest_pair(dataset: Any) -> int | None:
     names = getattr(dataset, "column_names", None)
     if data is None or not isinstance(names, list):
         return None
-    for prompt, chosen, rejected in _DPO_COLUMNS:
-        if {prompt, chosen, rejected} <= set(names):
-            break
-    else:
+    prompt, chosen, rejected = _compat.DPO_TOKENIZED_COLUMNS
+    if not {prompt, chosen, rejected} <= set(names):
         return None
     try:
         import pyarrow.compute as pc
