@@ -484,3 +484,32 @@ def test_sync_metrics_says_when_uneven_eval_batches_make_its_means_differ_from_s
     assert len(lines) == (1 if said else 0), lines  # once per trainer
     if said:
         assert "held 4 / 1 pairs (5 in all)" in lines[0] and "stock TRL averages the per-batch means" in lines[0]
+
+
+def test_trl_precompute_left_to_trl_names_the_trl_ext_flag(tokenizer, dpo_args):
+    """No plugin enabled, `DPOConfig(precompute_ref_log_probs=True, precompute_ref_batch_size=8)`: TRL precomputes, and
+    one warning names trl-ext's `precompute_ref_batch_size`."""
+    import logging
+
+    from trl import DPOTrainer
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    root = logging.getLogger("trl_ext")
+    root.addHandler(handler)
+    try:
+        with trl_ext.install():
+            trainer = DPOTrainer(
+                make_model(seed=0),
+                args=dpo_args(precompute_ref_log_probs=True, precompute_ref_batch_size=8),
+                train_dataset=make_preference_dataset(4),
+                processing_class=tokenizer,
+            )
+    finally:
+        root.removeHandler(handler)
+    assert trainer._trl_ext.enabled == () and "ref_chosen_logps" in trainer.train_dataset.column_names
+    lines = [r.getMessage() for r in records if r.levelname == "WARNING"]
+    assert len(lines) == 1, lines
+    assert "DPOConfig(precompute_ref_log_probs=True, precompute_ref_batch_size=8) is left to TRL" in lines[0]
+    assert '`precompute_ref_batch_size=8` (or "auto")' in lines[0]

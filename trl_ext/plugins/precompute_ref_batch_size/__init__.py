@@ -175,6 +175,21 @@ def trl_ext_describe(trainer, context):
     return ", ".join(parts)
 
 
+@hookimpl
+def trl_ext_advise_unused(trainer, trainer_class, trl_args):
+    # The plugin is off for this trainer: TRL's own precompute runs, and its batch size is TRL's.
+    if not getattr(trl_args, "precompute_ref_log_probs", False):
+        return None
+    size = getattr(trl_args, "precompute_ref_batch_size", None)
+    given = f", precompute_ref_batch_size={size}" if size is not None else ""
+    return (
+        f"{type(trl_args).__name__}(precompute_ref_log_probs=True{given}) is left to TRL's own precompute "
+        f"(dataset-order batches, a cache keyed without max_length or truncation); set trl-ext's "
+        f'`precompute_ref_batch_size={size if size is not None else 64}` (or "auto") for length-planned batches and '
+        "a cache keyed by every setting."
+    )
+
+
 @dataclass
 class PrecomputeState:
     """Per-trainer state, `context.state["precompute_ref_batch_size"]`.
