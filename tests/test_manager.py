@@ -303,3 +303,26 @@ def test_options_for_a_plugin_that_is_off_are_refused():
         UsageError, match=r"`plugins.generation` sets \['budget'\], but `ds3_gather_for_generation` is"
     ):
         trl_ext.install(plugins={"generation": {"budget": "8GB"}})
+
+
+def test_trl_ext_plugins_lists_each_flag_and_option_with_values_default_and_help(monkeypatch, capsys):
+    from trl_ext.app.cli import main
+
+    spec = PluginSpec(
+        name="mine",
+        summary="Mine.",
+        flags=(Flag("mine_flag", default=False, parse=boolean, help="Turn mine on. More text that is not shown."),),
+        options=MineOptions,
+    )
+    install_fake_plugin(monkeypatch, "mine", _module_plugin("mine", spec))
+    assert main(["plugins"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "  flag   mine_flag: true or false; default false. Turn mine on." in lines
+    assert "  option plugins.mine.alpha: a positive integer; default 1. A positive number." in lines
+    assert any(
+        line.startswith('  option plugins.padding_free.attention: "auto" or "varlen" or "dense"') for line in lines
+    )
+    assert (
+        "  flag   sync_metrics: true or false; default false. Log exact global metrics, one collective per log step."
+        in lines
+    )

@@ -20,7 +20,7 @@ import pluggy
 from . import hookspecs
 from ._logging import get_logger
 from .errors import UsageError
-from .spec import Flag, PluginSpec
+from .spec import Flag, PluginSpec, SettingDoc
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -441,6 +441,7 @@ class PluginInfo:
     source: str
     summary: str
     hooks: tuple[str, ...]
+    settings: tuple[SettingDoc, ...] = ()
 
 
 def plugin_info(pm: TrlExtPluginManager, name: str) -> PluginInfo:
@@ -457,4 +458,5 @@ def plugin_info(pm: TrlExtPluginManager, name: str) -> PluginInfo:
         source=getattr(plugin, "__name__", type(plugin).__name__),
         summary=spec.summary,
         hooks=hooks,
+        settings=spec.docs(),
     )

@@ -61,6 +61,7 @@ __all__ = [
     "Flag",
     "Parser",
     "PluginSpec",
+    "SettingDoc",
     "Size",
     "boolean",
     "either",
@@ -362,6 +363,19 @@ class PluginSpec:
         """Each option's description, read from the options dataclass' `Args:` docstring."""
         return parse_args_docstring(self.options.__doc__ or "") if self.options is not None else {}
 
+    def docs(self) -> tuple[SettingDoc, ...]:
+        """The plugin's flags and options, each with its accepted values, default and one line of help, from the
+        declarations (`trl-ext plugins` prints them)."""
+        out = [SettingDoc("flag", f.name, f.parse.expects, f.default, _first_sentence(f.help)) for f in self.flags]
+        if self.options is not None:
+            helps = self.option_help()
+            for f in dataclasses.fields(self.options):
+                parser = f.metadata.get("parse")
+                kind = parser.expects if parser is not None else str(getattr(f.type, "__name__", f.type))
+                default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+                out.append(SettingDoc("option", f.name, kind, default, _first_sentence(helps.get(f.name, ""))))
+        return tuple(out)
+
     def applies_to(self, trainer_class: str) -> bool:
         return self.trainers is None or trainer_class in self.trainers
 
@@ -405,6 +419,37 @@ class PluginSpec:
             raise
         except (ValueError, TypeError) as exc:
             raise UsageError(f"`plugins.{self.name}`: {exc} (from {source}).") from None
+
+
+@dataclass(frozen=True)
+class SettingDoc:
+    """One flag or option of a plugin, as `trl-ext plugins` lists it.
+
+    Args:
+        kind (`str`): `"flag"` or `"option"`.
+        name (`str`): the flag, or the option's name under `plugins: {<plugin>: {...}}`.
+        accepts (`str`): what a valid value looks like (the parser's `expects`, or the field's type).
+        default (`Any`): the declared default.
+        help (`str`): one line.
+    """
+
+    kind: str
+    name: str
+    accepts: str
+    default: Any
+    help: str
+
+    def default_text(self) -> str:
+        value = self.default
+        if value is None or isinstance(value, bool):
+            return {None: "None", True: "true", False: "false"}[value]
+        return f'"{value}"' if isinstance(value, str) else str(value)
+
+
+def _first_sentence(text: str) -> str:
+    text = " ".join(text.split())
+    head, dot, _ = text.partition(". ")
+    return head + "." if dot else text
 
 
 def parse_args_docstring(doc: str) -> dict[str, str]:

@@ -42,6 +42,17 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header) - 1)]
     for row in [header, *rows]:
         print("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=False)) + "  " + row[-1])
+    # Each flag and option with what it accepts, its default and one line of help, from the declarations.
+    for name, _ in pm.list_name_plugin():
+        info = plugin_info(pm, name)
+        print(f"\n{name}: {info.summary}" if info.summary else f"\n{name}:")
+        if not info.flags:
+            print(f"  enabled by naming it: `plugins: {{{name}: {{...}}}}`")
+        for doc in info.settings:
+            key = doc.name if doc.kind == "flag" else f"plugins.{name}.{doc.name}"
+            print(f"  {doc.kind:<6} {key}: {doc.accepts}; default {doc.default_text()}. {doc.help}".rstrip())
+    for name, why in sorted(pm.catalog.broken.items()):
+        print(f"\n{name}: NOT LOADED ({why})")
     return 0
 
 
