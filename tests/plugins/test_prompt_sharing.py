@@ -401,6 +401,83 @@ def test_self_check_names_what_differed(build, monkeypatch):
 
 
 # -------------------------------------------------------------------------------------------------------------------
+# Dropout: every dropout site is turned off (disable_dropout=True) or refused; a self-check names dropout
+# -------------------------------------------------------------------------------------------------------------------
+
+
+def _opt(dropout: float, seed: int = 0):
+    """A tiny float64 OPT with the dropout `facebook/opt-*` ships (`dropout=0.1`): applied with
+    `nn.functional.dropout` and float attributes, which TRL's `disable_dropout` (nn.Dropout modules only) misses."""
+    from transformers import OPTConfig, OPTForCausalLM
+
+    config = OPTConfig(
+        vocab_size=256, hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
+        word_embed_proj_dim=32, max_position_embeddings=512, pad_token_id=0, bos_token_id=2, eos_token_id=1,
+        dropout=dropout, attention_dropout=0.0,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    return eq.sharpen(OPTForCausalLM(config).to(torch.float64))
+
+
+def _opt_trainer(dpo_args, tokenizer, dataset, dropout, **args):
+    from trl import DPOTrainer
+
+    return DPOTrainer(
+        _opt(dropout),
+        ref_model=_opt(dropout, seed=1),
+        args=dpo_args(bf16=False, **args),
+        train_dataset=dataset,
+        processing_class=tokenizer,
+    )
+
+
+def test_opt_dropout_is_turned_off_not_refused(dpo_args, tokenizer, dataset, caplog):
+    """OPT with dropout 0.1 (as shipped): with `disable_dropout=True` prompt_sharing zeroes the functional dropout TRL
+    leaves on, the self-check passes in training mode, and the loss and gradients equal stock TRL on the same OPT
+    with its dropout 0 (what `disable_dropout=True` asks for); detaching restores the dropout."""
+    stock = _opt_trainer(dpo_args, tokenizer, dataset, 0.0)
+    with trl_ext.install(prompt_sharing=True, plugins={"prompt_sharing": {"self_check": True}}) as installation:
+        with caplog.at_level("INFO", logger="trl_ext"):
+            shared = _opt_trainer(dpo_args, tokenizer, dataset, 0.1)
+        shared.model.train()
+        examples = eq.examples(stock)
+        stock_loss, stock_grads = eq.loss_and_grads(stock, stock.data_collator(examples))
+        loss, grads = eq.loss_and_grads(shared, shared.data_collator(examples))
+        assert set(_state(shared).checked) >= {"policy"}
+        assert abs(loss.item() - stock_loss.item()) <= METRIC_RTOL * max(1.0, abs(stock_loss.item()))
+        eq.assert_same_grads(stock_grads, grads, GRAD_RTOL)
+        assert "OPTDecoderLayer.dropout" in caplog.text and "leaves on" in caplog.text
+
+        from trl_ext.plugins.prompt_sharing.dropout import dropout_sites
+
+        assert dropout_sites(shared.model) == [] and dropout_sites(shared.ref_model) == []
+        installation.detach(shared)
+    assert {label for _, _, label in dropout_sites(shared.model)} == {"OPTDecoderLayer.dropout", "OPTDecoder.dropout"}
+
+
+def test_dropout_with_disable_dropout_false_is_refused(dpo_args, tokenizer, dataset):
+    with trl_ext.install(prompt_sharing=True):
+        match = r"dropout on in training \(.*OPTDecoderLayer\.dropout.*disable_dropout=True"
+        with pytest.raises(UsageError, match=match):
+            _opt_trainer(dpo_args, tokenizer, dataset, 0.1, disable_dropout=False)
+
+
+def test_self_check_names_dropout_it_cannot_turn_off(dpo_args, tokenizer, dataset):
+    """Dropout read inside `forward` (no module attribute to zero; here a forward hook) makes two forwards differ:
+    the self-check's refusal says it is dropout, not a wrong shared prompt."""
+    with trl_ext.install(prompt_sharing=True, plugins={"prompt_sharing": {"self_check": True}}):
+        trainer = _opt_trainer(dpo_args, tokenizer, dataset, 0.0)
+        layer = trainer.model.model.decoder.layers[0]
+        layer.fc2.register_forward_hook(
+            lambda module, args, out: torch.nn.functional.dropout(out, 0.1, training=module.training)
+        )
+        trainer.model.train()
+        batch = trainer.data_collator(eq.examples(trainer))
+        with pytest.raises(UsageError, match=r"(?s)policy model.*differ.*dropout"):
+            trainer.compute_loss(trainer.model, batch)
+
+
+# -------------------------------------------------------------------------------------------------------------------
 # Architectures: sliding windows, both attention bases
 # -------------------------------------------------------------------------------------------------------------------
 

@@ -25,6 +25,12 @@ Where TRL's truncation leaves two different prompt prefixes for a pair (`truncat
 unshared (packed, one segment per sequence); the share of sequences that ran unshared is logged (a warning the first
 time, and in `context.state["prompt_sharing"].summary()`).
 
+Dropout (`dropout.py`). A shared prompt is computed once, so in training both responses would see one dropout mask
+on it where padded training draws two. With `disable_dropout=True` (TRL's default) every dropout site of the models
+is set to 0 while the trainer keeps its plugins, also the functional dropout and layer drop that TRL's
+`disable_dropout` misses (OPT's `config.dropout`), in one log line; with `disable_dropout=False` a policy with
+dropout is refused. A self-check that finds two forwards of the same batch differ says it is dropout.
+
 Batch dispatching (`dispatch_batches=True`, iterable datasets): the batch carries the layout as tensors only, with the
 prompt ends row-major; when accelerate's dim-0 concatenation and slicing cut the serialized layout, the forward
 rebuilds it from the prompt ends (a once-only warning), so dispatched training, evaluation and prediction equal stock.

@@ -16,6 +16,7 @@ import torch
 
 from ..._logging import get_logger
 from ...errors import UsageError
+from .dropout import forward_is_random
 from .forward import FUSED_FIELDS
 from .layout import SharedLayout, build_layout
 
@@ -35,6 +36,23 @@ def _fields(outputs: Any, fused: bool, kwargs: dict[str, Any]) -> dict[str, torc
     logits = outputs.logits
     real = kwargs["attention_mask"].bool()
     return {"logits": torch.where(real[..., None], logits, torch.zeros((), dtype=logits.dtype))}
+
+
+def _random_forward(
+    run: Callable[[dict[str, Any], SharedLayout], Any],
+    kwargs: dict[str, Any],
+    layout: SharedLayout,
+    fused: bool,
+    name: str,
+    tolerance: float,
+) -> float | None:
+    """How much two runs of the same forward differ (None: not beyond `tolerance`)."""
+
+    def once() -> torch.Tensor:
+        with torch.no_grad():
+            return _fields(run(kwargs, layout), fused, kwargs)[name].detach()
+
+    return forward_is_random(once, tolerance, kwargs["input_ids"].device)
 
 
 def self_check(
@@ -66,6 +84,16 @@ def self_check(
         if worst > tol or diff.isnan().any():
             flat = int(diff.nan_to_num(float("inf")).argmax())
             row, col = divmod(flat // (diff[0, 0].numel() if diff.dim() > 2 else 1), diff.shape[1])
+            random = _random_forward(run, kwargs, unshared, fused, name, tol)
+            if random is not None:
+                raise UsageError(
+                    f"prompt_sharing self-check on the {role} model ({model_name}): two unshared forwards of the same "
+                    f"batch differ by {random:.3g} (relative), so the shared forward cannot be compared: the model "
+                    "draws random numbers in training mode, i.e. dropout that neither TRL's `disable_dropout` nor "
+                    "prompt_sharing could turn off (read from the config inside `forward`). Load the model with its "
+                    "dropout set to 0 (e.g. `from_pretrained(..., dropout=0.0, attention_dropout=0.0)`), or disable "
+                    "prompt_sharing for it."
+                )
             raise UsageError(
                 f"prompt_sharing self-check failed on the {role} model ({model_name}): the shared forward's `{name}` "
                 f"differs from the unshared packed forward by {worst:.3g} (relative; tolerance {tol:g}) at row {row}, "

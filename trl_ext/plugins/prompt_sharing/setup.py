@@ -10,6 +10,7 @@ from ...errors import UsageError
 from .._packing import check_packable_trainer, switch_attention
 from ..padding_free.architecture import inspect_model
 from .attention import base_of, register_shared_attention, shared_attention_name, unregister_shared_attention
+from .dropout import describe, disable_dropout, dropout_sites
 from .forward import make_causal_lm_forward, make_online_forward
 from .layout import SharedLayout
 from .moe import MoeAuxLoss
@@ -176,24 +177,50 @@ def configure_model(context: Any, role: str, model: Any) -> str:
     return name
 
 
-def _dropout_active(model: Any) -> bool:
-    if not model.training:
-        return False
-    if float(getattr(model.config, "attention_dropout", 0.0) or 0.0) > 0:
-        return True
-    return any(type(m).__name__ == "Dropout" and m.p > 0 for m in model.modules())
+def handle_dropout(context: Any, role: str, model: Any, trainer: Any) -> None:
+    """Turn off every dropout site of `model` under `disable_dropout=True` (TRL's default; TRL itself zeroes
+    `nn.Dropout` modules only), or refuse a policy that drops under `disable_dropout=False` (`dropout.py`)."""
+    sites = dropout_sites(model)
+    if not sites:
+        return
+    args = getattr(trainer, "args", None)
+    if getattr(args, "disable_dropout", True):
+        disable_dropout(context.patcher, model)
+        logger.info(
+            "prompt_sharing: disable_dropout=True: set to 0 the dropout of the %s model that TRL's disable_dropout "
+            "leaves on: %s",
+            role,
+            describe(sites),
+        )
+        return
+    if role == "ref":
+        return  # TRL runs a separate reference model in eval mode: its dropout never acts
+    raise UsageError(
+        f"prompt_sharing cannot share prompts of the {role} model ({type(model).__name__}) with dropout on in "
+        f"training ({describe(sites)}; `disable_dropout=False`): a shared prompt is computed once, so both responses "
+        "would see one dropout mask where padded training draws two. Set `disable_dropout=True` (TRL's default; "
+        f"prompt_sharing then also zeroes the dropout TRL misses), or {_disable_advice(context)}."
+    )
+
+
+def _disable_advice(context: Any) -> str:
+    """What to do instead of sharing, for this trainer."""
+    if getattr(context, "trainer_class", None) == "OnlineDPOTrainer":
+        return "disable prompt_sharing for this model (Online DPO then scores padded, as stock TRL does)"
+    return "disable prompt_sharing for this model (padding_free alone packs without sharing)"
 
 
 def wrap_models(trainer: Any, context: Any) -> None:
     state = check_trainer(trainer, context)
     for role, model in context.models().items():
         state.attn_implementations[role] = configure_model(context, role, model)
+        handle_dropout(context, role, model, trainer)
         check = None
         if state.self_check:
 
             def check(run, kwargs, layout, outputs, role, _model=model):
-                if role in state.checked or _dropout_active(_model):
-                    return  # with active dropout two forwards differ anyway: checked on a later (eval) call
+                if role in state.checked:
+                    return
                 if self_check(run, kwargs, layout, outputs, role, type(_model).__name__):
                     state.checked.add(role)
 

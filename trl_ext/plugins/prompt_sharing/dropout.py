@@ -1,0 +1,89 @@
+"""Dropout under prompt sharing: every dropout a model applies is found, and turned off or refused.
+
+A shared prompt is computed once for both responses, so in training mode both would see one dropout mask on the
+prompt where the padded forward draws two independent ones: the loss would follow another distribution. So a model
+that drops anything in training mode is not shared as it is:
+
+- with `disable_dropout=True` (TRL's default) every dropout site is set to 0 for as long as the trainer keeps its
+  plugins, including those TRL's `disable_dropout` misses (it zeroes `nn.Dropout` modules only; OPT, for one, applies
+  `nn.functional.dropout` with float attributes taken from `config.dropout`, and a layer drop);
+- with `disable_dropout=False`, a model with a dropout site is refused.
+
+A site is an `nn.Dropout*` module with `p > 0`, or a positive float attribute of a module whose name says dropout
+(`dropout`, `attention_dropout`, `activation_dropout`, ...) or layer drop (`layerdrop`). Dropout read from the config
+inside `forward` has no module attribute to set; the self-check measures it (two stock forwards in training mode
+differ) and its refusal names dropout.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["config_dropouts", "describe", "disable_dropout", "dropout_sites", "forward_is_random"]
+
+_LAYER_DROP = ("layerdrop", "layer_drop", "drop_path", "drop_path_rate")
+
+
+def _dropout_name(name: str) -> bool:
+    lowered = name.lower()
+    return "dropout" in lowered or lowered in _LAYER_DROP
+
+
+def dropout_sites(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, str]]:
+    """Every active dropout site of `model`: `(module, attribute, label)`, the label naming the module class and the
+    attribute (`"OPTDecoderLayer.dropout"`)."""
+    sites = []
+    for module in model.modules():
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd) or (
+            "dropout" in type(module).__name__.lower() and isinstance(getattr(module, "p", None), float)
+        ):
+            if float(getattr(module, "p", 0.0)) > 0:
+                sites.append((module, "p", f"{type(module).__name__}.p"))
+            continue
+        for name, value in vars(module).items():
+            if isinstance(value, (float, int)) and not isinstance(value, bool) and value > 0 and _dropout_name(name):
+                sites.append((module, name, f"{type(module).__name__}.{name}"))
+    return sites
+
+
+def config_dropouts(config: Any) -> dict[str, float]:
+    """Positive dropout probabilities a config declares (`dropout`, `attention_dropout`, `layerdrop`, ...)."""
+    found = {}
+    for name, value in vars(config).items():
+        if isinstance(value, (float, int)) and not isinstance(value, bool) and value > 0 and _dropout_name(name):
+            found[name] = float(value)
+    return found
+
+
+def describe(sites: list[tuple[torch.nn.Module, str, str]]) -> str:
+    """`"OPTDecoderLayer.dropout (x2), OPTAttention.dropout (x2)"`: the sites by label, in model order."""
+    counts: dict[str, int] = {}
+    for _, _, label in sites:
+        counts[label] = counts.get(label, 0) + 1
+    return ", ".join(f"{label} (x{n})" if n > 1 else label for label, n in counts.items())
+
+
+def disable_dropout(patcher: Any, model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, str]]:
+    """Set every dropout site of `model` to 0 through `patcher` (undone when the trainer is detached); returns the
+    sites it set."""
+    sites = dropout_sites(model)
+    for module, name, _ in sites:
+        value = getattr(module, name)
+        patcher.setattr(module, name, 0 if isinstance(value, int) else 0.0)
+    return sites
+
+
+def forward_is_random(run: Any, tolerance: float, device: torch.device) -> float | None:
+    """Run `run()` (a forward returning a tensor) twice from two RNG states; the relative difference when the two
+    differ beyond `tolerance` (random numbers drawn inside the forward, e.g. dropout), else None. The caller's RNG
+    state is kept."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(1)
+        first = run().double()
+        torch.manual_seed(2)
+        second = run().double()
+    scale = first.abs().max().clamp(min=1e-30)
+    difference = ((first - second).abs().max() / scale).item()
+    return difference if not difference <= tolerance else None
