@@ -372,7 +372,8 @@ class PluginSpec:
             for f in dataclasses.fields(self.options):
                 parser = f.metadata.get("parse")
                 kind = parser.expects if parser is not None else str(getattr(f.type, "__name__", f.type))
-                default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+                factory: Any = f.default_factory
+                default = f.default if f.default is not dataclasses.MISSING else factory()
                 out.append(SettingDoc("option", f.name, kind, default, _first_sentence(helps.get(f.name, ""))))
         return tuple(out)
 
