@@ -21,6 +21,36 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
 
 
+def _installed_plugin_distributions() -> set[str]:
+    import importlib.metadata
+
+    return {
+        str(getattr(dist, "_path", ""))
+        for dist in importlib.metadata.distributions()
+        if any(ep.group == "trl_ext" for ep in dist.entry_points)
+    }
+
+
+#: Third-party trl-ext plugins installed in this environment when the tests started (e.g. the README's example).
+_INSTALLED_PLUGINS = _installed_plugin_distributions()
+
+
+@pytest.fixture(autouse=True)
+def _only_the_tests_own_plugins(monkeypatch):
+    """Tests see the built-in plugins and the ones they install themselves, never a third-party plugin that happens to
+    be installed in the environment: plugin discovery skips the distributions found at start-up."""
+    if not _INSTALLED_PLUGINS:
+        return
+    import importlib.metadata
+
+    real = importlib.metadata.distributions
+
+    def distributions(**kwargs):
+        return [d for d in real(**kwargs) if str(getattr(d, "_path", "")) not in _INSTALLED_PLUGINS]
+
+    monkeypatch.setattr(importlib.metadata, "distributions", distributions)
+
+
 @pytest.fixture(autouse=True)
 def _no_leftover_installation(monkeypatch):
     """Every test starts without trl-ext installed and without TRL_EXT_* variables, and must leave it so."""
