@@ -1,6 +1,6 @@
 """Benchmark of trl-ext's `sync_metrics`: collectives and step time of 2-process DPO training on CPU, stock vs plugin.
 
-    python benchmarks/metric_sync.py [--steps 30] [--rounds 3] [--seconds 60] [--logging-steps 1] [--batch-size 4]
+    python benchmarks/metric_sync.py [--steps 30] [--rounds 3] [--logging-steps 1] [--batch-size 4]
 
 It launches `torchrun --nproc_per_node 2` (gloo, CPU, one thread per process) on the measuring code that
 `trl-ext bench` also runs (`trl_ext/app/_bench_worker.py collectives`): in the same two processes it trains fresh tiny
@@ -23,8 +23,7 @@ from pathlib import Path
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=30, help="optimizer steps per training run")
-    parser.add_argument("--rounds", type=int, default=3, help="at least this many interleaved rounds")
-    parser.add_argument("--seconds", type=float, default=60.0, help="add rounds (spread > 10%%) until this time cap")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (a fixed count)")
     parser.add_argument("--logging-steps", type=int, default=1)
     parser.add_argument("--batch-size", type=int, default=4, help="pairs per rank and step")
     args = parser.parse_args()
@@ -32,7 +31,7 @@ def main() -> int:
 
     out = Path(tempfile.mkdtemp(prefix="trl-ext-metric-sync-")) / "collectives.json"
     extra = ["--steps", str(args.steps), "--logging-steps", str(args.logging_steps)]
-    extra += ["--batch-size", str(args.batch_size), "--rounds", str(args.rounds), "--seconds", str(args.seconds)]
+    extra += ["--batch-size", str(args.batch_size), "--rounds", str(args.rounds)]
     report = run_collectives(out, extra)
     stock, ext = report["stock"], report["trl_ext"]
     speed = summarize([a / b for a, b in zip(stock["step_seconds"], ext["step_seconds"], strict=True)])

@@ -1,16 +1,22 @@
-"""`trl-ext bench --quick`, run as a user runs it: the report's fields, and a real PNG."""
+"""`trl-ext bench`: the `--quick` run as a user runs it (every section, its numbers and its verdicts), the verdict and
+table functions on crafted numbers, and the README's bench figures against the recorded run they quote."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from trl_ext.plugins import BUILTIN_PLUGINS
+from trl_ext.app import bench
+
+REPO = Path(__file__).resolve().parents[1]
+RECORDED = REPO / "benchmarks" / "results" / "bench_quick.json"
 
 
 @pytest.mark.slow
@@ -18,7 +24,7 @@ def test_bench_quick_writes_report_and_plot(tmp_path):
     exe = Path(sys.executable).with_name("trl-ext")
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", TQDM_DISABLE="1")
     proc = subprocess.run(
-        [str(exe), "bench", "--quick", "--rounds", "3", "--seconds", "0", "--out", str(tmp_path)],
+        [str(exe), "bench", "--quick", "--rounds", "3", "--out", str(tmp_path)],
         capture_output=True,
         text=True,
         env=env,
@@ -27,59 +33,143 @@ def test_bench_quick_writes_report_and_plot(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["quick"] is True and report["trl"] and report["model"].startswith("llama")
-    sections = report["sections"]
     assert report["rounds"] == 3 and report["load_average"]["cores"] == os.cpu_count()
-    if "padding_free" in BUILTIN_PLUGINS:
-        pf = sections["padding_free"]
-        assert 0.2 < pf["padding_fraction"] < 0.9
-        assert pf["bound"] == max(pf["token_bound"], pf["attention_bound"]) >= 1 / (1 - pf["padding_fraction"]) - 1e-9
-        _check_ratio(pf["speedup"], bound=pf["bound"])
-        assert len(pf["stock"]["pass_seconds"]) == len(pf["trl_ext"]["pass_seconds"]) == pf["speedup"]["rounds"]
-        assert len(pf["stock"]["loss"]) == len(pf["trl_ext"]["loss"]) == pf["batches"] > 0
-        assert len(set(pf["stock"]["loss"])) > 1  # the losses depend on the batch (policy != reference)
-        assert pf["max_abs_loss_diff"] < 1e-4  # fp32 on both sides: the same losses on the same batches
-    if "sync_metrics" in BUILTIN_PLUGINS:
-        co = sections["sync_metrics"]
-        assert co["stock"]["world_size"] == 2
-        assert co["stock"]["collectives_per_step"] > 5  # TRL gathers each metric every micro-step
-        # exactly one per logging step, plus one for the Trainer's final summary log
-        assert co["trl_ext"]["collectives_total"] == co["trl_ext"]["logging_steps"] + 1
-        _check_ratio(co["step_time_ratio"], bound=None)
-        assert report["headline"]["sync_metrics_collectives_per_step"] == co["trl_ext"]["collectives_per_step"]
-    if "generation" in BUILTIN_PLUGINS:
-        modes = {m["mode"]: m for m in sections["generation"]["modes"]}
-        assert all(m["same_tokens"] for m in modes.values())  # greedy tokens identical in every mode
-        assert max(modes["ext False"]["peak_bytes_per_rank"]) < 0.5 * max(modes["trl gather"]["peak_bytes_per_rank"])
+    assert report["wall_seconds"] > 0
+    sections = report["sections"]
+    assert sorted(sections) == ["generation", "padding_free", "precompute", "sync_metrics"]
+    assert not [name for name, s in sections.items() if "error" in s or "skipped" in s], sections
+
+    pf = sections["padding_free"]
+    assert 0.2 < pf["padding_fraction"] < 0.9
+    assert pf["bound"] == max(pf["token_bound"], pf["attention_bound"]) >= 1 / (1 - pf["padding_fraction"]) - 1e-9
+    _check_ratio(pf["speedup"], bound=pf["bound"], rounds=3)
+    assert len(pf["stock"]["pass_seconds"]) == len(pf["trl_ext"]["pass_seconds"]) == 3
+    assert len(pf["stock"]["loss"]) == len(pf["trl_ext"]["loss"]) == pf["batches"] > 0
+    assert len(set(pf["stock"]["loss"])) > 1  # the losses depend on the batch (policy != reference)
+    diff = max(abs(a - b) for a, b in zip(pf["stock"]["loss"], pf["trl_ext"]["loss"], strict=True))
+    assert pf["losses"] == bench.agreement(diff, bench.LOSS_ATOL, "losses") and pf["losses"]["same"]
+
+    pc = sections["precompute"]
+    assert pc["pairs"] == 96 and pc["batch_size"] == 16
+    for key in ("speedup", "speedup_auto"):
+        _check_ratio(pc[key], bound=None, rounds=3)
+    assert len(pc["stock"]["seconds"]) == len(pc["trl_ext"]["seconds"]) == len(pc["trl_ext_auto"]["seconds"]) == 3
+    stock_and_ext = zip(pc["stock"]["seconds"], pc["trl_ext"]["seconds"], strict=True)
+    assert pc["speedup"]["ratios"] == [a / b for a, b in stock_and_ext]
+    assert pc["max_abs_ref_logp"] > 1  # real log-probs of whole sequences
+    assert pc["values"] == bench.agreement(
+        pc["max_abs_ref_logp_diff"], bench.REF_LOGP_RTOL * pc["max_abs_ref_logp"], "values"
+    )
+    assert pc["values"]["same"]
+    assert report["headline"]["precompute_speedup"] == pc["speedup"]["median"]
+
+    co = sections["sync_metrics"]
+    assert co["stock"]["world_size"] == 2 and co["rounds"] == 3
+    assert co["stock"]["collectives_per_step"] > 5  # TRL gathers each metric every micro-step
+    # exactly one per logging step, plus one for the Trainer's final summary log
+    assert co["trl_ext"]["collectives_total"] == co["trl_ext"]["logging_steps"] + 1
+    assert co["collectives"] == bench.collectives_verdict(co) and co["collectives"]["same"]
+    _check_ratio(co["step_time_ratio"], bound=None, rounds=3)
+    assert report["headline"]["sync_metrics_collectives_per_step"] == co["trl_ext"]["collectives_per_step"]
+
+    ge = sections["generation"]
+    modes = {m["mode"]: m for m in ge["modes"]}
+    assert all(m["same_tokens"] for m in modes.values()) and ge["tokens"]["same"]  # greedy tokens identical
+    assert max(modes["ext False"]["peak_bytes_per_rank"]) < 0.5 * max(modes["trl gather"]["peak_bytes_per_rank"])
+    assert ge["repeats"] == 1
+
+    # The printed table: flags on their own lines, never inside a row's text; "(one run)" only for one run.
+    lines = proc.stdout.splitlines()
+    assert "trl-ext bench" in proc.stdout and "median of per-round" in proc.stdout and "load average" in proc.stdout
+    assert all(line.lstrip().startswith("!! ") for line in lines if "!!" in line)
+    assert sum("(one run)" in line for line in lines) == len(ge["modes"])
+    assert (tmp_path / "table.md").read_text() == bench.markdown_table(report) + "\n"
     png = (tmp_path / "bench.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     import matplotlib.image
 
     image = matplotlib.image.imread(tmp_path / "bench.png")
     assert image.shape[0] > 200 and image.shape[1] > 600
-    assert "trl-ext bench" in proc.stdout and "median of per-round" in proc.stdout and "load average" in proc.stdout
 
 
-def _check_ratio(r, bound):
-    """A ratio is reported as the median of per-round ratios with its spread, and flagged when it looks wrong."""
-    assert r["rounds"] >= 3 and len(r["ratios"]) == r["rounds"]
+def _check_ratio(r, bound, rounds):
+    """A ratio is the median of a fixed number of per-round ratios with its spread, flagged when it looks wrong."""
+    assert r["rounds"] == rounds and len(r["ratios"]) == rounds
     assert r["min"] <= r["q1"] <= r["median"] <= r["q3"] <= r["max"]
     assert ("ABOVE BOUND" in " ".join(r["flags"])) == (bound is not None and r["median"] > 1.02 * bound)
-    assert ("WIDE SPREAD" in " ".join(r["flags"])) == (r["spread"] > 0.15)
+    assert ("WIDE SPREAD" in " ".join(r["flags"])) == (r["spread"] > bench.WIDE_SPREAD)
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# verdicts and the table, on crafted numbers
+# -------------------------------------------------------------------------------------------------------------------
 
 
 def test_summarize_flags_ratios_above_bound_below_one_and_wide():
-    from trl_ext.app.bench import summarize
-
-    ok = summarize([2.0, 2.1, 1.9, 2.0], bound=3.0)
+    ok = bench.summarize([2.0, 2.1, 1.9, 2.0], bound=3.0)
     assert ok["median"] == 2.0 and ok["flags"] == [] and ok["q1"] <= 2.0 <= ok["q3"]
-    assert any("ABOVE BOUND" in f for f in summarize([4.1, 4.2, 4.0], bound=2.2)["flags"])
-    assert any("SLOWER" in f for f in summarize([0.8, 0.9, 0.85])["flags"])
-    assert any("WIDE SPREAD" in f for f in summarize([1.0, 2.0, 3.0])["flags"])
+    assert any("ABOVE BOUND" in f for f in bench.summarize([4.1, 4.2, 4.0], bound=2.2)["flags"])
+    assert any("SLOWER" in f for f in bench.summarize([0.8, 0.9, 0.85])["flags"])
+    assert any("WIDE SPREAD" in f for f in bench.summarize([1.0, 2.0, 3.0])["flags"])
 
 
-def test_interleave_alternates_arms_and_stops_when_the_ratios_agree():
-    from trl_ext.app.bench import interleave
+def test_agreement_flips_when_the_numbers_differ():
+    same = bench.agreement(4e-7, 1e-4, "losses")
+    assert same["same"] and same["flags"] == [] and same["text"] == "same losses (within 1.0e-04)"
+    differ = bench.agreement(3.2e-2, 1e-4, "losses")
+    assert not differ["same"] and differ["flags"] == [differ["text"]]
+    assert "LOSSES DIFFER" in differ["text"] and "3.20e-02" in differ["text"]
+    assert not bench.agreement(math.nan, 1e-4, "values")["same"]  # a NaN never agrees
+    assert bench.agreement(1e-4, 1e-4, "values")["same"]  # the tolerance itself is within
 
+
+def test_direction_says_faster_or_slower_only_when_the_spread_does():
+    def ratio(q1, median, q3):
+        return {"q1": q1, "median": median, "q3": q3}
+
+    assert bench.direction(ratio(1.5, 1.7, 1.9)) == "faster"
+    assert bench.direction(ratio(0.5, 0.6, 0.9)) == "slower"
+    assert bench.direction(ratio(0.9, 1.1, 1.3)).startswith("(no clear difference")
+
+
+def test_collectives_verdict_compares_the_count_with_one_per_logging_step():
+    results = {
+        "stock": {"collectives_total": 65},
+        "trl_ext": {"collectives_total": 3, "logging_steps": 2, "optimizer_steps": 4},
+    }
+    assert bench.collectives_verdict(results)["same"] and bench.collectives_verdict(results)["flags"] == []
+    results["trl_ext"]["collectives_total"] = 5
+    verdict = bench.collectives_verdict(results)
+    assert not verdict["same"] and "EXPECTED 3" in verdict["flags"][0] and "COUNTED 5" in verdict["flags"][0]
+
+
+def _recorded():
+    return json.loads(RECORDED.read_text())
+
+
+def test_table_puts_flags_on_their_own_lines_and_reports_what_it_measured():
+    report = _recorded()
+    pf = report["sections"]["padding_free"]
+    pf["losses"] = bench.agreement(0.5, bench.LOSS_ATOL, "losses")
+    pf["speedup"] = bench.summarize([3.5, 3.6, 5.0, 6.0, 8.0], bound=pf["bound"])  # wide and above the bound
+    report["sections"]["generation"]["repeats"] = 2
+    table = bench._table(report)
+    rows = table.splitlines()
+    flagged = [line for line in rows if "!!" in line]
+    assert flagged and all(line.lstrip().startswith("!! ") for line in flagged)
+    assert any("LOSSES DIFFER" in line for line in flagged) and not any("same losses" in line for line in rows)
+    assert any("WIDE SPREAD" in line for line in flagged) and any("ABOVE BOUND" in line for line in flagged)
+    assert "(one run)" not in table and "(best of 2 runs)" in table
+    assert "time" in table and all(
+        ("(slower)" in line) or ("(faster)" in line) or ("(the same)" in line)
+        for line in rows
+        if "TRL gather's" in line and "time" in line
+    )
+    markdown = bench.markdown_table(report)
+    assert "**!! LOSSES DIFFER" in markdown and all(line.endswith("|") for line in markdown.splitlines()[2:])
+
+
+def test_interleave_runs_a_fixed_number_of_alternating_rounds():
     calls = []
 
     def arm(name, seconds):
@@ -89,11 +179,34 @@ def test_interleave_alternates_arms_and_stops_when_the_ratios_agree():
 
         return run
 
-    times = interleave({"stock": arm("stock", 2.0), "ext": arm("ext", 1.0)}, rounds=3, seconds=60, what="t")
-    assert times == {"stock": [2.0] * 3, "ext": [1.0] * 3}  # equal ratios: stops after the minimum
+    times = bench.interleave({"stock": arm("stock", 2.0), "ext": arm("ext", 1.0)}, rounds=3, what="t")
+    assert times == {"stock": [2.0] * 3, "ext": [1.0] * 3}
     assert calls == [(0, "stock"), (0, "ext"), (1, "ext"), (1, "stock"), (2, "stock"), (2, "ext")]
-    noisy = iter([1.0, 3.0, 1.0, 1.5, 1.0] * 20)
-    times = interleave(
-        {"stock": lambda i: next(noisy), "ext": lambda i: 1.0}, rounds=3, seconds=60, what="t", max_rounds=7
-    )
-    assert len(times["stock"]) == 7  # the spread never settles: rounds are added up to the cap
+    noisy = iter([1.0, 3.0, 1.0, 1.5, 1.0, 2.0, 1.0])
+    times = bench.interleave({"stock": lambda i: next(noisy), "ext": lambda i: 1.0}, rounds=4, what="t")
+    assert len(times["stock"]) == 4  # the count does not depend on the spread
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# the README's bench figures come from the recorded run
+# -------------------------------------------------------------------------------------------------------------------
+
+
+def test_readme_quotes_the_recorded_bench_run():
+    """The README's bench table is `markdown_table` of the recorded `trl-ext bench --quick` report, and the duration
+    that `--help` and the README state is that run's wall time."""
+    report = _recorded()
+    readme = (REPO / "README.md").read_text()
+    assert report["quick"] is True and report["rounds"] == 5  # `trl-ext bench --quick`, the default rounds
+    assert bench.markdown_table(report) in readme
+    assert bench.QUICK_DURATION == bench.duration_text(report["wall_seconds"])
+    quoted = re.findall(r"about [0-9.]+ min[^\n]*--quick|--quick[^\n]*about [0-9.]+ min", readme)
+    assert len(quoted) >= 2 and all(bench.QUICK_DURATION in q for q in quoted), quoted
+
+
+def test_bench_help_states_the_measured_duration(capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert f"({bench.QUICK_DURATION} on 2 shared CPU cores)" in help_text
+    assert "--seconds" not in help_text  # fixed rounds: no time cap that stops on the spread

@@ -661,3 +661,26 @@ def test_two_processes(mode, tmp_path):
     for name in ("plugin", "cached", "auto"):
         for col in ("chosen", "rejected", "eval_chosen", "eval_rejected"):
             assert ranks[0][name][col] == ranks[1][name][col], (name, col)  # identical on every rank
+
+
+@pytest.mark.distributed
+@pytest.mark.deepspeed
+def test_zero3_out_of_memory_in_the_auto_probe_fails_fast(tmp_path):
+    """Two ZeRO-3 processes; rank 1 runs out of memory inside an "auto" probe's forward while rank 0's forward goes on
+    through its parameter gathers. Catching it there and entering the probe's next collective leaves the ranks in
+    mismatched collectives (gloo aborts with `gloo::EnforceNotMet` and no word of memory; NCCL can hang until the
+    timeout). The error is re-raised with advice, so torchrun stops the job with it."""
+    env = dict(os.environ, PYTHONWARNINGS="ignore", TQDM_DISABLE="1", OMP_NUM_THREADS="1")
+    torchrun = Path(sys.executable).with_name("torchrun")
+    cmd = [str(torchrun), "--standalone", "--nproc_per_node", "2", str(SCRIPTS / "precompute_dist.py"), "zero3-oom"]
+    start = time.monotonic()
+    try:
+        proc = subprocess.run([*cmd, str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"the run hung after the out-of-memory error: {str(exc.stderr)[-4000:]}")
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, output[-4000:]
+    assert "rank 1 ran out of memory in the middle of a forward" in output
+    assert "cannot back off alone" in output  # the advice travels with the re-raised error
+    assert "did not stop the run" not in output
+    assert time.monotonic() - start < 300

@@ -179,7 +179,12 @@ def main():
         if state.is_main_process and args.json:
             import json
 
-            report = {"model_bytes": model_bytes, "world_size": dist.get_world_size(), "new_tokens": args.new_tokens}
+            report = {
+                "model_bytes": model_bytes,
+                "world_size": dist.get_world_size(),
+                "new_tokens": args.new_tokens,
+                "repeats": args.repeats,  # each mode's time is the best of this many runs
+            }
             report["modes"] = [
                 {
                     "mode": row["mode"],

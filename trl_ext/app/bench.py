@@ -2,9 +2,11 @@
 
 With no arguments it builds a small Llama from a config and a synthetic preference dataset with realistic skewed
 (lognormal) lengths, so nothing is downloaded. For each plugin that applies it measures stock and trl-ext on the same
-data and weights in interleaved rounds (stock, trl-ext, trl-ext, stock, ...; rounds are added, up to
-`--seconds`, until the per-round ratios agree within 10%), and prints the median of the per-round ratios with its
-spread, flagging a ratio above its theoretical bound, below 1, or with a wide spread:
+data and weights in a fixed number of interleaved rounds (stock, trl-ext, trl-ext, stock, ...), and prints the
+median of the per-round ratios with its spread, flagging a ratio above its theoretical bound, below 1, or with a wide
+spread. Every verdict is computed from the numbers: results that should agree ("same losses", "same values", "same
+tokens") are compared against a stated tolerance and flagged when they do not, and a speed ratio says "faster" or
+"slower" only when its interquartile range is on one side of 1:
 
 - DPO training step throughput (`padding_free`), plus the loss and reward-margin curves of both runs (they must lie
   on top of each other);
@@ -12,7 +14,8 @@ spread, flagging a ratio above its theoretical bound, below 1, or with a wide sp
 - collectives per optimizer step and per logging step in a 2-process run (`sync_metrics`, torchrun, gloo);
 - generation memory and time under DeepSpeed ZeRO-3 (`generation`), when DeepSpeed is installed.
 
-It writes `report.json` and `bench.png` (one panel per section, error bars = interquartile range) to `--out`.
+It writes `report.json`, `table.md` (the table in Markdown) and `bench.png` (one panel per section, error bars =
+interquartile range) to `--out`.
 """
 
 from __future__ import annotations
@@ -34,6 +37,9 @@ from .. import __version__, _compat
 from ..errors import UsageError
 
 _WORKER = "trl_ext.app._bench_worker"
+#: Wall time of `trl-ext bench --quick` on 2 shared CPU cores, measured (`report.json`'s `wall_seconds` of the run
+#: recorded in `benchmarks/results/bench_quick.json`); `--help` and the README state it.
+QUICK_DURATION = "about 3 min"
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -165,7 +171,7 @@ def summarize(ratios: Sequence[float], bound: float | None = None) -> dict[str, 
     if median < 1:
         flags.append("SLOWER than stock")
     if spread > WIDE_SPREAD:
-        flags.append(f"WIDE SPREAD ({spread:.0%}): rerun on a quieter machine or with more --seconds")
+        flags.append(f"WIDE SPREAD ({spread:.0%}): rerun on a quieter machine or with more --rounds")
     return {
         "median": median,
         "q1": q1,
@@ -180,41 +186,64 @@ def summarize(ratios: Sequence[float], bound: float | None = None) -> dict[str, 
     }
 
 
+#: Largest |loss difference| per batch, stock against `padding_free`, that still counts as the same losses: both run
+#: in fp32 on the same batches and weights (DPO losses ~0.7; a reordered sum moves them by ~1e-7).
+LOSS_ATOL = 1e-4
+#: Largest |reference log-prob difference|, TRL's precompute against trl-ext's, relative to the largest |log-prob|,
+#: that still counts as the same values: fp32, and only the batch composition (the padding) differs, which moves TRL's
+#: own values by up to ~3e-5 of their size between two batch sizes.
+REF_LOGP_RTOL = 1e-4
+
+
+def agreement(max_abs_diff: float, tolerance: float, what: str) -> dict[str, Any]:
+    """The verdict on two results that should agree: the same `what` when the largest absolute difference is within
+    `tolerance` (a NaN difference never is); otherwise a flag that names both numbers."""
+    same = bool(max_abs_diff <= tolerance)
+    if same:
+        text = f"same {what} (within {tolerance:.1e})"
+        flags: list[str] = []
+    else:
+        text = f"{what.upper()} DIFFER: max |diff| {max_abs_diff:.2e} > tolerance {tolerance:.1e}"
+        flags = [text]
+    return {"same": same, "max_abs_diff": max_abs_diff, "tolerance": tolerance, "text": text, "flags": flags}
+
+
+def direction(r: dict[str, Any]) -> str:
+    """What a speed ratio `stock time / trl-ext time` says: "faster" or "slower" only when the whole interquartile
+    range is on that side of 1, else that the rounds do not tell them apart."""
+    if r["q1"] > 1:
+        return "faster"
+    if r["q3"] < 1:
+        return "slower"
+    return "(no clear difference: the IQR spans 1)"
+
+
 def interleave(
     arms: dict[str, Any],
     *,
     rounds: int,
-    seconds: float,
     what: str,
-    tolerance: float = 0.10,
-    max_rounds: int = 40,
     paired: Any = None,
 ) -> dict[str, list[float]]:
-    """Time every arm once per round, in turn (stock, trl-ext, trl-ext, stock, ...: the order flips every round so
-    that neither side always runs first); keep adding rounds after the first `rounds` until the per-round ratios
-    `stock / arm` spread less than `tolerance` (IQR / median), `seconds` have passed, or `max_rounds` is reached.
+    """Time every arm once per round, in turn, for exactly `rounds` rounds (stock, trl-ext, trl-ext, stock, ...: the
+    order flips every round so that neither side always runs first).
 
-    `arms` maps a name to `fn(round_index) -> seconds`; the first arm is the baseline. A comparison that interleaves
-    more finely inside a round passes `paired(round_index) -> {name: seconds}` instead (and the arm names in `arms`,
-    values unused). Returns the seconds per arm and round.
+    The count is fixed in advance: stopping once the ratios agree would stop on a lucky streak and bias the reported
+    spread low. `arms` maps a name to `fn(round_index) -> seconds`; the first arm is the baseline. A comparison that
+    interleaves more finely inside a round passes `paired(round_index) -> {name: seconds}` instead (and the arm names
+    in `arms`, values unused). Returns the seconds per arm and round.
     """
     names = list(arms)
     times: dict[str, list[float]] = {name: [] for name in names}
     start = time.perf_counter()
-    done = 0
-    for index in range(max_rounds):
+    for index in range(rounds):
         if paired is not None:
             for name, value in paired(index).items():
                 times[name].append(value)
         else:
             for name in names if index % 2 == 0 else names[::-1]:
                 times[name].append(arms[name](index))
-        done = index + 1
-        if done >= rounds:
-            spreads = [summarize(_ratios(times, names[0], name))["spread"] for name in names[1:]]
-            if max(spreads) <= tolerance or time.perf_counter() - start > seconds:
-                break
-    _progress(f"{what}: {done} interleaved rounds in {time.perf_counter() - start:.0f} s")
+    _progress(f"{what}: {rounds} interleaved rounds in {time.perf_counter() - start:.0f} s")
     return times
 
 
@@ -246,7 +275,7 @@ def padding_bounds(masks: Sequence[Any]) -> dict[str, float]:
     }
 
 
-def _bench_padding_free(setup: _Setup, rounds: int, seconds: float) -> dict[str, Any]:
+def _bench_padding_free(setup: _Setup, rounds: int) -> dict[str, Any]:
     """Forward + backward of a DPO training step (`trainer.training_step`, TRL's real loss) on the same batches and
     weights, stock trainer against a `padding_free` trainer, one pass over the batches per arm and round."""
     import torch
@@ -309,10 +338,11 @@ def _bench_padding_free(setup: _Setup, rounds: int, seconds: float) -> dict[str,
                         losses[name].append(loss)
             return total
 
-        times = interleave(dict.fromkeys(sides), rounds=rounds, seconds=seconds, what="padding_free", paired=one_round)
+        times = interleave(dict.fromkeys(sides), rounds=rounds, what="padding_free", paired=one_round)
     bounds = padding_bounds([b["attention_mask"] for b in stock_batches])
     bound = bounds["bound"]
     speed = summarize(_ratios(times, "stock", "trl_ext"), bound=bound)
+    max_diff = max(abs(a - b) for a, b in zip(losses["stock"], losses["trl_ext"], strict=True))
     return {
         **bounds,
         "speedup": speed,
@@ -320,11 +350,12 @@ def _bench_padding_free(setup: _Setup, rounds: int, seconds: float) -> dict[str,
         "batches": n_batches,
         "stock": {"pass_seconds": times["stock"], "loss": losses["stock"]},
         "trl_ext": {"pass_seconds": times["trl_ext"], "loss": losses["trl_ext"]},
-        "max_abs_loss_diff": max(abs(a - b) for a, b in zip(losses["stock"], losses["trl_ext"], strict=True)),
+        "max_abs_loss_diff": max_diff,
+        "losses": agreement(max_diff, LOSS_ATOL, "losses"),
     }
 
 
-def _bench_precompute(setup: _Setup, rounds: int, seconds: float) -> dict[str, Any]:
+def _bench_precompute(setup: _Setup, rounds: int) -> dict[str, Any]:
     """TRL's reference precompute against trl-ext's (same batch size, and `"auto"`), timed by the measuring code of
     `benchmarks/precompute.py` (`PrecomputeRig`), one trainer build per arm and round."""
     from types import SimpleNamespace
@@ -357,10 +388,10 @@ def _bench_precompute(setup: _Setup, rounds: int, seconds: float) -> dict[str, A
     times = interleave(
         {name: arm(name) for name in ("trl", "plugin", "plugin-auto")},
         rounds=rounds,
-        seconds=seconds,
         what="precompute",
     )
     diff = max(float(np.abs(a - b).max()) for a, b in zip(columns["trl"], columns["plugin"], strict=True))
+    scale = max(float(np.abs(a).max()) for a in columns["trl"])
     return {
         "pairs": options.pairs,
         "batch_size": batch,
@@ -370,6 +401,8 @@ def _bench_precompute(setup: _Setup, rounds: int, seconds: float) -> dict[str, A
         "speedup": summarize(_ratios(times, "trl", "plugin")),
         "speedup_auto": summarize(_ratios(times, "trl", "plugin-auto")),
         "max_abs_ref_logp_diff": diff,
+        "max_abs_ref_logp": scale,
+        "values": agreement(diff, REF_LOGP_RTOL * scale, "values"),
     }
 
 
@@ -395,6 +428,12 @@ def _bench_generation(setup: _Setup, quick: bool) -> dict[str, Any]:
     for mode in report["modes"]:
         mode["peak_vs_gather"] = max(mode["peak_bytes_per_rank"]) / max(base["peak_bytes_per_rank"])
         mode["time_vs_gather"] = mode["seconds"] / base["seconds"]
+    differ = [mode["mode"] for mode in report["modes"] if not mode["same_tokens"]]
+    report["tokens"] = {
+        "same": not differ,
+        "text": "greedy tokens identical in every mode" if not differ else f"TOKENS DIFFER in {', '.join(differ)}",
+        "flags": [f"TOKENS DIFFER in {', '.join(differ)}"] if differ else [],
+    }
     return report
 
 
@@ -409,9 +448,9 @@ def run_collectives(out: Path, extra: Sequence[str] = ()) -> dict[str, Any]:
     return json.loads(out.read_text())
 
 
-def _bench_collectives(setup: _Setup, quick: bool, rounds: int, seconds: float) -> dict[str, Any]:
+def _bench_collectives(setup: _Setup, quick: bool, rounds: int) -> dict[str, Any]:
     _progress("sync_metrics: 2-process DPO, stock and sync_metrics in interleaved rounds")
-    extra = ["--rounds", str(rounds), "--seconds", str(seconds)] + (["--quick"] if quick else [])
+    extra = ["--rounds", str(rounds)] + (["--quick"] if quick else [])
     results = run_collectives(setup.out / "collectives.json", extra)
     _progress(f"sync_metrics: {results['rounds']} interleaved rounds")
     results["step_time_ratio"] = summarize(
@@ -419,7 +458,29 @@ def _bench_collectives(setup: _Setup, quick: bool, rounds: int, seconds: float) 
     )
     # Timing is not what this plugin is for: only an ordinary spread check, not "slower than stock".
     results["step_time_ratio"]["flags"] = [f for f in results["step_time_ratio"]["flags"] if "SLOWER" not in f]
+    results["collectives"] = collectives_verdict(results)
     return results
+
+
+def collectives_verdict(results: dict[str, Any]) -> dict[str, Any]:
+    """`sync_metrics` promises one collective per logging step, plus one for the Trainer's final summary log; the
+    verdict compares that with the counted collectives."""
+    ext, stock = results["trl_ext"], results["stock"]
+    expected = ext["logging_steps"] + 1
+    counted = ext["collectives_total"]
+    text = (
+        f"{stock['collectives_total']} -> {counted} collectives in {ext['optimizer_steps']} steps: "
+        f"one per logging step ({ext['logging_steps']}) + the final summary log"
+    )
+    if counted == expected:
+        return {"same": True, "expected": expected, "text": text, "flags": []}
+    flag = f"EXPECTED {expected} COLLECTIVES (one per logging step + 1), COUNTED {counted}"
+    return {
+        "same": False,
+        "expected": expected,
+        "text": f"{stock['collectives_total']} -> {counted} collectives",
+        "flags": [flag],
+    }
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -428,33 +489,54 @@ def _bench_collectives(setup: _Setup, quick: bool, rounds: int, seconds: float) 
 
 
 def _ratio_text(r: dict[str, Any]) -> str:
-    text = f"{r['median']:.2f}x [IQR {r['q1']:.2f}-{r['q3']:.2f}, {r['rounds']} rounds]"
-    return text + ("  !! " + "; ".join(r["flags"]) if r["flags"] else "")
+    """`2.10x faster [IQR 2.08-2.10, 5 rounds]`: the median ratio, what it says, its spread."""
+    return f"{r['median']:.2f}x {direction(r)} [IQR {r['q1']:.2f}-{r['q3']:.2f}, {r['rounds']} rounds]"
 
 
-def _table(report: dict[str, Any]) -> str:
-    rows = [("measure", "stock TRL", "trl-ext", "ratio: median of per-round stock/trl-ext [spread]")]
-    pf = report["sections"].get("padding_free")
+def _times_text(ratio: float, baseline: str) -> str:
+    """A time ratio `this / baseline` from single measurements, with what it says."""
+    if ratio > 1:
+        return f"{ratio:.2f}x {baseline}'s (slower)"
+    if ratio < 1:
+        return f"{ratio:.2f}x {baseline}'s (faster)"
+    return f"1.00x {baseline}'s (the same)"
+
+
+def _rows(report: dict[str, Any]) -> list[tuple[str, str, str, str, list[str]]]:
+    """The table's rows: `(measure, stock TRL, trl-ext, ratio or verdict, flags)`."""
+    rows: list[tuple[str, str, str, str, list[str]]] = []
+    sections = report["sections"]
+    pf = sections.get("padding_free")
     if pf and "error" not in pf and "skipped" not in pf:
         rows.append(
             (
-                f"DPO step fwd+bwd, {pf['batches']} batches (s)",
+                f"DPO step fwd+bwd, {pf['batches']} batches, padding_free (s)",
                 f"{statistics.median(pf['stock']['pass_seconds']):.3f}",
                 f"{statistics.median(pf['trl_ext']['pass_seconds']):.3f}",
-                f"{_ratio_text(pf['speedup'])} faster; bound {pf['bound']:.2f}x ({pf['padding_fraction']:.0%} "
-                f"padding: tokens {pf['token_bound']:.2f}x, attention {pf['attention_bound']:.2f}x; "
+                f"{_ratio_text(pf['speedup'])}; bound {pf['bound']:.2f}x ({pf['padding_fraction']:.0%} padding: "
+                f"tokens {pf['token_bound']:.2f}x, attention {pf['attention_bound']:.2f}x; "
                 f"{pf['fraction_of_bound']:.0%} of bound)",
+                pf["speedup"]["flags"],
             )
         )
-        rows.append(("max |loss diff| per batch (fp32)", "", f"{pf['max_abs_loss_diff']:.2e}", "same losses"))
-    pc = report["sections"].get("precompute")
+        rows.append(
+            (
+                "same step: max |loss diff| per batch (fp32)",
+                "",
+                f"{pf['losses']['max_abs_diff']:.2e}",
+                pf["losses"]["text"],
+                pf["losses"]["flags"],
+            )
+        )
+    pc = sections.get("precompute")
     if pc and "error" not in pc and "skipped" not in pc:
         rows.append(
             (
-                f"ref precompute, {pc['pairs']} pairs (s)",
+                f"ref precompute, {pc['pairs']} pairs, batch {pc['batch_size']} (s)",
                 f"{statistics.median(pc['stock']['seconds']):.2f}",
                 f"{statistics.median(pc['trl_ext']['seconds']):.2f}",
-                f"{_ratio_text(pc['speedup'])} faster at batch {pc['batch_size']}",
+                _ratio_text(pc["speedup"]),
+                pc["speedup"]["flags"],
             )
         )
         rows.append(
@@ -462,46 +544,104 @@ def _table(report: dict[str, Any]) -> str:
                 'ref precompute, "auto" (s)',
                 "",
                 f"{statistics.median(pc['trl_ext_auto']['seconds']):.2f}",
-                f"{_ratio_text(pc['speedup_auto'])} faster",
+                _ratio_text(pc["speedup_auto"]),
+                pc["speedup_auto"]["flags"],
             )
         )
-        rows.append(("max |ref logp diff|", "", f"{pc['max_abs_ref_logp_diff']:.2e}", "same values"))
-    co = report["sections"].get("sync_metrics")
+        rows.append(
+            (
+                "max |ref logp diff| (fp32)",
+                "",
+                f"{pc['values']['max_abs_diff']:.2e}",
+                f"{pc['values']['text']}: {REF_LOGP_RTOL:.0e} of the largest |logp|, {pc['max_abs_ref_logp']:.0f}",
+                pc["values"]["flags"],
+            )
+        )
+    co = sections.get("sync_metrics")
     if co and "error" not in co and "skipped" not in co:
         rows.append(
             (
-                "collectives / optimizer step (2 proc)",
+                "collectives / optimizer step, 2 processes",
                 f"{co['stock']['collectives_per_step']:.1f}",
                 f"{co['trl_ext']['collectives_per_step']:.1f}",
-                f"exact: {co['trl_ext']['collectives_total']} collectives for {co['trl_ext']['logging_steps']} "
-                f"logging steps + the final summary log (stock {co['stock']['collectives_total']})",
+                co["collectives"]["text"],
+                co["collectives"]["flags"],
             )
         )
         rows.append(
             (
-                "2-proc step time (s)",
+                "2-process step time, sync_metrics (s)",
                 f"{statistics.median(co['stock']['step_seconds']):.3f}",
                 f"{statistics.median(co['trl_ext']['step_seconds']):.3f}",
                 _ratio_text(co["step_time_ratio"]),
+                co["step_time_ratio"]["flags"],
             )
         )
-    ge = report["sections"].get("generation")
+    ge = sections.get("generation")
     if ge and "modes" in ge:
-        for mode in ge["modes"]:
+        repeats = ge.get("repeats", 1)
+        runs = "one run" if repeats == 1 else f"best of {repeats} runs"
+        for index, mode in enumerate(ge["modes"]):
+            if index == 0:
+                text = f"the baseline ({runs})"
+            else:
+                text = (
+                    f"memory {mode['peak_vs_gather']:.2f}x TRL gather's (counted bytes); time "
+                    f"{_times_text(mode['time_vs_gather'], 'TRL gather')} ({runs})"
+                )
             rows.append(
                 (
-                    f"ZeRO-3 generation: {mode['mode']}",
+                    f"ZeRO-3 generation, 2 ranks: {mode['mode']}",
                     "",
                     f"{max(mode['peak_bytes_per_rank']) / 2**20:.1f} MiB/rank",
-                    f"memory {mode['peak_vs_gather']:.2f}x of TRL gather (exact); time {mode['time_vs_gather']:.2f}x "
-                    "(one run)" + ("" if mode["same_tokens"] else "  !! TOKENS DIFFER"),
+                    text,
+                    [] if mode["same_tokens"] else ["TOKENS DIFFER from TRL gather's"],
                 )
             )
-    for name, section in report["sections"].items():
+        rows.append(("ZeRO-3 generation: greedy tokens", "", "", ge["tokens"]["text"], []))
+    for name, section in sections.items():
         if "error" in section or "skipped" in section:
-            rows.append((name, "", "", section.get("error") or section["skipped"]))
-    widths = [max(len(r[i]) for r in rows) for i in range(3)]
-    return "\n".join("  ".join(r[i].ljust(widths[i]) for i in range(3)) + "  " + r[3] for r in rows)
+            rows.append((name, "", "", section.get("error") or section["skipped"], []))
+    return rows
+
+
+_HEADER = ("measure", "stock TRL", "trl-ext", "ratio: median of per-round stock/trl-ext [spread], or verdict")
+
+
+def _table(report: dict[str, Any]) -> str:
+    """The plain-text table; a flagged row is followed by one `!!` line per flag, under its ratio column."""
+    rows = _rows(report)
+    widths = [max(len(r[i]) for r in [_HEADER, *rows]) for i in range(3)]
+    indent = " " * (sum(widths) + 6)
+    lines = []
+    for row in [(*_HEADER, []), *rows]:
+        lines.append("  ".join(row[i].ljust(widths[i]) for i in range(3)) + "  " + row[3])
+        lines.extend(f"{indent}!! {flag}" for flag in row[4])
+    return "\n".join(lines)
+
+
+def markdown_table(report: dict[str, Any]) -> str:
+    """The table in Markdown, with a caption naming the run; a flag ends its row's last cell in bold."""
+
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|")
+
+    load = report["load_average"]
+    caption = (
+        f"`trl-ext bench{' --quick' if report['quick'] else ''}` on trl {report['trl']}, torch {report['torch']} "
+        f"({load['cores']} CPU cores, load average {load['start']} -> {load['end']}; {report['model']}; "
+        f"{report['rounds']} rounds; {report['wall_seconds']:.0f} s wall):"
+    )
+    lines = [caption, "", "| " + " | ".join(_HEADER) + " |", "|---|---|---|---|"]
+    for measure, stock, ext, text, flags in _rows(report):
+        last = cell(text) + "".join(f" **!! {cell(flag)}**" for flag in flags)
+        lines.append(f"| {cell(measure)} | {cell(stock)} | {cell(ext)} | {last} |")
+    return "\n".join(lines)
+
+
+def duration_text(seconds: float) -> str:
+    """`about 2.5 min`: a wall time rounded to the half minute, as `--help` and the README state it."""
+    return f"about {max(0.5, round(seconds / 30) / 2):g} min"
 
 
 def headline(report: dict[str, Any]) -> dict[str, float]:
@@ -644,18 +784,19 @@ def _plot(report: dict[str, Any], path: Path) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="trl-ext bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a smaller model and fewer steps (about 90 s)")
-    parser.add_argument("--model", help="path of a local model (and its tokenizer) to use instead of the built-in one")
-    parser.add_argument("--out", default="bench-out", help="directory for report.json and bench.png")
     parser.add_argument(
-        "--rounds", type=int, default=None, help="at least this many interleaved rounds per comparison (default 5)"
+        "--quick",
+        action="store_true",
+        help=f"a smaller model and fewer steps ({QUICK_DURATION} on 2 shared CPU cores)",
     )
+    parser.add_argument("--model", help="path of a local model (and its tokenizer) to use instead of the built-in one")
+    parser.add_argument("--out", default="bench-out", help="directory for report.json, table.md and bench.png")
     parser.add_argument(
-        "--seconds",
-        type=float,
-        default=None,
-        help="time cap per comparison: rounds are added until the spread is under 10%% or this is reached "
-        "(quick: 15; full: 60)",
+        "--rounds",
+        type=int,
+        default=5,
+        help="interleaved rounds per comparison, a fixed count (default 5; the 2-process step time: at most 3 with "
+        "--quick)",
     )
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: steadiest when shared)")
     parser.add_argument(
@@ -665,10 +806,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="sections",
     )
     args = parser.parse_args(argv)
-    rounds = args.rounds or 5
-    seconds = args.seconds if args.seconds is not None else (15.0 if args.quick else 60.0)
-    if rounds < 1 or seconds < 0:
-        raise UsageError("`--rounds` must be at least 1 and `--seconds` at least 0.")
+    started = time.perf_counter()
+    rounds = args.rounds
+    if rounds < 1:
+        raise UsageError(f"`--rounds` must be at least 1, got {rounds}.")
 
     import datasets
     import torch
@@ -695,7 +836,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         "model": setup.model_desc,
         "quick": args.quick,
         "rounds": rounds,
-        "seconds": seconds,
         "sections": {},
     }
     wanted = args.only or ["padding_free", "precompute", "sync_metrics", "generation"]
@@ -713,13 +853,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             continue
         try:
             if section == "padding_free":
-                report["sections"][section] = _bench_padding_free(setup, rounds, seconds)
+                report["sections"][section] = _bench_padding_free(setup, rounds)
             elif section == "precompute":
-                report["sections"][section] = _bench_precompute(setup, rounds, seconds)
+                report["sections"][section] = _bench_precompute(setup, rounds)
             elif section == "sync_metrics":
                 # Its headline (collectives per step) is exact; the step-time ratio needs fewer rounds in --quick.
                 report["sections"][section] = _bench_collectives(
-                    setup, args.quick, min(rounds, 3) if args.quick else rounds, seconds
+                    setup, args.quick, min(rounds, 3) if args.quick else rounds
                 )
             else:
                 report["sections"][section] = _bench_generation(setup, args.quick)
@@ -728,8 +868,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     report["load_average"] = {"start": load_start, "end": _load_average(), "cores": os.cpu_count()}
     report["headline"] = headline(report)
     report["peak_rss_mb"] = _peak_rss_mb()
-    (setup.out / "report.json").write_text(json.dumps(report, indent=2, default=str))
     _plot(report, setup.out / "bench.png")
+    report["wall_seconds"] = time.perf_counter() - started
+    (setup.out / "report.json").write_text(json.dumps(report, indent=2, default=str))
+    (setup.out / "table.md").write_text(markdown_table(report) + "\n")
     load = report["load_average"]
     print(
         f"trl-ext bench — trl {report['trl']}, {report['model']}; load average {load['start']} -> {load['end']} "
@@ -739,7 +881,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     flagged = [name for name, s in report["sections"].items() if _flags(s)]
     if flagged:
         print(f"!! flagged (see the ratio column): {', '.join(flagged)}")
-    print(f"report: {setup.out / 'report.json'}  plot: {setup.out / 'bench.png'}")
+    print(
+        f"report: {setup.out / 'report.json'}  table: {setup.out / 'table.md'}  plot: {setup.out / 'bench.png'}  "
+        f"({report['wall_seconds']:.0f} s)"
+    )
     failed = [name for name, s in report["sections"].items() if "error" in s]
     return 1 if failed else 0
 

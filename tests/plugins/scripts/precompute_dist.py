@@ -1,6 +1,7 @@
 """Launched by tests/plugins/test_precompute_ref_batch_size.py under torchrun (2 processes).
 
-`python precompute_dist.py {ddp|zero3} OUT_DIR`: builds stock DPOTrainers with `precompute_ref_log_probs=True`:
+`python precompute_dist.py {ddp|zero3|zero3-oom} OUT_DIR`: builds stock DPOTrainers with
+`precompute_ref_log_probs=True`:
 
 1. TRL native on a file-backed copy of the data (TRL's own precompute crashes on non-main ranks with an in-memory
    dataset, bug B7);
@@ -9,6 +10,10 @@
 4. the plugin with `"auto"` and a tiny RAM budget (several probes, then planned batches).
 
 Each rank writes what it got to OUT_DIR/rank<R>.json; the test compares.
+
+`zero3-oom` builds only the `"auto"` trainer, and rank 1 runs out of memory in the middle of a forward (a decoder layer
+raises `torch.OutOfMemoryError` on batches of more than 2 pairs) while rank 0's forward goes on through ZeRO-3's
+parameter gathers: the run must fail at once, not hang in mismatched collectives.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ os.environ.setdefault("TQDM_DISABLE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-if MODE == "zero3":
+if MODE.startswith("zero3"):
     # /work/shared/research/deepspeed_cpu.md: skip the shm op JIT build (ZeRO does not use it), and create the gloo
     # state first (accelerate computes backend=None for DeepSpeed on CPU otherwise).
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
@@ -54,7 +59,8 @@ DS_CONFIG = {
     "fp16": {"enabled": False},
     "steps_per_print": 1000000,
 }
-DTYPE = torch.float32 if MODE == "zero3" else torch.float64
+ZERO3 = MODE.startswith("zero3")
+DTYPE = torch.float32 if ZERO3 else torch.float64
 rank = state.process_index
 tok = make_tokenizer()
 
@@ -78,26 +84,34 @@ def args(name):
         seed=0,
         bf16=False,
     )
-    if MODE == "zero3":
+    if ZERO3:
         kwargs.update(deepspeed=DS_CONFIG, accelerator_config={"use_configured_state": True})
     else:
         kwargs.update(use_cpu=True)
     return DPOConfig(**kwargs)
 
 
-def build(name, train_dataset, eval_data):
-    if MODE == "zero3":
+def build(name, train_dataset, eval_data, out_of_memory=False):
+    if ZERO3:
         # accelerate refuses a second DeepSpeed `Accelerator` in one process; each trainer here is independent, so
         # drop the previous trainer's AcceleratorState (the process group, PartialState, stays).
         from accelerate.state import AcceleratorState
 
         AcceleratorState._reset_state(reset_partial_state=False)
     # ZeRO-3: no ref_model, so TRL builds its DeepSpeed inference engine over the policy for the precompute.
-    ref = None if MODE == "zero3" else make_model(seed=1, dtype=DTYPE)
-    model = make_model(seed=1 if MODE != "zero3" else 0, dtype=DTYPE)
+    ref = None if ZERO3 else make_model(seed=1, dtype=DTYPE)
+    model = make_model(seed=1 if not ZERO3 else 0, dtype=DTYPE)
     calls = [0]
     target = ref if ref is not None else model
     target.register_forward_pre_hook(lambda *a: calls.__setitem__(0, calls[0] + 1))
+    if out_of_memory and rank == 1:
+
+        def oom(module, args, kwargs):
+            hidden = args[0] if args else kwargs["hidden_states"]
+            if hidden.shape[0] > 4:
+                raise torch.OutOfMemoryError("test: rank 1 ran out of memory in the middle of a forward")
+
+        target.model.layers[1].register_forward_pre_hook(oom, with_kwargs=True)
     trainer = DPOTrainer(
         model,
         args=args(name),
@@ -125,6 +139,12 @@ def build(name, train_dataset, eval_data):
 
 
 result = {"rank": rank, "world": state.num_processes}
+if MODE == "zero3-oom":
+    options = {"precompute_ref_batch_size": {"cache_dir": os.path.join(OUT, "cache-oom"), "ram_budget": "8GB"}}
+    with trl_ext.install(precompute_ref_batch_size="auto", plugins=options):
+        build("oom", dataset(), eval_dataset(), out_of_memory=True)
+    raise SystemExit(f"rank {rank}: the out-of-memory error did not stop the run")
+
 # 1. native, file-backed
 path = os.path.join(OUT, "data")
 if state.is_main_process:
