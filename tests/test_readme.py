@@ -24,7 +24,8 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 
 #: Commands that cannot run here, by the start of the command, with the reason.
 NOT_RUN = {
-    "python3 -m venv .venv": "installs from the package registry (network)",
+    "python3 -m venv .venv": "installs from the package registry (network); test_install_lines_resolve checks it",
+    "pip install -c constraints.txt": "the package registry (network); test_install_lines_resolve checks it",
     "trl-ext bench": "minutes on its own; tests/test_bench.py runs `trl-ext bench --quick` (every section)",
     "python -m pytest -q": "the test suite itself",
     "accelerate launch --num_processes 8": "8 processes: a GPU machine",
@@ -131,3 +132,95 @@ def test_readme_command_runs(command, workdir):
         assert "ran with plugins:" in proc.stdout, proc.stdout[-2000:]
     if "--help" in filled:
         assert "trl-ext flags:" in proc.stdout
+
+
+def _install_lines() -> list[str]:
+    """The README's pip install lines (the first one after the venv step)."""
+    lines = []
+    for command in readme_commands(README.read_text()):
+        for part in command.split("&&"):
+            part = part.strip()
+            if part.startswith("pip install"):
+                lines.append(part)
+    return lines
+
+
+def test_install_lines_for_users_and_for_tests():
+    """Users install trl-ext alone (plus DeepSpeed if they want it); the test extras are for the tests only."""
+    import tomllib
+
+    lines = _install_lines()
+    assert lines[0] == "pip install -c constraints.txt -e ."
+    assert 'pip install -c constraints.txt -e ".[deepspeed]"' in lines
+    assert 'pip install -c constraints.txt -e ".[test]"' in lines
+    extras = tomllib.loads((README.parent / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert {"deepspeed", "test"} <= set(extras) and "pytest>=8" not in extras["deepspeed"]
+    assert "torch==2.13.0" in (README.parent / "constraints.txt").read_text()
+
+
+@pytest.mark.slow
+def test_install_lines_resolve():
+    """Each README install line resolves as printed against this environment (offline: `--dry-run --no-index`)."""
+    for line in _install_lines():
+        args = line.split()[2:]  # after `pip install`
+        args = [a.strip('"') for a in args]
+        cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--no-index", "--no-build-isolation", *args]
+        proc = subprocess.run(cmd, cwd=README.parent, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, f"{line}\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
+        assert "Would install trl-ext" in proc.stdout, proc.stdout[-2000:]
+
+
+def _readme_block(language: str, first_line: str) -> str:
+    blocks = re.findall(rf"```{language}\n(.*?)```", README.read_text(), flags=re.S)
+    return next(block for block in blocks if block.startswith(first_line))
+
+
+@pytest.mark.slow
+def test_writing_a_plugin_example_installs_and_runs_as_printed(tmp_path):
+    """The "Writing a plugin" files, written out as printed, `pip install`, and the plugin is found and enabled as
+    the README says: from Python with its flag and options, from the environment, and listed by `trl-ext plugins`."""
+    package = tmp_path / "my_package"
+    package.mkdir()
+    (package / "trl_ext_fused.py").write_text(_readme_block("python", "# my_package/trl_ext_fused.py"))
+    (package / "pyproject.toml").write_text(_readme_block("toml", "# my_package/pyproject.toml"))
+    site = tmp_path / "site"
+    # As printed, but offline: no build isolation (setuptools is here), no dependency resolution (trl-ext is here),
+    # and into its own directory so this environment is left as it is.
+    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target", str(site)]
+    proc = subprocess.run([*cmd, "."], cwd=package, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    env = dict(os.environ, TQDM_DISABLE="1", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), env.get("PYTHONPATH", "")) if p)
+    script = """
+import trl_ext
+from trl import DPOConfig, DPOTrainer
+from trl_ext.testing import make_model, make_preference_dataset, make_tokenizer
+
+with trl_ext.install(fused_loss=True, plugins={"fused_loss": {"chunk": 512}}) as installation:
+    assert "fused_loss" not in installation.plugin_manager.catalog.builtin
+    trainer = DPOTrainer(
+        make_model(seed=0), ref_model=make_model(seed=0),
+        args=DPOConfig(output_dir="out", use_cpu=True, report_to=[], max_steps=1, per_device_train_batch_size=2),
+        train_dataset=make_preference_dataset(2), processing_class=make_tokenizer(),
+    )
+    assert trainer._trl_ext.enabled == ("fused_loss",), trainer._trl_ext.enabled
+    assert trainer._trl_ext.config.options("fused_loss").chunk == 512
+print("enabled", trainer._trl_ext.enabled)
+"""
+    proc = subprocess.run(
+        [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0 and "enabled ('fused_loss',)" in proc.stdout, proc.stderr[-4000:]
+    check = "import trl_ext; i = trl_ext.install(); print(i.enabled_plugins('DPOTrainer')); i.uninstall()"
+    proc = subprocess.run(
+        [sys.executable, "-c", check],
+        env=dict(env, TRL_EXT_FUSED_LOSS="1"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0 and "['fused_loss']" in proc.stdout, proc.stderr[-3000:]
+    exe = Path(sys.executable).with_name("trl-ext")
+    proc = subprocess.run([exe, "plugins"], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "  option plugins.fused_loss.chunk: a positive integer; default 1024. Tokens per chunk." in proc.stdout
