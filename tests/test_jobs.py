@@ -364,3 +364,17 @@ def test_job_ends_without_an_uninstall_line(monkeypatch, tmp_path, tokenizer, dp
         root.removeHandler(caplog.handler)
     assert "_trl_ext" not in vars(trainer)  # detached: stock again
     assert not [r for r in caplog.records if "uninstalled" in r.getMessage() and r.levelno >= 25], caplog.text
+
+
+@pytest.mark.slow
+def test_dpo_job_command_line_beats_environment_beats_recipe(assets, tmp_path):
+    """As users run it: `TRL_EXT_PADDING_FREE=0 trl-ext dpo --trl-ext-padding-free true` packs, and the environment's
+    `TRL_EXT_SYNC_METRICS=1` beats the recipe's `sync_metrics: false`."""
+    recipe = _recipe(assets, tmp_path / "run-precedence", {"padding_free": False, "sync_metrics": False})
+    env = dict(_env(), TRL_EXT_PADDING_FREE="0", TRL_EXT_SYNC_METRICS="1", TRL_EXT_LOG_LEVEL="notice")
+    cmd = [sys.executable, "-m", "trl_ext", "dpo", "--config", str(recipe), "--trl-ext-padding-free", "true"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("[trl-ext] DPOTrainer ran with plugins:"))
+    assert line == "[trl-ext] DPOTrainer ran with plugins: padding_free, sync_metrics", line
+    assert "uninstalled" not in proc.stderr  # the job's trainers are detached at its end

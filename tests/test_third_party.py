@@ -174,3 +174,56 @@ def test_enabled_from_the_trl_ext_dpo_command_line(plugin_site, tmp_path):
     help_text = subprocess.run([exe, "dpo", "--help"], capture_output=True, text=True, env=_env(plugin_site))
     assert help_text.returncode == 0, help_text.stderr[-2000:]
     assert "--trl-ext-fused-loss" in help_text.stdout and "(plugin `fused_loss`)" in help_text.stdout
+
+
+def _broken_distribution(root: Path) -> None:
+    """An installed (dist-info on the path) third-party plugin whose module fails to import."""
+    (root / "trl_ext_broken_plugin.py").write_text("raise ImportError('needs a library that is not installed')\n")
+    info = root / "trl_ext_broken_plugin-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: trl-ext-broken-plugin\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[trl_ext]\nbroken_one = trl_ext_broken_plugin\n")
+
+
+def test_broken_installed_plugin_is_skipped_with_the_block_line(tmp_path, monkeypatch, tokenizer, dpo_args):
+    import logging
+
+    import trl_ext.manager
+
+    _broken_distribution(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(trl_ext.manager, "_WARNED", set())
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("trl_ext").addHandler(handler)
+    try:
+        with trl_ext.install(sync_metrics=True) as installation:  # nobody enables it: the rest works
+            assert installation.enabled_plugins("DPOTrainer") == ["sync_metrics"]
+    finally:
+        logging.getLogger("trl_ext").removeHandler(handler)
+    warnings = [r.getMessage() for r in records if "broken_one" in r.getMessage()]
+    assert len(warnings) == 1 and "ImportError: needs a library that is not installed" in warnings[0], warnings
+    assert "`TRL_EXT_BLOCK=broken_one`" in warnings[0] and "`block: [broken_one]`" in warnings[0]
+    with pytest.raises(
+        UsageError, match=r"(?s)`broken_one`.*package `trl-ext-broken-plugin`.*TRL_EXT_BLOCK=broken_one"
+    ):
+        trl_ext.install(plugins={"broken_one": {}})
+    monkeypatch.setenv("TRL_EXT_BLOCK", "broken_one")  # the advice works
+    with trl_ext.install(sync_metrics=True):
+        pass
+
+
+@pytest.mark.slow
+def test_broken_installed_plugin_does_not_break_trl_ext_plugins(tmp_path):
+    _broken_distribution(tmp_path)
+    env = _env(tmp_path)
+    exe = Path(sys.executable).with_name("trl-ext")
+    proc = subprocess.run([exe, "plugins"], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "sync_metrics" in proc.stdout and "broken_one: NOT LOADED" in proc.stdout
+    assert proc.stderr.count("`TRL_EXT_BLOCK=broken_one`") == 1, proc.stderr
+    blocked = subprocess.run(
+        [exe, "plugins"], capture_output=True, text=True, env=dict(env, TRL_EXT_BLOCK="broken_one")
+    )
+    assert blocked.returncode == 0 and "broken_one" not in blocked.stderr, blocked.stderr

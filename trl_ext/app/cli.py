@@ -13,13 +13,19 @@ _VERSIONED = ("trl", "transformers", "torch", "accelerate", "deepspeed", "peft",
 
 
 def _cmd_plugins(args: argparse.Namespace) -> int:
+    import os
+
+    from ..config import _parse_block
     from ..manager import make_plugin_manager, plugin_info
 
-    pm = make_plugin_manager(args.block or ())
+    # `--block NAME` and `TRL_EXT_BLOCK`, as for every other command.
+    env_block = _parse_block(os.environ.get("TRL_EXT_BLOCK", ""), "environment variable $TRL_EXT_BLOCK")
+    args.block = list(dict.fromkeys([*(args.block or ()), *env_block]))
+    pm = make_plugin_manager(args.block)
     trl_version = _compat.installed_version("trl")
     trl_ok = _compat.is_supported_trl(trl_version)
     rows = []
-    for name, _ in pm.list_name_plugin():
+    for name in pm.catalog.specs:
         info = plugin_info(pm, name)
         applies = "yes" if trl_ok else f"no (trl {trl_version} is not {_compat.SUPPORTED_TRL_SPEC})"
         rows.append(
@@ -43,7 +49,7 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
     for row in [header, *rows]:
         print("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=False)) + "  " + row[-1])
     # Each flag and option with what it accepts, its default and one line of help, from the declarations.
-    for name, _ in pm.list_name_plugin():
+    for name in pm.catalog.specs:
         info = plugin_info(pm, name)
         print(f"\n{name}: {info.summary}" if info.summary else f"\n{name}:")
         if not info.flags:
