@@ -182,12 +182,12 @@ def test_train_steps_and_metrics_match(build, dataset, gradient_checkpointing):
     stock = build(**kwargs)
     stock_logs = _train_logs(stock)
     stock_eval = stock.evaluate(dataset.select(range(8)))
-    with trl_ext.install(prompt_sharing=True):
+    with trl_ext.install(prompt_sharing=True, plugins={"prompt_sharing": {"self_check": True}}):
         shared = build(gradient_checkpointing=gradient_checkpointing, **kwargs)
+        assert set(_state(shared).checked) == {"policy", "ref"}  # the self-check ran on both, before training
         shared_logs = _train_logs(shared)
         shared_eval = shared.evaluate(dataset.select(range(8)))
-        assert _state(shared).shared_calls >= 3 * 2 + 2  # policy + ref per step, and evaluation
-        assert set(_state(shared).checked) == {"policy", "ref"}  # the self-check ran on both
+        assert _state(shared).shared_calls == 3 * 2 + 2  # policy + ref per step, and evaluation (not the probe)
     _assert_same_logs([*stock_logs, stock_eval], [*shared_logs, shared_eval])
     assert shared_logs[-1]["num_tokens"] == stock_logs[-1]["num_tokens"]  # real tokens, exactly
 
@@ -376,10 +376,20 @@ def test_isolation(build):
         assert torch.equal(after[others], base[others])
 
 
-def test_self_check_names_what_differed(build, monkeypatch):
-    """A shared attention that lets the rejected response see the chosen one is caught by the self-check on the first
-    forward, with a UsageError naming the model and the output."""
+def test_self_check_names_what_differed(build, monkeypatch, caplog):
+    """A shared attention that lets the rejected response see the chosen one is caught by the self-check before the
+    first step, with a UsageError naming the model, the output and the position; the correct attention passes, with
+    one log line giving the cost."""
     from trl_ext.plugins.prompt_sharing import attention
+
+    check = {"prompt_sharing": {"self_check": True}}
+    with trl_ext.install(prompt_sharing=True, plugins=check):
+        with caplog.at_level("INFO", logger="trl_ext"):
+            trainer = build()
+        assert set(_state(trainer).checked) == {"policy", "ref"}
+        assert _state(trainer).shared_calls == 0  # the probe is not counted as training
+    passed = [r.getMessage() for r in caplog.records if "self-check passed" in r.getMessage()]
+    assert len(passed) == 2 and all("cost 2 forwards" in m and "stock padded forward" in m for m in passed), passed
 
     original = attention._attend
 
@@ -389,15 +399,87 @@ def test_self_check_names_what_differed(build, monkeypatch):
         return original(base, module, query, key, value, offset, *args)
 
     monkeypatch.setattr(attention, "_attend", leaky)
+    match = r"self-check failed for the policy model \(LlamaForCausalLM, `llama`\): the shared forward's `logits` "
+    match += r"differ .* at probe row \d+ \(the (chosen|rejected) sequence of pair \d\), token \d+"
+    with trl_ext.install(prompt_sharing=True, plugins=check):
+        with pytest.raises(UsageError, match=match):
+            build()
     with trl_ext.install(prompt_sharing=True):
-        trainer = build()
-        batch = trainer.data_collator(eq.examples(trainer))
-        with pytest.raises(UsageError, match=r"self-check failed on the (policy|ref) model .*differs"):
-            trainer.compute_loss(trainer.model, batch)
+        build()  # a verified model type is not checked unless `self_check: true`
+
+
+def _custom(seed: int, window: int | None = None):
+    """A sharpened float64 Llama under a model type outside every table, as a `trust_remote_code` model would be; with
+    `window`, its attention layers also apply a sliding window only through the 4D mask they receive (nothing in the
+    config or the layer arguments says so: only a measurement sees it)."""
+    model = eq.sharpen(make_model(dtype=torch.float64, seed=seed))
+    model.config.model_type = "my_custom_llama"
+
+    def add_window(module, args, kwargs):
+        mask = kwargs.get("attention_mask")
+        if isinstance(mask, torch.Tensor):
+            n, k = mask.shape[-2], mask.shape[-1]
+            near = torch.arange(n)[:, None] - torch.arange(k)[None, :] < window
+            kwargs["attention_mask"] = mask & near if mask.dtype == torch.bool else mask.masked_fill(~near, -1e30)
+        return args, kwargs
+
+    if window is not None:
+        for layer in model.model.layers:
+            layer.self_attn.register_forward_pre_hook(add_window, with_kwargs=True)
+    return model
+
+
+def test_unverified_model_type_is_admitted_by_the_self_check(build, dpo_args, tokenizer, dataset, caplog):
+    """A model type outside the verified table (TRL's `test_trust_remote_code` case) is admitted through the
+    self-check before the first step, and then equals stock: log-probs, loss and gradients."""
+    from trl import DPOTrainer
+
+    stock = build()
+    with trl_ext.install(prompt_sharing=True):
+        with caplog.at_level("INFO", logger="trl_ext"):
+            shared = DPOTrainer(
+                _custom(0), ref_model=_custom(1), args=dpo_args(bf16=False), train_dataset=dataset,
+                processing_class=tokenizer,
+            )  # fmt: skip
+        assert set(_state(shared).checked) == {"policy", "ref"}
+        assert _state(shared).self_checks["policy"].lengths[0] == 52  # the dataset's longest pair
+        assert "self-check passed for the policy model (LlamaForCausalLM, `my_custom_llama`" in caplog.text
+        _compare(stock, shared, eq.examples(stock))
+
+
+def test_a_mask_only_window_is_refused_before_the_first_step(dpo_args, tokenizer, dataset):
+    """A custom model whose window lives only in the padded mask (16 tokens, shorter than the dataset's longest pair)
+    loses it in the shared row: refused before the first step, naming the model, the output and the position. With
+    a window longer than every training sequence it never acts, and the model is admitted."""
+    from trl import DPOTrainer
+
+    def trainer(window):
+        return DPOTrainer(
+            _custom(0, window), ref_model=_custom(1, window), args=dpo_args(bf16=False), train_dataset=dataset,
+            processing_class=tokenizer,
+        )  # fmt: skip
+
+    with trl_ext.install(prompt_sharing=True):
+        match = r"self-check failed for the policy model \(LlamaForCausalLM, `my_custom_llama`\): the shared "
+        match += r"forward's `logits` differ .* at probe row \d \(the \w+ sequence of pair 0\), token \d+"
+        with pytest.raises(UsageError, match=match):
+            trainer(16)
+        assert set(_state(trainer(1000)).checked) == {"policy", "ref"}
+
+
+def test_self_check_false_refuses_unverified_model_types(dpo_args, tokenizer, dataset):
+    """`self_check: false` checks nothing, so a model type outside the verified table is refused (not run unchecked),
+    with the setting that admits it; a bad value is an error."""
+    from trl import DPOTrainer
+
     with trl_ext.install(prompt_sharing=True, plugins={"prompt_sharing": {"self_check": False}}):
-        trainer = build()
-        trainer.compute_loss(trainer.model, trainer.data_collator(eq.examples(trainer)))  # unchecked: runs (wrong)
-        assert _state(trainer).checked == set()
+        with pytest.raises(UsageError, match=r"not verified on `my_custom_llama` .*self_check: auto"):
+            DPOTrainer(
+                _custom(0), ref_model=_custom(1), args=dpo_args(bf16=False), train_dataset=dataset,
+                processing_class=tokenizer,
+            )  # fmt: skip
+    with pytest.raises(UsageError, match="self_check"):
+        trl_ext.install(prompt_sharing=True, plugins={"prompt_sharing": {"self_check": "sometimes"}})
 
 
 # -------------------------------------------------------------------------------------------------------------------
@@ -465,16 +547,18 @@ def test_dropout_with_disable_dropout_false_is_refused(dpo_args, tokenizer, data
 def test_self_check_names_dropout_it_cannot_turn_off(dpo_args, tokenizer, dataset):
     """Dropout read inside `forward` (no module attribute to zero; here a forward hook) makes two forwards differ:
     the self-check's refusal says it is dropout, not a wrong shared prompt."""
+    from trl import DPOTrainer
+
+    model = _opt(0.0)
+    model.model.decoder.layers[0].fc2.register_forward_hook(
+        lambda module, args, out: torch.nn.functional.dropout(out, 0.1, training=module.training)
+    )
     with trl_ext.install(prompt_sharing=True, plugins={"prompt_sharing": {"self_check": True}}):
-        trainer = _opt_trainer(dpo_args, tokenizer, dataset, 0.0)
-        layer = trainer.model.model.decoder.layers[0]
-        layer.fc2.register_forward_hook(
-            lambda module, args, out: torch.nn.functional.dropout(out, 0.1, training=module.training)
-        )
-        trainer.model.train()
-        batch = trainer.data_collator(eq.examples(trainer))
-        with pytest.raises(UsageError, match=r"(?s)policy model.*differ.*dropout"):
-            trainer.compute_loss(trainer.model, batch)
+        with pytest.raises(UsageError, match=r"(?s)policy model .*two stock padded forwards .*differ.*dropout"):
+            DPOTrainer(
+                model, ref_model=_opt(0.0, seed=1), args=dpo_args(bf16=False), train_dataset=dataset,
+                processing_class=tokenizer,
+            )  # fmt: skip
 
 
 # -------------------------------------------------------------------------------------------------------------------

@@ -45,16 +45,22 @@ def _generate_arity() -> int:
 
 @pytest.fixture
 def build(online_dpo_args, tokenizer):
-    def make(*, generation=None, ref=True, peft_config=None, **overrides):
+    def make(*, generation=None, ref=True, peft_config=None, model_type=None, **overrides):
         from trl.experimental.online_dpo import OnlineDPOTrainer
 
         overrides.setdefault("bf16", False)
         args = online_dpo_args(per_device_train_batch_size=3, optim="sgd", learning_rate=0.1, **overrides)
         if peft_config is not None:
             torch.manual_seed(123)
+        model = eq.sharpen(make_model(dtype=torch.float64))
+        ref_model = eq.sharpen(make_model(seed=1, dtype=torch.float64)) if ref else None
+        if model_type is not None:  # a model type outside every table, as a `trust_remote_code` model would be
+            for m in (model, ref_model):
+                if m is not None:
+                    m.config.model_type = model_type
         trainer = OnlineDPOTrainer(
-            model=eq.sharpen(make_model(dtype=torch.float64)),
-            ref_model=eq.sharpen(make_model(seed=1, dtype=torch.float64)) if ref else None,
+            model=model,
+            ref_model=ref_model,
             reward_funcs=length_reward,
             args=args,
             train_dataset=make_prompt_dataset(6),
@@ -79,10 +85,11 @@ def _step(trainer):
 @pytest.mark.parametrize("max_length", [None, 12])
 def test_training_step_equals_stock(build, max_length):
     """One training step (policy and reference scoring, the loss, the backward), prompts shared; with `max_length=12`
-    TRL cuts the prompts on the left first (the same columns for every row, so they still share)."""
+    TRL cuts the prompts on the left first (the same columns for every row, so they still share). The self-check is
+    forced on (the model type is verified)."""
     kwargs = {} if max_length is None else {"max_length": max_length}
     stock = build(**kwargs)
-    with trl_ext.install(prompt_sharing=True):
+    with trl_ext.install(prompt_sharing=True, plugins={"prompt_sharing": {"self_check": True}}):
         shared = build(**kwargs)
         assert "prompt_sharing" in shared._trl_ext.enabled
         prompt_ids, prompt_mask, completion_ids, completion_mask = _fixed_generation()
@@ -100,7 +107,7 @@ def test_training_step_equals_stock(build, max_length):
             # completion columns (the padding after an end too: TRL logs metrics over it)
             per_call = sum(p - 1 for p in (5, 9, 2)) + 6 * (1 + 6)
             assert state.shared_tokens == state.shared_calls * per_call
-        assert state.checked == {"policy", "ref"}  # the self-check ran on both models
+        assert state.checked == {"policy", "ref"}  # the self-check ran on both models, before the step
     assert shared_loss.item() == pytest.approx(stock_loss.item(), rel=1e-9)
     eq.assert_same_grads(stock_grads, shared_grads, GRAD_RTOL)
 
@@ -159,3 +166,19 @@ def test_generation_is_not_shared(online_dpo_args, tokenizer):
         assert shared._trl_ext.state["prompt_sharing"].shared_calls == 0
     for x, y in zip(expected[:4], got[:4], strict=True):
         assert torch.equal(x, y)
+
+
+def test_unverified_model_type_is_admitted_by_the_self_check(build):
+    """A model type outside the verified table (TRL's `test_trust_remote_code` case for Online DPO) is admitted
+    through the self-check before the first step, and its training step then equals stock."""
+    stock = build()
+    with trl_ext.install(prompt_sharing=True):
+        shared = build(model_type="my_custom_llama")
+        state = shared._trl_ext.state["prompt_sharing"]
+        assert state.checked == {"policy", "ref"} and state.self_checks["policy"].failure is None
+        stock_loss, stock_grads = _step(stock)
+        shared_loss, shared_grads = _step(shared)
+        assert state.shared_calls >= 2 and state.unshared_calls == 0
+    assert shared_loss.item() == pytest.approx(stock_loss.item(), rel=1e-9)
+    eq.assert_same_grads(stock_grads, shared_grads, GRAD_RTOL)
+

@@ -44,9 +44,13 @@ segment, the prompt's keys/values plus the segment's own, so its cost follows th
 shared calls; generation and every other call run the original attention with its usual mask. Sliding windows are
 applied by position. Flash attention and FlexAttention are not supported yet (refused, see below).
 
-Self-check (option `self_check`, defaults to true): on the first shared forward of each model, the same batch is also
-run through the unshared packed layout without gradients and the per-token outputs compared; a difference raises
-`trl_ext.UsageError` naming the model, the output and where it differed.
+Self-check (`selfcheck.py`, option `self_check`, defaults to `"auto"`): before the first step, every model outside
+the verified table (every model with `self_check: true`) runs a probe of chosen/rejected pairs sharing a prompt, sized
+from what training will feed (one pair as long as the longest training sequence, the others longer than every window
+or chunk the config declares), through the shared forward and through its own stock padded forward (stock attention,
+`attention_mask`, `use_cache=False`, training dtype); the logits of every real token must agree to the dtype's
+round-off. A difference raises `trl_ext.UsageError` naming the model, the output and the position; one log line gives
+the result and its cost.
 
 Enable it with:
 
@@ -57,20 +61,21 @@ with trl_ext.install(prompt_sharing=True):
 
 Options (`plugins: {prompt_sharing: {...}}`):
 
-- `self_check` (`bool`, defaults to `true`): compare the shared forward with the unshared packed forward on the first
-  batch of each model.
+- `self_check` (`"auto"`, `true` or `false`, defaults to `"auto"`): `"auto"` checks the models outside the verified
+  table, `true` every model, `false` none (model types outside the verified table are then refused).
 
-Architectures: the model types of `setup.VERIFIED_MODEL_TYPES` (padding_free's verified table but StableLM), each
-checked against the padded forward in float64 by tests/plugins/test_prompt_sharing_architectures.py: rotary, partial
-rotary and learned positions, sliding windows mixed with full layers, attention sinks (GPT-OSS), softcapping
-(Gemma 2), QK-norm, parallel blocks, and token-choice MoE with the router auxiliary loss on (`moe.py` recomputes it
-in the padded layout, so it counts a shared prompt once per response, as stock TRL does). Layers other than plain
-SDPA (eager, softcapping, sinks) run their own attention function per segment with an explicit mask.
+Architectures: the model types of `setup.VERIFIED_MODEL_TYPES` (padding_free's verified table but StableLM) run without
+a self-check, each checked against the padded forward in float64 by tests/plugins/test_prompt_sharing_architectures.py:
+rotary, partial rotary and learned positions, sliding windows mixed with full layers, attention sinks (GPT-OSS),
+softcapping (Gemma 2), QK-norm, parallel blocks, and token-choice MoE with the router auxiliary loss on (`moe.py`
+recomputes it in the padded layout, so it counts a shared prompt once per response, as stock TRL does). Layers other
+than plain SDPA (eager, softcapping, sinks) run their own attention function per segment with an explicit mask.
 
-Refused with `trl_ext.UsageError`: what padding_free's inspection refuses (layers that carry state along the
-sequence, ALiBi, capacity-limited routing), naming the layer; model types outside the verified table (padding_free
-alone runs them); a layer that drops the segments on the way to its attention; vision-language models;
-prompt-learning PEFT; `use_liger_kernel`; attention implementations other than `sdpa` and `eager`.
+Refused with `trl_ext.UsageError`: what padding_free's inspection refuses (layers that carry state along the sequence,
+ALiBi, capacity-limited routing), naming the layer; a model outside the verified table whose shared forward differs
+from its stock padded forward (the self-check); a layer that drops the segments on the way to its attention;
+vision-language models; prompt-learning PEFT; `use_liger_kernel`; attention implementations other than `sdpa` and
+`eager`.
 """
 
 from __future__ import annotations
@@ -79,9 +84,18 @@ import dataclasses
 from typing import Any
 
 from ...hookspecs import hookimpl
-from ...spec import Flag, PluginSpec, boolean
+from ...spec import Flag, Parser, PluginSpec, boolean
 
 NAME = "prompt_sharing"
+
+
+def _parse_self_check(value: Any) -> str | bool:
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    return boolean(value)
+
+
+_SELF_CHECK = Parser(_parse_self_check, '"auto", true or false')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,12 +103,13 @@ class PromptSharingOptions:
     """Options of the `prompt_sharing` plugin (`plugins: {prompt_sharing: {...}}`).
 
     Args:
-        self_check (`bool`, *optional*, defaults to `True`):
-            On the first shared forward of each model, compare it with the unshared packed forward of the same batch
-            and raise `UsageError` on a difference.
+        self_check (`str` or `bool`, *optional*, defaults to `"auto"`):
+            `"auto"`: before the first step, measure on a probe of prompt-sharing pairs (sized from the training
+            lengths) whether a model outside the verified table computes a shared prompt as its stock padded forward
+            does; `true`: check every model; `false`: check none, and refuse model types outside the verified table.
     """
 
-    self_check: bool = dataclasses.field(default=True, metadata={"parse": boolean})
+    self_check: str | bool = dataclasses.field(default="auto", metadata={"parse": _SELF_CHECK})
 
 
 TRL_EXT_PLUGIN = PluginSpec(
@@ -155,6 +170,8 @@ def trl_ext_describe(trainer: Any, context: Any) -> str | None:
 
     state = state_of(context)
     parts = [f"{role}: {impl}" for role, impl in state.attn_implementations.items()]
-    if not state.self_check:
+    if state.self_check is False:
         parts.append("self-check off")
+    elif state.checked:
+        parts.append(f"self-checked: {', '.join(sorted(state.checked))}")
     return ", ".join(parts) or None

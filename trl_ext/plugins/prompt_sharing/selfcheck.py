@@ -1,104 +1,177 @@
-"""Self-check on first use: the shared forward equals the unshared packed forward on the first batch of each model.
+"""The prompt_sharing self-check: does a model's shared forward equal its stock padded forward? Decided by measurement.
 
-Run once per model role (`policy`, `ref`; under PEFT the adapter-disabled reference runs through the policy model and
-is checked with it), on the first call whose layout shares at least one prompt: the same call is run again, without
-gradients, on the unshared packed layout (every row its own causal segment, as padding_free packs it), and the
-per-token outputs TRL reads are compared. A difference beyond the dtype's round-off raises `UsageError` naming the
-model, the output, the row and the column; nothing is silently turned off. Costs one extra no-grad forward per role.
+Run before the first step, for every model outside the verified table (and for every model with `self_check: true`),
+on a probe sized from what training will feed (`trl_ext.plugins._probe`): three pairs of random sequences, each pair
+a chosen and a rejected row with the same prompt and different completions (the rows TRL's DPO collator makes). The
+first pair is as long as the longest sequence the trainer will feed, the others longer than every window or chunk the
+config declares, so any locality that acts in training acts in the probe. Each prompt is half its sequence, so a
+completion attends across the shared prefix.
+
+The probe runs through the model's wrapped forward (shared: each prompt once) and through its *stock padded* forward
+(its original attention implementation, the padded batch with its `attention_mask`, `use_cache=False`: TRL's scoring
+call), without gradients, in the training dtype (the trainer's autocast), in the mode the model trains in (the policy
+in training mode, its dropout turned off by `dropout.py`; a separate reference model in eval mode). The logits of
+every real token of every sequence must agree to the dtype's round-off, relative to the sequence's largest logit
+(1e-6 in float64, 1e-4 in float32, 5e-2 in 16-bit); a position off by one, a response seeing the other, or a window
+lost in the shared row moves them by order 1e-1. A difference raises `UsageError` naming the model, the output and
+the position; when two stock forwards of the probe differ as well, the model draws random numbers in its forward and
+the message says it is dropout.
+
+Cost: one shared and one padded forward of six sequences (timed and logged).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+import contextlib
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 import torch
 
-from ..._logging import get_logger
-from ...errors import UsageError
+from .._probe import stock_forward
 from .dropout import forward_is_random
-from .forward import FUSED_FIELDS
-from .layout import SharedLayout, build_layout
+from .layout import LAYOUT_KEY, build_layout
 
-logger = get_logger(__name__)
+__all__ = ["SelfCheckResult", "TOLERANCES", "probe_pairs", "self_check"]
 
-__all__ = ["TOLERANCES", "self_check"]
-
-#: Per-token tolerance, relative to max(1, |value|), by the dtype of the compared output. Two packings of the same
-#: tokens differ only by the order of floating-point sums; a token attending to the wrong keys, or at the wrong
-#: position, moves its log-prob by far more than these.
-TOLERANCES = {torch.float64: 1e-8, torch.float32: 1e-3, torch.bfloat16: 0.1, torch.float16: 0.05}
+#: Per-token tolerance, relative to the largest logit of the sequence, by the training dtype.
+TOLERANCES = {torch.float64: 1e-6, torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 5e-2}
 
 
-def _fields(outputs: Any, fused: bool, kwargs: dict[str, Any]) -> dict[str, torch.Tensor]:
-    if fused:
-        return {name: getattr(outputs, name) for name in FUSED_FIELDS if getattr(outputs, name, None) is not None}
-    logits = outputs.logits
-    real = kwargs["attention_mask"].bool()
-    return {"logits": torch.where(real[..., None], logits, torch.zeros((), dtype=logits.dtype))}
+@dataclasses.dataclass
+class SelfCheckResult:
+    """Outcome of `self_check`: `failure` is None when the shared forward equals the stock padded forward, else
+    what differed (and where)."""
+
+    failure: str | None
+    max_error: float
+    tolerance: float
+    seconds: float
+    forwards: int
+    lengths: tuple[int, ...]
+    #: the two stock forwards differed: random numbers in the forward (dropout)
+    random: bool = False
 
 
-def _random_forward(
-    run: Callable[[dict[str, Any], SharedLayout], Any],
-    kwargs: dict[str, Any],
-    layout: SharedLayout,
-    fused: bool,
-    name: str,
-    tolerance: float,
-) -> float | None:
-    """How much two runs of the same forward differ (None: not beyond `tolerance`)."""
+def probe_pairs(
+    vocab: int, lengths: Sequence[int], device: torch.device, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """A right-padded DPO probe: for each length `n`, a chosen row and a rejected row of `n` tokens that share a
+    prompt of `n // 2` tokens (at least 2) and differ from their first completion token on (chosen rows first, as
+    TRL's collator orders them). Returns `input_ids`, `attention_mask` and each row's prompt end."""
+    g = torch.Generator().manual_seed(seed)
+    low = min(3, vocab - 1)
+    pairs = len(lengths)
+    width = max(lengths)
+    ids = torch.zeros(2 * pairs, width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    prompt_end = [0] * (2 * pairs)
+    for i, n in enumerate(lengths):
+        p = min(max(2, n // 2), n - 1)
+        prompt = torch.randint(low, vocab, (p,), generator=g)
+        chosen = torch.randint(low, vocab, (n - p,), generator=g)
+        rejected = torch.randint(low, vocab, (n - p,), generator=g)
+        rejected[0] = low + (chosen[0] - low + 1) % (vocab - low)  # the completions differ from their first token
+        for row, completion in ((i, chosen), (pairs + i, rejected)):
+            ids[row, :n] = torch.cat([prompt, completion])
+            mask[row, :n] = 1
+            prompt_end[row] = p
+    return ids.to(device), mask.to(device), prompt_end
 
-    def once() -> torch.Tensor:
-        with torch.no_grad():
-            return _fields(run(kwargs, layout), fused, kwargs)[name].detach()
 
-    return forward_is_random(once, tolerance, kwargs["input_ids"].device)
+def _where(row: int, token: int, pairs: int, prompt_end: list[int]) -> str:
+    side = "chosen" if row < pairs else "rejected"
+    part = "prompt" if token < prompt_end[row] else "completion"
+    return f"probe row {row} (the {side} sequence of pair {row % pairs}), token {token} (in the {part})"
 
 
 def self_check(
-    run: Callable[[dict[str, Any], SharedLayout], Any],
-    kwargs: dict[str, Any],
-    layout: SharedLayout,
-    outputs: Any,
-    role: str,
-    model_name: str,
-) -> bool:
-    """Compare `outputs` (the shared forward of `kwargs`) with the unshared packed forward. Returns False (nothing
-    checked) when the layout shares no prompt; raises `UsageError` on a mismatch."""
-    if layout.shared_rows == 0:
-        return False
-    fused = bool(kwargs.get("fused_lm_head"))
-    unshared = build_layout(kwargs["input_ids"], kwargs["attention_mask"], None)
-    with torch.no_grad():
-        expected = _fields(run(kwargs, unshared), fused, kwargs)
-    got = _fields(outputs, fused, kwargs)
-    for name, want in expected.items():
-        have = got[name].detach()
-        if have.dtype == torch.bool:
-            diff = (have != want).to(torch.float32)
-            tol = 0.0
-        else:
-            tol = TOLERANCES.get(want.dtype, 1e-3)
-            diff = (have.double() - want.double()).abs() / want.double().abs().clamp(min=1.0)
-        worst = diff.max().item() if diff.numel() else 0.0
-        if worst > tol or diff.isnan().any():
-            flat = int(diff.nan_to_num(float("inf")).argmax())
-            row, col = divmod(flat // (diff[0, 0].numel() if diff.dim() > 2 else 1), diff.shape[1])
-            random = _random_forward(run, kwargs, unshared, fused, name, tol)
+    model: torch.nn.Module,
+    shared_forward: Callable,
+    lengths: Sequence[int],
+    dtype: torch.dtype | None = None,
+    training: bool = False,
+    autocast: Callable[[], Any] | None = None,
+) -> SelfCheckResult:
+    """Measure whether `shared_forward` (the model's wrapped forward) equals the model's stock padded forward on a
+    probe of prompt-sharing pairs of `lengths` tokens (`trl_ext.plugins._probe.probe_lengths`).
+
+    `dtype`: the training dtype (sets the tolerance; default: the parameters' dtype). `training`: run the probe in
+    training mode (the policy) instead of eval mode. `autocast`: a context-manager factory for the trainer's mixed
+    precision (e.g. `trainer.autocast_smart_context_manager`).
+    """
+    lengths = tuple(max(3, int(n)) for n in lengths)
+    start = time.perf_counter()
+    device = next(model.parameters()).device
+    embeddings: Any = cast(Any, model).get_input_embeddings()
+    vocab: int = embeddings.num_embeddings
+    dtype = dtype or next(model.parameters()).dtype
+    tolerance = TOLERANCES.get(dtype, 5e-2)
+    ids, mask, prompt_end = probe_pairs(vocab, lengths, device)
+    layout = build_layout(ids, mask, prompt_end)
+    pairs = len(lengths)
+    forwards = 0
+    modes = {m: m.training for m in model.modules()}
+    model.train(training)
+
+    def result(failure: str | None, worst: float = float("nan"), random: bool = False) -> SelfCheckResult:
+        return SelfCheckResult(failure, worst, tolerance, time.perf_counter() - start, forwards, lengths, random)
+
+    def amp() -> Any:
+        return autocast() if autocast is not None else contextlib.nullcontext()
+
+    def stock() -> torch.Tensor:
+        with stock_forward(model), amp():
+            return model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+
+    try:
+        with torch.no_grad():
+            try:
+                with amp():
+                    got = shared_forward(
+                        input_ids=ids, attention_mask=mask, use_cache=False, **{LAYOUT_KEY: layout.to_batch()}
+                    ).logits
+                forwards += 1
+            except Exception as exc:  # noqa: BLE001 - a model that cannot run shared is refused, with the cause
+                return result(f"its shared forward raised {type(exc).__name__}: {exc}")
+            try:
+                want = stock()
+                forwards += 1
+            except Exception as exc:  # noqa: BLE001 - no stock reference, no verdict: refuse with the cause
+                return result(f"its stock padded forward (the reference) raised {type(exc).__name__}: {exc}")
+            real = mask.bool()
+            worst, where = 0.0, (0, 0)
+            for row in range(ids.shape[0]):
+                ref = want[row][real[row]].double()
+                error = (got[row][real[row]].double() - ref).abs().amax(-1) / ref.abs().max().clamp(min=1e-30)
+                error = error.nan_to_num(float("inf"))
+                token = int(error.argmax())
+                if error[token].item() > worst:
+                    worst, where = error[token].item(), (row, token)
+            if worst <= tolerance:
+                return result(None, worst)
+            random = forward_is_random(stock, tolerance, device)
+            forwards += 2
             if random is not None:
-                raise UsageError(
-                    f"prompt_sharing self-check on the {role} model ({model_name}): two unshared forwards of the same "
-                    f"batch differ by {random:.3g} (relative), so the shared forward cannot be compared: the model "
-                    "draws random numbers in training mode, i.e. dropout that neither TRL's `disable_dropout` nor "
-                    "prompt_sharing could turn off (read from the config inside `forward`). Load the model with its "
-                    "dropout set to 0 (e.g. `from_pretrained(..., dropout=0.0, attention_dropout=0.0)`), or disable "
-                    "prompt_sharing for it."
+                return result(
+                    f"two stock padded forwards of the same probe differ by {random:.3g} (relative to the largest "
+                    f"logit; tolerance {tolerance:g}): the model draws random numbers in its forward in "
+                    f"{'training' if training else 'eval'} mode, i.e. dropout that neither TRL's `disable_dropout` "
+                    "nor prompt_sharing could turn off (read from the config inside `forward`), so a shared prompt "
+                    "would see one dropout mask where padded training draws two",
+                    worst,
+                    random=True,
                 )
-            raise UsageError(
-                f"prompt_sharing self-check failed on the {role} model ({model_name}): the shared forward's `{name}` "
-                f"differs from the unshared packed forward by {worst:.3g} (relative; tolerance {tol:g}) at row {row}, "
-                f"column {col} of the padded batch. This model does not compute a shared prompt correctly; disable "
-                "prompt_sharing for it (padding_free alone packs without sharing)."
+            return result(
+                f"the shared forward's `logits` differ from the stock padded forward by {worst:.3g} (relative to the "
+                f"sequence's largest logit; {dtype} round-off allows {tolerance:g}) at "
+                f"{_where(*where, pairs, prompt_end)}, on {pairs} prompt-sharing pairs of {list(lengths)} tokens: a "
+                "response sees the other, positions do not continue from the prompt, or a window, chunk or mask "
+                "that the padded forward applies is lost in the shared row",
+                worst,
             )
-    logger.info("prompt_sharing: self-check passed on the %s model (%s)", role, ", ".join(expected))
-    return True
+    finally:
+        for module, mode in modes.items():
+            module.training = mode

@@ -5,16 +5,19 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import torch
+
 from ..._logging import get_logger
 from ...errors import UsageError
 from .._packing import check_packable_trainer, switch_attention
+from .._probe import declared_localities, probe_lengths, training_max_length
 from ..padding_free.architecture import inspect_model
 from .attention import base_of, register_shared_attention, shared_attention_name, unregister_shared_attention
 from .dropout import describe, disable_dropout, dropout_sites
 from .forward import make_causal_lm_forward, make_online_forward
 from .layout import SharedLayout
 from .moe import MoeAuxLoss
-from .selfcheck import self_check
+from .selfcheck import SelfCheckResult, self_check
 
 logger = get_logger(__name__)
 
@@ -25,10 +28,11 @@ NAME = "prompt_sharing"
 class PromptSharingState:
     """Per-trainer state of the plugin (`context.state["prompt_sharing"]`)."""
 
-    self_check: bool = True
+    self_check: str | bool = "auto"
     checked_trainer: bool = False
-    #: roles whose first shared forward passed the self-check
+    #: roles whose self-check passed, and the results
     checked: set[str] = dataclasses.field(default_factory=set)
+    self_checks: dict[str, SelfCheckResult] = dataclasses.field(default_factory=dict)
     #: attention implementation each wrapped model runs, by role
     attn_implementations: dict[str, str] = dataclasses.field(default_factory=dict)
     shared_calls: int = 0
@@ -103,7 +107,7 @@ def check_trainer(trainer: Any, context: Any) -> PromptSharingState:
 #: auxiliary loss with the router on, gradients; sliding windows shorter than prompt + response, attention sinks,
 #: softcapping), measured by tests/plugins/test_prompt_sharing_architectures.py: every model type of padding_free's
 #: verified table except `stablelm`, whose decoder layer does not hand attention keyword arguments (the segments) to
-#: its attention. Other model types are refused (padding_free alone runs them, with its self-check).
+#: its attention. Other model types are admitted through the self-check (`selfcheck.py`), before the first step.
 VERIFIED_MODEL_TYPES = (
     "cohere",
     "cohere2",
@@ -138,11 +142,12 @@ VERIFIED_MODEL_TYPES = (
 #: Kept for code that imported the previous name.
 SUPPORTED_MODEL_TYPES = VERIFIED_MODEL_TYPES
 
-_ADVICE = "Disable prompt_sharing for this model"
-
 
 def configure_model(context: Any, role: str, model: Any) -> str:
-    """Check one causal LM and switch its attention to the shared attention; returns the implementation it runs."""
+    """Check one causal LM and switch its attention to the shared attention; returns the implementation it runs.
+
+    A model type outside `VERIFIED_MODEL_TYPES` is admitted here and measured by the self-check before the first step
+    (`wrap_models`)."""
     config = model.config
     model_type = getattr(config, "model_type", None)
     inspection = inspect_model(model)
@@ -150,22 +155,32 @@ def configure_model(context: Any, role: str, model: Any) -> str:
         reason = inspection.refusal.split(" Train this model without padding_free")[0]
         raise UsageError(
             f"prompt_sharing cannot share prompts in this `{model_type}` model ({role} model {type(model).__name__}): "
-            f"{reason} {_ADVICE} (and padding_free, which refuses it for the same reason)."
+            f"{reason} {_disable_advice(context, refused_by_padding_free=True)}."
         )
-    if model_type not in VERIFIED_MODEL_TYPES:
+    own = [m for m in inspection.mechanisms if "alibi" in m.lower() or "own attention" in m.lower()]
+    if own:
+        what = "ALiBi attention" if any("alibi" in m.lower() for m in own) else "attention"
+        if _online(context):
+            advice = _disable_advice(context)
+        else:
+            advice = "Disable prompt_sharing for this model: padding_free alone packs it, without sharing"
         raise UsageError(
-            f"prompt_sharing is not verified on `{model_type}` models ({role} model {type(model).__name__}); it is "
-            f"verified on {', '.join(VERIFIED_MODEL_TYPES)}. {_ADVICE}: `padding_free` alone runs any attention "
-            "decoder, and checks models outside its verified table before the first step."
+            f"prompt_sharing cannot share prompts in this `{model_type}` model ({role} model {type(model).__name__}): "
+            f"its layers compute {what} in their own module from the padded mask ({', '.join(own)}), outside "
+            f"transformers' attention interface, so the shared attention cannot keep the two responses apart. "
+            f"{advice}."
         )
     MoeAuxLoss.of(model)  # refuses a MoE model whose auxiliary loss cannot be reproduced
     impl = config._attn_implementation
     base = base_of(impl)
     if base is None:
+        if _online(context):
+            instead = "or disable prompt_sharing (Online DPO then scores padded, with any attention)"
+        else:
+            instead = "or use padding_free alone (which also runs flash-attention varlen kernels)"
         raise UsageError(
             f"prompt_sharing supports the attention implementations sdpa and eager, but the {role} model uses "
-            f'`{impl}`. Load it with `attn_implementation="sdpa"`, or use padding_free alone (which also runs '
-            "flash-attention varlen kernels)."
+            f'`{impl}`. Load it with `attn_implementation="sdpa"`, {instead}.'
         )
     # Held per trainer (not per installation): the trainer keeps its plugins after `uninstall()` (issue 15).
     context.hold("prompt_sharing_attention", register_shared_attention, unregister_shared_attention)
@@ -175,6 +190,22 @@ def configure_model(context: Any, role: str, model: Any) -> str:
         # user's choice (configuration_utils.py `_remove_keys_not_serialized`).
         switch_attention(context.patcher, config, name)
     return name
+
+
+def _online(context: Any) -> bool:
+    return getattr(context, "trainer_class", None) == "OnlineDPOTrainer"
+
+
+def _disable_advice(context: Any, refused_by_padding_free: bool = False) -> str:
+    """What to do instead of sharing, for this trainer (padding_free does not apply to Online DPO)."""
+    if _online(context):
+        return "Disable prompt_sharing for this model (Online DPO then scores padded, as stock TRL does)"
+    if refused_by_padding_free:
+        return "Disable prompt_sharing for this model (padding_free refuses it for the same reason: train it padded)"
+    return (
+        "Disable prompt_sharing for this model: padded training runs it as stock TRL does (padding_free packs without "
+        "sharing where its own self-check passes)"
+    )
 
 
 def handle_dropout(context: Any, role: str, model: Any, trainer: Any) -> None:
@@ -199,35 +230,97 @@ def handle_dropout(context: Any, role: str, model: Any, trainer: Any) -> None:
         f"prompt_sharing cannot share prompts of the {role} model ({type(model).__name__}) with dropout on in "
         f"training ({describe(sites)}; `disable_dropout=False`): a shared prompt is computed once, so both responses "
         "would see one dropout mask where padded training draws two. Set `disable_dropout=True` (TRL's default; "
-        f"prompt_sharing then also zeroes the dropout TRL misses), or {_disable_advice(context)}."
+        f"prompt_sharing then also zeroes the dropout TRL misses). Or: {_disable_advice(context)}."
     )
-
-
-def _disable_advice(context: Any) -> str:
-    """What to do instead of sharing, for this trainer."""
-    if getattr(context, "trainer_class", None) == "OnlineDPOTrainer":
-        return "disable prompt_sharing for this model (Online DPO then scores padded, as stock TRL does)"
-    return "disable prompt_sharing for this model (padding_free alone packs without sharing)"
 
 
 def wrap_models(trainer: Any, context: Any) -> None:
     state = check_trainer(trainer, context)
-    for role, model in context.models().items():
+    models = context.models()
+    for role, model in models.items():
+        model_type = getattr(model.config, "model_type", None)
+        if state.self_check is False and model_type not in VERIFIED_MODEL_TYPES:
+            raise UsageError(
+                f"prompt_sharing is not verified on `{model_type}` models ({role} model {type(model).__name__}) and "
+                "`self_check` is false. Set `plugins: {prompt_sharing: {self_check: auto}}` (the default) to admit it "
+                f"through the self-check before the first step. Or: {_disable_advice(context)}."
+            )
         state.attn_implementations[role] = configure_model(context, role, model)
         handle_dropout(context, role, model, trainer)
-        check = None
-        if state.self_check:
-
-            def check(run, kwargs, layout, outputs, role, _model=model):
-                if role in state.checked:
-                    return
-                if self_check(run, kwargs, layout, outputs, role, type(_model).__name__):
-                    state.checked.add(role)
-
-        forward = make_causal_lm_forward(model.forward, state, role, check, MoeAuxLoss.of(model))
+        forward = make_causal_lm_forward(model.forward, state, role, None, MoeAuxLoss.of(model))
         context.patcher.setattr(model, "forward", forward)
     if context.trainer_class == "OnlineDPOTrainer":
         context.patcher.setattr(
             trainer, "_forward", make_online_forward(trainer._forward, lambda: getattr(trainer, "max_length", None))
         )
+    for role, model in models.items():
+        verified = getattr(model.config, "model_type", None) in VERIFIED_MODEL_TYPES
+        if state.self_check is True or (state.self_check == "auto" and not verified):
+            run_self_check(context, state, role, model, trainer)
     logger.info("prompt_sharing: sharing prompts in %s", state.attn_implementations)
+
+
+#: The longest probe built from a model's position limit when the training length is unknown.
+_UNKNOWN_LENGTH_LIMIT = 8192
+
+
+def _probe_lengths(model: Any, trainer: Any) -> tuple[int, ...]:
+    """One probe length as long as the longest training sequence, the others longer than every declared locality."""
+    config = model.config
+    max_positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    longest = training_max_length(trainer)
+    if longest is None:
+        if not max_positions or max_positions > _UNKNOWN_LENGTH_LIMIT:
+            raise UsageError(
+                f"prompt_sharing's self-check for the `{getattr(config, 'model_type', None)}` model needs the longest "
+                "sequence training will feed, to size its probe: set `max_length` in the trainer's config (the "
+                "dataset is not a tokenized map-style dataset whose lengths can be read)."
+            )
+        longest = int(max_positions)
+    return probe_lengths(longest, declared_localities(config), max_positions)
+
+
+def _training_dtype(trainer: Any, model: Any) -> torch.dtype:
+    args = getattr(trainer, "args", None)
+    dtype = next(model.parameters()).dtype
+    if dtype in (torch.float32, torch.float64) and getattr(args, "bf16", False):
+        return torch.bfloat16
+    if dtype in (torch.float32, torch.float64) and getattr(args, "fp16", False):
+        return torch.float16
+    return dtype
+
+
+def run_self_check(context: Any, state: PromptSharingState, role: str, model: Any, trainer: Any) -> None:
+    """Measure, before the first step, that `model`'s shared forward equals its stock padded forward on a probe of
+    prompt-sharing pairs sized from what training will feed (`selfcheck.py`); refuse if it does not."""
+    counters = {f.name: getattr(state, f.name) for f in dataclasses.fields(state) if f.type == "int"}
+    lengths = _probe_lengths(model, trainer)
+    dtype = _training_dtype(trainer, model)
+    autocast = getattr(trainer, "autocast_smart_context_manager", None)
+    # the policy trains in training mode (its dropout off); a separate reference model runs in eval mode
+    result = self_check(model, model.forward, lengths, dtype=dtype, training=role == "policy", autocast=autocast)
+    for name, value in counters.items():  # the probe's forwards are not training forwards
+        setattr(state, name, value)
+    state.self_checks[role] = result
+    model_type = getattr(model.config, "model_type", None)
+    if result.failure is not None:
+        raise UsageError(
+            f"prompt_sharing's self-check failed for the {role} model ({type(model).__name__}, `{model_type}`): "
+            f"{result.failure}. {_disable_advice(context)}."
+        )
+    state.checked.add(role)
+    logger.info(
+        "prompt_sharing: self-check passed for the %s model (%s, `%s`, %s): the shared forward equals the stock "
+        "padded forward (max relative difference %.2g <= %g) on %d prompt-sharing pairs of %s tokens; cost %d "
+        "forwards, %.2f s",
+        role,
+        type(model).__name__,
+        model_type,
+        str(dtype).replace("torch.", ""),
+        result.max_error,
+        result.tolerance,
+        len(result.lengths),
+        list(result.lengths),
+        result.forwards,
+        result.seconds,
+    )
