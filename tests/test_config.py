@@ -163,3 +163,36 @@ def test_options_of_a_plugin_whose_flag_is_off_are_refused_built_in_and_third_pa
             trl_ext.install(plugins=plugins)
     with trl_ext.install(turbo=True, plugins={"turbo": {}}) as installation:
         assert installation.enabled_plugins("DPOTrainer")[-1:] == ["turbo"]
+
+
+_PY_SOURCES = ("keyword", "env", "config")
+_PY_PAIRS = [(high, low) for i, high in enumerate(_PY_SOURCES) for low in (*_PY_SOURCES[i + 1 :], "default")]
+
+
+@pytest.mark.parametrize("third_party", [False, True])
+@pytest.mark.parametrize(("high", "low"), _PY_PAIRS)
+def test_install_precedence_per_source_pair(high, low, third_party, monkeypatch, tmp_path):
+    """`install(**flags)` > `TRL_EXT_*` > `install(config=...)` > defaults, both ways round, for a built-in and a
+    third-party flag."""
+    import types
+
+    from trl_ext.spec import Flag, PluginSpec, boolean
+
+    from ._fakes import install_fake_plugin
+
+    flag = "sync_metrics"
+    if third_party:
+        flag = "turbo"
+        module = types.ModuleType("_trl_ext_fake_turbo")
+        module.TRL_EXT_PLUGIN = PluginSpec(
+            name="turbo", flags=(Flag("turbo", default=False, parse=boolean, help="x"),)
+        )
+        install_fake_plugin(monkeypatch, "turbo", module)
+    for value in (True, False):
+        values = {high: value} if low == "default" else {high: value, low: not value}
+        path = tmp_path / "config.yaml"
+        path.write_text(f"{flag}: {str(values.get('config')).lower()}\n" if "config" in values else "{}\n")
+        environ = {f"TRL_EXT_{flag.upper()}": str(values["env"])} if "env" in values else {}
+        flags = {flag: values["keyword"]} if "keyword" in values else {}
+        config = load_config(path, flags=flags, environ=environ)
+        assert getattr(config, flag) is value, (flag, values)
