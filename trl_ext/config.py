@@ -12,6 +12,9 @@ Precedence, highest first (each source only overrides the keys it sets; `plugins
    the YAML file named by `TRL_EXT_CONFIG`, if set;
 4. each flag's declared default.
 
+`trl-ext dpo` / `online-dpo` pass the command line as (1) and the recipe's `trl_ext:` section as (3), merge once, and
+install the result as it is (`trl_ext.installation.install_config`).
+
 A YAML file holds the same keys at its top level, or under a top-level `trl_ext:` key so that the flags can sit in
 a TRL recipe next to `DPOConfig` fields.
 """
@@ -154,7 +157,7 @@ class TrlExtConfig:
         plugin.
 
         A plugin that serves a TRL flag (`PluginSpec.trl_flag`) can still be enabled per trainer by that TRL flag; its
-        options are checked when each trainer is built (`unused_options`).
+        options are checked when each trainer is built (`Installation`), against the plugins that trainer gets.
         """
         for name in self.plugins:
             spec = self.catalog.specs[name]
