@@ -182,3 +182,61 @@ def test_unverified_model_type_is_admitted_by_the_self_check(build):
     assert shared_loss.item() == pytest.approx(stock_loss.item(), rel=1e-9)
     eq.assert_same_grads(stock_grads, shared_grads, GRAD_RTOL)
 
+
+@pytest.mark.parametrize("case", ["bloom", "falcon_alibi", "flex_attention", "self_check"])
+def test_refusal_advice_works_for_online_dpo(online_dpo_args, tokenizer, build, monkeypatch, case):
+    """On an OnlineDPOTrainer no refusal advises padding_free (it does not apply to Online DPO): each one says to
+    disable prompt_sharing, which runs stock Online DPO (or names a setting that shares)."""
+    from trl.experimental.online_dpo import OnlineDPOTrainer
+
+    from trl_ext import UsageError
+
+    with trl_ext.install(prompt_sharing=True):
+        with pytest.raises(UsageError) as refused:
+            if case == "bloom":
+                from transformers import BloomConfig, BloomForCausalLM
+
+                config = BloomConfig(vocab_size=256, hidden_size=32, n_layer=1, n_head=4, pad_token_id=0)
+                OnlineDPOTrainer(
+                    model=BloomForCausalLM(config),
+                    reward_funcs=length_reward,
+                    args=online_dpo_args(bf16=False),
+                    train_dataset=make_prompt_dataset(6),
+                    processing_class=tokenizer,
+                )
+            elif case == "falcon_alibi":  # refused by padding_free's inspection, whose advice is about padding_free
+                from transformers import FalconConfig, FalconForCausalLM
+
+                config = FalconConfig(
+                    vocab_size=256, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, alibi=True,
+                    pad_token_id=0,
+                )  # fmt: skip
+                OnlineDPOTrainer(
+                    model=FalconForCausalLM(config),
+                    reward_funcs=length_reward,
+                    args=online_dpo_args(bf16=False),
+                    train_dataset=make_prompt_dataset(6),
+                    processing_class=tokenizer,
+                )
+            elif case == "flex_attention":
+                model = make_model(attn_implementation="flex_attention")
+                OnlineDPOTrainer(
+                    model=model,
+                    reward_funcs=length_reward,
+                    args=online_dpo_args(bf16=False),
+                    train_dataset=make_prompt_dataset(6),
+                    processing_class=tokenizer,
+                )
+            else:  # a shared attention that lets a completion see the other: the self-check refuses it
+                from trl_ext.plugins.prompt_sharing import attention
+
+                original = attention._attend
+                monkeypatch.setattr(
+                    attention, "_attend", lambda b, m, q, k, v, offset, *a: original(b, m, q, k, v, 0, *a)
+                )
+                build(model_type="my_custom_llama")
+    message = str(refused.value)
+    assert "padding_free" not in message, message
+    assert "Online DPO then scores padded" in message, message
+    if case == "flex_attention":
+        assert 'attn_implementation="sdpa"' in message

@@ -152,7 +152,7 @@ def configure_model(context: Any, role: str, model: Any) -> str:
     model_type = getattr(config, "model_type", None)
     inspection = inspect_model(model)
     if inspection.refusal is not None:
-        reason = inspection.refusal.split(" Train this model without padding_free")[0]
+        reason = _reason(inspection.refusal)
         raise UsageError(
             f"prompt_sharing cannot share prompts in this `{model_type}` model ({role} model {type(model).__name__}): "
             f"{reason} {_disable_advice(context, refused_by_padding_free=True)}."
@@ -190,6 +190,21 @@ def configure_model(context: Any, role: str, model: Any) -> str:
         # user's choice (configuration_utils.py `_remove_keys_not_serialized`).
         switch_attention(context.patcher, config, name)
     return name
+
+
+#: Where padding_free's inspection starts its own advice (about padding_free), cut from a prompt_sharing refusal.
+_PADDING_FREE_ADVICE = (
+    " Train this model without padding_free",
+    " Load the model with",
+    " Set `attn_temperature_tuning",
+)
+
+
+def _reason(refusal: str) -> str:
+    """padding_free's inspection refusal as a prompt_sharing reason: the mechanism, without padding_free's advice."""
+    for marker in _PADDING_FREE_ADVICE:
+        refusal = refusal.split(marker)[0]
+    return refusal.replace("padding_free", "prompt_sharing")
 
 
 def _online(context: Any) -> bool:
