@@ -23,6 +23,7 @@ import torch
 
 import trl_ext
 from trl_ext import UsageError, _compat
+from trl_ext._logging import DEFAULT_LEVEL, LEVELS, NOTICE
 from trl_ext.testing import make_model, make_preference_dataset
 
 PLUGIN = "precompute_ref_batch_size"
@@ -298,7 +299,11 @@ def test_auto_backs_off_on_out_of_memory(build, logs, tmp_path):
     assert "oom_splits" not in run  # the planned batches all fit
     messages = [r.getMessage() for r in logs]
     assert any("out of memory" in m for m in messages)
-    assert any('"auto" chose a budget of' in m for m in messages)
+    # What "auto" chose: one line per split at `notice`, shown by default; the probes at `info`.
+    chose = [r for r in logs if '"auto" chose a budget of' in r.getMessage()]
+    assert len(chose) == 1 and chose[0].levelno == NOTICE >= LEVELS[DEFAULT_LEVEL]
+    assert "train split" in chose[0].getMessage() and "\n" not in chose[0].getMessage()
+    assert all(r.levelno == logging.INFO for r in logs if "auto probe" in r.getMessage())
 
 
 def test_fixed_batch_splits_on_out_of_memory(build, logs, tmp_path):
@@ -316,18 +321,6 @@ def test_fixed_batch_splits_on_out_of_memory(build, logs, tmp_path):
     assert_same_precompute(native.train_dataset, plugin.train_dataset)
     assert run["oom_splits"] >= 1
     assert any("splitting it in two" in r.getMessage() for r in logs)
-
-
-def test_auto_logs_its_choice_once_at_the_default_level(build, logs, tmp_path):
-    """What "auto" chose is one line at `notice` (shown by default), per split; the probes are `info`."""
-    from trl_ext._logging import DEFAULT_LEVEL, LEVELS, NOTICE
-
-    with trl_ext.install(precompute_ref_batch_size="auto", plugins={PLUGIN: {"cache_dir": str(tmp_path)}}):
-        build(_data(12, seed=3))
-    chose = [r for r in logs if '"auto" chose a budget of' in r.getMessage()]
-    assert len(chose) == 1 and chose[0].levelno == NOTICE >= LEVELS[DEFAULT_LEVEL]
-    assert "train split" in chose[0].getMessage() and "\n" not in chose[0].getMessage()
-    assert all(r.levelno == logging.INFO for r in logs if "auto probe" in r.getMessage())
 
 
 # -------------------------------------------------------------------------------------------------------------------
@@ -393,16 +386,15 @@ def test_lockstep_auto_stops_at_the_budget_check(build, lockstep_ranks, logs, tm
         seen.append(tokens)
         torch.ones(tokens * per_token // 4, dtype=torch.float32).sum()
 
-    train = _data(40, seed=7)
-    native, _ = build(train)
+    native_train, _ = _native(build)
     options = {"cache_dir": str(tmp_path), "ram_budget": "50MiB"}
     with trl_ext.install(precompute_ref_batch_size="auto", plugins={PLUGIN: options}):
-        plugin, _ = build(train, fail=allocate)
+        plugin, _ = build(_data(30, seed=5), fail=allocate)
         run = _runs(plugin)[0]
     assert run["auto_stop"] == "memory (projected from the largest probe)" and run["auto_projected_stops"] >= 1
     assert max(seen) * per_token <= 50 * 2**20  # no forward went over the budget
     assert any("not run" in r.getMessage() and "projected" in r.getMessage() for r in logs)
-    assert_same_precompute(native.train_dataset, plugin.train_dataset)
+    assert_same_precompute(native_train, plugin.train_dataset)
 
 
 # -------------------------------------------------------------------------------------------------------------------

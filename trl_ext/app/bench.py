@@ -614,9 +614,11 @@ def _table(report: dict[str, Any]) -> str:
     widths = [max(len(r[i]) for r in [_HEADER, *rows]) for i in range(3)]
     indent = " " * (sum(widths) + 6)
     lines = []
-    for row in [(*_HEADER, []), *rows]:
-        lines.append("  ".join(row[i].ljust(widths[i]) for i in range(3)) + "  " + row[3])
-        lines.extend(f"{indent}!! {flag}" for flag in row[4])
+    header: tuple[str, str, str, str, list[str]] = (*_HEADER, [])
+    for measure, stock, ext, text, flags in [header, *rows]:
+        cells = (measure.ljust(widths[0]), stock.ljust(widths[1]), ext.ljust(widths[2]), text)
+        lines.append("  ".join(cells))
+        lines.extend(f"{indent}!! {flag}" for flag in flags)
     return "\n".join(lines)
 
 
