@@ -341,6 +341,10 @@ MOE_AUX_LOSS = ("transformers.models.mixtral.modeling_mixtral", "load_balancing_
 #: them the block-diagonal float mask of the packed sequences). Checked 5.24.0 (modeling_bloom/falcon/mpt/
 #: gpt_neox_japanese).
 OWN_ATTENTION_MODEL_TYPES = ("bloom", "falcon", "gpt_neox_japanese", "mpt")
+#: MPT's ALiBi bias table covers `config.max_seq_len` keys (`MptModel.forward` builds it before the mask; a longer row
+#: fails to broadcast in `MptAttention`). Consumer: padding_free (refuses a longer packed row when its mask is built).
+#: Checked 5.24.0.
+MPT_ALIBI_TABLE_ATTR = "max_seq_len"
 #: Model types whose mask creation receives the packed `position_ids` (so transformers remaps chunk boundaries to each
 #: sequence's own positions) and whose chunked attention lives only in the mask (`attention_chunk_size`). Consumer:
 #: padding_free inspection. Checked 5.24.0 (modeling_llama4 `create_chunked_causal_mask(..., position_ids=...)`).

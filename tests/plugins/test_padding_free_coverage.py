@@ -322,7 +322,7 @@ def _tiny_from_config(model_type, **extra):
     "model_type, extra, match",
     [
         ("lfm2", {"layer_types": ["conv", "full_attention"]}, r"conv.*Lfm2ShortConv|Lfm2ShortConv"),
-        ("bloom", {"n_head": 4, "n_layer": 2}, "ALiBi"),
+        ("falcon", {"alibi": True}, "ALiBi biases that Falcon computes in bfloat16"),
     ],
 )
 def test_refusals_by_mechanism(dpo_args, tokenizer, dataset, model_type, extra, match):

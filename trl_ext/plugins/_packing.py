@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .. import _compat
@@ -272,14 +272,17 @@ def _segment_attention(
     dropout: float,
     scaling: float | None,
     kwargs: dict[str, Any],
+    block: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one sequence, `[1, n, heads, head_dim]`: exactly what the base implementation computes for that
-    sequence alone (its own eager function with softcapping, sinks, ...), with a plain SDPA fast path."""
+    sequence alone (its own eager function with softcapping, sinks, ...), with a plain SDPA fast path. `block` is the
+    sequence's bool mask `[1, 1 or heads, n, n]` when the model's mask carries more than causality (a window or chunk
+    that only the mask applies)."""
     n = query.shape[2]
     sliding_window = kwargs.get("sliding_window")
     window = sliding_window if sliding_window is not None and n > sliding_window else None
     plain = base == "sdpa" and kwargs.get("softcap") is None and kwargs.get("s_aux") is None
-    if plain and window is None:
+    if plain and window is None and block is None:
         out = F.scaled_dot_product_attention(
             query,
             key,
@@ -291,6 +294,8 @@ def _segment_attention(
         )
         return out.transpose(1, 2)
     mask = _segment_mask(n, window, query.device)
+    if block is not None:
+        mask = mask & block
     if base == "eager":
         mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill_(
             ~mask, torch.finfo(query.dtype).min
@@ -352,7 +357,8 @@ def _make_varlen_attention(base: str) -> Callable:
                     "gradient checkpointing could not tell the sequences apart. Pass position_ids that restart at 0 "
                     "for every sequence, or none (padding_free builds them)."
                 )
-        if bounds is None or attention_mask is not None:
+        blocks = attention_mask if getattr(attention_mask, _BLOCK_DIAGONAL, False) else None
+        if bounds is None or (attention_mask is not None and blocks is None):
             # Not a packed call (generation, a user's own forward), or a model that built its own mask inside a
             # packed call (a dense mask, used as is): exactly what the base implementation does.
             return base_attention(base, module)(
@@ -366,7 +372,15 @@ def _make_varlen_attention(base: str) -> Callable:
         rest = {k: v for k, v in kwargs.items() if k not in _VARLEN_KWARGS}
         outs = [
             _segment_attention(
-                base, module, query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], dropout, scaling, rest
+                base,
+                module,
+                query[:, :, s:e],
+                key[:, :, s:e],
+                value[:, :, s:e],
+                dropout,
+                scaling,
+                rest,
+                None if blocks is None else _as_bool_mask(blocks[:, :, s:e, s:e]),
             )
             for s, e in zip(bounds[:-1], bounds[1:], strict=True)
             if e > s
@@ -378,15 +392,92 @@ def _make_varlen_attention(base: str) -> Callable:
     return varlen_attention_forward
 
 
+# Set on the block-diagonal masks `_packed_mask` builds: the varlen attention then attends per sequence with the
+# diagonal blocks (a mask it did not build is used as is).
+_BLOCK_DIAGONAL = "_trl_ext_block_diagonal"
+
+
+def _as_bool_mask(mask: torch.Tensor) -> torch.Tensor:
+    return mask if mask.dtype == torch.bool else mask == 0
+
+
+def _mask_pattern(kwargs: dict[str, Any], start: int, end: int) -> torch.Tensor:
+    """The bool pattern `[1, 1 or heads, n, n]` of the call's mask function (transformers' `(batch_idx, head_idx,
+    q_idx, kv_idx)` functions: causal, windows, chunks, a model's own overlays) on the packed sequence
+    `[start, end)`, evaluated by transformers' `sdpa_mask` at its row indices. transformers remaps row indices to each
+    sequence's own positions when the model hands the packed `position_ids` to its mask creation; otherwise the
+    pattern is taken at row indices, which equals the per-sequence pattern for causal masks and sliding windows
+    (functions of `q_idx - kv_idx`); chunked masks are accepted only on models of the first kind (inspection)."""
+    n = end - start
+    pattern = sdpa_mask(
+        batch_size=1,
+        q_length=n,
+        kv_length=n,
+        q_offset=start,
+        kv_offset=start,
+        mask_function=kwargs["mask_function"],
+        attention_mask=None,
+        allow_is_causal_skip=False,
+        use_vmap=bool(kwargs.get("use_vmap", False)),
+        device=kwargs.get("device", "cpu"),
+    )
+    return pattern.bool()
+
+
+def _packed_mask(kwargs: dict[str, Any], bounds: list[int] | None, base: str) -> torch.Tensor | None:
+    """The mask of a packed call (no 2D mask): None when the model's mask is plain causal on every sequence (the
+    varlen attention splits the row itself); otherwise the block-diagonal mask `[1, 1, N, N]` of the model's mask
+    pattern on each sequence (a sliding window or chunk, whether or not the layers also receive it), in the format of
+    `base`, whose diagonal blocks the varlen attention applies per sequence. Models that compute attention in their
+    own modules (`_compat.OWN_ATTENTION_MODEL_TYPES`) always get it, as an additive float mask."""
+    config = kwargs.get("config")
+    own = getattr(config, "model_type", None) in _compat.OWN_ATTENTION_MODEL_TYPES
+    n, kv = kwargs.get("q_length"), kwargs.get("kv_length")
+    if bounds is None or n != bounds[-1] or kv != n or kwargs.get("q_offset", 0) or kwargs.get("kv_offset", 0):
+        raise RuntimeError(
+            f"padding_free: a packed forward of {type(config).__name__} builds a mask for {n} x {kv} tokens, not for "
+            f"the packed row of {None if bounds is None else bounds[-1]} tokens"
+        )
+    mpt = getattr(config, "model_type", None) == "mpt"
+    table = getattr(config, _compat.MPT_ALIBI_TABLE_ATTR, None) if mpt else None
+    if isinstance(table, int) and n > table:
+        raise UsageError(
+            f"padding_free: a packed row of {n} tokens is longer than this model's ALiBi bias table "
+            f"(`{_compat.MPT_ALIBI_TABLE_ATTR}={table}`), which covers one row. Lower per_device_train_batch_size or "
+            f"max_length so that a batch holds at most {table} tokens, or train without padding_free."
+        )
+    device = kwargs.get("device", "cpu")
+    spans = [(s, e) for s, e in zip(bounds[:-1], bounds[1:], strict=True) if e > s]
+    patterns = [_mask_pattern(kwargs, s, e) for s, e in spans]
+    causal = [_segment_mask(e - s, None, p.device) for (s, e), p in zip(spans, patterns, strict=True)]
+    if not own and all(torch.equal(p, c.expand_as(p)) for p, c in zip(patterns, causal, strict=True)):
+        return None
+    heads = max(p.shape[1] for p in patterns)
+    mask = torch.zeros(1, heads, n, n, dtype=torch.bool, device=device)
+    for (s, e), pattern in zip(spans, patterns, strict=True):
+        mask[:, :, s:e, s:e] = pattern
+    if own or base == "eager":
+        dtype = kwargs.get("dtype", torch.float32)
+        mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, torch.finfo(dtype).min)
+    setattr(mask, _BLOCK_DIAGONAL, True)
+    return mask
+
+
 def skip_mask_while(flag: contextvars.ContextVar[bool], name: str, fallback: str | Callable[[], str]) -> Callable:
     """A mask function for `AttentionMaskInterface`: no mask while `flag` is set and the call brings none (the
     attention splits the row itself), else the mask of the implementation `fallback` names (or returns, if a
     function: looked up on each call)."""
 
     def mask(*args: Any, **kwargs: Any) -> Any:
+        model_type = getattr(kwargs.get("config"), "model_type", None)
         if flag.get() and kwargs.get("attention_mask") is None:
-            return None
+            bounds = _PACKED_BOUNDS.get()
+            if bounds is None and model_type not in _compat.OWN_ATTENTION_MODEL_TYPES:
+                return None
+            return _packed_mask(kwargs, bounds, fallback if isinstance(fallback, str) else fallback())
         other = fallback if isinstance(fallback, str) else fallback()
+        if model_type in _compat.OWN_ATTENTION_MODEL_TYPES:
+            other = "eager"  # their attention adds a float mask unless the implementation is named plain "sdpa"
         return ALL_MASK_ATTENTION_FUNCTIONS[other](*args, **kwargs)
 
     mask.__name__ = f"{name}_mask"

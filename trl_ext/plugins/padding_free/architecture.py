@@ -4,17 +4,29 @@ Packing is exact when every layer is per-token except attention, and attention i
 varlen attention of `trl_ext.plugins._packing`, flash-attention's varlen kernels, or transformers' block-diagonal
 mask) with positions that restart per sequence (`position_ids`). `inspect_model` reads the model's modules and
 config and either returns the mechanisms it found or the reason packing cannot be exact (a layer that carries state
-from token to token, ALiBi biases, capacity-limited routing). Architectures checked end to end (packed == padded in
-float64, loss, MoE auxiliary loss and gradients) by tests/plugins/test_padding_free_sweep.py are listed in
-`VERIFIED_MODEL_TYPES`; any other model is measured by the self-check (`self_check.py`) before its first step.
+from token to token, attention outside transformers' attention interface whose mask packing cannot build, a dynamic
+mask, queries scaled by the row index, ALiBi biases rounded at the row index, capacity-limited routing, a window or
+chunk that only the mask applies under flash-attention). Architectures checked end to end (packed == padded in
+float64, loss, MoE auxiliary loss and gradients) by tests/plugins/test_padding_free_sweep.py and
+tests/plugins/test_padding_free_mechanisms.py are listed in `VERIFIED_MODEL_TYPES`; any other model is measured by
+the self-check (`self_check.py`) before its first step.
+
+ALiBi: within a block-diagonal attention the bias of a key depends on its distance to the query only up to a
+per-query constant, which softmax ignores, so Bloom and MPT pack exactly on sdpa/eager (`_packing._packed_mask` gives
+their own attention the per-sequence mask). transformers runs none of the ALiBi models with flash-attention (Falcon
+raises for `alibi=True`); a model that did would pass its slopes to the varlen kernels (`flash_attn_varlen_func(...,
+alibi_slopes=...)`), which bias by the distance inside each sequence of `cu_seqlens`, exact per sequence as well.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import sys
 
 import torch
+
+from ... import _compat
 
 #: `config.model_type`s whose packed training equals padded training in float64 (losses, MoE auxiliary loss,
 #: gradients), measured by the architecture sweep (tests/plugins/test_padding_free_sweep.py). Other models run the
@@ -22,6 +34,7 @@ import torch
 VERIFIED_MODEL_TYPES = (
     "cohere",
     "cohere2",
+    "dory",
     "ernie4_5_moe",
     "exaone4",
     "gemma",
@@ -30,11 +43,13 @@ VERIFIED_MODEL_TYPES = (
     "glm4_moe",
     "gpt2",
     "gpt_neox",
+    "gpt_neox_japanese",
     "gpt_oss",
     "granite",
     "granitemoe",
     "jetmoe",
     "llama",
+    "llama4_text",
     "mistral",
     "mixtral",
     "olmo2",
@@ -43,6 +58,7 @@ VERIFIED_MODEL_TYPES = (
     "opt",
     "phi",
     "phi3",
+    "phimoe",
     "qwen2",
     "qwen3",
     "qwen3_moe",
@@ -94,9 +110,13 @@ def _config_value(config, *names):
 
 
 def _stateful_module(model: torch.nn.Module) -> tuple[str, torch.nn.Module] | None:
-    for name, module in model.named_modules():
+    def stateful(module: torch.nn.Module) -> bool:
         cls = type(module).__name__.lower()
-        if any(part in cls for part in _STATEFUL_NAMES):
+        return any(part in cls for part in _STATEFUL_NAMES) and not any(k in cls for k in ("norm", "embed"))
+
+    for name, module in model.named_modules():
+        # the innermost match: the mixer itself, not the model or block classes named after it (MambaForCausalLM)
+        if name and stateful(module) and not any(stateful(m) for m in list(module.modules())[1:]):
             return name, module
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Conv1d):
@@ -115,6 +135,48 @@ def _uses_alibi(model: torch.nn.Module) -> bool:
             return bool(alibi)
     modeling = sys.modules.get(type(model).__module__)
     return modeling is not None and any("alibi" in name.lower() for name in dir(modeling))  # bloom
+
+
+def _attention_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The self-attention modules: those holding query/key projections (fused or not)."""
+    found = []
+    for name, module in model.named_modules():
+        children = dict(module.named_children())
+        if any(k in children for k in ("q_proj", "query", "query_key_value", "c_attn", "Wqkv", "qkv_proj")):
+            found.append((name, module))
+    return found
+
+
+def _own_attention(model: torch.nn.Module) -> tuple[str, torch.nn.Module] | None:
+    """An attention module whose modeling code does not dispatch through transformers' attention interface (it
+    computes attention itself, so the varlen attention never runs for it)."""
+    for name, module in _attention_modules(model):
+        modeling = sys.modules.get(type(module).__module__)
+        if modeling is not None and not hasattr(modeling, "ALL_ATTENTION_FUNCTIONS"):
+            return name, module
+    return None
+
+
+def _first_attention(model: torch.nn.Module) -> str:
+    found = _attention_modules(model)
+    return f"`{found[0][0]}` ({type(found[0][1]).__name__})" if found else f"({type(model).__name__})"
+
+
+def _layers_receive_window(model: torch.nn.Module, window: int) -> bool:
+    """Whether the attention modules hand a window to the attention function, read from their code: a
+    `sliding_window` attribute equal to the declared window, or `sliding_window=` in their `forward` (the argument
+    transformers' attention functions and the flash kernels read). PhiMoE's attention does neither: its window lives
+    only in the mask."""
+    for _, module in _attention_modules(model):
+        if getattr(module, "sliding_window", None) == window:
+            return True
+        try:
+            source = inspect.getsource(type(module).forward)
+        except (OSError, TypeError):
+            continue
+        if "sliding_window=" in source.replace(" ", ""):
+            return True
+    return False
 
 
 def _positions(model: torch.nn.Module) -> str:
@@ -147,18 +209,97 @@ def inspect_model(model: torch.nn.Module) -> Inspection:
             + _ADVICE,
             verified,
         )
-    if _uses_alibi(model):
+    impl = str(getattr(config, "_attn_implementation", None) or "")
+    flash = impl.startswith("flash")
+    own = _own_attention(model)
+    alibi = _uses_alibi(model)
+    if own is not None or alibi:
+        name, module = own if own is not None else ("", model)
+        layer = f"`{name}` ({type(module).__name__})" if name else f"({type(model).__name__})"
+        if model_type not in _compat.OWN_ATTENTION_MODEL_TYPES:
+            what = "computes ALiBi attention" if alibi else "computes attention"
+            return Inspection(
+                ["alibi" if alibi else "own attention"],
+                f"its attention {layer} {what} in its own module, outside transformers' attention interface, "
+                "from a mask padding_free does not know how to build for a packed row, so the packed sequences "
+                "would attend to each other. " + _ADVICE,
+                verified,
+            )
+        if model_type == "falcon" and alibi:
+            return Inspection(
+                ["alibi"],
+                f"its attention {layer} adds ALiBi biases that Falcon computes in bfloat16 from each key's index in "
+                "the row (`build_alibi_tensor`: bfloat16 slopes times the index). In a packed row the indices run "
+                "over all its sequences, so the biases round differently from the padded batch's once a product no "
+                "longer fits bfloat16's 8-bit significand (past 256 tokens at the latest). " + _ADVICE,
+                verified,
+            )
+        dtype = next((p.dtype for p in model.parameters()), torch.float32)
+        if model_type == "bloom" and dtype in (torch.bfloat16, torch.float16):
+            return Inspection(
+                ["alibi"],
+                f"its attention {layer} adds ALiBi biases that Bloom casts to the model's dtype ({dtype}) from each "
+                "key's index in the row. In a packed row the indices run over all its sequences, so in 16 bits "
+                "they round much more coarsely than in the padded batch. Load the model in float32 (mixed precision "
+                "through `bf16=True` keeps float32 weights), or train without padding_free.",
+                verified,
+            )
+    mechanisms = [_positions(model)]
+    if alibi:
+        mechanisms = ["alibi (per-sequence mask)"]
+    elif own is not None:
+        mechanisms.append("own attention (per-sequence mask)")
+    # Doge: a learned per-key mask replaces the causal one
+    dynamic = next(((n, m) for n, m in _attention_modules(model) if hasattr(m, "prepare_dynamic_mask")), None)
+    if dynamic is not None:
+        name, module = dynamic
         return Inspection(
-            ["alibi"],
-            f"its attention uses ALiBi biases ({type(model).__name__}), which this model computes from the padded "
-            "attention mask and not from per-sequence positions, so a packed row would bias across sequences. "
-            + _ADVICE,
+            [*mechanisms, "dynamic mask"],
+            f"its attention `{name}` ({type(module).__name__}) builds a dynamic mask from learned per-key scores "
+            "and passes it as the attention mask, dropping the causal mask of a packed row and keeping the top "
+            "`keep_window_size` keys of the whole row, so packed sequences would attend to each other. " + _ADVICE,
             verified,
         )
-    mechanisms = [_positions(model)]
+    if getattr(config, "attn_temperature_tuning", False) and not all(getattr(config, "no_rope_layers", None) or [0]):
+        return Inspection(
+            [*mechanisms, "attention temperature tuning"],
+            "its attention layers without rotary positions (`no_rope_layers`) scale queries by the token's index in "
+            "the row (`attn_temperature_tuning`), not by its position in its sequence, so a packed row scales them "
+            "differently from a padded batch. Set `attn_temperature_tuning=False` in the config only if the "
+            "checkpoint was trained that way; otherwise " + _ADVICE[0].lower() + _ADVICE[1:],
+            verified,
+        )
+    chunk = _config_value(config, "attention_chunk_size")
+    if isinstance(chunk, int) and chunk > 0:
+        layer = _first_attention(model)
+        if flash or model_type not in _compat.CHUNKED_MASK_MODEL_TYPES:
+            where = "which flash-attention does not use" if flash else "which packing cannot rebuild for this model"
+            advice = _ADVICE
+            if flash and model_type in _compat.CHUNKED_MASK_MODEL_TYPES:
+                advice = 'Load the model with `attn_implementation="sdpa"`, or train without padding_free.'
+            return Inspection(
+                [*mechanisms, "chunked attention (mask only)"],
+                f"its attention {layer} applies chunked attention (`attention_chunk_size={chunk}`) only through the "
+                f"attention mask, {where}, so a packed row would attend across chunks and sequences. " + advice,
+                verified,
+            )
+        mechanisms.append("chunked attention (per-sequence mask)")
     window = _config_value(config, "sliding_window", "attention_window")
     if isinstance(window, int) and window > 0:
-        mechanisms.append("sliding window")
+        if _layers_receive_window(model, window):
+            mechanisms.append("sliding window")
+        elif flash:
+            layer = _first_attention(model)
+            return Inspection(
+                [*mechanisms, "sliding window (mask only)"],
+                f"its attention {layer} never receives `sliding_window={window}`: the window lives only in the "
+                "attention mask, which flash-attention does not use, so a packed row would attend past the window. "
+                'Load the model with `attn_implementation="sdpa"` (padding_free then applies the mask per '
+                "sequence), or train without padding_free.",
+                verified,
+            )
+        else:
+            mechanisms.append("sliding window (per-sequence mask)")
     if any(isinstance(getattr(m, "sinks", None), torch.nn.Parameter) for m in model.modules()):
         mechanisms.append("attention sinks")
     if _config_value(config, "attn_logit_softcapping") is not None:
