@@ -187,7 +187,8 @@ def test_train_steps_and_metrics_match(build, dataset, gradient_checkpointing):
         assert set(_state(shared).checked) == {"policy", "ref"}  # the self-check ran on both, before training
         shared_logs = _train_logs(shared)
         shared_eval = shared.evaluate(dataset.select(range(8)))
-        assert _state(shared).shared_calls == 3 * 2 + 2  # policy + ref per step, and evaluation (not the probe)
+        # policy + ref per step and per evaluation batch (8 pairs, 4 per batch); the self-check's probe not counted
+        assert _state(shared).shared_calls == 3 * 2 + 2 * 2
     _assert_same_logs([*stock_logs, stock_eval], [*shared_logs, shared_eval])
     assert shared_logs[-1]["num_tokens"] == stock_logs[-1]["num_tokens"]  # real tokens, exactly
 

@@ -49,6 +49,7 @@ def build(online_dpo_args, tokenizer):
         from trl.experimental.online_dpo import OnlineDPOTrainer
 
         overrides.setdefault("bf16", False)
+        overrides.setdefault("max_length", 64)  # longer than every sequence here; sizes the self-check's probe
         args = online_dpo_args(per_device_train_batch_size=3, optim="sgd", learning_rate=0.1, **overrides)
         if peft_config is not None:
             torch.manual_seed(123)

@@ -100,7 +100,7 @@ def self_check(
 
     `dtype`: the training dtype (sets the tolerance; default: the parameters' dtype). `training`: run the probe in
     training mode (the policy) instead of eval mode. `autocast`: a context-manager factory for the trainer's mixed
-    precision (e.g. `trainer.autocast_smart_context_manager`).
+    precision (e.g. `trainer.accelerator.autocast`).
     """
     lengths = tuple(max(3, int(n)) for n in lengths)
     start = time.perf_counter()

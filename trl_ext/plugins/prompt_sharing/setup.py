@@ -311,7 +311,9 @@ def run_self_check(context: Any, state: PromptSharingState, role: str, model: An
     counters = {f.name: getattr(state, f.name) for f in dataclasses.fields(state) if f.type == "int"}
     lengths = _probe_lengths(model, trainer)
     dtype = _training_dtype(trainer, model)
-    autocast = getattr(trainer, "autocast_smart_context_manager", None)
+    # mixed precision: accelerate's autocast, which the prepared model's forward runs under in training
+    accelerator = getattr(trainer, "accelerator", None)
+    autocast = accelerator.autocast if dtype != next(model.parameters()).dtype and accelerator is not None else None
     # the policy trains in training mode (its dropout off); a separate reference model runs in eval mode
     result = self_check(model, model.forward, lengths, dtype=dtype, training=role == "policy", autocast=autocast)
     for name, value in counters.items():  # the probe's forwards are not training forwards
