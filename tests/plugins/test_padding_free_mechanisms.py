@@ -284,6 +284,22 @@ def test_window_passed_to_the_layers_packs_exactly():
     assert "sliding window" in inspection.mechanisms
 
 
+@pytest.mark.parametrize(
+    ("model_type", "extra"),
+    [
+        ("mistral", {}),
+        ("qwen2", {"use_sliding_window": True, "max_window_layers": 1}),
+        ("gemma3_text", {"layer_types": ["sliding_attention", "full_attention"]}),
+    ],
+)
+def test_window_handed_to_the_layers_is_accepted_under_flash_attention(model_type, extra):
+    """Under flash-attention the kernels apply the window the layers hand them; only mask-only windows are refused."""
+    model = _tiny(model_type, sliding_window=WINDOW, **extra)
+    model.config._attn_implementation_internal = "flash_attention_2"
+    inspection = inspect_model(model)
+    assert inspection.refusal is None and "sliding window" in inspection.mechanisms
+
+
 def test_chunked_attention_packs_exactly():
     """Llama-4's chunked attention (`attention_chunk_size`) lives only in the mask; transformers remaps the chunks to
     each sequence's positions, and the varlen attention applies the mask per sequence."""
