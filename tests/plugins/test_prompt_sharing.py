@@ -448,6 +448,29 @@ def test_unverified_model_type_is_admitted_by_the_self_check(build, dpo_args, to
         _compare(stock, shared, eq.examples(stock))
 
 
+@pytest.mark.slow  # building a bf16 trainer on CPU takes ~8 s
+def test_self_check_runs_in_the_training_dtype(dpo_args, tokenizer, dataset, caplog):
+    """Mixed precision (`bf16=True`, float32 weights): the probe runs under accelerate's autocast, as training does,
+    and is judged at bfloat16 round-off."""
+    from trl import DPOTrainer
+
+    def custom(seed):
+        model = make_model(seed=seed)
+        model.config.model_type = "my_custom_llama"
+        return model
+
+    with trl_ext.install(prompt_sharing=True):
+        with caplog.at_level("INFO", logger="trl_ext"):
+            trainer = DPOTrainer(
+                custom(0), ref_model=custom(1), args=dpo_args(bf16=True, max_length=16), train_dataset=dataset,
+                processing_class=tokenizer,
+            )  # fmt: skip
+        result = _state(trainer).self_checks["policy"]
+    assert result.lengths[0] == 16  # max_length, shorter than the dataset's longest pair
+    assert result.failure is None and result.tolerance == 5e-2 and 0 < result.max_error <= 5e-2
+    assert "(LlamaForCausalLM, `my_custom_llama`, bfloat16)" in caplog.text
+
+
 def test_a_mask_only_window_is_refused_before_the_first_step(dpo_args, tokenizer, dataset):
     """A custom model whose window lives only in the padded mask (16 tokens, shorter than the dataset's longest pair)
     loses it in the shared row: refused before the first step, naming the model, the output and the position. With
