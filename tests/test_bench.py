@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 
 from trl_ext.app import bench
+from trl_ext.app.bench import report as output
+from trl_ext.app.bench import sections, stats
 
 REPO = Path(__file__).resolve().parents[1]
 RECORDED = REPO / "benchmarks" / "results" / "bench_quick.json"
@@ -35,11 +37,11 @@ def test_bench_quick_writes_report_and_plot(tmp_path):
     assert report["quick"] is True and report["trl"] and report["model"].startswith("llama")
     assert report["rounds"] == 3 and report["load_average"]["cores"] == os.cpu_count()
     assert report["wall_seconds"] > 0
-    sections = report["sections"]
-    assert sorted(sections) == ["generation", "padding_free", "precompute", "sync_metrics"]
-    assert not [name for name, s in sections.items() if "error" in s or "skipped" in s], sections
+    measured = report["sections"]
+    assert sorted(measured) == ["generation", "padding_free", "precompute", "sync_metrics"]
+    assert not [name for name, s in measured.items() if "error" in s or "skipped" in s], measured
 
-    pf = sections["padding_free"]
+    pf = measured["padding_free"]
     assert 0.2 < pf["padding_fraction"] < 0.9
     assert pf["bound"] == max(pf["token_bound"], pf["attention_bound"]) >= 1 / (1 - pf["padding_fraction"]) - 1e-9
     _check_ratio(pf["speedup"], bound=pf["bound"], rounds=3)
@@ -47,9 +49,9 @@ def test_bench_quick_writes_report_and_plot(tmp_path):
     assert len(pf["stock"]["loss"]) == len(pf["trl_ext"]["loss"]) == pf["batches"] > 0
     assert len(set(pf["stock"]["loss"])) > 1  # the losses depend on the batch (policy != reference)
     diff = max(abs(a - b) for a, b in zip(pf["stock"]["loss"], pf["trl_ext"]["loss"], strict=True))
-    assert pf["losses"] == bench.agreement(diff, bench.LOSS_ATOL, "losses") and pf["losses"]["same"]
+    assert pf["losses"] == stats.agreement(diff, sections.LOSS_ATOL, "losses") and pf["losses"]["same"]
 
-    pc = sections["precompute"]
+    pc = measured["precompute"]
     assert pc["pairs"] == 96 and pc["batch_size"] == 16
     for key in ("speedup", "speedup_auto"):
         _check_ratio(pc[key], bound=None, rounds=3)
@@ -57,22 +59,22 @@ def test_bench_quick_writes_report_and_plot(tmp_path):
     stock_and_ext = zip(pc["stock"]["seconds"], pc["trl_ext"]["seconds"], strict=True)
     assert pc["speedup"]["ratios"] == [a / b for a, b in stock_and_ext]
     assert pc["max_abs_ref_logp"] > 1  # real log-probs of whole sequences
-    assert pc["values"] == bench.agreement(
-        pc["max_abs_ref_logp_diff"], bench.REF_LOGP_RTOL * pc["max_abs_ref_logp"], "values"
+    assert pc["values"] == stats.agreement(
+        pc["max_abs_ref_logp_diff"], sections.REF_LOGP_RTOL * pc["max_abs_ref_logp"], "values"
     )
     assert pc["values"]["same"]
     assert report["headline"]["precompute_speedup"] == pc["speedup"]["median"]
 
-    co = sections["sync_metrics"]
+    co = measured["sync_metrics"]
     assert co["stock"]["world_size"] == 2 and co["rounds"] == 3
     assert co["stock"]["collectives_per_step"] > 5  # TRL gathers each metric every micro-step
     # exactly one per logging step, plus one for the Trainer's final summary log
     assert co["trl_ext"]["collectives_total"] == co["trl_ext"]["logging_steps"] + 1
-    assert co["collectives"] == bench.collectives_verdict(co) and co["collectives"]["same"]
+    assert co["collectives"] == sections.collectives_verdict(co) and co["collectives"]["same"]
     _check_ratio(co["step_time_ratio"], bound=None, rounds=3)
     assert report["headline"]["sync_metrics_collectives_per_step"] == co["trl_ext"]["collectives_per_step"]
 
-    ge = sections["generation"]
+    ge = measured["generation"]
     modes = {m["mode"]: m for m in ge["modes"]}
     assert all(m["same_tokens"] for m in modes.values()) and ge["tokens"]["same"]  # greedy tokens identical
     assert max(modes["ext False"]["peak_bytes_per_rank"]) < 0.5 * max(modes["trl gather"]["peak_bytes_per_rank"])
@@ -83,7 +85,7 @@ def test_bench_quick_writes_report_and_plot(tmp_path):
     assert "trl-ext bench" in proc.stdout and "median of per-round" in proc.stdout and "load average" in proc.stdout
     assert all(line.lstrip().startswith("!! ") for line in lines if "!!" in line)
     assert sum("(one run)" in line for line in lines) == len(ge["modes"])
-    assert (tmp_path / "table.md").read_text() == bench.markdown_table(report) + "\n"
+    assert (tmp_path / "table.md").read_text() == output.markdown_table(report) + "\n"
     png = (tmp_path / "bench.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     import matplotlib.image
@@ -97,7 +99,7 @@ def _check_ratio(r, bound, rounds):
     assert r["rounds"] == rounds and len(r["ratios"]) == rounds
     assert r["min"] <= r["q1"] <= r["median"] <= r["q3"] <= r["max"]
     assert ("ABOVE BOUND" in " ".join(r["flags"])) == (bound is not None and r["median"] > 1.02 * bound)
-    assert ("WIDE SPREAD" in " ".join(r["flags"])) == (r["spread"] > bench.WIDE_SPREAD)
+    assert ("WIDE SPREAD" in " ".join(r["flags"])) == (r["spread"] > stats.WIDE_SPREAD)
 
 
 # -------------------------------------------------------------------------------------------------------------------
@@ -106,30 +108,30 @@ def _check_ratio(r, bound, rounds):
 
 
 def test_summarize_flags_ratios_above_bound_below_one_and_wide():
-    ok = bench.summarize([2.0, 2.1, 1.9, 2.0], bound=3.0)
+    ok = stats.summarize([2.0, 2.1, 1.9, 2.0], bound=3.0)
     assert ok["median"] == 2.0 and ok["flags"] == [] and ok["q1"] <= 2.0 <= ok["q3"]
-    assert any("ABOVE BOUND" in f for f in bench.summarize([4.1, 4.2, 4.0], bound=2.2)["flags"])
-    assert any("SLOWER" in f for f in bench.summarize([0.8, 0.9, 0.85])["flags"])
-    assert any("WIDE SPREAD" in f for f in bench.summarize([1.0, 2.0, 3.0])["flags"])
+    assert any("ABOVE BOUND" in f for f in stats.summarize([4.1, 4.2, 4.0], bound=2.2)["flags"])
+    assert any("SLOWER" in f for f in stats.summarize([0.8, 0.9, 0.85])["flags"])
+    assert any("WIDE SPREAD" in f for f in stats.summarize([1.0, 2.0, 3.0])["flags"])
 
 
 def test_agreement_flips_when_the_numbers_differ():
-    same = bench.agreement(4e-7, 1e-4, "losses")
+    same = stats.agreement(4e-7, 1e-4, "losses")
     assert same["same"] and same["flags"] == [] and same["text"] == "same losses (within 1.0e-04)"
-    differ = bench.agreement(3.2e-2, 1e-4, "losses")
+    differ = stats.agreement(3.2e-2, 1e-4, "losses")
     assert not differ["same"] and differ["flags"] == [differ["text"]]
     assert "LOSSES DIFFER" in differ["text"] and "3.20e-02" in differ["text"]
-    assert not bench.agreement(math.nan, 1e-4, "values")["same"]  # a NaN never agrees
-    assert bench.agreement(1e-4, 1e-4, "values")["same"]  # the tolerance itself is within
+    assert not stats.agreement(math.nan, 1e-4, "values")["same"]  # a NaN never agrees
+    assert stats.agreement(1e-4, 1e-4, "values")["same"]  # the tolerance itself is within
 
 
 def test_direction_says_faster_or_slower_only_when_the_spread_does():
     def ratio(q1, median, q3):
         return {"q1": q1, "median": median, "q3": q3}
 
-    assert bench.direction(ratio(1.5, 1.7, 1.9)) == "faster"
-    assert bench.direction(ratio(0.5, 0.6, 0.9)) == "slower"
-    assert bench.direction(ratio(0.9, 1.1, 1.3)).startswith("(no clear difference")
+    assert stats.direction(ratio(1.5, 1.7, 1.9)) == "faster"
+    assert stats.direction(ratio(0.5, 0.6, 0.9)) == "slower"
+    assert stats.direction(ratio(0.9, 1.1, 1.3)).startswith("(no clear difference")
 
 
 def test_collectives_verdict_compares_the_count_with_one_per_logging_step():
@@ -137,9 +139,9 @@ def test_collectives_verdict_compares_the_count_with_one_per_logging_step():
         "stock": {"collectives_total": 65},
         "trl_ext": {"collectives_total": 3, "logging_steps": 2, "optimizer_steps": 4},
     }
-    assert bench.collectives_verdict(results)["same"] and bench.collectives_verdict(results)["flags"] == []
+    assert sections.collectives_verdict(results)["same"] and sections.collectives_verdict(results)["flags"] == []
     results["trl_ext"]["collectives_total"] = 5
-    verdict = bench.collectives_verdict(results)
+    verdict = sections.collectives_verdict(results)
     assert not verdict["same"] and "EXPECTED 3" in verdict["flags"][0] and "COUNTED 5" in verdict["flags"][0]
 
 
@@ -150,10 +152,10 @@ def _recorded():
 def test_table_puts_flags_on_their_own_lines_and_reports_what_it_measured():
     report = _recorded()
     pf = report["sections"]["padding_free"]
-    pf["losses"] = bench.agreement(0.5, bench.LOSS_ATOL, "losses")
-    pf["speedup"] = bench.summarize([3.5, 3.6, 5.0, 6.0, 8.0], bound=pf["bound"])  # wide and above the bound
+    pf["losses"] = stats.agreement(0.5, sections.LOSS_ATOL, "losses")
+    pf["speedup"] = stats.summarize([3.5, 3.6, 5.0, 6.0, 8.0], bound=pf["bound"])  # wide and above the bound
     report["sections"]["generation"]["repeats"] = 2
-    table = bench._table(report)
+    table = output.text_table(report)
     rows = table.splitlines()
     flagged = [line for line in rows if "!!" in line]
     assert flagged and all(line.lstrip().startswith("!! ") for line in flagged)
@@ -165,7 +167,7 @@ def test_table_puts_flags_on_their_own_lines_and_reports_what_it_measured():
         for line in rows
         if "TRL gather's" in line and "time" in line
     )
-    markdown = bench.markdown_table(report)
+    markdown = output.markdown_table(report)
     assert "**!! LOSSES DIFFER" in markdown and all(line.endswith("|") for line in markdown.splitlines()[2:])
 
 
@@ -179,12 +181,33 @@ def test_interleave_runs_a_fixed_number_of_alternating_rounds():
 
         return run
 
-    times = bench.interleave({"stock": arm("stock", 2.0), "ext": arm("ext", 1.0)}, rounds=3, what="t")
+    times = stats.interleave({"stock": arm("stock", 2.0), "ext": arm("ext", 1.0)}, rounds=3, what="t")
     assert times == {"stock": [2.0] * 3, "ext": [1.0] * 3}
     assert calls == [(0, "stock"), (0, "ext"), (1, "ext"), (1, "stock"), (2, "stock"), (2, "ext")]
     noisy = iter([1.0, 3.0, 1.0, 1.5, 1.0, 2.0, 1.0])
-    times = bench.interleave({"stock": lambda i: next(noisy), "ext": lambda i: 1.0}, rounds=4, what="t")
+    times = stats.interleave({"stock": lambda i: next(noisy), "ext": lambda i: 1.0}, rounds=4, what="t")
     assert len(times["stock"]) == 4  # the count does not depend on the spread
+
+
+def test_interleave_drops_warmup_rounds_and_ratios_pair_the_rounds():
+    seen = []
+
+    def arm(scale):
+        def run(index):
+            seen.append(index)
+            return scale * (index + 1)
+
+        return run
+
+    times = stats.interleave({"stock": arm(2.0), "ext": arm(1.0)}, rounds=2, what="t", warmup=1, report=None)
+    assert sorted(set(seen)) == [0, 1, 2]  # the warm-up round ran (index 0), then the timed rounds 1 and 2
+    assert times == {"stock": [4.0, 6.0], "ext": [2.0, 3.0]}
+    assert stats.ratios(times, "stock", "ext") == [2.0, 2.0]
+    paired = stats.interleave(
+        {"a": None, "b": None}, rounds=3, what="t", paired=lambda i: {"a": 1.0 + i, "b": 1.0}, warmup=2, report=None
+    )
+    assert paired == {"a": [3.0, 4.0, 5.0], "b": [1.0, 1.0, 1.0]}
+    assert stats.ratio_text(stats.summarize([2.0, 2.0])).startswith("2.00x faster [IQR 2.00-2.00, 2 rounds]")
 
 
 # -------------------------------------------------------------------------------------------------------------------
@@ -198,8 +221,8 @@ def test_readme_quotes_the_recorded_bench_run():
     report = _recorded()
     readme = (REPO / "README.md").read_text()
     assert report["quick"] is True and report["rounds"] == 5  # `trl-ext bench --quick`, the default rounds
-    assert bench.markdown_table(report) in readme
-    assert bench.QUICK_DURATION == bench.duration_text(report["wall_seconds"])
+    assert output.markdown_table(report) in readme
+    assert bench.QUICK_DURATION == output.duration_text(report["wall_seconds"])
     quoted = re.findall(r"about [0-9.]+ min[^\n]*--quick|--quick[^\n]*about [0-9.]+ min", readme)
     assert len(quoted) >= 2 and all(bench.QUICK_DURATION in q for q in quoted), quoted
 

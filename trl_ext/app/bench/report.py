@@ -1,0 +1,310 @@
+"""The bench's report: the table (plain text, with each flag on its own line, and Markdown), the headline ratios and
+the plot (one panel per section, error bars = interquartile range of the per-round ratios).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from pathlib import Path
+from typing import Any
+
+from .sections import REF_LOGP_RTOL
+from .stats import ratio_text
+
+
+def _times_text(ratio: float, baseline: str) -> str:
+    """A time ratio `this / baseline` from single measurements, with what it says."""
+    if ratio > 1:
+        return f"{ratio:.2f}x {baseline}'s (slower)"
+    if ratio < 1:
+        return f"{ratio:.2f}x {baseline}'s (faster)"
+    return f"1.00x {baseline}'s (the same)"
+
+
+def _rows(report: dict[str, Any]) -> list[tuple[str, str, str, str, list[str]]]:
+    """The table's rows: `(measure, stock TRL, trl-ext, ratio or verdict, flags)`."""
+    rows: list[tuple[str, str, str, str, list[str]]] = []
+    sections = report["sections"]
+    pf = sections.get("padding_free")
+    if pf and "error" not in pf and "skipped" not in pf:
+        rows.append(
+            (
+                f"DPO step fwd+bwd, {pf['batches']} batches, padding_free (s)",
+                f"{statistics.median(pf['stock']['pass_seconds']):.3f}",
+                f"{statistics.median(pf['trl_ext']['pass_seconds']):.3f}",
+                f"{ratio_text(pf['speedup'])}; bound {pf['bound']:.2f}x ({pf['padding_fraction']:.0%} padding: "
+                f"tokens {pf['token_bound']:.2f}x, attention {pf['attention_bound']:.2f}x; "
+                f"{pf['fraction_of_bound']:.0%} of bound)",
+                pf["speedup"]["flags"],
+            )
+        )
+        rows.append(
+            (
+                "same step: max |loss diff| per batch (fp32)",
+                "",
+                f"{pf['losses']['max_abs_diff']:.2e}",
+                pf["losses"]["text"],
+                pf["losses"]["flags"],
+            )
+        )
+    pc = sections.get("precompute")
+    if pc and "error" not in pc and "skipped" not in pc:
+        rows.append(
+            (
+                f"ref precompute, {pc['pairs']} pairs, batch {pc['batch_size']} (s)",
+                f"{statistics.median(pc['stock']['seconds']):.2f}",
+                f"{statistics.median(pc['trl_ext']['seconds']):.2f}",
+                ratio_text(pc["speedup"]),
+                pc["speedup"]["flags"],
+            )
+        )
+        rows.append(
+            (
+                'ref precompute, "auto" (s)',
+                "",
+                f"{statistics.median(pc['trl_ext_auto']['seconds']):.2f}",
+                ratio_text(pc["speedup_auto"]),
+                pc["speedup_auto"]["flags"],
+            )
+        )
+        rows.append(
+            (
+                "max |ref logp diff| (fp32)",
+                "",
+                f"{pc['values']['max_abs_diff']:.2e}",
+                f"{pc['values']['text']}: {REF_LOGP_RTOL:.0e} of the largest |logp|, {pc['max_abs_ref_logp']:.0f}",
+                pc["values"]["flags"],
+            )
+        )
+    co = sections.get("sync_metrics")
+    if co and "error" not in co and "skipped" not in co:
+        rows.append(
+            (
+                "collectives / optimizer step, 2 processes",
+                f"{co['stock']['collectives_per_step']:.1f}",
+                f"{co['trl_ext']['collectives_per_step']:.1f}",
+                co["collectives"]["text"],
+                co["collectives"]["flags"],
+            )
+        )
+        rows.append(
+            (
+                "2-process step time, sync_metrics (s)",
+                f"{statistics.median(co['stock']['step_seconds']):.3f}",
+                f"{statistics.median(co['trl_ext']['step_seconds']):.3f}",
+                ratio_text(co["step_time_ratio"]),
+                co["step_time_ratio"]["flags"],
+            )
+        )
+    ge = sections.get("generation")
+    if ge and "modes" in ge:
+        repeats = ge.get("repeats", 1)
+        runs = "one run" if repeats == 1 else f"best of {repeats} runs"
+        for index, mode in enumerate(ge["modes"]):
+            if index == 0:
+                text = f"the baseline ({runs})"
+            else:
+                text = (
+                    f"memory {mode['peak_vs_gather']:.2f}x TRL gather's (counted bytes); time "
+                    f"{_times_text(mode['time_vs_gather'], 'TRL gather')} ({runs})"
+                )
+            rows.append(
+                (
+                    f"ZeRO-3 generation, 2 ranks: {mode['mode']}",
+                    "",
+                    f"{max(mode['peak_bytes_per_rank']) / 2**20:.1f} MiB/rank",
+                    text,
+                    [] if mode["same_tokens"] else ["TOKENS DIFFER from TRL gather's"],
+                )
+            )
+        rows.append(("ZeRO-3 generation: greedy tokens", "", "", ge["tokens"]["text"], []))
+    for name, section in sections.items():
+        if "error" in section or "skipped" in section:
+            rows.append((name, "", "", section.get("error") or section["skipped"], []))
+    return rows
+
+
+_HEADER = ("measure", "stock TRL", "trl-ext", "ratio: median of per-round stock/trl-ext [spread], or verdict")
+
+
+def text_table(report: dict[str, Any]) -> str:
+    """The plain-text table; a flagged row is followed by one `!!` line per flag, under its ratio column."""
+    rows = _rows(report)
+    widths = [max(len(r[i]) for r in [_HEADER, *rows]) for i in range(3)]
+    indent = " " * (sum(widths) + 6)
+    lines = []
+    header: tuple[str, str, str, str, list[str]] = (*_HEADER, [])
+    for measure, stock, ext, text, flags in [header, *rows]:
+        cells = (measure.ljust(widths[0]), stock.ljust(widths[1]), ext.ljust(widths[2]), text)
+        lines.append("  ".join(cells))
+        lines.extend(f"{indent}!! {flag}" for flag in flags)
+    return "\n".join(lines)
+
+
+def markdown_table(report: dict[str, Any]) -> str:
+    """The table in Markdown, with a caption naming the run; a flag ends its row's last cell in bold."""
+
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|")
+
+    load = report["load_average"]
+    caption = (
+        f"`trl-ext bench{' --quick' if report['quick'] else ''}` on trl {report['trl']}, torch {report['torch']} "
+        f"({load['cores']} CPU cores, load average {load['start']} -> {load['end']}; {report['model']}; "
+        f"{report['rounds']} rounds; {report['wall_seconds']:.0f} s wall):"
+    )
+    lines = [caption, "", "| " + " | ".join(_HEADER) + " |", "|---|---|---|---|"]
+    for measure, stock, ext, text, flags in _rows(report):
+        last = cell(text) + "".join(f" **!! {cell(flag)}**" for flag in flags)
+        lines.append(f"| {cell(measure)} | {cell(stock)} | {cell(ext)} | {last} |")
+    return "\n".join(lines)
+
+
+def section_flags(section: dict[str, Any]) -> list[str]:
+    """Every flag a section's results carry."""
+    return [f for value in section.values() if isinstance(value, dict) for f in value.get("flags", [])]
+
+
+def duration_text(seconds: float) -> str:
+    """`about 2.5 min`: a wall time rounded to the half minute, as `--help` and the README state it."""
+    return f"about {max(0.5, round(seconds / 30) / 2):g} min"
+
+
+def headline(report: dict[str, Any]) -> dict[str, float]:
+    """The ratios a reader takes away: padding-free and precompute speed-ups, collectives per step, memory."""
+    out: dict[str, float] = {}
+    sections = report["sections"]
+    if "speedup" in sections.get("padding_free", {}):
+        out["padding_free_speedup"] = sections["padding_free"]["speedup"]["median"]
+    if "speedup" in sections.get("precompute", {}):
+        out["precompute_speedup"] = sections["precompute"]["speedup"]["median"]
+        out["precompute_auto_speedup"] = sections["precompute"]["speedup_auto"]["median"]
+    if "stock" in sections.get("sync_metrics", {}):
+        out["stock_collectives_per_step"] = sections["sync_metrics"]["stock"]["collectives_per_step"]
+        out["sync_metrics_collectives_per_step"] = sections["sync_metrics"]["trl_ext"]["collectives_per_step"]
+    for mode in sections.get("generation", {}).get("modes", []):
+        if mode["mode"] == "ext False":
+            out["zero3_generation_memory_vs_gather"] = mode["peak_vs_gather"]
+    return out
+
+
+#: One colour per meaning, the same in every panel.
+COLOURS = {"stock": "#7f7f7f", "trl_ext": "#d62728", "auto": "#ff7f0e", "bound": "#1f77b4", "flag": "#9467bd"}
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    """`bench.png`: one panel per section, error bars = interquartile range of the per-round ratios."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    sections = report["sections"]
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4.8))
+
+    def ratio_bar(ax, x: float, r: dict[str, Any], colour: str, label: str) -> None:
+        err = [[r["median"] - r["q1"]], [r["q3"] - r["median"]]]
+        ax.bar(x, r["median"], color=colour, label=label, width=0.6)
+        ax.errorbar(x, r["median"], yerr=err, fmt="none", ecolor="black", capsize=5, label=None)
+        ax.plot([x] * len(r["ratios"]), r["ratios"], ".", color="black", alpha=0.4)
+        if r["flags"]:
+            ax.annotate(
+                "!! " + r["flags"][0].split(":")[0],
+                (x, r["q3"]),
+                ha="center",
+                va="bottom",
+                color=COLOURS["flag"],
+                fontsize=8,
+                xytext=(0, 6),
+                textcoords="offset points",
+            )
+
+    # 1. padding-free: speed-up with its bound as a line, and the per-batch losses of both sides.
+    ax = axes[0]
+    pf = sections.get("padding_free", {})
+    if "speedup" in pf:
+        ax.axhline(1.0, color=COLOURS["stock"], linestyle=":", label="stock TRL = 1")
+        ratio_bar(ax, 0, pf["speedup"], COLOURS["trl_ext"], "trl-ext padding_free (median, IQR)")
+        ax.axhline(
+            pf["bound"], color=COLOURS["bound"], linestyle="--", label=f"bound (padded/real work) = {pf['bound']:.2f}x"
+        )
+        ax.set_xticks([0], [f"DPO step, {pf['padding_fraction']:.0%} padding"])
+        inset = ax.inset_axes([0.62, 0.08, 0.35, 0.35])
+        steps = range(1, len(pf["stock"]["loss"]) + 1)
+        inset.plot(steps, pf["stock"]["loss"], "o-", color=COLOURS["stock"], linewidth=3)
+        inset.plot(steps, pf["trl_ext"]["loss"], "x--", color=COLOURS["trl_ext"])
+        inset.set_title("loss per batch (overlap)", fontsize=7)
+        inset.xaxis.set_major_locator(MaxNLocator(integer=True))
+        inset.tick_params(labelsize=6)
+        inset.set_xlabel("batch", fontsize=6)
+    ax.set_title("padding-free DPO step (higher is better)")
+    ax.set_ylabel("speed-up vs stock TRL")
+
+    # 2. precompute: same batch size and "auto".
+    ax = axes[1]
+    pc = sections.get("precompute", {})
+    if "speedup" in pc:
+        ax.axhline(1.0, color=COLOURS["stock"], linestyle=":", label="stock TRL = 1")
+        ratio_bar(ax, 0, pc["speedup"], COLOURS["trl_ext"], "trl-ext, same batch size")
+        ratio_bar(ax, 1, pc["speedup_auto"], COLOURS["auto"], 'trl-ext, "auto"')
+        ax.set_xticks([0, 1], [f"batch {pc['batch_size']}", "auto"])
+    ax.set_title("reference precompute (higher is better)")
+    ax.set_ylabel("speed-up vs stock TRL")
+
+    # 3. collectives per optimizer step (exact counts) and the step-time ratio's spread in the label.
+    ax = axes[2]
+    co = sections.get("sync_metrics", {})
+    if "stock" in co:
+        ax.bar(0, co["stock"]["collectives_per_step"], color=COLOURS["stock"], label="stock TRL", width=0.6)
+        ax.bar(
+            1, co["trl_ext"]["collectives_per_step"], color=COLOURS["trl_ext"], label="trl-ext sync_metrics", width=0.6
+        )
+        ax.errorbar(
+            [0, 1],
+            [co["stock"]["collectives_per_step"], co["trl_ext"]["collectives_per_step"]],
+            yerr=[0, 0],
+            fmt="none",
+            ecolor="black",
+            capsize=5,
+        )  # exact counts: zero error
+        r = co["step_time_ratio"]
+        ax.set_xticks(
+            [0, 1], ["stock", f"sync_metrics\n(step time {r['median']:.2f}x, IQR {r['q1']:.2f}-{r['q3']:.2f})"]
+        )
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_title("collectives per optimizer step, 2 processes (exact)")
+    ax.set_ylabel("collectives / step (lower is better)")
+
+    # 4. ZeRO-3 generation: peak parameter memory per rank, relative to TRL's gather.
+    ax = axes[3]
+    ge = sections.get("generation", {})
+    if "modes" in ge:
+        names = [m["mode"] for m in ge["modes"]]
+        values = [m["peak_vs_gather"] for m in ge["modes"]]
+        seen: set[str] = set()
+        for x, (name, value) in enumerate(zip(names, values, strict=True)):
+            kind = "stock" if name.startswith("trl") else "trl_ext"
+            label = {"stock": "stock TRL", "trl_ext": "trl-ext"}[kind] if kind not in seen else "_nolegend_"
+            seen.add(kind)
+            ax.bar(x, value, color=COLOURS[kind], width=0.6, label=label)
+        ax.errorbar(range(len(names)), values, yerr=[0] * len(names), fmt="none", ecolor="black", capsize=5)
+        ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
+    ax.set_title("ZeRO-3 generation, peak params/rank (exact)")
+    ax.set_ylabel("vs TRL gather (lower is better)")
+    for ax in axes:
+        handles, labels = ax.get_legend_handles_labels()
+        if handles:
+            ax.legend(fontsize=7, loc="upper left")
+        ax.set_ylim(bottom=0)
+    load = report.get("load_average", {})
+    fig.suptitle(
+        f"trl-ext bench — trl {report['trl']}, {report['model']}; error bars: interquartile range of per-round "
+        "ratios; "
+        f"load average {load.get('start', '?')} -> {load.get('end', '?')} on {os.cpu_count()} cores",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

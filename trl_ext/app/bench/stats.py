@@ -1,0 +1,138 @@
+"""The bench's statistics: interleaved rounds of a fixed count, the median of per-round ratios with its spread, and
+the computed verdicts (faster/slower from the interquartile range, agreement within a stated tolerance, the work
+bound of dropping padding). `trl-ext bench` and the scripts in `benchmarks/` measure with these.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+
+def progress(msg: str) -> None:
+    """One progress line on stderr, prefixed with `[trl-ext bench]`."""
+    print(f"[trl-ext bench] {msg}", file=sys.stderr, flush=True)
+
+
+#: A comparison whose per-round ratios spread more than this (interquartile range / median) is flagged.
+WIDE_SPREAD = 0.15
+
+
+def summarize(ratios: Sequence[float], bound: float | None = None) -> dict[str, Any]:
+    """Median of per-round ratios, its spread (quartiles, min, max, IQR / median) and what is suspicious about it."""
+    ordered = sorted(ratios)
+    median = statistics.median(ordered)
+    if len(ordered) >= 4:
+        q1, _, q3 = statistics.quantiles(ordered, n=4, method="inclusive")
+    else:
+        q1, q3 = ordered[0], ordered[-1]
+    spread = (q3 - q1) / median if median else float("inf")
+    flags = []
+    if bound is not None and median > bound * 1.02:
+        flags.append(f"ABOVE BOUND {bound:.2f}x: a measuring error")
+    if median < 1:
+        flags.append("SLOWER than stock")
+    if spread > WIDE_SPREAD:
+        flags.append(f"WIDE SPREAD ({spread:.0%}): rerun on a quieter machine or with more --rounds")
+    return {
+        "median": median,
+        "q1": q1,
+        "q3": q3,
+        "min": ordered[0],
+        "max": ordered[-1],
+        "spread": spread,
+        "rounds": len(ordered),
+        "ratios": list(ratios),
+        "bound": bound,
+        "flags": flags,
+    }
+
+
+def agreement(max_abs_diff: float, tolerance: float, what: str) -> dict[str, Any]:
+    """The verdict on two results that should agree: the same `what` when the largest absolute difference is within
+    `tolerance` (a NaN difference never is); otherwise a flag that names both numbers."""
+    same = bool(max_abs_diff <= tolerance)
+    if same:
+        text = f"same {what} (within {tolerance:.1e})"
+        flags: list[str] = []
+    else:
+        text = f"{what.upper()} DIFFER: max |diff| {max_abs_diff:.2e} > tolerance {tolerance:.1e}"
+        flags = [text]
+    return {"same": same, "max_abs_diff": max_abs_diff, "tolerance": tolerance, "text": text, "flags": flags}
+
+
+def direction(r: dict[str, Any]) -> str:
+    """What a speed ratio `stock time / trl-ext time` says: "faster" or "slower" only when the whole interquartile
+    range is on that side of 1, else that the rounds do not tell them apart."""
+    if r["q1"] > 1:
+        return "faster"
+    if r["q3"] < 1:
+        return "slower"
+    return "(no clear difference: the IQR spans 1)"
+
+
+def ratio_text(r: dict[str, Any]) -> str:
+    """`2.10x faster [IQR 2.08-2.10, 5 rounds]`: the median ratio, what it says, its spread."""
+    return f"{r['median']:.2f}x {direction(r)} [IQR {r['q1']:.2f}-{r['q3']:.2f}, {r['rounds']} rounds]"
+
+
+def interleave(
+    arms: dict[str, Any],
+    *,
+    rounds: int,
+    what: str,
+    paired: Callable[[int], dict[str, float]] | None = None,
+    warmup: int = 0,
+    report: Callable[[str], None] | None = progress,
+) -> dict[str, list[float]]:
+    """Time every arm once per round, in turn, for exactly `rounds` rounds (stock, trl-ext, trl-ext, stock, ...: the
+    order flips every round so that neither side always runs first).
+
+    The count is fixed in advance: stopping once the ratios agree would stop on a lucky streak and bias the reported
+    spread low. `arms` maps a name to `fn(round_index) -> seconds`; the first arm is the baseline. A comparison that
+    interleaves more finely inside a round passes `paired(round_index) -> {name: seconds}` instead (and the arm names
+    in `arms`, values unused). The first `warmup` rounds run the same way and are not kept (round indices count them:
+    the timed rounds are `warmup .. warmup + rounds - 1`). Returns the seconds per arm and timed round; `report`
+    receives one line with the count and the time taken (None: silent).
+    """
+    names = list(arms)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    start = time.perf_counter()
+    for index in range(warmup + rounds):
+        if paired is not None:
+            measured = paired(index)
+        else:
+            measured = {name: arms[name](index) for name in (names if index % 2 == 0 else names[::-1])}
+        if index >= warmup:
+            for name, value in measured.items():
+                times[name].append(value)
+    if report is not None:
+        report(f"{what}: {rounds} interleaved rounds in {time.perf_counter() - start:.0f} s")
+    return times
+
+
+def ratios(times: dict[str, list[float]], base: str, arm: str) -> list[float]:
+    """Per-round ratios `base / arm` of two arms' `interleave` times (a speed-up when the times are seconds)."""
+    return [a / b for a, b in zip(times[base], times[arm], strict=True)]
+
+
+def padding_bounds(masks: Sequence[Any]) -> dict[str, float]:
+    """The speed-up bound of dropping the padding of batches with these 2D attention masks.
+
+    A step costs `a * tokens + b * sum(len^2)` (attention) with `a, b >= 0`, and a padded row costs its padded length
+    in both, so the speed-up is at most the larger of the token ratio and the attention ratio (`bound`). Also returns
+    each ratio and the padding fraction.
+    """
+    real = sum(int(m.sum()) for m in masks)
+    padded = sum(m.numel() for m in masks)
+    attn_real = sum(int(row.sum()) ** 2 for m in masks for row in m)
+    attn_padded = sum(m.shape[0] * m.shape[1] ** 2 for m in masks)
+    return {
+        "padding_fraction": 1 - real / padded,
+        "token_bound": padded / real,
+        "attention_bound": attn_padded / attn_real,
+        "bound": max(padded / real, attn_padded / attn_real),
+    }
