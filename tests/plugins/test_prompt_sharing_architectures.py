@@ -1,13 +1,14 @@
 """prompt_sharing beyond dense Llama-likes: MoE with the router auxiliary loss on, sliding windows, attention sinks,
 softcapping, learned positions; every model type of `setup.VERIFIED_MODEL_TYPES`; refusals whose advice works.
 
-Architecture check (`shared_vs_padded`): a tiny float64 model of each type, built by the padding_free sweep's
-`build_tiny` (2 layers, sliding windows of 4 tokens so that windows reach across the prompt/response boundary, 4
-experts / top-2 with the router auxiliary loss on), runs three prompt/response pairs padded (stock) and shared
-through the plugin's causal-LM wrapper. Loss (weighted per-sequence log-probs plus 0.5 x the MoE auxiliary loss), the
-auxiliary loss and every gradient must agree within 1e-6 relative (fp64 round-off is ~1e-15; the MoE auxiliary loss is
-accumulated in float32 by transformers; a response that sees the other response, a position off by one or an aux loss
-that counts a shared prompt once moves them by > 1e-3).
+Architecture check: the architecture sweep (`tests/plugins/sweep.py`, `prompt_sharing_outcome`) builds a tiny float64
+model of each type (2-4 layers, sliding windows of 4 tokens so that windows reach across the prompt/response
+boundary, 4 experts / top-2 with the router auxiliary loss on), sets it up through the plugin's own path (configure,
+dropout, wrapped forward, self-check where the plugin runs it) and runs three prompt/response pairs padded (stock) and
+shared. The DPO loss (plus 0.5 x the MoE auxiliary loss), the per-sequence log-probs, the auxiliary loss and every
+gradient must agree within 1e-6 relative (fp64 round-off is ~1e-15; the MoE auxiliary loss is accumulated in float32
+by transformers; a response that sees the other response, a position off by one or an aux loss that counts a shared
+prompt once moves them by > 1e-3). The whole sweep, every causal-LM type, runs in test_padding_free_sweep.py.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ import torch
 
 import trl_ext
 from tests import equivalence as eq
+from tests.plugins import sweep
 from tests.plugins.test_padding_free_coverage import tiny
-from tests.plugins.test_padding_free_sweep import AUX_COEF, build_tiny
+from tests.plugins.test_padding_free_sweep import build_tiny
 from trl_ext import UsageError
 from trl_ext.plugins.prompt_sharing.setup import VERIFIED_MODEL_TYPES
 from trl_ext.testing import make_preference_dataset
@@ -31,98 +33,18 @@ NAMED = ("gemma2", "gpt_oss", "mixtral", "qwen3_moe", "olmoe", "olmo3", "cohere2
 _one_thread = pytest.fixture(scope="module", autouse=True)(eq.one_thread)
 
 
-def _pairs(vocab: int):
-    """Three pairs (prompt 7 / 5 / 6 tokens): rows `[chosen..., rejected...]`; row lengths 10-13 (within a window of
-    each other: no fully masked padded query row, which eager attention turns into NaN in float64)."""
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, vocab, (n,), generator=g) for n in (7, 5, 6)]
-    responses = [[torch.randint(3, vocab, (n,), generator=g) for n in pair] for pair in ((4, 6), (6, 5), (5, 7))]
-    seqs = [torch.cat([p, r[0]]) for p, r in zip(prompts, responses, strict=True)]
-    seqs += [torch.cat([p, r[1]]) for p, r in zip(prompts, responses, strict=True)]
-    length = max(len(s) for s in seqs)
-    ids = torch.zeros(len(seqs), length, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, s in enumerate(seqs):
-        ids[i, : len(s)], mask[i, : len(s)] = s, 1
-    return ids, mask, [len(p) for p in prompts] * 2
-
-
-def _loss_and_grads(model, forward, ids, mask, moe, extra):
-    model.zero_grad(set_to_none=True)
-    kwargs = dict(input_ids=ids, attention_mask=mask, use_cache=False, **extra)
-    if moe:
-        kwargs["output_router_logits"] = True
-    out = forward(**kwargs)
-    logps = out.logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-    per_seq = torch.where(mask[:, 1:].bool(), logps, 0.0).sum(1)
-    weights = torch.linspace(0.5, 1.5, ids.shape[0], dtype=per_seq.dtype)
-    loss = -(per_seq * weights).sum() / mask.sum()
-    aux = getattr(out, "aux_loss", None) if moe else None
-    if aux is not None:
-        loss = loss + AUX_COEF * aux
-    loss.backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    return loss.item(), None if aux is None else float(aux), grads
-
-
-def shared_vs_padded(model_type: str) -> list[str]:
-    """The differences between the shared and the stock padded forward of a tiny `model_type` (empty: equal)."""
-    from trl_ext.patching import Patcher
-    from trl_ext.plugins.prompt_sharing import forward as fw
-    from trl_ext.plugins.prompt_sharing.attention import unregister_shared_attention
-    from trl_ext.plugins.prompt_sharing.layout import LAYOUT_KEY, build_layout
-    from trl_ext.plugins.prompt_sharing.moe import MoeAuxLoss
-    from trl_ext.plugins.prompt_sharing.setup import PromptSharingState, configure_model
-
-    model = build_tiny(model_type)
-    moe = hasattr(model.config, "output_router_logits")
-    ids, mask, prompt_end = _pairs(model.config.vocab_size)
-    stock_loss, stock_aux, stock_grads = _loss_and_grads(model, model.forward, ids, mask, moe, {})
-    base = model.config._attn_implementation
-
-    class Ctx:
-        patcher = Patcher("test")
-
-        @staticmethod
-        def hold(key, acquire, release):  # a trainer context holds the registration; here the test releases it
-            acquire()
-
-    layout = build_layout(ids, mask, prompt_end)
-    assert layout.shared_rows == 6
-    state = PromptSharingState()
-    try:
-        assert configure_model(Ctx, "policy", model) == f"trl_ext_shared_{base}"
-        forward = fw.make_causal_lm_forward(model.forward, state, "policy", None, MoeAuxLoss.of(model))
-        loss, aux, grads = _loss_and_grads(model, forward, ids, mask, moe, {LAYOUT_KEY: layout.to_batch()})
-    finally:
-        Ctx.patcher.undo()
-        unregister_shared_attention()
-    assert model.config._attn_implementation == base
-    problems = [] if state.shared_calls == 1 else [f"{state.shared_calls} shared calls"]
-    if abs(loss - stock_loss) > REL * max(1.0, abs(stock_loss)):
-        problems.append(f"loss {loss:.12g} vs {stock_loss:.12g}")
-    if (aux is None) != (stock_aux is None) or aux is not None and abs(aux - stock_aux) > REL * max(1.0, stock_aux):
-        problems.append(f"aux loss {aux} vs {stock_aux}")
-    if grads.keys() != stock_grads.keys() or not grads:
-        problems.append("different parameters got gradients")
-    else:
-        scale = max(g.abs().max().item() for g in stock_grads.values())
-        worst = max((grads[k] - stock_grads[k]).abs().max().item() for k in grads)
-        if not worst <= REL * scale:
-            problems.append(f"grad diff {worst:.3g} vs max |grad| {scale:.3g}")
-    return problems
-
-
 @pytest.mark.parametrize("model_type", NAMED)
 def test_named_architectures(model_type):
-    assert shared_vs_padded(model_type) == []
+    outcome = sweep.row(model_type).prompt_sharing
+    assert outcome.status == "exact", outcome.detail
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model_type", sorted(set(VERIFIED_MODEL_TYPES) - set(NAMED)))
 def test_verified_table(model_type):
-    """Every model type prompt_sharing accepts: the shared forward equals the padded one (loss, aux loss, grads)."""
-    assert shared_vs_padded(model_type) == []
+    """Every model type prompt_sharing admits without its self-check: the shared forward equals the padded one."""
+    outcome = sweep.row(model_type).prompt_sharing
+    assert outcome.status == "exact", outcome.detail
 
 
 def test_moe_aux_loss_counts_each_prompt_per_response():
@@ -132,8 +54,8 @@ def test_moe_aux_loss_counts_each_prompt_per_response():
     from trl_ext.plugins.prompt_sharing.moe import MoeAuxLoss
 
     assert MoeAuxLoss.of(build_tiny("mixtral")) is not None and MoeAuxLoss.of(build_tiny("llama")) is None
-    problems = shared_vs_padded("mixtral")
-    assert problems == []
+    with sweep.single_thread_float64():
+        assert sweep.prompt_sharing_outcome(build_tiny("mixtral"), moe=True).status == "exact"
     original = fw.make_causal_lm_forward
 
     def without_recompute(original_forward, state, role, check, aux_loss=None):
@@ -141,10 +63,11 @@ def test_moe_aux_loss_counts_each_prompt_per_response():
 
     fw.make_causal_lm_forward = without_recompute
     try:
-        problems = shared_vs_padded("mixtral")
+        with sweep.single_thread_float64():
+            outcome = sweep.prompt_sharing_outcome(build_tiny("mixtral"), moe=True)
     finally:
         fw.make_causal_lm_forward = original
-    assert any(p.startswith("aux loss") for p in problems), problems
+    assert outcome.status == "FAIL" and "aux loss" in outcome.detail, outcome
 
 
 # -------------------------------------------------------------------------------------------------------------------
@@ -227,7 +150,8 @@ def test_policy_ref_and_training_with_gradient_checkpointing(build, kind):
         _assert_logs_equal(stock_logs, shared_logs)
         if kind == "mixtral":
             assert stock_logs[0]["aux_loss"] > 0
-        assert _state(shared).unshared_calls == 0 and _state(shared).checked == {"policy", "ref"}
+        assert _state(shared).unshared_calls == 0
+        assert _state(shared).checked == set()  # a verified model type runs without the self-check by default
 
 
 @pytest.mark.parametrize("kind", ["mistral", "mixtral"])
@@ -265,8 +189,6 @@ def test_stateful_mixer_refused_naming_the_layer_and_advice_works(dpo_args, toke
     """LFM2 (short convolutions): refused naming the layer; the advice (no prompt_sharing, no padding_free) trains."""
     from trl import DPOTrainer
 
-    from tests.plugins import test_padding_free_sweep as sweep
-
     monkeypatch.setitem(sweep._SMALL, "vocab_size", 256)  # the test tokenizer's vocabulary
 
     def make():
@@ -284,32 +206,6 @@ def test_stateful_mixer_refused_naming_the_layer_and_advice_works(dpo_args, toke
     make().train()  # the advice: train it without prompt_sharing
 
 
-def test_unverified_model_type_refused_and_padding_free_alone_runs_it(dpo_args, tokenizer, dataset, monkeypatch):
-    """A model type outside the verified table is refused with advice to use padding_free alone, which runs it."""
-    from trl import DPOTrainer
-
-    from trl_ext.plugins.prompt_sharing import setup
-
-    monkeypatch.setattr(setup, "VERIFIED_MODEL_TYPES", tuple(t for t in VERIFIED_MODEL_TYPES if t != "mistral"))
-
-    def make():
-        return DPOTrainer(
-            tiny("mistral"),
-            ref_model=tiny("mistral", seed=1),
-            args=dpo_args(bf16=False, max_steps=1),
-            train_dataset=dataset,
-            processing_class=tokenizer,
-        )
-
-    with trl_ext.install(prompt_sharing=True):
-        with pytest.raises(UsageError, match=r"not verified on `mistral`.*padding_free` alone"):
-            make().train()
-    with trl_ext.install(padding_free=True):
-        trainer = make()
-        trainer.train()
-        assert trainer._trl_ext.state["padding_free"].packed_calls > 0
-
-
 def test_layer_that_drops_the_segments_is_refused_not_wrong():
     """StableLM's decoder layer does not hand keyword arguments to its attention, so the segments never arrive: the
     shared call raises instead of running the row as one causal sequence (it is outside the verified table too)."""
@@ -321,7 +217,7 @@ def test_layer_that_drops_the_segments_is_refused_not_wrong():
 
     assert "stablelm" not in VERIFIED_MODEL_TYPES
     model = build_tiny("stablelm")
-    ids, mask, prompt_end = _pairs(model.config.vocab_size)
+    ids, mask, prompt_end = sweep.prompt_pairs(model.config.vocab_size)
     patcher = Patcher("test")
     register_shared_attention()
     try:
