@@ -313,7 +313,13 @@ def _run_self_check(state: PaddingFreeState, role: str, model, trainer) -> None:
     calls = state.packed_calls, state.unpacked_calls
     moe = any(m.startswith("MoE") for m in state.inspections[role].mechanisms)
     lengths = _probe_lengths(model, trainer)
-    result = self_check(model, model.forward, lengths=lengths, moe=moe)
+    args = getattr(trainer, "args", None)
+    autocast = None
+    if next(model.parameters()).dtype == torch.float32:  # a float32 model trained under 16-bit autocast
+        autocast = (
+            torch.bfloat16 if getattr(args, "bf16", False) else torch.float16 if getattr(args, "fp16", False) else None
+        )
+    result = self_check(model, model.forward, lengths=lengths, moe=moe, autocast=autocast)
     state.packed_calls, state.unpacked_calls = calls  # the probe's forwards are not training forwards
     state.self_checks[role] = result
     model_type = getattr(model.config, "model_type", None)
@@ -329,7 +335,7 @@ def _run_self_check(state: PaddingFreeState, role: str, model, trainer) -> None:
         role,
         type(model).__name__,
         model_type,
-        next(model.parameters()).dtype,
+        f"{autocast} autocast" if autocast is not None else next(model.parameters()).dtype,
         result.max_position_error,
         result.tolerance,
         list(result.lengths),

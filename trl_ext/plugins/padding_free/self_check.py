@@ -10,18 +10,21 @@ in eval mode without gradients, in the model's dtype:
    module (in execution order) whose output at the other sequences' tokens changed.
 2. stock: the same three sequences as a right-padded batch through the model's own stock forward (its original
    attention implementation, the `attention_mask`, `use_cache=False`: TRL's scoring call) must give the packed
-   logits at every real token, to the dtype's round-off (relative to the largest logit: 1e-9 in float64, 1e-4 in
-   float32, 5e-2 in 16-bit). This catches positions that do not restart per sequence and any locality (window,
-   chunk, mask function) the packed call loses: the longest probe sequence is as long as a training sequence, so a
-   locality that acts in training acts in the probe. MoE models in float64 are allowed 1e-6: their routers may
-   compute in float32 inside a float64 model, and a float32 matmul may round a row differently with another row
-   count. A position or window bug moves logits by far more (order 1e-1).
+   logits at every real token, to the dtype's round-off (relative to the largest logit: 1e-7 in float64, 1e-4 in
+   float32, 5e-2 in 16-bit or under 16-bit autocast). This catches positions that do not restart per sequence and any
+   locality (window, chunk, mask function) the packed call loses: the longest probe sequence is as long as a training
+   sequence, so a locality that acts in training acts in the probe. Float64 allows 1e-7 because some models compute
+   parts of a float64 forward in float32 (ALiBi models' attention softmax: up to 6e-9), MoE models 1e-6 (float32
+   routers: a float32 matmul may round a row differently with another row count); a position or window bug is order
+   1e-1. Where the padded forward itself is degenerate on a row (eager attention over a query whose window holds only
+   padding gives NaN in some models, stock TRL included), that row's reference is the sequence run alone.
 
 Cost: two packed forwards of the probe's total length and one padded forward of three rows (timed and logged).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
@@ -33,7 +36,7 @@ from .._probe import stock_forward as stock_mode
 
 #: The probe of a model whose training lengths are unknown (no `max_length`, no readable dataset).
 PROBE_LENGTHS = (9, 6, 11)
-_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}
+_TOLERANCE = {torch.float64: 1e-7, torch.float32: 1e-4}
 _HALF_TOLERANCE = 5e-2
 #: MoE models in float64: float32 routers round per kernel choice (see the module docstring)
 _MOE_FLOAT64_TOLERANCE = 1e-6
@@ -102,6 +105,7 @@ def self_check(
     lengths: Sequence[int] = PROBE_LENGTHS,
     dtype: torch.dtype | None = None,
     moe: bool = False,
+    autocast: torch.dtype | None = None,
 ) -> SelfCheckResult:
     """Measure whether `packed_forward` (the model's wrapped forward) keeps packed sequences apart and equals
     `stock_forward` (the model's stock padded forward; default: `model.forward` under
@@ -112,14 +116,16 @@ def self_check(
     multiplies at once, and a matmul kernel may round another token's row differently. For MoE models the isolation
     check therefore allows 16 units of round-off of the dtype (relative to the largest logit) instead of
     bit-identity; a leak smaller than that (possible only in 16-bit dtypes) would pass. In float64 their stock check
-    allows 1e-6 instead of 1e-9 (float32 routers; module docstring).
+    allows 1e-6 instead of 1e-7 (float32 routers; module docstring).
+    `autocast`: the 16-bit dtype training autocasts a float32 model to (`bf16=True` / `fp16=True`): the probe's
+    forwards run under the same `torch.autocast`, and the 16-bit tolerance applies.
     """
     lengths = tuple(int(n) for n in lengths)
     start = time.perf_counter()
     device = next(model.parameters()).device
     embeddings: Any = cast(Any, model).get_input_embeddings()  # a PreTrainedModel method: an nn.Embedding
     vocab: int = embeddings.num_embeddings
-    dtype = dtype or next(model.parameters()).dtype
+    dtype = autocast or dtype or next(model.parameters()).dtype
     tolerance = _TOLERANCE.get(dtype, _HALF_TOLERANCE)
     if moe and dtype == torch.float64:
         tolerance = _MOE_FLOAT64_TOLERANCE
@@ -135,8 +141,9 @@ def self_check(
     def result(leak: str | None, worst: float = float("nan")) -> SelfCheckResult:
         return SelfCheckResult(leak, worst, tolerance, time.perf_counter() - start, forwards, lengths)
 
+    autocasting = torch.autocast(device.type, dtype=autocast) if autocast is not None else contextlib.nullcontext()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), autocasting:
             recorder = _Recorder(model, sum(lengths))
             try:
                 base = packed_forward(input_ids=ids, attention_mask=mask, use_cache=False).logits
@@ -160,14 +167,22 @@ def self_check(
                         f"packed row changed (max change {(base[i] - after[i]).abs().max().item():.3g}); the first "
                         f"layer whose output changed is `{_first_change(before, recorder.outputs, rows)}`"
                     )
+            run_stock = stock_forward if stock_forward is not None else model
             try:
-                if stock_forward is None:
-                    with stock_mode(model):
-                        stock = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-                else:
-                    with stock_mode(model):
-                        stock = stock_forward(input_ids=ids, attention_mask=mask, use_cache=False).logits
-                forwards += 1
+                with stock_mode(model):
+                    stock = run_stock(input_ids=ids, attention_mask=mask, use_cache=False).logits
+                    forwards += 1
+                    for i, length in enumerate(lengths):
+                        if not torch.isfinite(stock[i, :length]).all():
+                            # The padded forward itself is degenerate on this row (eager attention over a query row
+                            # whose window holds only padding gives NaN in some models, stock TRL included): the
+                            # row's stock reference is then the sequence alone, which has no padding.
+                            alone = ids[i : i + 1, :length]
+                            ones = torch.ones_like(alone)
+                            row = run_stock(input_ids=alone, attention_mask=ones, use_cache=False).logits[0]
+                            stock = stock.clone()
+                            stock[i, :length] = row
+                            forwards += 1
             except Exception as exc:  # noqa: BLE001 - no stock reference, no verdict: refuse with the cause
                 return result(f"its stock padded forward (the reference) raised {type(exc).__name__}: {exc}")
             worst = 0.0
