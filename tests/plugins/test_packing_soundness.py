@@ -163,3 +163,26 @@ def test_probe_lengths_follow_training():
     assert probe_lengths(512, found) == (512, 101, 103)  # the 4096 window never acts on 512 tokens
     assert probe_lengths(64, {}) == (64, 9, 11)
     assert probe_lengths(5000, {}, max_positions=2048)[0] == 2048
+
+
+def test_a_packed_row_longer_than_mpts_alibi_table_is_refused_before_the_first_step(tokenizer, dpo_args):
+    """MPT's ALiBi table covers `max_seq_len` keys of one row: a packed batch that can exceed it is refused when the
+    trainer is built, naming the numbers, not in the middle of a step."""
+    from transformers import AutoModelForCausalLM, MptConfig
+    from trl import DPOTrainer
+
+    def mpt(seed):
+        config = MptConfig(vocab_size=len(tokenizer), d_model=32, n_heads=4, n_layers=2, max_seq_len=64)
+        config.pad_token_id = tokenizer.pad_token_id
+        torch.manual_seed(seed)
+        return AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+
+    with trl_ext.install(padding_free=True):
+        with pytest.raises(UsageError, match=r"max_seq_len=64.*8 sequences of up to \d+ tokens"):
+            DPOTrainer(
+                mpt(0),
+                ref_model=mpt(1),
+                args=dpo_args(bf16=False, max_length=32, per_device_train_batch_size=4),
+                train_dataset=make_preference_dataset(8),
+                processing_class=tokenizer,
+            )

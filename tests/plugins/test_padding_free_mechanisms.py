@@ -222,7 +222,7 @@ def test_alibi_through_a_real_dpo_trainer_step(dpo_args, tokenizer):
     def mpt(seed):
         from transformers import AutoModelForCausalLM, MptConfig
 
-        config = MptConfig(vocab_size=len(tokenizer), d_model=32, n_heads=4, n_layers=2, max_seq_len=512)
+        config = MptConfig(vocab_size=len(tokenizer), d_model=32, n_heads=4, n_layers=2, max_seq_len=1024)
         config.pad_token_id = tokenizer.pad_token_id
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)

@@ -91,6 +91,7 @@ from typing import Any
 
 import torch
 
+from ... import _compat
 from ..._logging import get_logger
 from ...errors import UsageError
 from ...hookspecs import hookimpl
@@ -281,9 +282,28 @@ def trl_ext_trainer_models_ready(trainer, context):
         if role not in state.attn_implementations:  # a model whose backbone the core could not reach
             state.attn_implementations[role] = _configure_model(context, role, model)
         context.patcher.setattr(model, "forward", _make_causal_lm_forward(model.forward, state))
+        _check_row_limit(role, model, trainer)
         if state.self_check is True or not state.inspections[role].verified:
             _run_self_check(state, role, model, trainer)
     logger.info("padding_free: packing %s", state.attn_implementations)
+
+
+def _check_row_limit(role: str, model, trainer) -> None:
+    """Refuse, before the first step, a model whose packed row has a length limit that a batch can exceed (MPT's
+    ALiBi table covers `max_seq_len` keys of one row): instead of failing mid-step."""
+    table = getattr(model.config, _compat.MPT_ALIBI_TABLE_ATTR, None)
+    if getattr(model.config, "model_type", None) != "mpt" or not isinstance(table, int):
+        return
+    args = getattr(trainer, "args", None)
+    rows = 2 * max(getattr(args, "per_device_train_batch_size", 1), getattr(args, "per_device_eval_batch_size", 1))
+    longest = training_max_length(trainer)
+    if longest is None or rows * longest > table:
+        raise UsageError(
+            f"padding_free: the {role} model ({type(model).__name__}) computes its ALiBi biases for rows of at most "
+            f"`{_compat.MPT_ALIBI_TABLE_ATTR}={table}` tokens, and a packed batch can hold {rows} sequences of up to "
+            f"{longest} tokens. Lower per_device_train_batch_size / per_device_eval_batch_size or max_length so that "
+            f"2 x batch size x max_length <= {table}, or train without padding_free."
+        )
 
 
 #: The longest probe the self-check builds from a model's position limit when the training length is unknown.
