@@ -27,7 +27,8 @@ def main() -> int:
     parser.add_argument("--logging-steps", type=int, default=1)
     parser.add_argument("--batch-size", type=int, default=4, help="pairs per rank and step")
     args = parser.parse_args()
-    from trl_ext.app.bench import run_collectives, summarize
+    from trl_ext.app.bench.sections import run_collectives
+    from trl_ext.app.bench.stats import ratio_text, summarize
 
     out = Path(tempfile.mkdtemp(prefix="trl-ext-metric-sync-")) / "collectives.json"
     extra = ["--steps", str(args.steps), "--logging-steps", str(args.logging_steps)]
@@ -42,10 +43,9 @@ def main() -> int:
             f"{name:13s} collectives/step {r['collectives_per_step']:6.2f}  per logging step {per_log:6.2f}  "
             f"{dict(sorted(r['collectives'].items()))}"
         )
-    print(
-        f"step time stock / sync_metrics: median {speed['median']:.2f}x (IQR {speed['q1']:.2f}-{speed['q3']:.2f}, "
-        f"{speed['rounds']} rounds) {' '.join(speed['flags'])}"
-    )
+    print(f"step time stock / sync_metrics: {ratio_text(speed)}")
+    for flag in speed["flags"]:
+        print(f"  !! {flag}")
     return 0
 
 

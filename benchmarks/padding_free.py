@@ -9,13 +9,15 @@ and every metric) plus the backward, on the same examples for every variant:
 - `packed_dense`: the plugin's packing with transformers' block-diagonal attention mask (`attention: dense`);
 - `packed_varlen`: the plugin's packing with per-segment varlen attention (the default on CPU).
 
-Variants alternate within each repetition, the order rotated every repetition, one warm-up first; medians are
-reported (wall time, and process CPU time, which a busy shared machine disturbs less). The padding fraction f of a
-batch is the share of padded positions in the `[2 * pairs, L]` batch, and 1/(1-f) is the speed-up that skipping the
-padding alone would give if cost were linear in tokens (attention is superlinear, so varlen can exceed it). Peak
+The bench's statistics (`trl_ext.app.bench.stats`) do the rest: a fixed number of interleaved rounds (`--rounds`),
+one warm-up round first, in each round every batch once per variant, the order flipping every batch; the speed-up is
+the median of the per-round ratios of total time, with its interquartile range and the bench's flags (above the
+bound, slower, wide spread), in wall time and in process CPU time (which a busy shared machine disturbs less). The
+bound is the bench's `padding_bounds`: the larger of the token ratio 1/(1-f), f the share of padded positions, and
+the attention ratio sum(L^2) / sum(len^2), since a step costs a * tokens + b * attention. Peak
 memory is the peak RSS during one step on the largest batch (the kernel's high-water mark, reset right before the
-step), each variant in a fresh process. Finally, whole `trainer.train()` runs (stock vs plugin, ABBA order) give
-steps per second.
+step), each variant in a fresh process. Finally, whole `trainer.train()` runs (stock vs plugin, two rounds, ABBA
+order) give steps per second and their per-round ratio.
 
 Run from the repository root:
 
@@ -30,7 +32,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -93,7 +94,9 @@ def parse_args(argv=None):
     parser.add_argument("--quick", action="store_true", help="small smoke run")
     parser.add_argument("--pairs", type=int, default=8, help="preference pairs per batch (2x sequences)")
     parser.add_argument("--batches", type=int, default=3, help="number of distinct batches to time")
-    parser.add_argument("--reps", type=int, default=3, help="timed repetitions per batch and variant")
+    parser.add_argument(
+        "--rounds", "--reps", dest="reps", type=int, default=3, help="interleaved rounds (fixed, after a warm-up)"
+    )
     parser.add_argument("--train-steps", type=int, default=4, help="trainer.train() steps per run (0: skip)")
     parser.add_argument("--no-memory", action="store_true", help="skip the per-variant peak-memory processes")
     parser.add_argument("--seed", type=int, default=0)
@@ -184,15 +187,6 @@ def step(trainer, batch) -> tuple[float, float]:
     return elapsed, cpu
 
 
-def batch_stats(batch) -> dict:
-    from trl_ext.app.bench import padding_bounds
-
-    mask = batch["attention_mask"]
-    real, slots = int(mask.sum()), mask.numel()
-    return {"shape": tuple(mask.shape), "real": real, "slots": slots, "f": 1 - real / slots, "mask": mask.clone(),
-            **padding_bounds([mask])}  # fmt: skip
-
-
 def pick_batches(dataset, pairs: int, count: int, seed: int):
     import random
 
@@ -206,8 +200,12 @@ def pick_batches(dataset, pairs: int, count: int, seed: int):
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def time_steps(args, tokenizer, dataset, tmp):
+def time_steps(args, tokenizer, dataset, tmp) -> dict:
+    """Interleaved rounds (the bench's `interleave`, one warm-up round first): in each round every batch runs once per
+    variant, batch by batch, the variants' order flipping every batch. Returns each variant's wall and CPU seconds per
+    round (summed over the batches), each batch's median wall time per variant, and the batches' masks."""
     import trl_ext
+    from trl_ext.app.bench.stats import interleave, padding_bounds
 
     stock = make_trainer(tokenizer, dataset, tmp)
     with trl_ext.install(padding_free=True):
@@ -218,41 +216,40 @@ def time_steps(args, tokenizer, dataset, tmp):
             "packed_varlen": (packed, None),
         }
         examples = pick_batches(stock.train_dataset, args.pairs, args.batches, args.seed)
-        rows = []
-        for b, ex in enumerate(examples):
-            batches = {"padded": stock.data_collator(ex), "packed": packed.data_collator(ex)}
-            stats = batch_stats(batches["padded"])
-            times = {v: [] for v in VARIANTS}
-            cpu_times = {v: [] for v in VARIANTS}
-            for rep in range(args.reps + 1):
-                order = VARIANTS[rep % 3 :] + VARIANTS[: rep % 3]
-                for variant in order:
+        batches = [{"padded": stock.data_collator(ex), "packed": packed.data_collator(ex)} for ex in examples]
+        per_batch = {v: [[] for _ in batches] for v in VARIANTS}
+        cpu = {v: [] for v in VARIANTS}
+
+        def one_round(index: int) -> dict[str, float]:
+            wall = dict.fromkeys(VARIANTS, 0.0)
+            used = dict.fromkeys(VARIANTS, 0.0)
+            for b, batch in enumerate(batches):
+                for variant in VARIANTS if (index + b) % 2 == 0 else VARIANTS[::-1]:
                     trainer, impl = runners[variant]
                     with attention(trainer, impl):
-                        dt, cpu = step(trainer, batches["padded" if variant == "padded" else "packed"])
-                    if rep:  # the first repetition is the warm-up
-                        times[variant].append(dt)
-                        cpu_times[variant].append(cpu)
-            med = {v: statistics.median(t) for v, t in times.items()}
-            cpu_med = {v: statistics.median(t) for v, t in cpu_times.items()}
-            rows.append(
-                {
-                    **stats,
-                    "batch": b,
-                    **{f"t_{v}": med[v] for v in VARIANTS},
-                    **{f"c_{v}": cpu_med[v] for v in VARIANTS},
-                }
-            )
-            print(
-                f"  batch {b}: {stats['shape'][0]}x{stats['shape'][1]}, {stats['real']} real tokens, "
-                f"f={stats['f']:.1%} (bound {stats['bound']:.2f}x: tokens {stats['token_bound']:.2f}x, attention "
-                f"{stats['attention_bound']:.2f}x): padded {med['padded']:.2f}s, "
-                f"dense {med['packed_dense']:.2f}s ({med['padded'] / med['packed_dense']:.2f}x), "
-                f"varlen {med['packed_varlen']:.2f}s ({med['padded'] / med['packed_varlen']:.2f}x)",
-                flush=True,
-            )
+                        dt, c = step(trainer, batch["padded" if variant == "padded" else "packed"])
+                    wall[variant] += dt
+                    used[variant] += c
+                    if index:  # round 0 is the warm-up
+                        per_batch[variant][b].append(dt)
+            if index:
+                for variant in VARIANTS:
+                    cpu[variant].append(used[variant])
+            return wall
+
+        wall = interleave(dict.fromkeys(VARIANTS), rounds=args.reps, what="DPO steps", paired=one_round, warmup=1)
         assert packed._trl_ext.state["padding_free"].packed_calls > 0
-    return rows
+    for b, batch in enumerate(batches):
+        stats = padding_bounds([batch["padded"]["attention_mask"]])
+        shape = tuple(batch["padded"]["attention_mask"].shape)
+        med = {v: statistics.median(per_batch[v][b]) for v in VARIANTS}
+        print(
+            f"  batch {b}: {shape[0]}x{shape[1]}, f={stats['padding_fraction']:.1%} (bound {stats['bound']:.2f}x: "
+            f"tokens {stats['token_bound']:.2f}x, attention {stats['attention_bound']:.2f}x): median padded "
+            f"{med['padded']:.2f}s, dense {med['packed_dense']:.2f}s, varlen {med['packed_varlen']:.2f}s",
+            flush=True,
+        )
+    return {"wall": wall, "cpu": cpu, "masks": [batch["padded"]["attention_mask"] for batch in batches]}
 
 
 def memory_child(variant: str, args) -> None:
@@ -297,6 +294,7 @@ def measure_memory(args) -> dict:
 
 
 def time_training(args, tokenizer, dataset, tmp) -> dict:
+    """Whole `trainer.train()` runs, stock and plugin: steps per second and the median per-round speed-up."""
     from transformers import TrainerCallback
 
     import trl_ext
@@ -319,10 +317,14 @@ def time_training(args, tokenizer, dataset, tmp) -> dict:
         # steps/s over the steps after the first (which includes the optimizer's lazy state allocation)
         return (len(clock.ends) - 1) / (clock.ends[-1] - clock.ends[0])
 
-    rates = {"stock": [], "plugin": []}
-    for plugin in (False, True, True, False):  # ABBA against drift in the machine's load
-        rates["plugin" if plugin else "stock"].append(run(plugin))
-    return {k: statistics.mean(v) for k, v in rates.items()}
+    from trl_ext.app.bench.stats import interleave, ratios, summarize
+
+    # Seconds per step; two rounds in flipped order (stock, plugin, plugin, stock) against drift in the machine's load.
+    times = interleave(
+        {"stock": lambda i: 1 / run(False), "plugin": lambda i: 1 / run(True)}, rounds=2, what="trainer.train()"
+    )
+    return {"steps_per_second": {k: [1 / t for t in v] for k, v in times.items()},
+            "speedup": summarize(ratios(times, "stock", "plugin"))}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -349,34 +351,31 @@ def main(argv=None) -> None:
     dataset = make_dataset(max(args.pairs * 24, 64), args.seed)
     print(
         f"padding_free benchmark: trl {trl.__version__}, torch {torch.__version__}, {torch.get_num_threads()} threads;"
-        f" {ARCH} {MODEL}, fp32; {args.pairs} pairs per batch, {args.batches} batches x {args.reps} reps (+1 warm-up)",
+        f" {ARCH} {MODEL}, fp32; {args.pairs} pairs per batch, {args.batches} batches x {args.reps} rounds (+warm-up)",
         flush=True,
     )
     with tempfile.TemporaryDirectory() as tmp:
         print("One DPO step (TRL compute_loss: policy fwd + ref fwd + loss + metrics, then backward):", flush=True)
-        rows = time_steps(args, tokenizer, dataset, tmp)
-        from trl_ext.app.bench import padding_bounds
+        from trl_ext.app.bench.stats import padding_bounds, ratio_text, ratios, summarize
 
-        bounds = padding_bounds([r.pop("mask") for r in rows])
+        measured = time_steps(args, tokenizer, dataset, tmp)
+        bounds = padding_bounds(measured["masks"])
         f, bound = bounds["padding_fraction"], bounds["bound"]
-        totals = {v: sum(r[f"t_{v}"] for r in rows) for v in VARIANTS}
-        cpu_totals = {v: sum(r[f"c_{v}"] for r in rows) for v in VARIANTS}
-        gm = lambda xs: math.exp(statistics.mean(math.log(x) for x in xs))  # noqa: E731
-        print(f"\nSummary over {len(rows)} batches (total time, all batches):")
+        print(f"\nSummary over {len(measured['masks'])} batches (median of the per-round ratios of total time):")
         print(
             f"  padding fraction f = {f:.1%}; bound {bound:.2f}x, the larger of tokens 1/(1-f) = "
             f"{bounds['token_bound']:.2f}x and attention sum(L^2)/sum(len^2) = {bounds['attention_bound']:.2f}x (a "
             "step costs a*tokens + b*attention)"
         )
         for v in ("packed_dense", "packed_varlen"):
-            speedup = totals["padded"] / totals[v]
-            per_batch = gm([r["t_padded"] / r[f"t_{v}"] / r["bound"] for r in rows])
-            cpu_speedup = cpu_totals["padded"] / cpu_totals[v]
+            wall = summarize(ratios(measured["wall"], "padded", v), bound=bound)
+            cpu = summarize(ratios(measured["cpu"], "padded", v), bound=bound)
             print(
-                f"  {v:14s}: speed-up {speedup:.2f}x = {speedup / bound:.2f} x bound "
-                f"(geometric mean of per-batch speed-up/bound: {per_batch:.2f}); "
-                f"CPU-time speed-up {cpu_speedup:.2f}x = {cpu_speedup / bound:.2f} x bound"
+                f"  {v:14s}: speed-up {ratio_text(wall)} = {wall['median'] / bound:.2f} x bound; CPU time "
+                f"{ratio_text(cpu)} = {cpu['median'] / bound:.2f} x bound"
             )
+            for flag in wall["flags"] + [f"CPU time: {flag}" for flag in cpu["flags"]]:
+                print(f"  {'':14s}  !! {flag}")
         if not args.no_memory:
             print("\nPeak RSS of one step on the largest batch (fresh process per variant):")
             mem = measure_memory(args)
@@ -389,11 +388,12 @@ def main(argv=None) -> None:
                     f"({delta / base:.2f}x padded)"
                 )
         if args.train_steps > 1:
-            print(f"\nWhole trainer.train(), {args.train_steps} steps of {args.pairs} pairs (ABBA, mean):")
+            print(f"\nWhole trainer.train(), {args.train_steps} steps of {args.pairs} pairs (2 rounds, ABBA):")
             rates = time_training(args, tokenizer, dataset, tmp)
+            per_second = {k: statistics.median(v) for k, v in rates["steps_per_second"].items()}
             print(
-                f"  stock {rates['stock']:.3f} steps/s, padding_free {rates['plugin']:.3f} steps/s: "
-                f"{rates['plugin'] / rates['stock']:.2f}x"
+                f"  stock {per_second['stock']:.3f} steps/s, padding_free {per_second['plugin']:.3f} steps/s: "
+                f"{ratio_text(rates['speedup'])}"
             )
 
 

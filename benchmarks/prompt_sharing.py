@@ -11,13 +11,15 @@ One step is TRL's real `DPOTrainer.compute_loss` (policy forward with TRL's LM h
 every metric) plus the backward, on the same batches for every variant. Each variant lives in its own worker process
 (trl-ext installs globally, so each process holds one configuration): `stock` (trl-ext not installed), `padding_free`
 and `padding_free+prompt_sharing`. The parent runs interleaved rounds: in each round every variant runs one step on the
-same batch, in rotated order, one at a time (the others wait), after one warm-up round. Reported per data shape:
+same batch, in flipped order, one at a time (the others wait), after one warm-up round (the bench's `interleave`, a
+fixed count). Ratios are the bench's: the median of the per-round ratios with its interquartile range and flags
+(`summarize`). Reported per data shape:
 
 - the token bound of sharing over packing alone, sum over pairs of (2P + C + R) / sum of (P + C + R), and a FLOP bound
   that also counts attention (superlinear in length, so sharing can beat the token bound by a little); `--layout`
   reports the larger of the token and the attended-pairs ratios as its bound (a step costs a * tokens + b * pairs);
-- the measured ratio padding_free / prompt_sharing (median of the per-round ratios, with min and max), and the same
-  over stock; the target is >= 0.85x the bound over padding_free;
+- the measured ratio padding_free / prompt_sharing (flagged above the larger of the two bounds), and the same over
+  stock; the target is >= 0.85x the token bound over padding_free;
 - each variant's median step time (wall and process CPU; CPU time is less disturbed by other jobs on the machine) and
   peak RSS during a step (the kernel's high-water mark, reset before the step).
 
@@ -277,11 +279,9 @@ def _layout_work(layout) -> tuple[int, int]:
     return tokens, attended
 
 
-def _spread(xs: list[float]) -> str:
-    return f"{statistics.median(xs):.3f}x (min {min(xs):.3f}, max {max(xs):.3f})"
-
-
 def main(args) -> None:
+    from trl_ext.app.bench.stats import interleave, ratio_text, ratios, summarize
+
     procs = {name: _spawn(name, args) for name in VARIANTS}
     for name, proc in procs.items():
         while True:
@@ -296,48 +296,55 @@ def main(args) -> None:
     for shape in jobs:
         variants = names if shape != "online" else ["stock", "prompt_sharing"]
         rounds = []
-        for k in range(args.rounds + 1):
-            order = variants[k % len(variants) :] + variants[: k % len(variants)]
+
+        def one_round(k: int, shape=shape, variants=variants, rounds=rounds) -> dict[str, float]:
+            order = variants if k % 2 == 0 else variants[::-1]
             res = {name: _ask(procs[name], f"{shape} {k}") for name in order}
             if k:  # round 0 warms up
                 rounds.append(res)
+            return {name: res[name]["wall"] for name in variants}
+
+        wall = interleave(dict.fromkeys(variants), rounds=args.rounds, what=shape, paired=one_round, warmup=1)
+        cpu = {n: [r[n]["cpu"] for r in rounds] for n in variants}
         result: dict = {"rounds": rounds}
-        wall = {n: [r[n]["wall"] for r in rounds] for n in variants}
         result["median_wall_s"] = {n: statistics.median(w) for n, w in wall.items()}
         result["peak_rss_mib"] = {n: max(r[n]["peak_mib"] for r in rounds) for n in variants}
-        result["median_cpu_s"] = {n: statistics.median(r[n]["cpu"] for r in rounds) for n in variants}
-        over_stock = [r["stock"]["wall"] / r["prompt_sharing"]["wall"] for r in rounds]
-        result["prompt_sharing_over_stock"] = _spread(over_stock)
+        result["median_cpu_s"] = {n: statistics.median(c) for n, c in cpu.items()}
+        result["prompt_sharing_over_stock"] = summarize(ratios(wall, "stock", "prompt_sharing"))
         # process CPU time: less disturbed than wall time when other jobs share the machine
-        result["prompt_sharing_over_stock_cpu"] = _spread(
-            [r["stock"]["cpu"] / r["prompt_sharing"]["cpu"] for r in rounds]
-        )
+        result["prompt_sharing_over_stock_cpu"] = summarize(ratios(cpu, "stock", "prompt_sharing"))
         if shape != "online":
             tok = [r["stock"]["tokens"] for r in rounds]
             shared_bound = [(2 * t["P"] + t["CR"]) / (t["P"] + t["CR"]) for t in tok]
             pack_bound = [t["padded"] / t["real"] for t in tok]
-            over_pf = [r["padding_free"]["wall"] / r["prompt_sharing"]["wall"] for r in rounds]
-            pf_over_stock = [r["stock"]["wall"] / r["padding_free"]["wall"] for r in rounds]
             prompt_share = sum(2 * t["P"] for t in tok) / sum(2 * t["P"] + t["CR"] for t in tok)
             flop_bound = [_flops(r["stock"]["pairs"], False) / _flops(r["stock"]["pairs"], True) for r in rounds]
             bound = statistics.median(shared_bound)
-            ratio = statistics.median(over_pf)
+            # A step costs a * tokens + b * attended pairs: sharing gains at most the larger of the two bounds.
+            work_bound = max(bound, statistics.median(flop_bound))
+            over_pf = summarize(ratios(wall, "padding_free", "prompt_sharing"), bound=work_bound)
             result.update(
                 prompt_share_of_packed_tokens=round(prompt_share, 3),
                 token_bound_over_packing=round(bound, 3),
                 flop_bound_over_packing=round(statistics.median(flop_bound), 3),
-                prompt_sharing_over_padding_free=_spread(over_pf),
-                prompt_sharing_over_padding_free_cpu=_spread(
-                    [r["padding_free"]["cpu"] / r["prompt_sharing"]["cpu"] for r in rounds]
+                prompt_sharing_over_padding_free=over_pf,
+                prompt_sharing_over_padding_free_cpu=summarize(
+                    ratios(cpu, "padding_free", "prompt_sharing"), bound=work_bound
                 ),
-                fraction_of_bound=round(ratio / bound, 3),
-                padding_free_over_stock=_spread(pf_over_stock),
+                fraction_of_bound=round(over_pf["median"] / bound, 3),
+                padding_free_over_stock=summarize(ratios(wall, "stock", "padding_free")),
                 packing_bound_over_stock=round(statistics.median(pack_bound), 3),
                 product_bound_over_stock=round(statistics.median(pack_bound) * bound, 3),
             )
         report["results"][shape] = result
-        summary = {k: v for k, v in result.items() if k != "rounds"}
-        print(f"== {shape}: {json.dumps(summary, indent=1)}", flush=True)
+        print(f"== {shape}:", flush=True)
+        for key, value in result.items():
+            if key == "rounds":
+                continue
+            if isinstance(value, dict) and "median" in value:  # a ratio: its median, spread and flags
+                print(f"  {key}: {ratio_text(value)}" + "".join(f"\n    !! {flag}" for flag in value["flags"]))
+            else:
+                print(f"  {key}: {value}")
     for proc in procs.values():
         proc.stdin.close()
         proc.wait(timeout=120)
@@ -350,6 +357,7 @@ def layout_only(args) -> None:
     import torch
 
     import trl_ext
+    from trl_ext.app.bench.stats import interleave, ratio_text, ratios, summarize
     from trl_ext.plugins.prompt_sharing import forward as fw
     from trl_ext.plugins.prompt_sharing.layout import build_layout, prompt_end_from_completion_mask
     from trl_ext.testing import make_tokenizer
@@ -363,9 +371,12 @@ def layout_only(args) -> None:
             model = trainer.model
             forward = fw.make_causal_lm_forward(model.forward.__wrapped__, trainer._trl_ext.state["prompt_sharing"],
                                                 "policy", None)  # fmt: skip
-            ratios, token_bounds, attention_bounds = [], [], []
-            for k, idx in enumerate(index):
-                batch = trainer.data_collator([trainer.train_dataset[i] for i in idx])
+            token_bounds, attention_bounds = [], []
+
+            def one_round(
+                k: int, trainer=trainer, model=model, fwd=forward, index=index, work=(token_bounds, attention_bounds)
+            ) -> dict[str, float]:
+                batch = trainer.data_collator([trainer.train_dataset[i] for i in index[k]])
                 ids, mask, completion = batch["input_ids"], batch["attention_mask"], batch["completion_mask"]
                 kwargs = dict(input_ids=ids, attention_mask=mask, use_cache=False, fused_lm_head=True,
                               labels=ids.masked_fill(completion == 0, -100))  # fmt: skip
@@ -375,22 +386,29 @@ def layout_only(args) -> None:
                 for name in sorted(layouts, reverse=bool(k % 2)):
                     model.zero_grad(set_to_none=True)
                     start = time.process_time()
-                    out = forward(**kwargs, trl_ext_prompt_sharing=layouts[name].to_batch())
+                    out = fwd(**kwargs, trl_ext_prompt_sharing=layouts[name].to_batch())
                     out.log_probs.sum().backward()
                     times[name] = time.process_time() - start
                 if k:  # batch 0 warms up
-                    ratios.append(times["unshared"] / times["shared"])
                     # from the layouts themselves: rows of different pairs with the same prompt share it too
                     (t_packed, a_packed), (t_shared, a_shared) = (_layout_work(layouts[n]) for n in layouts)
-                    token_bounds.append(t_packed / t_shared)
-                    attention_bounds.append(a_packed / a_shared)
+                    work[0].append(t_packed / t_shared)
+                    work[1].append(a_packed / a_shared)
+                return times
+
+            times = interleave(
+                {"unshared": None, "shared": None}, rounds=args.rounds, what=shape, paired=one_round, warmup=1
+            )
             # A step costs a * tokens + b * attended pairs (a, b >= 0): the speed-up is at most the larger ratio.
             tb, ab = statistics.median(token_bounds), statistics.median(attention_bounds)
             bound = max(tb, ab)
-            print(f"== {shape} (layout only, CPU time): unshared/shared {_spread(ratios)}; bound {bound:.3f} (tokens "
-                  f"{tb:.3f}, attention {ab:.3f}); fraction of bound {statistics.median(ratios) / bound:.3f}; of the "
-                  f"token ratio {statistics.median(ratios) / tb:.3f}", flush=True)  # fmt: skip
-            if statistics.median(ratios) > bound * 1.02:
+            r = summarize(ratios(times, "unshared", "shared"), bound=bound)
+            print(f"== {shape} (layout only, CPU time): unshared/shared {ratio_text(r)}; bound {bound:.3f} (tokens "
+                  f"{tb:.3f}, attention {ab:.3f}); fraction of bound {r['median'] / bound:.3f}; of the token ratio "
+                  f"{r['median'] / tb:.3f}", flush=True)  # fmt: skip
+            for flag in r["flags"]:
+                print(f"   !! {flag}", flush=True)
+            if any(flag.startswith("ABOVE BOUND") for flag in r["flags"]):
                 print("   !! above the work bound: the measurement does not isolate the work here (e.g. the smaller "
                       "working set of the shared layout runs faster per token); claim the bound, not this ratio",
                       flush=True)  # fmt: skip
