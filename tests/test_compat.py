@@ -326,6 +326,89 @@ def test_deepspeed_offload_and_params():
 
 
 # -------------------------------------------------------------------------------------------------------------------
+# generation: TRL's generation context, transformers' gradient checkpointing
+# -------------------------------------------------------------------------------------------------------------------
+
+
+def test_generation_helper_params():
+    from trl.models.utils import unwrap_model_for_generation
+
+    params = _params(unwrap_model_for_generation)
+    for name in (*_compat.GENERATION_HELPER_PARAMS, _compat.GENERATION_HELPER_KWARGS_PARAM):
+        assert name in params, _fail("GENERATION_HELPER_PARAMS", f"unwrap_model_for_generation has no `{name}`")
+    override = _compat.import_object(*_compat.TRL_GENERATION_CONFIG_OVERRIDE)
+    assert _compat.GENERATION_HELPER_KWARGS_PARAM in _params(override), _fail(
+        "TRL_GENERATION_CONFIG_OVERRIDE", "it no longer takes the generation kwargs"
+    )
+
+
+def test_trl_applies_generation_kwargs_where_stated():
+    """TRL's override, run on a model with a generation config: it applies the kwargs (to a copy, put back after)
+    exactly where `trl_applies_generation_kwargs()` says, with the installed transformers."""
+    from types import SimpleNamespace
+
+    from transformers import GenerationConfig
+
+    override = _compat.import_object(*_compat.TRL_GENERATION_CONFIG_OVERRIDE)
+    model = SimpleNamespace(generation_config=GenerationConfig(max_new_tokens=3))
+    with override(model, generation_kwargs={"max_new_tokens": 7}):
+        inside = model.generation_config.max_new_tokens
+    assert model.generation_config.max_new_tokens == 3
+    applies = _compat.trl_applies_generation_kwargs()
+    assert (inside == 7) == applies, _fail(
+        "TRL_GENERATION_KWARGS_BELOW_TRANSFORMERS", f"TRL {'did not apply' if applies else 'applied'} the kwargs"
+    )
+    below = ".".join(map(str, _compat.TRL_GENERATION_KWARGS_BELOW_TRANSFORMERS))
+    assert _compat.trl_applies_generation_kwargs("4.57.1") and not _compat.trl_applies_generation_kwargs(below)
+
+
+def test_gradient_checkpointing_attrs():
+    from trl_ext.testing import make_model
+
+    flag, func = _compat.GRADIENT_CHECKPOINTING_ATTRS
+    model = make_model(vocab_size=32, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1)
+    model.gradient_checkpointing_enable()
+    enabled = [m for m in model.modules() if getattr(m, flag, False)]
+    assert enabled, _fail("GRADIENT_CHECKPOINTING_ATTRS", f"no module has `{flag}` set")
+    assert all(callable(vars(m).get(func)) for m in enabled), _fail(
+        "GRADIENT_CHECKPOINTING_ATTRS", f"an enabled module has no `{func}` of its own"
+    )
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# precompute_ref_batch_size: what determines the reference log-probs
+# -------------------------------------------------------------------------------------------------------------------
+
+
+def test_dpo_truncation_fields_and_ld_alpha():
+    from trl import DPOConfig
+    from trl.trainer.dpo_trainer import DataCollatorForPreference
+
+    for cls in (DPOConfig, DataCollatorForPreference):
+        names = {f.name for f in dataclasses.fields(cls)}
+        for name in _compat.DPO_TRUNCATION_FIELDS:
+            assert name in names, _fail("DPO_TRUNCATION_FIELDS", f"{cls.__name__} has no `{name}`")
+    attr = _compat.DPO_LD_ALPHA_ATTR
+    assert f"self.{attr} = args.{attr}" in _source(_dpo().__init__), _fail("DPO_LD_ALPHA_ATTR", "not set in __init__")
+
+
+def test_attention_implementation_sharding_flags_and_dataset_fingerprint():
+    from datasets import Dataset
+    from transformers import LlamaConfig, Trainer
+
+    config = LlamaConfig(attn_implementation="eager")
+    assert getattr(config, _compat.ATTN_IMPLEMENTATION_ATTR, None) == "eager", _fail("ATTN_IMPLEMENTATION_ATTR", "")
+    source = _source(Trainer.create_accelerator_and_postprocess)
+    for flag in _compat.TRAINER_SHARDING_FLAGS:
+        assert f"self.{flag} =" in source, _fail("TRAINER_SHARDING_FLAGS", f"Trainer no longer sets `{flag}` there")
+    rows = Dataset.from_dict({"x": [1, 2]})
+    fingerprint = getattr(rows, _compat.DATASET_FINGERPRINT_ATTR, None)
+    assert isinstance(fingerprint, str) and fingerprint != getattr(
+        rows.add_column("y", [3, 4]), _compat.DATASET_FINGERPRINT_ATTR
+    ), _fail("DATASET_FINGERPRINT_ATTR", "not the dataset's content hash")
+
+
+# -------------------------------------------------------------------------------------------------------------------
 # padding_free: TRL's fused LM head
 # -------------------------------------------------------------------------------------------------------------------
 

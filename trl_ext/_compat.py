@@ -310,6 +310,52 @@ DS_EXTERNAL_PARAMS_ATTR = "_external_params"
 #: Per-parameter ZeRO-3 attributes read by generation: full size, status, active modules, persistence. 0.19.8.
 DS_PARAM_ATTRS = ("ds_numel", "ds_status", "ds_active_sub_modules", "ds_persist")
 
+# -- generation: what TRL's generation context does besides gathering ------------------------------------------------
+
+#: The arguments of TRL's `unwrap_model_for_generation` that generation reads from the patched call (its
+#: `call_kwargs`): the accelerator and TRL's own gather flag; and `generation_kwargs`, which comes with TRL's
+#: generation-config override below. Consumer: generation (the hook). Checked 1.12.0, 1.16.0 (trl/models/utils.py).
+GENERATION_HELPER_PARAMS = ("accelerator", "gather_deepspeed3_params")
+GENERATION_HELPER_KWARGS_PARAM = "generation_kwargs"
+#: TRL gives generation a private copy of `generation_config` with the trainer's `generation_kwargs` applied only on
+#: transformers below this version (`_override_model_generation_config`: on 5.x it yields the model unchanged).
+#: Consumer: generation (context), which keeps a private copy on every version and applies the kwargs where TRL does.
+#: Checked 1.12.0 and 1.16.0 with transformers 5.24.0.
+TRL_GENERATION_CONFIG_OVERRIDE = ("trl.models.utils", "_override_model_generation_config")
+TRL_GENERATION_KWARGS_BELOW_TRANSFORMERS = (5, 0)
+
+
+def trl_applies_generation_kwargs(transformers_version: str | None = None) -> bool:
+    """Whether TRL applies `generation_kwargs` to generation's config copy with this transformers (default: the
+    installed one); see `TRL_GENERATION_KWARGS_BELOW_TRANSFORMERS`."""
+    version = transformers_version or installed_version("transformers") or "0"
+    return parse_version(version)[:2] < TRL_GENERATION_KWARGS_BELOW_TRANSFORMERS
+
+
+#: The per-module entries `PreTrainedModel.gradient_checkpointing_enable` sets on each module that supports
+#: checkpointing: the flag and the checkpoint function (transformers 5.24.0 modeling_utils.py, `GradientCheckpointing
+#: Layer`). Consumer: generation (context), which switches checkpointing off for generation and restores both exactly.
+GRADIENT_CHECKPOINTING_ATTRS = ("gradient_checkpointing", "_gradient_checkpointing_func")
+
+# -- precompute_ref_batch_size: what determines the reference log-probs -----------------------------------------------
+
+#: The truncation settings of DPO: fields of `DPOConfig` and of `DataCollatorForPreference` (the collator's win when it
+#: has them). Consumer: precompute_ref_batch_size (batch plan, cache key). Checked 1.12.0, 1.16.0.
+DPO_TRUNCATION_FIELDS = ("max_length", "truncation_mode")
+#: `DPOTrainer` copies `args.ld_alpha` (LD-DPO's weight of the tokens past the shorter completion, which changes the
+#: reference log-probs) to this attribute in `__init__`. Consumer: precompute_ref_batch_size (cache key). Checked
+#: 1.12.0 (dpo_trainer.py:775), 1.16.0 (:805).
+DPO_LD_ALPHA_ATTR = "ld_alpha"
+#: The config attribute that names the attention implementation in use (`PreTrainedConfig._attn_implementation`, from
+#: `attn_implementation=` or the model's choice). Consumer: precompute_ref_batch_size (cache key). Checked 5.24.0.
+ATTN_IMPLEMENTATION_ATTR = "_attn_implementation"
+#: `Trainer` flags set in `create_accelerator_and_postprocess` from the accelerator's plugins. Consumer:
+#: precompute_ref_batch_size (the DeepSpeed precompute engine, sharded-model sizing). Checked transformers 5.24.0.
+TRAINER_SHARDING_FLAGS = ("is_deepspeed_enabled", "is_fsdp_enabled")
+#: `datasets.Dataset` keeps its content hash in this private attribute. Consumer: precompute_ref_batch_size (the
+#: fingerprint of the dataset with the precomputed columns). Checked datasets 5.2.0.
+DATASET_FINGERPRINT_ATTR = "_fingerprint"
+
 # -- padding_free: TRL's fused LM head (TRL >= 1.15) -----------------------------------------------------------------
 
 #: Per-token outputs of TRL's fused LM head (`trl.trainer.utils.FusedCausalLMOutput`), `[B, L - 1]` each; the

@@ -7,6 +7,7 @@ import copy
 from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any, Literal
 
+from ... import _compat
 from ..._shared import Ranks, free_memory_bytes
 from ...context import unwrap_causal_lm
 from .budget import BudgetPlan, fmt, param_bytes
@@ -127,21 +128,17 @@ def _pause_gradient_checkpointing(stack: ExitStack, model: Any) -> None:
     """Switch gradient checkpointing off for generation and put back the user's exact setting afterwards.
 
     TRL calls `gradient_checkpointing_disable()` / `gradient_checkpointing_enable()` (trl/models/utils.py), which
-    re-creates the checkpoint function without the user's `gradient_checkpointing_kwargs` (B12; OnlineDPO passes none,
-    trl 1.16 online_dpo_trainer.py:1032-1036). Here the per-module flags and checkpoint functions are saved and
-    restored as they were, so the kwargs survive, and the PEFT input-grad hooks those methods toggle are left alone.
+    re-creates the checkpoint function without the user's `gradient_checkpointing_kwargs` (OnlineDPO passes none).
+    Here the per-module flag and checkpoint function (`_compat.GRADIENT_CHECKPOINTING_ATTRS`) are saved and restored
+    as they were, so the kwargs survive, and the PEFT input-grad hooks those methods toggle are left alone.
     """
+    flag_attr, func_attr = _compat.GRADIENT_CHECKPOINTING_ATTRS
     saved = []
     for module in model.modules():
-        if hasattr(module, "gradient_checkpointing"):
+        if hasattr(module, flag_attr):
             own = vars(module)
             saved.append(
-                (
-                    module,
-                    bool(module.gradient_checkpointing),
-                    own.get("gradient_checkpointing", _ABSENT),
-                    own.get("_gradient_checkpointing_func", _ABSENT),
-                )
+                (module, bool(getattr(module, flag_attr)), own.get(flag_attr, _ABSENT), own.get(func_attr, _ABSENT))
             )
     if not any(enabled for _, enabled, _, _ in saved):
         return
@@ -149,7 +146,7 @@ def _pause_gradient_checkpointing(stack: ExitStack, model: Any) -> None:
     def restore() -> None:
         # Put back each module's own entries exactly (or their absence, so a class default shows through again).
         for module, _, flag, func in saved:
-            for attr, value in (("gradient_checkpointing", flag), ("_gradient_checkpointing_func", func)):
+            for attr, value in ((flag_attr, flag), (func_attr, func)):
                 if value is _ABSENT:
                     vars(module).pop(attr, None)
                 else:
@@ -158,26 +155,23 @@ def _pause_gradient_checkpointing(stack: ExitStack, model: Any) -> None:
     stack.callback(restore)
     for module, enabled, _, _ in saved:
         if enabled:
-            module.gradient_checkpointing = False
+            setattr(module, flag_attr, False)
 
 
 def _keep_generation_config(stack: ExitStack, model: Any, generation_kwargs: dict | None) -> None:
     """Give generation a private copy of `generation_config`, so changes made inside the context do not stick.
 
-    OnlineDPO sets `unwrapped_model.generation_config.cache_implementation` inside the context (trl 1.16
-    online_dpo_trainer.py:1042-1043); TRL only swaps in a copy on transformers < 5
-    (`_override_model_generation_config`, trl/models/utils.py), where it also applies the trainer's
-    `generation_kwargs`, as done here.
+    OnlineDPO sets `unwrapped_model.generation_config.cache_implementation` inside the context; TRL only swaps in a
+    copy where it also applies the trainer's `generation_kwargs` (`_compat.TRL_GENERATION_CONFIG_OVERRIDE`,
+    transformers below `_compat.TRL_GENERATION_KWARGS_BELOW_TRANSFORMERS`), and they are applied here on the same
+    versions.
     """
     base = unwrap_causal_lm(model)
     original = getattr(base, "generation_config", None)
     if original is None:
         return
-    import transformers
-    from packaging.version import Version
-
     private = copy.deepcopy(original)
-    if generation_kwargs is not None and Version(transformers.__version__) < Version("5.0.0"):
+    if generation_kwargs is not None and _compat.trl_applies_generation_kwargs():
         private.update(**generation_kwargs)
     stack.callback(setattr, base, "generation_config", original)
     base.generation_config = private

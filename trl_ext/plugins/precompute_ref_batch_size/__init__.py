@@ -73,11 +73,17 @@ nothing to do.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..._logging import get_logger
 from ...hookspecs import hookimpl
 from ...spec import Flag, PluginSpec, Size, either, non_negative_float, one_of, optional, positive_int, size, text
+
+if TYPE_CHECKING:  # pragma: no cover
+    from datasets import Dataset
+    from transformers import Trainer
+
+    from ...context import TrainerContext
 
 NAME = "precompute_ref_batch_size"
 
@@ -133,7 +139,7 @@ logger = get_logger(__name__)
 
 
 @hookimpl
-def trl_ext_trainer_init_start(trainer, context, init_kwargs):
+def trl_ext_trainer_init_start(trainer: Trainer, context: TrainerContext, init_kwargs: dict[str, Any]) -> None:
     context.state[NAME] = PrecomputeState(options=context.options(NAME))
     args = init_kwargs.get("args")
     if not getattr(args, "precompute_ref_log_probs", False):
@@ -144,7 +150,9 @@ def trl_ext_trainer_init_start(trainer, context, init_kwargs):
 
 
 @hookimpl
-def trl_ext_make_ref_precompute(trainer, context, dataset, name, batch_size):
+def trl_ext_make_ref_precompute(
+    trainer: Trainer, context: TrainerContext, dataset: Dataset, name: str, batch_size: int
+) -> Dataset | None:
     from datasets import IterableDataset
 
     if isinstance(dataset, IterableDataset):
@@ -161,7 +169,7 @@ def trl_ext_make_ref_precompute(trainer, context, dataset, name, batch_size):
 
 
 @hookimpl
-def trl_ext_describe(trainer, context):
+def trl_ext_describe(trainer: Trainer, context: TrainerContext) -> str | None:
     state = context.state.get(NAME)
     if state is None:
         return None
@@ -176,7 +184,7 @@ def trl_ext_describe(trainer, context):
 
 
 @hookimpl
-def trl_ext_advise_unused(trainer, trainer_class, trl_args):
+def trl_ext_advise_unused(trainer: Trainer, trainer_class: str, trl_args: Any) -> str | None:
     # The plugin is off for this trainer: TRL's own precompute runs, and its batch size is TRL's.
     if not getattr(trl_args, "precompute_ref_log_probs", False):
         return None

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ... import _compat
 from ..._logging import get_logger
 from ...errors import UsageError
 
@@ -234,21 +235,23 @@ def cache_key(trainer, dataset, content: str, model_hash: str, packed: bool) -> 
         dtype = str(next(ref.parameters()).dtype)
     except (StopIteration, AttributeError):
         dtype = "unknown"
+    max_length, truncation_mode = _compat.DPO_TRUNCATION_FIELDS
+    ld_alpha = _compat.DPO_LD_ALPHA_ATTR
     details = {
         "dataset_tokens_sha256": content,
         "n_rows": len(dataset),
         "ref_weights": model_hash,
         "tokenizer": tokenizer_digest(getattr(trainer, "processing_class", None)),
-        "max_length": getattr(collator, "max_length", getattr(args, "max_length", None)),
-        "truncation_mode": getattr(collator, "truncation_mode", getattr(args, "truncation_mode", None)),
-        "args_max_length": getattr(args, "max_length", None),
-        "args_truncation_mode": getattr(args, "truncation_mode", None),
-        "ld_alpha": getattr(trainer, "ld_alpha", getattr(args, "ld_alpha", None)),
+        "max_length": getattr(collator, max_length, getattr(args, max_length, None)),
+        "truncation_mode": getattr(collator, truncation_mode, getattr(args, truncation_mode, None)),
+        "args_max_length": getattr(args, max_length, None),
+        "args_truncation_mode": getattr(args, truncation_mode, None),
+        "ld_alpha": getattr(trainer, ld_alpha, getattr(args, ld_alpha, None)),
         "padding_free": packed,
         "collator": type(collator).__qualname__,
         "dtype": dtype,
         "mixed_precision": str(getattr(trainer.accelerator, "mixed_precision", "no")),
-        "attn_implementation": getattr(config, "_attn_implementation", None),
+        "attn_implementation": getattr(config, _compat.ATTN_IMPLEMENTATION_ATTR, None),
         "trl": trl.__version__,
     }
     key = hashlib.sha256(json.dumps([CACHE_FORMAT, details], sort_keys=True, default=str).encode()).hexdigest()

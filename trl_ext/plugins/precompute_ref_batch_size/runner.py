@@ -58,7 +58,8 @@ class Precompute:
         n = len(dataset)
         lengths, content = scan_dataset(dataset, want_hash=self.ranks.is_main)
         collator = self.trainer.data_collator
-        max_length = getattr(collator, "max_length", getattr(self.trainer.args, "max_length", None))
+        length_field = _compat.DPO_TRUNCATION_FIELDS[0]  # the collator's truncation length, else the config's
+        max_length = getattr(collator, length_field, getattr(self.trainer.args, length_field, None))
         self.plan = BatchPlan(lengths, max_length, self.packed, self.opts.sort)
 
         # TRL hashes the weights on every rank (rank-dependent under ZeRO-3, so only rank 0's value counts); doing the
@@ -91,7 +92,7 @@ class Precompute:
         import numpy as np
         from datasets.fingerprint import Hasher
 
-        fingerprint = self.ranks.broadcast(Hasher.hash((dataset._fingerprint, key)))
+        fingerprint = self.ranks.broadcast(Hasher.hash((getattr(dataset, _compat.DATASET_FINGERPRINT_ATTR), key)))
         dataset = dataset.add_column(
             "ref_chosen_logps", np.asarray(chosen, dtype=np.float32), new_fingerprint=fingerprint
         )
@@ -164,7 +165,7 @@ class Precompute:
     def _ref_model(self):
         """What TRL's `_precompute_ref_logps` runs: the DeepSpeed precompute engine, else `ref_model or model`."""
         trainer = self.trainer
-        if trainer.ref_model is None and getattr(trainer, "is_deepspeed_enabled", False):
+        if trainer.ref_model is None and getattr(trainer, _compat.TRAINER_SHARDING_FLAGS[0], False):
             # trl 1.10-1.16 build one inference engine over the policy, reused across splits and `evaluate()` calls
             # (trl-1.16.0 trl/trainer/dpo_trainer.py:1196-1201; trl-1.12.0 :1161-1166).
             attr = _compat.DPO_PRECOMPUTE_ENGINE_ATTR

@@ -7,6 +7,7 @@ import math
 import time
 from pathlib import Path
 
+from ... import _compat
 from ..._logging import NOTICE, get_logger
 from ..._shared import free_memory_bytes
 from .plan import concat_results
@@ -31,7 +32,7 @@ def lockstep(trainer, ranks) -> bool:
     """Whether the ranks must run the same forwards: several processes under DeepSpeed or FSDP, whose forwards gather
     parameters with collectives. There, an out-of-memory error is never caught: the rank that caught it would enter
     the next collective while the others are still inside the forward's, and the job could hang."""
-    sharded = getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False)
+    sharded = any(getattr(trainer, flag, False) for flag in _compat.TRAINER_SHARDING_FLAGS)
     return ranks.world > 1 and bool(sharded)
 
 
