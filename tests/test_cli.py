@@ -39,6 +39,9 @@ def test_plugins_lists_builtins_with_flags_and_applicability():
         assert name in out
     if BUILTIN_PLUGINS:
         assert "built-in" in out and "applies" in out
+    # each flag and option with what it accepts, its default and one line of help, from the declarations
+    assert "  flag   sync_metrics: true or false; default false. " in out
+    assert "  option plugins.precompute_ref_batch_size.shard_size: a positive integer; default 4096. " in out
 
 
 def test_plugins_with_unknown_block_name_fails_with_usage_message():
