@@ -421,6 +421,8 @@ def _mask_pattern(kwargs: dict[str, Any], start: int, end: int) -> torch.Tensor:
         use_vmap=bool(kwargs.get("use_vmap", False)),
         device=kwargs.get("device", "cpu"),
     )
+    if pattern is None:  # not returned with allow_is_causal_skip=False; kept for the type checker
+        raise RuntimeError("transformers' sdpa_mask returned no mask with allow_is_causal_skip=False")
     return pattern.bool()
 
 
