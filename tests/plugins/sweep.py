@@ -501,6 +501,36 @@ def differences(stock: Measured, plugin: Measured) -> list[str]:
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+class _Context:
+    """What the packing plugins' setup uses of a DPOTrainer's plugin context: per-plugin state and default options,
+    a patcher, registration holds (released by `close`)."""
+
+    trainer_class = "DPOTrainer"
+
+    def __init__(self) -> None:
+        from trl_ext.patching import Patcher
+
+        self.patcher = Patcher("sweep")
+        self.state: dict[str, Any] = {}
+        self._releases: list[Any] = []
+
+    @staticmethod
+    def options(name: str) -> Any:
+        from trl_ext.plugins import padding_free as pf
+
+        assert name == pf.NAME
+        return pf.PaddingFreeOptions()
+
+    def hold(self, key, acquire, release) -> None:
+        acquire()
+        self._releases.append(release)
+
+    def close(self) -> None:
+        self.patcher.undo()
+        while self._releases:
+            self._releases.pop()()
+
+
 @contextlib.contextmanager
 def packed_forward(model, state):
     """padding_free's packed causal-LM forward for `model` (varlen attention registered, backbone wrapped, the
@@ -522,15 +552,21 @@ def packed_forward(model, state):
         unregister_varlen_attention()
 
 
-def padding_free_self_check(state, inspection, model) -> None:
-    """padding_free's pre-training self-check of `model` (its forward already packed) where the trainer runs it by
-    default (model types outside its verified table), for `max_length=MAX_LENGTH`; raises `UsageError` when it
-    refuses. The sweep's one call into the self-check."""
+def packed_model(context, model) -> Any:
+    """padding_free's setup of `model` as a DPOTrainer's policy with default options: configure (inspection, which may
+    refuse; varlen attention), wrap the backbone and the causal-LM forward, and the self-check where the plugin runs
+    it by default (model types outside its verified table), for `max_length=MAX_LENGTH`. Raises `UsageError` when it
+    refuses; returns the plugin state. The sweep's one call into padding_free's setup and self-check."""
     from trl_ext.plugins import padding_free as pf
 
-    state.inspections["policy"] = inspection
-    if state.self_check is True or not inspection.verified:
+    state = pf._state(context)
+    state.attn_implementations["policy"] = pf._configure_model(context, "policy", model)
+    backbone = model.base_model
+    context.patcher.setattr(backbone, "forward", pf._make_backbone_forward(backbone.forward, state))
+    context.patcher.setattr(model, "forward", pf._make_causal_lm_forward(model.forward, state))
+    if state.self_check is True or not state.inspections["policy"].verified:
         pf._run_self_check(state, "policy", model, _trainer())
+    return state
 
 
 @dataclasses.dataclass(frozen=True)
@@ -544,26 +580,28 @@ def _exception(exc: BaseException, limit: int = 200) -> str:
     return f"{type(exc).__name__}: {text[:limit]}"
 
 
-def padding_free_outcome(model, inspection, stock: Measured, ids, mask, moe: bool) -> Outcome:
+def padding_free_outcome(model, stock: Measured, ids, mask, moe: bool) -> Outcome:
     from trl_ext import UsageError
-    from trl_ext.plugins import padding_free as pf
 
-    if inspection.refusal is not None:
-        return Outcome("refused", inspection.refusal)
-    state = pf.PaddingFreeState()
-    with packed_forward(model, state) as forward:
+    context = _Context()
+    base = model.config._attn_implementation
+    try:
         try:
-            padding_free_self_check(state, inspection, model)
+            state = packed_model(context, model)
         except UsageError as exc:
             return Outcome("refused", str(exc))
         except Exception as exc:  # noqa: BLE001 - a crash is neither exact nor a refusal
-            return Outcome("FAIL", f"the self-check raised {_exception(exc)}")
+            return Outcome("FAIL", f"the setup or self-check raised {_exception(exc)}")
         try:
-            packed = dpo_loss_and_grads(model, forward, ids, mask, moe)
+            packed = dpo_loss_and_grads(model, model.forward, ids, mask, moe)
         except UsageError as exc:
             return Outcome("refused", f"in training: {exc}")
         except Exception as exc:  # noqa: BLE001 - a crash is neither exact nor a refusal
             return Outcome("FAIL", f"the packed forward raised {_exception(exc)}")
+    finally:
+        context.close()
+    if model.config._attn_implementation != base or "forward" in model.__dict__:
+        return Outcome("FAIL", "the model was not restored")
     if state.packed_calls == 0:
         return Outcome("FAIL", "the packed path did not run")
     problems = differences(stock, packed)
@@ -589,21 +627,6 @@ def prompt_pairs(vocab: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     for i, s in enumerate(seqs):
         ids[i, : len(s)], mask[i, : len(s)] = s, 1
     return ids, mask, [len(p) for p in prompts] * 2
-
-
-class _Context:
-    """What prompt_sharing's setup uses of a DPOTrainer's plugin context: a patcher, a registration hold."""
-
-    trainer_class = "DPOTrainer"
-
-    def __init__(self) -> None:
-        from trl_ext.patching import Patcher
-
-        self.patcher = Patcher("sweep")
-
-    @staticmethod
-    def hold(key, acquire, release):
-        acquire()
 
 
 def _trainer(max_length: int = MAX_LENGTH) -> Any:
@@ -635,7 +658,6 @@ def shared_model(context, state, model) -> None:
 
 def prompt_sharing_outcome(model, moe: bool) -> Outcome:
     from trl_ext import UsageError
-    from trl_ext.plugins.prompt_sharing.attention import unregister_shared_attention
     from trl_ext.plugins.prompt_sharing.layout import LAYOUT_KEY, build_layout
     from trl_ext.plugins.prompt_sharing.setup import PromptSharingState
 
@@ -662,8 +684,7 @@ def prompt_sharing_outcome(model, moe: bool) -> Outcome:
         except Exception as exc:  # noqa: BLE001 - a crash is neither exact nor a refusal
             return Outcome("FAIL", f"the shared forward raised {_exception(exc)}")
     finally:
-        context.patcher.undo()
-        unregister_shared_attention()
+        context.close()
     if model.config._attn_implementation != base or "forward" in model.__dict__:
         return Outcome("FAIL", "the model was not restored")
     if state.shared_calls != 1 or layout.shared_rows == 0:
@@ -715,7 +736,7 @@ def sweep_row(model_type: str) -> Row:
     except Exception as exc:  # noqa: BLE001
         fail = Outcome("FAIL", f"the stock padded forward raised {_exception(exc)}")
         return Row(model_type, None, mechanism, fail, fail, time.perf_counter() - start)
-    pf = padding_free_outcome(model, inspection, stock, ids, mask, moe)
+    pf = padding_free_outcome(model, stock, ids, mask, moe)
     ps = prompt_sharing_outcome(model, moe)
     return Row(model_type, None, mechanism, pf, ps, time.perf_counter() - start)
 
@@ -771,8 +792,9 @@ def _reason(outcome: Outcome) -> str:
     text = outcome.detail
     for prefix in (r"^in training: ", r"^\w+'s self-check failed for the policy model \([^)]*\): "):
         text = re.sub(prefix, "", text)
-    text = re.sub(r"^prompt_sharing cannot share prompts in this `[^`]*` model \(policy model \w+\): ", "", text)
-    return re.split(r"(?<=[\w)`\]])\. (?=[A-Z])", text)[0]  # the first sentence: what and where; advice follows
+    framing = r"^(prompt_sharing cannot share prompts|padding_free cannot keep packed sequences apart) in this "
+    text = re.sub(framing + r"`[^`]*` model \(policy model \w+\): ", "", text)
+    return re.split(r"(?<=[\w)`'\]])\. (?=[A-Z])", text)[0]  # the first sentence: what and where; advice follows
 
 
 HEADER = "| type | mechanisms | padding_free | prompt_sharing |"
