@@ -548,7 +548,7 @@ def install_config(config: TrlExtConfig) -> Installation:
             f"trl-ext is already installed in this process with {active.config}; this call asks for {config}. "
             "Uninstall it first: `trl_ext.current().uninstall()` (or leave its `with` block), then install again."
         )
-    pm = make_plugin_manager(config.block)
+    pm = make_plugin_manager(catalog=config.catalog)
     config.check_options_apply()
     pm.hook.trl_ext_validate_config(config=config, trl_version=trl_version)
     installation = Installation(config, pm, trl_version)

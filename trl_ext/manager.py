@@ -213,6 +213,7 @@ class Catalog:
             the reason and what to do; they are skipped, and enabling one is a `UsageError`.
         broken_flags (`dict[str, str]`, *optional*): `{flag: plugin}` for the flags of broken plugins whose
             declaration could be read.
+        plugins (`dict[str, Any]`, *optional*): `{name: declaring module or object}` of the registered plugins.
     """
 
     def __init__(
@@ -223,8 +224,10 @@ class Catalog:
         blocked_specs: dict[str, PluginSpec] | None = None,
         broken: dict[str, str] | None = None,
         broken_flags: dict[str, str] | None = None,
+        plugins: dict[str, Any] | None = None,
     ) -> None:
         self.specs = dict(specs)
+        self.plugins = dict(plugins or {})
         self.builtin = set(builtin)
         self.blocked = set(blocked)
         self.blocked_specs = dict(blocked_specs or {})
@@ -333,7 +336,8 @@ def load_catalog(block: Iterable[str] = (), *, warn: bool = True) -> tuple[Catal
                 broken[source.name] = f"{exc}".rstrip(".") + f" (package `{source.dist}`)"
                 continue
             try:
-                _validate_hooks(source.name, plugin)
+                if spec.hooks is None:  # hooks in a separate module are checked when the plugin is registered
+                    _validate_hooks(source.name, plugin)
             except UsageError as exc:
                 broken[source.name] = f"{exc}".rstrip(".") + f" (package `{source.dist}`)"
                 broken_flags.update({flag: source.name for flag in spec.flag_names})
@@ -348,7 +352,7 @@ def load_catalog(block: Iterable[str] = (), *, warn: bool = True) -> tuple[Catal
         owned.update({flag.name: (flag, source.name) for flag in spec.flags})
         if source.builtin:
             builtin.add(source.name)
-    catalog = Catalog(specs, builtin, block, blocked_specs, broken, broken_flags)
+    catalog = Catalog(specs, builtin, block, blocked_specs, broken, broken_flags, plugins)
     if warn:
         for name in sorted(broken):
             key = (name, broken[name])
@@ -364,17 +368,38 @@ def load_catalog(block: Iterable[str] = (), *, warn: bool = True) -> tuple[Catal
     return catalog, plugins
 
 
-def make_plugin_manager(block: Iterable[str] = ()) -> TrlExtPluginManager:
-    """A fresh manager with every available plugin but the blocked and broken ones registered and validated."""
-    catalog, plugins = load_catalog(block)
+def make_plugin_manager(block: Iterable[str] = (), *, catalog: Catalog | None = None) -> TrlExtPluginManager:
+    """A fresh manager with every available plugin but the blocked and broken ones registered and validated.
+
+    `catalog` (from `load_catalog`, or a configuration's `catalog`) is used as it is instead of discovering the
+    plugins again; `block` is then ignored. This is where a plugin's `PluginSpec.hooks` module is imported.
+    """
+    if catalog is None:
+        catalog = load_catalog(block)[0]
     pm = TrlExtPluginManager()
     for name in catalog.blocked:
         pm.set_blocked(name)
-    for name, plugin in plugins.items():
-        _register(pm, name, plugin)
+    for name, plugin in catalog.plugins.items():
+        _register(pm, name, implementation(name, plugin, catalog.specs[name], catalog.blocked))
     _check_pending(pm)
     pm.catalog = catalog
     return pm
+
+
+def implementation(name: str, plugin: Any, spec: PluginSpec, block: Iterable[str] = ()) -> Any:
+    """The object that holds the hook implementations of a plugin: its `spec.hooks` module, imported now, or the
+    declaring object itself."""
+    if spec.hooks is None:
+        return plugin
+    package = getattr(plugin, "__package__", None) or getattr(plugin, "__name__", None)
+    try:
+        return importlib.import_module(spec.hooks, package if spec.hooks.startswith(".") else None)
+    except Exception as exc:  # noqa: BLE001 - the user must see which plugin failed
+        raise UsageError(
+            f"Could not import the hook implementations of trl-ext plugin `{name}` (`{spec.hooks}`): "
+            f"{type(exc).__name__}: {exc}. Fix or uninstall the package that provides it, or block it: "
+            f"{block_advice(name, block)}."
+        ) from exc
 
 
 def _check_pending(pm: TrlExtPluginManager) -> None:
@@ -440,23 +465,21 @@ class PluginInfo:
     trl_flag: str | None
     source: str
     summary: str
-    hooks: tuple[str, ...]
     settings: tuple[SettingDoc, ...] = ()
 
 
-def plugin_info(pm: TrlExtPluginManager, name: str) -> PluginInfo:
-    plugin = pm.get_plugin(name)
-    spec = pm.catalog.specs[name]
-    hooks = tuple(sorted(h.name for h in pm.get_hookcallers(plugin) or ()))
+def plugin_info(catalog: Catalog, name: str) -> PluginInfo:
+    """What `trl-ext plugins` shows about `name`, from its declaration alone (nothing else is imported)."""
+    plugin = catalog.plugins[name]
+    spec = catalog.specs[name]
     return PluginInfo(
         name=name,
-        builtin=name in pm.catalog.builtin,
+        builtin=name in catalog.builtin,
         flags=spec.flag_names,
         options=spec.option_names(),
         trainers=spec.trainers,
         trl_flag=spec.trl_flag,
         source=getattr(plugin, "__name__", type(plugin).__name__),
         summary=spec.summary,
-        hooks=hooks,
         settings=spec.docs(),
     )

@@ -36,6 +36,9 @@ def trl_ext_trainer_init_end(trainer, context):
     options = context.options("fused_loss")  # a FusedLossOptions instance
 ```
 
+A plugin whose hook implementations import heavy modules declares `hooks="my_pkg.hooks"` (or `".hooks"`) and keeps
+them there: discovery reads only the declaration, and the hooks module is imported when the plugin is registered.
+
 From these declarations trl-ext builds the flag table shared by `install(**flags)`, `TRL_EXT_<FLAG>` environment
 variables, YAML files, the `--trl_ext_<flag>` command-line flags and `trl-ext plugins`, and it validates every value
 with the declared parser. Every mistake is the same `trl_ext.UsageError`, naming the flag and where it came from.
@@ -314,6 +317,11 @@ class PluginSpec:
         trl_flag (`str`, *optional*):
             A TRL config field that TRL accepts but ignores and this plugin implements (`DPOConfig.padding_free`).
             Setting it on a trainer's TRL config enables the plugin for that trainer.
+        hooks (`str`, *optional*):
+            The module that holds the hook implementations, absolute (`"my_pkg.hooks"`) or relative to the package of
+            the declaring module (`".hooks"`). It is imported only when the plugin is registered for an installation,
+            so reading the declarations (`TrlExtConfig`, `trl-ext plugins`, `--help`) imports nothing heavy even when
+            the implementations need torch. `None`: the declaring module holds its hook implementations.
     """
 
     name: str
@@ -322,6 +330,7 @@ class PluginSpec:
     options: type | None = None
     trainers: tuple[str, ...] | None = None
     trl_flag: str | None = None
+    hooks: str | None = None
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", self.name or ""):
@@ -351,6 +360,9 @@ class PluginSpec:
                     )
         if self.trainers is not None and (isinstance(self.trainers, str) or not self.trainers):
             raise UsageError(f"Plugin `{self.name}`: `trainers` must be a non-empty tuple of class names or None.")
+        module_path = r"\.*[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*"
+        if self.hooks is not None and not re.fullmatch(module_path, self.hooks):
+            raise UsageError(f"Plugin `{self.name}`: `hooks` must be a module path, got {self.hooks!r}.")
 
     @property
     def flag_names(self) -> tuple[str, ...]:

@@ -248,7 +248,7 @@ def test_isolation(build, attention, monkeypatch):
 
         # Negative control: the same check fails when the row is handed to the model as one sequence (one varlen
         # segment, positions running on), i.e. when sequences attend to each other.
-        from trl_ext.plugins import padding_free as pf
+        from trl_ext.plugins.padding_free import hooks as pf
 
         pack_kwargs = pf._pack_kwargs
 

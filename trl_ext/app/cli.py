@@ -16,17 +16,17 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
     import os
 
     from ..config import _parse_block
-    from ..manager import make_plugin_manager, plugin_info
+    from ..manager import load_catalog, plugin_info
 
     # `--block NAME` and `TRL_EXT_BLOCK`, as for every other command.
     env_block = _parse_block(os.environ.get("TRL_EXT_BLOCK", ""), "environment variable $TRL_EXT_BLOCK")
     args.block = list(dict.fromkeys([*(args.block or ()), *env_block]))
-    pm = make_plugin_manager(args.block)
+    catalog = load_catalog(args.block)[0]
     trl_version = _compat.installed_version("trl")
     trl_ok = _compat.is_supported_trl(trl_version)
     rows = []
-    for name in pm.catalog.specs:
-        info = plugin_info(pm, name)
+    for name in catalog.specs:
+        info = plugin_info(catalog, name)
         applies = "yes" if trl_ok else f"no (trl {trl_version} is not {_compat.SUPPORTED_TRL_SPEC})"
         rows.append(
             (
@@ -49,15 +49,15 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
     for row in [header, *rows]:
         print("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=False)) + "  " + row[-1])
     # Each flag and option with what it accepts, its default and one line of help, from the declarations.
-    for name in pm.catalog.specs:
-        info = plugin_info(pm, name)
+    for name in catalog.specs:
+        info = plugin_info(catalog, name)
         print(f"\n{name}: {info.summary}" if info.summary else f"\n{name}:")
         if not info.flags:
             print(f"  enabled by naming it: `plugins: {{{name}: {{...}}}}`")
         for doc in info.settings:
             key = doc.name if doc.kind == "flag" else f"plugins.{name}.{doc.name}"
             print(f"  {doc.kind:<6} {key}: {doc.accepts}; default {doc.default_text()}. {doc.help}".rstrip())
-    for name, why in sorted(pm.catalog.broken.items()):
+    for name, why in sorted(catalog.broken.items()):
         print(f"\n{name}: NOT LOADED ({why})")
     return 0
 

@@ -73,17 +73,9 @@ nothing to do.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from ..._logging import get_logger
-from ...hookspecs import hookimpl
 from ...spec import Flag, PluginSpec, Size, either, non_negative_float, one_of, optional, positive_int, size, text
-
-if TYPE_CHECKING:  # pragma: no cover
-    from datasets import Dataset
-    from transformers import Trainer
-
-    from ...context import TrainerContext
 
 NAME = "precompute_ref_batch_size"
 
@@ -129,88 +121,16 @@ TRL_EXT_PLUGIN = PluginSpec(
     ),
     options=PrecomputeOptions,
     trainers=("DPOTrainer",),
+    hooks=".hooks",
 )
 
-logger = get_logger(__name__)
 
-# -------------------------------------------------------------------------------------------------------------------
-# Hooks
-# -------------------------------------------------------------------------------------------------------------------
+def __getattr__(name: str) -> Any:
+    """The implementation's names: `.hooks` is imported on first use only, so that reading the declaration above
+    stays cheap."""
+    if name.startswith("__"):
+        raise AttributeError(name)
+    import importlib
 
-
-@hookimpl
-def trl_ext_trainer_init_start(trainer: Trainer, context: TrainerContext, init_kwargs: dict[str, Any]) -> None:
-    context.state[NAME] = PrecomputeState(options=context.options(NAME))
-    args = init_kwargs.get("args")
-    if not getattr(args, "precompute_ref_log_probs", False):
-        logger.warning(
-            "trl-ext: `precompute_ref_batch_size` is set, but this DPOTrainer has `precompute_ref_log_probs=False`, "
-            "so there is no reference precompute to run. Set `precompute_ref_log_probs=True` in the DPOConfig."
-        )
-
-
-@hookimpl
-def trl_ext_make_ref_precompute(
-    trainer: Trainer, context: TrainerContext, dataset: Dataset, name: str, batch_size: int
-) -> Dataset | None:
-    from datasets import IterableDataset
-
-    if isinstance(dataset, IterableDataset):
-        # Step aside so that TRL's own check speaks first, in TRL's words (`_compat.DPO_PRECOMPUTE_ITERABLE_MESSAGE`,
-        # the first statement of `_precompute_ref_logps`): nobody can precompute a stream.
-        logger.info("trl-ext `%s`: the %s split is an IterableDataset; leaving it to TRL.", NAME, name)
-        return None
-    from .runner import Precompute
-
-    state = context.state.get(NAME)
-    if state is None:  # trainer built before this hook module saw it (cannot happen through install())
-        state = context.state[NAME] = PrecomputeState(options=context.options(NAME))
-    return Precompute(trainer, context, state, dataset, name).run()
-
-
-@hookimpl
-def trl_ext_describe(trainer: Trainer, context: TrainerContext) -> str | None:
-    state = context.state.get(NAME)
-    if state is None:
-        return None
-    parts = [f"batch size {context.config.precompute_ref_batch_size}"]
-    if state.options.cache_dir is not None:
-        parts.append(f"cache {state.options.cache_dir}")
-    # TRL precomputes in `__init__` on the versions that do it eagerly: say what already ran.
-    how = {"cache": "from the cache", "computed": "computed"}
-    for run in state.runs:
-        parts.append(f"{run['name']}: {run['n_pairs']} pairs {how.get(run.get('source', ''), 'computed')}")
-    return ", ".join(parts)
-
-
-@hookimpl
-def trl_ext_advise_unused(trainer: Trainer, trainer_class: str, trl_args: Any) -> str | None:
-    # The plugin is off for this trainer: TRL's own precompute runs, and its batch size is TRL's.
-    if not getattr(trl_args, "precompute_ref_log_probs", False):
-        return None
-    size = getattr(trl_args, "precompute_ref_batch_size", None)
-    given = f", precompute_ref_batch_size={size}" if size is not None else ""
-    return (
-        f"{type(trl_args).__name__}(precompute_ref_log_probs=True{given}) is left to TRL's own precompute "
-        f"(dataset-order batches, a cache keyed without max_length or truncation); set trl-ext's "
-        f'`precompute_ref_batch_size={size if size is not None else 64}` (or "auto") for length-planned batches and '
-        "a cache keyed by every setting."
-    )
-
-
-@dataclass
-class PrecomputeState:
-    """Per-trainer state, `context.state["precompute_ref_batch_size"]`.
-
-    Attributes:
-        options: the validated options.
-        runs: one record per precompute call (split name, where the values came from, batch plan, timings), for logs,
-            tests and benchmarks.
-        token_budget: the per-batch token budget `"auto"` chose (kept for later `evaluate()` precomputes).
-        model_hash: the hash of the reference weights, taken at the first precompute.
-    """
-
-    options: PrecomputeOptions
-    runs: list[dict[str, Any]] = field(default_factory=list)
-    token_budget: float | None = None
-    model_hash: str | None = None
+    hooks = importlib.import_module(f"{__name__}.hooks")
+    return hooks if name == "hooks" else getattr(hooks, name)

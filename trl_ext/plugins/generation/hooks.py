@@ -1,0 +1,142 @@
+"""The hook implementations of `generation` (declared in its package), imported when the plugin is registered."""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any
+
+from ... import _compat
+from ..._logging import get_logger
+from ...errors import UsageError
+from ...hookspecs import hookimpl
+from .budget import BudgetPlan
+from .context import GenerationContext
+from .fsdp import check_fsdp_generation
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+    from transformers import Trainer
+
+    from ...config import TrlExtConfig
+    from ...context import TrainerContext
+
+from . import _DEFAULT_AUTO_MARGIN, NAME, TRL_EXT_PLUGIN, GenerationOptions
+
+logger = get_logger(__name__)
+
+# ---------------------------------------------------------------------------------------------------------------
+# configuration
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@hookimpl
+def trl_ext_validate_config(config: TrlExtConfig, trl_version: str) -> None:
+    options: GenerationOptions = config.options(NAME)
+    flag = config.ds3_gather_for_generation
+    if options.budget is not None and flag is True:
+        raise UsageError(
+            "`plugins.generation.budget` limits what stays gathered, but `ds3_gather_for_generation=True` gathers "
+            'the whole model. Use `ds3_gather_for_generation=False` (budget mode) or "auto" with the budget.'
+        )
+    if options.auto_margin is not None and flag != "auto":
+        raise UsageError(
+            '`plugins.generation.auto_margin` only applies to `ds3_gather_for_generation="auto"`, but it is '
+            f'{flag!r}. Remove the option or set the flag to "auto".'
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# per-trainer state
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class GenerationState:
+    """What the plugin decided for one trainer (kept in `context.state["generation"]`).
+
+    Attributes:
+        flag: the `ds3_gather_for_generation` value (`True`, `False` or `"auto"`).
+        budget: parsed `budget` option, `(kind, value)` or None.
+        auto_margin: headroom for `"auto"`.
+        auto_gather: the `"auto"` decision, once made.
+        plan: the latest budget plan (which decoder layers stay gathered).
+        logged: one-time log lines already written.
+        generations: number of generation contexts entered (for tests and reports).
+    """
+
+    def __init__(self, flag: Any, options: GenerationOptions | dict[str, Any]) -> None:
+        if isinstance(options, dict):  # raw options (benchmarks, tests): parsed like the user's
+            options = TRL_EXT_PLUGIN.make_options(options, "GenerationState")
+        assert isinstance(options, GenerationOptions)
+        self.flag = flag
+        self.budget = (options.budget.kind, options.budget.value) if options.budget is not None else None
+        self.auto_margin = _DEFAULT_AUTO_MARGIN if options.auto_margin is None else options.auto_margin
+        self.auto_gather: bool | None = None
+        self.plan: BudgetPlan | None = None
+        self.logged: set[str] = set()
+        self.generations = 0
+
+    def log_once(self, key: str, message: str, *args: Any) -> None:
+        if key not in self.logged:
+            self.logged.add(key)
+            logger.info(message, *args)
+
+
+def _state(context: TrainerContext) -> GenerationState:
+    state = context.state.get(NAME)
+    if state is None:
+        state = context.state[NAME] = GenerationState(context.config.ds3_gather_for_generation, context.options(NAME))
+    return state
+
+
+@hookimpl
+def trl_ext_trainer_init_start(trainer: Trainer, context: TrainerContext, init_kwargs: dict[str, Any]) -> None:
+    _state(context)
+
+
+@hookimpl
+def trl_ext_trainer_init_end(trainer: Trainer, context: TrainerContext) -> None:
+    check_fsdp_generation(_state(context), trainer.accelerator)
+
+
+@hookimpl
+def trl_ext_describe(trainer: Trainer, context: TrainerContext) -> str | None:
+    state = _state(context)
+    text = f"ds3_gather_for_generation={state.flag!r}"
+    if state.budget is not None:
+        kind, value = state.budget
+        text += f", budget {value:.0%} of the model" if kind == "fraction" else f", budget {int(value)} bytes"
+    return text
+
+
+@hookimpl
+def trl_ext_advise_unused(trainer: Trainer, trainer_class: str, trl_args: Any) -> str | None:
+    # TRL honours its own `ds3_gather_for_generation=False`, but under ZeRO-3 with DeepSpeed's default limits its
+    # layer-by-layer fetch keeps every layer resident.
+    plugin = getattr(getattr(getattr(trainer, "accelerator", None), "state", None), "deepspeed_plugin", None)
+    if getattr(trl_args, "ds3_gather_for_generation", True) is False and getattr(plugin, "zero_stage", None) == 3:
+        return (
+            f"{type(trl_args).__name__}(ds3_gather_for_generation=False) is left to TRL, whose ZeRO-3 generation "
+            "keeps the whole model resident with DeepSpeed's default settings; set trl-ext's "
+            '`ds3_gather_for_generation=False` (or "auto") for generation within a bounded budget.'
+        )
+    return None
+
+
+@hookimpl
+def trl_ext_make_generation_context(
+    trainer: Trainer, context: TrainerContext, model: torch.nn.Module, call_kwargs: dict[str, Any]
+) -> AbstractContextManager | None:
+    state = _state(context)
+    accelerator_param, flag_param = _compat.GENERATION_HELPER_PARAMS
+    trl_flag = call_kwargs.get(flag_param)
+    if trl_flag is not None and trl_flag != state.flag:
+        state.log_once(
+            "trl-flag",
+            "generation: %s.ds3_gather_for_generation=%r is overridden by trl-ext's ds3_gather_for_generation=%r",
+            type(getattr(trainer, "args", None)).__name__,
+            trl_flag,
+            state.flag,
+        )
+    return GenerationContext(
+        state, model, call_kwargs[accelerator_param], call_kwargs.get(_compat.GENERATION_HELPER_KWARGS_PARAM)
+    )

@@ -1,0 +1,363 @@
+"""The hook implementations of `padding_free` (declared in its package), imported when the plugin is registered."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ... import _compat
+from ..._logging import get_logger
+from ...errors import UsageError
+from ...hookspecs import hookimpl
+from .._packing import (
+    FUSED_FIELDS,
+    PACKING_KEY,
+    VARLEN_BASES,
+    AnnotatingCollator,
+    PackInfo,
+    check_packable_trainer,
+    pack_rows,
+    packed_call,
+    packing_metadata,
+    positional_input_ids,
+    register_varlen_attention,
+    repad_outputs,
+    scoring_call,
+    switch_attention,
+    unpack_rows,
+    unpack_shifted,
+    unregister_varlen_attention,
+    varlen_attention_name,
+)
+from .._probe import STOCK_CALL, declared_localities, probe_lengths, training_max_length
+from . import NAME, PaddingFreeOptions
+from .architecture import VERIFIED_MODEL_TYPES, Inspection, inspect_model
+from .self_check import SelfCheckResult, self_check
+
+logger = get_logger(__name__)
+
+#: Kept for code written against the allow-list: the verified table (other models now run the self-check).
+SUPPORTED_MODEL_TYPES = VERIFIED_MODEL_TYPES
+
+_FLASH = ("flash_attention_2", "flash_attention_3", "flash_attention_4")
+#: Kept for code written against the module: the fused LM head outputs re-padded (same as `_packing.FUSED_FIELDS`).
+_FUSED_FIELDS = FUSED_FIELDS
+
+
+@dataclasses.dataclass
+class PaddingFreeState:
+    """Per-trainer state of the plugin (`context.state["padding_free"]`)."""
+
+    attention: str = "auto"
+    self_check: str | bool = "auto"
+    checked: bool = False
+    #: the architecture inspection of each wrapped model, and the self-check results, by role
+    inspections: dict[str, Inspection] = dataclasses.field(default_factory=dict)
+    self_checks: dict[str, SelfCheckResult] = dataclasses.field(default_factory=dict)
+    #: attention implementation each wrapped model runs, by role (for logs and tests)
+    attn_implementations: dict[str, str] = dataclasses.field(default_factory=dict)
+    #: number of packed forward calls, and of calls that could not be packed and ran padded
+    packed_calls: int = 0
+    unpacked_calls: int = 0
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Configuration
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _state(context) -> PaddingFreeState:
+    state = context.state.get(NAME)
+    if state is None:
+        options: PaddingFreeOptions = context.options(NAME)
+        state = context.state[NAME] = PaddingFreeState(attention=options.attention, self_check=options.self_check)
+    return state
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Trainer lifecycle
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@hookimpl
+def trl_ext_trainer_init_start(trainer, context, init_kwargs):
+    _state(context)
+    args = init_kwargs.get("args")
+    if args is not None and getattr(args, "use_liger_kernel", False):
+        raise UsageError(
+            "padding_free does not support `use_liger_kernel=True` (not verified; on TRL <= 1.14 the Liger DPO loss "
+            "calls the backbone directly). Set `use_liger_kernel=False` or disable padding_free."
+        )
+
+
+def _check_trainer(trainer, context) -> PaddingFreeState:
+    """Refuse what packing cannot do correctly; runs once, before the first packed forward."""
+    state = _state(context)
+    if state.checked:
+        return state
+    check_packable_trainer(trainer, NAME)
+    state.checked = True
+    return state
+
+
+def _configure_model(context, role: str, model) -> str:
+    """Check one causal LM and switch its attention to varlen if needed; returns the implementation it runs."""
+    state = _state(context)
+    config = model.config
+    model_type = getattr(config, "model_type", None)
+    inspection = state.inspections[role] = inspect_model(model)
+    if inspection.refusal is not None:
+        raise UsageError(
+            f"padding_free cannot keep packed sequences apart in this `{model_type}` model ({role} model "
+            f"{type(model).__name__}): {inspection.refusal}"
+        )
+    impl = config._attn_implementation
+    if impl in _FLASH:
+        return impl
+    if impl in (varlen_attention_name(b) for b in VARLEN_BASES):
+        return impl  # already switched (the same config object serves the policy and its PEFT base)
+    if impl not in VARLEN_BASES:
+        raise UsageError(
+            f"padding_free supports the attention implementations sdpa, eager and {', '.join(_FLASH)}, but the {role} "
+            f'model uses `{impl}`. Load it with `attn_implementation="sdpa"` (or flash_attention_2 on GPU).'
+        )
+    if state.attention == "dense":
+        return impl
+    # Held per trainer (not per installation): the trainer keeps its plugins after `uninstall()`.
+    context.hold("varlen_attention", register_varlen_attention, unregister_varlen_attention)
+    switch_attention(context.patcher, config, varlen_attention_name(impl))
+    return varlen_attention_name(impl)
+
+
+@hookimpl
+def trl_ext_make_collator(trainer, context, collator):
+    if context.is_enabled("prompt_sharing"):
+        return None  # prompt_sharing packs (and shares prompts) with its own collator
+    _check_trainer(trainer, context)
+    return PaddingFreeCollator(collator)
+
+
+@hookimpl
+def trl_ext_make_packed_forward(trainer, context, role, backbone):
+    if context.is_enabled("prompt_sharing"):
+        return None  # prompt_sharing owns the packed forward
+    state = _check_trainer(trainer, context)
+    model = context.models()[role]
+    state.attn_implementations[role] = _configure_model(context, role, model)
+    return _make_backbone_forward(backbone.forward, state)
+
+
+@hookimpl
+def trl_ext_trainer_models_ready(trainer, context):
+    state = _check_trainer(trainer, context)
+    for role, model in context.models().items():
+        if role not in state.attn_implementations:  # a model whose backbone the core could not reach
+            state.attn_implementations[role] = _configure_model(context, role, model)
+        context.patcher.setattr(model, "forward", _make_causal_lm_forward(model.forward, state))
+        _check_row_limit(role, model, trainer)
+        if state.self_check is True or not state.inspections[role].verified:
+            _run_self_check(state, role, model, trainer)
+    logger.info("padding_free: packing %s", state.attn_implementations)
+
+
+def _check_row_limit(role: str, model, trainer) -> None:
+    """Refuse, before the first step, a model whose packed row has a length limit that a batch can exceed (MPT's
+    ALiBi table covers `max_seq_len` keys of one row): instead of failing mid-step."""
+    table = getattr(model.config, _compat.MPT_ALIBI_TABLE_ATTR, None)
+    if getattr(model.config, "model_type", None) != "mpt" or not isinstance(table, int):
+        return
+    args = getattr(trainer, "args", None)
+    rows = 2 * max(getattr(args, "per_device_train_batch_size", 1), getattr(args, "per_device_eval_batch_size", 1))
+    longest = training_max_length(trainer)
+    if longest is None or rows * longest > table:
+        raise UsageError(
+            f"padding_free: the {role} model ({type(model).__name__}) computes its ALiBi biases for rows of at most "
+            f"`{_compat.MPT_ALIBI_TABLE_ATTR}={table}` tokens, and a packed batch can hold {rows} sequences of up to "
+            f"{longest} tokens. Lower per_device_train_batch_size / per_device_eval_batch_size or max_length so that "
+            f"2 x batch size x max_length <= {table}, or train without padding_free."
+        )
+
+
+#: The longest probe the self-check builds from a model's position limit when the training length is unknown.
+_UNKNOWN_LENGTH_LIMIT = 8192
+
+
+def _probe_lengths(model, trainer) -> tuple[int, ...]:
+    """Probe lengths for `model` under `trainer`: one as long as the longest training sequence, the others longer
+    than every window or chunk the config declares (`trl_ext.plugins._probe`)."""
+    config = model.config
+    max_positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    longest = training_max_length(trainer)
+    if longest is None:
+        if not max_positions or max_positions > _UNKNOWN_LENGTH_LIMIT:
+            raise UsageError(
+                f"padding_free's self-check for the `{getattr(config, 'model_type', None)}` model needs the longest "
+                "sequence training will feed, to size its probe: set `max_length` in the trainer's config (the "
+                "dataset is not a tokenized map-style dataset whose lengths can be read)."
+            )
+        longest = int(max_positions)
+    return probe_lengths(longest, declared_localities(config), max_positions)
+
+
+def _run_self_check(state: PaddingFreeState, role: str, model, trainer) -> None:
+    """Measure, before the first step, that `model`'s packed forward equals its stock padded forward on a probe sized
+    from what training will feed; refuse if it does not."""
+    calls = state.packed_calls, state.unpacked_calls
+    moe = any(m.startswith("MoE") for m in state.inspections[role].mechanisms)
+    lengths = _probe_lengths(model, trainer)
+    args = getattr(trainer, "args", None)
+    autocast = None
+    if next(model.parameters()).dtype == torch.float32:  # a float32 model trained under 16-bit autocast
+        autocast = (
+            torch.bfloat16 if getattr(args, "bf16", False) else torch.float16 if getattr(args, "fp16", False) else None
+        )
+    result = self_check(model, model.forward, lengths=lengths, moe=moe, autocast=autocast)
+    state.packed_calls, state.unpacked_calls = calls  # the probe's forwards are not training forwards
+    state.self_checks[role] = result
+    model_type = getattr(model.config, "model_type", None)
+    if result.leak is not None:
+        raise UsageError(
+            f"padding_free's self-check failed for the {role} model ({type(model).__name__}, `{model_type}`): "
+            f"{result.leak}. Packed training would differ from stock; train this model without padding_free."
+        )
+    logger.info(
+        "padding_free: self-check passed for the %s model (%s, `%s`, %s): packed sequences stay apart "
+        "(bit-identical) and equal the stock padded forward (max relative difference %.2g <= %g) on probe sequences "
+        "of %s tokens; cost %d forwards, %.2f s",
+        role,
+        type(model).__name__,
+        model_type,
+        f"{autocast} autocast" if autocast is not None else next(model.parameters()).dtype,
+        result.max_position_error,
+        result.tolerance,
+        list(result.lengths),
+        result.forwards,
+        result.seconds,
+    )
+
+
+@hookimpl
+def trl_ext_describe(trainer, context):
+    return ", ".join(f"{role}: {impl}" for role, impl in _state(context).attn_implementations.items()) or None
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Collator
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+class PaddingFreeCollator(AnnotatingCollator):
+    """Wraps a preference collator and adds the packing metadata under `trl_ext_packing`.
+
+    The padded batch is kept as it is (TRL reads `completion_mask` and `attention_mask` from it); the metadata is
+    computed here, in the data-loader process, so the training step does no host work to pack.
+
+    Args:
+        collator (`Callable`): the collator to wrap (TRL's `DataCollatorForPreference` or a user's).
+    """
+
+    plugin = NAME
+
+    def annotate(self, batch: dict[str, Any]) -> None:
+        mask = batch.get("attention_mask")
+        if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+            raise UsageError(
+                "padding_free needs the collator to return a 2D `attention_mask` (1 = real token), as TRL's "
+                f"DataCollatorForPreference does; {type(self.collator).__name__} returned "
+                f"{type(mask).__name__ if mask is None else tuple(mask.shape)}."
+            )
+        batch[PACKING_KEY] = packing_metadata(mask).to_batch()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Forward wrappers
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _pack_kwargs(kwargs: dict[str, Any], meta: Any) -> tuple[dict[str, Any], PackInfo]:
+    input_ids = kwargs["input_ids"]
+    info = PackInfo.from_batch(meta, input_ids, kwargs["attention_mask"]) if meta is not None else None
+    if info is None:
+        if meta is not None and not _REBUILT_WARNED:
+            _warn_rebuilt(meta, input_ids)
+        info = packing_metadata(kwargs["attention_mask"])
+    packed = dict(kwargs)
+    packed["input_ids"] = pack_rows(input_ids, info)
+    packed["attention_mask"] = None  # transformers only isolates packed sequences without a 2D mask
+    position_ids = kwargs.get("position_ids")
+    packed["position_ids"] = info.position_ids if position_ids is None else pack_rows(position_ids, info)
+    packed.update(info.flash_kwargs())
+    return packed, info
+
+
+_REBUILT_WARNED = False
+
+
+def _warn_rebuilt(meta: Any, input_ids: torch.Tensor) -> None:
+    global _REBUILT_WARNED
+    _REBUILT_WARNED = True
+    logger.warning(
+        "padding_free: the packing metadata of a batch did not match its %s input_ids and attention_mask (changed "
+        "after collation); it was rebuilt from attention_mask (once-only warning).",
+        tuple(input_ids.shape),
+    )
+
+
+def _make_backbone_forward(original: Callable, state: PaddingFreeState) -> Callable:
+    """Backbone (`model.base_model`) forward: pack a padded batch, scatter `last_hidden_state` back to `[R, L, H]`."""
+
+    @functools.wraps(original)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        meta = kwargs.pop(PACKING_KEY, None)
+        args = positional_input_ids(args, kwargs)
+        if args or not scoring_call(kwargs):
+            return original(*args, **kwargs)
+        packed, info = _pack_kwargs(kwargs, meta)
+        with packed_call(info):
+            outputs = original(**packed)
+        state.packed_calls += 1
+        outputs.last_hidden_state = unpack_rows(outputs.last_hidden_state, info)
+        return outputs
+
+    return forward
+
+
+def _make_causal_lm_forward(original: Callable, state: PaddingFreeState) -> Callable:
+    """Causal-LM forward: pack, run backbone and LM head on real tokens only, return outputs in the padded layout."""
+
+    @functools.wraps(original)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        meta = kwargs.pop(PACKING_KEY, None)
+        args = positional_input_ids(args, kwargs)
+        if args or not scoring_call(kwargs):
+            if (
+                kwargs.get("use_cache") is False
+                and isinstance(kwargs.get("attention_mask"), torch.Tensor)
+                and not STOCK_CALL.get()
+            ):
+                # A scoring call on a padded batch that packing cannot reproduce (e.g. `output_hidden_states`): it
+                # runs padded, which is correct; say so once instead of hiding it.
+                state.unpacked_calls += 1
+                if state.unpacked_calls == 1:
+                    logger.warning("padding_free: a forward with %s ran padded (not packable)", sorted(kwargs))
+            return original(*args, **kwargs)
+        packed, info = _pack_kwargs(kwargs, meta)
+        labels = kwargs.get("labels")
+        if labels is not None:
+            # The shift (`hidden[:, :-1]` vs `labels[:, 1:]`) runs over the whole packed row, so the last token of a
+            # sequence would "predict" the first token of the next one: never score a sequence's first token (the
+            # padded layout never does either). Same rule as TRL's SFT padding-free path (sft_trainer.py).
+            packed_labels = pack_rows(labels, info).clone()
+            starts = info.cu_seq_lens[:-1].long().clamp(max=max(info.num_tokens - 1, 0))
+            packed["labels"] = packed_labels.index_fill_(1, starts, -100)
+        with packed_call(info):
+            outputs = original(**packed)
+        state.packed_calls += 1
+        fused = bool(kwargs.get("fused_lm_head"))
+        return repad_outputs(outputs, fused, lambda x: unpack_rows(x, info), lambda x: unpack_shifted(x, info))
+
+    return forward

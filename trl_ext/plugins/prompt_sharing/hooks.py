@@ -1,0 +1,64 @@
+"""The hook implementations of `prompt_sharing` (declared in its package), imported when the plugin is registered."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..._logging import get_logger
+from ...hookspecs import hookimpl
+
+logger = get_logger(__name__)
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Hooks (behaviour lives in .setup, .layout, .attention, .forward, .selfcheck)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@hookimpl
+def trl_ext_trainer_init_start(trainer: Any, context: Any, init_kwargs: dict[str, Any]) -> None:
+    from .setup import check_init_kwargs, state_of
+
+    state_of(context)
+    check_init_kwargs(init_kwargs)
+
+
+@hookimpl
+def trl_ext_make_collator(trainer: Any, context: Any, collator: Any) -> Any:
+    from .layout import PromptSharingCollator
+    from .setup import check_trainer
+
+    check_trainer(trainer, context)
+    if context.trainer_class != "DPOTrainer":
+        return None  # Online DPO's collator hands prompts to generation; its scoring calls are shared in `_forward`
+    return PromptSharingCollator(collator)
+
+
+@hookimpl
+def trl_ext_make_packed_forward(trainer: Any, context: Any, role: str, backbone: Any) -> Any:
+    from .forward import make_backbone_forward
+    from .setup import check_trainer
+
+    state = check_trainer(trainer, context)
+    # The model's attention is switched in `trl_ext_trainer_models_ready` (after padding_free's, when both are on).
+    return make_backbone_forward(backbone.forward, state)
+
+
+@hookimpl(trylast=True)
+def trl_ext_trainer_models_ready(trainer: Any, context: Any) -> None:
+    # trylast: the causal-LM wrapper is installed outermost, over padding_free's when both are enabled.
+    from .setup import wrap_models
+
+    wrap_models(trainer, context)
+
+
+@hookimpl
+def trl_ext_describe(trainer: Any, context: Any) -> str | None:
+    from .setup import state_of
+
+    state = state_of(context)
+    parts = [f"{role}: {impl}" for role, impl in state.attn_implementations.items()]
+    if state.self_check is False:
+        parts.append("self-check off")
+    elif state.checked:
+        parts.append(f"self-checked: {', '.join(sorted(state.checked))}")
+    return ", ".join(parts) or None

@@ -1,0 +1,83 @@
+"""The hook implementations of `sync_metrics` (declared in its package), imported when the plugin is registered."""
+
+from __future__ import annotations
+
+import functools
+
+from ... import _compat
+from ..._logging import get_logger
+from ...errors import UsageError
+from ...hookspecs import hookimpl
+from . import NAME
+from .capture import SyncMetricsState
+
+logger = get_logger(__name__)
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Hooks
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@hookimpl
+def trl_ext_trainer_init_start(trainer, context, init_kwargs):
+    args = init_kwargs.get("args")
+    if context.trainer_class == "DPOTrainer":
+        if getattr(args, "use_liger_kernel", False) and not _compat.dpo_uses_fused_lm_head():
+            raise UsageError(
+                "`sync_metrics=True` cannot be combined with `DPOConfig(use_liger_kernel=True)` on "
+                f"trl=={_compat.installed_version('trl')}: the Liger DPO loss returns per-batch means of the logits "
+                "that cannot be weighted by tokens. Set `use_liger_kernel=False` or upgrade to trl>=1.15."
+            )
+    elif getattr(args, "use_vllm", False):
+        raise UsageError(
+            "`sync_metrics=True` does not support `OnlineDPOConfig(use_vllm=True)`: the vLLM generation path is not "
+            "covered. Set `use_vllm=False` or disable `sync_metrics`."
+        )
+
+
+@hookimpl
+def trl_ext_trainer_init_end(trainer, context):
+    from . import dpo, online_dpo, trainer_gathers
+    from .capture import _make_local_gather, _RecordingIterator
+
+    config = getattr(trainer.accelerator, "parallelism_config", None)
+    sizes = {name: getattr(config, f"{name}_size", 1) or 1 for name in ("tp", "cp", "sp")} if config else {}
+    if any(size > 1 for size in sizes.values()):
+        raise UsageError(
+            f"`sync_metrics=True` does not support tensor/context/sequence parallelism ({sizes}): ranks of one group "
+            "see the same or split pairs. Disable `sync_metrics`."
+        )
+    adapter = dpo if context.trainer_class == "DPOTrainer" else online_dpo
+    schema = adapter.make_schema(trainer)
+    state = SyncMetricsState(trainer, context.trainer_class, schema)
+    context.state[NAME] = state
+    patcher = context.patcher
+    accelerator = trainer.accelerator
+    for attr in ("gather", "gather_for_metrics"):
+        patcher.setattr(accelerator, attr, _make_local_gather(state, getattr(accelerator, attr)))
+
+    original_get_batch_samples = trainer.get_batch_samples
+
+    @functools.wraps(original_get_batch_samples)
+    def get_batch_samples(epoch_iterator, num_batches, *args, **kwargs):
+        # The Trainer fetches a whole gradient-accumulation window before computing it, so the dataloader's
+        # end-of-epoch state must be read at fetch time (transformers trainer.py `get_batch_samples`).
+        state.fetched.clear()
+        state.close_step()  # a new optimizer step begins
+        wrapped = _RecordingIterator(epoch_iterator, state, accelerator.gradient_state)
+        return original_get_batch_samples(wrapped, num_batches, *args, **kwargs)
+
+    patcher.setattr(trainer, "get_batch_samples", get_batch_samples)
+    adapter.install(trainer, patcher, state)
+    trainer_gathers.install(trainer, context, state)
+    logger.info("sync_metrics: %s metrics %s", context.trainer_class, [m.name for m in schema.metrics])
+
+
+@hookimpl
+def trl_ext_reduce_metrics(trainer, context, logs):
+    state = context.state.get(NAME)
+    if state is None:
+        return None
+    from .reduction import reduce_logs
+
+    return reduce_logs(trainer, state, logs)
