@@ -98,6 +98,12 @@ class TrainerContext:
     def is_enabled(self, plugin: str) -> bool:
         return plugin in self.enabled
 
+    def plugins_serving(self, role: str) -> tuple[str, ...]:
+        """The registered plugins that declare `role` (`PluginSpec.serves`) and apply to this trainer, enabled or
+        not: what a plugin's advice may offer instead of itself, without naming it."""
+        specs = self.installation.plugin_manager.catalog.specs
+        return tuple(n for n, s in specs.items() if role in s.serves and s.applies_to(self.trainer_class))
+
     def call_exclusive(self, hook_name: str, **kwargs: Any) -> Any:
         return call_exclusive(getattr(self.hook, hook_name), **kwargs)
 

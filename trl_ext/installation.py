@@ -14,7 +14,7 @@ from ._logging import NOTICE, get_logger, is_main_process
 from .config import TrlExtConfig, load_config
 from .context import _LIVE, TrainerContext, live_contexts
 from .errors import UsageError
-from .manager import TrlExtPluginManager, make_plugin_manager
+from .manager import TrlExtPluginManager, make_plugin_manager, resolve_roles
 from .patching import Patcher, resolve
 
 __all__ = ["Installation", "current", "install", "install_config", "stock_trainer_class"]
@@ -69,7 +69,8 @@ class Installation:
 
         A plugin is enabled when it applies to the trainer (`PluginSpec.trainers`) and one of its flags is set, or,
         for a plugin without flags, when it is named under `plugins:`, or when the trainer's TRL config sets the TRL
-        flag it serves (`PluginSpec.trl_flag`) and the installed TRL ignores that flag.
+        flag it serves (`PluginSpec.trl_flag`) and the installed TRL ignores that flag. Of the enabled plugins that
+        serve one role (`PluginSpec.serves`), only the one of highest precedence is kept.
 
         Args:
             trainer (`str`, `type` or trainer instance):
@@ -89,6 +90,10 @@ class Installation:
             # detached), whatever this installation would give a new trainer.
             ctx = getattr(trainer, "__dict__", {}).get(_ATTR)
             return list(ctx.enabled) if ctx is not None and ctx.attached else []
+        return self._enabled(trainer_class, trl_args)[0]
+
+    def _enabled(self, trainer_class: str, trl_args: Any) -> tuple[list[str], dict[str, str]]:
+        """The plugins a `trainer_class` built with `trl_args` gets, and `{left out: kept instead}` by role."""
         ignored = _compat.trl_ignored_flags(trainer_class)
         enabled = []
         for name, spec in self.plugin_manager.catalog.specs.items():
@@ -99,7 +104,17 @@ class Installation:
             on = on or (trl_flag is not None and trl_flag in ignored and bool(getattr(trl_args, trl_flag, False)))
             if on:
                 enabled.append(name)
-        return enabled
+        return resolve_roles(self.plugin_manager.catalog.specs, enabled)
+
+    def _wrapped_trainers(self) -> list[str]:
+        """The stock trainer classes to attach to: those that a registered plugin applies to and that the
+        configuration enables (or that a TRL flag it serves could enable per trainer)."""
+        out: list[str] = []
+        for name, spec in self.plugin_manager.catalog.specs.items():
+            on = self.config.flag_is_set(name) if spec.flags else name in self.config.plugins
+            if on or spec.trl_flag is not None:
+                out.extend(t for t in spec.trainers or _compat.TRAINERS if t in _compat.TRAINERS and t not in out)
+        return [t for t in _compat.TRAINERS if t in out]
 
     def contexts(self) -> list[TrainerContext]:
         """Contexts of the live trainers this installation attached to (and that were not detached)."""
@@ -183,12 +198,16 @@ class Installation:
 
     def _apply(self) -> None:
         """Patch TRL: the `__init__` of each stock trainer class, nothing else (the rest is per trainer)."""
-        for trainer_class, (module_name, class_name) in _compat.TRAINERS.items():
+        wrapped = self._wrapped_trainers()
+        for trainer_class in wrapped:
+            module_name, class_name = _compat.TRAINERS[trainer_class]
             cls = resolve(f"{module_name}.{class_name}")
             self.patcher.wrap(cls, "__init__", functools.partial(self._wrap_init, trainer_class))
             if trainer_class == "DPOTrainer":
                 resolve(f"{module_name}.{class_name}.{_compat.DPO_PRECOMPUTE_METHOD}")  # fail now if TRL renamed it
-        for module_name in _compat.GENERATION_HELPER_MODULES.values():
+        for trainer_class, module_name in _compat.GENERATION_HELPER_MODULES.items():
+            if trainer_class not in wrapped:
+                continue
             # While installed, the name serves every attached trainer (also when called from outside its methods);
             # after `uninstall()` each trainer swaps it in only while it runs (`_attach_before_init`).
             self.patcher.wrap(resolve(module_name), "unwrap_model_for_generation", _generation_wrapper(None))
@@ -307,6 +326,8 @@ class Installation:
                 texts = pm.subset_hook_caller("trl_ext_describe", remove_plugins=others)(trainer=trainer, context=ctx)
                 parts.append(f"{plugin} ({'; '.join(texts)})" if texts else plugin)
             line = f"trl-ext: {name} gets plugins {', '.join(parts)}" if parts else f"trl-ext: {name} gets no plugins"
+            _, superseded = self._enabled(ctx.trainer_class, ctx.trl_args)
+            left = [*(f"{n} is left out: {by} serves the same role" for n, by in superseded.items()), *left]
             logger.log(NOTICE, "; ".join([line, *left]))
         stray = []
         for plugin, spec in specs.items():

@@ -32,6 +32,7 @@ __all__ = [
     "call_exclusive",
     "load_catalog",
     "make_plugin_manager",
+    "resolve_roles",
 ]
 
 ENTRY_POINT_GROUP = "trl_ext"
@@ -426,8 +427,29 @@ def _register(pm: TrlExtPluginManager, name: str, plugin: Any) -> None:
 
 
 # -------------------------------------------------------------------------------------------------------------------
-# Exclusive hooks
+# Exclusive roles and hooks
 # -------------------------------------------------------------------------------------------------------------------
+
+
+def resolve_roles(specs: dict[str, PluginSpec], enabled: Iterable[str]) -> tuple[list[str], dict[str, str]]:
+    """Keep, for each role that enabled plugins serve (`PluginSpec.serves`), the one of highest precedence.
+
+    Returns the plugins kept, in order, and `{left out: kept instead}`. Two of equal precedence are a `UsageError`.
+    """
+    enabled = list(enabled)
+    superseded: dict[str, str] = {}
+    roles = sorted({role for name in enabled for role in specs[name].serves})
+    for role in roles:
+        serving = sorted((n for n in enabled if role in specs[n].serves), key=lambda n: -specs[n].precedence)
+        if len(serving) > 1 and specs[serving[0]].precedence == specs[serving[1]].precedence:
+            names = ", ".join(f"`{n}`" for n in serving)
+            raise UsageError(
+                f"The enabled plugins {names} all serve `{role}` for this trainer, with the same precedence; only "
+                "one can. Disable all but one of them (unset its flag, or add it to `block`)."
+            )
+        for name in serving[1:]:
+            superseded.setdefault(name, serving[0])
+    return [n for n in enabled if n not in superseded], superseded
 
 
 def call_exclusive(caller: pluggy.HookCaller, **kwargs: Any) -> Any:

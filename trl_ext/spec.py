@@ -317,6 +317,13 @@ class PluginSpec:
         trl_flag (`str`, *optional*):
             A TRL config field that TRL accepts but ignores and this plugin implements (`DPOConfig.padding_free`).
             Setting it on a trainer's TRL config enables the plugin for that trainer.
+        serves (`tuple[str, ...]`, *optional*, defaults to `()`):
+            Exclusive roles the plugin fills for a trainer, e.g. `"packing"` (it owns the collator and the packed
+            forward). When several plugins enabled for one trainer serve a role, the core keeps the one of highest
+            `precedence` for that trainer and leaves the others out (the trainer's log line says so); equal
+            precedence is a `UsageError`. Plugins never name each other.
+        precedence (`int`, *optional*, defaults to `0`):
+            Rank among the plugins that serve one of the same roles: the highest is kept.
         hooks (`str`, *optional*):
             The module that holds the hook implementations, absolute (`"my_pkg.hooks"`) or relative to the package of
             the declaring module (`".hooks"`). It is imported only when the plugin is registered for an installation,
@@ -330,6 +337,8 @@ class PluginSpec:
     options: type | None = None
     trainers: tuple[str, ...] | None = None
     trl_flag: str | None = None
+    serves: tuple[str, ...] = ()
+    precedence: int = 0
     hooks: str | None = None
 
     def __post_init__(self) -> None:
@@ -360,6 +369,8 @@ class PluginSpec:
                     )
         if self.trainers is not None and (isinstance(self.trainers, str) or not self.trainers):
             raise UsageError(f"Plugin `{self.name}`: `trainers` must be a non-empty tuple of class names or None.")
+        if isinstance(self.serves, str) or not all(isinstance(role, str) and role for role in self.serves):
+            raise UsageError(f"Plugin `{self.name}`: `serves` must be a tuple of role names, got {self.serves!r}.")
         module_path = r"\.*[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*"
         if self.hooks is not None and not re.fullmatch(module_path, self.hooks):
             raise UsageError(f"Plugin `{self.name}`: `hooks` must be a module path, got {self.hooks!r}.")

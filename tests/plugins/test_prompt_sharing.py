@@ -235,12 +235,14 @@ def test_peft_lora_policy(build):
         _compare(stock, shared, eq.examples(stock))
 
 
-def test_with_padding_free_means_the_same(build):
-    """Both flags: prompt_sharing owns the collator and the forward (padding_free's exclusive hooks step aside)."""
+def test_with_padding_free_means_the_same(build, caplog):
+    """Both flags: both serve `packing`; the core keeps prompt_sharing (higher precedence) and leaves padding_free out
+    for this trainer, saying so."""
     stock = build()
     with trl_ext.install(prompt_sharing=True, padding_free=True):
         shared = build()
-        assert set(shared._trl_ext.enabled) >= {"padding_free", "prompt_sharing"}
+        assert shared._trl_ext.enabled == ("prompt_sharing",)
+        assert "padding_free is left out: prompt_sharing serves the same role" in caplog.text
         assert type(shared.data_collator).__name__ == "PromptSharingCollator"
         assert shared.model.config._attn_implementation == "trl_ext_shared_sdpa"
         _compare(stock, shared, eq.examples(stock))

@@ -7,9 +7,9 @@ config and either returns the mechanisms it found or the reason packing cannot b
 from token to token, attention outside transformers' attention interface whose mask packing cannot build, a dynamic
 mask, queries scaled by the row index, ALiBi biases rounded at the row index, capacity-limited routing, a window or
 chunk that only the mask applies under flash-attention). Architectures checked end to end (packed == padded in
-float64, loss, MoE auxiliary loss and gradients) by tests/plugins/test_padding_free_sweep.py and
-tests/plugins/test_padding_free_mechanisms.py are listed in `VERIFIED_MODEL_TYPES`; any other model is measured by
-the self-check (`self_check.py`) before its first step.
+float64, loss, MoE auxiliary loss and gradients) by the architecture sweep are listed in `VERIFIED_MODEL_TYPES`; a
+plugin that packs more selectively declares its own table with `verified_except`. Any other model is measured by the
+plugin's self-check before its first step. The refusals name the plugin that asked (`plugin`).
 
 ALiBi: within a block-diagonal attention the bias of a key depends on its distance to the query only up to a
 per-query constant, which softmax ignores, so Bloom and MPT pack exactly on sdpa/eager (`_packing._packed_mask` gives
@@ -23,13 +23,14 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import sys
+from collections.abc import Mapping, Sequence
 
 import torch
 
-from ... import _compat
+from .. import _compat
 
 #: `config.model_type`s whose packed training equals padded training in float64 (losses, MoE auxiliary loss,
-#: gradients), measured by the architecture sweep (tests/plugins/test_padding_free_sweep.py). Other models run the
+#: gradients), measured by the architecture sweep (tests/plugins/test_padding_free_sweep.py). Other models run a
 #: self-check before their first step.
 VERIFIED_MODEL_TYPES = (
     "cohere",
@@ -83,7 +84,19 @@ _STATEFUL_NAMES = (
     "slstm",
     "xlstm",
 )
-_ADVICE = "Train this model without padding_free (leave `padding_free` unset)."
+
+
+def verified_except(excluded: Mapping[str, str]) -> tuple[str, ...]:
+    """`VERIFIED_MODEL_TYPES` less the types in `excluded` (`{model_type: why}`), in the same order: the table of a
+    plugin whose packing covers fewer models."""
+    unknown = sorted(set(excluded) - set(VERIFIED_MODEL_TYPES))
+    if unknown:
+        raise ValueError(f"excluded model types {unknown} are not in VERIFIED_MODEL_TYPES")
+    return tuple(t for t in VERIFIED_MODEL_TYPES if t not in excluded)
+
+
+def _advice(plugin: str) -> str:
+    return f"Train this model without {plugin} (leave `{plugin}` unset)."
 
 
 @dataclasses.dataclass
@@ -194,11 +207,15 @@ def _positions(model: torch.nn.Module) -> str:
     return "positions?"
 
 
-def inspect_model(model: torch.nn.Module) -> Inspection:
-    """The mechanisms of `model` that matter for packing, or the reason packing cannot be exact."""
+def inspect_model(
+    model: torch.nn.Module, plugin: str, verified_types: Sequence[str] = VERIFIED_MODEL_TYPES
+) -> Inspection:
+    """The mechanisms of `model` that matter for packing, or the reason packing cannot be exact (its advice names
+    `plugin`); `verified` says whether the model type is in `verified_types`."""
     config = model.config
     model_type = getattr(config, "model_type", None)
-    verified = model_type in VERIFIED_MODEL_TYPES
+    verified = model_type in verified_types
+    _ADVICE = _advice(plugin)
     stateful = _stateful_module(model)
     if stateful is not None:
         name, module = stateful
@@ -221,7 +238,7 @@ def inspect_model(model: torch.nn.Module) -> Inspection:
             return Inspection(
                 ["alibi" if alibi else "own attention"],
                 f"its attention {layer} {what} in its own module, outside transformers' attention interface, "
-                "from a mask padding_free does not know how to build for a packed row, so the packed sequences "
+                "from a mask packing does not know how to build for a packed row, so the packed sequences "
                 "would attend to each other. " + _ADVICE,
                 verified,
             )
@@ -241,7 +258,7 @@ def inspect_model(model: torch.nn.Module) -> Inspection:
                 f"its attention {layer} adds ALiBi biases that Bloom casts to the model's dtype ({dtype}) from each "
                 "key's index in the row. In a packed row the indices run over all its sequences, so in 16 bits "
                 "they round much more coarsely than in the padded batch. Load the model in float32 (mixed precision "
-                "through `bf16=True` keeps float32 weights), or train without padding_free.",
+                f"through `bf16=True` keeps float32 weights), or train without {plugin}.",
                 verified,
             )
     mechanisms = [_positions(model)]
@@ -276,7 +293,7 @@ def inspect_model(model: torch.nn.Module) -> Inspection:
             where = "which flash-attention does not use" if flash else "which packing cannot rebuild for this model"
             advice = _ADVICE
             if flash and model_type in _compat.CHUNKED_MASK_MODEL_TYPES:
-                advice = 'Load the model with `attn_implementation="sdpa"`, or train without padding_free.'
+                advice = f'Load the model with `attn_implementation="sdpa"`, or train without {plugin}.'
             return Inspection(
                 [*mechanisms, "chunked attention (mask only)"],
                 f"its attention {layer} applies chunked attention (`attention_chunk_size={chunk}`) only through the "
@@ -294,8 +311,8 @@ def inspect_model(model: torch.nn.Module) -> Inspection:
                 [*mechanisms, "sliding window (mask only)"],
                 f"its attention {layer} never receives `sliding_window={window}`: the window lives only in the "
                 "attention mask, which flash-attention does not use, so a packed row would attend past the window. "
-                'Load the model with `attn_implementation="sdpa"` (padding_free then applies the mask per '
-                "sequence), or train without padding_free.",
+                f'Load the model with `attn_implementation="sdpa"` ({plugin} then applies the mask per '
+                f"sequence), or train without {plugin}.",
                 verified,
             )
         else:

@@ -16,7 +16,7 @@ The varlen attention only acts on packed calls (those that carry `cu_seq_lens_q`
 (generation, a user's own forward) is handed to the base implementation with the mask transformers builds for it,
 so a model switched to varlen attention behaves exactly as before outside packed calls.
 
-What both packing plugins (`padding_free`, `prompt_sharing`) need around the model lives here too, once: the
+What every packing plugin needs around the model lives here too, once: the
 attention registration with transformers, the collator base that annotates batches, the trainer refusals (vision,
 prompt-learning PEFT), the predicate of a scoring call, and re-padding of the fused LM head outputs.
 
@@ -177,7 +177,7 @@ def packing_metadata(attention_mask: torch.Tensor) -> PackInfo:
     for every sequence, as transformers' flash-attention and packed-mask paths expect.
     """
     if attention_mask.dim() != 2:
-        raise ValueError(f"padding_free packs 2D attention masks, got shape {tuple(attention_mask.shape)}")
+        raise ValueError(f"packing needs 2D attention masks, got shape {tuple(attention_mask.shape)}")
     mask = attention_mask.bool()
     rows, length = mask.shape
     device = mask.device
@@ -310,7 +310,7 @@ def _bounds_from_positions(position_ids: Any, query: torch.Tensor, key: torch.Te
 
     Gradient checkpointing recomputes a decoder layer during the backward, outside `packed_call`. A layer that drops
     `cu_seq_lens_q` on the way to its attention (StableLM's decoder layer) then has only the packed `position_ids`,
-    which restart at every sequence of the row padding_free built: the bounds read here are those of the original
+    which restart at every sequence of the packed row: the bounds read here are those of the original
     forward, so the recomputation runs the same attention (transformers reads packed rows off `position_ids` the
     same way when it builds masks)."""
     if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or position_ids.shape[0] != 1:
@@ -352,10 +352,10 @@ def _make_varlen_attention(base: str) -> Callable:
             ):
                 # The recomputation above would split the row elsewhere than this forward does: refuse now.
                 raise UsageError(
-                    f"padding_free: {type(module).__name__} does not receive the packed sequence bounds, and the "
+                    f"packing: {type(module).__name__} does not receive the packed sequence bounds, and the "
                     "position_ids the model got do not restart at every packed sequence, so a layer recomputed by "
                     "gradient checkpointing could not tell the sequences apart. Pass position_ids that restart at 0 "
-                    "for every sequence, or none (padding_free builds them)."
+                    "for every sequence, or none (packing builds them)."
                 )
         blocks = attention_mask if getattr(attention_mask, _BLOCK_DIAGONAL, False) else None
         if bounds is None or (attention_mask is not None and blocks is None):
@@ -366,7 +366,7 @@ def _make_varlen_attention(base: str) -> Callable:
             )
         if query.shape[0] != 1 or query.shape[2] != key.shape[2] or query.shape[2] != bounds[-1]:
             raise RuntimeError(
-                f"padding_free: varlen attention expects one packed row of {bounds[-1]} tokens and no cache, got "
+                f"packing: varlen attention expects one packed row of {bounds[-1]} tokens and no cache, got "
                 f"query {tuple(query.shape)} and key {tuple(key.shape)} in {type(module).__name__}"
             )
         rest = {k: v for k, v in kwargs.items() if k not in _VARLEN_KWARGS}
@@ -437,16 +437,16 @@ def _packed_mask(kwargs: dict[str, Any], bounds: list[int] | None, base: str) ->
     n, kv = kwargs.get("q_length"), kwargs.get("kv_length")
     if bounds is None or n != bounds[-1] or kv != n or kwargs.get("q_offset", 0) or kwargs.get("kv_offset", 0):
         raise RuntimeError(
-            f"padding_free: a packed forward of {type(config).__name__} builds a mask for {n} x {kv} tokens, not for "
+            f"packing: a packed forward of {type(config).__name__} builds a mask for {n} x {kv} tokens, not for "
             f"the packed row of {None if bounds is None else bounds[-1]} tokens"
         )
     mpt = getattr(config, "model_type", None) == "mpt"
     table = getattr(config, _compat.MPT_ALIBI_TABLE_ATTR, None) if mpt else None
     if isinstance(table, int) and n > table:
         raise UsageError(
-            f"padding_free: a packed row of {n} tokens is longer than this model's ALiBi bias table "
+            f"packing: a packed row of {n} tokens is longer than this model's ALiBi bias table "
             f"(`{_compat.MPT_ALIBI_TABLE_ATTR}={table}`), which covers one row. Lower per_device_train_batch_size or "
-            f"max_length so that a batch holds at most {table} tokens, or train without padding_free."
+            f"max_length so that a batch holds at most {table} tokens, or train without packing."
         )
     device = kwargs.get("device", "cpu")
     spans = [(s, e) for s, e in zip(bounds[:-1], bounds[1:], strict=True) if e > s]
@@ -544,8 +544,23 @@ def unregister_varlen_attention() -> None:
         unregister_attention(varlen_attention_name(base))
 
 
+def packed_or_base_attention(base: str, module: torch.nn.Module) -> Callable:
+    """What a model switched to another trl-ext attention runs for a call that attention does not handle: the varlen
+    attention when it is registered (it runs packed calls and hands the rest to `base`), else `base`'s own."""
+    varlen = varlen_attention_name(base)
+    if varlen in AttentionInterface._global_mapping:
+        return ALL_ATTENTION_FUNCTIONS[varlen]
+    return base_attention(base, module)
+
+
+def packed_or_base_mask(base: str) -> str:
+    """The mask implementation that goes with `packed_or_base_attention(base, ...)`."""
+    varlen = varlen_attention_name(base)
+    return varlen if varlen in AttentionMaskInterface._global_mapping else base
+
+
 # ---------------------------------------------------------------------------------------------------------------------
-# What padding_free and prompt_sharing share around the model: batch checks, collator, call predicate
+# What the packing plugins share around the model: batch checks, collator, call predicate
 # ---------------------------------------------------------------------------------------------------------------------
 
 #: Batch keys of vision-language collators (DataCollatorForVisionPreference, VLM processors): image features are

@@ -89,6 +89,7 @@ import importlib
 from typing import Any
 
 from ...spec import Flag, Parser, PluginSpec, boolean, one_of
+from .._roles import PACKING
 
 NAME = "padding_free"
 
@@ -130,6 +131,7 @@ TRL_EXT_PLUGIN = PluginSpec(
     options=PaddingFreeOptions,
     trainers=("DPOTrainer",),
     trl_flag="padding_free",  # DPOConfig.padding_free, ignored by TRL >= 0.29 (see _compat.TRL_IGNORED_FLAGS)
+    serves=(PACKING,),
     hooks=".hooks",
 )
 

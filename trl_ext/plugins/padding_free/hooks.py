@@ -135,16 +135,12 @@ def _configure_model(context, role: str, model) -> str:
 
 @hookimpl
 def trl_ext_make_collator(trainer, context, collator):
-    if context.is_enabled("prompt_sharing"):
-        return None  # prompt_sharing packs (and shares prompts) with its own collator
     _check_trainer(trainer, context)
     return PaddingFreeCollator(collator)
 
 
 @hookimpl
 def trl_ext_make_packed_forward(trainer, context, role, backbone):
-    if context.is_enabled("prompt_sharing"):
-        return None  # prompt_sharing owns the packed forward
     state = _check_trainer(trainer, context)
     model = context.models()[role]
     state.attn_implementations[role] = _configure_model(context, role, model)

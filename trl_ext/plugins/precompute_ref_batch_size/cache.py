@@ -247,7 +247,7 @@ def cache_key(trainer, dataset, content: str, model_hash: str, packed: bool) -> 
         "args_max_length": getattr(args, max_length, None),
         "args_truncation_mode": getattr(args, truncation_mode, None),
         "ld_alpha": getattr(trainer, ld_alpha, getattr(args, ld_alpha, None)),
-        "padding_free": packed,
+        "packed": packed,
         "collator": type(collator).__qualname__,
         "dtype": dtype,
         "mixed_precision": str(getattr(trainer.accelerator, "mixed_precision", "no")),

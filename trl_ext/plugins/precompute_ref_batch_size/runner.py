@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from ... import _compat
 from ..._logging import get_logger
 from ..._shared import Ranks
+from .._roles import PACKING
 from .cache import REF_COLUMNS, CacheEntry, cache_key, scan_dataset
 from .plan import BatchPlan, concat_results
 from .sizer import OOM_ADVICE, lockstep, probe
@@ -34,7 +35,8 @@ class Precompute:
         self.dataset = dataset
         self.name = name
         self.ranks = Ranks.of(trainer.accelerator)
-        self.packed = context.is_enabled("padding_free")
+        # Reference log-probs computed by a packing plugin (declared by role) are cached apart from padded ones.
+        self.packed = bool(set(context.plugins_serving(PACKING)) & set(context.enabled))
         self.requested = context.config.precompute_ref_batch_size
         self.record: dict[str, Any] = {"name": name, "n_pairs": len(dataset), "packed": self.packed}
         self.cache_writable = True  # False once a cache write failed (or the directory is read-only): warned once

@@ -35,8 +35,9 @@ Batch dispatching (`dispatch_batches=True`, iterable datasets): the batch carrie
 prompt ends row-major; when accelerate's dim-0 concatenation and slicing cut the serialized layout, the forward
 rebuilds it from the prompt ends (a once-only warning), so dispatched training, evaluation and prediction equal stock.
 
-`prompt_sharing=True` packs by itself; enabling `padding_free` as well means the same (prompt_sharing then owns the
-collator and the forward).
+`prompt_sharing=True` packs by itself. It serves the `packing` role with precedence 1: a plugin that only packs
+(precedence 0), enabled as well, is left out for the trainers prompt_sharing applies to (the trainer's log line says
+so).
 
 Attention. The model's `sdpa`/`eager` attention is switched, for as long as trl-ext is installed, to a shared
 attention registered in transformers' `AttentionInterface` (`trl_ext_shared_sdpa` / `trl_ext_shared_eager`): per
@@ -84,6 +85,7 @@ import dataclasses
 from typing import Any
 
 from ...spec import Flag, Parser, PluginSpec, boolean
+from .._roles import PACKING
 
 NAME = "prompt_sharing"
 
@@ -118,6 +120,8 @@ TRL_EXT_PLUGIN = PluginSpec(
     options=PromptSharingOptions,
     trainers=("DPOTrainer", "OnlineDPOTrainer"),
     trl_flag=None,
+    serves=(PACKING,),
+    precedence=1,  # it packs too, and shares prompts: kept over a plain packing plugin
     hooks=".hooks",
 )
 

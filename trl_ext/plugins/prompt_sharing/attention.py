@@ -3,9 +3,9 @@
 Registered in transformers' `AttentionInterface` as `trl_ext_shared_sdpa` / `trl_ext_shared_eager`; a model with
 prompt_sharing enabled is switched to it (for as long as trl-ext is installed). It acts only on calls that carry the
 layout's segments (the `trl_ext_shared_groups` keyword, which transformers hands through the model to every attention
-call, also when gradient checkpointing re-runs a layer); every other call goes to padding_free's varlen attention when
-that is registered (a packed call of padding_free's), else to the model's own attention with the mask transformers
-builds for it, so generation and plain forwards are unchanged.
+call, also when gradient checkpointing re-runs a layer); every other call goes to the shared varlen attention of
+`_packing` when that is registered (it runs packed calls), else to the model's own attention with the mask
+transformers builds for it, so generation and plain forwards are unchanged.
 
 CPU (sdpa / eager): one attention call per segment (SDPA for plain SDPA layers; the layer's own attention function,
 with an explicit mask, for eager layers and for softcapping or attention sinks). The prefix attends to itself
@@ -25,14 +25,13 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ...errors import UsageError
 from .._packing import (
     VARLEN_BASES,
     base_attention,
+    packed_or_base_attention,
+    packed_or_base_mask,
     register_attention,
     skip_mask_while,
     unregister_attention,
@@ -50,7 +49,7 @@ __all__ = [
 
 #: The keyword that carries the layout's groups (`layout.Groups`) from the model call down to the attention.
 GROUPS_KWARG = "trl_ext_shared_groups"
-#: Attention implementations the shared attention stands in for (those padding_free's varlen attention covers).
+#: Attention implementations the shared attention stands in for (those the varlen attention of `_packing` covers).
 SHARED_BASES = VARLEN_BASES
 _PREFIX = "trl_ext_shared_"
 
@@ -64,7 +63,7 @@ def shared_attention_name(base: str) -> str:
 
 
 def base_of(impl: str) -> str | None:
-    """`"sdpa"`/`"eager"` for a base, padding_free varlen or shared implementation name; None for anything else."""
+    """`"sdpa"`/`"eager"` for a base, varlen or shared implementation name; None for anything else."""
     for base in SHARED_BASES:
         if impl in (base, varlen_attention_name(base), shared_attention_name(base)):
             return base
@@ -79,21 +78,6 @@ def shared_call() -> Iterator[None]:
         yield
     finally:
         _SHARED_CALL.reset(token)
-
-
-def _fallback_attention(base: str, module: torch.nn.Module) -> Callable:
-    """What a non-shared call runs: padding_free's varlen attention if registered (it handles packed calls and hands
-    the rest to the base), else the base implementation the layer would have used."""
-    varlen = varlen_attention_name(base)
-    if varlen in AttentionInterface._global_mapping:
-        return ALL_ATTENTION_FUNCTIONS[varlen]
-    return base_attention(base, module)
-
-
-def _fallback_mask(base: str) -> str:
-    """The mask of a non-shared call: padding_free's varlen mask if registered, else the base's."""
-    varlen = varlen_attention_name(base)
-    return varlen if varlen in AttentionMaskInterface._global_mapping else base
 
 
 def _visible(
@@ -174,7 +158,7 @@ def _make_shared_attention(base: str) -> Callable:
                 "prompt_sharing for this model."
             )
         if groups is None:
-            return _fallback_attention(base, module)(
+            return packed_or_base_attention(base, module)(
                 module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
             )
         if attention_mask is not None or query.shape[0] != 1 or query.shape[2] != key.shape[2]:
@@ -213,7 +197,7 @@ def register_shared_attention() -> None:
     """Register `trl_ext_shared_sdpa` / `trl_ext_shared_eager` with transformers (idempotent)."""
     for base in SHARED_BASES:
         name = shared_attention_name(base)
-        mask = skip_mask_while(_SHARED_CALL, name, functools.partial(_fallback_mask, base))
+        mask = skip_mask_while(_SHARED_CALL, name, functools.partial(packed_or_base_mask, base))
         register_attention(name, _make_shared_attention(base), mask)
 
 

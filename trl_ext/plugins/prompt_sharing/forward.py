@@ -48,7 +48,7 @@ logger = get_logger(__name__)
 
 __all__ = ["make_backbone_forward", "make_causal_lm_forward", "online_prompt_columns", "shared_kwargs"]
 
-#: Per-token outputs of TRL's fused LM head, re-padded after a shared forward (the same as padding_free's).
+#: Per-token outputs of TRL's fused LM head, re-padded after a shared forward (`_packing.FUSED_FIELDS`).
 FUSED_FIELDS = _FUSED_FIELDS
 
 # Set by the Online DPO `_forward` wrapper: the number of prompt columns of the call it makes (same for every row).

@@ -39,13 +39,13 @@ def trl_ext_make_packed_forward(trainer: Any, context: Any, role: str, backbone:
     from .setup import check_trainer
 
     state = check_trainer(trainer, context)
-    # The model's attention is switched in `trl_ext_trainer_models_ready` (after padding_free's, when both are on).
+    # The model's attention is switched in `trl_ext_trainer_models_ready`.
     return make_backbone_forward(backbone.forward, state)
 
 
 @hookimpl(trylast=True)
 def trl_ext_trainer_models_ready(trainer: Any, context: Any) -> None:
-    # trylast: the causal-LM wrapper is installed outermost, over padding_free's when both are enabled.
+    # trylast: the causal-LM wrapper is installed outermost, over any other plugin's wrapper.
     from .setup import wrap_models
 
     wrap_models(trainer, context)

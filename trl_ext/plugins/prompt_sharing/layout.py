@@ -9,7 +9,7 @@ Rows whose prompt parts are identical (same tokens, starting at the same column,
     ...
 
 and the groups follow each other in one packed row `[1, N]`. A row whose prompt no other row shares is a group of
-one branch and no prefix (one causal segment, exactly as padding_free packs it). Each branch repeats the last prompt
+one branch and no prefix (one causal segment, as plain packing lays it out). Each branch repeats the last prompt
 token, so that the hidden state which predicts the branch's first completion token sits in the branch and the usual
 `hidden[:, :-1]` / `labels[:, 1:]` shift of a packed row stays right (the layout of Wang & Hegde 2024, arXiv
 2410.20305; see /work/shared/research/prefix_sharing.md). Positions are the tokens' columns in the padded batch,

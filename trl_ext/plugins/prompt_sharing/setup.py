@@ -9,9 +9,10 @@ import torch
 
 from ..._logging import get_logger
 from ...errors import UsageError
+from .._architecture import inspect_model, verified_except
 from .._packing import check_packable_trainer, switch_attention
 from .._probe import declared_localities, probe_lengths, training_max_length
-from ..padding_free.architecture import inspect_model
+from .._roles import PACKING as PACKING_ROLE
 from .attention import base_of, register_shared_attention, shared_attention_name, unregister_shared_attention
 from .dropout import describe, disable_dropout, dropout_sites
 from .forward import make_causal_lm_forward, make_online_forward
@@ -103,44 +104,19 @@ def check_trainer(trainer: Any, context: Any) -> PromptSharingState:
     return state
 
 
-#: Model types whose shared forward equals the stock padded forward in float64 (loss over per-sequence log-probs, MoE
-#: auxiliary loss with the router on, gradients; sliding windows shorter than prompt + response, attention sinks,
-#: softcapping), measured by tests/plugins/test_prompt_sharing_architectures.py: every model type of padding_free's
-#: verified table except `stablelm`, whose decoder layer does not hand attention keyword arguments (the segments) to
-#: its attention. Other model types are admitted through the self-check (`selfcheck.py`), before the first step.
-VERIFIED_MODEL_TYPES = (
-    "cohere",
-    "cohere2",
-    "ernie4_5_moe",
-    "exaone4",
-    "gemma",
-    "gemma2",
-    "gemma3_text",
-    "glm4_moe",
-    "gpt2",
-    "gpt_neox",
-    "gpt_oss",
-    "granite",
-    "granitemoe",
-    "jetmoe",
-    "llama",
-    "mistral",
-    "mixtral",
-    "olmo2",
-    "olmo3",
-    "olmoe",
-    "opt",
-    "phi",
-    "phi3",
-    "qwen2",
-    "qwen3",
-    "qwen3_moe",
-    "seed_oss",
-    "smollm3",
-    "starcoder2",
-)
-#: Kept for code that imported the previous name.
-SUPPORTED_MODEL_TYPES = VERIFIED_MODEL_TYPES
+#: Model types of the shared packing table (`_architecture.VERIFIED_MODEL_TYPES`) whose shared forward is not verified,
+#: with why. The others equal the stock padded forward in float64 (loss over per-sequence log-probs, MoE auxiliary
+#: loss with the router on, gradients; sliding windows shorter than prompt + response, attention sinks, softcapping),
+#: measured by tests/plugins/test_prompt_sharing_architectures.py. Model types outside the table are admitted through
+#: the self-check (`selfcheck.py`), before the first step.
+NOT_VERIFIED = {
+    "stablelm": "its decoder layer does not hand attention keyword arguments (the segments) to its attention",
+    "dory": "not measured shared yet",
+    "gpt_neox_japanese": "not measured shared yet",
+    "llama4_text": "not measured shared yet",
+    "phimoe": "not measured shared yet",
+}
+VERIFIED_MODEL_TYPES = verified_except(NOT_VERIFIED)
 
 
 def configure_model(context: Any, role: str, model: Any) -> str:
@@ -150,20 +126,21 @@ def configure_model(context: Any, role: str, model: Any) -> str:
     (`wrap_models`)."""
     config = model.config
     model_type = getattr(config, "model_type", None)
-    inspection = inspect_model(model)
+    inspection = inspect_model(model, NAME, VERIFIED_MODEL_TYPES)
     if inspection.refusal is not None:
         reason = _reason(inspection.refusal)
         raise UsageError(
             f"prompt_sharing cannot share prompts in this `{model_type}` model ({role} model {type(model).__name__}): "
-            f"{reason} {_disable_advice(context, refused_by_padding_free=True)}."
+            f"{reason} {_disable_advice(context, refused_by_packing=True)}."
         )
+    packers = " or ".join(_other_packers(context))
     own = [m for m in inspection.mechanisms if "alibi" in m.lower() or "own attention" in m.lower()]
     if own:
         what = "ALiBi attention" if any("alibi" in m.lower() for m in own) else "attention"
-        if _online(context):
+        if _online(context) or not packers:
             advice = _disable_advice(context)
         else:
-            advice = "Disable prompt_sharing for this model: padding_free alone packs it, without sharing"
+            advice = f"Disable prompt_sharing for this model: {packers} alone packs it, without sharing"
         raise UsageError(
             f"prompt_sharing cannot share prompts in this `{model_type}` model ({role} model {type(model).__name__}): "
             f"its layers compute {what} in their own module from the padded mask ({', '.join(own)}), outside "
@@ -176,8 +153,10 @@ def configure_model(context: Any, role: str, model: Any) -> str:
     if base is None:
         if _online(context):
             instead = "or disable prompt_sharing (Online DPO then scores padded, with any attention)"
+        elif not packers:
+            instead = "or disable prompt_sharing (training then runs padded, with any attention)"
         else:
-            instead = "or use padding_free alone (which also runs flash-attention varlen kernels)"
+            instead = f"or use {packers} alone (packing without sharing)"
         raise UsageError(
             f"prompt_sharing supports the attention implementations sdpa and eager, but the {role} model uses "
             f'`{impl}`. Load it with `attn_implementation="sdpa"`, {instead}.'
@@ -192,34 +171,43 @@ def configure_model(context: Any, role: str, model: Any) -> str:
     return name
 
 
-#: Where padding_free's inspection starts its own advice (about padding_free), cut from a prompt_sharing refusal.
-_PADDING_FREE_ADVICE = (
-    " Train this model without padding_free",
+#: Where the shared inspection's refusal starts its advice, cut from a prompt_sharing refusal (which gives its own).
+_INSPECTION_ADVICE = (
+    " Train this model without",
     " Load the model with",
     " Set `attn_temperature_tuning",
 )
 
 
 def _reason(refusal: str) -> str:
-    """padding_free's inspection refusal as a prompt_sharing reason: the mechanism, without padding_free's advice."""
-    for marker in _PADDING_FREE_ADVICE:
+    """The inspection's refusal as a prompt_sharing reason: the mechanism, without the inspection's advice."""
+    for marker in _INSPECTION_ADVICE:
         refusal = refusal.split(marker)[0]
-    return refusal.replace("padding_free", "prompt_sharing")
+    return refusal
 
 
 def _online(context: Any) -> bool:
     return getattr(context, "trainer_class", None) == "OnlineDPOTrainer"
 
 
-def _disable_advice(context: Any, refused_by_padding_free: bool = False) -> str:
-    """What to do instead of sharing, for this trainer (padding_free does not apply to Online DPO)."""
+def _other_packers(context: Any) -> tuple[str, ...]:
+    """Other plugins that pack for this trainer (declared by role, never by name): what the advice may offer."""
+    serving = getattr(context, "plugins_serving", None)
+    return tuple(n for n in serving(PACKING_ROLE) if n != NAME) if serving is not None else ()
+
+
+def _disable_advice(context: Any, refused_by_packing: bool = False) -> str:
+    """What to do instead of sharing, for this trainer (only plugins that pack for it are offered)."""
     if _online(context):
         return "Disable prompt_sharing for this model (Online DPO then scores padded, as stock TRL does)"
-    if refused_by_padding_free:
-        return "Disable prompt_sharing for this model (padding_free refuses it for the same reason: train it padded)"
+    if refused_by_packing:
+        return "Disable prompt_sharing for this model (packing is refused for the same reason: train it padded)"
+    packers = " or ".join(_other_packers(context))
+    if not packers:
+        return "Disable prompt_sharing for this model: padded training runs it as stock TRL does"
     return (
-        "Disable prompt_sharing for this model: padded training runs it as stock TRL does (padding_free packs without "
-        "sharing where its own self-check passes)"
+        "Disable prompt_sharing for this model: padded training runs it as stock TRL does "
+        f"({packers} packs without sharing where its own self-check passes)"
     )
 
 
