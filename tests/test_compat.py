@@ -54,6 +54,8 @@ def _params(func) -> list[str]:
 
 def test_installed_trl_is_in_the_supported_range():
     assert _compat.is_supported_trl(TRL), _fail("TRL_MIN/TRL_MAX_EXCLUSIVE", f"trl {TRL} is outside the range")
+    low, high = ".".join(map(str, _compat.TRL_MIN)), ".".join(map(str, _compat.TRL_MAX_EXCLUSIVE))
+    assert _compat.SUPPORTED_TRL_SPEC == f">={low},<{high}"
 
 
 @pytest.mark.parametrize("name", sorted(_compat.TRAINERS))
@@ -472,3 +474,92 @@ def test_dpo_tokenized_columns(tokenizer, dpo_args):
     rows = trainer.train_dataset
     longest = max(len(r["prompt_ids"]) + max(len(r["chosen_ids"]), len(r["rejected_ids"])) for r in rows)
     assert dataset_longest_pair(rows) == longest == training_max_length(trainer) < 1000
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# Attention registries, vision flags, Online DPO's truncation, Trainer state, model facts
+# -------------------------------------------------------------------------------------------------------------------
+
+
+def test_attention_registries_and_config_field():
+    from transformers import AttentionInterface, PretrainedConfig
+    from transformers.masking_utils import AttentionMaskInterface
+
+    for interface in (AttentionInterface, AttentionMaskInterface):
+        registry = _compat.attention_registry(interface)
+        assert isinstance(registry, dict) and "sdpa" in registry, _fail(
+            "ATTENTION_REGISTRY_FIELD", f"{interface.__name__}.{_compat.ATTENTION_REGISTRY_FIELD} is not the registry"
+        )
+    interface = AttentionInterface()
+    name = "trl_ext_compat_probe"
+    AttentionInterface.register(name, lambda *a, **k: None)
+    try:
+        assert name in _compat.attention_registry(AttentionInterface) and name in interface
+    finally:
+        _compat.attention_registry(AttentionInterface).pop(name, None)
+    assert name not in AttentionInterface(), _fail("ATTENTION_REGISTRY_FIELD", "popping no longer unregisters")
+    config = PretrainedConfig()
+    config._attn_implementation = "eager"
+    assert config.__dict__.get(_compat.ATTN_IMPLEMENTATION_FIELD) == "eager", _fail(
+        "ATTN_IMPLEMENTATION_FIELD", "the `_attn_implementation` property no longer stores into it"
+    )
+
+
+def test_dpo_vision_attributes():
+    source = _source(_dpo().__init__)
+    for attr in _compat.TRL_VISION_ATTRS:
+        assert f"self.{attr} =" in source, _fail("TRL_VISION_ATTRS", f"DPOTrainer.__init__ no longer sets self.{attr}")
+
+
+def test_online_dpo_forward_truncates_the_prompt_on_the_left():
+    forward = getattr(_online(), _compat.ONLINE_DPO_FORWARD_METHOD)
+    assert _params(forward)[1:6] == ["model", "prompt_ids", "prompt_mask", "completion_ids", "completion_mask"], _fail(
+        "ONLINE_DPO_FORWARD_METHOD", f"signature is {_params(forward)}"
+    )
+    source = " ".join(_source(forward).split())
+    limit = f"self.{_compat.ONLINE_DPO_MAX_LENGTH_ATTR}"
+    rule = f"max(prompt_ids.size(1) + completion_ids.size(1) - {limit}, 0)"
+    assert rule in source and "prompt_ids = prompt_ids[:, num_tokens_to_truncate:]" in source, _fail(
+        "online_dpo_prompt_columns", "OnlineDPOTrainer._forward no longer cuts the prompt on the left to max_length"
+    )
+    assert _compat.online_dpo_prompt_columns(6, 5, 8) == 3
+    assert _compat.online_dpo_prompt_columns(6, 1, 8) == 6
+    assert _compat.online_dpo_prompt_columns(6, 5, None) == 6
+
+
+def test_trainer_state_attributes_are_the_named_ones():
+    assert _compat.TRAINER_STATE_ATTRS == (
+        _compat.TRAINER_LAST_LOGGED_ATTR,
+        _compat.TRAINER_TOTAL_LOSS_ATTR,
+        _compat.TRAINER_FLOS_ATTR,
+    )  # each set by Trainer: test_trainer_members
+
+
+def test_own_attention_alibi_and_chunked_model_facts():
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    for model_type in (*_compat.OWN_ATTENTION_MODEL_TYPES, *_compat.CHUNKED_MASK_MODEL_TYPES):
+        assert model_type in CONFIG_MAPPING, _fail("OWN_ATTENTION/CHUNKED_MASK_MODEL_TYPES", f"no `{model_type}`")
+    assert hasattr(CONFIG_MAPPING["mpt"](), _compat.MPT_ALIBI_TABLE_ATTR), _fail("MPT_ALIBI_TABLE_ATTR", "gone")
+    chunked = inspect.getsource(importlib.import_module("transformers.models.llama4.modeling_llama4"))
+    assert "create_chunked_causal_mask" in chunked and "position_ids" in chunked, _fail(
+        "CHUNKED_MASK_MODEL_TYPES", "Llama-4 no longer builds its chunked mask from position_ids"
+    )
+
+
+def test_renamed_keywords_are_gone_from_trl():
+    for trainer_class, renames in _compat.TRL_RENAMED_KEYWORDS.items():
+        module, name = _compat.TRAINERS[trainer_class]
+        params = _params(getattr(importlib.import_module(module), name).__init__)
+        for old, new in renames.items():
+            assert old not in params, _fail("TRL_RENAMED_KEYWORDS", f"{trainer_class} accepts `{old}` again")
+            assert new in params, _fail("TRL_RENAMED_KEYWORDS", f"{trainer_class} has no `{new}`")
+
+
+def test_every_fact_is_checked_here():
+    """Every named fact of `_compat` (an upper-case constant) is used by a test in this module; prints the count."""
+    facts = sorted(name for name in vars(_compat) if re.fullmatch(r"[A-Z][A-Z0-9_]+", name))
+    source = inspect.getsource(importlib.import_module(__name__))
+    unchecked = [name for name in facts if name not in source.replace("def test_every_fact_is_checked_here", "")]
+    print(f"\n_compat facts checked against the installed versions: {len(facts) - len(unchecked)} of {len(facts)}")
+    assert unchecked == []

@@ -279,7 +279,44 @@ LOSS_GATHER_MODULES = ("transformers.trainer", "trl.experimental.online_dpo.onli
 #: `transformers.Trainer` members sync_metrics wraps or reads (the logging step, FLO bookkeeping, checkpointing, the
 #: batch prefetch of a gradient-accumulation window, the last logged step and the running loss). Checked 5.23.0.
 TRAINER_METHODS = ("_maybe_log_save_evaluate", "store_flos", "_save_checkpoint", "get_batch_samples")
-TRAINER_STATE_ATTRS = ("_globalstep_last_logged", "_total_loss_scalar", "current_flos")
+TRAINER_LAST_LOGGED_ATTR = "_globalstep_last_logged"  # the global step of the last log (int)
+TRAINER_TOTAL_LOSS_ATTR = "_total_loss_scalar"  # the running training loss, summed over logged steps (float)
+TRAINER_FLOS_ATTR = "current_flos"  # the FLOs since the last `store_flos` (float)
+TRAINER_STATE_ATTRS = (TRAINER_LAST_LOGGED_ATTR, TRAINER_TOTAL_LOSS_ATTR, TRAINER_FLOS_ATTR)
+
+# -- transformers' attention registries -------------------------------------------------------------------------------
+
+#: `AttentionInterface` and `AttentionMaskInterface` keep their process-wide registrations in the class attribute
+#: `_global_mapping` (a dict): read to ask whether a name is registered, popped to unregister (there is no public
+#: `unregister`). Consumer: `plugins._packing` (`register_attention`, `unregister_attention`,
+#: `packed_or_base_attention`). Checked on transformers 5.24.0.
+ATTENTION_REGISTRY_FIELD = "_global_mapping"
+
+
+def attention_registry(interface: type) -> dict:
+    """The process-wide `{name: function}` registry of a transformers attention interface class."""
+    return getattr(interface, ATTENTION_REGISTRY_FIELD)
+
+
+# -- TRL facts read by the packing plugins ----------------------------------------------------------------------------
+
+#: DPOTrainer attributes, set in `__init__`, that say it runs a vision-language model or an image dataset. Consumer:
+#: `plugins._packing.check_packable_trainer` (packing refuses both). Checked on 1.12.0 and 1.16.0.
+TRL_VISION_ATTRS = ("_is_vlm", "_is_vision_dataset")
+#: `OnlineDPOTrainer._forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask, vision_inputs=None)`,
+#: and the attribute that holds its `max_length`. Consumer: `plugins.prompt_sharing` (wraps `_forward`). Checked on
+#: 1.12.0 and 1.16.0.
+ONLINE_DPO_FORWARD_METHOD = "_forward"
+ONLINE_DPO_MAX_LENGTH_ATTR = "max_length"
+
+
+def online_dpo_prompt_columns(prompt_columns: int, completion_columns: int, max_length: int | None) -> int:
+    """How many prompt columns `OnlineDPOTrainer._forward` keeps (text only): it cuts the prompt on the left so that
+    prompt + completion <= `max_length` (`num_tokens_to_truncate`). Consumer: `plugins.prompt_sharing.forward`."""
+    if max_length is None:
+        return prompt_columns
+    return prompt_columns - max(prompt_columns + completion_columns - max_length, 0)
+
 
 # -- generation: DeepSpeed ZeRO-3 ------------------------------------------------------------------------------------
 

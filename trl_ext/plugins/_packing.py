@@ -488,9 +488,9 @@ def skip_mask_while(flag: contextvars.ContextVar[bool], name: str, fallback: str
 
 def register_attention(name: str, forward: Callable, mask: Callable) -> None:
     """Register an attention implementation and its mask function with transformers under `name` (idempotent)."""
-    if name not in AttentionInterface._global_mapping:
+    if name not in _compat.attention_registry(AttentionInterface):
         AttentionInterface.register(name, forward)
-    if name not in AttentionMaskInterface._global_mapping:
+    if name not in _compat.attention_registry(AttentionMaskInterface):
         AttentionMaskInterface.register(name, mask)
 
 
@@ -526,8 +526,8 @@ def unregister_attention(name: str) -> bool:
     returned."""
     if attention_users(name):
         return False
-    AttentionInterface._global_mapping.pop(name, None)
-    AttentionMaskInterface._global_mapping.pop(name, None)
+    _compat.attention_registry(AttentionInterface).pop(name, None)
+    _compat.attention_registry(AttentionMaskInterface).pop(name, None)
     return True
 
 
@@ -548,7 +548,7 @@ def packed_or_base_attention(base: str, module: torch.nn.Module) -> Callable:
     """What a model switched to another trl-ext attention runs for a call that attention does not handle: the varlen
     attention when it is registered (it runs packed calls and hands the rest to `base`), else `base`'s own."""
     varlen = varlen_attention_name(base)
-    if varlen in AttentionInterface._global_mapping:
+    if varlen in _compat.attention_registry(AttentionInterface):
         return ALL_ATTENTION_FUNCTIONS[varlen]
     return base_attention(base, module)
 
@@ -556,7 +556,7 @@ def packed_or_base_attention(base: str, module: torch.nn.Module) -> Callable:
 def packed_or_base_mask(base: str) -> str:
     """The mask implementation that goes with `packed_or_base_attention(base, ...)`."""
     varlen = varlen_attention_name(base)
-    return varlen if varlen in AttentionMaskInterface._global_mapping else base
+    return varlen if varlen in _compat.attention_registry(AttentionMaskInterface) else base
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -580,7 +580,7 @@ FUSED_FIELDS = _compat.FUSED_LM_HEAD_FIELDS
 def check_packable_trainer(trainer: Any, plugin: str) -> None:
     """Refuse, with a `UsageError` naming `plugin`, the trainers whose rows cannot be packed: vision-language models
     or datasets, and prompt-learning PEFT (virtual tokens prepended to every row)."""
-    if getattr(trainer, "_is_vlm", False) or getattr(trainer, "_is_vision_dataset", False):
+    if any(getattr(trainer, attr, False) for attr in _compat.TRL_VISION_ATTRS):
         raise UsageError(
             f"{plugin} does not support vision-language models or image datasets: image features are matched to "
             f"placeholder tokens per row. Disable {plugin} for this trainer."

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from ... import _compat
 from ..._logging import get_logger
 from .._packing import FUSED_FIELDS as _FUSED_FIELDS
 from .._packing import positional_input_ids, repad_outputs, scoring_call
@@ -197,10 +198,8 @@ def make_online_forward(original: Callable, max_length: Callable[[], int | None]
     def _forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask, *args, **kwargs):
         vision_inputs = args[0] if args else kwargs.get("vision_inputs")
         columns = prompt_ids.size(1)
-        limit = max_length()
-        if vision_inputs is None and limit is not None:
-            # online_dpo_trainer.py `_forward`: the prompt is cut on the left so that prompt + completion <= max_length
-            columns -= max(prompt_ids.size(1) + completion_ids.size(1) - limit, 0)
+        if vision_inputs is None:
+            columns = _compat.online_dpo_prompt_columns(columns, completion_ids.size(1), max_length())
         with online_prompt_columns(columns):
             return original(model, prompt_ids, prompt_mask, completion_ids, completion_mask, *args, **kwargs)
 

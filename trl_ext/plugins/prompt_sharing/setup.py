@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from ... import _compat
 from ..._logging import get_logger
 from ...errors import UsageError
 from .._architecture import inspect_model, verified_except
@@ -254,7 +255,12 @@ def wrap_models(trainer: Any, context: Any) -> None:
         context.patcher.setattr(model, "forward", forward)
     if context.trainer_class == "OnlineDPOTrainer":
         context.patcher.setattr(
-            trainer, "_forward", make_online_forward(trainer._forward, lambda: getattr(trainer, "max_length", None))
+            trainer,
+            _compat.ONLINE_DPO_FORWARD_METHOD,
+            make_online_forward(
+                getattr(trainer, _compat.ONLINE_DPO_FORWARD_METHOD),
+                lambda: getattr(trainer, _compat.ONLINE_DPO_MAX_LENGTH_ATTR, None),
+            ),
         )
     for role, model in models.items():
         verified = getattr(model.config, "model_type", None) in VERIFIED_MODEL_TYPES

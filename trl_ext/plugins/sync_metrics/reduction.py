@@ -77,7 +77,8 @@ def reduce_logs(trainer: Any, state: SyncMetricsState, logs: dict[str, Any]) -> 
         out["loss"] = (
             round(value, _compat.ONLINE_DPO_LOSS_DECIMALS) if state.trainer_class == "OnlineDPOTrainer" else value
         )
-        trainer._total_loss_scalar += global_loss - local_loss.item()
+        running = getattr(trainer, _compat.TRAINER_TOTAL_LOSS_ATTR)
+        setattr(trainer, _compat.TRAINER_TOTAL_LOSS_ATTR, running + global_loss - local_loss.item())
     trainer.state.total_flos += total[schema.flos]
     if (
         "total_flos" in out

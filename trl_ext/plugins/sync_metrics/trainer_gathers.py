@@ -30,7 +30,7 @@ def _deferring_nested_gather(original):
         trainer = state.trainer_ref()
         state.expect_loss = False
         state.pending_loss = tensors.detach().clone().reshape(())  # the caller zeroes `tr_loss` in place next
-        state.pending_loss_steps = trainer.state.global_step - trainer._globalstep_last_logged
+        state.pending_loss_steps = trainer.state.global_step - getattr(trainer, _compat.TRAINER_LAST_LOGGED_ATTR)
         return state.pending_loss.reshape(1)
 
     nested_gather.__trl_ext_sync_metrics__ = True
@@ -42,7 +42,8 @@ def _wrap_maybe_log_save_evaluate(trainer: Any, state: SyncMetricsState, origina
     def _maybe_log_save_evaluate(*args, **kwargs):
         # transformers gathers the loss only under this condition (trainer.py `_maybe_log_save_evaluate`).
         state.expect_loss = bool(
-            trainer.control.should_log and trainer.state.global_step > trainer._globalstep_last_logged
+            trainer.control.should_log
+            and trainer.state.global_step > getattr(trainer, _compat.TRAINER_LAST_LOGGED_ATTR)
         )
         token = _LOGGING_TRAINER.set(state)
         try:
@@ -59,11 +60,13 @@ def _wrap_store_flos(trainer: Any, state: SyncMetricsState, original):
     def store_flos():
         if state.in_checkpoint:
             # A checkpoint writes `state.total_flos` to disk right after: make it exact now (transformers' gather).
-            trainer.current_flos += state.pending_flos
+            setattr(
+                trainer, _compat.TRAINER_FLOS_ATTR, getattr(trainer, _compat.TRAINER_FLOS_ATTR) + state.pending_flos
+            )
             state.pending_flos = 0.0
             return original()
-        state.pending_flos += float(trainer.current_flos)
-        trainer.current_flos = 0
+        state.pending_flos += float(getattr(trainer, _compat.TRAINER_FLOS_ATTR))
+        setattr(trainer, _compat.TRAINER_FLOS_ATTR, 0)
         return None
 
     return store_flos
