@@ -328,9 +328,11 @@ def _is_main_process() -> bool:
     return os.environ.get("RANK", "0") == "0" and os.environ.get("LOCAL_RANK", "0") == "0"
 
 
-def _report(installation) -> None:
+def _report(installation, trainer_class: str) -> None:
     if not _is_main_process():
         return
+    if not installation.records:  # no enabled plugin applies to the job's trainer: trl-ext did not attach to it
+        print(f"[trl-ext] {trainer_class} ran with plugins: none", flush=True)
     for record in installation.records:
         plugins = ", ".join(record["plugins"]) or "none"
         print(f"[trl-ext] {record['trainer']} ran with plugins: {plugins}", flush=True)
@@ -352,7 +354,7 @@ def run_dpo(argv: Sequence[str]) -> int:
     finally:
         if stripped:
             os.unlink(stripped)
-    with _installed_for_job(config, cpu_deepspeed):
+    with _installed_for_job(config, cpu_deepspeed, "DPOTrainer"):
         dpo_script.main(script_args, training_args, model_args, dataset_args)
     return 0
 
@@ -427,7 +429,7 @@ def run_online_dpo(argv: Sequence[str]) -> int:
         raise UsageError("`trl-ext online-dpo` needs `--reward_funcs` (`module:function` or a reward model path).")
     if not model_args.model_name_or_path:
         raise UsageError("`trl-ext online-dpo` needs `--model_name_or_path`.")
-    with _installed_for_job(config, cpu_deepspeed):
+    with _installed_for_job(config, cpu_deepspeed, "OnlineDPOTrainer"):
         init_kwargs = dict(dtype=model_args.dtype, attn_implementation=model_args.attn_implementation)
         init_kwargs = {k: v for k, v in init_kwargs.items() if v is not None}
         model = AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, **init_kwargs)
@@ -451,7 +453,7 @@ def run_online_dpo(argv: Sequence[str]) -> int:
 
 
 @contextlib.contextmanager
-def _installed_for_job(config: TrlExtConfig, cpu_deepspeed: bool):
+def _installed_for_job(config: TrlExtConfig, cpu_deepspeed: bool, trainer_class: str):
     """trl-ext installed for the job (exactly `config`, merged once); afterwards report the plugins each trainer ran
     with, uninstall, and on CPU DeepSpeed end the process the safe way."""
     from ..installation import install_config
@@ -460,7 +462,7 @@ def _installed_for_job(config: TrlExtConfig, cpu_deepspeed: bool):
     installation.keep_records = True
     try:
         yield installation
-        _report(installation)
+        _report(installation, trainer_class)
     finally:
         # The job is over: its trainers are detached with the uninstall, so no "trainers keep their plugins" line.
         installation.uninstall(detach=True)
