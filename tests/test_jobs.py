@@ -299,7 +299,7 @@ def _job_config(monkeypatch, tmp_path, flag: str, values: dict[str, bool]):
     config, _, stripped = jobs._resolve_config(argv)
     if stripped:
         os.unlink(stripped)
-    with jobs._installed_for_job(config, cpu_deepspeed=False) as installation:
+    with jobs._installed_for_job(config, cpu_deepspeed=False, trainer_class="DPOTrainer") as installation:
         return getattr(installation.config, flag)
 
 
@@ -352,7 +352,9 @@ def test_job_ends_without_an_uninstall_line(monkeypatch, tmp_path, tokenizer, dp
     root = logging.getLogger("trl_ext")
     root.addHandler(caplog.handler)
     try:
-        with jobs._installed_for_job(load_config(flags={"sync_metrics": True}), cpu_deepspeed=False):
+        with jobs._installed_for_job(
+            load_config(flags={"sync_metrics": True}), cpu_deepspeed=False, trainer_class="DPOTrainer"
+        ):
             trainer = DPOTrainer(
                 make_model(seed=0),
                 ref_model=make_model(seed=0),
