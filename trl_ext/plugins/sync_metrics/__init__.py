@@ -68,8 +68,8 @@ How it works.
 
 Differences from stock TRL's numbers, all on purpose: window means are weighted by pairs/tokens instead of averaging
 per-step means (this shows in a single process too, whenever the batches of a window differ in size, typically a
-partial last eval batch: one notice line says so the first time); duplicate samples are excluded (also from `num_tokens` and from DPO's logged `loss`); `aux_loss`
-(MoE) is weighted by pairs;
+partial last eval batch: one notice line says so the first time); duplicate samples are excluded (also from
+`num_tokens` and from DPO's logged `loss`); `aux_loss` (MoE) is weighted by pairs;
 OnlineDPO's `val/contain_eos_token` is global; OnlineDPO metrics of steps after the last logging step are added to
 the final summary log (as DPO does). Evaluation of an `OnlineDPOTrainer` keeps TRL's own metrics.
 
