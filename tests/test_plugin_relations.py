@@ -98,10 +98,17 @@ def test_prompt_sharing_table_is_the_packing_table_less_its_exclusions():
 @pytest.mark.parametrize(
     ("flags", "wrapped"),
     [
-        ({"sync_metrics": True}, {"DPOTrainer", "OnlineDPOTrainer"}),
+        ({"sync_metrics": True, "block": ["generation"]}, {"DPOTrainer", "OnlineDPOTrainer"}),
         ({"ds3_gather_for_generation": "auto"}, {"DPOTrainer", "OnlineDPOTrainer", "GRPOTrainer", "RLOOTrainer"}),
-        ({"block": ["padding_free"]}, set()),
-        ({}, {"DPOTrainer"}),  # padding_free serves `DPOConfig.padding_free`, which can enable it per trainer
+        # padding_free serves `DPOConfig.padding_free`, which can enable it per trainer; precompute_ref_batch_size,
+        # off, advises on TRL's own `precompute_ref_batch_size` (`trl_ext_advise_unused`)
+        ({"block": ["generation"]}, {"DPOTrainer"}),
+        ({"block": ["padding_free", "generation", "precompute_ref_batch_size"]}, set()),
+        # generation, off, advises on TRL's own ZeRO-3 `ds3_gather_for_generation=False`
+        (
+            {"block": ["padding_free", "precompute_ref_batch_size"]},
+            {"OnlineDPOTrainer", "GRPOTrainer", "RLOOTrainer"},
+        ),
     ],
 )
 def test_the_core_attaches_only_to_trainers_an_enabled_plugin_applies_to(flags, wrapped, monkeypatch):

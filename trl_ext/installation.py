@@ -108,11 +108,14 @@ class Installation:
 
     def _wrapped_trainers(self) -> list[str]:
         """The stock trainer classes to attach to: those that a registered plugin applies to and that the
-        configuration enables (or that a TRL flag it serves could enable per trainer)."""
+        configuration enables (or that a TRL flag it serves could enable per trainer), and those a registered plugin
+        that is off may advise about (`trl_ext_advise_unused`: a TRL setting it would serve better)."""
+        pm = self.plugin_manager
+        advising = {impl.plugin_name for impl in pm.hook.trl_ext_advise_unused.get_hookimpls()}
         out: list[str] = []
-        for name, spec in self.plugin_manager.catalog.specs.items():
+        for name, spec in pm.catalog.specs.items():
             on = self.config.flag_is_set(name) if spec.flags else name in self.config.plugins
-            if on or spec.trl_flag is not None:
+            if on or spec.trl_flag is not None or name in advising:
                 out.extend(t for t in spec.trainers or _compat.TRAINERS if t in _compat.TRAINERS and t not in out)
         return [t for t in _compat.TRAINERS if t in out]
 

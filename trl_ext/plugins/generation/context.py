@@ -14,7 +14,7 @@ from .budget import BudgetPlan, fmt, param_bytes
 from .deepspeed import gather_all, is_zero3_engine, stream, zero3_offload
 
 if TYPE_CHECKING:
-    from . import GenerationState
+    from .hooks import GenerationState
 
 _ABSENT = object()
 

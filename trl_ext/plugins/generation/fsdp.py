@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 from ...errors import UsageError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from . import GenerationState
+    from .hooks import GenerationState
 
 
 def check_fsdp_generation(state: GenerationState, accelerator: Any) -> None:
