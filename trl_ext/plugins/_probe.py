@@ -26,6 +26,7 @@ __all__ = [
     "STOCK_CALL",
     "declared_localities",
     "dataset_longest_pair",
+    "model_probe_lengths",
     "probe_lengths",
     "stock_attention",
     "stock_forward",
@@ -125,6 +126,30 @@ def probe_lengths(longest: int, localities: dict[str, int] | None = None, max_po
     acting = [w for w in (localities or {}).values() if w < longest]
     other = min(longest, max(w + 1 for w in acting) if acting else _MIN_PROBE)
     return (longest, other, min(longest, other + 2))
+
+
+#: The longest probe built from a model's position limit when the training length is unknown.
+UNKNOWN_LENGTH_LIMIT = 8192
+
+
+def model_probe_lengths(model: Any, trainer: Any, plugin: str) -> tuple[int, ...]:
+    """The probe lengths of `plugin`'s self-check for `model` under `trainer`: one as long as the longest training
+    sequence, the others longer than every window or chunk the config declares. Without a known training length,
+    the model's position limit (at most `UNKNOWN_LENGTH_LIMIT`); beyond it a `UsageError` asks for `max_length`."""
+    from ..errors import UsageError
+
+    config = model.config
+    max_positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    longest = training_max_length(trainer)
+    if longest is None:
+        if not max_positions or max_positions > UNKNOWN_LENGTH_LIMIT:
+            raise UsageError(
+                f"{plugin}'s self-check for the `{getattr(config, 'model_type', None)}` model needs the longest "
+                "sequence training will feed, to size its probe: set `max_length` in the trainer's config (the "
+                "dataset is not a tokenized map-style dataset whose lengths can be read)."
+            )
+        longest = int(max_positions)
+    return probe_lengths(longest, declared_localities(config), max_positions)
 
 
 def stock_attention(name: str) -> str:

@@ -33,7 +33,7 @@ from .._packing import (
     unregister_varlen_attention,
     varlen_attention_name,
 )
-from .._probe import STOCK_CALL, declared_localities, probe_lengths, training_max_length
+from .._probe import STOCK_CALL, model_probe_lengths, training_max_length
 from . import NAME, PaddingFreeOptions
 from .architecture import VERIFIED_MODEL_TYPES, Inspection, inspect_model
 from .self_check import SelfCheckResult, self_check
@@ -178,25 +178,8 @@ def _check_row_limit(role: str, model, trainer) -> None:
         )
 
 
-#: The longest probe the self-check builds from a model's position limit when the training length is unknown.
-_UNKNOWN_LENGTH_LIMIT = 8192
-
-
 def _probe_lengths(model, trainer) -> tuple[int, ...]:
-    """Probe lengths for `model` under `trainer`: one as long as the longest training sequence, the others longer
-    than every window or chunk the config declares (`trl_ext.plugins._probe`)."""
-    config = model.config
-    max_positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
-    longest = training_max_length(trainer)
-    if longest is None:
-        if not max_positions or max_positions > _UNKNOWN_LENGTH_LIMIT:
-            raise UsageError(
-                f"padding_free's self-check for the `{getattr(config, 'model_type', None)}` model needs the longest "
-                "sequence training will feed, to size its probe: set `max_length` in the trainer's config (the "
-                "dataset is not a tokenized map-style dataset whose lengths can be read)."
-            )
-        longest = int(max_positions)
-    return probe_lengths(longest, declared_localities(config), max_positions)
+    return model_probe_lengths(model, trainer, "padding_free")
 
 
 def _run_self_check(state: PaddingFreeState, role: str, model, trainer) -> None:

@@ -12,7 +12,7 @@ from ..._logging import get_logger
 from ...errors import UsageError
 from .._architecture import inspect_model, verified_except
 from .._packing import check_packable_trainer, switch_attention
-from .._probe import declared_localities, probe_lengths, training_max_length
+from .._probe import model_probe_lengths
 from .._roles import PACKING as PACKING_ROLE
 from .attention import base_of, register_shared_attention, shared_attention_name, unregister_shared_attention
 from .dropout import describe, disable_dropout, dropout_sites
@@ -269,24 +269,8 @@ def wrap_models(trainer: Any, context: Any) -> None:
     logger.info("prompt_sharing: sharing prompts in %s", state.attn_implementations)
 
 
-#: The longest probe built from a model's position limit when the training length is unknown.
-_UNKNOWN_LENGTH_LIMIT = 8192
-
-
-def _probe_lengths(model: Any, trainer: Any) -> tuple[int, ...]:
-    """One probe length as long as the longest training sequence, the others longer than every declared locality."""
-    config = model.config
-    max_positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
-    longest = training_max_length(trainer)
-    if longest is None:
-        if not max_positions or max_positions > _UNKNOWN_LENGTH_LIMIT:
-            raise UsageError(
-                f"prompt_sharing's self-check for the `{getattr(config, 'model_type', None)}` model needs the longest "
-                "sequence training will feed, to size its probe: set `max_length` in the trainer's config (the "
-                "dataset is not a tokenized map-style dataset whose lengths can be read)."
-            )
-        longest = int(max_positions)
-    return probe_lengths(longest, declared_localities(config), max_positions)
+def _probe_lengths(model, trainer) -> tuple[int, ...]:
+    return model_probe_lengths(model, trainer, "prompt_sharing")
 
 
 def _training_dtype(trainer: Any, model: Any) -> torch.dtype:
