@@ -156,3 +156,21 @@ def compare(
     assert abs(other_loss.item() - stock_loss.item()) <= loss_rtol * max(1.0, abs(stock_loss.item()))
     assert_same_grads(stock_grads, other_grads, grad_rtol)
     return stock_batch, other_batch
+
+
+def add_mask_window(model: Any, window: int) -> Any:
+    """Make every attention layer of a Llama-style `model` apply a sliding window of `window` tokens only through the
+    4D mask tensor it receives, as `trust_remote_code` code that derives its locality from the padded mask would:
+    nothing in the config or the layer arguments says so, only a measurement sees it. Returns `model`."""
+
+    def add_window(module: Any, args: tuple, kwargs: dict) -> tuple:
+        mask = kwargs.get("attention_mask")
+        if isinstance(mask, torch.Tensor):
+            n, k = mask.shape[-2], mask.shape[-1]
+            near = torch.arange(n)[:, None] - torch.arange(k)[None, :] < window
+            kwargs["attention_mask"] = mask & near if mask.dtype == torch.bool else mask.masked_fill(~near, -1e30)
+        return args, kwargs
+
+    for layer in model.model.layers:
+        layer.self_attn.register_forward_pre_hook(add_window, with_kwargs=True)
+    return model

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import trl_ext
+from tests import equivalence as eq
 from trl_ext import UsageError
 from trl_ext.testing import make_model, make_preference_dataset
 
@@ -71,18 +72,7 @@ def _mask_window_model(window: int, seed: int = 0):
     model = make_model(seed=seed, dtype=torch.float64)
     model.config.model_type = "my_mask_window_llama"
     model.config.local_span = window  # declared under a name that says neither window nor chunk
-
-    def add_window(module, args, kwargs):
-        mask = kwargs.get("attention_mask")
-        if isinstance(mask, torch.Tensor):
-            n, k = mask.shape[-2], mask.shape[-1]
-            near = torch.arange(n)[:, None] - torch.arange(k)[None, :] < window
-            kwargs["attention_mask"] = mask & near if mask.dtype == torch.bool else mask.masked_fill(~near, -1e30)
-        return args, kwargs
-
-    for layer in model.model.layers:
-        layer.self_attn.register_forward_pre_hook(add_window, with_kwargs=True)
-    return model
+    return eq.add_mask_window(model, window)
 
 
 def _packed(model):

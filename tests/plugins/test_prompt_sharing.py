@@ -419,19 +419,7 @@ def _custom(seed: int, window: int | None = None):
     config or the layer arguments says so: only a measurement sees it)."""
     model = eq.sharpen(make_model(dtype=torch.float64, seed=seed))
     model.config.model_type = "my_custom_llama"
-
-    def add_window(module, args, kwargs):
-        mask = kwargs.get("attention_mask")
-        if isinstance(mask, torch.Tensor):
-            n, k = mask.shape[-2], mask.shape[-1]
-            near = torch.arange(n)[:, None] - torch.arange(k)[None, :] < window
-            kwargs["attention_mask"] = mask & near if mask.dtype == torch.bool else mask.masked_fill(~near, -1e30)
-        return args, kwargs
-
-    if window is not None:
-        for layer in model.model.layers:
-            layer.self_attn.register_forward_pre_hook(add_window, with_kwargs=True)
-    return model
+    return model if window is None else eq.add_mask_window(model, window)
 
 
 def test_unverified_model_type_is_admitted_by_the_self_check(build, dpo_args, tokenizer, dataset, caplog):
