@@ -424,13 +424,9 @@ def test_fused_lm_head_fields():
     fields = {f.name for f in dataclasses.fields(output)}
     missing = set(_compat.FUSED_LM_HEAD_FIELDS) - fields
     assert not missing, _fail("FUSED_LM_HEAD_FIELDS", f"FusedCausalLMOutput lost {sorted(missing)}")
-    from trl_ext.plugins import _packing
-    from trl_ext.plugins.prompt_sharing import forward as prompt_sharing_forward
-
-    # Both packing plugins re-pad every per-token field TRL returns (one left packed would reach TRL in the wrong
-    # shape); the others are scalars (`loss`, `aux_loss`).
-    assert set(_packing.FUSED_FIELDS) == fields - {"loss", "aux_loss"} == set(_compat.FUSED_LM_HEAD_FIELDS)
-    assert prompt_sharing_forward.FUSED_FIELDS is _packing.FUSED_FIELDS
+    # Both packing plugins re-pad every per-token field TRL returns (`_packing.glue.repad_outputs` reads this list;
+    # one left packed would reach TRL in the wrong shape); the others are scalars (`loss`, `aux_loss`).
+    assert set(_compat.FUSED_LM_HEAD_FIELDS) == fields - {"loss", "aux_loss"}
 
 
 def test_moe_aux_loss():

@@ -536,7 +536,11 @@ def packed_forward(model, state):
     """padding_free's packed causal-LM forward for `model` (varlen attention registered, backbone wrapped, the
     wrapper installed as `model.forward` as the trainer does); undone on exit."""
     from trl_ext.plugins import padding_free as pf
-    from trl_ext.plugins._packing import register_varlen_attention, unregister_varlen_attention, varlen_attention_name
+    from trl_ext.plugins._packing.attention import (
+        register_varlen_attention,
+        unregister_varlen_attention,
+        varlen_attention_name,
+    )
 
     base = model.config._attn_implementation
     register_varlen_attention()

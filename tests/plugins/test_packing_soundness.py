@@ -77,7 +77,7 @@ def _mask_window_model(window: int, seed: int = 0):
 
 def _packed(model):
     from trl_ext.plugins import padding_free as pf
-    from trl_ext.plugins._packing import register_varlen_attention, varlen_attention_name
+    from trl_ext.plugins._packing.attention import register_varlen_attention, varlen_attention_name
 
     register_varlen_attention()
     state = pf.PaddingFreeState()

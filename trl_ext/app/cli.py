@@ -77,7 +77,7 @@ def _attention_backends() -> list[str]:
     except Exception as exc:  # noqa: BLE001
         out.append(f"flash attention: unknown ({exc})")
     try:
-        import trl_ext.plugins._packing  # noqa: F401 - registers trl-ext's per-segment attention
+        import trl_ext.plugins._packing.attention  # noqa: F401 - trl-ext's per-segment attention
 
         out.append("trl-ext varlen (per-segment attention for packed rows on CPU/GPU)")
     except ImportError:

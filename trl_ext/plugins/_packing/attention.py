@@ -1,37 +1,28 @@
-"""Packed ("padding-free") forward passes for causal LMs: packing metadata, varlen attention, and the wrappers.
+"""Per-segment ("varlen") attention for packed rows, and the attention registrations with transformers.
 
-A padded batch `input_ids [R, L]` with an `attention_mask` is packed into one row `[1, N]` (N = the number of real
-tokens) whose `position_ids` restart at 0 for every sequence. The model then runs on the packed row and its outputs are
-put back into the padded layout, so everything above the model (TRL's `_compute_loss`, metrics, token counts) is
-unchanged. Two things keep the sequences of a packed row apart:
+Two things keep the sequences of a packed row apart:
 
 - with `flash_attention_2/3/4`, the varlen arguments `cu_seq_lens_q/k` and `max_length_q/k` that transformers hands to
   the flash-attention varlen kernels (`transformers/modeling_flash_attention_utils.py`);
-- with `sdpa` or `eager` (CPU), either transformers' own block-diagonal mask, built when `position_ids` restart and no
+- with `sdpa` or `eager`, either transformers' own block-diagonal mask, built when `position_ids` restart and no
   `attention_mask` is given (`transformers/masking_utils.py::_preprocess_mask_arguments`, "dense"), or the per-segment
   attention of this module ("varlen"), registered in transformers' `AttentionInterface` as `trl_ext_varlen_<base>`.
   The dense mask costs (sum of lengths)^2 per layer, varlen only the sum of the squared lengths.
 
-The varlen attention only acts on packed calls (those that carry `cu_seq_lens_q` and no mask); every other call
-(generation, a user's own forward) is handed to the base implementation with the mask transformers builds for it,
-so a model switched to varlen attention behaves exactly as before outside packed calls.
-
-What every packing plugin needs around the model lives here too, once: the
-attention registration with transformers, the collator base that annotates batches, the trainer refusals (vision,
-prompt-learning PEFT), the predicate of a scoring call, and re-padding of the fused LM head outputs.
-
-Nothing here imports TRL; torch and transformers are imported at module level (this module is only imported by those
-plugins, after `trl_ext.install()`).
+The varlen attention only acts on packed calls (those that carry `cu_seq_lens_q` and no mask, or run inside
+`metadata.packed_call`); every other call (generation, a user's own forward) is handed to the base implementation with
+the mask transformers builds for it, so a model switched to varlen attention behaves exactly as before outside packed
+calls. The registry helpers (`register_attention`, `switch_attention`, `attention_users`, `unregister_attention`) serve
+every trl-ext attention implementation. torch and transformers are imported at module level: packing plugins import
+this module from their hooks, after they are registered.
 """
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
-import dataclasses
 import sys
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -40,204 +31,33 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .. import _compat
-from ..errors import UsageError
-from ._probe import STOCK_CALL
+from ... import _compat
+from ...errors import UsageError
+from .metadata import PACKED_BOUNDS, PACKED_CALL
 
 __all__ = [
-    "FUSED_FIELDS",
-    "PACKING_KEY",
     "VARLEN_BASES",
-    "VISION_KEYS",
-    "AnnotatingCollator",
-    "PackInfo",
     "attention_users",
     "base_attention",
-    "check_packable_trainer",
-    "pack_rows",
-    "packing_metadata",
-    "positional_input_ids",
+    "packed_or_base_attention",
+    "packed_or_base_mask",
     "register_attention",
     "register_varlen_attention",
-    "repad_outputs",
-    "scoring_call",
     "skip_mask_while",
     "switch_attention",
     "unregister_attention",
-    "unpack_rows",
-    "unpack_shifted",
     "unregister_varlen_attention",
     "varlen_attention_name",
 ]
-
-#: The batch key under which the padding-free collator hands the packing metadata to the model wrappers. TRL 1.x
-#: forwards every batch key except `completion_mask` and `ref_*` into `model(...)` (dpo_trainer.py `_compute_loss`,
-#: `compute_ref_log_probs`; checked 1.12.0 and 1.16.0); the wrappers pop it before the model sees its kwargs.
-PACKING_KEY = "trl_ext_packing"
 
 #: Attention implementations the per-segment varlen attention can stand in for.
 VARLEN_BASES = ("sdpa", "eager")
 _VARLEN_PREFIX = "trl_ext_varlen_"
 
-# True while a packed forward runs: the mask interface of the varlen implementations then builds no mask at all (the
-# attention function splits the row by `cu_seq_lens_q`). A dynamic-scope flag like torch's grad mode, not state.
-_PACKED_CALL: contextvars.ContextVar[bool] = contextvars.ContextVar("trl_ext_packed_call", default=False)
-# The sequence bounds (cumulative lengths) of the packed row being run, for models that do not forward
-# `cu_seq_lens_q` to their attention function.
-_PACKED_BOUNDS: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar(
-    "trl_ext_packed_bounds", default=None
-)
-
 
 def varlen_attention_name(base: str) -> str:
     """The registered name of the varlen attention that stands in for `base` (`"sdpa"` or `"eager"`)."""
     return f"{_VARLEN_PREFIX}{base}"
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Packing metadata
-# ---------------------------------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class PackInfo:
-    """How a padded `[rows, length]` batch maps to one packed row of `N` real tokens.
-
-    Attributes:
-        indices (`torch.LongTensor` of shape `(N,)`): flat positions of the real tokens in the `rows * length` layout.
-        position_ids (`torch.LongTensor` of shape `(1, N)`): position of each token in its own sequence (from 0).
-        cu_seq_lens (`torch.IntTensor` of shape `(rows + 1,)`): cumulative sequence lengths, starting with 0.
-        max_length (`int`): the longest sequence.
-        unpack_index (`torch.LongTensor` of shape `(rows, length - 1)`): for each position of a padded *shifted*
-            per-token output (`[:, :-1]` predicting `[:, 1:]`), its index in the packed shifted output (`N - 1`
-            entries); `N - 1` (one past the end) where the padded layout has no real prediction.
-        rows (`int`), length (`int`): the padded shape the metadata was made for.
-    """
-
-    indices: torch.Tensor
-    position_ids: torch.Tensor
-    cu_seq_lens: torch.Tensor
-    max_length: int
-    unpack_index: torch.Tensor
-    rows: int
-    length: int
-
-    @property
-    def num_tokens(self) -> int:
-        return self.indices.numel()
-
-    def to_batch(self) -> dict[str, Any]:
-        """Row-major metadata for the batch: `row_starts` and `row_lengths`, one entry per row (`[rows]` each).
-
-        Every tensor of a batch has the rows on dim 0, so accelerate's `DataLoaderDispatcher` (iterable datasets,
-        `dispatch_batches=True`), which concatenates batches and slices them along dim 0, keeps each row's metadata
-        with its row. `from_batch` still checks it against the batch's `attention_mask` before using it.
-        """
-        lengths = self.cu_seq_lens[1:].long() - self.cu_seq_lens[:-1].long()
-        starts = self.indices.new_zeros(self.rows)
-        if self.num_tokens:
-            first_token = self.cu_seq_lens[:-1].long().clamp(max=self.num_tokens - 1)
-            starts = torch.where(lengths > 0, self.indices[first_token] % self.length, starts)
-        return {"row_starts": starts, "row_lengths": lengths}
-
-    @classmethod
-    def from_batch(
-        cls, value: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
-    ) -> PackInfo | None:
-        """Rebuild from `to_batch()`; None when it does not describe the batch exactly (wrong keys, shapes or device,
-        or, given `attention_mask`, real tokens other than the mask's), so that the caller packs from the mask."""
-        if not isinstance(value, dict) or set(value) != {"row_starts", "row_lengths"}:
-            return None
-        starts, lengths = value["row_starts"], value["row_lengths"]
-        rows, length = input_ids.shape
-        for t in (starts, lengths):
-            if not isinstance(t, torch.Tensor) or tuple(t.shape) != (rows,) or t.device != input_ids.device:
-                return None
-        cols = torch.arange(length, device=input_ids.device)[None]
-        mask = (cols >= starts[:, None]) & (cols < (starts + lengths)[:, None])
-        if attention_mask is not None and not torch.equal(mask, attention_mask.bool()):
-            return None
-        return packing_metadata(mask)
-
-    def flash_kwargs(self) -> dict[str, Any]:
-        """The flash-attention varlen arguments (`FlashAttentionKwargs`) of this packing."""
-        cu = self.cu_seq_lens.to(torch.int32)
-        return {
-            "cu_seq_lens_q": cu,
-            "cu_seq_lens_k": cu,
-            "max_length_q": self.max_length,
-            "max_length_k": self.max_length,
-        }
-
-
-def packing_metadata(attention_mask: torch.Tensor) -> PackInfo:
-    """Packing metadata from a 2D `attention_mask` (1 = real token), on the mask's device.
-
-    Each row must hold one sequence whose real tokens are contiguous (right or left padding). Positions restart at 0
-    for every sequence, as transformers' flash-attention and packed-mask paths expect.
-    """
-    if attention_mask.dim() != 2:
-        raise ValueError(f"packing needs 2D attention masks, got shape {tuple(attention_mask.shape)}")
-    mask = attention_mask.bool()
-    rows, length = mask.shape
-    device = mask.device
-    lengths = mask.sum(dim=1)
-    flat = mask.reshape(-1)
-    indices = flat.nonzero().squeeze(1)
-    num_tokens = indices.numel()
-    position_ids = (mask.cumsum(dim=1) - 1).reshape(-1)[indices].unsqueeze(0)
-    cu_seq_lens = torch.zeros(rows + 1, dtype=torch.int32, device=device)
-    cu_seq_lens[1:] = lengths.cumsum(dim=0)
-    max_length = int(lengths.max()) if rows else 0
-    # Position p of a row holds the prediction of token p + 1 in the shifted layout; it is real when both tokens are.
-    # The packed shifted output j predicts packed token j + 1 from packed token j.
-    packed_pos = torch.full((rows * length,), -1, dtype=torch.long, device=device)
-    packed_pos[indices] = torch.arange(num_tokens, device=device)
-    packed_pos = packed_pos.view(rows, length)
-    src, dst = packed_pos[:, :-1], packed_pos[:, 1:]
-    valid = (src >= 0) & (dst == src + 1)
-    sentinel = max(num_tokens - 1, 0)
-    unpack_index = torch.where(valid, src, torch.full_like(src, sentinel))
-    return PackInfo(indices, position_ids, cu_seq_lens, max_length, unpack_index, rows, length)
-
-
-def pack_rows(x: torch.Tensor, info: PackInfo) -> torch.Tensor:
-    """`[rows, length, ...]` -> `[1, N, ...]` (the real tokens, in order)."""
-    return x.reshape(info.rows * info.length, *x.shape[2:]).index_select(0, info.indices).unsqueeze(0)
-
-
-def unpack_rows(x: torch.Tensor, info: PackInfo) -> torch.Tensor:
-    """`[1, N, ...]` -> `[rows, length, ...]`, zeros at padded positions (differentiable)."""
-    out = x.new_zeros(info.rows * info.length, *x.shape[2:])
-    return out.index_copy(0, info.indices, x[0]).view(info.rows, info.length, *x.shape[2:])
-
-
-def unpack_shifted(x: torch.Tensor | None, info: PackInfo) -> torch.Tensor | None:
-    """A shifted per-token output `[1, N - 1]` -> `[rows, length - 1]`, zeros/False where there is no prediction."""
-    if x is None:
-        return None
-    flat = torch.cat([x.reshape(-1), x.new_zeros(1)])
-    return flat[info.unpack_index]
-
-
-@contextlib.contextmanager
-def packed_call(info: PackInfo | None = None) -> Iterator[None]:
-    """Mark the enclosed forward as packed: the varlen mask interface then builds no mask, and the varlen attention
-    splits the row at the sequence bounds of `info` (read once here, not once per layer) unless the call passes its
-    own `cu_seq_lens_q`."""
-    bounds = None if info is None else [int(b) for b in info.cu_seq_lens.tolist()]
-    token = _PACKED_CALL.set(True)
-    bounds_token = _PACKED_BOUNDS.set(bounds)
-    try:
-        yield
-    finally:
-        _PACKED_BOUNDS.reset(bounds_token)
-        _PACKED_CALL.reset(token)
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Varlen attention (per-segment SDPA) for CPU
-# ---------------------------------------------------------------------------------------------------------------------
 
 
 def base_attention(base: str, module: torch.nn.Module) -> Callable:
@@ -339,7 +159,7 @@ def _make_varlen_attention(base: str) -> Callable:
         **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:
         cu_seq_lens = kwargs.get("cu_seq_lens_q")
-        bounds = cu_seq_lens.tolist() if cu_seq_lens is not None else _PACKED_BOUNDS.get()
+        bounds = cu_seq_lens.tolist() if cu_seq_lens is not None else PACKED_BOUNDS.get()
         if cu_seq_lens is None and attention_mask is None:
             from_positions = _bounds_from_positions(kwargs.get("position_ids"), query, key)
             if bounds is None:
@@ -473,7 +293,7 @@ def skip_mask_while(flag: contextvars.ContextVar[bool], name: str, fallback: str
     def mask(*args: Any, **kwargs: Any) -> Any:
         model_type = getattr(kwargs.get("config"), "model_type", None)
         if flag.get() and kwargs.get("attention_mask") is None:
-            bounds = _PACKED_BOUNDS.get()
+            bounds = PACKED_BOUNDS.get()
             if bounds is None and model_type not in _compat.OWN_ATTENTION_MODEL_TYPES:
                 return None
             return _packed_mask(kwargs, bounds, fallback if isinstance(fallback, str) else fallback())
@@ -535,7 +355,7 @@ def register_varlen_attention() -> None:
     """Register `trl_ext_varlen_sdpa` / `trl_ext_varlen_eager` with transformers (idempotent)."""
     for base in VARLEN_BASES:
         name = varlen_attention_name(base)
-        register_attention(name, _make_varlen_attention(base), skip_mask_while(_PACKED_CALL, name, base))
+        register_attention(name, _make_varlen_attention(base), skip_mask_while(PACKED_CALL, name, base))
 
 
 def unregister_varlen_attention() -> None:
@@ -557,130 +377,3 @@ def packed_or_base_mask(base: str) -> str:
     """The mask implementation that goes with `packed_or_base_attention(base, ...)`."""
     varlen = varlen_attention_name(base)
     return varlen if varlen in _compat.attention_registry(AttentionMaskInterface) else base
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# What the packing plugins share around the model: batch checks, collator, call predicate
-# ---------------------------------------------------------------------------------------------------------------------
-
-#: Batch keys of vision-language collators (DataCollatorForVisionPreference, VLM processors): image features are
-#: matched to placeholder tokens per row, which neither packing nor sharing keeps.
-VISION_KEYS = (
-    "pixel_values",
-    "pixel_attention_mask",
-    "image_grid_thw",
-    "image_sizes",
-    "token_type_ids",
-    "mm_token_type_ids",
-)
-#: Per-token outputs of TRL's fused LM head (TRL >= 1.15), `[B, L - 1]` each, put back into the padded layout.
-FUSED_FIELDS = _compat.FUSED_LM_HEAD_FIELDS
-
-
-def check_packable_trainer(trainer: Any, plugin: str) -> None:
-    """Refuse, with a `UsageError` naming `plugin`, the trainers whose rows cannot be packed: vision-language models
-    or datasets, and prompt-learning PEFT (virtual tokens prepended to every row)."""
-    if any(getattr(trainer, attr, False) for attr in _compat.TRL_VISION_ATTRS):
-        raise UsageError(
-            f"{plugin} does not support vision-language models or image datasets: image features are matched to "
-            f"placeholder tokens per row. Disable {plugin} for this trainer."
-        )
-    peft_config = getattr(getattr(trainer, "model", None), "peft_config", None)
-    if isinstance(peft_config, dict):
-        from peft import PromptLearningConfig
-
-        if any(isinstance(cfg, PromptLearningConfig) for cfg in peft_config.values()):
-            raise UsageError(
-                f"{plugin} does not support prompt-learning PEFT methods (prompt tuning, prefix tuning, P-tuning): "
-                f"they prepend virtual tokens to every row. Use a weight adapter such as LoRA, or disable {plugin}."
-            )
-
-
-class AnnotatingCollator:
-    """Wraps a preference collator and adds a plugin's metadata to each batch, computed in the data-loader process.
-
-    The padded batch is kept as it is (TRL reads `completion_mask`, `attention_mask` and the reference columns from
-    it); the model wrappers pop the metadata before the model sees its kwargs. Attributes of the wrapped collator
-    (`max_length`, `truncation_mode`, `pad_token_id`, read by other plugins) are read through. Subclasses set
-    `plugin` and implement `annotate(batch)`.
-
-    Args:
-        collator (`Callable`): the collator to wrap (TRL's `DataCollatorForPreference` or a user's).
-    """
-
-    plugin = "trl-ext"
-
-    def __init__(self, collator: Callable) -> None:
-        self.collator = collator
-
-    def annotate(self, batch: dict[str, Any]) -> None:
-        raise NotImplementedError
-
-    def __call__(self, examples: list[dict[str, Any]], *args: Any, **kwargs: Any) -> dict[str, Any]:
-        batch = self.collator(examples, *args, **kwargs)
-        vision = [k for k in VISION_KEYS if k in batch]
-        if vision:
-            raise UsageError(f"{self.plugin} cannot pack vision-language batches (keys {vision}); disable it.")
-        self.annotate(batch)
-        return batch
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "collator":  # not set yet (unpickling in a data-loader worker)
-            raise AttributeError(name)
-        return getattr(self.collator, name)
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.collator!r})"
-
-
-def positional_input_ids(args: tuple, kwargs: dict[str, Any]) -> tuple:
-    """Move a positional `input_ids` (`model(ids, ...)`) into `kwargs`; returns the positional arguments left."""
-    if args and isinstance(args[0], torch.Tensor) and "input_ids" not in kwargs:
-        kwargs["input_ids"] = args[0]
-        return args[1:]
-    return args
-
-
-def scoring_call(kwargs: dict[str, Any], cache_unset_ok: bool = False) -> bool:
-    """Whether a model call is a scoring forward on a padded batch that a packed layout reproduces exactly.
-
-    TRL's DPO passes `use_cache=False`; generation and plain calls use a cache. With `cache_unset_ok` a call that
-    leaves `use_cache` to the config also qualifies (Online DPO's scoring call: the cache it would build is never
-    read).
-    """
-    if STOCK_CALL.get():  # a self-check's stock reference: every call runs as stock transformers runs it
-        return False
-    input_ids, attention_mask = kwargs.get("input_ids"), kwargs.get("attention_mask")
-    use_cache = kwargs.get("use_cache")
-    return (
-        isinstance(input_ids, torch.Tensor)
-        and input_ids.dim() == 2
-        and isinstance(attention_mask, torch.Tensor)
-        and attention_mask.shape == input_ids.shape
-        and kwargs.get("inputs_embeds") is None
-        and kwargs.get("past_key_values") is None
-        and (use_cache is False or (cache_unset_ok and not use_cache))
-        and not kwargs.get("output_hidden_states")
-        and not kwargs.get("output_attentions")
-        and kwargs.get("shift_labels") is None
-        and not kwargs.get("logits_to_keep")
-        and not any(k in kwargs for k in VISION_KEYS)
-    )
-
-
-def repad_outputs(
-    outputs: Any,
-    fused: bool,
-    unpack: Callable[[torch.Tensor], torch.Tensor],
-    unpack_shifted: Callable[[torch.Tensor], torch.Tensor | None],
-) -> Any:
-    """Put a packed causal-LM output back into the padded layout, in place: the fused LM head's per-token fields
-    (`fused`, shifted `[1, N - 1]` -> `[R, L - 1]`) or the logits (`[1, N, V]` -> `[R, L, V]`)."""
-    if fused:
-        for name in FUSED_FIELDS:
-            value = getattr(outputs, name, None)
-            if value is not None:
-                setattr(outputs, name, unpack_shifted(value))
-    elif getattr(outputs, "logits", None) is not None:
-        outputs.logits = unpack(outputs.logits)
-    return outputs

@@ -13,39 +13,37 @@ from ... import _compat
 from ..._logging import get_logger
 from ...errors import UsageError
 from ...hookspecs import hookimpl
-from .._packing import (
-    FUSED_FIELDS,
-    PACKING_KEY,
+from .._packing.attention import (
     VARLEN_BASES,
-    AnnotatingCollator,
-    PackInfo,
-    check_packable_trainer,
-    pack_rows,
-    packed_call,
-    packing_metadata,
-    positional_input_ids,
     register_varlen_attention,
-    repad_outputs,
-    scoring_call,
     switch_attention,
-    unpack_rows,
-    unpack_shifted,
     unregister_varlen_attention,
     varlen_attention_name,
 )
+from .._packing.glue import (
+    AnnotatingCollator,
+    check_packable_trainer,
+    positional_input_ids,
+    repad_outputs,
+    scoring_call,
+)
+from .._packing.metadata import (
+    PACKING_KEY,
+    PackInfo,
+    pack_rows,
+    packed_call,
+    packing_metadata,
+    unpack_rows,
+    unpack_shifted,
+)
 from .._probe import STOCK_CALL, model_probe_lengths, training_max_length
 from . import NAME, PaddingFreeOptions
-from .architecture import VERIFIED_MODEL_TYPES, Inspection, inspect_model
+from .architecture import Inspection, inspect_model
 from .self_check import SelfCheckResult, self_check
 
 logger = get_logger(__name__)
 
-#: Kept for code written against the allow-list: the verified table (other models now run the self-check).
-SUPPORTED_MODEL_TYPES = VERIFIED_MODEL_TYPES
-
 _FLASH = ("flash_attention_2", "flash_attention_3", "flash_attention_4")
-#: Kept for code written against the module: the fused LM head outputs re-padded (same as `_packing.FUSED_FIELDS`).
-_FUSED_FIELDS = FUSED_FIELDS
 
 
 @dataclasses.dataclass

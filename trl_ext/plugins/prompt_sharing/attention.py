@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ...errors import UsageError
-from .._packing import (
+from .._packing.attention import (
     VARLEN_BASES,
     base_attention,
     packed_or_base_attention,

@@ -29,8 +29,7 @@ import torch
 
 from ... import _compat
 from ..._logging import get_logger
-from .._packing import FUSED_FIELDS as _FUSED_FIELDS
-from .._packing import positional_input_ids, repad_outputs, scoring_call
+from .._packing.glue import positional_input_ids, repad_outputs, scoring_call
 from .attention import GROUPS_KWARG, shared_call
 from .layout import (
     LAYOUT_KEY,
@@ -48,9 +47,6 @@ from .moe import MoeAuxLoss
 logger = get_logger(__name__)
 
 __all__ = ["make_backbone_forward", "make_causal_lm_forward", "online_prompt_columns", "shared_kwargs"]
-
-#: Per-token outputs of TRL's fused LM head, re-padded after a shared forward (`_packing.FUSED_FIELDS`).
-FUSED_FIELDS = _FUSED_FIELDS
 
 # Set by the Online DPO `_forward` wrapper: the number of prompt columns of the call it makes (same for every row).
 _ONLINE_PROMPT_COLUMNS: contextvars.ContextVar[int | None] = contextvars.ContextVar(

@@ -35,7 +35,7 @@ from typing import Any, cast
 import torch
 
 from ...errors import UsageError
-from .._packing import AnnotatingCollator
+from .._packing.glue import AnnotatingCollator
 
 __all__ = ["LAYOUT_KEY", "Groups", "PromptSharingCollator", "SharedLayout", "build_layout", "prompt_end_of"]
 

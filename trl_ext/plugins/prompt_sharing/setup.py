@@ -11,7 +11,8 @@ from ... import _compat
 from ..._logging import get_logger
 from ...errors import UsageError
 from .._architecture import inspect_model, verified_except
-from .._packing import check_packable_trainer, switch_attention
+from .._packing.attention import switch_attention
+from .._packing.glue import check_packable_trainer
 from .._probe import model_probe_lengths
 from .._roles import PACKING as PACKING_ROLE
 from .attention import base_of, register_shared_attention, shared_attention_name, unregister_shared_attention

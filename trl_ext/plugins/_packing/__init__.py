@@ -1,0 +1,13 @@
+"""Packed ("padding-free") forward passes for causal LMs, shared by the packing plugins.
+
+- `metadata`: how a padded batch maps to one packed row (`PackInfo`, `packing_metadata`, `pack_rows`, `unpack_rows`,
+  `unpack_shifted`), the batch key of the metadata (`PACKING_KEY`) and `packed_call`.
+- `attention`: the per-segment varlen attention for `sdpa`/`eager` models, and the registration of trl-ext attention
+  implementations with transformers (`register_attention`, `switch_attention`, `attention_users`,
+  `unregister_attention`, `packed_or_base_attention`, `packed_or_base_mask`).
+- `glue`: what a packing plugin needs around the model: `check_packable_trainer`, `AnnotatingCollator`,
+  `scoring_call`, `positional_input_ids`, `repad_outputs`, `VISION_KEYS`.
+
+This package imports nothing itself; import the submodule that owns a name. The submodules import torch (and
+`attention` transformers), so plugins import them from their hooks modules only, never from their declarations.
+"""
