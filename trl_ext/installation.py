@@ -9,10 +9,10 @@ import weakref
 from collections.abc import Mapping
 from typing import Any
 
-from . import _compat
+from . import _compat, attach
 from ._logging import NOTICE, get_logger, is_main_process
 from .config import TrlExtConfig, load_config
-from .context import _LIVE, TrainerContext, live_contexts
+from .context import _LIVE, TrainerContext
 from .errors import UsageError
 from .manager import TrlExtPluginManager, make_plugin_manager, resolve_roles
 from .patching import Patcher, resolve
@@ -212,8 +212,8 @@ class Installation:
             if trainer_class not in wrapped:
                 continue
             # While installed, the name serves every attached trainer (also when called from outside its methods);
-            # after `uninstall()` each trainer swaps it in only while it runs (`_attach_before_init`).
-            self.patcher.wrap(resolve(module_name), "unwrap_model_for_generation", _generation_wrapper(None))
+            # after `uninstall()` each trainer swaps it in only while it runs (`attach.attach_before_init`).
+            self.patcher.wrap(resolve(module_name), "unwrap_model_for_generation", attach.generation_wrapper(None))
         self._installed = True
 
     def _wrap_init(self, trainer_class: str, original):
@@ -230,14 +230,14 @@ class Installation:
                 bound = None
             if bound is None:
                 # The call does not match TRL's signature: let TRL raise its own error, word for word.
-                return _call_for_trl_error(original, trainer_class, trainer, args, kwargs)
+                return attach.call_for_trl_error(original, trainer_class, trainer, args, kwargs)
             init_kwargs = dict(bound.arguments)
             init_kwargs.pop(next(iter(signature.parameters)))  # self
             trl_args = init_kwargs.get("args")
             enabled = installation.enabled_plugins(trainer_class, trl_args)
             installation._check_options_used(trainer_class, trl_args, enabled)
             if enabled:
-                _check_world(trainer_class, trl_args, enabled)
+                attach.check_world(trainer_class, trl_args, enabled)
             ctx = TrainerContext(installation, trainer, trainer_class, enabled, trl_args)
             trainer.__dict__[_ATTR] = ctx
             _LIVE.add(trainer)
@@ -270,7 +270,7 @@ class Installation:
         # (so TRL neither warns that it falls back nor acts on it), then restored on the user's config object.
         hidden, left = self._hide_ignored_flags(ctx.trainer_class, init_kwargs.get("args"), ctx)
         if enabled:
-            _attach_before_init(ctx)
+            attach.attach_before_init(ctx)
         try:
             with ctx.running():
                 original(trainer, **init_kwargs)
@@ -279,7 +279,7 @@ class Installation:
                 setattr(init_kwargs["args"], flag, value)
         ctx.prepare_models()
         if enabled:
-            _attach_after_init(ctx)
+            attach.attach_after_init(ctx)
         ctx.hook.trl_ext_trainer_init_end(trainer=trainer, context=ctx)
         return left
 
@@ -349,11 +349,6 @@ class Installation:
             logger.warning("trl-ext: %s", advice)
 
 
-# -------------------------------------------------------------------------------------------------------------------
-# per trainer: what the trainer needs for its whole life, on the instance
-# -------------------------------------------------------------------------------------------------------------------
-
-
 def stock_trainer_class(trainer: str | type | Any) -> str:
     """The name of the stock TRL trainer class (`_compat.TRAINERS`) that `trainer` (a name, class or instance) is."""
     if isinstance(trainer, str):
@@ -378,148 +373,6 @@ def stock_trainer_class(trainer: str | type | Any) -> str:
         f"expected a trainer class name, a trainer class or a trainer instance, got {type(trainer).__name__}: "
         f"{trainer!r}"
     )
-
-
-def _call_for_trl_error(original, trainer_class: str, trainer: Any, args: tuple, kwargs: dict) -> None:
-    """Call TRL's `__init__` with the user's arguments, which do not fit its signature, so TRL's own `TypeError` (class
-    name included) is what the user sees, with a note naming the new spelling of a keyword TRL renamed."""
-    try:
-        original(trainer, *args, **kwargs)
-    except TypeError as exc:
-        for note in _compat.renamed_keyword_notes(trainer_class, exc, kwargs):
-            if hasattr(exc, "add_note"):  # Python >= 3.11
-                exc.add_note(note)
-            else:
-                logger.warning("trl-ext: %s", note)
-        raise
-    # Only if the signature trl-ext read is not the one Python checks (a decorated `__init__`): then the trainer is
-    # built, without plugins, and that must not be silent.
-    logger.warning("trl-ext: could not read the arguments of this %s; it runs without plugins", trainer_class)
-
-
-#: Variables through which launchers announce the number of processes (those accelerate reads, `state.py`).
-_WORLD_SIZE_VARS = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
-
-
-def _check_world(trainer_class: str, trl_args: Any, enabled: list[str]) -> None:
-    """Refuse a launch of several processes in which this trainer would run alone: each process would train its own
-    model, silently (e.g. `torchrun --nproc_per_node 2` on CPU without `use_cpu=True`)."""
-    launched = {}
-    for var in _WORLD_SIZE_VARS:
-        value = os.environ.get(var, "").strip()
-        if value.isdigit() and int(value) > 1:
-            launched[var] = int(value)
-    if not launched or trl_args is None or not hasattr(trl_args, "world_size"):
-        return
-    world = trl_args.world_size  # the accelerate state the trainer's `Accelerator` will use
-    expected = max(launched.values())
-    if world == expected:
-        return
-    var = next(v for v, n in launched.items() if n == expected)
-    config = type(trl_args).__name__
-    raise UsageError(
-        f"{var}={expected} says this is one of {expected} processes, but this {trainer_class} runs a world of {world} "
-        f"(its {config} sees no distributed setup), so each process would train its own model; trl-ext's "
-        f"{', '.join(enabled)} would not be shared either. On CPU, set `use_cpu=True` in the {config}; on GPU, "
-        "give every process a device (check CUDA_VISIBLE_DEVICES); or launch a single process."
-    )
-
-
-def _attach_before_init(ctx: TrainerContext) -> None:
-    """Instance patches TRL's `__init__` already needs: the DPO reference precompute, the generation helper."""
-    trainer = ctx.trainer
-    if ctx.trainer_class == "DPOTrainer":
-        method = _compat.DPO_PRECOMPUTE_METHOD
-        ctx.patcher.setattr(trainer, method, _precompute_wrapper(ctx, getattr(trainer, method)))
-    module_name = _compat.GENERATION_HELPER_MODULES.get(ctx.trainer_class)
-    if module_name is not None:
-        # Trainer modules look `unwrap_model_for_generation` up by name: it is swapped there while this trainer runs.
-        ctx.wrap_while_running(resolve(module_name), "unwrap_model_for_generation", _generation_wrapper(ctx))
-
-
-def _attach_after_init(ctx: TrainerContext) -> None:
-    """Instance patches for the trainer's life: metric reduction in `log`, and the run scope of its entry points."""
-    trainer = ctx.trainer
-    ctx.patcher.setattr(trainer, "log", _log_wrapper(ctx, trainer.log))
-    for entry in ("train", "evaluate", "predict"):
-        ctx.patcher.setattr(trainer, entry, _running_wrapper(ctx, getattr(trainer, entry)))
-
-
-def _running_wrapper(ctx: TrainerContext, original):
-    @functools.wraps(original)
-    def entry_point(*args, **kwargs):
-        with ctx.running():
-            return original(*args, **kwargs)
-
-    return entry_point
-
-
-def _precompute_wrapper(ctx: TrainerContext, original):
-    @functools.wraps(original)
-    def _precompute_ref_logps(dataset, name, batch_size):
-        ctx.prepare_models()
-        result = ctx.call_exclusive(
-            "trl_ext_make_ref_precompute",
-            trainer=ctx.trainer,
-            context=ctx,
-            dataset=dataset,
-            name=name,
-            batch_size=batch_size,
-        )
-        return original(dataset, name, batch_size) if result is None else result
-
-    return _precompute_ref_logps
-
-
-def _log_wrapper(ctx: TrainerContext, original):
-    @functools.wraps(original)
-    def log(logs, *args, **kwargs):
-        trainer = ctx.trainer
-        result = ctx.call_exclusive("trl_ext_reduce_metrics", trainer=trainer, context=ctx, logs=logs)
-        if result is not None:
-            # The plugin's values replace TRL's buffered ones for this window (DPOTrainer keeps them in
-            # `_metrics[mode]` and would otherwise merge its own local averages in).
-            buffers = getattr(trainer, "_metrics", None)
-            if isinstance(buffers, Mapping):
-                buffers["train" if trainer.model.training else "eval"].clear()
-            logs.clear()
-            logs.update(result)
-        return original(logs, *args, **kwargs)
-
-    return log
-
-
-def _generation_wrapper(ctx: TrainerContext | None):
-    """`unwrap_model_for_generation` for one trainer's context, or (`None`) for whichever attached trainer owns the
-    accelerator it is called with; a pass-through for every other call."""
-
-    def make(original):
-        signature = inspect.signature(original)
-
-        @functools.wraps(original)
-        def unwrap_model_for_generation(model, accelerator, *args, **kwargs):
-            candidates = [ctx] if ctx is not None else live_contexts()
-            owner = next(
-                (c for c in candidates if c.attached and getattr(c.trainer, "accelerator", None) is accelerator), None
-            )
-            if owner is not None and owner.enabled:
-                bound = signature.bind(model, accelerator, *args, **kwargs)
-                bound.apply_defaults()
-                call_kwargs = {k: v for k, v in bound.arguments.items() if k != "model"}
-                manager = owner.call_exclusive(
-                    "trl_ext_make_generation_context",
-                    trainer=owner.trainer,
-                    context=owner,
-                    model=model,
-                    call_kwargs=call_kwargs,
-                )
-                if manager is not None:
-                    return manager
-            return original(model, accelerator, *args, **kwargs)
-
-        return unwrap_model_for_generation
-
-    return make
 
 
 def install(

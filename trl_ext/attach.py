@@ -1,0 +1,173 @@
+"""What trl-ext attaches to one trainer, on the instance: the wrappers of its entry points, `log`, DPO's reference
+precompute and the generation helper, and the checks made before TRL's `__init__` runs.
+
+Everything here lives on the trainer (through its context's undo stack), so a trainer keeps it for its whole life,
+whatever happens to the installation that built it.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from . import _compat
+from ._logging import get_logger
+from .context import TrainerContext, live_contexts
+from .errors import UsageError
+from .patching import resolve
+
+__all__ = [
+    "attach_after_init",
+    "attach_before_init",
+    "call_for_trl_error",
+    "check_world",
+    "generation_wrapper",
+    "precompute_wrapper",
+]
+
+logger = get_logger(__name__)
+
+
+def call_for_trl_error(original, trainer_class: str, trainer: Any, args: tuple, kwargs: dict) -> None:
+    """Call TRL's `__init__` with the user's arguments, which do not fit its signature, so TRL's own `TypeError` (class
+    name included) is what the user sees, with a note naming the new spelling of a keyword TRL renamed."""
+    try:
+        original(trainer, *args, **kwargs)
+    except TypeError as exc:
+        for note in _compat.renamed_keyword_notes(trainer_class, exc, kwargs):
+            if hasattr(exc, "add_note"):  # Python >= 3.11
+                exc.add_note(note)
+            else:
+                logger.warning("trl-ext: %s", note)
+        raise
+    # Only if the signature trl-ext read is not the one Python checks (a decorated `__init__`): then the trainer is
+    # built, without plugins, and that must not be silent.
+    logger.warning("trl-ext: could not read the arguments of this %s; it runs without plugins", trainer_class)
+
+
+#: Variables through which launchers announce the number of processes (those accelerate reads, `state.py`).
+_WORLD_SIZE_VARS = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
+
+
+def check_world(trainer_class: str, trl_args: Any, enabled: list[str]) -> None:
+    """Refuse a launch of several processes in which this trainer would run alone: each process would train its own
+    model, silently (e.g. `torchrun --nproc_per_node 2` on CPU without `use_cpu=True`)."""
+    launched = {}
+    for var in _WORLD_SIZE_VARS:
+        value = os.environ.get(var, "").strip()
+        if value.isdigit() and int(value) > 1:
+            launched[var] = int(value)
+    if not launched or trl_args is None or not hasattr(trl_args, "world_size"):
+        return
+    world = trl_args.world_size  # the accelerate state the trainer's `Accelerator` will use
+    expected = max(launched.values())
+    if world == expected:
+        return
+    var = next(v for v, n in launched.items() if n == expected)
+    config = type(trl_args).__name__
+    raise UsageError(
+        f"{var}={expected} says this is one of {expected} processes, but this {trainer_class} runs a world of {world} "
+        f"(its {config} sees no distributed setup), so each process would train its own model; trl-ext's "
+        f"{', '.join(enabled)} would not be shared either. On CPU, set `use_cpu=True` in the {config}; on GPU, "
+        "give every process a device (check CUDA_VISIBLE_DEVICES); or launch a single process."
+    )
+
+
+def attach_before_init(ctx: TrainerContext) -> None:
+    """Instance patches TRL's `__init__` already needs: the DPO reference precompute, the generation helper."""
+    trainer = ctx.trainer
+    if ctx.trainer_class == "DPOTrainer":
+        method = _compat.DPO_PRECOMPUTE_METHOD
+        ctx.patcher.setattr(trainer, method, precompute_wrapper(ctx, getattr(trainer, method)))
+    module_name = _compat.GENERATION_HELPER_MODULES.get(ctx.trainer_class)
+    if module_name is not None:
+        # Trainer modules look `unwrap_model_for_generation` up by name: it is swapped there while this trainer runs.
+        ctx.wrap_while_running(resolve(module_name), "unwrap_model_for_generation", generation_wrapper(ctx))
+
+
+def attach_after_init(ctx: TrainerContext) -> None:
+    """Instance patches for the trainer's life: metric reduction in `log`, and the run scope of its entry points."""
+    trainer = ctx.trainer
+    ctx.patcher.setattr(trainer, "log", _log_wrapper(ctx, trainer.log))
+    for entry in ("train", "evaluate", "predict"):
+        ctx.patcher.setattr(trainer, entry, _running_wrapper(ctx, getattr(trainer, entry)))
+
+
+def _running_wrapper(ctx: TrainerContext, original):
+    @functools.wraps(original)
+    def entry_point(*args, **kwargs):
+        with ctx.running():
+            return original(*args, **kwargs)
+
+    return entry_point
+
+
+def precompute_wrapper(ctx: TrainerContext, original):
+    @functools.wraps(original)
+    def _precompute_ref_logps(dataset, name, batch_size):
+        ctx.prepare_models()
+        result = ctx.call_exclusive(
+            "trl_ext_make_ref_precompute",
+            trainer=ctx.trainer,
+            context=ctx,
+            dataset=dataset,
+            name=name,
+            batch_size=batch_size,
+        )
+        return original(dataset, name, batch_size) if result is None else result
+
+    return _precompute_ref_logps
+
+
+def _log_wrapper(ctx: TrainerContext, original):
+    @functools.wraps(original)
+    def log(logs, *args, **kwargs):
+        trainer = ctx.trainer
+        result = ctx.call_exclusive("trl_ext_reduce_metrics", trainer=trainer, context=ctx, logs=logs)
+        if result is not None:
+            # The plugin's values replace TRL's buffered ones for this window (DPOTrainer keeps them in
+            # `_metrics[mode]` and would otherwise merge its own local averages in).
+            buffers = getattr(trainer, "_metrics", None)
+            if isinstance(buffers, Mapping):
+                buffers["train" if trainer.model.training else "eval"].clear()
+            logs.clear()
+            logs.update(result)
+        return original(logs, *args, **kwargs)
+
+    return log
+
+
+def generation_wrapper(ctx: TrainerContext | None):
+    """`unwrap_model_for_generation` for one trainer's context, or (`None`) for whichever attached trainer owns the
+    accelerator it is called with; a pass-through for every other call."""
+
+    def make(original):
+        signature = inspect.signature(original)
+
+        @functools.wraps(original)
+        def unwrap_model_for_generation(model, accelerator, *args, **kwargs):
+            candidates = [ctx] if ctx is not None else live_contexts()
+            owner = next(
+                (c for c in candidates if c.attached and getattr(c.trainer, "accelerator", None) is accelerator), None
+            )
+            if owner is not None and owner.enabled:
+                bound = signature.bind(model, accelerator, *args, **kwargs)
+                bound.apply_defaults()
+                call_kwargs = {k: v for k, v in bound.arguments.items() if k != "model"}
+                manager = owner.call_exclusive(
+                    "trl_ext_make_generation_context",
+                    trainer=owner.trainer,
+                    context=owner,
+                    model=model,
+                    call_kwargs=call_kwargs,
+                )
+                if manager is not None:
+                    return manager
+            return original(model, accelerator, *args, **kwargs)
+
+        return unwrap_model_for_generation
+
+    return make
