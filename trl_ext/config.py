@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from .errors import UsageError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .manager import Catalog
+    from .catalog import Catalog
 
 __all__ = ["ENV_PREFIX", "TrlExtConfig", "load_config"]
 

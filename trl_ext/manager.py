@@ -1,4 +1,4 @@
-"""Plugin discovery and registration, and the flag table built from what the plugins declare.
+"""Plugin discovery and registration, and the exclusive roles and hooks resolved among the registered plugins.
 
 Built-in plugins are the modules and subpackages of `trl_ext.plugins` that declare a `TRL_EXT_PLUGIN`; third-party
 plugins are the entry points of the `trl_ext` group. Both are loaded, checked and registered by the same code
@@ -19,14 +19,13 @@ import pluggy
 
 from . import hookspecs
 from ._logging import get_logger
+from .catalog import Catalog, block_advice, flag_clash
 from .errors import UsageError
-from .spec import Flag, PluginSpec, SettingDoc
+from .spec import Flag, PluginSpec
 
 __all__ = [
     "ENTRY_POINT_GROUP",
     "SPEC_ATTR",
-    "Catalog",
-    "PluginInfo",
     "TrlExtPluginManager",
     "builtin_plugin_modules",
     "call_exclusive",
@@ -39,8 +38,6 @@ ENTRY_POINT_GROUP = "trl_ext"
 #: The module attribute through which a plugin declares itself.
 SPEC_ATTR = "TRL_EXT_PLUGIN"
 _HOOK_PREFIX = "trl_ext_"
-#: Top-level configuration keys that are not plugin flags.
-CORE_KEYS = ("plugins", "block")
 _LEGACY_ATTRS = ("TRL_EXT_FLAGS", "TRL_EXT_TRAINERS")
 
 logger = get_logger(__name__)
@@ -165,12 +162,6 @@ def _load(source: _Source) -> Any:
         ) from exc
 
 
-def block_advice(name: str, block: Iterable[str] = ()) -> str:
-    """The exact settings that block `name` (with the names already blocked)."""
-    names = sorted({*block, name})
-    return f"`TRL_EXT_BLOCK={','.join(names)}` (or `block: [{', '.join(names)}]` in YAML, `block=[...]` in Python)"
-
-
 #: Broken plugins already reported in this process (one warning each).
 _WARNED: set[tuple[str, str]] = set()
 
@@ -195,87 +186,6 @@ def spec_of(name: str, plugin: Any) -> PluginSpec:
             "everywhere: rename its module or entry point, or its `PluginSpec.name`."
         )
     return spec
-
-
-# -------------------------------------------------------------------------------------------------------------------
-# The flag table
-# -------------------------------------------------------------------------------------------------------------------
-
-
-class Catalog:
-    """The declarations of the available plugins: the flag table, options and trainers.
-
-    Args:
-        specs (`dict[str, PluginSpec]`): the registered (not blocked) plugins, in registration order.
-        builtin (`set[str]`): which of them ship with trl-ext.
-        blocked (`set[str]`): names blocked by the configuration.
-        blocked_specs (`dict[str, PluginSpec]`, *optional*): declarations of blocked built-ins, for error messages.
-        broken (`dict[str, str]`, *optional*): third-party plugins that could not be loaded or registered, each with
-            the reason and what to do; they are skipped, and enabling one is a `UsageError`.
-        broken_flags (`dict[str, str]`, *optional*): `{flag: plugin}` for the flags of broken plugins whose
-            declaration could be read.
-        plugins (`dict[str, Any]`, *optional*): `{name: declaring module or object}` of the registered plugins.
-    """
-
-    def __init__(
-        self,
-        specs: dict[str, PluginSpec],
-        builtin: set[str],
-        blocked: set[str],
-        blocked_specs: dict[str, PluginSpec] | None = None,
-        broken: dict[str, str] | None = None,
-        broken_flags: dict[str, str] | None = None,
-        plugins: dict[str, Any] | None = None,
-    ) -> None:
-        self.specs = dict(specs)
-        self.plugins = dict(plugins or {})
-        self.builtin = set(builtin)
-        self.blocked = set(blocked)
-        self.blocked_specs = dict(blocked_specs or {})
-        self.broken = dict(broken or {})
-        self.broken_flags = dict(broken_flags or {})
-        self.flags: dict[str, tuple[Flag, str]] = {}
-        for name, spec in self.specs.items():
-            clash = _flag_clash(self.flags, name, spec)
-            if clash is not None:
-                raise UsageError(f"trl-ext plugin `{name}`: {clash}.")
-            for flag in spec.flags:
-                self.flags[flag.name] = (flag, name)
-
-    def flag_names(self) -> tuple[str, ...]:
-        return tuple(self.flags)
-
-    def defaults(self) -> dict[str, Any]:
-        return {name: flag.default for name, (flag, _) in self.flags.items()}
-
-    def owner(self, flag: str) -> str:
-        return self.flags[flag][1]
-
-    def trl_flag_owners(self) -> dict[str, str]:
-        """`{TRL config field: plugin}` for plugins that serve a TRL flag TRL ignores."""
-        return {spec.trl_flag: name for name, spec in self.specs.items() if spec.trl_flag}
-
-    def blocked_owner(self, flag: str) -> str | None:
-        for name, spec in self.blocked_specs.items():
-            if flag in spec.flag_names:
-                return name
-        return None
-
-    def broken_message(self, name: str) -> str:
-        """Why the broken plugin `name` cannot be used, and the two ways out (fix it, or block it)."""
-        return (
-            f"The trl-ext plugin `{name}` cannot be used: {self.broken[name]}. Or, if you do not need it, block it: "
-            f"{block_advice(name, self.blocked)}."
-        )
-
-
-def _flag_clash(owned: dict[str, tuple[Flag, str]], name: str, spec: PluginSpec) -> str | None:
-    for flag in spec.flags:
-        if flag.name in CORE_KEYS:
-            return f"it declares the flag `{flag.name}`, a reserved trl-ext key"
-        if flag.name in owned:
-            return f"it declares the flag `{flag.name}`, which the plugin `{owned[flag.name][1]}` declares too"
-    return None
 
 
 def _validate_hooks(name: str, plugin: Any) -> None:
@@ -343,7 +253,7 @@ def load_catalog(block: Iterable[str] = (), *, warn: bool = True) -> tuple[Catal
                 broken[source.name] = f"{exc}".rstrip(".") + f" (package `{source.dist}`)"
                 broken_flags.update({flag: source.name for flag in spec.flag_names})
                 continue
-            clash = _flag_clash(owned, source.name, spec)
+            clash = flag_clash(owned, source.name, spec)
             if clash is not None:
                 broken[source.name] = f"{clash} (package `{source.dist}`); only one plugin can own a flag"
                 broken_flags.update({f: source.name for f in spec.flag_names if f not in owned})
@@ -468,40 +378,3 @@ def call_exclusive(caller: pluggy.HookCaller, **kwargs: Any) -> Any:
             "only one can. Disable all but one of them (unset its flag, or add it to `block`)."
         )
     return results[0] if results else None
-
-
-# -------------------------------------------------------------------------------------------------------------------
-# What `trl-ext plugins` shows
-# -------------------------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class PluginInfo:
-    """What `trl-ext plugins` shows about one plugin."""
-
-    name: str
-    builtin: bool
-    flags: tuple[str, ...]
-    options: tuple[str, ...]
-    trainers: tuple[str, ...] | None  # None: every trainer trl-ext attaches to
-    trl_flag: str | None
-    source: str
-    summary: str
-    settings: tuple[SettingDoc, ...] = ()
-
-
-def plugin_info(catalog: Catalog, name: str) -> PluginInfo:
-    """What `trl-ext plugins` shows about `name`, from its declaration alone (nothing else is imported)."""
-    plugin = catalog.plugins[name]
-    spec = catalog.specs[name]
-    return PluginInfo(
-        name=name,
-        builtin=name in catalog.builtin,
-        flags=spec.flag_names,
-        options=spec.option_names(),
-        trainers=spec.trainers,
-        trl_flag=spec.trl_flag,
-        source=getattr(plugin, "__name__", type(plugin).__name__),
-        summary=spec.summary,
-        settings=spec.docs(),
-    )

@@ -59,12 +59,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import UsageError
+from .setting_docs import SettingDoc, first_sentence, parse_args_docstring
 
 __all__ = [
     "Flag",
     "Parser",
     "PluginSpec",
-    "SettingDoc",
     "Size",
     "boolean",
     "either",
@@ -389,7 +389,7 @@ class PluginSpec:
     def docs(self) -> tuple[SettingDoc, ...]:
         """The plugin's flags and options, each with its accepted values, default and one line of help, from the
         declarations (`trl-ext plugins` prints them)."""
-        out = [SettingDoc("flag", f.name, f.parse.expects, f.default, _first_sentence(f.help)) for f in self.flags]
+        out = [SettingDoc("flag", f.name, f.parse.expects, f.default, first_sentence(f.help)) for f in self.flags]
         if self.options is not None:
             helps = self.option_help()
             for f in dataclasses.fields(self.options):
@@ -397,7 +397,7 @@ class PluginSpec:
                 kind = parser.expects if parser is not None else str(getattr(f.type, "__name__", f.type))
                 factory: Any = f.default_factory
                 default = f.default if f.default is not dataclasses.MISSING else factory()
-                out.append(SettingDoc("option", f.name, kind, default, _first_sentence(helps.get(f.name, ""))))
+                out.append(SettingDoc("option", f.name, kind, default, first_sentence(helps.get(f.name, ""))))
         return tuple(out)
 
     def applies_to(self, trainer_class: str) -> bool:
@@ -443,63 +443,3 @@ class PluginSpec:
             raise
         except (ValueError, TypeError) as exc:
             raise UsageError(f"`plugins.{self.name}`: {exc} (from {source}).") from None
-
-
-@dataclass(frozen=True)
-class SettingDoc:
-    """One flag or option of a plugin, as `trl-ext plugins` lists it.
-
-    Args:
-        kind (`str`): `"flag"` or `"option"`.
-        name (`str`): the flag, or the option's name under `plugins: {<plugin>: {...}}`.
-        accepts (`str`): what a valid value looks like (the parser's `expects`, or the field's type).
-        default (`Any`): the declared default.
-        help (`str`): one line.
-    """
-
-    kind: str
-    name: str
-    accepts: str
-    default: Any
-    help: str
-
-    def default_text(self) -> str:
-        value = self.default
-        if value is None or isinstance(value, bool):
-            return {None: "None", True: "true", False: "false"}[value]
-        return f'"{value}"' if isinstance(value, str) else str(value)
-
-
-def _first_sentence(text: str) -> str:
-    text = " ".join(text.split())
-    head, dot, _ = text.partition(". ")
-    return head + "." if dot else text
-
-
-def parse_args_docstring(doc: str) -> dict[str, str]:
-    """`{name: description}` from an HF/Google-style `Args:` section."""
-    out: dict[str, str] = {}
-    lines = doc.expandtabs().splitlines()
-    try:
-        start = next(i for i, line in enumerate(lines) if line.strip() == "Args:")
-    except StopIteration:
-        return out
-    indent = None
-    current = None
-    for line in lines[start + 1 :]:
-        if not line.strip():
-            continue
-        depth = len(line) - len(line.lstrip())
-        if indent is None:
-            indent = depth
-        if depth < indent:
-            break
-        if depth == indent:
-            match = re.match(r"\s*(\w+)\s*(\(.*\))?\s*:\s*(.*)", line)
-            if not match:
-                break
-            current = match.group(1)
-            out[current] = match.group(3).strip()
-        elif current is not None:
-            out[current] = (out[current] + " " + line.strip()).strip()
-    return out

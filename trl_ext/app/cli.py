@@ -15,8 +15,9 @@ _VERSIONED = ("trl", "transformers", "torch", "accelerate", "deepspeed", "peft",
 def _cmd_plugins(args: argparse.Namespace) -> int:
     import os
 
+    from ..catalog import plugin_info
     from ..config import _parse_block
-    from ..manager import load_catalog, plugin_info
+    from ..manager import load_catalog
 
     # `--block NAME` and `TRL_EXT_BLOCK`, as for every other command.
     env_block = _parse_block(os.environ.get("TRL_EXT_BLOCK", ""), "environment variable $TRL_EXT_BLOCK")
