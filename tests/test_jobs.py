@@ -13,14 +13,14 @@ import pytest
 import yaml
 
 from trl_ext import UsageError
-from trl_ext.app.jobs import split_argv, split_yaml_config
-from trl_ext.plugins import BUILTIN_PLUGINS
+from trl_ext.app.job_args import split_argv, split_yaml_config
+from trl_ext.manager import builtin_plugin_modules
 from trl_ext.testing import make_model, make_tokenizer, preference_rows
 
 CPU_LINE = "[trl-ext] no accelerator found: training on CPU in"
 
 #: The plugins this job test switches on through the recipe (those that are built in this release).
-RECIPE_FLAGS = {k: v for k, v in {"padding_free": True, "sync_metrics": True}.items() if k in BUILTIN_PLUGINS}
+RECIPE_FLAGS = {k: v for k, v in {"padding_free": True, "sync_metrics": True}.items() if k in builtin_plugin_modules()}
 
 
 @pytest.fixture(scope="module")
@@ -222,13 +222,13 @@ def test_cpu_and_fp32_are_defaults_without_accelerator_and_user_flags_win(
 ):
     from trl import DPOConfig, ModelConfig, ScriptArguments, TrlParser
 
-    from trl_ext.app import jobs
+    from trl_ext.app import job_args
 
-    monkeypatch.setattr(jobs, "_has_accelerator", lambda: False)
+    monkeypatch.setattr(job_args, "_has_accelerator", lambda: False)
     parser = TrlParser((ScriptArguments, DPOConfig, ModelConfig), prog="trl-ext dpo")
     if deepspeed:
         argv = [*argv, "--use_cpu", "false"]  # what a DeepSpeed user has; checked: it stays false
-    _, training_args, _ = jobs.parse_job_args(parser, "dpo", [*argv, "--output_dir", str(tmp_path)], deepspeed)
+    _, training_args, _ = job_args.parse_job_args(parser, "dpo", [*argv, "--output_dir", str(tmp_path)], deepspeed)
     assert {key: getattr(training_args, key) for key in expect} == expect
     err = capsys.readouterr().err
     if note is None:
@@ -240,13 +240,13 @@ def test_cpu_and_fp32_are_defaults_without_accelerator_and_user_flags_win(
 def test_cpu_defaults_yield_to_the_recipe(monkeypatch, tmp_path):
     from trl import DPOConfig, ModelConfig, ScriptArguments, TrlParser
 
-    from trl_ext.app import jobs
+    from trl_ext.app import job_args
 
-    monkeypatch.setattr(jobs, "_has_accelerator", lambda: False)
+    monkeypatch.setattr(job_args, "_has_accelerator", lambda: False)
     recipe = tmp_path / "r.yaml"
     recipe.write_text(f"output_dir: {tmp_path}\nbf16: true\n")
     parser = TrlParser((ScriptArguments, DPOConfig, ModelConfig), prog="trl-ext dpo")
-    _, training_args, _ = jobs.parse_job_args(parser, "dpo", ["--config", str(recipe)], False)
+    _, training_args, _ = job_args.parse_job_args(parser, "dpo", ["--config", str(recipe)], False)
     assert training_args.bf16 is True and training_args.use_cpu is True
 
 
@@ -283,7 +283,7 @@ _PAIRS = [(high, low) for i, high in enumerate(_SOURCES) for low in (*_SOURCES[i
 def _job_config(monkeypatch, tmp_path, flag: str, values: dict[str, bool]):
     """Resolve `flag` as `trl-ext dpo` does from `values` by source, install it as the job does, return the value
     the installation has."""
-    from trl_ext.app import jobs
+    from trl_ext.app import job_args, jobs
 
     argv = ["--output_dir", str(tmp_path)]
     if "cli" in values:
@@ -296,7 +296,7 @@ def _job_config(monkeypatch, tmp_path, flag: str, values: dict[str, bool]):
         recipe = tmp_path / "recipe.yaml"
         recipe.write_text(yaml.safe_dump({"learning_rate": 0.1, "trl_ext": {flag: values["recipe"]}}))
         argv = ["--config", str(recipe), *argv]
-    config, _, stripped = jobs._resolve_config(argv)
+    config, _, stripped = job_args.resolve_config(argv)
     if stripped:
         os.unlink(stripped)
     with jobs._installed_for_job(config, cpu_deepspeed=False, trainer_class="DPOTrainer") as installation:
@@ -330,11 +330,11 @@ def test_job_precedence_command_line_over_environment_over_recipe(flag, high, lo
 def test_cpu_line_names_the_precision_it_trains_in(monkeypatch, capsys, tmp_path):
     from trl import DPOConfig, ModelConfig, ScriptArguments, TrlParser
 
-    from trl_ext.app import jobs
+    from trl_ext.app import job_args
 
-    monkeypatch.setattr(jobs, "_has_accelerator", lambda: False)
+    monkeypatch.setattr(job_args, "_has_accelerator", lambda: False)
     parser = TrlParser((ScriptArguments, DPOConfig, ModelConfig), prog="trl-ext dpo")
-    jobs.parse_job_args(parser, "dpo", ["--bf16", "true", "--output_dir", str(tmp_path)], False)
+    job_args.parse_job_args(parser, "dpo", ["--bf16", "true", "--output_dir", str(tmp_path)], False)
     err = capsys.readouterr().err
     assert "[trl-ext] no accelerator found: training on CPU in bf16 (--use_cpu true;" in err and "fp32" not in err
 
