@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -40,6 +40,11 @@ from .._probe import STOCK_CALL, model_probe_lengths, training_max_length
 from . import NAME, PaddingFreeOptions
 from .architecture import Inspection, inspect_model
 from .self_check import SelfCheckResult, self_check
+
+if TYPE_CHECKING:  # pragma: no cover
+    from transformers import Trainer
+
+    from ...context import TrainerContext
 
 logger = get_logger(__name__)
 
@@ -82,7 +87,7 @@ def _state(context) -> PaddingFreeState:
 
 
 @hookimpl
-def trl_ext_trainer_init_start(trainer, context, init_kwargs):
+def trl_ext_trainer_init_start(trainer: Trainer, context: TrainerContext, init_kwargs: dict[str, Any]) -> None:
     _state(context)
     args = init_kwargs.get("args")
     if args is not None and getattr(args, "use_liger_kernel", False):
@@ -132,13 +137,15 @@ def _configure_model(context, role: str, model) -> str:
 
 
 @hookimpl
-def trl_ext_make_collator(trainer, context, collator):
+def trl_ext_make_collator(trainer: Trainer, context: TrainerContext, collator: Callable) -> Callable | None:
     _check_trainer(trainer, context)
     return PaddingFreeCollator(collator)
 
 
 @hookimpl
-def trl_ext_make_packed_forward(trainer, context, role, backbone):
+def trl_ext_make_packed_forward(
+    trainer: Trainer, context: TrainerContext, role: str, backbone: torch.nn.Module
+) -> Callable | None:
     state = _check_trainer(trainer, context)
     model = context.models()[role]
     state.attn_implementations[role] = _configure_model(context, role, model)
@@ -146,7 +153,7 @@ def trl_ext_make_packed_forward(trainer, context, role, backbone):
 
 
 @hookimpl
-def trl_ext_trainer_models_ready(trainer, context):
+def trl_ext_trainer_models_ready(trainer: Trainer, context: TrainerContext) -> None:
     state = _check_trainer(trainer, context)
     for role, model in context.models().items():
         if role not in state.attn_implementations:  # a model whose backbone the core could not reach
@@ -218,7 +225,7 @@ def _run_self_check(state: PaddingFreeState, role: str, model, trainer) -> None:
 
 
 @hookimpl
-def trl_ext_describe(trainer, context):
+def trl_ext_describe(trainer: Trainer, context: TrainerContext) -> str | None:
     return ", ".join(f"{role}: {impl}" for role, impl in _state(context).attn_implementations.items()) or None
 
 

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from ..._logging import get_logger
 from ...hookspecs import hookimpl
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+    from transformers import Trainer
+
+    from ...context import TrainerContext
 
 logger = get_logger(__name__)
 
@@ -15,7 +22,7 @@ logger = get_logger(__name__)
 
 
 @hookimpl
-def trl_ext_trainer_init_start(trainer: Any, context: Any, init_kwargs: dict[str, Any]) -> None:
+def trl_ext_trainer_init_start(trainer: Trainer, context: TrainerContext, init_kwargs: dict[str, Any]) -> None:
     from .setup import check_init_kwargs, state_of
 
     state_of(context)
@@ -23,7 +30,7 @@ def trl_ext_trainer_init_start(trainer: Any, context: Any, init_kwargs: dict[str
 
 
 @hookimpl
-def trl_ext_make_collator(trainer: Any, context: Any, collator: Any) -> Any:
+def trl_ext_make_collator(trainer: Trainer, context: TrainerContext, collator: Callable) -> Callable | None:
     from .layout import PromptSharingCollator
     from .setup import check_trainer
 
@@ -34,7 +41,9 @@ def trl_ext_make_collator(trainer: Any, context: Any, collator: Any) -> Any:
 
 
 @hookimpl
-def trl_ext_make_packed_forward(trainer: Any, context: Any, role: str, backbone: Any) -> Any:
+def trl_ext_make_packed_forward(
+    trainer: Trainer, context: TrainerContext, role: str, backbone: torch.nn.Module
+) -> Callable | None:
     from .forward import make_backbone_forward
     from .setup import check_trainer
 
@@ -44,7 +53,7 @@ def trl_ext_make_packed_forward(trainer: Any, context: Any, role: str, backbone:
 
 
 @hookimpl(trylast=True)
-def trl_ext_trainer_models_ready(trainer: Any, context: Any) -> None:
+def trl_ext_trainer_models_ready(trainer: Trainer, context: TrainerContext) -> None:
     # trylast: the causal-LM wrapper is installed outermost, over any other plugin's wrapper.
     from .setup import wrap_models
 
@@ -52,7 +61,7 @@ def trl_ext_trainer_models_ready(trainer: Any, context: Any) -> None:
 
 
 @hookimpl
-def trl_ext_describe(trainer: Any, context: Any) -> str | None:
+def trl_ext_describe(trainer: Trainer, context: TrainerContext) -> str | None:
     from .setup import state_of
 
     state = state_of(context)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING, Any
 
 from ... import _compat
 from ..._logging import get_logger
@@ -10,6 +11,11 @@ from ...errors import UsageError
 from ...hookspecs import hookimpl
 from . import NAME
 from .capture import SyncMetricsState
+
+if TYPE_CHECKING:  # pragma: no cover
+    from transformers import Trainer
+
+    from ...context import TrainerContext
 
 logger = get_logger(__name__)
 
@@ -19,7 +25,7 @@ logger = get_logger(__name__)
 
 
 @hookimpl
-def trl_ext_trainer_init_start(trainer, context, init_kwargs):
+def trl_ext_trainer_init_start(trainer: Trainer, context: TrainerContext, init_kwargs: dict[str, Any]) -> None:
     args = init_kwargs.get("args")
     if context.trainer_class == "DPOTrainer":
         if getattr(args, "use_liger_kernel", False) and not _compat.dpo_uses_fused_lm_head():
@@ -36,7 +42,7 @@ def trl_ext_trainer_init_start(trainer, context, init_kwargs):
 
 
 @hookimpl
-def trl_ext_trainer_init_end(trainer, context):
+def trl_ext_trainer_init_end(trainer: Trainer, context: TrainerContext) -> None:
     from . import dpo, online_dpo, trainer_gathers
     from .capture import _make_local_gather, _RecordingIterator
 
@@ -74,7 +80,9 @@ def trl_ext_trainer_init_end(trainer, context):
 
 
 @hookimpl
-def trl_ext_reduce_metrics(trainer, context, logs):
+def trl_ext_reduce_metrics(
+    trainer: Trainer, context: TrainerContext, logs: dict[str, float]
+) -> dict[str, float] | None:
     state = context.state.get(NAME)
     if state is None:
         return None
