@@ -10,7 +10,7 @@ import sys
 import pytest
 
 import trl_ext
-from trl_ext.plugins import BUILTIN_PLUGINS
+from trl_ext.manager import builtin_plugin_modules
 
 pytestmark = pytest.mark.slow  # every test runs the installed console script
 
@@ -35,9 +35,10 @@ def test_doctor_prints_versions_support_and_attention_backends():
 
 def test_plugins_lists_builtins_with_flags_and_applicability():
     out = _run("plugins").stdout
-    for name in BUILTIN_PLUGINS:
+    builtins = builtin_plugin_modules()
+    for name in builtins:
         assert name in out
-    if BUILTIN_PLUGINS:
+    if builtins:
         assert "built-in" in out and "applies" in out
     # each flag and option with what it accepts, its default and one line of help, from the declarations
     assert "  flag   sync_metrics: true or false; default false. " in out

@@ -10,6 +10,7 @@ import pytest
 
 import trl_ext
 from trl_ext import UsageError, _compat
+from trl_ext.manager import builtin_plugin_modules
 from trl_ext.spec import Flag, PluginSpec, boolean
 from trl_ext.testing import length_reward, make_model, make_preference_dataset, make_prompt_dataset
 
@@ -283,7 +284,7 @@ def test_trl_flag_that_trl_ignores_enables_the_plugin_with_that_flag(tokenizer, 
 
     plugin = OwnsPaddingFree()
     install_fake_plugin(monkeypatch, "fake_padding_free", plugin)
-    block = ["padding_free"] if "padding_free" in trl_ext.plugins.BUILTIN_PLUGINS else []
+    block = ["padding_free"] if "padding_free" in builtin_plugin_modules() else []
     with trl_ext.install(block=block) as installation:
         args = dpo_args(padding_free=True)
         assert installation.enabled_plugins("DPOTrainer", args) == ["fake_padding_free"]
@@ -317,7 +318,7 @@ def test_trl_that_honours_the_flag_keeps_it_and_refuses_a_double_claim(tokenizer
 
     install_fake_plugin(monkeypatch, "fake_padding_free", OwnsPaddingFree())
     monkeypatch.setattr(_compat, "dpo_honours_padding_free", lambda: True)
-    block = ["padding_free"] if "padding_free" in trl_ext.plugins.BUILTIN_PLUGINS else []
+    block = ["padding_free"] if "padding_free" in builtin_plugin_modules() else []
     with trl_ext.install(block=block) as installation:
         assert installation.enabled_plugins("DPOTrainer", dpo_args(padding_free=True)) == []
     with trl_ext.install(block=block, padding_free=True):
@@ -431,7 +432,7 @@ def test_flag_whose_plugin_is_blocked_is_a_usage_error():
         ("precompute_ref_batch_size", "precompute_ref_batch_size", 8),
         ("ds3_gather_for_generation", "generation", False),
     ]:
-        if owner in trl_ext.plugins.BUILTIN_PLUGINS:
+        if owner in builtin_plugin_modules():
             with pytest.raises(
                 UsageError, match=rf"`{flag}` is set .*the plugin `{owner}` that implements it is blocked"
             ):

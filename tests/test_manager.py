@@ -13,7 +13,6 @@ import trl_ext
 from trl_ext import UsageError
 from trl_ext.config import load_config
 from trl_ext.manager import builtin_plugin_modules, call_exclusive, load_catalog, make_plugin_manager
-from trl_ext.plugins import BUILTIN_PLUGINS
 from trl_ext.spec import Flag, PluginSpec, boolean, positive_int
 
 from ._fakes import FakeDistribution, install_fake_plugin
@@ -65,12 +64,18 @@ def _module_plugin(name: str, spec: PluginSpec | None = None, **attrs) -> types.
 
 
 def test_builtins_are_discovered_from_the_package_not_named_in_the_core():
-    assert BUILTIN_PLUGINS == builtin_plugin_modules()
+    import pkgutil
+
+    import trl_ext.plugins
+
+    builtins = builtin_plugin_modules()
+    public = {i.name for i in pkgutil.iter_modules(trl_ext.plugins.__path__) if not i.name.startswith("_")}
+    assert builtins and set(builtins) == public
     catalog, plugins = load_catalog()
-    assert set(BUILTIN_PLUGINS) <= set(catalog.builtin)
-    for name in BUILTIN_PLUGINS:
+    assert set(builtins) <= set(catalog.builtin)
+    for name in builtins:
         assert catalog.specs[name].name == name  # same name everywhere
-        assert plugins[name].__name__ == BUILTIN_PLUGINS[name]
+        assert plugins[name].__name__ == builtins[name] == f"trl_ext.plugins.{name}"
 
 
 def test_entry_point_plugins_are_discovered_and_registered_like_builtins(monkeypatch):
@@ -78,7 +83,7 @@ def test_entry_point_plugins_are_discovered_and_registered_like_builtins(monkeyp
     install_fake_plugin(monkeypatch, "thirdparty", plugin)
     pm = make_plugin_manager()
     assert pm.get_plugin("thirdparty") is plugin
-    assert [n for n, _ in pm.list_name_plugin()] == [*BUILTIN_PLUGINS, "thirdparty"]
+    assert [n for n, _ in pm.list_name_plugin()] == [*builtin_plugin_modules(), "thirdparty"]
     assert "thirdparty" not in pm.catalog.builtin
 
 
@@ -123,7 +128,7 @@ def _assert_broken(name: str, match: str, log, enable: dict | None = None) -> No
     """`name` is skipped with one warning naming it and the exact block setting; the other plugins still work; enabling
     it is a UsageError with the same advice; blocking it silences it."""
     pm = make_plugin_manager()
-    assert pm.get_plugin(name) is None and set(BUILTIN_PLUGINS) <= {n for n, _ in pm.list_name_plugin()}
+    assert pm.get_plugin(name) is None and set(builtin_plugin_modules()) <= {n for n, _ in pm.list_name_plugin()}
     warnings = [r.getMessage() for r in log.records if r.levelname == "WARNING" and f"`{name}`" in r.getMessage()]
     assert len(warnings) == 1, log.text
     assert f"`TRL_EXT_BLOCK={name}`" in warnings[0] and f"`block: [{name}]`" in warnings[0], warnings[0]

@@ -64,10 +64,10 @@ def test_training_keeps_user_kwargs_and_equals_plugin(online_dpo_args, tokenizer
     kwargs = _gc_kwargs(native.model)
     assert kwargs and all(k == USER_GC_KWARGS for k in kwargs)  # B12 fixed natively
 
-    from trl_ext.plugins import BUILTIN_PLUGINS
+    from trl_ext.manager import builtin_plugin_modules
 
-    if "generation" not in BUILTIN_PLUGINS:
-        pytest.fail("trl_ext.plugins.BUILTIN_PLUGINS has no 'generation': nothing to compare the patch with")
+    if "generation" not in builtin_plugin_modules():
+        pytest.fail("trl-ext has no built-in plugin 'generation': nothing to compare the patch with")
     import trl_ext
 
     with trl_ext.install(ds3_gather_for_generation=False):

@@ -45,9 +45,9 @@ LOSS_CASES += [
 
 
 def _plugin_available() -> bool:
-    from trl_ext.plugins import BUILTIN_PLUGINS
+    from trl_ext.manager import builtin_plugin_modules
 
-    return "padding_free" in BUILTIN_PLUGINS
+    return "padding_free" in builtin_plugin_modules()
 
 
 @pytest.fixture(scope="module")
@@ -254,7 +254,7 @@ def test_qwen2_attention_implementations(build, attn):
 @pytest.fixture
 def plugin_build(build):
     if not _plugin_available():
-        pytest.fail("trl_ext.plugins.BUILTIN_PLUGINS has no 'padding_free': nothing to compare the patch with")
+        pytest.fail("trl-ext has no built-in plugin 'padding_free': nothing to compare the patch with")
 
     def make(**kwargs):
         import trl_ext

@@ -5,16 +5,3 @@ Every public module or subpackage here is a plugin. It declares itself with `TRL
 a third-party plugin (`trl_ext.manager`), under its module name. The module docstring is its user documentation.
 Nothing outside a plugin's own module names it: adding a plugin is adding a module.
 """
-
-from __future__ import annotations
-
-from typing import Any
-
-
-def __getattr__(name: str) -> Any:
-    if name == "BUILTIN_PLUGINS":
-        # `{name: module}`, discovered (kept for code that asked for the old constant).
-        from ..manager import builtin_plugin_modules
-
-        return builtin_plugin_modules()
-    raise AttributeError(name)
