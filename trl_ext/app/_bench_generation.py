@@ -65,7 +65,8 @@ def main():
 
     import trl_ext
     from trl_ext.plugins.generation import GenerationState, param_bytes
-    from trl_ext.testing import length_reward, make_model, make_prompt_dataset, make_tokenizer
+
+    from .bench.workload import length_reward, make_model, make_prompt_dataset, make_tokenizer
 
     model_kwargs = dict(
         hidden_size=args.hidden,

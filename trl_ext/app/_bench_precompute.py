@@ -212,7 +212,7 @@ class PrecomputeRig:
 
 
 def make_dataset(pairs: int, **kwargs):
-    from trl_ext.testing import make_preference_dataset
+    from .bench.workload import make_preference_dataset
 
     return make_preference_dataset(pairs, **kwargs)
 
@@ -221,7 +221,7 @@ def main():
     args = parse_args()
     import trl
 
-    from trl_ext.testing import make_model, make_tokenizer
+    from .bench.workload import make_model, make_tokenizer
 
     cuda = torch.cuda.is_available()
     if not cuda:
@@ -277,7 +277,7 @@ def main():
             box.update(
                 pairs=len(dataset),
                 batches=run.get("batches"),
-                token_budget=run.get("token_budget"),
+                batch_tokens=run.get("batch_tokens"),
                 source=run.get("source", "trl"),
             )
             print(

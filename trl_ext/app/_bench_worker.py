@@ -22,7 +22,7 @@ def _collectives(args: argparse.Namespace) -> None:
     # backend="gloo") accelerate 1.15 reports DistributedType.NO and its gathers silently do nothing.
     state = PartialState(cpu=True)
     assert state.num_processes > 1 and state.distributed_type.name == "MULTI_CPU", state
-    from trl_ext.testing import count_collectives
+    from .bench.workload import count_collectives
 
     counter = count_collectives()
     counter.enabled = False
@@ -30,7 +30,8 @@ def _collectives(args: argparse.Namespace) -> None:
     from trl import DPOConfig, DPOTrainer
 
     import trl_ext
-    from trl_ext.testing import make_model, make_preference_dataset, make_tokenizer
+
+    from .bench.workload import make_model, make_preference_dataset, make_tokenizer
 
     steps = args.steps or (4 if args.quick else 8)
     tokenizer = make_tokenizer()

@@ -68,7 +68,7 @@ def _sizes(quick: bool) -> dict[str, Any]:
 
 class Setup:
     def __init__(self, args: argparse.Namespace) -> None:
-        from trl_ext.testing import make_model, make_preference_dataset, make_tokenizer
+        from .workload import make_model, make_preference_dataset, make_tokenizer
 
         self.size = _sizes(args.quick)
         s = self.size
