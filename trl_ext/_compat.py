@@ -161,7 +161,7 @@ def renamed_keyword_notes(trainer_class: str, error: BaseException, keywords: It
 
 #: TRL's own refusal of an `IterableDataset` in `DPOTrainer._precompute_ref_logps` (its first statement; raised as a
 #: `ValueError`). Consumer: precompute_ref_batch_size, which steps aside for an IterableDataset so that TRL's check
-#: speaks (issue 15, point 7). Identical on 1.12.0 (dpo_trainer.py:1134-1138) and 1.16.0 (:1169-1173).
+#: speaks. Identical on 1.12.0 (dpo_trainer.py:1134-1138) and 1.16.0 (:1169-1173).
 DPO_PRECOMPUTE_ITERABLE_MESSAGE = (
     "`precompute_ref_log_probs=True` is not supported with IterableDataset. Please use a map-style "
     "Dataset or set `precompute_ref_log_probs=False`."
@@ -288,7 +288,7 @@ TRAINER_STATE_ATTRS = (TRAINER_LAST_LOGGED_ATTR, TRAINER_TOTAL_LOSS_ATTR, TRAINE
 
 #: `AttentionInterface` and `AttentionMaskInterface` keep their process-wide registrations in the class attribute
 #: `_global_mapping` (a dict): read to ask whether a name is registered, popped to unregister (there is no public
-#: `unregister`). Consumer: `plugins._packing` (`register_attention`, `unregister_attention`,
+#: `unregister`). Consumer: `plugins._packing.attention` (`register_attention`, `unregister_attention`,
 #: `packed_or_base_attention`). Checked on transformers 5.24.0.
 ATTENTION_REGISTRY_FIELD = "_global_mapping"
 
@@ -301,7 +301,7 @@ def attention_registry(interface: type) -> dict:
 # -- TRL facts read by the packing plugins ----------------------------------------------------------------------------
 
 #: DPOTrainer attributes, set in `__init__`, that say it runs a vision-language model or an image dataset. Consumer:
-#: `plugins._packing.check_packable_trainer` (packing refuses both). Checked on 1.12.0 and 1.16.0.
+#: `plugins._packing.glue.check_packable_trainer` (packing refuses both). Checked on 1.12.0 and 1.16.0.
 TRL_VISION_ATTRS = ("_is_vlm", "_is_vision_dataset")
 #: `OnlineDPOTrainer._forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask, vision_inputs=None)`,
 #: and the attribute that holds its `max_length`. Consumer: `plugins.prompt_sharing` (wraps `_forward`). Checked on
@@ -396,7 +396,7 @@ DATASET_FINGERPRINT_ATTR = "_fingerprint"
 # -- padding_free: TRL's fused LM head (TRL >= 1.15) -----------------------------------------------------------------
 
 #: Per-token outputs of TRL's fused LM head (`trl.trainer.utils.FusedCausalLMOutput`), `[B, L - 1]` each; the
-#: padding_free and prompt_sharing plugins re-pad them (`plugins/_packing.py` `FUSED_FIELDS`). Checked 1.16.0; absent
+#: padding_free and prompt_sharing plugins re-pad them (`plugins._packing.glue.repad_outputs`). Checked 1.16.0; absent
 #: on 1.12.0.
 FUSED_LM_HEAD_OUTPUT = ("trl.trainer.utils", "FusedCausalLMOutput")
 FUSED_LM_HEAD_FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1", "label_mask")

@@ -1,4 +1,4 @@
-"""The generation plugin under FSDP (issue 18): which `ds3_gather_for_generation` settings mean something there."""
+"""The generation plugin under FSDP: which `ds3_gather_for_generation` settings mean something there."""
 
 from __future__ import annotations
 

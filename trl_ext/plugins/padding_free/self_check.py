@@ -14,7 +14,7 @@ in eval mode without gradients, in the model's dtype:
    float32, 5e-2 in 16-bit or under 16-bit autocast). This catches positions that do not restart per sequence and any
    locality (window, chunk, mask function) the packed call loses: the longest probe sequence is as long as a training
    sequence, so a locality that acts in training acts in the probe. Float64 allows 1e-7 because some models compute
-   parts of a float64 forward in float32 (ALiBi models' attention softmax: up to 6e-9), MoE models 1e-6 (float32
+   parts of a float64 forward in float32 (ALiBi models' attention softmax), MoE models 1e-6 (float32
    routers: a float32 matmul may round a row differently with another row count); a position or window bug is order
    1e-1. Where the padded forward itself is degenerate on a row (eager attention over a query whose window holds only
    padding gives NaN in some models, stock TRL included), that row's reference is the sequence run alone.

@@ -4,7 +4,7 @@ Registered in transformers' `AttentionInterface` as `trl_ext_shared_sdpa` / `trl
 prompt_sharing enabled is switched to it (for as long as trl-ext is installed). It acts only on calls that carry the
 layout's segments (the `trl_ext_shared_groups` keyword, which transformers hands through the model to every attention
 call, also when gradient checkpointing re-runs a layer); every other call goes to the shared varlen attention of
-`_packing` when that is registered (it runs packed calls), else to the model's own attention with the mask
+`_packing.attention` when that is registered (it runs packed calls), else to the model's own attention with the mask
 transformers builds for it, so generation and plain forwards are unchanged.
 
 CPU (sdpa / eager): one attention call per segment (SDPA for plain SDPA layers; the layer's own attention function,
@@ -49,7 +49,7 @@ __all__ = [
 
 #: The keyword that carries the layout's groups (`layout.Groups`) from the model call down to the attention.
 GROUPS_KWARG = "trl_ext_shared_groups"
-#: Attention implementations the shared attention stands in for (those the varlen attention of `_packing` covers).
+#: Attention implementations the shared attention stands in for (those `_packing.attention`'s varlen covers).
 SHARED_BASES = VARLEN_BASES
 _PREFIX = "trl_ext_shared_"
 

@@ -12,7 +12,7 @@ and the groups follow each other in one packed row `[1, N]`. A row whose prompt 
 one branch and no prefix (one causal segment, as plain packing lays it out). Each branch repeats the last prompt
 token, so that the hidden state which predicts the branch's first completion token sits in the branch and the usual
 `hidden[:, :-1]` / `labels[:, 1:]` shift of a packed row stays right (the layout of Wang & Hegde 2024, arXiv
-2410.20305; see /work/shared/research/prefix_sharing.md). Positions are the tokens' columns in the padded batch,
+2410.20305). Positions are the tokens' columns in the padded batch,
 which is what a padded forward without `position_ids` uses (transformers' `arange`), so both branches continue from
 the prompt.
 

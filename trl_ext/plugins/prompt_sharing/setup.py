@@ -163,7 +163,7 @@ def configure_model(context: Any, role: str, model: Any) -> str:
             f"prompt_sharing supports the attention implementations sdpa and eager, but the {role} model uses "
             f'`{impl}`. Load it with `attn_implementation="sdpa"`, {instead}.'
         )
-    # Held per trainer (not per installation): the trainer keeps its plugins after `uninstall()` (issue 15).
+    # Held per trainer (not per installation): the trainer keeps its plugins after `uninstall()`.
     context.hold("prompt_sharing_attention", register_shared_attention, unregister_shared_attention)
     name = shared_attention_name(base)
     if impl != name:
