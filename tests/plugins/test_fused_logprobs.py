@@ -1,0 +1,260 @@
+"""fused_logprobs on `OnlineDPOTrainer`: the scoring forwards of policy and reference equal stock Online DPO at the
+same completions (float64, SGD): per-token log-probs (every column, the padding after an end too), loss, every logged
+metric, gradients; refusals named before the first step; no `[rows, length, vocab]` tensor in a training step.
+
+Generation is replaced, on both trainers, by one stored batch (left-padded prompts repeated twice as TRL does,
+completions of different lengths padded after their end), so both score exactly the same tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import trl_ext
+from tests import equivalence as eq
+from trl_ext.testing import length_reward, make_model, make_prompt_dataset
+
+LOGPS_RTOL = 1e-10
+RTOL = 1e-8
+VOCAB = 253  # not a multiple of any chunk used here
+
+
+def _fixed_generation(prompt_lens=(5, 9, 2), completion_lens=(6, 3, 1, 4, 6, 2), width=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    p = max(prompt_lens)
+    prompt_ids = torch.zeros(len(prompt_lens), p, dtype=torch.long)
+    prompt_mask = torch.zeros_like(prompt_ids)
+    for i, n in enumerate(prompt_lens):
+        prompt_ids[i, p - n :] = torch.randint(4, VOCAB, (n,), generator=g)
+        prompt_mask[i, p - n :] = 1
+    prompt_ids, prompt_mask = prompt_ids.repeat(2, 1), prompt_mask.repeat(2, 1)
+    completion_ids = torch.randint(4, VOCAB, (len(completion_lens), width), generator=g)
+    completion_mask = (torch.arange(width)[None] < torch.tensor(completion_lens)[:, None]).long()
+    completion_ids = completion_ids.masked_fill(completion_mask == 0, 0)
+    return prompt_ids, prompt_mask, completion_ids, completion_mask
+
+
+def _generate_arity() -> int:
+    """`OnlineDPOTrainer._generate` returns 4 tensors on TRL 1.12 and those plus `vision_inputs` on 1.16."""
+    import inspect
+
+    from trl.experimental.online_dpo import OnlineDPOTrainer
+
+    return 5 if "vision_inputs = self._generate(" in inspect.getsource(OnlineDPOTrainer.training_step) else 4
+
+
+def _first_token_reward(completion_ids, **kwargs):
+    return [float(ids[0] % 7) for ids in completion_ids]
+
+
+@pytest.fixture
+def build(online_dpo_args, tokenizer, monkeypatch):
+    from trl.experimental.online_dpo import OnlineDPOTrainer
+
+    # the same completions for both trainers, on the class so that every plugin's wrapper of `_generate` sees them
+    batch = (*_fixed_generation(), None)[: _generate_arity()]
+    monkeypatch.setattr(OnlineDPOTrainer, "_generate", lambda self, model, prompts, images=None: batch)
+
+    def make(*, ref=True, peft_config=None, rewards=1, model_hook=None, **overrides):
+        overrides.setdefault("bf16", False)
+        overrides.setdefault("max_length", 64)
+        args = online_dpo_args(per_device_train_batch_size=3, optim="sgd", learning_rate=0.1, **overrides)
+        if peft_config is not None:
+            torch.manual_seed(123)
+        model = eq.sharpen(make_model(vocab_size=VOCAB, dtype=torch.float64))
+        ref_model = eq.sharpen(make_model(vocab_size=VOCAB, seed=1, dtype=torch.float64)) if ref else None
+        if model_hook is not None:
+            model_hook(model)
+        trainer = OnlineDPOTrainer(
+            model=model,
+            ref_model=ref_model,
+            reward_funcs=[length_reward, _first_token_reward][:rewards] if rewards > 1 else length_reward,
+            args=args,
+            train_dataset=make_prompt_dataset(6),
+            processing_class=tokenizer,
+            peft_config=peft_config,
+        )
+        return trainer
+
+    return make
+
+
+def _step(trainer):
+    trainer.model.zero_grad(set_to_none=True)
+    for values in trainer.stats.values():
+        values.clear()
+    loss = trainer.training_step(trainer.model, {"prompt": ["w1 w2"] * 3})
+    grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+    return loss, grads, {k: list(v) for k, v in trainer.stats.items() if v}
+
+
+def _compare(stock, fused):
+    prompt_ids, prompt_mask, completion_ids, completion_mask = _fixed_generation()
+    for model in (stock.model, stock.ref_model):
+        if model is None:
+            continue
+        a = stock._forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
+        fused_model = fused.model if model is stock.model else fused.ref_model
+        b = fused._forward(fused_model, prompt_ids, prompt_mask, completion_ids, completion_mask)
+        assert a.shape == b.shape  # every column: TRL sums the padding after an end into its KL and entropy
+        assert (a - b).abs().max().item() <= LOGPS_RTOL * a.abs().max().item()
+    stock_loss, stock_grads, stock_stats = _step(stock)
+    calls = fused._trl_ext.state["fused_logprobs"].fused_calls
+    fused_loss, fused_grads, fused_stats = _step(fused)
+    assert fused._trl_ext.state["fused_logprobs"].fused_calls == calls + 2  # policy and reference were fused
+    assert fused_loss.item() == pytest.approx(stock_loss.item(), rel=RTOL)
+    eq.assert_same_grads(stock_grads, fused_grads, RTOL)
+    assert stock_stats.keys() == fused_stats.keys() and len(stock_stats) >= 10
+    for key, values in stock_stats.items():
+        assert fused_stats[key] == pytest.approx(values, rel=RTOL, abs=1e-12), key
+
+
+@pytest.mark.slow
+def test_training_step_equals_stock(build):
+    """Reference model, 1 reward function, chunk 4 (crosses rows and completion ends)."""
+    stock = build()
+    with trl_ext.install(fused_logprobs=True, plugins={"fused_logprobs": {"chunk": 4}}):
+        fused = build()
+    assert fused._trl_ext.state["fused_logprobs"].chunks == {"policy": 4, "ref": 4}
+    assert set(fused._trl_ext.state["fused_logprobs"].self_checks) == {"policy", "ref"}
+    _compare(stock, fused)
+
+
+@pytest.mark.slow
+def test_two_reward_functions(build):
+    stock = build(rewards=2)
+    with trl_ext.install(fused_logprobs=True, plugins={"fused_logprobs": {"chunk": 5}}):
+        fused = build(rewards=2)
+    _compare(stock, fused)
+
+
+@pytest.mark.slow
+def test_peft_reference_is_adapter_disabled_model(build):
+    pytest.importorskip("peft")
+    from peft import LoraConfig
+
+    def lora():
+        return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+
+    stock = build(ref=False, peft_config=lora())
+    with trl_ext.install(fused_logprobs=True, plugins={"fused_logprobs": {"chunk": 3}}):
+        fused = build(ref=False, peft_config=lora())
+    assert set(fused._trl_ext.state["fused_logprobs"].self_checks) == {"policy"}
+    _compare(stock, fused)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("others", [{}, {"prompt_sharing": True, "sync_metrics": True}])
+def test_train_logs_equal_stock(build, others):
+    """Two SGD steps through `trainer.train()` with gradient checkpointing (alone, and with prompt_sharing and
+    sync_metrics): every logged metric equal, and the trained weights. The reference runs the same other plugins
+    (each is proved against stock in its own tests; prompt_sharing to ~1e-6 since Llama's RMSNorm runs in float32,
+    sync_metrics reduces in float64 where stock averages accuracies in float32): what differs is fused_logprobs."""
+    with trl_ext.install(**others):
+        stock = build(max_steps=2, gradient_checkpointing=True)
+    stock.train()
+    with trl_ext.install(fused_logprobs=True, **others):
+        fused = build(max_steps=2, gradient_checkpointing=True)
+        assert set(fused._trl_ext.enabled) == {"fused_logprobs", *others}
+        fused.train()
+    assert fused._trl_ext.state["fused_logprobs"].fused_calls == 4
+    logs = [[h for h in t.state.log_history if "loss" in h] for t in (stock, fused)]
+    assert len(logs[0]) == len(logs[1]) == 2
+    for s, p in zip(*logs, strict=True):
+        assert s.keys() == p.keys()
+        for key in s:
+            if not (key.endswith("runtime") or key.endswith("per_second")):
+                assert p[key] == pytest.approx(s[key], rel=1e-8, abs=1e-12), key
+    stock_weights = dict(stock.model.named_parameters())
+    for name, value in fused.model.named_parameters():
+        assert torch.allclose(value, stock_weights[name], rtol=1e-8, atol=1e-12), name
+
+
+class _Sizes(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+@pytest.mark.slow
+def test_training_step_never_allocates_full_logits(build):
+    """A whole training step (policy and reference scoring, loss, backward): no tensor of `rows * length * vocab`
+    elements; stock allocates one."""
+    prompt_ids, _, completion_ids, _ = _fixed_generation()
+    full = completion_ids.size(0) * (prompt_ids.size(1) + completion_ids.size(1)) * VOCAB
+    stock = build()
+    with _Sizes() as sizes:
+        _step(stock)
+    assert sizes.largest >= full
+    with trl_ext.install(fused_logprobs=True, plugins={"fused_logprobs": {"chunk": 4}}):
+        fused = build()
+    with _Sizes() as sizes:
+        _step(fused)
+    assert sizes.largest < full
+
+
+@pytest.mark.slow
+def test_head_mechanism_refused(build):
+    def softcap(model):
+        model.config.final_logit_softcapping = 30.0
+
+    with trl_ext.install(fused_logprobs=True):
+        with pytest.raises(trl_ext.UsageError, match=r"final_logit_softcapping=30.0.*after the output head"):
+            build(model_hook=softcap)
+
+
+@pytest.mark.slow
+def test_self_check_refuses_what_acts_after_the_head(build):
+    """A model whose forward changes the logits after its head (no config attribute says so): the self-check."""
+
+    def tanh_after_head(model):
+        original = model.forward
+
+        def forward(*args, **kwargs):
+            outputs = original(*args, **kwargs)
+            outputs.logits = 3 * torch.tanh(outputs.logits / 3)
+            return outputs
+
+        model.forward = forward
+
+    with trl_ext.install(fused_logprobs=True):
+        with pytest.raises(trl_ext.UsageError, match=r"self-check failed for the policy model.*not its output head"):
+            build(model_hook=tanh_after_head)
+
+
+def test_dpo_trainer(dpo_args, tokenizer, caplog):
+    """DPOTrainer: TRL >= 1.15 runs its own fused LM head (said, and left); older TRL is refused by name."""
+    from trl import DPOTrainer
+
+    from trl_ext import _compat
+    from trl_ext.testing import make_preference_dataset
+
+    def build():
+        return DPOTrainer(
+            model=make_model(),
+            ref_model=make_model(seed=1),
+            args=dpo_args(max_steps=1),
+            train_dataset=make_preference_dataset(2),
+            processing_class=tokenizer,
+        )
+
+    with trl_ext.install(fused_logprobs=True):
+        if _compat.dpo_uses_fused_lm_head():
+            with caplog.at_level(logging.INFO, logger="trl_ext"):
+                trainer = build()
+            assert "fused_logprobs" in trainer._trl_ext.enabled
+            assert any("already scores with its own fused LM head" in r.getMessage() for r in caplog.records)
+        else:
+            with pytest.raises(trl_ext.UsageError, match=r"fused_logprobs does not yet replace .* DPOTrainer"):
+                build()

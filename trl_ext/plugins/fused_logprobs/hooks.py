@@ -1,0 +1,105 @@
+"""The hook implementations of `fused_logprobs` (declared in its package), imported when the plugin is registered."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ... import _compat
+from ..._logging import get_logger
+from ...context import unwrap_causal_lm
+from ...errors import UsageError
+from ...hookspecs import hookimpl
+from . import NAME, FusedLogprobsOptions
+from .online import FusedState, make_fused_forward, output_head, patch_head, resolve_chunk
+from .selfcheck import head_mechanism, self_check
+
+logger = get_logger(__name__)
+
+
+def _state(context: Any) -> FusedState:
+    state = context.state.get(NAME)
+    if state is None:
+        options: FusedLogprobsOptions = context.options(NAME)
+        state = context.state[NAME] = FusedState(chunk=options.chunk)
+    return state
+
+
+def _dpo_has_fused_head() -> bool:
+    return _compat.dpo_uses_fused_lm_head()
+
+
+@hookimpl
+def trl_ext_trainer_init_start(trainer: Any, context: Any, init_kwargs: dict[str, Any]) -> None:
+    _state(context)
+    if context.trainer_class != "DPOTrainer":
+        return
+    if _dpo_has_fused_head():
+        logger.info(
+            "fused_logprobs: this TRL's DPOTrainer already scores with its own fused LM head (no full-vocabulary "
+            "logits); fused_logprobs leaves it as it is"
+        )
+        return
+    raise UsageError(
+        "fused_logprobs does not yet replace the full-logit scoring of DPOTrainer on this TRL (< 1.15, where TRL has "
+        "no fused LM head); it covers OnlineDPOTrainer. Train this DPOTrainer without fused_logprobs, or upgrade to "
+        "trl >= 1.15 (its DPOTrainer scores with a fused LM head)."
+    )
+
+
+def _check_model(context: Any, role: str, model: Any, trainer: Any) -> None:
+    state = _state(context)
+    causal_lm = unwrap_causal_lm(model)
+    name = f"{role} model ({type(causal_lm).__name__}, `{getattr(causal_lm.config, 'model_type', None)}`)"
+    if any(hasattr(causal_lm.config, key) for key in ("vision_config", "audio_config")):
+        raise UsageError(f"fused_logprobs does not score multimodal models ({name}). Train without fused_logprobs.")
+    mechanism = head_mechanism(causal_lm)
+    if mechanism is not None:
+        raise UsageError(
+            f"fused_logprobs cannot reproduce the logits of the {name}: its config sets {mechanism}, which changes "
+            "the logits after the output head. Train this model without fused_logprobs."
+        )
+    head = output_head(causal_lm, role)
+    patch_head(context.patcher, head)
+    chunk = state.chunks[role] = resolve_chunk(state, head, next(causal_lm.parameters()).dtype)
+    result = state.self_checks[role] = self_check(causal_lm, trainer, role, min(chunk, 7))
+    if result.failure is not None:
+        raise UsageError(
+            f"fused_logprobs' self-check failed for the {name}: {result.failure}. Train this model without "
+            "fused_logprobs."
+        )
+    logger.info(
+        "fused_logprobs: self-check passed for the %s: stock logits = output head of the hidden states (max relative "
+        "difference %.2g), fused log-probs = stock log_softmax (%.2g <= %g) on probe rows of %s tokens; %.2f s",
+        name,
+        result.head_error,
+        result.logprob_error,
+        result.tolerance,
+        list(result.lengths),
+        result.seconds,
+    )
+
+
+@hookimpl
+def trl_ext_trainer_models_ready(trainer: Any, context: Any) -> None:
+    if context.trainer_class != "OnlineDPOTrainer":
+        return
+    state = _state(context)
+    models = context.models()
+    for role, model in models.items():
+        _check_model(context, role, model, trainer)
+    policy = models.get("policy")
+
+    def role_of(model: Any) -> str:
+        return "policy" if unwrap_causal_lm(model) is policy else "ref"
+
+    method = _compat.ONLINE_DPO_FORWARD_METHOD
+    context.patcher.setattr(trainer, method, make_fused_forward(trainer, state, role_of))
+    logger.info("fused_logprobs: Online DPO scores completions in chunks of %s positions", state.chunks)
+
+
+@hookimpl
+def trl_ext_describe(trainer: Any, context: Any) -> str | None:
+    state = _state(context)
+    if context.trainer_class == "DPOTrainer":
+        return "TRL's own fused LM head"
+    return ", ".join(f"{role}: chunk {chunk}" for role, chunk in state.chunks.items()) or None

@@ -1,0 +1,133 @@
+"""Online DPO's scoring forward with fused log-probs, and the output-head pass-through it relies on.
+
+`OnlineDPOTrainer._forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask, vision_inputs=None)`
+(TRL 1.12 and 1.16) cuts the prompt on the left so that prompt + completion <= `max_length`, runs
+`model(prompt_completion_ids, attention_mask=...)`, keeps the logits of the columns that predict the completion
+(`[P - 1, P + C - 1)`, or `[0, C)` without a prompt) and returns `log_softmax(logits)` gathered at the completion
+tokens, `[rows, C]`. No temperature is applied there. `fused_forward` returns the same tensor; the model call is the
+same call (through every wrapper: DDP, DeepSpeed, PEFT, another plugin's forward), with the output head returning its
+input for that one call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from ... import _compat
+from ...context import unwrap_causal_lm
+from ...errors import UsageError
+from .chunked import auto_chunk, token_logprobs
+
+__all__ = ["FusedState", "make_fused_forward", "output_head", "pass_through", "patch_head"]
+
+#: While set, the patched output head returns its input (once) and counts the call.
+_PASS_THROUGH: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("trl_ext_head_pass", default=None)
+
+
+@dataclasses.dataclass
+class FusedState:
+    """Per-trainer state of the plugin (`context.state["fused_logprobs"]`)."""
+
+    chunk: str | int = "auto"
+    #: the chunk each model scores with, by role
+    chunks: dict[str, int] = dataclasses.field(default_factory=dict)
+    #: self-check results by role
+    self_checks: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: fused scoring calls (the policy's and the reference's)
+    fused_calls: int = 0
+
+
+def output_head(model: Any, role: str = "model") -> torch.nn.Module:
+    """The output head module of a (wrapped) causal LM, or a `UsageError` naming what is missing."""
+    causal_lm = unwrap_causal_lm(model)
+    getter = getattr(causal_lm, "get_output_embeddings", None)
+    head = getter() if callable(getter) else None
+    if not isinstance(head, torch.nn.Module):
+        raise UsageError(
+            f"fused_logprobs needs the output head of the {role} model ({type(causal_lm).__name__}) as a module "
+            "(`get_output_embeddings()` returned "
+            f"{type(head).__name__}); this model computes its logits another way. Train it without fused_logprobs."
+        )
+    return head
+
+
+def patch_head(patcher: Any, head: torch.nn.Module) -> None:
+    """Make `head` return its input while `pass_through()` is active (once per block); otherwise it runs as before.
+    Patching a head twice (a model shared by two trainers) is harmless: the outer patch consumes the pass-through."""
+    original = head.forward
+
+    @functools.wraps(original)
+    def forward(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        calls = _PASS_THROUGH.get()
+        if calls is None or calls[0] > 0:
+            return original(hidden_states, *args, **kwargs)
+        calls[0] += 1
+        return hidden_states
+
+    patcher.setattr(head, "forward", forward)
+
+
+@contextlib.contextmanager
+def pass_through() -> Iterator[list[int]]:
+    """The patched heads return their input for the first head call of the block; yields `[calls]`."""
+    calls = [0]
+    token = _PASS_THROUGH.set(calls)
+    try:
+        yield calls
+    finally:
+        _PASS_THROUGH.reset(token)
+
+
+def hidden_states(model: Any, role: str, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """Run `model(*args, **kwargs)` with its output head passing through: the hidden states the head would see."""
+    with pass_through() as calls:
+        outputs = model(*args, **kwargs)
+    if calls[0] != 1:
+        raise UsageError(
+            f"fused_logprobs: the {role} model ({type(unwrap_causal_lm(model)).__name__}) did not call its output "
+            "head module in its forward; it computes its logits another way. Train it without fused_logprobs."
+        )
+    return outputs.logits
+
+
+def resolve_chunk(state: FusedState, head: torch.nn.Module, dtype: torch.dtype) -> int:
+    if state.chunk != "auto":
+        return int(state.chunk)
+    vocab = getattr(head, "out_features", None) or getattr(getattr(head, "weight", None), "shape", (0,))[0]
+    return auto_chunk(int(vocab), dtype)
+
+
+def make_fused_forward(trainer: Any, state: FusedState, roles: Callable[[Any], str]) -> Callable:
+    """The replacement of `trainer._forward`: same arguments, same `[rows, C]` log-probs, no full logits."""
+
+    def _forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask, vision_inputs=None):
+        role = roles(model)
+        if vision_inputs is not None:
+            raise UsageError(
+                "fused_logprobs does not score vision-language batches (image inputs reached Online DPO's scoring "
+                "forward). Train without fused_logprobs."
+            )
+        max_length = getattr(trainer, _compat.ONLINE_DPO_MAX_LENGTH_ATTR)
+        cut = max(prompt_ids.size(1) + completion_ids.size(1) - max_length, 0)  # TRL's left truncation
+        prompt_ids, prompt_mask = prompt_ids[:, cut:], prompt_mask[:, cut:]
+        ids = torch.cat((prompt_ids, completion_ids), dim=1)
+        mask = torch.cat((prompt_mask, completion_mask), dim=1)
+        hidden = hidden_states(model, role, ids, attention_mask=mask)
+        prompt_len = prompt_ids.size(1)
+        start, end = (prompt_len - 1, -1) if prompt_len > 0 else (0, None)
+        hidden = hidden[:, start:end]
+        head = output_head(model, role)
+        chunk = state.chunks.get(role) or resolve_chunk(state, head, hidden.dtype)
+        state.fused_calls += 1
+        # the completion tokens carry gradients; the positions after an end are computed without (TRL masks them
+        # in the loss and sums them into its KL and entropy metrics)
+        return token_logprobs(hidden, completion_ids, head, chunk=chunk, scored=completion_mask.bool())
+
+    return _forward
