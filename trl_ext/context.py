@@ -13,6 +13,7 @@ from .patching import Patcher
 if TYPE_CHECKING:  # pragma: no cover
     import pluggy
 
+    from .config import TrlExtConfig
     from .installation import Installation
 
 __all__ = ["TrainerContext", "live_contexts", "unwrap_causal_lm"]
@@ -88,7 +89,7 @@ class TrainerContext:
         return self._trainer()
 
     @property
-    def config(self):
+    def config(self) -> TrlExtConfig:
         return self.installation.config
 
     def options(self, plugin: str) -> Any:

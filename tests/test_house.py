@@ -1,0 +1,222 @@
+"""House rules of the package, checked on its source: module size, no import circle, fixtures out of the library,
+and a typed third-party plugin that type-checks against the package."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "trl_ext"
+MAX_LINES = 450
+TYPED_PLUGIN = Path(__file__).resolve().parent / "typed_plugin" / "typed_counter.py"
+
+
+def _modules() -> dict[str, Path]:
+    """`{dotted name: path}` of every module of the package (a package is its `__init__.py`)."""
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _import_nodes(tree: ast.Module, *, module_level: bool) -> list[ast.Import | ast.ImportFrom]:
+    """The import statements of a module. `module_level`: only those run when the module is imported (not inside
+    functions or classes, not under `if TYPE_CHECKING:`); otherwise every one."""
+    if not module_level:
+        return [node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))]
+    found: list[ast.Import | ast.ImportFrom] = []
+
+    def visit(body: list[ast.stmt]) -> None:
+        for node in body:
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                found.append(node)
+            elif isinstance(node, ast.If):
+                if not _is_type_checking(node.test):
+                    visit(node.body)
+                visit(node.orelse)
+            elif isinstance(node, ast.Try):
+                for block in (node.body, node.orelse, node.finalbody, *(h.body for h in node.handlers)):
+                    visit(block)
+            elif isinstance(node, ast.With):
+                visit(node.body)
+
+    visit(tree.body)
+    return found
+
+
+def _imported(name: str, path: Path, modules: dict[str, Path], *, module_level: bool) -> set[str]:
+    """The package's modules that module `name` imports (relative imports resolved)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out: set[str] = set()
+    for node in _import_nodes(ast.parse(path.read_text()), module_level=module_level):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        else:
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1])
+                source = f"{base}.{node.module}" if node.module else base
+            else:
+                source = node.module or ""
+            # `from package import submodule` depends on the submodule; any other name, on `source` itself.
+            submodules = [f"{source}.{alias.name}" for alias in node.names]
+            targets = [t for t in submodules if t in modules]
+            if len(targets) < len(submodules):
+                targets.append(source)
+        out.update(t for t in targets if t in modules and t != name)
+    return out
+
+
+def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle of `graph` as `[a, b, ..., a]`, or None if it has none."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt) :], nxt]
+            if nxt not in state:
+                cycle = visit(nxt)
+                if cycle:
+                    return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            cycle = visit(node)
+            if cycle:
+                return cycle
+    return None
+
+
+def test_no_module_has_more_than_450_lines():
+    sizes = {str(path.relative_to(ROOT)): len(path.read_text().splitlines()) for path in PACKAGE.rglob("*.py")}
+    assert len(sizes) > 20
+    offenders = {path: n for path, n in sorted(sizes.items()) if n > MAX_LINES}
+    assert not offenders, f"modules over {MAX_LINES} lines (split them by concern): {offenders}"
+
+
+def test_no_import_circle_among_the_package_modules():
+    modules = _modules()
+    graph = {name: _imported(name, path, modules, module_level=True) for name, path in modules.items()}
+    assert graph["trl_ext"] >= {"trl_ext.installation", "trl_ext.config"}  # the parser sees the imports
+    assert "trl_ext.installation" in graph["trl_ext.context"] or "trl_ext.manager" in graph["trl_ext.context"]
+    cycle = _find_cycle(graph)
+    assert cycle is None, "import circle: " + " -> ".join(cycle or [])
+
+
+def test_the_cycle_finder_finds_a_circle():
+    assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert _find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+
+
+def test_the_import_parser_resolves_relative_imports_and_skips_type_checking(tmp_path):
+    source = (
+        "from typing import TYPE_CHECKING\n"
+        "from . import b\n"
+        "from ..c import thing\n"
+        "import trl_ext.d\n"
+        "if TYPE_CHECKING:\n"
+        "    from . import e\n"
+        "def f():\n"
+        "    from . import g\n"
+    )
+    path = tmp_path / "a.py"
+    path.write_text(source)
+    modules = {name: path for name in ("trl_ext.p.a", "trl_ext.p.b", "trl_ext.c", "trl_ext.d", "trl_ext.p.e")}
+    modules["trl_ext.p.g"] = path
+    assert _imported("trl_ext.p.a", path, modules, module_level=True) == {"trl_ext.p.b", "trl_ext.c", "trl_ext.d"}
+    every = _imported("trl_ext.p.a", path, modules, module_level=False)
+    assert every == {"trl_ext.p.b", "trl_ext.c", "trl_ext.d", "trl_ext.p.e", "trl_ext.p.g"}
+
+
+def test_only_testing_imports_the_fixtures():
+    """`trl_ext.testing` (fixtures for tests and plugin authors) may use the library; nothing in it uses the
+    fixtures, at any level (function bodies and type-checking blocks included)."""
+    modules = _modules()
+    assert "trl_ext.testing" in modules
+    importers = sorted(
+        name
+        for name, path in modules.items()
+        if name != "trl_ext.testing" and "trl_ext.testing" in _imported(name, path, modules, module_level=False)
+    )
+    assert importers == [], f"modules of the library that import trl_ext.testing: {importers}"
+
+
+def test_typed_plugin_is_a_valid_plugin(monkeypatch):
+    """The plugin that the mypy test checks registers on trl-ext's manager: its hooks match the specs."""
+    from trl_ext.manager import TrlExtPluginManager
+
+    spec = importlib.util.spec_from_file_location("typed_counter", TYPED_PLUGIN)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "typed_counter", module)
+    spec.loader.exec_module(module)
+    pm = TrlExtPluginManager()
+    pm.register(module, name="typed_counter")
+    pm.check_pending()
+    hooks = {impl.function.__name__ for caller in pm.get_hookcallers(module) or [] for impl in caller.get_hookimpls()}
+    assert len(hooks) == 5
+    assert module.TRL_EXT_PLUGIN.option_names() == ("every",)
+
+
+def _mypy(tmp_path: Path, source: str) -> subprocess.CompletedProcess[str]:
+    """mypy on `source` as a third-party plugin file outside the checkout, trl-ext found as an installed package
+    (PEP 561: on the path, read only if it ships `py.typed`). torch and the Hugging Face libraries are not analysed
+    (`Any`), which keeps the run to a few seconds."""
+    work = tmp_path / "plugin"
+    work.mkdir(parents=True)
+    (work / "typed_counter.py").write_text(source)
+    (work / "mypy.ini").write_text(
+        "[mypy]\n"
+        "disallow_untyped_defs = True\n"
+        "disallow_incomplete_defs = True\n"
+        "warn_unused_ignores = True\n"
+        "[mypy-torch.*,transformers.*,trl.*,datasets.*,accelerate.*,deepspeed.*,numpy.*,yaml.*]\n"
+        "follow_imports = skip\n"
+        "follow_untyped_imports = True\n"
+    )
+    cmd = [sys.executable, "-m", "mypy", "--config-file", "mypy.ini", "--cache-dir", str(tmp_path / "cache")]
+    return subprocess.run(
+        [*cmd, "typed_counter.py"],
+        cwd=work,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "HOME": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+@pytest.mark.slow
+def test_third_party_plugin_type_checks_against_the_package(tmp_path):
+    source = TYPED_PLUGIN.read_text()
+    proc = _mypy(tmp_path / "good", source)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # One wrong annotation must be rejected: mypy reads trl-ext's own types (`TrainerContext.plugins_serving`).
+    line = next(line for line in source.splitlines() if line.endswith("# WRONG: list[str]"))
+    wrong = source.replace(line, line.replace("tuple[str, ...]", "list[str]"))
+    assert wrong != source
+    proc = _mypy(tmp_path / "wrong", wrong)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert 'has type "tuple[str, ...]", variable has type "list[str]"' in proc.stdout, proc.stdout
+    assert "typed_counter.py:" in proc.stdout and proc.stdout.count("error:") == 1, proc.stdout
