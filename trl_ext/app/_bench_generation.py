@@ -50,7 +50,7 @@ def main():
 
     if not torch.cuda.is_available():
         # DeepSpeed's CPU backend JIT-compiles an shm op that ZeRO never uses; accelerate needs the gloo backend
-        # named explicitly on CPU (see /work/shared/research/deepspeed_cpu.md).
+        # named explicitly on CPU.
         importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     from accelerate import PartialState
 

@@ -130,7 +130,7 @@ def main() -> None:
             dist.destroy_process_group()
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(code)  # gloo sometimes aborts at interpreter exit; see research/deepspeed_cpu.md
+        os._exit(code)  # gloo can abort at interpreter exit after a successful run
 
 
 if __name__ == "__main__":
