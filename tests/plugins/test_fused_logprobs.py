@@ -67,8 +67,9 @@ def build(online_dpo_args, tokenizer, monkeypatch):
             torch.manual_seed(123)
         model = eq.sharpen(make_model(vocab_size=VOCAB, dtype=torch.float64))
         ref_model = eq.sharpen(make_model(vocab_size=VOCAB, seed=1, dtype=torch.float64)) if ref else None
-        if model_hook is not None:
-            model_hook(model)
+        for m in (model, ref_model):
+            if model_hook is not None and m is not None:
+                model_hook(m)
         trainer = OnlineDPOTrainer(
             model=model,
             ref_model=ref_model,
@@ -258,3 +259,25 @@ def test_dpo_trainer(dpo_args, tokenizer, caplog):
         else:
             with pytest.raises(trl_ext.UsageError, match=r"fused_logprobs does not yet replace .* DPOTrainer"):
                 build()
+
+
+@pytest.mark.slow
+def test_mixed_precision_train(build):
+    """float32 models trained under bf16 autocast: the head runs under the same autocast as stock's (inside the
+    prepared forward); the logged log-probs agree to bf16 precision (the fused log-sum-exp runs in float32, stock's
+    log_softmax returns bf16)."""
+
+    def float32(model):
+        model.to(torch.float32)
+
+    stock = build(max_steps=1, bf16=True, model_hook=float32)
+    stock.train()
+    with trl_ext.install(fused_logprobs=True):
+        fused = build(max_steps=1, bf16=True, model_hook=float32)
+        fused.train()
+    assert {r.self_checks[role].tolerance for r in [fused._trl_ext.state["fused_logprobs"]] for role in r.chunks} == {
+        1e-5
+    }  # float32 models: checked at the float32 tolerance
+    s, f = ([h for h in t.state.log_history if "loss" in h][0] for t in (stock, fused))
+    for key in ("logps/chosen", "logps/rejected", "objective/kl", "objective/entropy"):
+        assert f[key] == pytest.approx(s[key], rel=2e-2, abs=2e-2), key

@@ -7,9 +7,10 @@ reference. With a 150k vocabulary and long completions those logits are the larg
 How it works. The trainer's `_forward` is replaced (per trainer, undone when the trainer is detached): the model runs
 as TRL calls it, but its output head passes its input through for that call, so the model returns the last hidden
 states; TRL's left truncation to `max_length` and its completion slicing are applied to them; then `chunked.py`
-applies the head `chunk` positions at a time with a float32 log-sum-exp (float64 stays float64) and keeps the target
-token's log-prob. In the backward pass each chunk's logits are recomputed (a per-chunk checkpoint calling the head
-module, so a bias, a PEFT adapter on the head and ZeRO-3/FSDP2 parameter gathering keep working).
+applies the head `chunk` positions at a time (under the autocast state the head had inside the model's forward, as
+stock runs it under accelerate's mixed precision) with a float32 log-sum-exp (float64 stays float64) and keeps the
+target token's log-prob. In the backward pass each chunk's logits are recomputed (a per-chunk checkpoint calling
+the head module, so a bias, a PEFT adapter on the head and ZeRO-3/FSDP2 parameter gathering keep working).
 
 Positions after a completion's end: TRL masks them in the loss but sums their log-probs into `objective/kl`,
 `objective/entropy`, `objective/non_score_reward` and `objective/rlhf_reward`. They are computed without gradients

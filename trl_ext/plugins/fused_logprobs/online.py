@@ -25,10 +25,26 @@ from ...context import unwrap_causal_lm
 from ...errors import UsageError
 from .chunked import auto_chunk, token_logprobs
 
-__all__ = ["FusedState", "make_fused_forward", "output_head", "pass_through", "patch_head"]
+__all__ = ["FusedState", "HeadCall", "make_fused_forward", "output_head", "pass_through", "patch_head"]
 
-#: While set, the patched output head returns its input (once) and counts the call.
-_PASS_THROUGH: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("trl_ext_head_pass", default=None)
+
+@dataclasses.dataclass
+class HeadCall:
+    """What the pass-through saw: how often the head was called, and the autocast state it was called under."""
+
+    calls: int = 0
+    device_type: str = "cpu"
+    autocast: torch.dtype | None = None
+
+    def autocast_context(self) -> Any:
+        """The autocast state the head ran under inside the model's forward (stock runs the head there)."""
+        if self.autocast is None:
+            return torch.autocast(self.device_type, enabled=False)
+        return torch.autocast(self.device_type, dtype=self.autocast)
+
+
+#: While set, the patched output head returns its input (once) and records the call.
+_PASS_THROUGH: contextvars.ContextVar[HeadCall | None] = contextvars.ContextVar("trl_ext_head_pass", default=None)
 
 
 @dataclasses.dataclass
@@ -65,36 +81,40 @@ def patch_head(patcher: Any, head: torch.nn.Module) -> None:
 
     @functools.wraps(original)
     def forward(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        calls = _PASS_THROUGH.get()
-        if calls is None or calls[0] > 0:
+        call = _PASS_THROUGH.get()
+        if call is None or call.calls > 0:
             return original(hidden_states, *args, **kwargs)
-        calls[0] += 1
+        call.calls += 1
+        call.device_type = hidden_states.device.type
+        if torch.is_autocast_enabled(call.device_type):
+            call.autocast = torch.get_autocast_dtype(call.device_type)
         return hidden_states
 
     patcher.setattr(head, "forward", forward)
 
 
 @contextlib.contextmanager
-def pass_through() -> Iterator[list[int]]:
-    """The patched heads return their input for the first head call of the block; yields `[calls]`."""
-    calls = [0]
-    token = _PASS_THROUGH.set(calls)
+def pass_through() -> Iterator[HeadCall]:
+    """The patched heads return their input for the first head call of the block; yields what they saw."""
+    call = HeadCall()
+    token = _PASS_THROUGH.set(call)
     try:
-        yield calls
+        yield call
     finally:
         _PASS_THROUGH.reset(token)
 
 
-def hidden_states(model: Any, role: str, *args: Any, **kwargs: Any) -> torch.Tensor:
-    """Run `model(*args, **kwargs)` with its output head passing through: the hidden states the head would see."""
-    with pass_through() as calls:
+def hidden_states(model: Any, role: str, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, HeadCall]:
+    """Run `model(*args, **kwargs)` with its output head passing through: the hidden states the head would see, and
+    the autocast state it would run under."""
+    with pass_through() as call:
         outputs = model(*args, **kwargs)
-    if calls[0] != 1:
+    if call.calls != 1:
         raise UsageError(
             f"fused_logprobs: the {role} model ({type(unwrap_causal_lm(model)).__name__}) did not call its output "
             "head module in its forward; it computes its logits another way. Train it without fused_logprobs."
         )
-    return outputs.logits
+    return outputs.logits, call
 
 
 def resolve_chunk(state: FusedState, head: torch.nn.Module, dtype: torch.dtype) -> int:
@@ -119,15 +139,18 @@ def make_fused_forward(trainer: Any, state: FusedState, roles: Callable[[Any], s
         prompt_ids, prompt_mask = prompt_ids[:, cut:], prompt_mask[:, cut:]
         ids = torch.cat((prompt_ids, completion_ids), dim=1)
         mask = torch.cat((prompt_mask, completion_mask), dim=1)
-        hidden = hidden_states(model, role, ids, attention_mask=mask)
+        hidden, call = hidden_states(model, role, ids, attention_mask=mask)
         prompt_len = prompt_ids.size(1)
         start, end = (prompt_len - 1, -1) if prompt_len > 0 else (0, None)
         hidden = hidden[:, start:end]
         head = output_head(model, role)
         chunk = state.chunks.get(role) or resolve_chunk(state, head, hidden.dtype)
         state.fused_calls += 1
-        # the completion tokens carry gradients; the positions after an end are computed without (TRL masks them
-        # in the loss and sums them into its KL and entropy metrics)
-        return token_logprobs(hidden, completion_ids, head, chunk=chunk, scored=completion_mask.bool())
+        # The head runs under the autocast state it had inside the model's forward (accelerate's mixed precision
+        # wraps the prepared forward; a checkpointed chunk recomputes under the same state). The completion tokens
+        # carry gradients; the positions after an end are computed without (TRL masks them in the loss and sums
+        # them into its KL and entropy metrics).
+        with call.autocast_context():
+            return token_logprobs(hidden, completion_ids, head, chunk=chunk, scored=completion_mask.bool())
 
     return _forward

@@ -81,10 +81,11 @@ def self_check(model: Any, trainer: Any, role: str, chunk: int) -> SelfCheckResu
         with torch.no_grad():
             with stock_forward(causal_lm):
                 stock = causal_lm(input_ids=ids, attention_mask=mask, use_cache=False).logits
-            hidden = hidden_states(causal_lm, role, input_ids=ids, attention_mask=mask, use_cache=False)
-            applied = head(hidden)
+            hidden, call = hidden_states(causal_lm, role, input_ids=ids, attention_mask=mask, use_cache=False)
             targets = torch.randint(0, vocab, ids.shape, generator=g).to(device)
-            fused = token_logprobs(hidden, targets, head, chunk=chunk)
+            with call.autocast_context():
+                applied = head(hidden)
+                fused = token_logprobs(hidden, targets, head, chunk=chunk)
     finally:
         causal_lm.train(was_training)
     acc = accumulation_dtype(stock.dtype)
