@@ -1,8 +1,8 @@
 """What trl-ext attaches to one trainer, on the instance: the wrappers of its entry points, `log`, DPO's reference
-precompute and the generation helper, and the checks made before TRL's `__init__` runs.
+precompute and the generation helper; the checks made before TRL's `__init__` runs; which stock trainer an object is.
 
-Everything here lives on the trainer (through its context's undo stack), so a trainer keeps it for its whole life,
-whatever happens to the installation that built it.
+Everything attached lives on the trainer (through its context's undo stack), so a trainer keeps it for its whole
+life, whatever happens to the installation that built it.
 """
 
 from __future__ import annotations
@@ -26,9 +26,36 @@ __all__ = [
     "check_world",
     "generation_wrapper",
     "precompute_wrapper",
+    "stock_trainer_class",
 ]
 
 logger = get_logger(__name__)
+
+
+def stock_trainer_class(trainer: str | type | Any) -> str:
+    """The name of the stock TRL trainer class (`_compat.TRAINERS`) that `trainer` (a name, class or instance) is."""
+    if isinstance(trainer, str):
+        if trainer not in _compat.TRAINERS:
+            raise UsageError(
+                f"`{trainer}` is not a trainer trl-ext attaches to; use one of {', '.join(_compat.TRAINERS)} (or a "
+                "trainer class or instance)."
+            )
+        return trainer
+    cls = trainer if isinstance(trainer, type) else type(trainer)
+    stock = {(module, name): key for key, (module, name) in _compat.TRAINERS.items()}
+    for klass in cls.__mro__:
+        key = stock.get((klass.__module__, klass.__qualname__))
+        if key is not None:
+            return key
+    if isinstance(trainer, type) or hasattr(trainer, "train"):
+        raise UsageError(
+            f"{cls.__qualname__} is not a trainer trl-ext attaches to (nor derived from one): "
+            f"{', '.join(_compat.TRAINERS)}."
+        )
+    raise TypeError(
+        f"expected a trainer class name, a trainer class or a trainer instance, got {type(trainer).__name__}: "
+        f"{trainer!r}"
+    )
 
 
 def call_for_trl_error(original, trainer_class: str, trainer: Any, args: tuple, kwargs: dict) -> None:

@@ -17,7 +17,7 @@ from .errors import UsageError
 from .manager import TrlExtPluginManager, make_plugin_manager, resolve_roles
 from .patching import Patcher, resolve
 
-__all__ = ["Installation", "current", "install", "install_config", "stock_trainer_class"]
+__all__ = ["Installation", "current", "install", "install_config"]
 
 logger = get_logger(__name__)
 
@@ -84,7 +84,7 @@ class Installation:
         Raises:
             `TypeError`: `trainer` is none of these. `trl_ext.UsageError`: not a trainer trl-ext attaches to.
         """
-        trainer_class = stock_trainer_class(trainer)
+        trainer_class = attach.stock_trainer_class(trainer)
         if not isinstance(trainer, (str, type)) and trl_args is None:
             # An instance runs what was attached when it was built: nothing if it was built before `install()` (or
             # detached), whatever this installation would give a new trainer.
@@ -347,32 +347,6 @@ class Installation:
         caller = pm.subset_hook_caller("trl_ext_advise_unused", remove_plugins=skip)
         for advice in caller(trainer=trainer, trainer_class=ctx.trainer_class, trl_args=ctx.trl_args):
             logger.warning("trl-ext: %s", advice)
-
-
-def stock_trainer_class(trainer: str | type | Any) -> str:
-    """The name of the stock TRL trainer class (`_compat.TRAINERS`) that `trainer` (a name, class or instance) is."""
-    if isinstance(trainer, str):
-        if trainer not in _compat.TRAINERS:
-            raise UsageError(
-                f"`{trainer}` is not a trainer trl-ext attaches to; use one of {', '.join(_compat.TRAINERS)} (or a "
-                "trainer class or instance)."
-            )
-        return trainer
-    cls = trainer if isinstance(trainer, type) else type(trainer)
-    stock = {(module, name): key for key, (module, name) in _compat.TRAINERS.items()}
-    for klass in cls.__mro__:
-        key = stock.get((klass.__module__, klass.__qualname__))
-        if key is not None:
-            return key
-    if isinstance(trainer, type) or hasattr(trainer, "train"):
-        raise UsageError(
-            f"{cls.__qualname__} is not a trainer trl-ext attaches to (nor derived from one): "
-            f"{', '.join(_compat.TRAINERS)}."
-        )
-    raise TypeError(
-        f"expected a trainer class name, a trainer class or a trainer instance, got {type(trainer).__name__}: "
-        f"{trainer!r}"
-    )
 
 
 def install(
