@@ -295,7 +295,7 @@ def test_auto_backs_off_on_out_of_memory(build, logs, tmp_path):
         plugin, _ = build(train, fail=oom_over_limit)
         run = _runs(plugin)[0]
     assert_same_precompute(native.train_dataset, plugin.train_dataset)
-    assert run["batch_pairs_max"] >= 2 and run["token_budget"] <= limit
+    assert run["batch_pairs_max"] >= 2 and run["batch_tokens"] <= limit
     assert "oom_splits" not in run  # the planned batches all fit
     messages = [r.getMessage() for r in logs]
     assert any("out of memory" in m for m in messages)
@@ -528,7 +528,7 @@ def test_interrupted_auto_precompute_resumes_with_its_plan(build, tmp_path):
         assert len(list(cache.glob("*/parts/plan.json"))) == 1
         resumed, calls = build(train, fail=oom_over_limit)
         run = _runs(resumed)[0]
-    assert run["token_budget"] == full_run["token_budget"]
+    assert run["batch_tokens"] == full_run["batch_tokens"]
     assert "probe_pairs_per_rank" not in run  # no new probe
     assert calls["n"] == run["forward_batches"] == run["batches"] == full_run["batches"] - 1
     for got, want in zip(_cols(resumed.train_dataset), _cols(full.train_dataset), strict=True):

@@ -174,7 +174,7 @@ class CacheEntry:
             rest = plan["rest"]
             if not all(isinstance(i, int) and 0 <= i < self.n_rows for i in rest):
                 raise ValueError("indices out of range")
-            return {"token_budget": float(plan["token_budget"]), "rest": rest}
+            return {"batch_tokens": float(plan["batch_tokens"]), "rest": rest}
         except Exception as exc:  # noqa: BLE001 - a damaged plan: probe again
             logger.warning("trl-ext `%s`: discarding damaged resume plan %s (%s).", NAME, path, exc)
             return None

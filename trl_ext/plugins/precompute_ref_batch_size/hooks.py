@@ -92,11 +92,11 @@ class PrecomputeState:
         options: the validated options.
         runs: one record per precompute call (split name, where the values came from, batch plan, timings), for logs,
             tests and benchmarks.
-        token_budget: the per-batch token budget `"auto"` chose (kept for later `evaluate()` precomputes).
+        batch_tokens: the per-batch token budget `"auto"` chose (kept for later `evaluate()` precomputes).
         model_hash: the hash of the reference weights, taken at the first precompute.
     """
 
     options: PrecomputeOptions
     runs: list[dict[str, Any]] = field(default_factory=list)
-    token_budget: float | None = None
+    batch_tokens: float | None = None
     model_hash: str | None = None

@@ -288,20 +288,20 @@ class Precompute:
             # probes re-plans the rest, within float rounding.)
             rest = np.arange(n, dtype=np.int64)
             if len(todo) and self.requested == "auto":
-                if self.state.token_budget is not None:  # chosen by an earlier split of this trainer: no probe
-                    self.record["token_budget"] = self.state.token_budget
+                if self.state.batch_tokens is not None:  # chosen by an earlier split of this trainer: no probe
+                    self.record["batch_tokens"] = self.state.batch_tokens
                 elif saved_plan is not None:
-                    self.state.token_budget = self.record["token_budget"] = saved_plan["token_budget"]
+                    self.state.batch_tokens = self.record["batch_tokens"] = saved_plan["batch_tokens"]
                     rest = np.asarray(saved_plan["rest"], dtype=np.int64)
                 else:
                     rest = probe(self, model, todo, store, progress)
                     if entry is not None:
                         self._guarded(
-                            entry.write_plan, {"token_budget": self.state.token_budget, "rest": rest.tolist()}
+                            entry.write_plan, {"batch_tokens": self.state.batch_tokens, "rest": rest.tolist()}
                         )
             if len(todo):
                 if self.requested == "auto":
-                    batches = self.plan.budget_batches(rest, self.state.token_budget)
+                    batches = self.plan.budget_batches(rest, self.state.batch_tokens)
                 else:
                     batches = self.plan.fixed_batches(rest, int(self.requested))
                 batches = [b for b in batches if not done[b].all()]

@@ -120,8 +120,8 @@ def probe(run, model, todo, store, progress):
     import numpy as np
 
     state = run.state
-    if state.token_budget is not None:  # chosen by an earlier split of this trainer
-        run.record["token_budget"] = state.token_budget
+    if state.batch_tokens is not None:  # chosen by an earlier split of this trainer
+        run.record["batch_tokens"] = state.batch_tokens
         return todo
     device = run.trainer.accelerator.device
     budget = budget_bytes(run.opts, device, run.ranks)
@@ -208,7 +208,7 @@ def probe(run, model, todo, store, progress):
             probe(mid)
 
     if limit == 0:
-        token_budget = math.inf  # fewer pairs than processes: one batch each, nothing to measure
+        batch_tokens = math.inf  # fewer pairs than processes: one batch each, nothing to measure
     elif largest["k"] == 0:
         # Even one pair per batch does not fit: run one pair at a time and say so.
         logger.warning(
@@ -218,22 +218,22 @@ def probe(run, model, todo, store, progress):
             budget / 2**20,
             NAME,
         )
-        token_budget = 0.0
+        batch_tokens = 0.0
     elif reason != "memory":
-        token_budget = fastest["cost"] if reason != "the whole split fit" else largest["cost"]
+        batch_tokens = fastest["cost"] if reason != "the whole split fit" else largest["cost"]
     elif fail["oom"]:
-        token_budget = largest["cost"]  # out of memory is not measured: never go beyond what ran
+        batch_tokens = largest["cost"]  # out of memory is not measured: never go beyond what ran
     else:
         # Memory grows about linearly with tokens: extrapolate from the largest probe that fit, with 10% headroom,
         # but never up to the size that did not fit.
         projected = largest["cost"] * 0.9 * budget / largest["used"] if largest["used"] > 0 else math.inf
-        token_budget = max(largest["cost"], min(projected, fail["cost"] - 1))
-    token_budget = run.ranks.broadcast(token_budget)
-    state.token_budget = token_budget
+        batch_tokens = max(largest["cost"], min(projected, fail["cost"] - 1))
+    batch_tokens = run.ranks.broadcast(batch_tokens)
+    state.batch_tokens = batch_tokens
     if reason == "memory" and projected_stops:
         reason = "memory (projected from the largest probe)"
     run.record.update(
-        token_budget=token_budget, probe_pairs_per_rank=taken, auto_stop=reason, auto_projected_stops=projected_stops
+        batch_tokens=batch_tokens, probe_pairs_per_rank=taken, auto_stop=reason, auto_projected_stops=projected_stops
     )
     if run.ranks.is_main:  # the one line a user sees by default (`notice`): what "auto" chose and why
         logger.log(
@@ -241,7 +241,7 @@ def probe(run, model, todo, store, progress):
             'trl-ext `%s`: "auto" chose a budget of %s %s tokens per batch for the %s split (probed %d pairs per '
             "process; stopped by: %s; memory budget %.0f MiB per process on %s)",
             NAME,
-            "unlimited" if math.isinf(token_budget) else f"{token_budget:.0f}",
+            "unlimited" if math.isinf(batch_tokens) else f"{batch_tokens:.0f}",
             "real" if run.packed else "padded",
             run.name,
             taken,
