@@ -1,0 +1,299 @@
+"""`token_budget`: each optimizer step runs stock's pairs in micro-batches cut by tokens, with stock's gradients,
+losses and logged metrics.
+
+Every comparison trains a stock `DPOTrainer` and a `token_budget` one from the same float64 models, data, sampler and
+seeds, with SGD, for two optimizer steps of `per_device_train_batch_size=2 x gradient_accumulation_steps=2` over 7
+pairs: the second step is the epoch's uneven last one (stock micro-batches of 2 and 1 pairs), and the budget is below
+the longest pair's tokens, so that pair runs alone. Parameters after each step must agree to `PARAM_RTOL` of the
+step's parameter change (a loss weight wrong by 0.1 % fails by three orders of magnitude), every logged value
+(loss, grad_norm, every TRL metric) to `LOG_RTOL`. These are float32 floors, not float64 ones: Llama's RMSNorm and
+TRL >= 1.15's fused LM head compute in float32 inside a float64 model, and a different row layout (the re-cut
+micro-batches are padded to other widths) changes their rounding. Stock against stock padded to a multiple of 64
+moves as much on this data: 1.0e-6 (`sppo_hard`) and 7.9e-7 (`use_weighting`) of the step's change, where
+token_budget moves 1.7e-7 and 1.5e-7; 5e-9 for `sigmoid`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+from transformers import TrainerCallback
+
+import trl_ext
+from trl_ext import UsageError
+from trl_ext.plugins.token_budget.cut import Pair, cut_step, pair_length, plan, spread
+from trl_ext.plugins.token_budget.hooks import COUPLED_LOSS_TYPES
+from trl_ext.testing import make_model, make_preference_dataset
+
+from ..equivalence import one_thread, sharpen
+
+PLUGIN = "token_budget"
+PARAM_RTOL, LOG_RTOL, LOG_ATOL = 1e-6, 1e-6, 1e-9
+PAIRS, BATCH, ACCUMULATION = 7, 2, 2
+BUDGET = 40
+#: Loss types whose value is a mean over pairs (TRL 1.12 and 1.16), with the config they need.
+MEAN_OVER_PAIRS = {
+    "sigmoid": {},
+    "hinge": {},
+    "ipo": {"learning_rate": 0.002},  # a squared loss of scale 1 / (2 beta)^2: large gradients
+    "exo_pair": {"label_smoothing": 0.1},
+    "nca_pair": {},
+    "robust": {"label_smoothing": 0.1},
+    "bco_pair": {},
+    "sppo_hard": {"learning_rate": 0.005},  # squared distances to 1 / (2 beta): large gradients
+    "apo_zero": {},
+    "apo_down": {},
+    "discopop": {},
+    "sigmoid_norm": {},
+}
+#: Keys of the Trainer's log that are timings, not results.
+TIMINGS = {"train_runtime", "train_samples_per_second", "train_steps_per_second"}
+
+_one_thread = pytest.fixture(scope="module", autouse=True)(one_thread)
+
+
+class _Params(TrainerCallback):
+    """Copies of the trainable parameters after each optimizer step."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, torch.Tensor]] = []
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        self.steps.append({n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad})
+
+
+def _dataset():
+    return make_preference_dataset(PAIRS, seed=3, prompt_median=6, completion_median=5, max_prompt=24)
+
+
+def _train(dpo_args, tokenizer, install: dict | None, **args):
+    from trl import DPOTrainer
+
+    model = sharpen(make_model(dtype=torch.float64, hidden_size=32))
+    ref = sharpen(make_model(dtype=torch.float64, hidden_size=32, seed=1))
+    config = dict(
+        per_device_train_batch_size=BATCH,
+        gradient_accumulation_steps=ACCUMULATION,
+        max_steps=-1,
+        num_train_epochs=1,
+        optim="sgd",
+        learning_rate=0.05,
+        bf16=False,
+        max_grad_norm=0.0,
+    )
+    config.update(args)
+    params = _Params()
+    with trl_ext.install(**(install or {})):
+        trainer = DPOTrainer(
+            model,
+            ref_model=ref,
+            args=dpo_args(**config),
+            train_dataset=_dataset(),
+            processing_class=tokenizer,
+            callbacks=[params],
+        )
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        trainer.train()
+    return trainer, before, params.steps
+
+
+def _assert_same_run(stock, plugin) -> None:
+    (s_trainer, before, s_steps), (p_trainer, _, p_steps) = stock, plugin
+    assert len(s_steps) == len(p_steps) >= 2
+    for step, (s_params, p_params) in enumerate(zip(s_steps, p_steps, strict=True)):
+        previous = before if step == 0 else s_steps[step - 1]
+        change = max((s_params[n] - previous[n]).abs().max().item() for n in s_params)
+        assert change > 1e-4, "the step must move the parameters for the comparison to mean anything"
+        worst = max((s_params[n] - p_params[n]).abs().max().item() for n in s_params)
+        assert worst <= PARAM_RTOL * change, (
+            f"step {step}: parameters differ by {worst:.3e} (step change {change:.3e})"
+        )
+    s_logs, p_logs = s_trainer.state.log_history, p_trainer.state.log_history
+    assert len(s_logs) == len(p_logs)
+    for s_log, p_log in zip(s_logs, p_logs, strict=True):
+        assert set(s_log) == set(p_log)
+        for key, value in s_log.items():
+            if key not in TIMINGS:
+                assert math.isclose(p_log[key], value, rel_tol=LOG_RTOL, abs_tol=LOG_ATOL), (key, value, p_log[key])
+    assert any("rewards/margins" in log for log in s_logs)
+
+
+def _state(trainer):
+    return trainer._trl_ext.state[PLUGIN]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The cut itself (pure functions)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_plan_cuts_by_tokens_in_order():
+    pairs = [Pair(0, 0, 10), Pair(0, 1, 12), Pair(1, 0, 30), Pair(1, 1, 5), Pair(2, 0, 4)]
+    # padded, 2 x pairs x longest <= 64: [10, 12] = 48; adding 30 would be 2*3*30; [30] = 60; [5] with 30 = 120;
+    # batch 2 has 1 pair (not 2): it weighs differently and starts its own micro-batch.
+    runs = plan(pairs, [2, 2, 1], 64)
+    assert [[(p.batch, p.row) for p in run] for run in runs] == [[(0, 0), (0, 1)], [(1, 0)], [(1, 1)], [(2, 0)]]
+    assert [len(r) for r in plan(pairs, [2, 2, 2], 1000)] == [5]
+    assert [len(r) for r in plan(pairs, [2, 2, 2], 8)] == [1] * 5  # every pair over the budget runs alone
+    # packed: the sum of the pairs' tokens
+    assert [len(r) for r in plan(pairs, [2, 2, 2], 51, packed=True)] == [2, 3]  # 10 + 12 (+ 30 > 51) | 30 + 5 + 4
+
+
+def _example(prompt: int, chosen: int, rejected: int) -> dict:
+    return {"prompt_ids": [5] * prompt, "chosen_ids": [6] * chosen, "rejected_ids": [7] * rejected}
+
+
+def test_cut_step_weights_lengths_and_collation():
+    step = [[_example(2, 3, 1), _example(1, 1, 3)], [_example(3, 3, 2)]]  # a short last stock batch
+    assert [pair_length(e, False, None) for e in step[0]] == [5, 4]
+    assert pair_length(step[1][0], True, None) == 11 and pair_length(step[1][0], False, 4) == 4
+    collated: list[list] = []
+
+    def collate(examples):
+        collated.append(examples)
+        return {"n": len(examples)}
+
+    micro_batches, over = cut_step(step, 16, collate)
+    assert over == 0 and [len(mb.pairs) for mb in micro_batches] == [1, 1, 1]  # 2 x 2 x 5 = 20 > 16
+    assert [mb.weight for mb in micro_batches] == [1 / 4, 1 / 4, 1 / 2]
+    assert collated == [[step[0][0]], [step[0][1]], [step[1][0]]]
+    micro_batches, over = cut_step(step, 20, collate)
+    assert [len(mb.pairs) for mb in micro_batches] == [2, 1] and over == 0
+    assert sum(mb.weight for mb in micro_batches) == 1.0 and micro_batches[0].tokens == 20
+    assert cut_step(step, 10, collate)[1] == 1  # the last pair alone costs 2 x 6
+    assert [list(r) for r in spread(1, 3)] == [[], [], [0]] and [list(r) for r in spread(3, 2)] == [[0], [1, 2]]
+
+
+def test_cut_refuses_examples_it_cannot_measure():
+    with pytest.raises(UsageError, match="images"):
+        cut_step([[{**_example(1, 1, 1), "images": [None]}]], 100, lambda examples: {})
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Against stock TRL
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_equals_stock_sigmoid(dpo_args, tokenizer):
+    """GA 2, the epoch's uneven last step, a pair over the budget: gradients, loss and metrics equal stock."""
+    stock = _train(dpo_args, tokenizer, None)
+    plugin = _train(dpo_args, tokenizer, {PLUGIN: BUDGET})
+    _assert_same_run(stock, plugin)
+    state = _state(plugin[0])
+    assert len(state.micro_batch_counts) == 2
+    assert sum(state.over_budget) > 0, "the data must hold a pair longer than the budget"
+    assert state.micro_batch_counts != [ACCUMULATION, ACCUMULATION], "the budget must change the cut"
+    assert "gather" not in vars(plugin[0].accelerator), "the per-micro-batch recording is undone after each call"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss_type", sorted(MEAN_OVER_PAIRS))
+def test_equals_stock_every_loss_type(dpo_args, tokenizer, loss_type):
+    args = {"loss_type": [loss_type], **MEAN_OVER_PAIRS[loss_type]}
+    _assert_same_run(_train(dpo_args, tokenizer, None, **args), _train(dpo_args, tokenizer, {PLUGIN: BUDGET}, **args))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "args",
+    [
+        {"use_weighting": True, "learning_rate": 100.0},  # the WPO weights (~1e-5 here) shrink the gradient
+        {"ld_alpha": 0.5},
+        {"loss_type": ["sigmoid", "bco_pair"], "loss_weights": [0.7, 0.3]},
+        {"precompute_ref_log_probs": True},
+        {"f_divergence_type": "js_divergence"},
+        {"gradient_accumulation_steps": 3},
+    ],
+    ids=["use_weighting", "ld_alpha", "two_losses", "precompute_ref", "js_divergence", "ga3"],
+)
+def test_equals_stock_options(dpo_args, tokenizer, args):
+    _assert_same_run(_train(dpo_args, tokenizer, None, **args), _train(dpo_args, tokenizer, {PLUGIN: BUDGET}, **args))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("packing", ["padding_free", "prompt_sharing"])
+def test_packed_equals_stock(dpo_args, tokenizer, packing):
+    """With a packing plugin the micro-batches are collated (packed) by that plugin, and the budget counts the real
+    tokens of both sequences (prompt_sharing alone differs from stock here by 1.1e-7 of a step's change; token_budget
+    on top of it changes that difference by less than 1e-12)."""
+    plugin = _train(dpo_args, tokenizer, {PLUGIN: 2 * BUDGET, packing: True})
+    _assert_same_run(_train(dpo_args, tokenizer, None), plugin)
+    state = _state(plugin[0])
+    assert state.packed and state.micro_batch_counts != [ACCUMULATION, ACCUMULATION]
+
+
+@pytest.mark.slow
+def test_with_sync_metrics_equals_sync_metrics_alone(dpo_args, tokenizer):
+    """sync_metrics weighs its window means by pairs and tokens, so the cut must not change what it logs."""
+    alone = _train(dpo_args, tokenizer, {"sync_metrics": True})
+    both = _train(dpo_args, tokenizer, {"sync_metrics": True, PLUGIN: BUDGET})
+    _assert_same_run(alone, both)
+    assert _state(both[0]).micro_batch_counts != [ACCUMULATION, ACCUMULATION]
+
+
+@pytest.mark.slow
+def test_micro_batch_counts_follow_the_budget(dpo_args, tokenizer):
+    """A budget that holds a whole step runs one micro-batch per step; a tiny one runs every pair alone."""
+    trainer, _, _ = _train(dpo_args, tokenizer, {PLUGIN: 100_000})
+    assert _state(trainer).micro_batch_counts == [1, 2]  # the short last batch is cut apart from the full one
+    trainer, _, _ = _train(dpo_args, tokenizer, {PLUGIN: 1})
+    assert _state(trainer).micro_batch_counts == [4, 3]
+    assert all(count == 4 or count == 3 for count in _state(trainer).over_budget)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Refusals and lifecycle
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("loss_type", sorted(COUPLED_LOSS_TYPES))
+def test_refuses_losses_that_couple_pairs(dpo_args, tokenizer, loss_type):
+    with pytest.raises(UsageError, match=f"loss_type='{loss_type}'"):
+        _train(dpo_args, tokenizer, {PLUGIN: BUDGET}, loss_type=["sigmoid", loss_type])
+
+
+def test_flag_is_validated():
+    with pytest.raises(UsageError):
+        trl_ext.install(token_budget=0)
+    with pytest.raises(UsageError):
+        trl_ext.install(token_budget="auto")
+
+
+def test_detach_restores_the_trainer(dpo_args, tokenizer):
+    from trl import DPOTrainer
+
+    names = ("get_train_dataloader", "get_batch_samples", "training_step", "compute_loss", "loss_is_scaled_for_ga")
+    with trl_ext.install(token_budget=BUDGET) as installation:
+        trainer = DPOTrainer(
+            make_model(hidden_size=32),
+            ref_model=make_model(hidden_size=32, seed=1),
+            args=dpo_args(bf16=False),
+            train_dataset=_dataset(),
+            processing_class=tokenizer,
+        )
+        assert all(name in trainer.__dict__ for name in names)
+        installation.detach(trainer)
+    assert not any(name in trainer.__dict__ for name in names)
+
+
+def test_logs_pairs_over_the_budget(dpo_args, tokenizer, caplog):
+    records: list[logging.LogRecord] = []
+
+    class _Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record)
+
+    root = logging.getLogger("trl_ext")
+    handler, level = _Keep(level=logging.DEBUG), root.level
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    try:
+        _train(dpo_args, tokenizer, {PLUGIN: 20}, max_steps=1)
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
+    lines = [r.getMessage() for r in records if "exceed the budget" in r.getMessage()]
+    assert len(lines) == 1 and "budget of 20 tokens" in lines[0]

@@ -1,0 +1,87 @@
+"""Micro-batches cut by tokens instead of pairs, with the same gradients and metrics as stock TRL
+(`token_budget=<tokens>`).
+
+A TRL DPO user picks `per_device_train_batch_size` so that the *longest* micro-batch fits in memory; on data of very
+different lengths most micro-batches then run far below capacity. With this plugin, each optimizer step still
+consumes exactly the pairs stock TRL gives it (`per_device_train_batch_size x gradient_accumulation_steps`, same
+sampler, same order), but runs them in micro-batches of at most `token_budget` tokens: many short pairs share one
+forward/backward, long ones run in small groups. Chosen and rejected sequences of a pair stay together; a pair longer
+than the budget runs alone, and one warning line per step says so.
+
+What the budget counts: alone, padded tokens (`2 x pairs x longest sequence`); with a packing plugin (padding_free,
+prompt_sharing: the plugin that holds the `packing` role for the trainer), which then collates each micro-batch, the
+real tokens of both sequences of every pair (the prompt is counted in each sequence, also under prompt_sharing, which
+computes it once: the bound holds, with some room left). Sequences count at most `DPOConfig.max_length`.
+
+```python
+with trl_ext.install(token_budget=4096):
+    trainer = DPOTrainer(...)
+    trainer.train()
+```
+
+(or `TRL_EXT_TOKEN_BUDGET=4096`, or `token_budget: 4096` in the trl-ext YAML file).
+
+Exact. The gradient of every optimizer step and every logged metric equal stock TRL's with the same batch size and
+gradient accumulation (tests/plugins/test_token_budget.py, float64, every loss type that is a mean over pairs):
+
+- *Loss weights.* Each micro-batch's mean loss is weighted by the share of the step that stock gives its pairs
+  (`pairs / (pairs in their stock micro-batch x stock micro-batches in the step)`), through transformers' own hook
+  (`Trainer.loss_is_scaled_for_ga`), so the Trainer does not divide it again. Pairs of the short last batch of an
+  epoch weigh more in stock TRL; they are never mixed with others in one micro-batch. `use_weighting`, `ld_alpha`,
+  the f-divergences and several `loss_type`s with `loss_weights` are per-pair and covered.
+- *Metrics.* Stock TRL logs the mean of per-micro-batch means; the plugin records the per-pair values behind them
+  (rewards, log-probs, and per-row token sums for `entropy`, `logits/*`, `mean_token_accuracy`) and appends, at the
+  end of each step, what stock would have appended for each of its micro-batches. The logged `loss`, `num_tokens`,
+  `total_flos` and the Trainer's epoch/step bookkeeping equal stock's.
+- *The training loop is transformers' own.* The training loader's collator also passes on the examples of each
+  batch; `get_batch_samples` returns one entry per stock micro-batch (equal to it, so FLOs and token counting are
+  unchanged); the re-cut micro-batches, collated by the trainer's collator, are spread over those entries and
+  `training_step` runs each entry's micro-batches in turn.
+- *Other plugins.* With padding_free or prompt_sharing the result equals stock within their own float32 floor; with
+  sync_metrics (which reduces the metrics itself, weighting by pairs and tokens) the logs equal sync_metrics alone.
+
+Evaluation and prediction are not cut (they run as in stock TRL).
+
+Refused with `trl_ext.UsageError`, when the trainer is built:
+
+- `loss_type` `aot`, `aot_unpaired` (sorted across the micro-batch) and `sft` (a mean over the micro-batch's tokens):
+  their values change with the cut;
+- a MoE model with `router_aux_loss_coef != 0` (the auxiliary loss is computed over all tokens of a micro-batch);
+- `use_liger_kernel=True`;
+- more than one process (distributed training is not cut yet);
+- vision datasets (examples other than tokenized text pairs), at the first step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ...spec import Flag, PluginSpec, optional, positive_int
+
+NAME = "token_budget"
+
+TRL_EXT_PLUGIN = PluginSpec(
+    name=NAME,
+    summary="Micro-batches of at most N tokens, gradients and metrics equal to stock.",
+    flags=(
+        Flag(
+            NAME,
+            default=None,
+            parse=optional(positive_int),
+            help="Most padded tokens per DPO micro-batch (pairs per optimizer step unchanged).",
+        ),
+    ),
+    trainers=("DPOTrainer",),
+    hooks=".hooks",
+)
+
+
+def __getattr__(name: str) -> Any:
+    """The implementation's names: `.hooks` is imported on first use only, so that reading the declaration above
+    stays cheap."""
+    if name.startswith("__"):
+        raise AttributeError(name)
+    import importlib
+
+    hooks = importlib.import_module(f"{__name__}.hooks")
+    return hooks if name == "hooks" else getattr(hooks, name)

@@ -1,0 +1,132 @@
+"""Re-cutting the pairs of one optimizer step into micro-batches of at most `token_budget` tokens.
+
+The cut works on the examples the trainer's collator received (tokenized pairs: `prompt_ids`, `chosen_ids`,
+`rejected_ids`, and `ref_chosen_logps` / `ref_rejected_logps` with precomputed reference log-probs). Each micro-batch
+is collated by the trainer's own collator (TRL's, or a packing plugin's), so its inputs are exactly what that collator
+gives for those pairs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from ...errors import UsageError
+
+#: The batch key under which the training loader hands the plugin the examples of each stock micro-batch.
+EXAMPLES_KEY = "trl_ext_token_budget_examples"
+#: The example fields the cut understands (DPOTrainer's text signature columns, trl/trainer/dpo_trainer.py).
+TEXT_FIELDS = ("prompt_ids", "chosen_ids", "rejected_ids")
+OPTIONAL_FIELDS = ("ref_chosen_logps", "ref_rejected_logps")
+
+
+class KeepExamples:
+    """A collator that also returns, under `EXAMPLES_KEY`, the examples it collated."""
+
+    def __init__(self, collator: Callable[[list[Any]], Any]) -> None:
+        self.collator = collator
+
+    def __call__(self, examples: list[Any]) -> Any:
+        batch = self.collator(examples)
+        batch[EXAMPLES_KEY] = list(examples)
+        return batch
+
+
+@dataclasses.dataclass(frozen=True)
+class Pair:
+    """One pair of a step: where it sits in the stock micro-batches, and the tokens it costs."""
+
+    batch: int  #: index of the stock micro-batch in the step
+    row: int  #: index of the pair inside that micro-batch
+    length: int  #: padded: its longer sequence (prompt + completion); packed: both sequences together
+
+
+@dataclasses.dataclass
+class MicroBatch:
+    """A micro-batch cut by the budget: its pairs (in step order), its collated inputs and its loss weight."""
+
+    pairs: list[Pair]
+    inputs: Any
+    #: the weight of this micro-batch's mean loss in the step: the sum over its pairs of the weight stock gives each
+    #: pair (`1 / (pairs in the pair's stock micro-batch * stock micro-batches in the step)`)
+    weight: float
+    #: tokens it holds by the budget's count (`tokens`)
+    tokens: int
+
+
+def check_example(example: Mapping[str, Any]) -> None:
+    """Refuse examples the cut cannot measure (vision pairs, untokenized text, unknown fields)."""
+    unknown = sorted(set(example) - set(TEXT_FIELDS) - set(OPTIONAL_FIELDS))
+    missing = [field for field in TEXT_FIELDS if field not in example]
+    if unknown or missing:
+        raise UsageError(
+            f"`token_budget` cuts tokenized text pairs ({', '.join(TEXT_FIELDS)}); these examples have fields "
+            f"{unknown} / lack {missing} (a vision dataset?). Disable `token_budget` for this trainer."
+        )
+
+
+def pair_length(example: Mapping[str, Any], packed: bool, max_length: int | None) -> int:
+    """The tokens one pair costs: padded, its longer sequence (a micro-batch then costs `2 x pairs x longest`); packed,
+    both sequences (the prompt counted in each). Sequences are capped at `max_length` as the collator truncates."""
+    prompt = len(example["prompt_ids"])
+    lengths = [prompt + len(example["chosen_ids"]), prompt + len(example["rejected_ids"])]
+    if max_length is not None:
+        lengths = [min(length, max_length) for length in lengths]
+    return sum(lengths) if packed else max(lengths)
+
+
+def tokens(pairs: Sequence[Pair], packed: bool) -> int:
+    """Tokens of a micro-batch of `pairs` by the budget's count."""
+    return sum(p.length for p in pairs) if packed else 2 * len(pairs) * max(p.length for p in pairs)
+
+
+def plan(pairs: Sequence[Pair], batch_sizes: Sequence[int], budget: int, packed: bool = False) -> list[list[Pair]]:
+    """Cut `pairs` (in order) into runs of at most `budget` tokens (`tokens`).
+
+    A pair over the budget forms a run of its own. Pairs of stock micro-batches of different sizes weigh differently
+    in the stock loss (the short last batch of an epoch), so they are never put in one run.
+    """
+    runs: list[list[Pair]] = []
+    current: list[Pair] = []
+    for pair in pairs:
+        same_weight = bool(current) and batch_sizes[current[0].batch] == batch_sizes[pair.batch]
+        if same_weight and tokens([*current, pair], packed) <= budget:
+            current.append(pair)
+            continue
+        if current:
+            runs.append(current)
+        current = [pair]
+    if current:
+        runs.append(current)
+    return runs
+
+
+def cut_step(
+    examples: Sequence[Sequence[Mapping[str, Any]]],
+    budget: int,
+    collate: Callable[[list[Any]], Any],
+    packed: bool = False,
+    max_length: int | None = None,
+) -> tuple[list[MicroBatch], int]:
+    """Re-cut one step (the examples of each stock micro-batch, in order) by `budget`, collating each micro-batch
+    with `collate`. Returns the micro-batches and how many pairs exceed the budget on their own."""
+    pairs: list[Pair] = []
+    for b, batch in enumerate(examples):
+        for r, example in enumerate(batch):
+            check_example(example)
+            pairs.append(Pair(b, r, pair_length(example, packed, max_length)))
+    sizes = [len(batch) for batch in examples]
+    micro_batches = []
+    for run in plan(pairs, sizes, budget, packed):
+        weight = len(run) / (sizes[run[0].batch] * len(examples))
+        inputs = collate([examples[p.batch][p.row] for p in run])
+        micro_batches.append(MicroBatch(run, inputs, weight, tokens(run, packed)))
+    over = sum(1 for p in pairs if tokens([p], packed) > budget)
+    return micro_batches, over
+
+
+def spread(count: int, slots: int) -> list[range]:
+    """Indices of `count` micro-batches spread over `slots` stock positions, in order; the last slot is never empty
+    (when `count > 0`), so the Trainer's gradient synchronisation on its last micro-step still happens."""
+    return [range(i * count // slots, (i + 1) * count // slots) for i in range(slots)]

@@ -1,0 +1,125 @@
+"""TRL's DPO metrics on the stock partition of a step, from per-pair values recorded on the re-cut micro-batches.
+
+Stock `DPOTrainer._compute_loss` appends, per micro-batch, means over its pairs (rewards, log-probs) and token-weighted
+means (entropy, logits, token accuracy); `DPOTrainer.log` averages those per-micro-batch values. A micro-batch cut by
+the budget is not one of stock's, so its appended values are removed, and the plugin records instead what lies
+behind them per pair: the per-pair tensors TRL passes to `accelerator.gather`, and per-row token sums of the policy
+forward. At the end of the step it appends, for each stock micro-batch in order, the value stock would have appended.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+#: What `DPOTrainer._compute_loss` passes to `accelerator.gather`, in order: one value per pair each
+#: (trl/trainer/dpo_trainer.py, 1.16.0:1582-1601, 1.12.0:1662-1683).
+PAIR_METRICS = (
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+)
+#: Token-weighted metrics, rebuilt from per-row sums of the policy forward's outputs.
+TOKEN_METRICS = ("entropy", "logits/chosen", "logits/rejected", "mean_token_accuracy")
+#: Per-row sums kept for the token metrics (chosen `_c` / rejected `_r` rows of each pair).
+ROW_SUMS = ("entropy_c", "entropy_r", "tokens_c", "tokens_r", "logits_c", "logits_r", "correct_c")
+
+
+def row_sums(output: Any, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-pair sums behind TRL's token metrics, computed as TRL computes them from the policy forward's output.
+
+    TRL >= 1.13 runs the policy with a fused LM head whose output carries per-token `entropy`, `mean_logits` and
+    `is_top1`; older TRL computes them from `logits` (trl/trainer/dpo_trainer.py, 1.12.0:1614-1661).
+    """
+    mask = inputs["completion_mask"][:, 1:].bool()
+    width = mask.size(1)
+    if getattr(output, "entropy", None) is not None:
+        entropy = output.entropy[:, -width:].detach()
+        mean_logits = output.mean_logits[:, -width:].detach()
+        top1 = output.is_top1[:, -width:]
+    else:
+        from trl.trainer.utils import entropy_from_logits
+
+        shift_logits = output.logits[..., :-1, :].detach()
+        entropy = entropy_from_logits(shift_logits)
+        mean_logits = shift_logits.mean(-1)
+        top1 = shift_logits.argmax(dim=-1) == inputs["input_ids"][..., 1:]
+    zero = torch.zeros((), dtype=entropy.dtype, device=entropy.device)
+    entropy = torch.where(mask, entropy, zero).sum(dim=1)
+    logits = torch.where(mask, mean_logits, zero.to(mean_logits.dtype)).sum(dim=1)
+    tokens = mask.sum(dim=1)
+    correct = (top1.bool() & mask).sum(dim=1)
+    n = mask.size(0) // 2
+    return {
+        "entropy_c": entropy[:n],
+        "entropy_r": entropy[n:],
+        "tokens_c": tokens[:n],
+        "tokens_r": tokens[n:],
+        "logits_c": logits[:n],
+        "logits_r": logits[n:],
+        "correct_c": correct[:n],
+    }
+
+
+class StepRecord:
+    """The per-pair values of one step's micro-batches, in step order."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, list[torch.Tensor]] = {name: [] for name in PAIR_METRICS + ROW_SUMS}
+        #: micro-batches recorded; None when TRL's own values never reached its buffer (nothing to rebuild)
+        self.count: int | None = 0
+
+    def add(
+        self, gathered: Sequence[tuple[torch.Tensor, Any]], sums: dict[str, torch.Tensor], appended: dict[str, list]
+    ) -> None:
+        """Record one micro-batch: the tensors TRL gathered (with what `gather` returned), the row sums, and what TRL
+        appended (each appended value must be the mean of what `gather` returned: the tensors are the metrics they are
+        taken for)."""
+        expected = set(PAIR_METRICS) | set(TOKEN_METRICS)
+        if not appended and self.count in (0, None):
+            # Another plugin took TRL's values out of its buffer as they were appended (it reduces the metrics
+            # itself): there is nothing to put back for this step.
+            self.count = None
+            return
+        if self.count is None:
+            raise RuntimeError("token_budget: TRL's metric buffer was emptied for some micro-batches of a step only.")
+        self.count += 1
+        if set(appended) != expected or len(gathered) != len(PAIR_METRICS):
+            raise RuntimeError(
+                f"token_budget: DPOTrainer logged {sorted(appended)} and gathered {len(gathered)} per-pair tensors; "
+                f"expected {sorted(expected)} and {len(PAIR_METRICS)}. This TRL's metrics are not supported."
+            )
+        for name, (tensor, result) in zip(PAIR_METRICS, gathered, strict=True):
+            if appended[name] != [result.mean().item()] or tensor.dim() != 1:
+                raise RuntimeError(f"token_budget: TRL's `{name}` is not the mean of the tensor it gathered.")
+            self.values[name].append(tensor.detach())
+        for name in ROW_SUMS:
+            self.values[name].append(sums[name])
+
+    def stock_values(self, sizes: Sequence[int]) -> list[dict[str, float]]:
+        """For each stock micro-batch (of `sizes` pairs, in order), the values TRL would have appended (none when
+        another plugin reduces the metrics)."""
+        if not self.count:
+            return []
+        flat = {name: torch.cat(parts) for name, parts in self.values.items()}
+        out = []
+        start = 0
+        for size in sizes:
+            part = {name: tensor[start : start + size] for name, tensor in flat.items()}
+            start += size
+            values = {name: part[name].mean().item() for name in PAIR_METRICS}
+            tokens = part["tokens_c"].sum() + part["tokens_r"].sum()
+            entropy = part["entropy_c"].sum() + part["entropy_r"].sum()
+            values["entropy"] = (entropy / tokens).item() if tokens > 0 else 0.0
+            tokens_c, tokens_r = part["tokens_c"].sum().item(), part["tokens_r"].sum().item()
+            values["logits/chosen"] = part["logits_c"].sum().item() / tokens_c if tokens_c > 0 else 0.0
+            values["logits/rejected"] = part["logits_r"].sum().item() / tokens_r if tokens_r > 0 else 0.0
+            correct = part["correct_c"].sum()
+            values["mean_token_accuracy"] = (correct / part["tokens_c"].sum()).item() if tokens_c > 0 else 0.0
+            out.append(values)
+        return out

@@ -1,0 +1,232 @@
+"""Running one optimizer step's re-cut micro-batches inside transformers' training loop, unchanged.
+
+The training loader's collator also hands over the examples of each batch (`cut.KeepExamples`, set only while
+`get_train_dataloader` builds the loader). transformers' `Trainer._inner_training_loop` fetches a step's stock
+micro-batches with `get_batch_samples`, then runs `training_step` once per fetched batch; its gradient
+synchronisation, callbacks and epoch position count those calls. The plugin keeps that count: `get_batch_samples`
+returns one `Slot` per stock batch (a dict equal to the stock batch, so the Trainer's FLOs and token counting see
+stock's inputs), and the step's budget-cut micro-batches, collated by the trainer's collator, are spread over the
+slots. `training_step` runs a slot's micro-batches one after another (possibly none).
+
+Loss scaling uses transformers' own hook: `Trainer.loss_is_scaled_for_ga = True` says `compute_loss` already scaled
+the loss for accumulation, so `training_step` does not divide it again; the plugin's `compute_loss` multiplies each
+micro-batch's mean loss by its weight (its pairs' share of the step as stock weighs them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from ..._logging import get_logger
+from ...patching import Patcher
+from .cut import EXAMPLES_KEY, KeepExamples, MicroBatch, cut_step, spread
+from .metrics import StepRecord, row_sums
+
+logger = get_logger(__name__)
+
+
+class Slot(dict):
+    """The stock batch at one position of a step (its items), carrying the re-cut micro-batches to run there."""
+
+    micro_batches: list[MicroBatch]
+    last: bool
+
+
+class TokenBudgetState:
+    """Per-trainer state (`context.state["token_budget"]`)."""
+
+    def __init__(self, trainer: Any, budget: int, packed: bool) -> None:
+        self.trainer = trainer
+        self.budget = budget
+        #: whether the collator packs (the budget then counts real tokens, not padded ones)
+        self.packed = packed
+        #: the micro-batch `compute_loss` is running, or None
+        self.active: MicroBatch | None = None
+        #: the stock factor for a `training_step` called outside the loop with a plain batch
+        self.plain_scale: float | None = None
+        self.record = StepRecord()
+        self.sizes: list[int] = []
+        #: per optimizer step: micro-batches run (for logs and tests)
+        self.micro_batch_counts: list[int] = []
+        self.max_tokens: list[int] = []
+        #: per optimizer step: pairs longer than the budget
+        self.over_budget: list[int] = []
+
+    # -- get_batch_samples --
+
+    def cut(self, batches: list[dict[str, Any]]) -> list[Slot]:
+        if any(EXAMPLES_KEY not in batch for batch in batches):
+            raise RuntimeError(
+                "token_budget: this training batch carries no examples; the loader was not built by the trainer's "
+                "`get_train_dataloader`."
+            )
+        examples = [batch[EXAMPLES_KEY] for batch in batches]
+        stock = [{key: value for key, value in batch.items() if key != EXAMPLES_KEY} for batch in batches]
+        micro_batches, over = cut_step(
+            examples, self.budget, self.trainer.data_collator, self.packed, self.trainer.args.max_length
+        )
+        if over:
+            logger.warning(
+                "token_budget: %d pair(s) of this step exceed the budget of %d tokens; each runs alone.",
+                over,
+                self.budget,
+            )
+        self.record = StepRecord()
+        self.sizes = [len(part) for part in examples]
+        self.micro_batch_counts.append(len(micro_batches))
+        self.over_budget.append(over)
+        self.max_tokens.append(max((mb.tokens for mb in micro_batches), default=0))
+        slots = []
+        for i, indices in enumerate(spread(len(micro_batches), len(batches))):
+            slot = Slot(stock[i])
+            slot.micro_batches = [micro_batches[j] for j in indices]
+            slot.last = i == len(batches) - 1
+            slots.append(slot)
+        return slots
+
+    # -- training_step --
+
+    def run_slot(self, training_step: Any, model: Any, slot: Slot, args: tuple, kwargs: dict) -> torch.Tensor:
+        total: torch.Tensor | None = None
+        for mb in slot.micro_batches:
+            self.active = mb
+            try:
+                loss = training_step(model, mb.inputs, *args, **kwargs)
+            finally:
+                self.active = None
+            total = loss if total is None else total + loss
+        if slot.last:
+            self.finish_step()
+        if total is None:
+            total = torch.zeros((), device=self.trainer.args.device)
+        return total
+
+    def finish_step(self) -> None:
+        """Append to TRL's metric buffer the values stock would have appended for this step."""
+        metrics = self.trainer._metrics["train"]
+        for values in self.record.stock_values(self.sizes):
+            for name, value in values.items():
+                metrics[name].append(value)
+        self.record = StepRecord()
+
+    # -- compute_loss --
+
+    @contextlib.contextmanager
+    def capture(self, model: Any, inputs: dict[str, torch.Tensor]) -> Iterator[None]:
+        """Record, for the micro-batch TRL's `_compute_loss` runs now, what its metrics are made of, and take the
+        values TRL appends back out of its buffer.
+
+        TRL's per-pair metrics are the tensors it passes to `accelerator.gather`; they are recorded by a wrapper set
+        around whatever `gather` the accelerator holds for the duration of the call (outermost, so another plugin's
+        own `gather` wrapper still sees every call), and identified by checking each against what TRL appends.
+        """
+        metrics = self.trainer._metrics["train"]
+        before = {name: len(values) for name, values in metrics.items()}
+        outputs: list[Any] = []
+        gathered: list[tuple[torch.Tensor, Any]] = []
+        accelerator = self.trainer.accelerator
+        gather, gather_for_metrics = accelerator.gather, accelerator.gather_for_metrics
+        inside_for_metrics = [0]
+
+        @functools.wraps(gather)
+        def recording_gather(tensor: Any) -> Any:
+            result = gather(tensor)
+            # accelerate's `gather_for_metrics` calls `gather` too; only TRL's direct gathers are per-pair values.
+            if not inside_for_metrics[0] and isinstance(tensor, torch.Tensor):
+                gathered.append((tensor.detach(), result))
+            return result
+
+        @functools.wraps(gather_for_metrics)
+        def counting_gather_for_metrics(*args: Any, **kwargs: Any) -> Any:
+            inside_for_metrics[0] += 1
+            try:
+                return gather_for_metrics(*args, **kwargs)
+            finally:
+                inside_for_metrics[0] -= 1
+
+        def keep_first(module: Any, args: Any, output: Any) -> None:
+            if not outputs:  # the policy forward; a PEFT reference forward through the same module comes after
+                outputs.append(output)
+
+        scoped = Patcher("token_budget (one micro-batch)")
+        handle = model.register_forward_hook(keep_first)
+        try:
+            scoped.setattr(accelerator, "gather", recording_gather)
+            scoped.setattr(accelerator, "gather_for_metrics", counting_gather_for_metrics)
+            yield
+        finally:
+            scoped.undo()
+            handle.remove()
+        appended = {}
+        for name, values in metrics.items():
+            if name != "num_tokens" and len(values) > before.get(name, 0):
+                appended[name] = values[before.get(name, 0) :]
+                del values[before.get(name, 0) :]
+        if not outputs:
+            raise RuntimeError("token_budget: the policy forward of DPOTrainer._compute_loss was not seen.")
+        self.record.add(gathered, row_sums(outputs[0], inputs), appended)
+
+
+def install(trainer: Any, patcher: Any, state: TokenBudgetState) -> None:
+    """Wrap the trainer's `get_train_dataloader`, `get_batch_samples`, `training_step` and `compute_loss`."""
+    original_get_train_dataloader = trainer.get_train_dataloader
+
+    @functools.wraps(original_get_train_dataloader)
+    def get_train_dataloader(*args: Any, **kwargs: Any) -> Any:
+        # The loader captures its collate function when it is built; evaluation loaders keep the plain collator.
+        scoped = Patcher("token_budget (training loader)")
+        scoped.setattr(trainer, "data_collator", KeepExamples(trainer.data_collator))
+        try:
+            return original_get_train_dataloader(*args, **kwargs)
+        finally:
+            scoped.undo()
+
+    original_get_batch_samples = trainer.get_batch_samples
+
+    @functools.wraps(original_get_batch_samples)
+    def get_batch_samples(epoch_iterator: Any, num_batches: int, *args: Any, **kwargs: Any) -> tuple[list, Any]:
+        batches, num_items_in_batch = original_get_batch_samples(epoch_iterator, num_batches, *args, **kwargs)
+        if num_items_in_batch is not None:
+            raise RuntimeError(
+                "token_budget: the Trainer counts items for loss scaling (`num_items_in_batch`), which DPO batches "
+                "do not use; this combination is not supported."
+            )
+        return (state.cut(batches) if batches else batches), None
+
+    original_training_step = trainer.training_step
+
+    @functools.wraps(original_training_step)
+    def training_step(model: Any, inputs: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if isinstance(inputs, Slot):
+            return state.run_slot(original_training_step, model, inputs, args, kwargs)
+        # A plain batch from outside the loop: stock scaling (transformers divides by the accumulation steps).
+        state.plain_scale = 1.0 / trainer.current_gradient_accumulation_steps
+        try:
+            return original_training_step(model, inputs, *args, **kwargs)
+        finally:
+            state.plain_scale = None
+
+    original_compute_loss = trainer.compute_loss
+
+    @functools.wraps(original_compute_loss)
+    def compute_loss(model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        mb = state.active
+        if mb is None:
+            result = original_compute_loss(model, inputs, *args, **kwargs)
+            if state.plain_scale is None:
+                return result
+            return result * state.plain_scale
+        with state.capture(model, inputs):
+            loss = original_compute_loss(model, inputs, *args, **kwargs)
+        return loss * mb.weight
+
+    patcher.setattr(trainer, "get_batch_samples", get_batch_samples)
+    patcher.setattr(trainer, "training_step", training_step)
+    patcher.setattr(trainer, "compute_loss", compute_loss)
+    patcher.setattr(trainer, "loss_is_scaled_for_ga", True)
+    patcher.setattr(trainer, "get_train_dataloader", get_train_dataloader)
