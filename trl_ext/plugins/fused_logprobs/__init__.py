@@ -1,4 +1,4 @@
-"""Fused log-probs: Online DPO scores its completions without the `[rows, length, vocab]` logits.
+"""Fused log-probs: Online DPO (and DPO on TRL < 1.15) score completions without the `[rows, length, vocab]` logits.
 
 `OnlineDPOTrainer._forward` (TRL 1.12 and 1.16) runs the model, keeps the logits of the completion columns, takes a
 full-vocabulary `log_softmax` and gathers each completion token's log-prob, for the policy (with gradients) and the
@@ -20,7 +20,7 @@ Enable it with:
 
 ```python
 with trl_ext.install(fused_logprobs=True):
-    trainer = OnlineDPOTrainer(...)
+    trainer = OnlineDPOTrainer(...)         # or DPOTrainer(...)
 ```
 
 Options (`plugins: {fused_logprobs: {...}}`):
@@ -35,7 +35,11 @@ mechanism: final logit softcapping, logit scaling (`logit_scale`, `logits_scalin
 module, heads the model does not call as a module, vision-language models, any model failing the self-check.
 
 `DPOTrainer`: on TRL >= 1.15 TRL's own fused LM head already scores DPO without full logits; the plugin says so in one
-log line and leaves it. On older TRL the DPO path is not built: the plugin refuses a `DPOTrainer`.
+log line and leaves it. On older TRL (`dpo.py`) the policy's and reference's scoring forwards return `LazyLogits`
+(`lazy.py`): every reduction TRL's `_compute_loss` and `compute_ref_log_probs` apply to the logits (log-probs of every
+loss type, the `sft` cross-entropy, WPO weights, entropy, mean logits, token accuracy) runs chunk by chunk, and only
+completion positions are scored. There it does not combine with packing yet (refused); an evaluation that asks for
+the logits themselves (`prediction_loss_only=False`) gets them, built as stock, with a warning.
 """
 
 from __future__ import annotations
@@ -72,7 +76,7 @@ class FusedLogprobsOptions:
 
 TRL_EXT_PLUGIN = PluginSpec(
     name=NAME,
-    summary="Fused log-probs: Online DPO scores completions chunk by chunk, never building the full logits.",
+    summary="Fused log-probs: completions scored chunk by chunk, never building the full-vocabulary logits.",
     flags=(Flag(NAME, default=False, parse=boolean, help="Score completions without the full-vocabulary logits."),),
     options=FusedLogprobsOptions,
     trainers=("OnlineDPOTrainer", "DPOTrainer"),

@@ -9,7 +9,9 @@ from ..._logging import get_logger
 from ...context import unwrap_causal_lm
 from ...errors import UsageError
 from ...hookspecs import hookimpl
+from .._roles import PACKING
 from . import NAME, FusedLogprobsOptions
+from .dpo import install_dpo
 from .online import FusedState, make_fused_forward, output_head, patch_head, resolve_chunk
 from .selfcheck import head_mechanism, self_check
 
@@ -31,19 +33,11 @@ def _dpo_has_fused_head() -> bool:
 @hookimpl
 def trl_ext_trainer_init_start(trainer: Any, context: Any, init_kwargs: dict[str, Any]) -> None:
     _state(context)
-    if context.trainer_class != "DPOTrainer":
-        return
-    if _dpo_has_fused_head():
+    if context.trainer_class == "DPOTrainer" and _dpo_has_fused_head():
         logger.info(
             "fused_logprobs: this TRL's DPOTrainer already scores with its own fused LM head (no full-vocabulary "
             "logits); fused_logprobs leaves it as it is"
         )
-        return
-    raise UsageError(
-        "fused_logprobs does not yet replace the full-logit scoring of DPOTrainer on this TRL (< 1.15, where TRL has "
-        "no fused LM head); it covers OnlineDPOTrainer. Train this DPOTrainer without fused_logprobs, or upgrade to "
-        "trl >= 1.15 (its DPOTrainer scores with a fused LM head)."
-    )
 
 
 def _check_model(context: Any, role: str, model: Any, trainer: Any) -> None:
@@ -81,12 +75,18 @@ def _check_model(context: Any, role: str, model: Any, trainer: Any) -> None:
 
 @hookimpl
 def trl_ext_trainer_models_ready(trainer: Any, context: Any) -> None:
-    if context.trainer_class != "OnlineDPOTrainer":
+    if context.trainer_class == "DPOTrainer" and _dpo_has_fused_head():
         return
     state = _state(context)
     models = context.models()
+    packing = tuple(n for n in context.plugins_serving(PACKING) if context.is_enabled(n))
+    if context.trainer_class == "DPOTrainer" and packing:
+        install_dpo(trainer, context, state, packing)  # refuses, before any self-check runs
     for role, model in models.items():
         _check_model(context, role, model, trainer)
+    if context.trainer_class == "DPOTrainer":
+        install_dpo(trainer, context, state, packing)
+        return
     policy = models.get("policy")
 
     def role_of(model: Any) -> str:
@@ -100,6 +100,6 @@ def trl_ext_trainer_models_ready(trainer: Any, context: Any) -> None:
 @hookimpl
 def trl_ext_describe(trainer: Any, context: Any) -> str | None:
     state = _state(context)
-    if context.trainer_class == "DPOTrainer":
+    if context.trainer_class == "DPOTrainer" and _dpo_has_fused_head():
         return "TRL's own fused LM head"
     return ", ".join(f"{role}: chunk {chunk}" for role, chunk in state.chunks.items()) or None

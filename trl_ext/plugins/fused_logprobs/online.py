@@ -25,7 +25,15 @@ from ...context import unwrap_causal_lm
 from ...errors import UsageError
 from .chunked import auto_chunk, token_logprobs
 
-__all__ = ["FusedState", "HeadCall", "make_fused_forward", "output_head", "pass_through", "patch_head"]
+__all__ = [
+    "FusedState",
+    "HeadCall",
+    "run_passing_through",
+    "make_fused_forward",
+    "output_head",
+    "pass_through",
+    "patch_head",
+]
 
 
 @dataclasses.dataclass
@@ -58,6 +66,8 @@ class FusedState:
     self_checks: dict[str, Any] = dataclasses.field(default_factory=dict)
     #: fused scoring calls (the policy's and the reference's)
     fused_calls: int = 0
+    #: DPO calls that asked for the logits themselves (an evaluation with `prediction_loss_only=False`): run stock
+    stock_logits_calls: int = 0
 
 
 def output_head(model: Any, role: str = "model") -> torch.nn.Module:
@@ -107,6 +117,13 @@ def pass_through() -> Iterator[HeadCall]:
 def hidden_states(model: Any, role: str, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, HeadCall]:
     """Run `model(*args, **kwargs)` with its output head passing through: the hidden states the head would see, and
     the autocast state it would run under."""
+    outputs, call = run_passing_through(model, role, *args, **kwargs)
+    return outputs.logits, call
+
+
+def run_passing_through(model: Any, role: str, *args: Any, **kwargs: Any) -> tuple[Any, HeadCall]:
+    """`model(*args, **kwargs)` with its output head passing through: its outputs (`logits` holds the hidden states)
+    and what the head saw."""
     with pass_through() as call:
         outputs = model(*args, **kwargs)
     if call.calls != 1:
@@ -114,7 +131,7 @@ def hidden_states(model: Any, role: str, *args: Any, **kwargs: Any) -> tuple[tor
             f"fused_logprobs: the {role} model ({type(unwrap_causal_lm(model)).__name__}) did not call its output "
             "head module in its forward; it computes its logits another way. Train it without fused_logprobs."
         )
-    return outputs.logits, call
+    return outputs, call
 
 
 def resolve_chunk(state: FusedState, head: torch.nn.Module, dtype: torch.dtype) -> int:

@@ -1,0 +1,161 @@
+"""fused_logprobs on `DPOTrainer` with TRL < 1.15 (no fused LM head there): `LazyLogits` scoring equals stock TRL's
+full-logit `_compute_loss` in float64 for every loss type and loss option: per-sequence log-probs, loss, gradients and
+every logged metric (entropy, logits/chosen|rejected, mean_token_accuracy, rewards, logps); no `[2B, L, V]` tensor.
+
+On TRL >= 1.15 DPO runs TRL's own fused head and the plugin leaves it (tests/plugins/test_fused_logprobs.py::
+test_dpo_trainer); these tests run with trl 1.12.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import trl_ext
+from tests import equivalence as eq
+from tests.equivalence import TRL_LOSS_TYPES
+from trl_ext import _compat
+from trl_ext.testing import make_preference_dataset
+
+pytestmark = pytest.mark.skipif(
+    _compat.dpo_uses_fused_lm_head(), reason="TRL >= 1.15: DPOTrainer runs TRL's own fused LM head"
+)
+
+LOGPS_RTOL = 1e-10
+RTOL = 1e-8
+
+LOSS_CASES = [{"loss_types": [t], **({"label_smoothing": 1e-3} if t == "exo_pair" else {})} for t in TRL_LOSS_TYPES]
+LOSS_CASES += [
+    {"loss_types": ["robust"], "label_smoothing": 0.1},
+    {"loss_types": ["aot", "aot_unpaired"], "label_smoothing": 0.1},
+    {"loss_types": ["sigmoid", "bco_pair", "sft"], "loss_weights": [0.8, 0.2, 1.0]},
+    {"loss_types": ["sigmoid"], "ld_alpha": 0.5},
+    {"loss_types": ["sigmoid_norm", "ipo"], "ld_alpha": 0.3, "loss_weights": [1.0, 0.5]},
+    {"loss_types": ["sigmoid", "ipo", "apo_down"], "use_weighting": True},
+]
+
+
+@pytest.fixture(scope="module")
+def dataset():
+    return make_preference_dataset(8, seed=0)
+
+
+@pytest.fixture
+def build(dpo_args, tokenizer, dataset):
+    return eq.dpo_builder(dpo_args, tokenizer, dataset, dtype=torch.float64)
+
+
+def _set_loss(trainer, case):
+    trainer.loss_types = case["loss_types"]
+    trainer.loss_weights = case.get("loss_weights", [1.0] * len(case["loss_types"]))
+    trainer.label_smoothing = case.get("label_smoothing", 0.0)
+    trainer.ld_alpha = case.get("ld_alpha")
+    trainer.use_weighting = case.get("use_weighting", False)
+
+
+def _loss_grads_metrics(trainer, batch):
+    trainer._metrics["train"].clear()
+    loss, grads = eq.loss_and_grads(trainer, batch)
+    return loss, grads, {k: list(v) for k, v in trainer._metrics["train"].items()}
+
+
+def _compare(stock, fused, batch, logps=True):
+    if logps:
+        stock_logps = stock.compute_ref_log_probs(stock.model, batch)
+        fused_logps = fused.compute_ref_log_probs(fused.model, batch)
+        for a, b in zip(stock_logps, fused_logps, strict=True):
+            assert (a - b).abs().max().item() <= LOGPS_RTOL * a.abs().max().item()
+    calls = fused._trl_ext.state["fused_logprobs"].fused_calls
+    stock_loss, stock_grads, stock_metrics = _loss_grads_metrics(stock, batch)
+    fused_loss, fused_grads, fused_metrics = _loss_grads_metrics(fused, batch)
+    assert fused._trl_ext.state["fused_logprobs"].fused_calls == calls + 2  # policy and reference were fused
+    assert fused_loss.item() == pytest.approx(stock_loss.item(), rel=RTOL)
+    eq.assert_same_grads(stock_grads, fused_grads, RTOL)
+    assert stock_metrics.keys() == fused_metrics.keys()
+    assert {"entropy", "logits/chosen", "logits/rejected", "mean_token_accuracy"} <= stock_metrics.keys()
+    for key, values in stock_metrics.items():
+        assert fused_metrics[key] == pytest.approx(values, rel=RTOL, abs=1e-12), key
+
+
+@pytest.mark.slow
+def test_every_loss_type_and_option(build):
+    stock = build(use_weighting=True, label_smoothing=1e-3, loss_type=["exo_pair"])
+    with trl_ext.install(fused_logprobs=True, plugins={"fused_logprobs": {"chunk": 5}}):
+        fused = build(use_weighting=True, label_smoothing=1e-3, loss_type=["exo_pair"])
+    batch = stock.data_collator(eq.examples(stock))
+    assert batch["attention_mask"].eq(0).any()  # padding, prompts: positions that are not scored
+    _compare(stock, fused, batch)
+    failures = []
+    for case in LOSS_CASES:
+        _set_loss(stock, case)
+        _set_loss(fused, case)
+        try:
+            _compare(stock, fused, batch, logps=False)
+        except AssertionError as exc:
+            failures.append(f"{case}: {exc}")
+    assert not failures, "\n".join(failures)
+    assert {t for case in LOSS_CASES for t in case["loss_types"]} == set(TRL_LOSS_TYPES)
+
+
+class _Sizes(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+@pytest.mark.slow
+def test_never_allocates_full_logits(build):
+    """Loss (with WPO weights and sft: every reduction of the logits), backward: no `[2B, L, V]` tensor."""
+    case = {"loss_types": ["sigmoid", "ipo", "apo_down"], "use_weighting": True}
+    stock = build(use_weighting=True)
+    with trl_ext.install(fused_logprobs=True, plugins={"fused_logprobs": {"chunk": 4}}):
+        fused = build(use_weighting=True)
+    batch = stock.data_collator(eq.examples(stock))
+    full = batch["input_ids"].numel() * stock.model.config.vocab_size
+    for trainer in (stock, fused):
+        _set_loss(trainer, case)
+    with _Sizes() as sizes:
+        eq.loss_and_grads(stock, batch)
+    assert sizes.largest >= full
+    with _Sizes() as sizes:
+        eq.loss_and_grads(fused, batch)
+        _set_loss(fused, {"loss_types": ["sft"]})
+        eq.loss_and_grads(fused, batch)
+    assert sizes.largest < full
+
+
+@pytest.mark.slow
+def test_train_with_gradient_checkpointing_and_precompute(build):
+    """Two SGD steps through `trainer.train()`, gradient checkpointing on, reference log-probs precomputed (through
+    the fused `compute_ref_log_probs`): every logged metric and the trained weights equal."""
+    kwargs = dict(max_steps=2, gradient_checkpointing=True, precompute_ref_log_probs=True, optim="sgd")
+    stock = build(**kwargs)
+    stock.train()
+    with trl_ext.install(fused_logprobs=True):
+        fused = build(**kwargs)
+        fused.train()
+    logs = [[h for h in t.state.log_history if "loss" in h] for t in (stock, fused)]
+    assert len(logs[0]) == len(logs[1]) == 2
+    for s, p in zip(*logs, strict=True):
+        assert s.keys() == p.keys()
+        for key in s:
+            if not (key.endswith("runtime") or key.endswith("per_second")):
+                assert p[key] == pytest.approx(s[key], rel=RTOL, abs=1e-12), key
+    stock_weights = dict(stock.model.named_parameters())
+    for name, value in fused.model.named_parameters():
+        assert torch.allclose(value, stock_weights[name], rtol=RTOL, atol=1e-12), name
+
+
+@pytest.mark.slow
+def test_packing_refused(build):
+    with trl_ext.install(fused_logprobs=True, padding_free=True):
+        with pytest.raises(trl_ext.UsageError, match=r"does not combine with packing \(padding_free\)"):
+            build()
