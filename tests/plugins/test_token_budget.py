@@ -244,6 +244,57 @@ def test_micro_batch_counts_follow_the_budget(dpo_args, tokenizer):
     assert all(count == 4 or count == 3 for count in _state(trainer).over_budget)
 
 
+def test_evaluation_batches_over_the_budget_are_split(dpo_args, tokenizer):
+    """`evaluate()` (loss only): eval batches of 4 and 3 pairs, split by the budget; loss and every metric as stock."""
+    from trl import DPOTrainer
+
+    def evaluate(install):
+        with trl_ext.install(**install):
+            trainer = DPOTrainer(
+                sharpen(make_model(dtype=torch.float64, hidden_size=32)),
+                ref_model=sharpen(make_model(dtype=torch.float64, hidden_size=32, seed=1)),
+                args=dpo_args(bf16=False, per_device_eval_batch_size=4),
+                train_dataset=_dataset(),
+                eval_dataset=_dataset(),
+                processing_class=tokenizer,
+            )
+            return trainer, trainer.evaluate()
+
+    _, stock = evaluate({})
+    trainer, cut = evaluate({PLUGIN: BUDGET})
+    assert set(stock) == set(cut) and "eval_rewards/margins" in stock
+    for key, value in stock.items():
+        if not key.endswith(("_runtime", "_per_second")):
+            assert math.isclose(cut[key], value, rel_tol=LOG_RTOL, abs_tol=LOG_ATOL), (key, value, cut[key])
+    assert _state(trainer).eval_micro_batch_counts and max(_state(trainer).eval_micro_batch_counts) > 1
+
+
+@pytest.mark.slow
+def test_prediction_with_logits_runs_batches_whole(dpo_args, tokenizer):
+    """`predict()` asks for logits (`prediction_loss_only=False`), which split batches cannot return as stock does:
+    those batches run whole, and one warning says so. Results equal stock."""
+    from trl import DPOTrainer
+
+    def predict(install):
+        with trl_ext.install(**install):
+            trainer = DPOTrainer(
+                sharpen(make_model(dtype=torch.float64, hidden_size=32)),
+                ref_model=sharpen(make_model(dtype=torch.float64, hidden_size=32, seed=1)),
+                args=dpo_args(bf16=False, per_device_eval_batch_size=4),
+                train_dataset=_dataset(),
+                processing_class=tokenizer,
+            )
+            return trainer, trainer.predict(trainer.train_dataset)
+
+    _, stock = predict({})
+    trainer, cut = predict({PLUGIN: BUDGET})
+    assert torch.equal(torch.as_tensor(stock.predictions), torch.as_tensor(cut.predictions))
+    for key, value in stock.metrics.items():
+        if not key.endswith(("_runtime", "_per_second")):
+            assert math.isclose(cut.metrics[key], value, rel_tol=LOG_RTOL, abs_tol=LOG_ATOL), key
+    assert _state(trainer).warned_logits
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Refusals and lifecycle
 # ---------------------------------------------------------------------------------------------------------------------
@@ -265,7 +316,8 @@ def test_flag_is_validated():
 def test_detach_restores_the_trainer(dpo_args, tokenizer):
     from trl import DPOTrainer
 
-    names = ("get_train_dataloader", "get_batch_samples", "training_step", "compute_loss", "loss_is_scaled_for_ga")
+    names = ("get_train_dataloader", "get_eval_dataloader", "get_test_dataloader", "get_batch_samples")
+    names += ("training_step", "compute_loss", "prediction_step", "loss_is_scaled_for_ga")
     with trl_ext.install(token_budget=BUDGET) as installation:
         trainer = DPOTrainer(
             make_model(hidden_size=32),

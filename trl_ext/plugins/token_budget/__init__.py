@@ -40,7 +40,11 @@ gradient accumulation (tests/plugins/test_token_budget.py, float64, every loss t
 - *Other plugins.* With padding_free or prompt_sharing the result equals stock within their own float32 floor; with
   sync_metrics (which reduces the metrics itself, weighting by pairs and tokens) the logs equal sync_metrics alone.
 
-Evaluation and prediction are not cut (they run as in stock TRL).
+Evaluation and prediction: each batch over the budget is split into micro-batches by the same count (never merged
+with other batches); its loss is the pair-weighted mean of the parts (what stock's mean over the batch is) and its
+metrics are rebuilt for the whole batch, so `evaluate()` logs what stock logs. A split batch cannot return logits as
+stock does, so when logits are asked for (`prediction_loss_only=False`, e.g. `predict()`, or `compute_metrics`)
+batches run whole, and one warning says so.
 
 Refused with `trl_ext.UsageError`, when the trainer is built:
 

@@ -53,6 +53,9 @@ class TokenBudgetState:
         self.sizes: list[int] = []
         #: per optimizer step: micro-batches run (for logs and tests)
         self.micro_batch_counts: list[int] = []
+        #: per evaluation/prediction batch: micro-batches it was cut into
+        self.eval_micro_batch_counts: list[int] = []
+        self.warned_logits = False
         self.max_tokens: list[int] = []
         #: per optimizer step: pairs longer than the budget
         self.over_budget: list[int] = []
@@ -106,6 +109,45 @@ class TokenBudgetState:
             total = torch.zeros((), device=self.trainer.args.device)
         return total
 
+    def run_eval_batch(
+        self, prediction_step: Any, model: Any, inputs: dict[str, Any], loss_only: bool, args: tuple, kwargs: dict
+    ) -> Any:
+        """`prediction_step` on one evaluation batch: split by the budget when it holds more (never merged with other
+        batches), its loss the pair-weighted mean of the parts, its metrics those of the whole batch."""
+        examples = inputs.pop(EXAMPLES_KEY)
+        micro_batches, over = cut_step(
+            [examples], self.budget, self.trainer.data_collator, self.packed, self.trainer.args.max_length
+        )
+        self.eval_micro_batch_counts.append(len(micro_batches))
+        if len(micro_batches) == 1:
+            return prediction_step(model, inputs, loss_only, *args, **kwargs)
+        if not loss_only:
+            if not self.warned_logits:
+                self.warned_logits = True
+                logger.warning(
+                    "token_budget: prediction batches are not cut when logits are asked for "
+                    "(`prediction_loss_only=False` or `compute_metrics`); batches over the budget run whole."
+                )
+            return prediction_step(model, inputs, loss_only, *args, **kwargs)
+        record, self.record = self.record, StepRecord()
+        try:
+            total = None
+            for mb in micro_batches:
+                self.active = mb
+                try:
+                    loss, _, _ = prediction_step(model, mb.inputs, loss_only, *args, **kwargs)
+                finally:
+                    self.active = None
+                # `compute_loss` weighted it already: `mb.weight` is its share of this batch's pairs
+                total = loss if total is None else total + loss
+            metrics = self.trainer._metrics["eval"]
+            for values in self.record.stock_values([len(examples)]):
+                for name, value in values.items():
+                    metrics[name].append(value)
+        finally:
+            self.record = record
+        return total, None, None
+
     def finish_step(self) -> None:
         """Append to TRL's metric buffer the values stock would have appended for this step."""
         metrics = self.trainer._metrics["train"]
@@ -125,7 +167,7 @@ class TokenBudgetState:
         around whatever `gather` the accelerator holds for the duration of the call (outermost, so another plugin's
         own `gather` wrapper still sees every call), and identified by checking each against what TRL appends.
         """
-        metrics = self.trainer._metrics["train"]
+        metrics = self.trainer._metrics["train" if self.trainer.model.training else "eval"]  # TRL's own rule
         before = {name: len(values) for name, values in metrics.items()}
         outputs: list[Any] = []
         gathered: list[tuple[torch.Tensor, Any]] = []
@@ -173,18 +215,29 @@ class TokenBudgetState:
 
 
 def install(trainer: Any, patcher: Any, state: TokenBudgetState) -> None:
-    """Wrap the trainer's `get_train_dataloader`, `get_batch_samples`, `training_step` and `compute_loss`."""
-    original_get_train_dataloader = trainer.get_train_dataloader
+    """Wrap the trainer's loaders (`get_train_dataloader`, `get_eval_dataloader`, `get_test_dataloader`),
+    `get_batch_samples`, `training_step`, `compute_loss` and `prediction_step`."""
 
-    @functools.wraps(original_get_train_dataloader)
-    def get_train_dataloader(*args: Any, **kwargs: Any) -> Any:
-        # The loader captures its collate function when it is built; evaluation loaders keep the plain collator.
-        scoped = Patcher("token_budget (training loader)")
-        scoped.setattr(trainer, "data_collator", KeepExamples(trainer.data_collator))
-        try:
-            return original_get_train_dataloader(*args, **kwargs)
-        finally:
-            scoped.undo()
+    def keep_examples(original: Any) -> Any:
+        @functools.wraps(original)
+        def build_loader(*args: Any, **kwargs: Any) -> Any:
+            # The loader captures its collate function when it is built.
+            scoped = Patcher("token_budget (loader)")
+            scoped.setattr(trainer, "data_collator", KeepExamples(trainer.data_collator))
+            try:
+                return original(*args, **kwargs)
+            finally:
+                scoped.undo()
+
+        return build_loader
+
+    original_prediction_step = trainer.prediction_step
+
+    @functools.wraps(original_prediction_step)
+    def prediction_step(model: Any, inputs: Any, prediction_loss_only: bool, *args: Any, **kwargs: Any) -> Any:
+        if EXAMPLES_KEY not in inputs:
+            return original_prediction_step(model, inputs, prediction_loss_only, *args, **kwargs)
+        return state.run_eval_batch(original_prediction_step, model, inputs, prediction_loss_only, args, kwargs)
 
     original_get_batch_samples = trainer.get_batch_samples
 
@@ -229,4 +282,6 @@ def install(trainer: Any, patcher: Any, state: TokenBudgetState) -> None:
     patcher.setattr(trainer, "training_step", training_step)
     patcher.setattr(trainer, "compute_loss", compute_loss)
     patcher.setattr(trainer, "loss_is_scaled_for_ga", True)
-    patcher.setattr(trainer, "get_train_dataloader", get_train_dataloader)
+    for name in ("get_train_dataloader", "get_eval_dataloader", "get_test_dataloader"):
+        patcher.setattr(trainer, name, keep_examples(getattr(trainer, name)))
+    patcher.setattr(trainer, "prediction_step", prediction_step)
