@@ -234,6 +234,7 @@ def test_self_check_refuses_what_acts_after_the_head(build):
             build(model_hook=tanh_after_head)
 
 
+@pytest.mark.slow
 def test_dpo_trainer(dpo_args, tokenizer, caplog):
     """DPOTrainer: TRL >= 1.15 runs its own fused LM head (said, and left); on older TRL the plugin scores DPO
     (test_fused_logprobs_dpo.py) and its models passed the self-check."""

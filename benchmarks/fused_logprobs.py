@@ -1,0 +1,242 @@
+"""Benchmark the `fused_logprobs` plugin: one Online DPO training step, stock vs fused log-probs, on CPU.
+
+Setup: a small Llama (hidden 128, 2 layers, 4 heads / 2 KV heads), fp32, with a large vocabulary (32k and 150k: the
+LM head and the logits then dominate the step, as in real models with such vocabularies), 2 prompts of ~100 tokens and
+their 4 completions of up to `--completions` tokens (lengths drawn between a third of the width and the width, the
+rest padding after an end). Generation is replaced by a stored batch, so a step is the scoring forwards of policy and
+reference, the loss, every metric and the backward: what the plugin changes.
+
+Each variant lives in its own worker process (trl-ext installs globally): `stock` (trl-ext not installed) and
+`fused` (`fused_logprobs=True`); with `--sharing` also `prompt_sharing` and `fused+prompt_sharing`. The parent runs
+interleaved rounds (the bench's `interleave`: every variant one step per round, in flipped order, one at a time, after
+one warm-up round); ratios are the medians of the per-round ratios (`summarize`). Per case it reports each variant's
+median step time (wall and process CPU) and peak RSS during a step (the kernel's high-water mark, reset before the
+step; it includes the models), the speed-up over stock and the peak-memory ratio, and the loss of each variant (equal
+up to float32 round-off: the same step).
+
+Run from the repository root (PYTHONPATH pointing at it):
+
+    python benchmarks/fused_logprobs.py                    # vocab 32k and 150k, completions 256 and 1024
+    python benchmarks/fused_logprobs.py --quick            # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+os.environ.setdefault("TQDM_DISABLE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+
+MODEL = dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=256)
+VARIANTS = {
+    "stock": {},
+    "fused": {"fused_logprobs": True},
+    "prompt_sharing": {"prompt_sharing": True},
+    "fused+prompt_sharing": {"fused_logprobs": True, "prompt_sharing": True},
+}
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small smoke run")
+    parser.add_argument("--vocabs", default="32000,150000", help="vocabulary sizes, comma-separated")
+    parser.add_argument("--completions", default="256,1024", help="completion widths, comma-separated")
+    parser.add_argument("--prompts", type=int, default=2, help="prompts per step (2 completions each)")
+    parser.add_argument("--rounds", type=int, default=5, help="timed rounds per case")
+    parser.add_argument("--sharing", action="store_true", help="also prompt_sharing with and without fused_logprobs")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per worker")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="fused_logprobs_bench.json", help="where to write every round as JSON")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.vocabs, args.completions, args.rounds = "32000", "128", 2
+    args.cases = [(int(v), int(c)) for v in args.vocabs.split(",") for c in args.completions.split(",")]
+    return args
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Worker: one variant, one process; answers "<case index>" with a JSON line per step
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _peak_reset() -> None:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset the RSS high-water mark (Linux >= 4.0)
+    except OSError:
+        pass
+
+
+def _peak_rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def _online_trainer(vocab: int, completion_len: int, prompts: int, seed: int):
+    import inspect
+    import random
+
+    import torch
+    from datasets import Dataset
+    from trl.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
+
+    from trl_ext.testing import length_reward, make_model, make_tokenizer
+
+    tokenizer = make_tokenizer(256)  # generation is replaced: the tokenizer only decodes for the reward
+    args = OnlineDPOConfig(
+        output_dir="/tmp/trl_ext_bench_fused_logprobs", per_device_train_batch_size=prompts, max_steps=1,
+        report_to=[], use_cpu=True, bf16=False, save_strategy="no", max_new_tokens=completion_len, seed=0,
+        max_length=8192,
+    )  # fmt: skip
+    trainer = OnlineDPOTrainer(
+        model=make_model(vocab_size=vocab, **MODEL), ref_model=make_model(vocab_size=vocab, seed=1, **MODEL),
+        reward_funcs=length_reward, args=args, train_dataset=Dataset.from_list([{"prompt": "w1"}] * prompts),
+        processing_class=tokenizer,
+    )  # fmt: skip
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    lens = [rng.randint(80, 120) for _ in range(prompts)]
+    width = max(lens)
+    prompt_ids = torch.zeros(prompts, width, dtype=torch.long)
+    prompt_mask = torch.zeros_like(prompt_ids)
+    for i, n in enumerate(lens):
+        prompt_ids[i, width - n :] = torch.randint(4, 250, (n,), generator=g)
+        prompt_mask[i, width - n :] = 1
+    prompt_ids, prompt_mask = prompt_ids.repeat(2, 1), prompt_mask.repeat(2, 1)
+    completion_ids = torch.randint(4, 250, (2 * prompts, completion_len), generator=g)
+    lengths = torch.randint(completion_len // 3, completion_len + 1, (2 * prompts,), generator=g)
+    completion_mask = (torch.arange(completion_len)[None] < lengths[:, None]).long()
+    completion_ids = completion_ids.masked_fill(completion_mask == 0, 0)
+    batch = (prompt_ids, prompt_mask, completion_ids, completion_mask, None)
+    if "vision_inputs = self._generate(" not in inspect.getsource(OnlineDPOTrainer.training_step):
+        batch = batch[:4]  # TRL < 1.16 returns no vision inputs
+    # on the class, so that every plugin's wrapper of `_generate` sees the stored batch
+    OnlineDPOTrainer._generate = lambda self, model, prompts, images=None: batch
+    return trainer
+
+
+def worker(args) -> None:
+    import torch
+
+    import trl_ext
+
+    torch.set_num_threads(args.threads)
+    flags = VARIANTS[args.worker]
+    print(json.dumps({"ready": True}), flush=True)
+    current = None
+    for line in sys.stdin:
+        case = int(line)
+        if current is None or current[0] != case:
+            current = None  # free the previous case's models first
+            vocab, width = args.cases[case]
+            installation = trl_ext.install(**flags) if flags else None
+            trainer = _online_trainer(vocab, width, args.prompts, args.seed)
+            if installation is not None:
+                installation.uninstall()  # the trainer keeps its plugins
+            current = (case, trainer)
+        trainer = current[1]
+        trainer.model.train()
+        trainer.model.zero_grad(set_to_none=True)
+        _peak_reset()
+        start, cpu = time.perf_counter(), time.process_time()
+        loss = trainer.training_step(trainer.model, {"prompt": ["w1"] * args.prompts})
+        wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+        print(json.dumps({"wall": wall, "cpu": cpu, "peak_mib": _peak_rss_mib(), "loss": float(loss)}), flush=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Parent: interleaved rounds
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _spawn(name: str, args) -> subprocess.Popen:
+    cmd = [sys.executable, __file__, "--worker", name, "--vocabs", args.vocabs, "--completions", args.completions]
+    cmd += ["--prompts", str(args.prompts), "--threads", str(args.threads), "--seed", str(args.seed)]
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+    return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+
+
+def _ask(proc: subprocess.Popen, line: str) -> dict:
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write(line + "\n")
+    proc.stdin.flush()
+    while True:
+        out = proc.stdout.readline()
+        if not out:
+            raise RuntimeError(f"worker died on {line!r}")
+        if out.startswith("{"):
+            return json.loads(out)
+
+
+def main(args) -> None:
+    from trl_ext.app.bench.stats import interleave, progress, ratio_text, summarize
+
+    names = ["stock", "fused"] + (["prompt_sharing", "fused+prompt_sharing"] if args.sharing else [])
+    procs = {name: _spawn(name, args) for name in names}
+    for proc in procs.values():  # each worker says it is ready
+        assert proc.stdout is not None
+        while not proc.stdout.readline().startswith("{"):
+            pass
+    results = []
+    for case, (vocab, width) in enumerate(args.cases):
+        steps: dict[str, list[dict]] = {name: [] for name in names}
+
+        def one_round(k: int, case=case, steps=steps) -> dict[str, float]:
+            order = names if k % 2 == 0 else names[::-1]
+            out = {}
+            for name in order:
+                step = _ask(procs[name], str(case))
+                if k >= 1:
+                    steps[name].append(step)
+                out[name] = step["wall"]
+            return out
+
+        times = interleave(
+            dict.fromkeys(names), rounds=args.rounds, warmup=1, paired=one_round, what=f"vocab {vocab}, C={width}"
+        )
+        row: dict = {"vocab": vocab, "completion_width": width, "variants": {}}
+        for name in names:
+            row["variants"][name] = {
+                "wall_s": statistics.median(times[name]),
+                "cpu_s": statistics.median(s["cpu"] for s in steps[name]),
+                "peak_rss_mib": statistics.median(s["peak_mib"] for s in steps[name]),
+                "loss": steps[name][-1]["loss"],
+            }
+        for name in names[1:]:
+            speed = summarize([a / b for a, b in zip(times["stock"], times[name], strict=True)])
+            memory = [b["peak_mib"] / a["peak_mib"] for a, b in zip(steps["stock"], steps[name], strict=True)]
+            row["variants"][name]["speedup_vs_stock"] = speed
+            row["variants"][name]["peak_ratio_vs_stock"] = statistics.median(memory)
+            progress(
+                f"vocab {vocab:>6}, C={width:>4}: {name}: step {ratio_text(speed)} stock, peak RSS "
+                f"{statistics.median(memory):.2f}x stock ({row['variants'][name]['peak_rss_mib']:.0f} vs "
+                f"{row['variants']['stock']['peak_rss_mib']:.0f} MiB)"
+            )
+        results.append(row)
+    for proc in procs.values():
+        assert proc.stdin is not None
+        proc.stdin.close()
+        proc.wait()
+    with open(args.out, "w") as f:
+        json.dump({"args": {k: v for k, v in vars(args).items() if k != "worker"}, "results": results}, f, indent=1)
+    print(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    parsed = parse_args()
+    if parsed.worker:
+        worker(parsed)
+    else:
+        main(parsed)
