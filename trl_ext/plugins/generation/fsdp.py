@@ -18,12 +18,11 @@ def check_fsdp_generation(state: GenerationState, accelerator: Any) -> None:
     forward and, with `reshard_after_forward=True` (accelerate's and transformers' default), frees them after it. A
     rank then holds its shards, the units kept unsharded on purpose (accelerate 1.15 keeps the final norm + lm_head
     unit unsharded after forward) and one more unit at a time, which is what `False` asks for under ZeRO-3
-    (measured in tests/scale: at most 53,440 of a 180,800-element 4-layer model, one decoder layer plus norm and
-    lm_head). So:
+    (tests/scale checks the peak). So:
 
     - `False` is accepted and logged, if units reshard after forward. With `reshard_after_forward=False` every unit
-      stays unsharded from its first generation forward to the next backward, so each rank holds the whole model
-      (measured: 180,800 of 180,800): `False` would mean nothing, and is refused.
+      stays unsharded from its first generation forward to the next backward, so each rank holds the whole model:
+      `False` would mean nothing, and is refused.
     - `True` and `"auto"` ask to gather the whole model, which this plugin does only for ZeRO-3, and the `budget`
       option keeps ZeRO-3 layers gathered: accepted under FSDP they would do nothing, so they are refused.
     """
