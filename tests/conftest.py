@@ -21,6 +21,30 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
 
 
+#: Lines for the terminal summary of the run: figures a test computes that CI's log shows (`report` fixture).
+_REPORT: list[tuple[str, str]] = []
+
+
+@pytest.fixture(scope="session")
+def report():
+    """`report(section, line)`: print `line` under `section` in the run's terminal summary (shown with `-q` too)."""
+
+    def add(section: str, line: str) -> None:
+        _REPORT.append((section, line))
+
+    return add
+
+
+def pytest_terminal_summary(terminalreporter):
+    sections: dict[str, list[str]] = {}
+    for section, line in _REPORT:
+        sections.setdefault(section, []).append(line)
+    for section, lines in sections.items():
+        terminalreporter.write_sep("-", section)
+        for line in lines:
+            terminalreporter.write_line(line)
+
+
 def _installed_plugin_distributions() -> set[str]:
     import importlib.metadata
 

@@ -552,10 +552,13 @@ def test_renamed_keywords_are_gone_from_trl():
             assert new in params, _fail("TRL_RENAMED_KEYWORDS", f"{trainer_class} has no `{new}`")
 
 
-def test_every_fact_is_checked_here():
+def test_every_fact_is_checked_here(report):
     """Every named fact of `_compat` (an upper-case constant) is used by a test in this module; prints the count."""
     facts = sorted(name for name in vars(_compat) if re.fullmatch(r"[A-Z][A-Z0-9_]+", name))
     source = inspect.getsource(importlib.import_module(__name__))
     unchecked = [name for name in facts if name not in source.replace("def test_every_fact_is_checked_here", "")]
-    print(f"\n_compat facts checked against the installed versions: {len(facts) - len(unchecked)} of {len(facts)}")
+    report(
+        "compat",
+        f"_compat facts checked against the installed versions: {len(facts) - len(unchecked)} of {len(facts)}",
+    )
     assert unchecked == []

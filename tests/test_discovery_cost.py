@@ -26,7 +26,7 @@ CPU_LIMIT_S = 1.5
 
 
 @pytest.mark.slow
-def test_load_catalog_and_config_import_nothing_heavy():
+def test_load_catalog_and_config_import_nothing_heavy(report):
     code = textwrap.dedent(
         """
         import sys, time
@@ -42,7 +42,10 @@ def test_load_catalog_and_config_import_nothing_heavy():
     proc = subprocess.run([sys.executable, "-c", code, *HEAVY], capture_output=True, text=True, check=True)
     out = proc.stdout.splitlines()
     seconds, plugins = out[0].split()
-    print(f"\nload_catalog() + TrlExtConfig(...) in a fresh process: {float(seconds):.3f} s, {plugins} plugins")
+    report(
+        "discovery cost",
+        f"load_catalog() + TrlExtConfig(...) in a fresh process: {float(seconds):.3f} s, {plugins} plugins",
+    )
     assert int(plugins) >= 5
     assert out[1] == "", f"reading the declarations imported {out[1]}"
 
@@ -60,10 +63,10 @@ def _cpu_seconds(argv: list[str]) -> tuple[float, float, str]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("command", [["plugins"], ["--help"]])
-def test_discovery_commands_are_cheap(command):
+def test_discovery_commands_are_cheap(command, report):
     cli = str(Path(sys.executable).with_name("trl-ext"))
     cpu, wall, out = _cpu_seconds([cli, *command])
-    print(f"\ntrl-ext {' '.join(command)}: {cpu:.2f} s CPU, {wall:.2f} s wall")
+    report("discovery cost", f"trl-ext {' '.join(command)}: {cpu:.2f} s CPU, {wall:.2f} s wall")
     assert out.strip()
     assert cpu < CPU_LIMIT_S, f"`trl-ext {' '.join(command)}` took {cpu:.2f} s of CPU"
 
