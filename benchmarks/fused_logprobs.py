@@ -10,9 +10,10 @@ Each variant lives in its own worker process (trl-ext installs globally): `stock
 `fused` (`fused_logprobs=True`); with `--sharing` also `prompt_sharing` and `fused+prompt_sharing`. The parent runs
 interleaved rounds (the bench's `interleave`: every variant one step per round, in flipped order, one at a time, after
 one warm-up round); ratios are the medians of the per-round ratios (`summarize`). Per case it reports each variant's
-median step time (wall and process CPU) and peak RSS during a step (the kernel's high-water mark, reset before the
-step; it includes the models), the speed-up over stock and the peak-memory ratio, and the loss of each variant (equal
-up to float32 round-off: the same step).
+median step time (wall and process CPU), the peak RSS during a step (the kernel's high-water mark, reset before the
+step; it includes the models and the interpreter) and its growth over the RSS before the step (what the step itself
+allocates), the speed-up over stock, both memory ratios, and the loss of each variant (equal up to float32
+round-off: the same step).
 
 Run from the repository root (PYTHONPATH pointing at it):
 
@@ -76,10 +77,11 @@ def _peak_reset() -> None:
         pass
 
 
-def _peak_rss_mib() -> float:
+def _rss_mib(field: str = "VmHWM") -> float:
+    """`VmHWM` (the peak RSS since the last reset) or `VmRSS` (the current RSS) of this process, in MiB."""
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmHWM:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) / 1024
     return float("nan")
 
@@ -150,10 +152,13 @@ def worker(args) -> None:
         trainer.model.train()
         trainer.model.zero_grad(set_to_none=True)
         _peak_reset()
+        before = _rss_mib("VmRSS")
         start, cpu = time.perf_counter(), time.process_time()
         loss = trainer.training_step(trainer.model, {"prompt": ["w1"] * args.prompts})
         wall, cpu = time.perf_counter() - start, time.process_time() - cpu
-        print(json.dumps({"wall": wall, "cpu": cpu, "peak_mib": _peak_rss_mib(), "loss": float(loss)}), flush=True)
+        peak = _rss_mib()
+        out = {"wall": wall, "cpu": cpu, "peak_mib": peak, "step_mib": peak - before, "loss": float(loss)}
+        print(json.dumps(out), flush=True)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -212,17 +217,20 @@ def main(args) -> None:
                 "wall_s": statistics.median(times[name]),
                 "cpu_s": statistics.median(s["cpu"] for s in steps[name]),
                 "peak_rss_mib": statistics.median(s["peak_mib"] for s in steps[name]),
+                "step_peak_mib": statistics.median(s["step_mib"] for s in steps[name]),
                 "loss": steps[name][-1]["loss"],
             }
         for name in names[1:]:
             speed = summarize([a / b for a, b in zip(times["stock"], times[name], strict=True)])
-            memory = [b["peak_mib"] / a["peak_mib"] for a, b in zip(steps["stock"], steps[name], strict=True)]
-            row["variants"][name]["speedup_vs_stock"] = speed
-            row["variants"][name]["peak_ratio_vs_stock"] = statistics.median(memory)
+            pairs = list(zip(steps["stock"], steps[name], strict=True))
+            memory = statistics.median(b["peak_mib"] / a["peak_mib"] for a, b in pairs)
+            step_memory = statistics.median(b["step_mib"] / a["step_mib"] for a, b in pairs)
+            mine, stock = row["variants"][name], row["variants"]["stock"]
+            mine.update(speedup_vs_stock=speed, peak_ratio_vs_stock=memory, step_peak_ratio_vs_stock=step_memory)
             progress(
-                f"vocab {vocab:>6}, C={width:>4}: {name}: step {ratio_text(speed)} stock, peak RSS "
-                f"{statistics.median(memory):.2f}x stock ({row['variants'][name]['peak_rss_mib']:.0f} vs "
-                f"{row['variants']['stock']['peak_rss_mib']:.0f} MiB)"
+                f"vocab {vocab}, C={width}: {name}: step {ratio_text(speed)} stock; peak RSS {memory:.2f}x stock "
+                f"({mine['peak_rss_mib']:.0f} vs {stock['peak_rss_mib']:.0f} MiB), growth of RSS during the step "
+                f"{step_memory:.2f}x stock ({mine['step_peak_mib']:.0f} vs {stock['step_peak_mib']:.0f} MiB)"
             )
         results.append(row)
     for proc in procs.values():

@@ -29,6 +29,7 @@ declare -A EQUIVALENCE_TESTS=(
   ["0004-dpo-single-collective-metrics.patch"]="tests/patches/test_native_metrics_sync.py"
   ["0005-bounded-zero3-generation.patch"]="tests/patches/test_native_bounded_generation.py"
   ["0006-dpo-prompt-sharing.patch"]="tests/patches/test_native_prompt_sharing.py"
+  ["0007-online-dpo-fused-lm-head.patch"]="tests/patches/test_native_online_fused_lm_head.py"
 )
 
 fail() {
