@@ -115,7 +115,7 @@ class TokenBudgetState:
         """`prediction_step` on one evaluation batch: split by the budget when it holds more (never merged with other
         batches), its loss the pair-weighted mean of the parts, its metrics those of the whole batch."""
         examples = inputs.pop(EXAMPLES_KEY)
-        micro_batches, over = cut_step(
+        micro_batches, _ = cut_step(
             [examples], self.budget, self.trainer.data_collator, self.packed, self.trainer.args.max_length
         )
         self.eval_micro_batch_counts.append(len(micro_batches))
