@@ -159,3 +159,20 @@ def test_packing_refused(build):
     with trl_ext.install(fused_logprobs=True, padding_free=True):
         with pytest.raises(trl_ext.UsageError, match=r"does not combine with packing \(padding_free\)"):
             build()
+
+
+@pytest.mark.slow
+def test_peft_reference_is_adapter_disabled_model(build):
+    """PEFT policy without a reference model: TRL's reference is the adapter-disabled policy (its forward is fused
+    too); sigmoid loss, log-probs, loss, gradients and metrics equal."""
+    pytest.importorskip("peft")
+    from peft import LoraConfig
+
+    def lora():
+        return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+
+    stock = build(ref=False, peft_config=lora())
+    with trl_ext.install(fused_logprobs=True, plugins={"fused_logprobs": {"chunk": 3}}):
+        fused = build(ref=False, peft_config=lora())
+    assert set(fused._trl_ext.state["fused_logprobs"].self_checks) == {"policy"}
+    _compare(stock, fused, stock.data_collator(eq.examples(stock)))
