@@ -6,6 +6,7 @@ The table of cells, their expectations and the tolerance of each engine (with th
 tests/scale/matrix.py. Test ids are `<engine>-<cell>`.
 
 Marked `scale` (with `distributed`, and `deepspeed` for ZeRO): `pytest -m "not scale"` skips the matrix.
+`SCALE_MATRIX_CELLS=a,b` limits each launch to those cells (while working on a cell; the others' tests then fail).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.scale.matrix import CELLS, ENGINES, MODEL, REFUSE, WORLD, cell
+from tests.scale.matrix import CELLS, ENGINES, FUSED_CHUNK, MODEL, REFUSE, TRL_DPO_FUSED_HEAD, WORLD, cell
 
 SCRIPT = Path(__file__).parent / "scripts" / "scale_matrix.py"
 REPO = Path(__file__).resolve().parents[2]
@@ -65,6 +66,8 @@ def _launch(engine: str, out: Path) -> dict:
         engine,
         str(out),
     ]
+    only = [name for name in os.environ.get("SCALE_MATRIX_CELLS", "").split(",") if name]
+    cmd += [c.name for c in CELLS if c.runs_on(engine) and c.name in only]
     start = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     seconds = time.perf_counter() - start
@@ -181,6 +184,21 @@ def _assert_engine(engine: str, record: dict) -> None:
         assert record["param_dtype"] == "torch.float64"
 
 
+def _assert_fused(c, record: dict) -> None:
+    """fused_logprobs really scored in chunks through the head module, recomputing each chunk in backward with the
+    head's weight whole (under ZeRO-3 gathered again for the recomputation); DPO on TRL >= 1.15: left to TRL."""
+    fused, head = record["fused_logprobs"], record["head"]
+    if c.trainer == "dpo" and TRL_DPO_FUSED_HEAD:
+        assert fused["describe"] == "TRL's own fused LM head", fused
+        assert fused["fused_calls"] == 0 and fused["chunks"] == {} and fused["self_checks"] == [], fused
+        return
+    assert fused["chunks"] == {"policy": FUSED_CHUNK, "ref": FUSED_CHUNK}, fused
+    assert fused["self_checks"] == ["policy", "ref"], fused
+    assert fused["fused_calls"] > 0, fused
+    assert head["backward"] > 0, head  # chunks recomputed in backward, through the module
+    assert head["whole"] == head["calls"] and head["backward_whole"] == head["backward"], head
+
+
 @pytest.mark.parametrize("engine,name", MATRIX)
 def test_cell_matches_stock(engine_run, engine, name):
     """Each cell equals stock TRL under the same engine (logged values, parameter update), or refuses as declared."""
@@ -203,6 +221,8 @@ def test_cell_matches_stock(engine_run, engine, name):
             assert shared["shared_calls"] > 0 and shared["shared_rows"] > 0, shared
             assert shared["unshared_calls"] == 0, shared
             assert set(shared["attn_implementations"].values()) == {"trl_ext_shared_sdpa"}, shared
+        if "fused_logprobs" in c.flags:
+            _assert_fused(c, record)
         if c.args.get("precompute_ref_log_probs"):
             # the plugin really precomputed: no reference forward while training
             assert record["precompute_runs"], record

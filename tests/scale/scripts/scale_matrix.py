@@ -1,6 +1,7 @@
 """Every cell of the scale matrix (tests/scale/matrix.py) under one engine, in one 2-process launch.
 
-`torchrun --nproc_per_node 2 scale_matrix.py ENGINE OUT_DIR [CELL ...]`, ENGINE one of ddp, zero2, zero3, fsdp2.
+`torchrun --nproc_per_node 2 scale_matrix.py ENGINE OUT_DIR [CELL ...]`, ENGINE one of ddp, zero2, zero3, fsdp2; cells
+named run in table order, also under an engine their row does not list (expected to train).
 The cells run one after another in the same two processes, sharing the tokenizer, the data and the model weights
 (each cell builds its own copy of the same seeded float64 model, since training changes it). Between cells
 accelerate's `AcceleratorState` is reset (the process group stays): a second DeepSpeed `Accelerator` is refused
@@ -33,6 +34,7 @@ os.environ.setdefault("TQDM_DISABLE", "1")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 from tests.scale.matrix import (  # noqa: E402
+    CELLS,
     DPO_PAIRS,
     DPO_STEPS,
     ENGINES,
@@ -41,6 +43,7 @@ from tests.scale.matrix import (  # noqa: E402
     ONLINE_STEPS,
     REF_SEED,
     REFUSE,
+    Expect,
     cells_for,
 )
 
@@ -77,7 +80,14 @@ from trl_ext.testing import (  # noqa: E402
     make_tokenizer,
 )
 
-PLUGINS = ("padding_free", "precompute_ref_batch_size", "sync_metrics", "generation", "prompt_sharing")
+PLUGINS = (
+    "padding_free",
+    "precompute_ref_batch_size",
+    "sync_metrics",
+    "generation",
+    "prompt_sharing",
+    "fused_logprobs",
+)
 RANK = STATE.process_index
 TOKENIZER = make_tokenizer()
 DPO_DATA = make_preference_dataset(DPO_PAIRS, seed=1, max_prompt=24, max_completion=24)
@@ -206,10 +216,36 @@ def watch_fsdp2_generation(trainer, record: dict) -> None:
             module.register_forward_pre_hook(sample)
 
 
+def watch_head(trainer, record: dict) -> None:
+    """Count the policy output head's calls: all, those run inside a backward pass (a checkpointed chunk recomputed),
+    and how many of each saw the head's weight whole (its full `vocab x hidden` elements as a plain tensor).
+
+    A forward hook, registered before the engine wraps the model: it runs before the hooks DeepSpeed ZeRO-3 adds at
+    `prepare` (forward hooks run in registration order), so the weight it sees is the one the call used, after
+    ZeRO-3's gathering pre-hook and before its release.
+    """
+    from torch.distributed.tensor import DTensor
+
+    head = trainer.model.get_output_embeddings()
+    full = getattr(head.weight, "ds_numel", head.weight.numel())  # a DTensor's numel() is the global size
+    counts = record["head"] = {"calls": 0, "whole": 0, "backward": 0, "backward_whole": 0, "full_numel": full}
+
+    def seen(module, args, output):
+        weight = module.weight
+        whole = not isinstance(weight, DTensor) and weight.data.numel() == full
+        backward = torch._C._current_graph_task_id() != -1
+        counts["calls"] += 1
+        counts["whole"] += whole
+        counts["backward"] += backward
+        counts["backward_whole"] += backward and whole
+
+    head.register_forward_hook(seen)
+
+
 def run(cell) -> dict:
     AcceleratorState._reset_state(reset_partial_state=False)
     record: dict = {"cell": cell.name, "engine": ENGINE, "rank": RANK, "world": STATE.num_processes}
-    expect = cell.expect[ENGINE]
+    expect = cell.expect.get(ENGINE, Expect())
     start = time.perf_counter()
     options = dict(cell.options)
     if "precompute_ref_batch_size" in cell.flags:
@@ -227,6 +263,8 @@ def run(cell) -> dict:
         record["plugins"] = sorted(p for p in PLUGINS if context is not None and context.is_enabled(p))
         if ENGINE == "fsdp2" and cell.trainer == "online_dpo":
             watch_fsdp2_generation(trainer, record)
+        if context is not None and context.is_enabled("fused_logprobs"):
+            watch_head(trainer, record)
         if context is not None and context.is_enabled("precompute_ref_batch_size"):
             runs = context.state["precompute_ref_batch_size"].runs
             record["precompute_runs"] = [
@@ -249,6 +287,16 @@ def run(cell) -> dict:
                 "unshared_calls": shared.unshared_calls,
                 "shared_rows": shared.rows - shared.unshared_rows,
                 "attn_implementations": dict(shared.attn_implementations),
+            }
+        if context is not None and context.is_enabled("fused_logprobs"):
+            from trl_ext.plugins.fused_logprobs.hooks import trl_ext_describe
+
+            fused = context.state["fused_logprobs"]
+            record["fused_logprobs"] = {
+                "fused_calls": fused.fused_calls,
+                "chunks": dict(fused.chunks),
+                "self_checks": sorted(fused.self_checks),
+                "describe": trl_ext_describe(trainer=trainer, context=context),
             }
         record["distributed_type"] = str(trainer.accelerator.distributed_type)
         if DEEPSPEED:
@@ -274,9 +322,9 @@ def run(cell) -> dict:
 def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     begin = time.perf_counter()
-    for cell in cells_for(ENGINE):
-        if ONLY and cell.name not in ONLY:
-            continue
+    # Cells named on the command line run even where the table does not list the engine (to reproduce a bug there).
+    cells = [c for c in CELLS if c.name in ONLY] if ONLY else cells_for(ENGINE)
+    for cell in cells:
         try:
             run(cell)
         except Exception:
