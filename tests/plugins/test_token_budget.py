@@ -63,7 +63,11 @@ class _Params(TrainerCallback):
     """Copies of the trainable parameters after each optimizer step."""
 
     def __init__(self) -> None:
+        self.initial: dict[str, torch.Tensor] = {}
         self.steps: list[dict[str, torch.Tensor]] = []
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self.initial = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
         self.steps.append({n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad})
@@ -73,11 +77,17 @@ def _dataset():
     return make_preference_dataset(PAIRS, seed=15, prompt_median=6, completion_median=5, max_prompt=24)
 
 
-def _train(dpo_args, tokenizer, install: dict | None, **args):
+def _train(dpo_args, tokenizer, install: dict | None, peft: bool = False, **args):
     from trl import DPOTrainer
 
     model = sharpen(make_model(dtype=torch.float64, hidden_size=32))
-    ref = sharpen(make_model(dtype=torch.float64, hidden_size=32, seed=1))
+    ref = None if peft else sharpen(make_model(dtype=torch.float64, hidden_size=32, seed=1))
+    peft_config = None
+    if peft:
+        from peft import LoraConfig
+
+        torch.manual_seed(123)  # the same LoRA init in both trainers
+        peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
     config = dict(
         per_device_train_batch_size=BATCH,
         gradient_accumulation_steps=ACCUMULATION,
@@ -98,10 +108,10 @@ def _train(dpo_args, tokenizer, install: dict | None, **args):
             train_dataset=_dataset(),
             processing_class=tokenizer,
             callbacks=[params],
+            peft_config=peft_config,
         )
-        before = {n: p.detach().clone() for n, p in model.named_parameters()}
         trainer.train()
-    return trainer, before, params.steps
+    return trainer, params.initial, params.steps
 
 
 def _assert_same_run(stock, plugin) -> None:
@@ -250,6 +260,16 @@ def test_packed_equals_stock(dpo_args, tokenizer, packing):
     _assert_same_run(_train(dpo_args, tokenizer, None), plugin)
     state = _state(plugin[0])
     assert state.packed and state.micro_batch_counts != [ACCUMULATION, ACCUMULATION]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("peft", [False, True], ids=["full", "peft"])
+def test_gradient_checkpointing_and_peft_equal_stock(dpo_args, tokenizer, peft):
+    """Gradient checkpointing, and a LoRA policy whose reference is the adapter-disabled model (a second forward
+    through the same module, which the plugin's capture of the policy forward must skip)."""
+    args = dict(gradient_checkpointing=True, learning_rate=0.5 if peft else 0.05)
+    stock = _train(dpo_args, tokenizer, None, peft=peft, **args)
+    _assert_same_run(stock, _train(dpo_args, tokenizer, {PLUGIN: BUDGET}, peft=peft, **args))
 
 
 @pytest.mark.slow

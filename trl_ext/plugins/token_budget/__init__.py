@@ -37,8 +37,10 @@ gradient accumulation (tests/plugins/test_token_budget.py, float64, every loss t
   batch; `get_batch_samples` returns one entry per stock micro-batch (equal to it, so FLOs and token counting are
   unchanged); the re-cut micro-batches, collated by the trainer's collator, are spread over those entries and
   `training_step` runs each entry's micro-batches in turn.
-- *Other plugins.* With padding_free or prompt_sharing the result equals stock within their own float32 floor; with
-  sync_metrics (which reduces the metrics itself, weighting by pairs and tokens) the logs equal sync_metrics alone.
+- *Other plugins and options.* With padding_free or prompt_sharing the result equals stock within their own float32
+  floor; with sync_metrics (which reduces the metrics itself, weighting by pairs and tokens) the logs equal
+  sync_metrics alone. PEFT (the adapter-disabled reference included), gradient checkpointing and
+  `precompute_ref_log_probs` are covered by the same tests.
 
 Evaluation and prediction: each batch over the budget is split into micro-batches by the same count (never merged
 with other batches); its loss is the pair-weighted mean of the parts (what stock's mean over the batch is) and its
