@@ -273,6 +273,13 @@ def test_gradient_checkpointing_and_peft_equal_stock(dpo_args, tokenizer, peft):
 
 
 @pytest.mark.slow
+def test_with_fused_logprobs_equals_stock(dpo_args, tokenizer):
+    """fused_logprobs hands TRL < 1.15 lazy logits; the per-row token sums go through the same functions TRL calls."""
+    plugin = _train(dpo_args, tokenizer, {PLUGIN: BUDGET, "fused_logprobs": True})
+    _assert_same_run(_train(dpo_args, tokenizer, None), plugin)
+
+
+@pytest.mark.slow
 def test_with_sync_metrics_equals_sync_metrics_alone(dpo_args, tokenizer):
     """sync_metrics weighs its window means by pairs and tokens, so the cut must not change what it logs."""
     alone = _train(dpo_args, tokenizer, {"sync_metrics": True})

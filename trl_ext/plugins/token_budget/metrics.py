@@ -43,10 +43,11 @@ def row_sums(output: Any, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Te
         mean_logits = output.mean_logits[:, -width:].detach()
         top1 = output.is_top1[:, -width:]
     else:
-        from trl.trainer.utils import entropy_from_logits
+        # The name TRL's DPO module calls (a plugin may have replaced it there for its own logits type).
+        from trl.trainer import dpo_trainer
 
         shift_logits = output.logits[..., :-1, :].detach()
-        entropy = entropy_from_logits(shift_logits)
+        entropy = dpo_trainer.entropy_from_logits(shift_logits)
         mean_logits = shift_logits.mean(-1)
         top1 = shift_logits.argmax(dim=-1) == inputs["input_ids"][..., 1:]
     zero = torch.zeros((), dtype=entropy.dtype, device=entropy.device)
