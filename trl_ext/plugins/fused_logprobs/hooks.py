@@ -73,10 +73,29 @@ def _check_model(context: Any, role: str, model: Any, trainer: Any) -> None:
     )
 
 
+def _check_engine(trainer: Any) -> None:
+    """Refuse the engines whose parameter gathering the chunked head does not keep in step across ranks."""
+    deepspeed_flag, fsdp_flag = _compat.TRAINER_SHARDING_FLAGS
+    plugin = getattr(getattr(getattr(trainer, "accelerator", None), "state", None), "deepspeed_plugin", None)
+    if getattr(trainer, deepspeed_flag, False) and getattr(plugin, "zero_stage", None) == 3:
+        raise UsageError(
+            "fused_logprobs does not run under DeepSpeed ZeRO-3: each chunk's output-head call gathers the head's "
+            "parameters, and the number of chunks follows each rank's completion lengths, so the ranks' collectives "
+            "would fall out of step. Use ZeRO-2 or DDP with fused_logprobs, or train without it under ZeRO-3."
+        )
+    if getattr(trainer, fsdp_flag, False):
+        raise UsageError(
+            "fused_logprobs does not run under FSDP: it calls the output head outside the model's forward, where "
+            "FSDP has resharded its weight. Use DDP or DeepSpeed ZeRO-2 with fused_logprobs, or train without it "
+            "under FSDP."
+        )
+
+
 @hookimpl
 def trl_ext_trainer_models_ready(trainer: Any, context: Any) -> None:
     if context.trainer_class == "DPOTrainer" and _dpo_has_fused_head():
         return
+    _check_engine(trainer)
     state = _state(context)
     models = context.models()
     packing = tuple(n for n in context.plugins_serving(PACKING) if context.is_enabled(n))
