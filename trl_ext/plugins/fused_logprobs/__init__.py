@@ -10,7 +10,7 @@ states; TRL's left truncation to `max_length` and its completion slicing are app
 applies the head `chunk` positions at a time (under the autocast state the head had inside the model's forward, as
 stock runs it under accelerate's mixed precision) with a float32 log-sum-exp (float64 stays float64) and keeps the
 target token's log-prob. In the backward pass each chunk's logits are recomputed (a per-chunk checkpoint calling
-the head module, so a bias, a PEFT adapter on the head and ZeRO-3/FSDP2 parameter gathering keep working).
+the head module, so a bias and a PEFT adapter on the head keep working).
 
 Positions after a completion's end: TRL masks them in the loss but sums their log-probs into `objective/kl`,
 `objective/entropy`, `objective/non_score_reward` and `objective/rlhf_reward`. They are computed without gradients
@@ -32,7 +32,10 @@ Exact or refused. Before the first step every model runs a self-check (`selfchec
 own stock logits must equal its output head applied to the hidden states the plugin receives, and the fused
 log-probs must equal the stock `log_softmax` (float64: 1e-10 relative). Refused with `trl_ext.UsageError`, naming the
 mechanism: final logit softcapping, logit scaling (`logit_scale`, `logits_scaling`), models without an output head
-module, heads the model does not call as a module, vision-language models, any model failing the self-check.
+module, heads the model does not call as a module, vision-language models, any model failing the self-check; and,
+when the trainer is built, DeepSpeed ZeRO-3 (each chunk's head call gathers the head's parameters and the chunk
+count follows each rank's completion lengths, so the ranks' collectives would fall out of step) and FSDP (the head is
+called outside the model's forward, where FSDP has resharded its weight). DDP and ZeRO-2 equal stock (tests/scale).
 
 `DPOTrainer`: on TRL >= 1.15 TRL's own fused LM head already scores DPO without full logits; the plugin says so in one
 log line and leaves it. On older TRL (`dpo.py`) the policy's and reference's scoring forwards return `LazyLogits`
