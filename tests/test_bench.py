@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from trl_ext.app import bench
+from trl_ext.app.bench import plugin_sections, sections, stats
 from trl_ext.app.bench import report as output
-from trl_ext.app.bench import sections, stats
 
 REPO = Path(__file__).resolve().parents[1]
 RECORDED = REPO / "benchmarks" / "results" / "bench_quick.json"
@@ -38,7 +38,7 @@ def test_bench_quick_writes_report_and_plot(tmp_path):
     assert report["rounds"] == 3 and report["load_average"]["cores"] == os.cpu_count()
     assert report["wall_seconds"] > 0
     measured = report["sections"]
-    assert sorted(measured) == ["generation", "padding_free", "precompute", "sync_metrics"]
+    assert sorted(measured) == sorted(sections.SECTIONS) and len(sections.SECTIONS) == 6
     assert not [name for name, s in measured.items() if "error" in s or "skipped" in s], measured
 
     pf = measured["padding_free"]
@@ -79,6 +79,38 @@ def test_bench_quick_writes_report_and_plot(tmp_path):
     assert all(m["same_tokens"] for m in modes.values()) and ge["tokens"]["same"]  # greedy tokens identical
     assert max(modes["ext False"]["peak_bytes_per_rank"]) < 0.5 * max(modes["trl gather"]["peak_bytes_per_rank"])
     assert ge["repeats"] == 1
+
+    tb = measured["token_budget"]
+    _check_ratio(tb["speedup"], bound=None, rounds=3)
+    assert tb["speedup"]["ratios"] == stats.ratios(
+        {"a": tb["padding_free"]["train_seconds"], "b": tb["trl_ext"]["train_seconds"]}, "a", "b"
+    )
+    counts = tb["micro_batches_per_step"]
+    assert counts["padding_free"] == tb["pairs_per_step"] // tb["pair_batch"]
+    assert len(counts["token_budget"]) == tb["steps"] and all(
+        c < counts["padding_free"] for c in counts["token_budget"]
+    )
+    assert tb["bound"] == plugin_sections.bound_verdict(tb["largest_micro_batch_tokens"], tb["token_bound"])
+    assert tb["bound"]["same"] and tb["largest_micro_batch_tokens"] > 0
+    assert {"loss", "logps/chosen", "rewards/margins"} <= set(tb["metric_keys"])
+    assert tb["metrics"]["same"] and tb["gradient"]["same"] and tb["max_abs_grad"] > 0
+    assert tb["gradient"]["tolerance"] == plugin_sections.BUDGET_RTOL * tb["max_abs_grad"]
+    assert len(tb["padding_free"]["peak_mb"]) == 3 and tb["memory"]["ratio"] is not None
+    assert report["headline"]["token_budget_speedup_vs_padding_free"] == tb["speedup"]["median"]
+
+    fl = measured["fused_logprobs"]
+    _check_ratio(fl["speedup"], bound=None, rounds=3)
+    assert fl["stock"]["logged"]["logps/chosen"] < -10  # real summed log-probs of whole completions
+    assert {"loss", "logps/chosen", "logps/rejected", "objective/kl"} <= set(fl["metric_keys"])
+    logps = [k for k in fl["metric_keys"] if k.startswith("logps/")]
+    diff = plugin_sections.relative_diff(
+        {k: fl["stock"]["logged"][k] for k in logps}, {k: fl["trl_ext"]["logged"][k] for k in logps}
+    )
+    assert fl["logps"] == stats.agreement(diff, plugin_sections.FUSED_RTOL, "log-probs") and fl["logps"]["same"]
+    assert fl["metrics"]["same"] and fl["gradient"]["same"] and fl["max_abs_grad"] > 0
+    # the step without full-vocabulary logits allocates less (vocab 32000 dominates this small model)
+    assert fl["memory"]["ratio"] is not None and fl["memory"]["ratio"] < 1
+    assert report["headline"]["fused_logprobs_speedup"] == fl["speedup"]["median"]
 
     # The printed table: flags on their own lines, never inside a row's text; "(one run)" only for one run.
     lines = proc.stdout.splitlines()
@@ -143,6 +175,38 @@ def test_collectives_verdict_compares_the_count_with_one_per_logging_step():
     results["trl_ext"]["collectives_total"] = 5
     verdict = sections.collectives_verdict(results)
     assert not verdict["same"] and "EXPECTED 3" in verdict["flags"][0] and "COUNTED 5" in verdict["flags"][0]
+
+
+def test_plugin_section_verdicts_on_crafted_numbers():
+    same = plugin_sections.memory_verdict(1.05, "padding_free")
+    assert same["flags"] == [] and "the same memory" in same["text"] and "1.05x" in same["text"]
+    assert "(less)" in plugin_sections.memory_verdict(0.5, "stock")["text"]
+    more = plugin_sections.memory_verdict(1.3, "stock")
+    assert more["flags"] == [more["text"]] and "MORE MEMORY" in more["text"]
+    assert plugin_sections.memory_verdict(None, "stock")["flags"] == []  # not measured: said, not flagged
+    assert plugin_sections.bound_verdict(600, 619)["same"]
+    over = plugin_sections.bound_verdict(700, 619)
+    assert not over["same"] and "OVER THE BOUND" in over["flags"][0]
+    # relative per key, absolute for values near 0; NaN never agrees
+    assert plugin_sections.relative_diff({"a": -1000.0, "b": 0.01}, {"a": -1000.1, "b": 0.01}) == pytest.approx(0.1 / 1000.1)
+    assert plugin_sections.relative_diff({"b": 0.0}, {"b": 3e-6}) == pytest.approx(3e-6)
+    assert math.isnan(plugin_sections.relative_diff({"a": 1.0}, {"a": math.nan}))
+    assert plugin_sections.relative_diff({"a": 1.0}, {"c": 5.0}) == 0.0  # only shared keys
+    slower = plugin_sections._against(stats.summarize([0.8, 0.85, 0.9]), "padding_free")
+    assert any("SLOWER than padding_free" in f for f in slower["flags"]) and slower["baseline"] == "padding_free"
+
+
+def test_table_reports_the_plugin_sections_and_flags_them():
+    report = _recorded()
+    tb, fl = report["sections"]["token_budget"], report["sections"]["fused_logprobs"]
+    tb["gradient"] = stats.agreement(1.0, 1e-6, "gradient")
+    fl["memory"] = plugin_sections.memory_verdict(1.5, "stock")
+    table = output.text_table(report)
+    flagged = [line.strip() for line in table.splitlines() if "!!" in line]
+    assert "!! GRADIENT DIFFER: max |diff| 1.00e+00 > tolerance 1.0e-06" in flagged
+    assert any("MORE MEMORY" in line for line in flagged)
+    assert f"token_budget={tb['token_bound']}" in table and "vs padding_free" in table
+    assert f"vocab {fl['vocab']}" in table
 
 
 def _recorded():

@@ -11,11 +11,15 @@ tokens") are compared against a stated tolerance and flagged when they do not, a
 - DPO training step throughput (`padding_free`), plus the per-batch losses of both sides (they must agree);
 - reference precompute time (`precompute_ref_batch_size`, same batch size as stock, and `"auto"`);
 - collectives per optimizer step and per logging step in a 2-process run (`sync_metrics`, torchrun, gloo);
-- generation memory and time under DeepSpeed ZeRO-3 (`generation`), when DeepSpeed is installed.
+- generation memory and time under DeepSpeed ZeRO-3 (`generation`), when DeepSpeed is installed;
+- DPO `train()` time and peak memory, padding_free with a fixed pair count against `token_budget` at the same
+  memory, micro-batches per step, and one step's loss, metrics and gradient against stock;
+- the Online DPO training step without generation, stock against `fused_logprobs`: time, peak memory, log-probs,
+  loss and gradients.
 
 It writes `report.json`, `table.md` (the table in Markdown) and `bench.png` (one panel per section, error bars =
-interquartile range) to `--out`. The statistics live in `stats`, the sections in `sections`, the table, headline
-and plot in `report`; this module is the command line.
+interquartile range) to `--out`. The statistics live in `stats`, the sections in `sections` and `plugin_sections`,
+the table, headline and plot in `report`; this module is the command line.
 """
 
 from __future__ import annotations
@@ -30,12 +34,12 @@ from typing import Any
 
 from ... import __version__, _compat
 from ...errors import UsageError
+from . import plugin_sections, sections
 from . import report as output
-from . import sections
 
 #: Wall time of `trl-ext bench --quick` on 2 shared CPU cores, measured (`report.json`'s `wall_seconds` of the run
 #: recorded in `benchmarks/results/bench_quick.json`); `--help` and the README state it.
-QUICK_DURATION = "about 3 min"
+QUICK_DURATION = "about 4 min"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -101,6 +105,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "precompute": "precompute_ref_batch_size",
         "sync_metrics": "sync_metrics",
         "generation": "ds3_gather_for_generation",
+        "token_budget": "token_budget",
+        "fused_logprobs": "fused_logprobs",
     }
     available = load_catalog()[0].flags
     for section in wanted:
@@ -117,8 +123,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 report["sections"][section] = sections.sync_metrics(
                     setup, args.quick, min(rounds, 3) if args.quick else rounds
                 )
-            else:
+            elif section == "generation":
                 report["sections"][section] = sections.generation(setup, args.quick)
+            elif section == "token_budget":
+                report["sections"][section] = plugin_sections.token_budget(setup, rounds, args.quick)
+            else:
+                report["sections"][section] = plugin_sections.fused_logprobs(setup, rounds, args.quick)
         except Exception as exc:  # noqa: BLE001 - one failing section must not hide the others
             report["sections"][section] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
     report["load_average"] = {"start": load_start, "end": _load_average(), "cores": os.cpu_count()}

@@ -9,6 +9,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from .plugin_sections import BUDGET_RTOL, FUSED_RTOL
 from .sections import REF_LOGP_RTOL
 from .stats import ratio_text
 
@@ -119,9 +120,83 @@ def _rows(report: dict[str, Any]) -> list[tuple[str, str, str, str, list[str]]]:
                 )
             )
         rows.append(("ZeRO-3 generation: greedy tokens", "", "", ge["tokens"]["text"], []))
+    rows.extend(_plugin_rows(sections))
     for name, section in sections.items():
         if "error" in section or "skipped" in section:
             rows.append((name, "", "", section.get("error") or section["skipped"], []))
+    return rows
+
+
+def _peak(values: list[float | None]) -> str:
+    kept = [v for v in values if v is not None]
+    return f"{statistics.median(kept):.0f} MiB" if kept else "n/a"
+
+
+def _plugin_rows(sections: dict[str, Any]) -> list[tuple[str, str, str, str, list[str]]]:
+    """The rows of the token_budget and fused_logprobs sections."""
+    rows: list[tuple[str, str, str, str, list[str]]] = []
+    tb = sections.get("token_budget")
+    if tb and "error" not in tb and "skipped" not in tb:
+        counts = tb["micro_batches_per_step"]
+        rows += [
+            (
+                f"DPO train(), {tb['pairs_per_step']} pairs/step: padding_free {tb['pair_batch']} pairs/micro-batch "
+                f"vs token_budget={tb['token_bound']} (s)",
+                f"{statistics.median(tb['padding_free']['train_seconds']):.3f}",
+                f"{statistics.median(tb['trl_ext']['train_seconds']):.3f}",
+                f"{ratio_text(tb['speedup'])} (vs padding_free)",
+                tb["speedup"]["flags"],
+            ),
+            (
+                "token_budget: peak RSS growth of train(), vs padding_free",
+                _peak(tb["padding_free"]["peak_mb"]),
+                _peak(tb["trl_ext"]["peak_mb"]),
+                tb["memory"]["text"],
+                tb["memory"]["flags"],
+            ),
+            (
+                "token_budget: micro-batches per step; largest micro-batch (tokens)",
+                f"{counts['padding_free']}",
+                f"{', '.join(str(c) for c in counts['token_budget'])}",
+                tb["bound"]["text"],
+                tb["bound"]["flags"],
+            ),
+            (
+                "token_budget vs stock, one SGD step: loss, metrics (rel.), gradient (fp32)",
+                "",
+                f"{tb['metrics']['max_abs_diff']:.1e}, {tb['gradient']['max_abs_diff']:.1e}",
+                f"{tb['metrics']['text']}; {tb['gradient']['text']}: {BUDGET_RTOL:.0e} of the largest |grad|",
+                tb["metrics"]["flags"] + tb["gradient"]["flags"],
+            ),
+        ]
+    fl = sections.get("fused_logprobs")
+    if fl and "error" not in fl and "skipped" not in fl:
+        rows += [
+            (
+                f"Online DPO step without generation, vocab {fl['vocab']}, {fl['completions']} completions "
+                f"<= {fl['completion_width']} tokens, fused_logprobs (s)",
+                f"{statistics.median(fl['stock']['step_seconds']):.3f}",
+                f"{statistics.median(fl['trl_ext']['step_seconds']):.3f}",
+                ratio_text(fl["speedup"]),
+                fl["speedup"]["flags"],
+            ),
+            (
+                "fused_logprobs: peak RSS growth of the step",
+                _peak(fl["stock"]["peak_mb"]),
+                _peak(fl["trl_ext"]["peak_mb"]),
+                fl["memory"]["text"],
+                fl["memory"]["flags"],
+            ),
+            (
+                "fused_logprobs vs stock: log-probs, loss and metrics (rel.), gradient (fp32)",
+                "",
+                f"{fl['logps']['max_abs_diff']:.1e}, {fl['metrics']['max_abs_diff']:.1e}, "
+                f"{fl['gradient']['max_abs_diff']:.1e}",
+                f"{fl['logps']['text']}; {fl['metrics']['text']}; {fl['gradient']['text']}: "
+                f"{FUSED_RTOL:.0e} of the largest |grad|",
+                fl["logps"]["flags"] + fl["metrics"]["flags"] + fl["gradient"]["flags"],
+            ),
+        ]
     return rows
 
 
@@ -186,6 +261,12 @@ def headline(report: dict[str, Any]) -> dict[str, float]:
     for mode in sections.get("generation", {}).get("modes", []):
         if mode["mode"] == "ext False":
             out["zero3_generation_memory_vs_gather"] = mode["peak_vs_gather"]
+    if "speedup" in sections.get("token_budget", {}):
+        out["token_budget_speedup_vs_padding_free"] = sections["token_budget"]["speedup"]["median"]
+    if "speedup" in sections.get("fused_logprobs", {}):
+        out["fused_logprobs_speedup"] = sections["fused_logprobs"]["speedup"]["median"]
+        if sections["fused_logprobs"]["memory"]["ratio"] is not None:
+            out["fused_logprobs_memory_vs_stock"] = sections["fused_logprobs"]["memory"]["ratio"]
     return out
 
 
@@ -202,7 +283,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
     from matplotlib.ticker import MaxNLocator
 
     sections = report["sections"]
-    fig, axes = plt.subplots(1, 4, figsize=(20, 4.8))
+    fig, grid = plt.subplots(2, 3, figsize=(18, 9.6))
+    axes = list(grid.flat)
 
     def ratio_bar(ax, x: float, r: dict[str, Any], colour: str, label: str) -> None:
         err = [[r["median"] - r["q1"]], [r["q3"] - r["median"]]]
@@ -293,6 +375,19 @@ def plot(report: dict[str, Any], path: Path) -> None:
         ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
     ax.set_title("ZeRO-3 generation, peak params/rank (exact)")
     ax.set_ylabel("vs TRL gather (lower is better)")
+
+    # 5 and 6. token_budget against padding_free, fused_logprobs against stock: speed-up and peak memory ratio.
+    for ax, name, baseline in ((axes[4], "token_budget", "padding_free"), (axes[5], "fused_logprobs", "stock TRL")):
+        section = sections.get(name, {})
+        if "speedup" in section:
+            ax.axhline(1.0, color=COLOURS["stock"], linestyle=":", label=f"{baseline} = 1")
+            ratio_bar(ax, 0, section["speedup"], COLOURS["trl_ext"], f"trl-ext {name} speed-up (median, IQR)")
+            memory = section["memory"]["ratio"]
+            if memory is not None:
+                ax.bar(1, memory, color=COLOURS["auto"], width=0.6, label="peak memory ratio (median)")
+            ax.set_xticks([0, 1], ["step time: speed-up", "peak memory: ratio"])
+        ax.set_title(f"{name} vs {baseline}")
+        ax.set_ylabel(f"vs {baseline}")
     for ax in axes:
         handles, labels = ax.get_legend_handles_labels()
         if handles:

@@ -25,7 +25,7 @@ from .stats import agreement, interleave, padding_bounds, progress, ratios, summ
 
 _WORKER = "trl_ext.app._bench_worker"
 #: The sections, in the order they run and are reported.
-SECTIONS = ("padding_free", "precompute", "sync_metrics", "generation")
+SECTIONS = ("padding_free", "precompute", "sync_metrics", "generation", "token_budget", "fused_logprobs")
 
 #: Largest |loss difference| per batch, stock against `padding_free`, that still counts as the same losses: both run
 #: in fp32 on the same batches and weights (DPO losses ~0.7; a reordered sum moves them by ~1e-7).

@@ -1,0 +1,394 @@
+"""The bench's sections for the plugins that change how a step is cut or scored, each measuring trl-ext against its
+baseline on the same data and weights and returning its numbers with their computed verdicts:
+
+- `token_budget`: DPO `train()` time and peak memory, padding_free with a fixed pair count per micro-batch against
+  token_budget whose bound is the largest micro-batch padding_free forms (so at the same memory), micro-batches per
+  step, and the loss, metrics and gradient of one step against stock TRL;
+- `fused_logprobs`: the Online DPO training step without generation (scoring forwards of policy and reference, loss,
+  metrics, backward), stock against fused log-probs: step time, peak memory of the step, and the logged log-probs,
+  loss and gradients of both.
+
+Peak memory on CPU is the growth of the process's resident set during the measured call (the kernel's high-water mark,
+reset before it; Linux only, else not reported).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import types
+from typing import Any
+
+from .sections import Setup
+from .stats import agreement, interleave, progress, ratios, summarize
+
+#: Largest difference, token_budget against stock on the same optimizer step (fp32, padded against packed
+#: micro-batches of another composition), relative to the largest |value|, that still counts as the same: the loss
+#: and every logged metric, and the gradient (from one SGD step with learning rate 1 and no clipping).
+BUDGET_RTOL = 1e-4
+#: Largest difference, fused log-probs against stock (fp32: a chunked float32 log-sum-exp against a full
+#: `log_softmax`), relative to the largest |value|, that still counts as the same: logged log-probs, loss, gradient.
+FUSED_RTOL = 1e-4
+#: A peak memory ratio up to this still counts as "the same memory" (resident-set high-water marks of a process whose
+#: allocator keeps some freed memory are this noisy).
+MEMORY_SLACK = 1.10
+
+
+def _sizes(quick: bool) -> dict[str, Any]:
+    if quick:
+        return dict(pairs_per_step=32, pair_batch=2, steps=1, vocab=32000, prompts=2, completion=128)
+    return dict(pairs_per_step=16, pair_batch=2, steps=4, vocab=32000, prompts=2, completion=512)
+
+
+def _reset_peak() -> float | None:
+    """Reset the resident-set high-water mark; the resident set now (MiB), or None where this cannot be measured."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return None
+    return _status_mib("VmRSS")
+
+
+def _status_mib(field: str) -> float | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(f"{field}:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+def _peak_growth(before: float | None) -> float | None:
+    peak = _status_mib("VmHWM")
+    return None if before is None or peak is None else peak - before
+
+
+def relative_diff(a: dict[str, float], b: dict[str, float]) -> float:
+    """Largest |a - b| over the shared keys, each relative to the larger |value| of the two but at least 1 (a metric
+    near 0, e.g. a reward that is a difference of two log-probs, is compared absolutely). NaN if any is NaN."""
+    worst = 0.0
+    for key in sorted(set(a) & set(b)):
+        diff = abs(a[key] - b[key])
+        if diff != diff:  # NaN never agrees
+            return float("nan")
+        worst = max(worst, diff / max(abs(a[key]), abs(b[key]), 1.0))
+    return worst
+
+
+def memory_verdict(ratio: float | None, baseline: str) -> dict[str, Any]:
+    """Peak memory `this / baseline`: "less" below 1, "the same" up to `MEMORY_SLACK`, flagged above it."""
+    if ratio is None:
+        return {"ratio": None, "text": "peak memory not measured on this platform", "flags": []}
+    if ratio > MEMORY_SLACK:
+        text = f"MORE MEMORY: peak {ratio:.2f}x {baseline}'s (> {MEMORY_SLACK:.2f}x)"
+        return {"ratio": ratio, "text": text, "flags": [text]}
+    word = "less" if ratio < 1 / MEMORY_SLACK else "the same memory"
+    return {"ratio": ratio, "text": f"peak {ratio:.2f}x {baseline}'s ({word})", "flags": []}
+
+
+def _gradient_diff(grads_a: list[Any], grads_b: list[Any]) -> tuple[float, float]:
+    """Largest |difference| between two lists of gradients and the largest |gradient| of the first."""
+    diff = max(float((a - b).abs().max()) for a, b in zip(grads_a, grads_b, strict=True))
+    scale = max(float(a.abs().max()) for a in grads_a)
+    return diff, scale
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# token_budget
+# -------------------------------------------------------------------------------------------------------------------
+
+
+def _pair_tokens(row: dict[str, Any], max_length: int | None) -> int:
+    """Real tokens of a tokenized pair, both sequences (the prompt counted in each), each cut at `max_length`."""
+    prompt = len(row["prompt_ids"])
+    lengths = [prompt + len(row["chosen_ids"]), prompt + len(row["rejected_ids"])]
+    return sum(min(n, max_length) if max_length else n for n in lengths)
+
+
+def token_budget(setup: Setup, rounds: int, quick: bool) -> dict[str, Any]:
+    """Whole `train()` runs, interleaved: padding_free with `pair_batch` pairs per micro-batch against token_budget
+    (with padding_free's packing) bounded by the largest micro-batch padding_free forms on the same steps; both consume
+    the same pairs per optimizer step in dataset order. Then one SGD step of stock TRL and of token_budget from the
+    same weights: loss, metrics and gradient."""
+    from trl import DPOTrainer
+
+    import trl_ext
+
+    z = _sizes(quick)
+    pairs, batch, steps = z["pairs_per_step"], z["pair_batch"], z["steps"]
+    dataset = setup.dataset.select(range(pairs * steps))
+    # Dataset order, so that the bound below is computed on the micro-batches padding_free really forms.
+    ordered = {"train_sampling_strategy": "sequential"}
+    if not hasattr(setup.dpo_args("probe"), "train_sampling_strategy"):
+        ordered = {}
+
+    def build(label: str, flags: dict[str, Any], **overrides: Any) -> Any:
+        options = dict(
+            per_device_train_batch_size=batch, gradient_accumulation_steps=pairs // batch, max_steps=steps, **ordered
+        )
+        args = setup.dpo_args(f"token_budget-{label}", **{**options, **overrides})
+        with trl_ext.install(**flags) if flags else _nothing():
+            trainer = DPOTrainer(
+                setup.model_fn(),
+                ref_model=_reference(setup),
+                args=args,
+                train_dataset=dataset,
+                processing_class=setup.tokenizer,
+            )
+        from transformers.trainer_callback import PrinterCallback
+
+        trainer.remove_callback(PrinterCallback)  # the logs of every timed run would bury the progress lines
+        return trainer
+
+    progress(f"token_budget: {pairs} pairs per step, {steps} step(s): padding_free {batch} pairs/micro-batch")
+    fixed = build("padding_free", {"padding_free": True})
+    rows: Any = fixed.train_dataset
+    sizes = [_pair_tokens(rows[i], fixed.args.max_length) for i in range(len(rows))]
+    bound = max(sum(sizes[k : k + batch]) for k in range(0, len(sizes), batch))
+    cut = build("token_budget", {"padding_free": True, "token_budget": bound})
+    trainers = {"padding_free": fixed, "token_budget": cut}
+    peaks: dict[str, list[float | None]] = {name: [] for name in trainers}
+
+    def arm(name: str):
+        def run(index: int) -> float:
+            before = _reset_peak()
+            start = time.perf_counter()
+            trainers[name].train()
+            elapsed = time.perf_counter() - start
+            if index >= 1:
+                peaks[name].append(_peak_growth(before))
+            return elapsed
+
+        return run
+
+    times = interleave({name: arm(name) for name in trainers}, rounds=rounds, warmup=1, what="token_budget")
+    state = cut._trl_ext.state["token_budget"]
+    counts = state.micro_batch_counts[-steps:]
+    largest = max(state.max_tokens[-steps:])
+
+    progress("token_budget: one SGD step, stock TRL and token_budget, from the same weights")
+    sgd = dict(max_steps=1, optim="sgd", learning_rate=1.0, max_grad_norm=0.0, lr_scheduler_type="constant")
+    results = {}
+    for label, flags in (("stock", {}), ("trl_ext", {"padding_free": True, "token_budget": bound})):
+        trainer = build(f"{label}-sgd", flags, **sgd)
+        start = [p.detach().clone() for p in trainer.model.parameters()]
+        trainer.train()
+        # SGD, learning rate 1, no clipping or decay: the update is minus the gradient.
+        grads = [a - p.detach() for a, p in zip(start, trainer.model.parameters(), strict=True)]
+        logged = {k: float(v) for k, v in trainer.state.log_history[0].items() if isinstance(v, int | float)}
+        results[label] = (logged, grads)
+    stock_logs, ext_logs = results["stock"][0], results["trl_ext"][0]
+    metric_keys = sorted(k for k in set(stock_logs) & set(ext_logs) if k not in ("epoch", "step", "learning_rate"))
+    metrics_diff = relative_diff({k: stock_logs[k] for k in metric_keys}, {k: ext_logs[k] for k in metric_keys})
+    grad_diff, grad_scale = _gradient_diff(results["stock"][1], results["trl_ext"][1])
+    del results
+
+    median_peak = {name: _median(values) for name, values in peaks.items()}
+    memory = (
+        median_peak["token_budget"] / median_peak["padding_free"]
+        if median_peak["token_budget"] is not None and median_peak["padding_free"]
+        else None
+    )
+    return {
+        "pairs_per_step": pairs,
+        "pair_batch": batch,
+        "steps": steps,
+        "token_bound": bound,
+        "largest_micro_batch_tokens": largest,
+        "micro_batches_per_step": {"padding_free": pairs // batch, "token_budget": counts},
+        "padding_free": {"train_seconds": times["padding_free"], "peak_mb": peaks["padding_free"]},
+        "trl_ext": {"train_seconds": times["token_budget"], "peak_mb": peaks["token_budget"]},
+        "speedup": _against(summarize(ratios(times, "padding_free", "token_budget")), "padding_free"),
+        "memory": memory_verdict(memory, "padding_free"),
+        "bound": bound_verdict(largest, bound),
+        "metric_keys": metric_keys,
+        "metrics": agreement(metrics_diff, BUDGET_RTOL, "loss and metrics"),
+        "max_abs_grad": grad_scale,
+        "gradient": agreement(grad_diff, BUDGET_RTOL * grad_scale, "gradient"),
+    }
+
+
+def bound_verdict(largest: int, bound: int) -> dict[str, Any]:
+    """Whether token_budget's largest micro-batch stayed within its bound (a pair over it would run alone)."""
+    if largest <= bound:
+        return {"same": True, "text": f"largest micro-batch {largest} <= bound {bound} tokens", "flags": []}
+    text = f"OVER THE BOUND: largest micro-batch {largest} > {bound} tokens (a pair longer than the bound)"
+    return {"same": False, "text": text, "flags": [text]}
+
+
+def _against(ratio: dict[str, Any], baseline: str) -> dict[str, Any]:
+    """A `summarize` result whose flags name `baseline` instead of stock."""
+    ratio["flags"] = [f.replace("than stock", f"than {baseline}") for f in ratio["flags"]]
+    ratio["baseline"] = baseline
+    return ratio
+
+
+def _median(values: list[float | None]) -> float | None:
+    kept = [v for v in values if v is not None]
+    return statistics.median(kept) if kept else None
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+def _reference(setup: Setup) -> Any:
+    """The policy's architecture with other weights: with equal weights every DPO loss is log 2 and agreement would
+    prove nothing."""
+    import torch
+
+    ref = setup.model_fn()
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(0.05 * p.std().nan_to_num() * torch.randn(p.shape, generator=generator, dtype=p.dtype))
+    return ref
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# fused_logprobs
+# -------------------------------------------------------------------------------------------------------------------
+
+
+def _online_trainer(setup: Setup, label: str, z: dict[str, Any]) -> Any:
+    """An `OnlineDPOTrainer` whose generation returns a stored batch (prompts of 80 to 120 tokens, 2 completions
+    each of a third of the width to the width, padded after their end), so a step is scoring, loss and backward."""
+    import inspect
+    import random
+
+    import torch
+    from datasets import Dataset
+    from trl.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
+
+    from .workload import length_reward, make_model
+
+    prompts, width, vocab = z["prompts"], z["completion"], z["vocab"]
+    s = setup.size
+    shape = dict(hidden_size=s["hidden"], num_layers=s["layers"], num_heads=s["heads"], num_kv_heads=s["kv"])
+    args = OnlineDPOConfig(
+        output_dir=str(setup.out / "runs" / f"fused_logprobs-{label}"),
+        per_device_train_batch_size=prompts,
+        max_steps=1,
+        max_new_tokens=width,
+        max_length=8192,
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        save_strategy="no",
+        seed=0,
+    )
+    trainer = OnlineDPOTrainer(
+        model=make_model(vocab_size=vocab, seed=0, **shape),
+        ref_model=make_model(vocab_size=vocab, seed=1, **shape),
+        reward_funcs=length_reward,
+        args=args,
+        train_dataset=Dataset.from_list([{"prompt": "w1"}] * prompts),
+        processing_class=setup.tokenizer,
+    )
+    rng = random.Random(0)
+    generator = torch.Generator().manual_seed(0)
+    words = min(vocab, len(setup.tokenizer))  # ids the tokenizer decodes for the reward
+    lengths = [rng.randint(80, 120) for _ in range(prompts)]
+    prompt_ids = torch.zeros(prompts, max(lengths), dtype=torch.long)
+    prompt_mask = torch.zeros_like(prompt_ids)
+    for row, n in enumerate(lengths):  # left padded, as TRL's generation returns them
+        prompt_ids[row, -n:] = torch.randint(4, words, (n,), generator=generator)
+        prompt_mask[row, -n:] = 1
+    completion_ids = torch.randint(4, words, (2 * prompts, width), generator=generator)
+    ends = torch.randint(width // 3, width + 1, (2 * prompts,), generator=generator)
+    completion_mask = (torch.arange(width)[None] < ends[:, None]).long()
+    batch: tuple[Any, ...] = (
+        prompt_ids.repeat(2, 1),
+        prompt_mask.repeat(2, 1),
+        completion_ids.masked_fill(completion_mask == 0, 0),
+        completion_mask,
+        None,
+    )
+    if "vision_inputs = self._generate(" not in inspect.getsource(OnlineDPOTrainer.training_step):
+        batch = batch[:4]  # TRL < 1.16 generates no vision inputs
+    trainer._generate = types.MethodType(lambda self, model, prompts, images=None: batch, trainer)
+    return trainer
+
+
+def fused_logprobs(setup: Setup, rounds: int, quick: bool) -> dict[str, Any]:
+    """`OnlineDPOTrainer.training_step` with generation replaced by a stored batch, stock against
+    `fused_logprobs`, interleaved (one warm-up round); the logged log-probs, the loss and the gradients of both from
+    the same weights (a step computes gradients and leaves the weights alone)."""
+    import trl_ext
+
+    z = _sizes(quick)
+    progress(
+        f"fused_logprobs: Online DPO step without generation, vocab {z['vocab']}, {2 * z['prompts']} completions of "
+        f"up to {z['completion']} tokens: stock and fused_logprobs"
+    )
+    stock = _online_trainer(setup, "stock", z)
+    with trl_ext.install(fused_logprobs=True):
+        fused = _online_trainer(setup, "fused", z)
+    trainers = {"stock": stock, "trl_ext": fused}
+    peaks: dict[str, list[float | None]] = {name: [] for name in trainers}
+    first: dict[str, tuple[dict[str, float], list[Any]]] = {}
+
+    def arm(name: str):
+        def run(index: int) -> float:
+            import torch
+
+            trainer = trainers[name]
+            trainer.model.train()
+            trainer.model.zero_grad(set_to_none=True)
+            for values in trainer.stats.values():
+                values.clear()
+            before = _reset_peak()
+            start = time.perf_counter()
+            loss = trainer.training_step(trainer.model, {"prompt": ["w1"] * z["prompts"]})
+            elapsed = time.perf_counter() - start
+            if index >= 1:
+                peaks[name].append(_peak_growth(before))
+            if name not in first:
+                logged = {key: float(values[-1]) for key, values in trainer.stats.items() if values}
+                logged["loss"] = float(loss.detach())
+                grads = [
+                    torch.zeros_like(p) if p.grad is None else p.grad.detach().clone()
+                    for p in trainer.model.parameters()
+                ]
+                first[name] = (logged, grads)
+            return elapsed
+
+        return run
+
+    times = interleave({name: arm(name) for name in trainers}, rounds=rounds, warmup=1, what="fused_logprobs")
+    logps_keys = sorted(k for k in first["stock"][0] if k.startswith("logps/"))
+    logps_diff = relative_diff(
+        {k: first["stock"][0][k] for k in logps_keys}, {k: first["trl_ext"][0][k] for k in logps_keys}
+    )
+    metric_keys = sorted(set(first["stock"][0]) & set(first["trl_ext"][0]))
+    metrics_diff = relative_diff(
+        {k: first["stock"][0][k] for k in metric_keys}, {k: first["trl_ext"][0][k] for k in metric_keys}
+    )
+    grad_diff, grad_scale = _gradient_diff(first["stock"][1], first["trl_ext"][1])
+    median_peak = {name: _median(values) for name, values in peaks.items()}
+    memory = (
+        median_peak["trl_ext"] / median_peak["stock"]
+        if median_peak["trl_ext"] is not None and median_peak["stock"]
+        else None
+    )
+    return {
+        "vocab": z["vocab"],
+        "completions": 2 * z["prompts"],
+        "completion_width": z["completion"],
+        "stock": {"step_seconds": times["stock"], "peak_mb": peaks["stock"], "logged": first["stock"][0]},
+        "trl_ext": {"step_seconds": times["trl_ext"], "peak_mb": peaks["trl_ext"], "logged": first["trl_ext"][0]},
+        "speedup": summarize(ratios(times, "stock", "trl_ext")),
+        "memory": memory_verdict(memory, "stock"),
+        "logps": agreement(logps_diff, FUSED_RTOL, "log-probs"),
+        "metric_keys": metric_keys,
+        "metrics": agreement(metrics_diff, FUSED_RTOL, "loss and metrics"),
+        "max_abs_grad": grad_scale,
+        "gradient": agreement(grad_diff, FUSED_RTOL * grad_scale, "gradient"),
+    }
