@@ -52,3 +52,34 @@ def test_readme_claims_name_tests_that_exist():
             assert re.search(rf"^def {re.escape(name)}\(", source, re.M), f"{path}::{name} (README claims table)"
             named += 1
     assert named >= 20
+
+
+def fused_logprobs_table(report: dict) -> str:
+    """The README's fused_logprobs table, from a recorded `benchmarks/fused_logprobs.py` run."""
+
+    def speed(variant: dict) -> str:
+        ratio = variant["speedup_vs_stock"]
+        return f"{ratio['median']:.2f}x ({ratio['q1']:.2f}-{ratio['q3']:.2f})"
+
+    rows = [
+        "| vocab | completion width | step allocation vs stock | peak RSS vs stock | step time: stock / fused "
+        "| stock / fused+prompt_sharing |",
+        "|---|---|---|---|---|---|",
+    ]
+    for case in report["results"]:
+        fused, both = case["variants"]["fused"], case["variants"]["fused+prompt_sharing"]
+        rows.append(
+            f"| {case['vocab']:,} | {case['completion_width']} | {fused['step_peak_ratio_vs_stock']:.2f}x "
+            f"| {fused['peak_ratio_vs_stock']:.2f}x | {speed(fused)} | {speed(both)} |"
+        )
+    return "\n".join(rows)
+
+
+def test_readme_quotes_the_recorded_fused_logprobs_run():
+    """The README's fused_logprobs table is generated from the recorded benchmark run it names."""
+    import json
+
+    report = json.loads((ROOT / "benchmarks" / "results" / "fused_logprobs.json").read_text())
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("<!-- fused_logprobs table:", 1)[1].split("-->", 1)[1].split("<!-- end fused_logprobs", 1)[0]
+    assert block.strip() == fused_logprobs_table(report)
