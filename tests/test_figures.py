@@ -83,3 +83,14 @@ def test_readme_quotes_the_recorded_fused_logprobs_run():
     readme = (ROOT / "README.md").read_text()
     block = readme.split("<!-- fused_logprobs table:", 1)[1].split("-->", 1)[1].split("<!-- end fused_logprobs", 1)[0]
     assert block.strip() == fused_logprobs_table(report)
+
+
+def test_readme_lists_every_builtin_plugin():
+    """The README's list of built-in plugins is what discovery finds."""
+    from trl_ext.manager import builtin_plugin_modules
+
+    readme = (ROOT / "README.md").read_text()
+    sentence = readme.split("built-in plugins: ", 1)[1].split("(", 1)[0]
+    assert set(re.findall(r"`(\w+)`", sentence)) == set(builtin_plugin_modules())
+    words = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"]
+    assert f"{words[len(builtin_plugin_modules())].capitalize()} built-in plugins" in readme
