@@ -125,20 +125,16 @@ FUSED_CHUNK = 5
 #: TRL >= 1.15 scores DPO with its own fused LM head: there the plugin leaves DPOTrainer as it is (asserted), below it
 #: scores through its chunked head.
 TRL_DPO_FUSED_HEAD = dpo_uses_fused_lm_head()
-#: Where fused_logprobs scores (Online DPO; DPO on TRL < 1.15), two engines do not work yet:
-#: - ZeRO-3 (not run): every head call all-gathers the head's weight, and a rank's number of head calls follows its
-#:   completion lengths (the chunks, the no-grad pass over positions after an end), so the ranks' collectives fall out
-#:   of step: gloo aborts ("Received data size doesn't match expected size", Online DPO) or the launch hangs (DPO on
-#:   TRL 1.12; Online DPO at the default chunk, in its second step), which would cost the engine's whole launch. To
-#:   be refused with a UsageError or made to work.
-#: - FSDP2: the head is called outside the model's forward, and after a no-grad forward FSDP2 has resharded the root
-#:   unit that holds it: "mixed torch.Tensor and DTensor" in the self-check's head call before the first step, and
-#:   (self-check skipped) in the reference's chunked scoring.
-FUSED_FSDP2_BUG = Expect(
-    xfail="fused_logprobs calls the output head outside the FSDP2 root's forward on a resharded (DTensor) weight: "
-    "RuntimeError in fused_logprobs/selfcheck.py self_check (`head(hidden)`), and in chunked.py _chunk_logprobs for "
-    "the reference; to be refused with a UsageError (Expect(REFUSE, ...)) or made to work (Expect())"
-)
+#: Where fused_logprobs scores (Online DPO; DPO on TRL < 1.15) it refuses two engines before the first step:
+#: - ZeRO-3: every head call all-gathers the head's weight, and a rank's number of head calls follows its completion
+#:   lengths (the chunks, the no-grad pass over positions after an end), so the ranks' collectives would fall out of
+#:   step (seen before the refusal: gloo aborting with "Received data size doesn't match expected size", or a hang).
+#: - FSDP2: the head is called outside the model's forward, where FSDP2 has resharded the root unit that holds it
+#:   (seen before the refusal: "mixed torch.Tensor and DTensor" in the reference's chunked scoring).
+FUSED_REFUSED = {
+    "zero3": Expect(REFUSE, r"fused_logprobs does not run under DeepSpeed ZeRO-3.*ZeRO-2"),
+    "fsdp2": Expect(REFUSE, r"fused_logprobs does not run under FSDP.*DDP"),
+}
 
 CELLS: tuple[Cell, ...] = (
     # -- DPO ---------------------------------------------------------------------------------------------------------
@@ -237,7 +233,7 @@ CELLS: tuple[Cell, ...] = (
         # stock logs it from the local rank only (online_dpo_trainer.py 1.16.0:1266); the plugin logs the global value
         by_design=("val/contain_eos_token",),
     ),
-    # -- fused_logprobs (last: under FSDP2 it fails in the trainer's construction, which ends the launch) -------------
+    # -- fused_logprobs ----------------------------------------------------------------------------------------------
     # TRL < 1.15: policy and reference log-probs through chunked heads; TRL >= 1.15: TRL's own fused head, left.
     Cell(
         "dpo-fused_logprobs",
@@ -245,7 +241,7 @@ CELLS: tuple[Cell, ...] = (
         {"fused_logprobs": True},
         options={"fused_logprobs": {"chunk": FUSED_CHUNK}},
         baseline="dpo-stock",
-        expect=ALL if TRL_DPO_FUSED_HEAD else _on("ddp", "zero2", fsdp2=FUSED_FSDP2_BUG),
+        expect=ALL if TRL_DPO_FUSED_HEAD else _on("ddp", "zero2", **FUSED_REFUSED),
     ),
     # Policy and reference completions scored FUSED_CHUNK positions at a time (the script counts the head's calls,
     # those recomputed in backward, and whether its weight was whole at each call).
@@ -255,7 +251,7 @@ CELLS: tuple[Cell, ...] = (
         {"fused_logprobs": True},
         options={"fused_logprobs": {"chunk": FUSED_CHUNK}},
         baseline="online-stock",
-        expect=_on("ddp", "zero2", fsdp2=FUSED_FSDP2_BUG),
+        expect=_on("ddp", "zero2", **FUSED_REFUSED),
     ),
 )
 
