@@ -284,10 +284,11 @@ def _online_trainer(setup: Setup, label: str, z: dict[str, Any]) -> Any:
         save_strategy="no",
         seed=0,
     )
-    trainer = OnlineDPOTrainer(
+    reward: Any = length_reward
+    trainer: Any = OnlineDPOTrainer(
         model=make_model(vocab_size=vocab, seed=0, **shape),
         ref_model=make_model(vocab_size=vocab, seed=1, **shape),
-        reward_funcs=length_reward,
+        reward_funcs=reward,
         args=args,
         train_dataset=Dataset.from_list([{"prompt": "w1"}] * prompts),
         processing_class=setup.tokenizer,
