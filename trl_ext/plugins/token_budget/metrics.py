@@ -47,7 +47,9 @@ def row_sums(output: Any, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Te
         from trl.trainer import dpo_trainer
 
         shift_logits = output.logits[..., :-1, :].detach()
-        entropy = dpo_trainer.entropy_from_logits(shift_logits)
+        # TRL < 1.15 only (1.15+ returns the fused head's `entropy` above): absent from the module's types there.
+        entropy_from_logits = getattr(dpo_trainer, "entropy_from_logits")  # noqa: B009
+        entropy = entropy_from_logits(shift_logits)
         mean_logits = shift_logits.mean(-1)
         top1 = shift_logits.argmax(dim=-1) == inputs["input_ids"][..., 1:]
     zero = torch.zeros((), dtype=entropy.dtype, device=entropy.device)
