@@ -188,7 +188,9 @@ def test_plugin_section_verdicts_on_crafted_numbers():
     over = plugin_sections.bound_verdict(700, 619)
     assert not over["same"] and "OVER THE BOUND" in over["flags"][0]
     # relative per key, absolute for values near 0; NaN never agrees
-    assert plugin_sections.relative_diff({"a": -1000.0, "b": 0.01}, {"a": -1000.1, "b": 0.01}) == pytest.approx(0.1 / 1000.1)
+    assert plugin_sections.relative_diff({"a": -1000.0, "b": 0.01}, {"a": -1000.1, "b": 0.01}) == pytest.approx(
+        0.1 / 1000.1
+    )
     assert plugin_sections.relative_diff({"b": 0.0}, {"b": 3e-6}) == pytest.approx(3e-6)
     assert math.isnan(plugin_sections.relative_diff({"a": 1.0}, {"a": math.nan}))
     assert plugin_sections.relative_diff({"a": 1.0}, {"c": 5.0}) == 0.0  # only shared keys

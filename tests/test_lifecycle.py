@@ -84,6 +84,7 @@ def _losses(trainer):
 # -------------------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # a few seconds: kept out of the fast loop's 90 s
 def test_trainer_built_inside_the_block_trains_packed_after_it(tokenizer, dpo_args, tmp_path):
     from trl_ext.plugins.padding_free import PaddingFreeCollator
 
@@ -115,6 +116,7 @@ def test_trainer_built_inside_the_block_trains_packed_after_it(tokenizer, dpo_ar
     _assert_trl_stock(before)
 
 
+@pytest.mark.slow  # a few seconds: kept out of the fast loop's 90 s
 def test_a_second_install_does_not_disturb_trainers_of_the_first(tokenizer, dpo_args, recorder):
     first = trl_ext.install(padding_free=True)
     old = _dpo(tokenizer, dpo_args)

@@ -2,8 +2,8 @@
 completions with TRL's fused LM head and equals the full-logit path (`use_fused_lm_head=False`) and the trl-ext
 `fused_logprobs` plugin: per-token log-probs of policy and reference, loss, every logged metric, gradients.
 
-Runs only against the patched TRL (`TRL_EXT_PATCHED_TRL=1`, see conftest.py and patches/check.sh). Float64 models; TRL's
-fused head accumulates in float32, so the tolerance is float32 round-off (1e-6 relative).
+Runs only against the patched TRL (`TRL_EXT_PATCHED_TRL=1`, see conftest.py and patches/check.sh). Float64 models;
+TRL's fused head accumulates in float32, so the tolerance is float32 round-off (1e-6 relative).
 """
 
 from __future__ import annotations

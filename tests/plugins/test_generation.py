@@ -221,6 +221,7 @@ def _gc_funcs(model):
     return [vars(m).get("_gradient_checkpointing_func") for m in model.modules()]
 
 
+@pytest.mark.slow  # a few seconds: kept out of the fast loop's 90 s
 def test_without_zero3_passes_through_and_keeps_user_kwargs(online_dpo_args, tokenizer):
     stock = _online_trainer(online_dpo_args, tokenizer)
     stock.train()

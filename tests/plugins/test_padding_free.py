@@ -85,6 +85,7 @@ def _set_loss(trainer, case):
     trainer.use_weighting = case.get("use_weighting", False)
 
 
+@pytest.mark.slow  # a few seconds: kept out of the fast loop's 90 s
 def test_every_loss_type_and_option(build):
     # exo_pair needs label_smoothing > 0 at construction (both TRL versions check it in `__init__`)
     stock = build(use_weighting=True, label_smoothing=1e-3, loss_type=["exo_pair"])

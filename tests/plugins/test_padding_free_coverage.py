@@ -164,6 +164,7 @@ def test_metadata_survives_dim0_slicing_and_is_checked():
     assert PackInfo.from_batch({"indices": torch.zeros(3)}, torch.zeros_like(masks[1]), masks[1]) is None
 
 
+@pytest.mark.slow  # a few seconds: kept out of the fast loop's 90 s
 @pytest.mark.parametrize("kind", ["llama", "mixtral"])
 def test_dispatch_batches_train_evaluate_predict(build, dataset, kind):
     """`dispatch_batches=True` training, and evaluate()/predict() on an IterableDataset: same as stock."""
