@@ -507,6 +507,31 @@ def test_dpo_vision_attributes():
         assert f"self.{attr} =" in source, _fail("TRL_VISION_ATTRS", f"DPOTrainer.__init__ no longer sets self.{attr}")
 
 
+def test_dpo_logits_helpers_scoring_methods_and_trainer_step_hooks():
+    module = importlib.import_module(_compat.DPO_LOGITS_MODULE)
+    for name in _compat.DPO_SCORING_METHODS:
+        assert callable(getattr(_dpo(), name, None)), _fail("DPO_SCORING_METHODS", f"DPOTrainer has no `{name}`")
+    if not _compat.dpo_uses_fused_lm_head():  # TRL < 1.15 reads the logits through these helpers
+        source = _source(_dpo()._compute_loss)
+        for name in _compat.DPO_LOGITS_HELPERS:
+            assert callable(getattr(module, name, None)) and f"{name}(" in source, _fail(
+                "DPO_LOGITS_HELPERS", f"`{_compat.DPO_LOGITS_MODULE}.{name}` is gone or not called by _compute_loss"
+            )
+    import transformers
+
+    trainer = transformers.Trainer
+    assert callable(getattr(trainer, _compat.TRAINER_BATCH_SAMPLES_METHOD, None)), _fail(
+        "TRAINER_BATCH_SAMPLES_METHOD", "transformers.Trainer has no such method"
+    )
+    assert _params(getattr(trainer, _compat.TRAINER_BATCH_SAMPLES_METHOD))[1:3] == ["epoch_iterator", "num_batches"]
+    assert getattr(trainer, _compat.TRAINER_LOSS_SCALED_ATTR, "missing") is None, _fail(
+        "TRAINER_LOSS_SCALED_ATTR", "transformers.Trainer no longer declares it (default None)"
+    )
+    assert f"self.{_compat.TRAINER_LOSS_SCALED_ATTR}" in _source(trainer.training_step), _fail(
+        "TRAINER_LOSS_SCALED_ATTR", "Trainer.training_step no longer reads it"
+    )
+
+
 def test_online_dpo_forward_truncates_the_prompt_on_the_left():
     forward = getattr(_online(), _compat.ONLINE_DPO_FORWARD_METHOD)
     assert _params(forward)[1:6] == ["model", "prompt_ids", "prompt_mask", "completion_ids", "completion_mask"], _fail(

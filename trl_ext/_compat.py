@@ -307,6 +307,19 @@ TRL_VISION_ATTRS = ("_is_vlm", "_is_vision_dataset")
 #: and the attribute that holds its `max_length`. Consumer: `plugins.prompt_sharing` (wraps `_forward`). Checked on
 #: 1.12.0 and 1.16.0.
 ONLINE_DPO_FORWARD_METHOD = "_forward"
+#: TRL < 1.15: the module whose imported helpers DPOTrainer applies to the logits, those helpers (token log-probs,
+#: entropy), and the DPOTrainer methods whose model calls produce the logits they read. Consumers:
+#: `plugins.fused_logprobs.dpo` (replaces the helpers there, held while a trainer needs them) and
+#: `plugins.token_budget.metrics` (per-row entropy through the same name). Checked on 1.12.0; 1.16.0 scores DPO with
+#: its fused head and imports neither helper (the methods exist on both).
+DPO_LOGITS_MODULE = "trl.trainer.dpo_trainer"
+DPO_LOGITS_HELPERS = ("selective_log_softmax", "entropy_from_logits")
+DPO_SCORING_METHODS = ("_compute_loss", "compute_ref_log_probs")
+#: transformers' `Trainer`: the attribute saying that `compute_loss` already scaled the loss for gradient accumulation
+#: (`training_step` then does not divide it), and the method that fetches one optimizer step's batches. Consumer:
+#: `plugins.token_budget.step`. Checked on transformers 5.24.0.
+TRAINER_LOSS_SCALED_ATTR = "loss_is_scaled_for_ga"
+TRAINER_BATCH_SAMPLES_METHOD = "get_batch_samples"
 ONLINE_DPO_MAX_LENGTH_ATTR = "max_length"
 
 

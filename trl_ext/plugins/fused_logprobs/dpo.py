@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from ... import _compat
 from ..._logging import get_logger
 from ...errors import UsageError
 from .lazy import LazyLogits, entropy, selective_logprobs
@@ -35,13 +36,14 @@ __all__ = ["install_dpo"]
 logger = get_logger(__name__)
 
 #: The TRL module whose imported helpers read the logits, and the helpers replaced there.
-DPO_MODULE = "trl.trainer.dpo_trainer"
+DPO_MODULE = _compat.DPO_LOGITS_MODULE
+_LOGPROBS_HELPER, _ENTROPY_HELPER = _compat.DPO_LOGITS_HELPERS
 HELPERS: dict[str, Callable[[Callable], Callable]] = {
-    "selective_log_softmax": lambda original: selective_logprobs(original, _scored),
-    "entropy_from_logits": entropy,
+    _LOGPROBS_HELPER: lambda original: selective_logprobs(original, _scored),
+    _ENTROPY_HELPER: entropy,
 }
 #: The trainer methods whose model calls return `LazyLogits`.
-SCORING_METHODS = ("_compute_loss", "compute_ref_log_probs")
+SCORING_METHODS = _compat.DPO_SCORING_METHODS
 
 #: The shifted completion mask of the scoring call in progress (None outside one).
 _SCORING: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar("trl_ext_fused_dpo", default=None)

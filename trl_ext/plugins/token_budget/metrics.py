@@ -43,12 +43,17 @@ def row_sums(output: Any, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Te
         mean_logits = output.mean_logits[:, -width:].detach()
         top1 = output.is_top1[:, -width:]
     else:
-        # The name TRL's DPO module calls (a plugin may have replaced it there for its own logits type).
-        from trl.trainer import dpo_trainer
+        # TRL < 1.15 (1.15+ returns the fused head's `entropy` above): the entropy helper by the name TRL's DPO module
+        # calls (a plugin may have replaced it there for its own logits type).
+        import importlib
+
+        from ... import _compat
+
+        entropy_from_logits = getattr(
+            importlib.import_module(_compat.DPO_LOGITS_MODULE), _compat.DPO_LOGITS_HELPERS[1]
+        )
 
         shift_logits = output.logits[..., :-1, :].detach()
-        # TRL < 1.15 only (1.15+ returns the fused head's `entropy` above): absent from the module's types there.
-        entropy_from_logits = getattr(dpo_trainer, "entropy_from_logits")  # noqa: B009
         entropy = entropy_from_logits(shift_logits)
         mean_logits = shift_logits.mean(-1)
         top1 = shift_logits.argmax(dim=-1) == inputs["input_ids"][..., 1:]

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from ... import _compat
 from ..._logging import get_logger
 from ...patching import Patcher
 from .cut import EXAMPLES_KEY, KeepExamples, MicroBatch, cut_step, spread
@@ -239,7 +240,7 @@ def install(trainer: Any, patcher: Any, state: TokenBudgetState) -> None:
             return original_prediction_step(model, inputs, prediction_loss_only, *args, **kwargs)
         return state.run_eval_batch(original_prediction_step, model, inputs, prediction_loss_only, args, kwargs)
 
-    original_get_batch_samples = trainer.get_batch_samples
+    original_get_batch_samples = getattr(trainer, _compat.TRAINER_BATCH_SAMPLES_METHOD)
 
     @functools.wraps(original_get_batch_samples)
     def get_batch_samples(epoch_iterator: Any, num_batches: int, *args: Any, **kwargs: Any) -> tuple[list, Any]:
@@ -278,10 +279,10 @@ def install(trainer: Any, patcher: Any, state: TokenBudgetState) -> None:
             loss = original_compute_loss(model, inputs, *args, **kwargs)
         return loss * mb.weight
 
-    patcher.setattr(trainer, "get_batch_samples", get_batch_samples)
+    patcher.setattr(trainer, _compat.TRAINER_BATCH_SAMPLES_METHOD, get_batch_samples)
     patcher.setattr(trainer, "training_step", training_step)
     patcher.setattr(trainer, "compute_loss", compute_loss)
-    patcher.setattr(trainer, "loss_is_scaled_for_ga", True)
+    patcher.setattr(trainer, _compat.TRAINER_LOSS_SCALED_ATTR, True)
     for name in ("get_train_dataloader", "get_eval_dataloader", "get_test_dataloader"):
         patcher.setattr(trainer, name, keep_examples(getattr(trainer, name)))
     patcher.setattr(trainer, "prediction_step", prediction_step)
