@@ -7,6 +7,7 @@ import json
 import math
 import os
 import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -95,7 +96,11 @@ def test_bench_quick_writes_report_and_plot(tmp_path):
     assert {"loss", "logps/chosen", "rewards/margins"} <= set(tb["metric_keys"])
     assert tb["metrics"]["same"] and tb["gradient"]["same"] and tb["max_abs_grad"] > 0
     assert tb["gradient"]["tolerance"] == plugin_sections.BUDGET_RTOL * tb["max_abs_grad"]
-    assert len(tb["padding_free"]["peak_mb"]) == 3 and tb["memory"]["ratio"] is not None
+    assert len(tb["padding_free"]["peak_mb"]) == 3
+    if statistics.median(tb["padding_free"]["peak_mb"]) == 0:  # no growth to divide by: said and flagged
+        assert tb["memory"]["ratio"] is None and "NOT COMPARED" in tb["memory"]["flags"][0]
+    else:
+        assert tb["memory"]["ratio"] is not None
     assert report["headline"]["token_budget_speedup_vs_padding_free"] == tb["speedup"]["median"]
 
     fl = measured["fused_logprobs"]
