@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from trl_ext.testing import make_model
 
@@ -174,3 +175,19 @@ def add_mask_window(model: Any, window: int) -> Any:
     for layer in model.model.layers:
         layer.self_attn.register_forward_pre_hook(add_window, with_kwargs=True)
     return model
+
+
+class LargestTensor(TorchDispatchMode):
+    """Records the element count of the largest tensor any operation creates while active (`.largest`): a test that
+    a path never builds `[rows, length, vocab]` logits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out

@@ -12,7 +12,6 @@ import logging
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import trl_ext
 from tests import equivalence as eq
@@ -175,19 +174,6 @@ def test_train_logs_equal_stock(build, others):
         assert torch.allclose(value, stock_weights[name], rtol=1e-8, atol=1e-12), name
 
 
-class _Sizes(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
-        return out
-
-
 @pytest.mark.slow
 def test_training_step_never_allocates_full_logits(build):
     """A whole training step (policy and reference scoring, loss, backward): no tensor of `rows * length * vocab`
@@ -195,12 +181,12 @@ def test_training_step_never_allocates_full_logits(build):
     prompt_ids, _, completion_ids, _ = _fixed_generation()
     full = completion_ids.size(0) * (prompt_ids.size(1) + completion_ids.size(1)) * VOCAB
     stock = build()
-    with _Sizes() as sizes:
+    with eq.LargestTensor() as sizes:
         _step(stock)
     assert sizes.largest >= full
     with trl_ext.install(fused_logprobs=True, plugins={"fused_logprobs": {"chunk": 4}}):
         fused = build()
-    with _Sizes() as sizes:
+    with eq.LargestTensor() as sizes:
         _step(fused)
     assert sizes.largest < full
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from tests.equivalence import LargestTensor
 from trl_ext.plugins.fused_logprobs.chunked import accumulation_dtype, auto_chunk, token_logprobs
 
 RTOL = 1e-10
@@ -92,27 +92,14 @@ def test_auto_chunk():
     assert auto_chunk(32_000) == 524 and auto_chunk(150_000) == 111 and auto_chunk(50, torch.float64) == 4096
 
 
-class _Sizes(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
-        return out
-
-
 def test_never_allocates_full_logits():
     """Forward and backward: no tensor as large as `[rows, length, vocab]`; the largest is one chunk of logits."""
     rows, length, vocab, chunk = 4, 16, 97, 8
     head, h, targets = _problem(rows=rows, length=length, vocab=vocab)
-    with _Sizes() as sizes:
+    with LargestTensor() as sizes:
         token_logprobs(h, targets, head, chunk=chunk).sum().backward()
     assert sizes.largest < rows * length * vocab
     assert sizes.largest <= max(chunk * vocab, vocab * h.size(-1))  # a chunk of logits, or the head weight
-    with _Sizes() as stock:
+    with LargestTensor() as stock:
         _stock(head, h, targets).sum().backward()
     assert stock.largest >= rows * length * vocab  # the check sees the full logits where they exist

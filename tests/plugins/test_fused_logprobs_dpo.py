@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import trl_ext
 from tests import equivalence as eq
@@ -98,19 +97,6 @@ def test_every_loss_type_and_option(build):
     assert {t for case in LOSS_CASES for t in case["loss_types"]} == set(TRL_LOSS_TYPES)
 
 
-class _Sizes(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
-        return out
-
-
 @pytest.mark.slow
 def test_never_allocates_full_logits(build):
     """Loss (with WPO weights and sft: every reduction of the logits), backward: no `[2B, L, V]` tensor."""
@@ -122,10 +108,10 @@ def test_never_allocates_full_logits(build):
     full = batch["input_ids"].numel() * stock.model.config.vocab_size
     for trainer in (stock, fused):
         _set_loss(trainer, case)
-    with _Sizes() as sizes:
+    with eq.LargestTensor() as sizes:
         eq.loss_and_grads(stock, batch)
     assert sizes.largest >= full
-    with _Sizes() as sizes:
+    with eq.LargestTensor() as sizes:
         eq.loss_and_grads(fused, batch)
         _set_loss(fused, {"loss_types": ["sft"]})
         eq.loss_and_grads(fused, batch)
