@@ -69,23 +69,6 @@ def parse_args(argv=None):
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def _peak_reset() -> None:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # reset the RSS high-water mark (Linux >= 4.0)
-    except OSError:
-        pass
-
-
-def _rss_mib(field: str = "VmHWM") -> float:
-    """`VmHWM` (the peak RSS since the last reset) or `VmRSS` (the current RSS) of this process, in MiB."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(f"{field}:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
-
-
 def _online_trainer(vocab: int, completion_len: int, prompts: int, seed: int):
     import inspect
     import random
@@ -133,6 +116,7 @@ def worker(args) -> None:
     import torch
 
     import trl_ext
+    from trl_ext.app.bench.memory import reset_peak_rss, rss_mib
 
     torch.set_num_threads(args.threads)
     flags = VARIANTS[args.worker]
@@ -151,12 +135,11 @@ def worker(args) -> None:
         trainer = current[1]
         trainer.model.train()
         trainer.model.zero_grad(set_to_none=True)
-        _peak_reset()
-        before = _rss_mib("VmRSS")
+        before = reset_peak_rss()
         start, cpu = time.perf_counter(), time.process_time()
         loss = trainer.training_step(trainer.model, {"prompt": ["w1"] * args.prompts})
         wall, cpu = time.perf_counter() - start, time.process_time() - cpu
-        peak = _rss_mib()
+        peak = rss_mib()
         out = {"wall": wall, "cpu": cpu, "peak_mib": peak, "step_mib": peak - before, "loss": float(loss)}
         print(json.dumps(out), flush=True)
 

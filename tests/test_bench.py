@@ -199,7 +199,7 @@ def test_plugin_section_verdicts_on_crafted_numbers():
     assert plugin_sections.relative_diff({"b": 0.0}, {"b": 3e-6}) == pytest.approx(3e-6)
     assert math.isnan(plugin_sections.relative_diff({"a": 1.0}, {"a": math.nan}))
     assert plugin_sections.relative_diff({"a": 1.0}, {"c": 5.0}) == 0.0  # only shared keys
-    slower = plugin_sections._against(stats.summarize([0.8, 0.85, 0.9]), "padding_free")
+    slower = stats.against(stats.summarize([0.8, 0.85, 0.9]), "padding_free")
     assert any("SLOWER than padding_free" in f for f in slower["flags"]) and slower["baseline"] == "padding_free"
 
 

@@ -19,8 +19,9 @@ import time
 import types
 from typing import Any
 
+from .memory import reset_peak_rss, rss_mib
 from .sections import Setup
-from .stats import agreement, interleave, progress, ratios, summarize
+from .stats import against, agreement, interleave, progress, ratios, summarize
 
 #: Largest difference, token_budget against stock on the same optimizer step (fp32, padded against packed
 #: micro-batches of another composition), relative to the largest |value|, that still counts as the same: the loss
@@ -40,29 +41,8 @@ def _sizes(quick: bool) -> dict[str, Any]:
     return dict(pairs_per_step=16, pair_batch=2, steps=4, vocab=32000, prompts=2, completion=512)
 
 
-def _reset_peak() -> float | None:
-    """Reset the resident-set high-water mark; the resident set now (MiB), or None where this cannot be measured."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        return None
-    return _status_mib("VmRSS")
-
-
-def _status_mib(field: str) -> float | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(f"{field}:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return None
-
-
 def _peak_growth(before: float | None) -> float | None:
-    peak = _status_mib("VmHWM")
+    peak = rss_mib("VmHWM")
     return None if before is None or peak is None else peak - before
 
 
@@ -154,7 +134,7 @@ def token_budget(setup: Setup, rounds: int, quick: bool) -> dict[str, Any]:
 
     def arm(name: str):
         def run(index: int) -> float:
-            before = _reset_peak()
+            before = reset_peak_rss()
             start = time.perf_counter()
             trainers[name].train()
             elapsed = time.perf_counter() - start
@@ -206,7 +186,7 @@ def token_budget(setup: Setup, rounds: int, quick: bool) -> dict[str, Any]:
         "micro_batches_per_step": {"padding_free": pairs // batch, "token_budget": counts},
         "padding_free": {"train_seconds": times["padding_free"], "peak_mb": peaks["padding_free"]},
         "trl_ext": {"train_seconds": times["token_budget"], "peak_mb": peaks["token_budget"]},
-        "speedup": _against(summarize(ratios(times, "padding_free", "token_budget")), "padding_free"),
+        "speedup": against(summarize(ratios(times, "padding_free", "token_budget")), "padding_free"),
         "memory": memory_result,
         "bound": bound_verdict(largest, bound),
         "metric_keys": metric_keys,
@@ -222,13 +202,6 @@ def bound_verdict(largest: int, bound: int) -> dict[str, Any]:
         return {"same": True, "text": f"largest micro-batch {largest} <= bound {bound} tokens", "flags": []}
     text = f"OVER THE BOUND: largest micro-batch {largest} > {bound} tokens (a pair longer than the bound)"
     return {"same": False, "text": text, "flags": [text]}
-
-
-def _against(ratio: dict[str, Any], baseline: str) -> dict[str, Any]:
-    """A `summarize` result whose flags name `baseline` instead of stock."""
-    ratio["flags"] = [f.replace("than stock", f"than {baseline}") for f in ratio["flags"]]
-    ratio["baseline"] = baseline
-    return ratio
 
 
 def _median(values: list[float | None]) -> float | None:
@@ -350,7 +323,7 @@ def fused_logprobs(setup: Setup, rounds: int, quick: bool) -> dict[str, Any]:
             trainer.model.zero_grad(set_to_none=True)
             for values in trainer.stats.values():
                 values.clear()
-            before = _reset_peak()
+            before = reset_peak_rss()
             start = time.perf_counter()
             loss = trainer.training_step(trainer.model, {"prompt": ["w1"] * z["prompts"]})
             elapsed = time.perf_counter() - start

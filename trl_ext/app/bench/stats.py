@@ -136,3 +136,10 @@ def padding_bounds(masks: Sequence[Any]) -> dict[str, float]:
         "attention_bound": attn_padded / attn_real,
         "bound": max(padded / real, attn_padded / attn_real),
     }
+
+
+def against(ratio: dict[str, Any], baseline: str) -> dict[str, Any]:
+    """A `summarize` result measured against `baseline` rather than stock TRL: its flags name the baseline."""
+    ratio["flags"] = [f.replace("than stock", f"than {baseline}") for f in ratio["flags"]]
+    ratio["baseline"] = baseline
+    return ratio
