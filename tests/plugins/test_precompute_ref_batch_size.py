@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import mmap
 import os
 import subprocess
 import sys
@@ -372,6 +373,17 @@ def test_lockstep_out_of_memory_is_raised_not_caught(build, lockstep_ranks, tmp_
         assert any("cannot back off alone" in note for note in getattr(info.value, "__notes__", [])), size
 
 
+def _touch_fresh_pages(size: int) -> None:
+    """Make `size` bytes resident in pages no earlier allocation left behind (an anonymous map, written page by
+    page, then unmapped): the peak RSS grows by `size` whatever the allocator keeps from earlier tests."""
+    pages = mmap.mmap(-1, size)
+    try:
+        for offset in range(0, size, mmap.PAGESIZE):
+            pages[offset] = 1
+    finally:
+        pages.close()
+
+
 def test_lockstep_auto_stops_at_the_budget_check(build, lockstep_ranks, logs, tmp_path):
     """Under lockstep no probe runs whose memory, extrapolated from the largest probe that fit, exceeds the budget.
 
@@ -384,7 +396,7 @@ def test_lockstep_auto_stops_at_the_budget_check(build, lockstep_ranks, logs, tm
     def allocate(n, kwargs):
         tokens = kwargs["input_ids"].numel()
         seen.append(tokens)
-        torch.ones(tokens * per_token // 4, dtype=torch.float32).sum()
+        _touch_fresh_pages(tokens * per_token)
 
     native_train, _ = _native(build)
     options = {"cache_dir": str(tmp_path), "ram_budget": "50MiB"}
