@@ -8,10 +8,11 @@ sampler, same order), but runs them in micro-batches of at most `token_budget` t
 forward/backward, long ones run in small groups. Chosen and rejected sequences of a pair stay together; a pair longer
 than the budget runs alone, and one warning line per step says so.
 
-What the budget counts: alone, padded tokens (`2 x pairs x longest sequence`); with a packing plugin (padding_free,
-prompt_sharing: the plugin that holds the `packing` role for the trainer), which then collates each micro-batch, the
-real tokens of both sequences of every pair (the prompt is counted in each sequence, also under prompt_sharing, which
-computes it once: the bound holds, with some room left). Sequences count at most `DPOConfig.max_length`.
+What the budget counts: alone, padded tokens (`2 x pairs x longest sequence`); with a packing plugin (the plugin
+that holds the `packing` role for the trainer, which then collates each micro-batch), real tokens: under padding_free
+both sequences of every pair, under prompt_sharing the prompt once and both completions (what its shared row holds; a
+pair that `max_length` truncates counts both sequences, since `truncation_mode="keep_end"` may leave it unshared).
+Sequences count at most `DPOConfig.max_length`.
 
 ```python
 with trl_ext.install(token_budget=4096):
@@ -20,6 +21,19 @@ with trl_ext.install(token_budget=4096):
 ```
 
 (or `TRL_EXT_TOKEN_BUDGET=4096`, or `token_budget: 4096` in the trl-ext YAML file).
+
+`token_budget="auto"` measures the budget when the trainer is built, as `precompute_ref_batch_size="auto"` does (its
+memory probe, `precompute_ref_batch_size.sizer`): training steps (the trainer's `compute_loss` under its autocast, and
+the backward) on micro-batches of the dataset's heaviest pairs, doubling, while the peak memory a step adds stays
+within the memory budget (GPU: 90% of the free device memory, less the optimizer's two moments per trainable
+parameter; CPU: the `ram_budget` option, the kernel's peak-RSS counter). The budget is the largest token count a
+linear fit of peak memory against tokens keeps within 90% of that memory, capped at the heaviest step's tokens (and
+never past a size that did not fit); several processes take the smallest. Probes run with the random state saved and
+restored, and the trainer's metrics and token count are put back, so training equals a run with the chosen budget.
+One line (level `notice`) says what was chosen and against which memory, and the trainer's log line shows
+`budget=auto:<tokens>`. Refused for a dataset that is not a `datasets.Dataset`, under DeepSpeed or FSDP (the model is
+not sharded yet when the trainer is built: set a number), and when one step on the heaviest pair needs more than the
+memory budget.
 
 Exact. The gradient of every optimizer step and every logged metric equal stock TRL's with the same batch size and
 gradient accumulation (tests/plugins/test_token_budget.py, float64, every loss type that is a mean over pairs):
@@ -60,11 +74,27 @@ Refused with `trl_ext.UsageError`, when the trainer is built:
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
-from ...spec import Flag, PluginSpec, optional, positive_int
+from ...spec import Flag, PluginSpec, Size, either, one_of, optional, positive_int, size
 
 NAME = "token_budget"
+
+
+@dataclass(frozen=True)
+class TokenBudgetOptions:
+    """Options of the `token_budget` plugin (`plugins: {token_budget: {...}}`).
+
+    Args:
+        ram_budget (`str`, `int` or `float`, *optional*, defaults to `0.25`):
+            Memory a training micro-batch may add on CPU when `token_budget="auto"` measures the budget: bytes
+            (`"4GB"`, `"512MiB"`, an int), or a fraction of the memory available when the trainer is built (`0.25`,
+            `"25%"`), shared among the node's processes. On GPU the budget is 90% of the free device memory.
+    """
+
+    ram_budget: Size = field(default=Size("fraction", 0.25), metadata={"parse": size})
+
 
 TRL_EXT_PLUGIN = PluginSpec(
     name=NAME,
@@ -73,10 +103,12 @@ TRL_EXT_PLUGIN = PluginSpec(
         Flag(
             NAME,
             default=None,
-            parse=optional(positive_int),
-            help="Most padded tokens per DPO micro-batch (pairs per optimizer step unchanged).",
+            parse=optional(either(positive_int, one_of("auto"))),
+            help='Most tokens per DPO micro-batch (pairs per optimizer step unchanged), or "auto" to measure it.',
+            cli_const="auto",
         ),
     ),
+    options=TokenBudgetOptions,
     trainers=("DPOTrainer",),
     hooks=".hooks",
 )

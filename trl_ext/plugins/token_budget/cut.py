@@ -9,7 +9,8 @@ gives for those pairs.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+import enum
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from ...errors import UsageError
@@ -19,6 +20,47 @@ EXAMPLES_KEY = "trl_ext_token_budget_examples"
 #: The example fields the cut understands (DPOTrainer's text signature columns, trl/trainer/dpo_trainer.py).
 TEXT_FIELDS = ("prompt_ids", "chosen_ids", "rejected_ids")
 OPTIONAL_FIELDS = ("ref_chosen_logps", "ref_rejected_logps")
+
+
+class Layout(str, enum.Enum):
+    """How the trainer's collator lays out a micro-batch, so what the budget counts.
+
+    - `padded` (no packing plugin): `2 x pairs x longest sequence`;
+    - `packed` (padding_free): the real tokens of both sequences of every pair;
+    - `prompt-shared` (prompt_sharing): the real tokens of a pair with its prompt counted once (prompt + chosen +
+      rejected completions).
+
+    Truthy when the collator packs (`packed` and `prompt-shared`), so it stands where a "packed" flag is expected.
+    """
+
+    PADDED = "padded"
+    PACKED = "packed"
+    PROMPT_SHARED = "prompt-shared"
+
+    def __bool__(self) -> bool:
+        return self is not Layout.PADDED
+
+    def __str__(self) -> str:
+        return self.value
+
+
+#: The packing plugin whose collator computes each prompt once per pair (`trl_ext.plugins.prompt_sharing`).
+PROMPT_SHARING = "prompt_sharing"
+
+
+def layout(packing: Iterable[str]) -> Layout:
+    """The layout given the enabled plugins that hold the packing role for the trainer (at most one collates)."""
+    names = set(packing)
+    if PROMPT_SHARING in names:
+        return Layout.PROMPT_SHARED
+    return Layout.PACKED if names else Layout.PADDED
+
+
+def as_layout(packed: bool | Layout) -> Layout:
+    """A `Layout`, also from the older boolean ("packed" or not)."""
+    if isinstance(packed, Layout):
+        return packed
+    return Layout.PACKED if packed else Layout.PADDED
 
 
 class KeepExamples:
@@ -39,7 +81,9 @@ class Pair:
 
     batch: int  #: index of the stock micro-batch in the step
     row: int  #: index of the pair inside that micro-batch
-    length: int  #: padded: its longer sequence (prompt + completion); packed: both sequences together
+    #: padded: its longer sequence (prompt + completion); packed: both sequences together; prompt-shared: the prompt
+    #: once and both completions
+    length: int
 
 
 @dataclasses.dataclass
@@ -66,22 +110,35 @@ def check_example(example: Mapping[str, Any]) -> None:
         )
 
 
-def pair_length(example: Mapping[str, Any], packed: bool, max_length: int | None) -> int:
-    """The tokens one pair costs: padded, its longer sequence (a micro-batch then costs `2 x pairs x longest`); packed,
-    both sequences (the prompt counted in each). Sequences are capped at `max_length` as the collator truncates."""
+def pair_length(example: Mapping[str, Any], packed: bool | Layout, max_length: int | None) -> int:
+    """The tokens one pair costs in `packed`'s layout (`Layout`): padded, its longer sequence (a micro-batch then costs
+    `2 x pairs x longest`); packed, both sequences; prompt-shared, both sequences less the prompt's second copy.
+
+    Sequences are capped at `max_length` as the collator truncates. A truncated pair is counted as packed under
+    prompt sharing: with `truncation_mode="keep_end"` its two prompts may differ, and the pair then runs unshared.
+    """
+    kind = as_layout(packed)
     prompt = len(example["prompt_ids"])
     lengths = [prompt + len(example["chosen_ids"]), prompt + len(example["rejected_ids"])]
+    truncated = max_length is not None and max(lengths) > max_length
     if max_length is not None:
         lengths = [min(length, max_length) for length in lengths]
-    return sum(lengths) if packed else max(lengths)
+    if kind is Layout.PADDED:
+        return max(lengths)
+    if kind is Layout.PROMPT_SHARED and not truncated and prompt > 0:
+        # The shared row holds the prompt less its last token once, then each completion after a copy of that token.
+        return sum(lengths) - (prompt - 1)
+    return sum(lengths)
 
 
-def tokens(pairs: Sequence[Pair], packed: bool) -> int:
+def tokens(pairs: Sequence[Pair], packed: bool | Layout) -> int:
     """Tokens of a micro-batch of `pairs` by the budget's count."""
     return sum(p.length for p in pairs) if packed else 2 * len(pairs) * max(p.length for p in pairs)
 
 
-def plan(pairs: Sequence[Pair], batch_sizes: Sequence[int], budget: int, packed: bool = False) -> list[list[Pair]]:
+def plan(
+    pairs: Sequence[Pair], batch_sizes: Sequence[int], budget: int, packed: bool | Layout = False
+) -> list[list[Pair]]:
     """Cut `pairs` (in order) into runs of at most `budget` tokens (`tokens`).
 
     A pair over the budget forms a run of its own. Pairs of stock micro-batches of different sizes weigh differently
@@ -106,11 +163,12 @@ def cut_step(
     examples: Sequence[Sequence[Mapping[str, Any]]],
     budget: int,
     collate: Callable[[list[Any]], Any],
-    packed: bool = False,
+    packed: bool | Layout = False,
     max_length: int | None = None,
 ) -> tuple[list[MicroBatch], int]:
-    """Re-cut one step (the examples of each stock micro-batch, in order) by `budget`, collating each micro-batch
-    with `collate`. Returns the micro-batches and how many pairs exceed the budget on their own."""
+    """Re-cut one step (the examples of each stock micro-batch, in order) by `budget` in `packed`'s layout
+    (`Layout`, or a boolean: packed or padded), collating each micro-batch with `collate`. Returns the micro-batches
+    and how many pairs exceed the budget on their own."""
     pairs: list[Pair] = []
     for b, batch in enumerate(examples):
         for r, example in enumerate(batch):

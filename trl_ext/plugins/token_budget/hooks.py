@@ -64,9 +64,13 @@ def trl_ext_trainer_init_end(trainer: Any, context: Any) -> None:
             "cannot re-cut micro-batches for `loss_type='bco_pair'` on this TRL: it keeps a running mean of the "
             "rewards across micro-batches. Disable `token_budget` or upgrade TRL."
         )
-    budget = context.config.token_budget
-    # A packing plugin (the role's holder for this trainer) collates the micro-batches: the budget counts real tokens.
-    packed = any(context.is_enabled(name) for name in context.plugins_serving(PACKING))
+    from .auto import resolve
+    from .cut import layout
+
+    # The packing role's holder collates the micro-batches; its layout (`cut.Layout`, truthy when packed) says what
+    # the budget counts. "auto" is measured here, before the first step (`.auto`).
+    packed = layout(name for name in context.plugins_serving(PACKING) if context.is_enabled(name))
+    budget = resolve(trainer, context, packed)
     state = TokenBudgetState(trainer, budget, packed)
     context.state[NAME] = state
     install(trainer, context.patcher, state)
@@ -82,4 +86,7 @@ def trl_ext_trainer_init_end(trainer: Any, context: Any) -> None:
 @hookimpl
 def trl_ext_describe(trainer: Any, context: Any) -> str | None:
     state = context.state.get(NAME)
-    return None if state is None else f"budget={state.budget} {'packed' if state.packed else 'padded'} tokens"
+    from .auto import budget_text
+    from .cut import as_layout
+
+    return None if state is None else f"budget={budget_text(context, state.budget)} {as_layout(state.packed)} tokens"
