@@ -136,6 +136,10 @@ FUSED_REFUSED = {
     "fsdp2": Expect(REFUSE, r"fused_logprobs does not run under FSDP.*DDP"),
 }
 
+#: token_budget cell: two pairs of this data (padded: `2 x pairs x longest`) fit together only when both are short, so
+#: in some steps one rank runs its 2 pairs as one micro-batch and the other as two.
+TOKEN_BUDGET = 150
+
 CELLS: tuple[Cell, ...] = (
     # -- DPO ---------------------------------------------------------------------------------------------------------
     # The reference is computed on the fly in the stock cell: under FSDP2, stock's own precompute runs on a reference
@@ -178,6 +182,9 @@ CELLS: tuple[Cell, ...] = (
         baseline="dpo-stock",
         expect=ALL,
     ),
+    # Micro-batches cut by TOKEN_BUDGET padded tokens: ranks cut their pairs into different numbers of micro-batches
+    # (the script records the counts) and run the same number, padded with zero-weight repeats.
+    Cell("dpo-token_budget", "dpo", {"token_budget": TOKEN_BUDGET}, baseline="dpo-stock", expect=ALL),
     # -- OnlineDPO ---------------------------------------------------------------------------------------------------
     Cell("online-stock", "online_dpo", expect=ALL),
     # Without ZeRO-3 there is nothing to gather: False only adds the exception-safe restore (and, under FSDP2, is

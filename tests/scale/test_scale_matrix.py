@@ -199,6 +199,19 @@ def _assert_fused(c, record: dict) -> None:
     assert head["whole"] == head["calls"] and head["backward_whole"] == head["backward"], head
 
 
+def _assert_token_budget(records: list[dict]) -> None:
+    """token_budget ran every step in lockstep: the same number of micro-batches on every rank, though the ranks' own
+    pairs cut into different numbers in some step (so zero-weight repeats ran) and into several in some step (so
+    micro-batches ran without gradient synchronisation before the step's last)."""
+    counts = [r["token_budget"]["micro_batch_counts"] for r in records]
+    local = [r["token_budget"]["local_micro_batch_counts"] for r in records]
+    assert counts[0] and all(c == counts[0] for c in counts), counts
+    assert all(len(c) == len(counts[0]) for c in local), local
+    assert [max(step) for step in zip(*local, strict=True)] == counts[0], (counts, local)
+    assert any(len(set(step)) > 1 for step in zip(*local, strict=True)), f"the ranks never cut differently: {local}"
+    assert max(counts[0]) > 1, counts
+
+
 @pytest.mark.parametrize("engine,name", MATRIX)
 def test_cell_matches_stock(engine_run, engine, name):
     """Each cell equals stock TRL under the same engine (logged values, parameter update), or refuses as declared."""
@@ -227,6 +240,8 @@ def test_cell_matches_stock(engine_run, engine, name):
             # the plugin really precomputed: no reference forward while training
             assert record["precompute_runs"], record
             assert record["ref_forwards"] == 0, record["ref_forwards"]
+    if "token_budget" in c.flags:
+        _assert_token_budget(records)
     stock = _records(run, c.baseline)
     tol = c.tolerance(engine)
     for got, want in zip(records, stock, strict=True):

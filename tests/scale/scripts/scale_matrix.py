@@ -87,6 +87,7 @@ PLUGINS = (
     "generation",
     "prompt_sharing",
     "fused_logprobs",
+    "token_budget",
 )
 RANK = STATE.process_index
 TOKENIZER = make_tokenizer()
@@ -297,6 +298,12 @@ def run(cell) -> dict:
                 "chunks": dict(fused.chunks),
                 "self_checks": sorted(fused.self_checks),
                 "describe": trl_ext_describe(trainer=trainer, context=context),
+            }
+        if context is not None and context.is_enabled("token_budget"):
+            budget = context.state["token_budget"]
+            record["token_budget"] = {
+                "micro_batch_counts": list(budget.micro_batch_counts),
+                "local_micro_batch_counts": list(budget.local_micro_batch_counts),
             }
         record["distributed_type"] = str(trainer.accelerator.distributed_type)
         if DEEPSPEED:

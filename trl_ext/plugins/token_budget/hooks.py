@@ -42,11 +42,6 @@ def trl_ext_trainer_init_start(trainer: Any, context: Any, init_kwargs: dict[str
             "does not support `DPOConfig(use_liger_kernel=True)`: the Liger loss logs per-micro-batch means of the "
             "logits that cannot be re-cut. Set `use_liger_kernel=False` or disable `token_budget`."
         )
-    if args.world_size > 1:
-        raise _refuse(
-            f"runs in a single process for now (this run has {args.world_size}): ranks would run different numbers "
-            "of micro-batches. Disable `token_budget` for distributed training."
-        )
 
 
 @hookimpl
@@ -63,6 +58,11 @@ def trl_ext_trainer_init_end(trainer: Any, context: Any) -> None:
         raise _refuse(
             "cannot re-cut micro-batches for `loss_type='bco_pair'` on this TRL: it keeps a running mean of the "
             "rewards across micro-batches. Disable `token_budget` or upgrade TRL."
+        )
+    if trainer.accelerator.num_processes > 1 and context.is_enabled("sync_metrics"):
+        raise _refuse(
+            "cannot run with `sync_metrics` on several processes: to keep the ranks in step, a rank with fewer "
+            "micro-batches runs zero-weight repeats, whose pairs `sync_metrics` would count. Disable one of the two."
         )
     from .auto import resolve
     from .cut import layout

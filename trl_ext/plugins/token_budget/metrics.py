@@ -109,25 +109,54 @@ class StepRecord:
         for name in ROW_SUMS:
             self.values[name].append(sums[name])
 
+    def local(self) -> dict[str, torch.Tensor] | None:
+        """The recorded per-pair values, concatenated in step order, on the CPU (None when another plugin reduces the
+        metrics: nothing to rebuild)."""
+        if not self.count:
+            return None
+        return {name: torch.cat(parts).cpu() for name, parts in self.values.items()}
+
     def stock_values(self, sizes: Sequence[int]) -> list[dict[str, float]]:
         """For each stock micro-batch (of `sizes` pairs, in order), the values TRL would have appended (none when
         another plugin reduces the metrics)."""
-        if not self.count:
-            return []
-        flat = {name: torch.cat(parts) for name, parts in self.values.items()}
-        out = []
-        start = 0
-        for size in sizes:
-            part = {name: tensor[start : start + size] for name, tensor in flat.items()}
-            start += size
-            values = {name: part[name].mean().item() for name in PAIR_METRICS}
-            tokens = part["tokens_c"].sum() + part["tokens_r"].sum()
-            entropy = part["entropy_c"].sum() + part["entropy_r"].sum()
-            values["entropy"] = (entropy / tokens).item() if tokens > 0 else 0.0
-            tokens_c, tokens_r = part["tokens_c"].sum().item(), part["tokens_r"].sum().item()
-            values["logits/chosen"] = part["logits_c"].sum().item() / tokens_c if tokens_c > 0 else 0.0
-            values["logits/rejected"] = part["logits_r"].sum().item() / tokens_r if tokens_r > 0 else 0.0
-            correct = part["correct_c"].sum()
-            values["mean_token_accuracy"] = (correct / part["tokens_c"].sum()).item() if tokens_c > 0 else 0.0
-            out.append(values)
-        return out
+        return stock_values([(list(sizes), self.local())])
+
+
+def stock_values(ranks: Sequence[tuple[Sequence[int], dict[str, torch.Tensor] | None]]) -> list[dict[str, float]]:
+    """The values TRL appends for each stock micro-batch of a step, from every rank's `(sizes, per-pair values)`
+    (`StepRecord.local`; rank order). Stock micro-batch `i` is the `i`-th batch of every rank, gathered by TRL: its
+    pair metrics are means over all those pairs, its token metrics ratios of sums over them. None: nothing to rebuild
+    (on every rank)."""
+    if any(values is None for _, values in ranks):
+        if not all(values is None for _, values in ranks):
+            raise RuntimeError("token_budget: TRL's metric buffer was emptied on some ranks only.")
+        return []
+    counts = {len(sizes) for sizes, _ in ranks}
+    if len(counts) != 1:
+        raise RuntimeError(f"token_budget: ranks ran different numbers of stock micro-batches in a step: {counts}.")
+    starts = [0] * len(ranks)
+    out = []
+    for i in range(counts.pop()):
+        pieces: dict[str, list[torch.Tensor]] = {}
+        for r, (sizes, values) in enumerate(ranks):
+            assert values is not None
+            for name, tensor in values.items():
+                pieces.setdefault(name, []).append(tensor[starts[r] : starts[r] + sizes[i]])
+            starts[r] += sizes[i]
+        part = {name: torch.cat(tensors) for name, tensors in pieces.items()}
+        out.append(_batch_values(part))
+    return out
+
+
+def _batch_values(part: dict[str, torch.Tensor]) -> dict[str, float]:
+    """TRL's appended values for one stock micro-batch, from the per-pair values of all its pairs."""
+    values = {name: part[name].mean().item() for name in PAIR_METRICS}
+    tokens = part["tokens_c"].sum() + part["tokens_r"].sum()
+    entropy = part["entropy_c"].sum() + part["entropy_r"].sum()
+    values["entropy"] = (entropy / tokens).item() if tokens > 0 else 0.0
+    tokens_c, tokens_r = part["tokens_c"].sum().item(), part["tokens_r"].sum().item()
+    values["logits/chosen"] = part["logits_c"].sum().item() / tokens_c if tokens_c > 0 else 0.0
+    values["logits/rejected"] = part["logits_r"].sum().item() / tokens_r if tokens_r > 0 else 0.0
+    correct = part["correct_c"].sum()
+    values["mean_token_accuracy"] = (correct / part["tokens_c"].sum()).item() if tokens_c > 0 else 0.0
+    return values

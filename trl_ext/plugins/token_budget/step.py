@@ -26,7 +26,8 @@ from ... import _compat
 from ..._logging import get_logger
 from ...patching import Patcher
 from .cut import EXAMPLES_KEY, KeepExamples, MicroBatch, cut_step, spread
-from .metrics import StepRecord, row_sums
+from .metrics import StepRecord, row_sums, stock_values
+from .ranks import Padding, Ranks, pad_to
 
 logger = get_logger(__name__)
 
@@ -52,10 +53,16 @@ class TokenBudgetState:
         self.plain_scale: float | None = None
         self.record = StepRecord()
         self.sizes: list[int] = []
-        #: per optimizer step: micro-batches run (for logs and tests)
+        self.ranks = Ranks(trainer.accelerator.num_processes, trainer.args.device)
+        #: per optimizer step: micro-batches run (for logs and tests); on several processes the same on every rank
         self.micro_batch_counts: list[int] = []
+        #: per optimizer step: micro-batches this rank's pairs were cut into (the rest are `ranks.Padding`)
+        self.local_micro_batch_counts: list[int] = []
         #: per evaluation/prediction batch: micro-batches it was cut into
         self.eval_micro_batch_counts: list[int] = []
+        #: TRL's token count (`num_tokens`) at the start of the step, and what it counted for its padding micro-batches
+        self.tokens_before = 0
+        self.padding_tokens = 0
         self.warned_logits = False
         self.max_tokens: list[int] = []
         #: per optimizer step: pairs longer than the budget
@@ -81,7 +88,11 @@ class TokenBudgetState:
                 self.budget,
             )
         self.record = StepRecord()
+        self.padding_tokens = 0
+        self.tokens_before = getattr(self.trainer, "_total_train_tokens", 0)
         self.sizes = [len(part) for part in examples]
+        self.local_micro_batch_counts.append(len(micro_batches))
+        micro_batches = pad_to(micro_batches, self.ranks.max(len(micro_batches)))
         self.micro_batch_counts.append(len(micro_batches))
         self.over_budget.append(over)
         self.max_tokens.append(max((mb.tokens for mb in micro_batches), default=0))
@@ -97,10 +108,14 @@ class TokenBudgetState:
 
     def run_slot(self, training_step: Any, model: Any, slot: Slot, args: tuple, kwargs: dict) -> torch.Tensor:
         total: torch.Tensor | None = None
-        for mb in slot.micro_batches:
+        for i, mb in enumerate(slot.micro_batches):
+            # The Trainer synchronises gradients (and, under DeepSpeed, steps) on its last `training_step` of the
+            # step: only the last micro-batch of the last slot may run synchronised.
+            unsynced = slot.last and i < len(slot.micro_batches) - 1
             self.active = mb
             try:
-                loss = training_step(model, mb.inputs, *args, **kwargs)
+                with self.unsynced(model) if unsynced else contextlib.nullcontext():
+                    loss = training_step(model, mb.inputs, *args, **kwargs)
             finally:
                 self.active = None
             total = loss if total is None else total + loss
@@ -114,13 +129,16 @@ class TokenBudgetState:
         self, prediction_step: Any, model: Any, inputs: dict[str, Any], loss_only: bool, args: tuple, kwargs: dict
     ) -> Any:
         """`prediction_step` on one evaluation batch: split by the budget when it holds more (never merged with other
-        batches), its loss the pair-weighted mean of the parts, its metrics those of the whole batch."""
+        batches), its loss the pair-weighted mean of the parts, its metrics those of the whole batch (on several
+        processes: every rank runs as many parts as the rank with most, and the metrics are those of the batch
+        gathered over the ranks, as stock's)."""
         examples = inputs.pop(EXAMPLES_KEY)
         micro_batches, _ = cut_step(
             [examples], self.budget, self.trainer.data_collator, self.packed, self.trainer.args.max_length
         )
-        self.eval_micro_batch_counts.append(len(micro_batches))
-        if len(micro_batches) == 1:
+        count = self.ranks.max(len(micro_batches))
+        self.eval_micro_batch_counts.append(count)
+        if count == 1:
             return prediction_step(model, inputs, loss_only, *args, **kwargs)
         if not loss_only:
             if not self.warned_logits:
@@ -131,6 +149,7 @@ class TokenBudgetState:
                 )
             return prediction_step(model, inputs, loss_only, *args, **kwargs)
         record, self.record = self.record, StepRecord()
+        micro_batches = pad_to(micro_batches, count)
         try:
             total = None
             for mb in micro_batches:
@@ -142,20 +161,55 @@ class TokenBudgetState:
                 # `compute_loss` weighted it already: `mb.weight` is its share of this batch's pairs
                 total = loss if total is None else total + loss
             metrics = self.trainer._metrics["eval"]
-            for values in self.record.stock_values([len(examples)]):
+            ranks = self.ranks.gather(([len(examples)], self.record.local()))
+            for values in stock_values(ranks):
                 for name, value in values.items():
                     metrics[name].append(value)
         finally:
             self.record = record
         return total, None, None
 
+    @contextlib.contextmanager
+    def unsynced(self, model: Any) -> Iterator[None]:
+        """Run a micro-batch of the step's last slot without gradient synchronisation, as transformers runs the
+        step's earlier `training_step` calls (`Trainer._inner_training_loop`): `sync_gradients` False (under
+        DeepSpeed, accelerate's `backward` then neither marks the accumulation boundary nor steps the engine) and,
+        unless DeepSpeed or accelerate's `sync_each_batch`, `accelerator.no_sync` (DDP, FSDP)."""
+        from accelerate.utils import DistributedType
+
+        accelerator = self.trainer.accelerator
+        state = accelerator.gradient_state
+        sync_context: Any = contextlib.nullcontext
+        if not (
+            state.plugin_kwargs.get("sync_each_batch", False)
+            or accelerator.distributed_type == DistributedType.DEEPSPEED
+        ):
+            sync_context = functools.partial(accelerator.no_sync, model=model)
+        synced = state.sync_gradients
+        state._set_sync_gradients(False)
+        try:
+            with sync_context():
+                yield
+        finally:
+            state._set_sync_gradients(synced)
+
     def finish_step(self) -> None:
-        """Append to TRL's metric buffer the values stock would have appended for this step."""
-        metrics = self.trainer._metrics["train"]
-        for values in self.record.stock_values(self.sizes):
+        """Append to TRL's metric buffer the values stock would have appended for this step (on several processes
+        from every rank's per-pair values, one all-gather on every rank), and take the padding micro-batches' tokens
+        back out of TRL's `num_tokens`."""
+        trainer = self.trainer
+        metrics = trainer._metrics["train"]
+        tokens = getattr(trainer, "_total_train_tokens", 0) - self.tokens_before - self.padding_tokens
+        ranks = self.ranks.gather((self.sizes, self.record.local(), tokens))
+        if self.ranks.size > 1 and hasattr(trainer, "_total_train_tokens"):
+            # TRL counted this rank's tokens only (its gathers answered locally): the step's count is every rank's
+            trainer._total_train_tokens = self.tokens_before + sum(tokens for _, _, tokens in ranks)
+            metrics["num_tokens"] = [trainer._total_train_tokens]
+        for values in stock_values([(sizes, values) for sizes, values, _ in ranks]):
             for name, value in values.items():
                 metrics[name].append(value)
         self.record = StepRecord()
+        self.padding_tokens = 0
 
     # -- compute_loss --
 
@@ -167,13 +221,21 @@ class TokenBudgetState:
         TRL's per-pair metrics are the tensors it passes to `accelerator.gather`; they are recorded by a wrapper set
         around whatever `gather` the accelerator holds for the duration of the call (outermost, so another plugin's
         own `gather` wrapper still sees every call), and identified by checking each against what TRL appends.
+
+        On several processes TRL's gathers are answered locally (its tensors as they are): the ranks' micro-batches
+        at one position hold different numbers of pairs, which `accelerator.gather` cannot join, and the plugin
+        exchanges the step's per-pair values itself once the step is done (`finish_step`, `run_eval_batch`).
         """
-        metrics = self.trainer._metrics["train" if self.trainer.model.training else "eval"]  # TRL's own rule
+        trainer = self.trainer
+        metrics = trainer._metrics["train" if trainer.model.training else "eval"]  # TRL's own rule
         before = {name: len(values) for name, values in metrics.items()}
+        tokens_before = getattr(trainer, "_total_train_tokens", 0)
         outputs: list[Any] = []
         gathered: list[tuple[torch.Tensor, Any]] = []
-        accelerator = self.trainer.accelerator
+        accelerator = trainer.accelerator
         gather, gather_for_metrics = accelerator.gather, accelerator.gather_for_metrics
+        if self.ranks.size > 1:
+            gather = gather_for_metrics = _local
         inside_for_metrics = [0]
 
         @functools.wraps(gather)
@@ -212,7 +274,16 @@ class TokenBudgetState:
                 del values[before.get(name, 0) :]
         if not outputs:
             raise RuntimeError("token_budget: the policy forward of DPOTrainer._compute_loss was not seen.")
+        if isinstance(self.active, Padding):
+            # run to keep the ranks in step: its pairs and tokens are counted by the micro-batch it repeats
+            self.padding_tokens += getattr(trainer, "_total_train_tokens", 0) - tokens_before
+            return
         self.record.add(gathered, row_sums(outputs[0], inputs), appended)
+
+
+def _local(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+    """`accelerator.gather` / `gather_for_metrics` answered by this rank alone."""
+    return tensor
 
 
 def install(trainer: Any, patcher: Any, state: TokenBudgetState) -> None:
