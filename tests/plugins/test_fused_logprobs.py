@@ -94,12 +94,22 @@ def _step(trainer):
 
 def _compare(stock, fused):
     prompt_ids, prompt_mask, completion_ids, completion_mask = _fixed_generation()
+    assert fused._trl_ext.state["fused_logprobs"].in_head
     for model in (stock.model, stock.ref_model):
         if model is None:
             continue
         a = stock._forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
         fused_model = fused.model if model is stock.model else fused.ref_model
-        b = fused._forward(fused_model, prompt_ids, prompt_mask, completion_ids, completion_mask)
+        head_calls: list[torch.Size] = []
+        hook = fused_model.get_output_embeddings().register_forward_hook(
+            lambda m, i, o, calls=head_calls: calls.append(o.shape)
+        )
+        try:
+            b = fused._forward(fused_model, prompt_ids, prompt_mask, completion_ids, completion_mask)
+        finally:
+            hook.remove()
+        # scored inside the head module's one call (as stock calls it once), which returned the log-probs
+        assert head_calls == [completion_ids.shape]
         assert a.shape == b.shape  # every column: TRL sums the padding after an end into its KL and entropy
         assert (a - b).abs().max().item() <= LOGPS_RTOL * a.abs().max().item()
     stock_loss, stock_grads, stock_stats = _step(stock)
@@ -133,17 +143,22 @@ def test_two_reward_functions(build):
 
 
 @pytest.mark.slow
-def test_peft_reference_is_adapter_disabled_model(build):
+@pytest.mark.parametrize("targets", [["q_proj", "v_proj"], ["q_proj", "lm_head"]])
+def test_peft_reference_is_adapter_disabled_model(build, targets):
+    """PEFT policy, reference = the policy with its adapter disabled; also with a LoRA adapter on the output head
+    (the head's own forward, run chunk by chunk, calls the adapter's modules)."""
     pytest.importorskip("peft")
     from peft import LoraConfig
 
     def lora():
-        return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+        return LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0)
 
     stock = build(ref=False, peft_config=lora())
     with trl_ext.install(fused_logprobs=True, plugins={"fused_logprobs": {"chunk": 3}}):
         fused = build(ref=False, peft_config=lora())
     assert set(fused._trl_ext.state["fused_logprobs"].self_checks) == {"policy"}
+    if "lm_head" in targets:
+        assert any("lm_head.lora_A" in n for n, p in fused.model.named_parameters() if p.requires_grad)
     _compare(stock, fused)
 
 
@@ -160,6 +175,8 @@ def test_train_logs_equal_stock(build, others):
     with trl_ext.install(fused_logprobs=True, **others):
         fused = build(max_steps=2, gradient_checkpointing=True)
         assert set(fused._trl_ext.enabled) == {"fused_logprobs", *others}
+        # prompt_sharing runs the head on a packed row: the head passes its input through, scored after the forward
+        assert fused._trl_ext.state["fused_logprobs"].in_head == ("prompt_sharing" not in others)
         fused.train()
     assert fused._trl_ext.state["fused_logprobs"].fused_calls == 4
     logs = [[h for h in t.state.log_history if "loss" in h] for t in (stock, fused)]
@@ -269,3 +286,53 @@ def test_mixed_precision_train(build):
     s, f = ([h for h in t.state.log_history if "loss" in h][0] for t in (stock, fused))
     for key in ("logps/chosen", "logps/rejected", "objective/kl", "objective/entropy"):
         assert f[key] == pytest.approx(s[key], rel=2e-2, abs=2e-2), key
+
+
+class _Namespace:
+    def __init__(self, **kwargs):
+        self.__dict__.update(kwargs)
+
+
+def _engine_setup(trainer_class, *, zero_stage=None, fsdp=False, prompt_sharing=False, head_adapter=False):
+    """A trainer and context carrying only what `hooks._check_engine` reads (its engine flags, the models' heads)."""
+    from trl_ext.plugins.fused_logprobs.online import FusedState
+
+    model = make_model(vocab_size=VOCAB)
+    if head_adapter:
+        model.lm_head.adapter = torch.nn.Linear(2, 2)
+    plugin = _Namespace(zero_stage=zero_stage)
+    trainer = _Namespace(
+        is_deepspeed_enabled=zero_stage is not None,
+        is_fsdp_enabled=fsdp,
+        accelerator=_Namespace(state=_Namespace(deepspeed_plugin=plugin)),
+    )
+    context = _Namespace(trainer_class=trainer_class, models=lambda: {"policy": model})
+    state = FusedState(in_head=trainer_class != "DPOTrainer" and not prompt_sharing)
+    return trainer, context, state
+
+
+@pytest.mark.parametrize(
+    "trainer_class,setup,match",
+    [
+        ("OnlineDPOTrainer", {"zero_stage": 3}, None),
+        ("OnlineDPOTrainer", {"fsdp": True}, None),
+        ("OnlineDPOTrainer", {"zero_stage": 2, "prompt_sharing": True, "head_adapter": True}, None),
+        ("OnlineDPOTrainer", {"fsdp": True, "head_adapter": True}, None),
+        ("OnlineDPOTrainer", {"zero_stage": 3, "prompt_sharing": True}, r"prompt_sharing does not run under Deep"),
+        ("OnlineDPOTrainer", {"fsdp": True, "prompt_sharing": True}, r"prompt_sharing does not run under FSDP.*DDP"),
+        ("OnlineDPOTrainer", {"zero_stage": 3, "head_adapter": True}, r"ZeRO-3 with the policy.*\['adapter'\]"),
+        ("DPOTrainer", {"zero_stage": 3}, r"does not run under DeepSpeed ZeRO-3 with this TRL's DPOTrainer.*ZeRO-2"),
+        ("DPOTrainer", {"fsdp": True}, r"does not run under FSDP with this TRL's DPOTrainer.*DDP"),
+    ],
+)
+def test_engines(trainer_class, setup, match):
+    """Online DPO scores inside the head's call under ZeRO-3 and FSDP; refused there: prompt_sharing (the head is
+    applied after the forward), a ZeRO-3 head with parameterized sub-modules, DPO on TRL < 1.15."""
+    from trl_ext.plugins.fused_logprobs.hooks import _check_engine
+
+    trainer, context, state = _engine_setup(trainer_class, **setup)
+    if match is None:
+        _check_engine(trainer, context, state)
+    else:
+        with pytest.raises(trl_ext.UsageError, match=match):
+            _check_engine(trainer, context, state)

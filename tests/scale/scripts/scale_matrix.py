@@ -218,29 +218,50 @@ def watch_fsdp2_generation(trainer, record: dict) -> None:
 
 
 def watch_head(trainer, record: dict) -> None:
-    """Count the policy output head's calls: all, those run inside a backward pass (a checkpointed chunk recomputed),
-    and how many of each saw the head's weight whole (its full `vocab x hidden` elements as a plain tensor).
+    """Count the policy output head's module calls (DPO on TRL < 1.15: one per chunk) and its chunks of logits in
+    Online DPO (`fused_logprobs.online.head_chunk`, called inside the module's call): all, those run inside a backward
+    pass (a checkpointed chunk recomputed), and how many of each saw the head's weight whole (its full
+    `vocab x hidden` elements as a plain tensor).
 
-    A forward hook, registered before the engine wraps the model: it runs before the hooks DeepSpeed ZeRO-3 adds at
-    `prepare` (forward hooks run in registration order), so the weight it sees is the one the call used, after
-    ZeRO-3's gathering pre-hook and before its release.
+    The module call is watched by a forward hook registered before the engine wraps the model: it runs before the
+    hooks DeepSpeed ZeRO-3 adds at `prepare` (forward hooks run in registration order), so the weight it sees is the
+    one the call used, after ZeRO-3's gathering pre-hook and before its release.
     """
     from torch.distributed.tensor import DTensor
 
+    from trl_ext.plugins.fused_logprobs import online
+
     head = trainer.model.get_output_embeddings()
     full = getattr(head.weight, "ds_numel", head.weight.numel())  # a DTensor's numel() is the global size
-    counts = record["head"] = {"calls": 0, "whole": 0, "backward": 0, "backward_whole": 0, "full_numel": full}
+    counts = record["head"] = {"calls": 0, "whole": 0, "calls_backward": 0, "calls_backward_whole": 0}
+    counts.update(chunks=0, chunks_whole=0, backward=0, backward_whole=0, full_numel=full)
+
+    def is_whole() -> bool:
+        weight = head.weight
+        return not isinstance(weight, DTensor) and weight.data.numel() == full
 
     def seen(module, args, output):
-        weight = module.weight
-        whole = not isinstance(weight, DTensor) and weight.data.numel() == full
-        backward = torch._C._current_graph_task_id() != -1
+        whole, backward = is_whole(), torch._C._current_graph_task_id() != -1
         counts["calls"] += 1
         counts["whole"] += whole
-        counts["backward"] += backward
-        counts["backward_whole"] += backward and whole
+        counts["calls_backward"] += backward
+        counts["calls_backward_whole"] += backward and whole
 
     head.register_forward_hook(seen)
+    original = online.head_chunk
+
+    def head_chunk(forward, hidden):
+        if getattr(forward, "__self__", None) is head:
+            whole = is_whole()
+            backward = torch._C._current_graph_task_id() != -1
+            counts["chunks"] += 1
+            counts["chunks_whole"] += whole
+            counts["backward"] += backward
+            counts["backward_whole"] += backward and whole
+        return original(forward, hidden)
+
+    online.head_chunk = head_chunk
+    record["_restore"] = lambda: setattr(online, "head_chunk", original)
 
 
 def run(cell) -> dict:
@@ -319,6 +340,9 @@ def run(cell) -> dict:
         record["error"] = f"{type(error).__name__}: {error}\n{traceback.format_exc()[-3000:]}"
         raise
     finally:
+        restore = record.pop("_restore", None)
+        if restore is not None:
+            restore()
         if installation is not None:
             installation.uninstall()
         record["seconds"] = time.perf_counter() - start

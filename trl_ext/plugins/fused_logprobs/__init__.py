@@ -5,12 +5,16 @@ full-vocabulary `log_softmax` and gathers each completion token's log-prob, for 
 reference. With a 150k vocabulary and long completions those logits are the largest tensors of the step.
 
 How it works. The trainer's `_forward` is replaced (per trainer, undone when the trainer is detached): the model runs
-as TRL calls it, but its output head passes its input through for that call, so the model returns the last hidden
-states; TRL's left truncation to `max_length` and its completion slicing are applied to them; then `chunked.py`
-applies the head `chunk` positions at a time (under the autocast state the head had inside the model's forward, as
-stock runs it under accelerate's mixed precision) with a float32 log-sum-exp (float64 stays float64) and keeps the
-target token's log-prob. In the backward pass each chunk's logits are recomputed (a per-chunk checkpoint calling
-the head module, so a bias and a PEFT adapter on the head keep working).
+as TRL calls it, and its output head, told the completion tokens and columns before the call, scores them inside its
+own call: it takes the completion columns (`[P - 1, P + C - 1)`, after TRL's left truncation to `max_length`) of the
+hidden states it receives and `chunked.py` applies the head's original `forward` `chunk` positions at a time with a
+float32 log-sum-exp (float64 stays float64), keeping the target token's log-prob; the head returns those `[rows, C]`
+log-probs and the model passes them through as its `logits`. In the backward pass each chunk's logits are recomputed
+(a per-chunk checkpoint of the head's own code, so a bias and a PEFT adapter on the head keep working). The head
+module is called once per forward on every rank, as stock, under the autocast state of the model's forward, and with
+the parameters DeepSpeed ZeRO-3 or FSDP2 gather for that call in place (ZeRO-3's pre-backward hook on the head's
+output gathers them again before the recomputation). With prompt_sharing (which runs the model on a packed row) the
+head passes its input through instead and is applied after the forward.
 
 Positions after a completion's end: TRL masks them in the loss but sums their log-probs into `objective/kl`,
 `objective/entropy`, `objective/non_score_reward` and `objective/rlhf_reward`. They are computed without gradients
@@ -29,20 +33,22 @@ Options (`plugins: {fused_logprobs: {...}}`):
   float32 logits per chunk (`chunked.auto_chunk`, 16 to 4096 positions).
 
 Exact or refused. Before the first step every model runs a self-check (`selfcheck.py`): on a probe batch the model's
-own stock logits must equal its output head applied to the hidden states the plugin receives, and the fused
-log-probs must equal the stock `log_softmax` (float64: 1e-10 relative). Refused with `trl_ext.UsageError`, naming the
-mechanism: final logit softcapping, logit scaling (`logit_scale`, `logits_scaling`), models without an output head
-module, heads the model does not call as a module, vision-language models, any model failing the self-check; and,
-when the trainer is built, DeepSpeed ZeRO-3 (each chunk's head call gathers the head's parameters and the chunk
-count follows each rank's completion lengths, so the ranks' collectives would fall out of step) and FSDP (the head is
-called outside the model's forward, where FSDP has resharded its weight). DDP and ZeRO-2 equal stock (tests/scale).
+own stock logits must equal its output head's output on the hidden states it receives, and the fused log-probs the
+model returns must equal the stock `log_softmax` (float64: 1e-10 relative). Refused with `trl_ext.UsageError`, naming
+the mechanism: final logit softcapping, logit scaling (`logit_scale`, `logits_scaling`), models without an output
+head module, heads the model does not call as a module, vision-language models, any model failing the self-check;
+and, when the trainer is built, under DeepSpeed ZeRO-3 or FSDP: prompt_sharing together with fused_logprobs (the head
+is applied after the forward, outside the call that gathers its parameters), under ZeRO-3 an output head with
+parameterized sub-modules (e.g. a PEFT adapter on the head: ZeRO-3 would gather them once per chunk, and the ranks'
+chunk counts differ), and DPO on TRL < 1.15 (below). DDP, ZeRO-2, ZeRO-3 and FSDP2 equal stock (tests/scale).
 
 `DPOTrainer`: on TRL >= 1.15 TRL's own fused LM head already scores DPO without full logits; the plugin says so in one
 log line and leaves it. On older TRL (`dpo.py`) the policy's and reference's scoring forwards return `LazyLogits`
-(`lazy.py`): every reduction TRL's `_compute_loss` and `compute_ref_log_probs` apply to the logits (log-probs of every
-loss type, the `sft` cross-entropy, WPO weights, entropy, mean logits, token accuracy) runs chunk by chunk, and only
-completion positions are scored. There it does not combine with packing yet (refused); an evaluation that asks for
-the logits themselves (`prediction_loss_only=False`) gets them, built as stock, with a warning.
+(`lazy.py`, whose head runs after the forward: refused under ZeRO-3 and FSDP): every reduction TRL's `_compute_loss`
+and `compute_ref_log_probs` apply to the logits (log-probs of every loss type, the `sft` cross-entropy, WPO weights,
+entropy, mean logits, token accuracy) runs chunk by chunk, and only completion positions are scored. There it does
+not combine with packing yet (refused); an evaluation that asks for the logits themselves
+(`prediction_loss_only=False`) gets them, built as stock, with a warning.
 """
 
 from __future__ import annotations

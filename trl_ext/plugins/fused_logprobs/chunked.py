@@ -5,11 +5,12 @@
 logits: the positions are flattened, the LM head is applied `chunk` positions at a time, the log-sum-exp runs in
 float32 (float64 stays float64) and only the target token's log-prob is kept.
 
-Backward: each chunk is a non-reentrant `torch.utils.checkpoint` of a function that calls the head *module*. Its
-forward keeps only the chunk's hidden states; its backward recomputes the chunk's logits, so one chunk of logits (and
-its gradient) is alive at a time. Calling the module, rather than a hand-written gradient of `hidden @ weight.T`,
-keeps whatever the module does on the way: a bias, a PEFT adapter or `modules_to_save` copy on the head, the
-parameter gathering hooks of DeepSpeed ZeRO-3 and FSDP2 (they run on every module call, recompute included).
+Backward: each chunk is a non-reentrant `torch.utils.checkpoint` of a function that calls `head`. Its forward keeps
+only the chunk's hidden states; its backward recomputes the chunk's logits, so one chunk of logits (and its gradient)
+is alive at a time. Calling the head's own code, rather than a hand-written gradient of `hidden @ weight.T`, keeps
+whatever it does on the way: a bias, a PEFT adapter or `modules_to_save` copy on the head. `head` is either the head
+module or (Online DPO, `online.py`) its original `forward`, called from inside the module's own call so that the
+parameters DeepSpeed ZeRO-3 or FSDP2 gather for that call are in place, in forward and in the recomputation.
 
 Positions: `scored` (a bool mask shaped like `targets`) names the positions whose log-probs take part in the loss. With
 gradients on, only they go through the checkpointed chunks; the other positions are computed without gradients
@@ -19,7 +20,7 @@ gradients on, only they go through the checkpointed chunks; the other positions 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -72,18 +73,22 @@ def token_logprobs(
     chunk: int,
     scored: torch.Tensor | None = None,
     rest: str = "detach",
+    parameters: Iterable[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Log-probs of `targets` under `log_softmax(head(hidden))`, `chunk` positions of logits at a time.
 
     Args:
         hidden (`torch.Tensor`): `[..., H]` hidden states (the head's input) of the positions to score.
         targets (`torch.Tensor`): `[...]` token ids, one per position.
-        head (`Callable`): the output head (a module, called on `[n, H]` rows), returning `[n, V]` logits.
+        head (`Callable`): the output head (a module or its forward, called on `[n, H]` rows), returning `[n, V]`
+            logits.
         chunk (`int`): positions per chunk (at most `chunk * V` logits are alive at once).
         scored (`torch.Tensor`, *optional*): bool mask shaped like `targets`; the positions whose log-probs carry
             gradients. `None`: every position.
         rest (`str`, *optional*, defaults to `"detach"`): the positions outside `scored`: `"detach"` computes them
             without gradients, `"skip"` fills them with 0 without computing them.
+        parameters (`Iterable[torch.Tensor]`, *optional*): the head's parameters (whether any needs a gradient);
+            `None`: `head.parameters()` where `head` is a module.
 
     Returns:
         `torch.Tensor`: `[...]` log-probs, float32 (float64 for float64 logits).
@@ -95,7 +100,8 @@ def token_logprobs(
     shape = targets.shape
     flat_hidden = hidden.reshape(-1, hidden.size(-1))
     flat_targets = targets.reshape(-1)
-    grad = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in _params(head)))
+    params = _params(head) if parameters is None else list(parameters)
+    grad = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in params))
     if scored is None:
         return _chunked(head, flat_hidden, flat_targets, chunk, grad).reshape(shape)
     flat_scored = scored.reshape(-1).bool()

@@ -17,6 +17,9 @@ from .selfcheck import head_mechanism, self_check
 
 logger = get_logger(__name__)
 
+#: The plugin whose shared forward runs the output head on a packed row (Online DPO then scores after the forward).
+PROMPT_SHARING = "prompt_sharing"
+
 
 def _state(context: Any) -> FusedState:
     state = context.state.get(NAME)
@@ -55,7 +58,8 @@ def _check_model(context: Any, role: str, model: Any, trainer: Any) -> None:
     head = output_head(causal_lm, role)
     patch_head(context.patcher, head)
     chunk = state.chunks[role] = resolve_chunk(state, head, next(causal_lm.parameters()).dtype)
-    result = state.self_checks[role] = self_check(causal_lm, trainer, role, min(chunk, 7))
+    in_head = context.trainer_class != "DPOTrainer" and state.in_head
+    result = state.self_checks[role] = self_check(causal_lm, trainer, role, min(chunk, 7), in_head)
     if result.failure is not None:
         raise UsageError(
             f"fused_logprobs' self-check failed for the {name}: {result.failure}. Train this model without "
@@ -73,30 +77,67 @@ def _check_model(context: Any, role: str, model: Any, trainer: Any) -> None:
     )
 
 
-def _check_engine(trainer: Any) -> None:
-    """Refuse the engines whose parameter gathering the chunked head does not keep in step across ranks."""
+def _sharded_engine(trainer: Any) -> str | None:
+    """The engine that gathers a module's parameters around its call ("DeepSpeed ZeRO-3", "FSDP"), or None."""
     deepspeed_flag, fsdp_flag = _compat.TRAINER_SHARDING_FLAGS
     plugin = getattr(getattr(getattr(trainer, "accelerator", None), "state", None), "deepspeed_plugin", None)
     if getattr(trainer, deepspeed_flag, False) and getattr(plugin, "zero_stage", None) == 3:
-        raise UsageError(
-            "fused_logprobs does not run under DeepSpeed ZeRO-3: each chunk's output-head call gathers the head's "
-            "parameters, and the number of chunks follows each rank's completion lengths, so the ranks' collectives "
-            "would fall out of step. Use ZeRO-2 or DDP with fused_logprobs, or train without it under ZeRO-3."
-        )
+        return "DeepSpeed ZeRO-3"
     if getattr(trainer, fsdp_flag, False):
+        return "FSDP"
+    return None
+
+
+def _check_engine(trainer: Any, context: Any, state: FusedState) -> None:
+    """Refuse what the head's parameter gathering under ZeRO-3 / FSDP does not keep in step across ranks: a head
+    applied after the model's forward (DPO on this TRL, Online DPO with prompt_sharing), and under ZeRO-3 a head with
+    sub-modules of its own (each chunk's call of such a sub-module would gather its parameters)."""
+    engine = _sharded_engine(trainer)
+    if engine is None:
+        return
+    if context.trainer_class == "DPOTrainer":
+        if engine == "FSDP":
+            raise UsageError(
+                "fused_logprobs does not run under FSDP with this TRL's DPOTrainer: it calls the output head outside "
+                "the model's forward, where FSDP has resharded its weight. Use DDP or DeepSpeed ZeRO-2 with "
+                "fused_logprobs, or train without it under FSDP."
+            )
         raise UsageError(
-            "fused_logprobs does not run under FSDP: it calls the output head outside the model's forward, where "
-            "FSDP has resharded its weight. Use DDP or DeepSpeed ZeRO-2 with fused_logprobs, or train without it "
-            "under FSDP."
+            "fused_logprobs does not run under DeepSpeed ZeRO-3 with this TRL's DPOTrainer: each chunk's output-head "
+            "call gathers the head's parameters, and the number of chunks follows each rank's completion lengths, so "
+            "the ranks' collectives would fall out of step. Use ZeRO-2 or DDP with fused_logprobs, or train without "
+            "it under ZeRO-3."
         )
+    if not state.in_head:
+        raise UsageError(
+            f"fused_logprobs with prompt_sharing does not run under {engine}: prompt_sharing runs the model on a "
+            "packed row, so the output head passes its input through and is applied after the model's forward, "
+            "outside the call that gathers its parameters. Under this engine use fused_logprobs or prompt_sharing, "
+            "not both (both together run under DDP and DeepSpeed ZeRO-2)."
+        )
+    if engine == "DeepSpeed ZeRO-3":
+        for role, model in context.models().items():
+            head = output_head(model, role)
+            inner = [n for n, m in head.named_modules() if n and any(True for _ in m.parameters(recurse=False))]
+            if inner:
+                raise UsageError(
+                    f"fused_logprobs does not run under DeepSpeed ZeRO-3 with the {role} model's output head "
+                    f"({type(head).__name__}), which calls sub-modules with parameters of their own ({inner[:3]}; "
+                    "e.g. a PEFT adapter on the head): ZeRO-3 gathers their parameters on each call, once per "
+                    "chunk, and the chunk count differs between ranks. Keep adapters off the output head, use ZeRO-2 "
+                    "or DDP, or train without fused_logprobs."
+                )
 
 
 @hookimpl
 def trl_ext_trainer_models_ready(trainer: Any, context: Any) -> None:
     if context.trainer_class == "DPOTrainer" and _dpo_has_fused_head():
         return
-    _check_engine(trainer)
     state = _state(context)
+    # Online DPO scores inside the head's call, except with prompt_sharing (its shared forward runs the head on a
+    # packed row): there the head passes its input through and is applied after the forward.
+    state.in_head = context.trainer_class != "DPOTrainer" and not context.is_enabled(PROMPT_SHARING)
+    _check_engine(trainer, context, state)
     models = context.models()
     packing = tuple(n for n in context.plugins_serving(PACKING) if context.is_enabled(n))
     if context.trainer_class == "DPOTrainer" and packing:
@@ -113,7 +154,11 @@ def trl_ext_trainer_models_ready(trainer: Any, context: Any) -> None:
 
     method = _compat.ONLINE_DPO_FORWARD_METHOD
     context.patcher.setattr(trainer, method, make_fused_forward(trainer, state, role_of))
-    logger.info("fused_logprobs: Online DPO scores completions in chunks of %s positions", state.chunks)
+    logger.info(
+        "fused_logprobs: Online DPO scores completions in chunks of %s positions, %s",
+        state.chunks,
+        "inside the output head's call" if state.in_head else "after the forward (prompt_sharing's packed rows)",
+    )
 
 
 @hookimpl

@@ -1,12 +1,26 @@
-"""Online DPO's scoring forward with fused log-probs, and the output-head pass-through it relies on.
+"""Online DPO's scoring forward with fused log-probs, and the output-head patch it relies on.
 
 `OnlineDPOTrainer._forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask, vision_inputs=None)`
 (TRL 1.12 and 1.16) cuts the prompt on the left so that prompt + completion <= `max_length`, runs
 `model(prompt_completion_ids, attention_mask=...)`, keeps the logits of the columns that predict the completion
 (`[P - 1, P + C - 1)`, or `[0, C)` without a prompt) and returns `log_softmax(logits)` gathered at the completion
-tokens, `[rows, C]`. No temperature is applied there. `fused_forward` returns the same tensor; the model call is the
-same call (through every wrapper: DDP, DeepSpeed, PEFT, another plugin's forward), with the output head returning its
-input for that one call.
+tokens, `[rows, C]`. No temperature is applied there. `fused_forward` returns the same tensor from the same model call
+(through every wrapper: DDP, DeepSpeed, FSDP2, PEFT, another plugin's forward).
+
+The output head is patched once per model; what its `forward` does depends on a context variable set around one model
+call:
+
+- scoring (`scoring()`, the default): the head receives the hidden states of every position, takes the completion
+  columns and returns their log-probs, `[rows, C]`, computed chunk by chunk (`chunked.token_logprobs`) with the head's
+  original `forward`. This runs inside the head module's own call, once per model forward on every rank as stock, so
+  DeepSpeed ZeRO-3's gathered parameters (its pre-forward hook, and its pre-backward hook on the head's output for the
+  recomputation of each chunk in backward) and FSDP2's unsharded root parameters are in place. The model passes the
+  head's output through as its `logits`.
+- pass-through (`pass_through()`): the head returns its input, the model returns its last hidden states, and the head
+  module is applied after the forward. Used by DPO on TRL < 1.15 (`dpo.py`) and, with prompt_sharing (whose shared
+  forward runs the head on a packed row and scatters its output back to the padded layout), by Online DPO; neither
+  runs under ZeRO-3 or FSDP (refused in `hooks.py`).
+- recording (a `ScoreCall` without targets, the self-check): the head runs as stock and keeps its output.
 """
 
 from __future__ import annotations
@@ -28,11 +42,15 @@ from .chunked import auto_chunk, token_logprobs
 __all__ = [
     "FusedState",
     "HeadCall",
-    "run_passing_through",
+    "ScoreCall",
+    "head_chunk",
     "make_fused_forward",
     "output_head",
     "pass_through",
     "patch_head",
+    "run_passing_through",
+    "run_scoring",
+    "scoring",
 ]
 
 
@@ -55,11 +73,64 @@ class HeadCall:
 _PASS_THROUGH: contextvars.ContextVar[HeadCall | None] = contextvars.ContextVar("trl_ext_head_pass", default=None)
 
 
+def head_chunk(forward: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor) -> torch.Tensor:
+    """One chunk of logits: the head's original `forward` on `[n, H]` rows (in forward, and again in backward)."""
+    return forward(hidden)
+
+
+@dataclasses.dataclass
+class ScoreCall:
+    """A scoring request for the next output-head call: the log-probs of `targets` at the head input's columns
+    `[start, end)`, `chunk` positions at a time; `scored` (bool, shaped like `targets`) names those with gradients.
+    Without `targets` the head runs as stock and keeps its output in `output` (the self-check)."""
+
+    role: str
+    targets: torch.Tensor | None = None
+    scored: torch.Tensor | None = None
+    columns: int = 0
+    start: int = 0
+    end: int | None = None
+    chunk: int = 1
+    calls: int = 0
+    output: torch.Tensor | None = None
+
+    def run(self, head: torch.nn.Module, forward: Callable, hidden: torch.Tensor, args: tuple, kwargs: dict) -> Any:
+        if self.targets is None:
+            self.output = forward(hidden, *args, **kwargs)
+            return self.output
+        if args or kwargs:
+            raise UsageError(
+                f"fused_logprobs: the {self.role} model calls its output head ({type(head).__name__}) with more than "
+                "the hidden states; the fused path cannot reproduce that call. Train it without fused_logprobs."
+            )
+        rows = self.targets.size(0)
+        if hidden.dim() != 3 or tuple(hidden.shape[:2]) != (rows, self.columns):
+            raise UsageError(
+                f"fused_logprobs: the {self.role} model passed its output head a {tuple(hidden.shape)} tensor, not "
+                f"the hidden states of its {rows} rows of {self.columns} positions; the fused path cannot tell which "
+                "positions it holds. Train it without fused_logprobs."
+            )
+        return token_logprobs(
+            hidden[:, self.start : self.end],
+            self.targets,
+            lambda h: head_chunk(forward, h),
+            chunk=self.chunk,
+            scored=self.scored,
+            parameters=head.parameters(),
+        )
+
+
+#: While set, the patched output head runs the request (once) and returns what it computes.
+_SCORE: contextvars.ContextVar[ScoreCall | None] = contextvars.ContextVar("trl_ext_head_score", default=None)
+
+
 @dataclasses.dataclass
 class FusedState:
     """Per-trainer state of the plugin (`context.state["fused_logprobs"]`)."""
 
     chunk: str | int = "auto"
+    #: Online DPO: score inside the head's call (False: the head passes its input through, see the module docstring)
+    in_head: bool = True
     #: the chunk each model scores with, by role
     chunks: dict[str, int] = dataclasses.field(default_factory=dict)
     #: self-check results by role
@@ -85,12 +156,17 @@ def output_head(model: Any, role: str = "model") -> torch.nn.Module:
 
 
 def patch_head(patcher: Any, head: torch.nn.Module) -> None:
-    """Make `head` return its input while `pass_through()` is active (once per block); otherwise it runs as before.
-    Patching a head twice (a model shared by two trainers) is harmless: the outer patch consumes the pass-through."""
+    """Make `head` score (`scoring()`) or return its input (`pass_through()`) on its first call in such
+    a block; otherwise it runs as before. Patching a head twice (a model shared by two trainers) is harmless: the
+    outer patch consumes the request."""
     original = head.forward
 
     @functools.wraps(original)
     def forward(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        score = _SCORE.get()
+        if score is not None and score.calls == 0:
+            score.calls += 1
+            return score.run(head, original, hidden_states, args, kwargs)
         call = _PASS_THROUGH.get()
         if call is None or call.calls > 0:
             return original(hidden_states, *args, **kwargs)
@@ -112,6 +188,28 @@ def pass_through() -> Iterator[HeadCall]:
         yield call
     finally:
         _PASS_THROUGH.reset(token)
+
+
+@contextlib.contextmanager
+def scoring(request: ScoreCall) -> Iterator[ScoreCall]:
+    """The patched heads run `request` on the first head call of the block."""
+    token = _SCORE.set(request)
+    try:
+        yield request
+    finally:
+        _SCORE.reset(token)
+
+
+def run_scoring(model: Any, request: ScoreCall, *args: Any, **kwargs: Any) -> Any:
+    """`model(*args, **kwargs)` with its output head running `request`; a `UsageError` if the head was not called."""
+    with scoring(request):
+        outputs = model(*args, **kwargs)
+    if request.calls != 1:
+        raise UsageError(
+            f"fused_logprobs: the {request.role} model ({type(unwrap_causal_lm(model)).__name__}) did not call its "
+            "output head module in its forward; it computes its logits another way. Train it without fused_logprobs."
+        )
+    return outputs
 
 
 def hidden_states(model: Any, role: str, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, HeadCall]:
@@ -156,18 +254,22 @@ def make_fused_forward(trainer: Any, state: FusedState, roles: Callable[[Any], s
         prompt_ids, prompt_mask = prompt_ids[:, cut:], prompt_mask[:, cut:]
         ids = torch.cat((prompt_ids, completion_ids), dim=1)
         mask = torch.cat((prompt_mask, completion_mask), dim=1)
-        hidden, call = hidden_states(model, role, ids, attention_mask=mask)
         prompt_len = prompt_ids.size(1)
         start, end = (prompt_len - 1, -1) if prompt_len > 0 else (0, None)
-        hidden = hidden[:, start:end]
         head = output_head(model, role)
-        chunk = state.chunks.get(role) or resolve_chunk(state, head, hidden.dtype)
+        chunk = state.chunks.get(role) or resolve_chunk(state, head, next(unwrap_causal_lm(model).parameters()).dtype)
         state.fused_calls += 1
+        # The completion tokens carry gradients; the positions after an end are computed without (TRL masks them in
+        # the loss and sums them into its KL and entropy metrics).
+        scored = completion_mask.bool()
+        if state.in_head:
+            request = ScoreCall(role, completion_ids, scored, ids.size(1), start, end, chunk)
+            return run_scoring(model, request, ids, attention_mask=mask).logits
+        hidden, call = hidden_states(model, role, ids, attention_mask=mask)
+        hidden = hidden[:, start:end]
         # The head runs under the autocast state it had inside the model's forward (accelerate's mixed precision
-        # wraps the prepared forward; a checkpointed chunk recomputes under the same state). The completion tokens
-        # carry gradients; the positions after an end are computed without (TRL masks them in the loss and sums
-        # them into its KL and entropy metrics).
+        # wraps the prepared forward; a checkpointed chunk recomputes under the same state).
         with call.autocast_context():
-            return token_logprobs(hidden, completion_ids, head, chunk=chunk, scored=completion_mask.bool())
+            return token_logprobs(hidden, completion_ids, head, chunk=chunk, scored=scored)
 
     return _forward
