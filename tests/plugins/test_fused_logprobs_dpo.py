@@ -1,6 +1,8 @@
 """fused_logprobs on `DPOTrainer` with TRL < 1.15 (no fused LM head there): `LazyLogits` scoring equals stock TRL's
 full-logit `_compute_loss` in float64 for every loss type and loss option: per-sequence log-probs, loss, gradients and
-every logged metric (entropy, logits/chosen|rejected, mean_token_accuracy, rewards, logps); no `[2B, L, V]` tensor.
+every logged metric (entropy, logits/chosen|rejected, mean_token_accuracy, rewards, logps); no `[2B, L, V]` tensor;
+the head runs once per chunk of completion positions (metrics included). The same with padding_free and
+prompt_sharing, whose packed forwards then run under the fused head.
 
 On TRL >= 1.15 DPO runs TRL's own fused head and the plugin leaves it (tests/plugins/test_fused_logprobs.py::
 test_dpo_trainer); these tests run with trl 1.12.
@@ -55,22 +57,24 @@ def _set_loss(trainer, case):
 
 def _loss_grads_metrics(trainer, batch):
     trainer._metrics["train"].clear()
+    trainer._total_train_tokens = 0  # `num_tokens` counts every batch a trainer has seen
     loss, grads = eq.loss_and_grads(trainer, batch)
     return loss, grads, {k: list(v) for k, v in trainer._metrics["train"].items()}
 
 
-def _compare(stock, fused, batch, logps=True):
+def _compare(stock, fused, batch, logps=True, fused_batch=None, grad_rtol=RTOL):
+    fused_batch = batch if fused_batch is None else fused_batch
     if logps:
         stock_logps = stock.compute_ref_log_probs(stock.model, batch)
-        fused_logps = fused.compute_ref_log_probs(fused.model, batch)
+        fused_logps = fused.compute_ref_log_probs(fused.model, fused_batch)
         for a, b in zip(stock_logps, fused_logps, strict=True):
             assert (a - b).abs().max().item() <= LOGPS_RTOL * a.abs().max().item()
     calls = fused._trl_ext.state["fused_logprobs"].fused_calls
     stock_loss, stock_grads, stock_metrics = _loss_grads_metrics(stock, batch)
-    fused_loss, fused_grads, fused_metrics = _loss_grads_metrics(fused, batch)
+    fused_loss, fused_grads, fused_metrics = _loss_grads_metrics(fused, fused_batch)
     assert fused._trl_ext.state["fused_logprobs"].fused_calls == calls + 2  # policy and reference were fused
     assert fused_loss.item() == pytest.approx(stock_loss.item(), rel=RTOL)
-    eq.assert_same_grads(stock_grads, fused_grads, RTOL)
+    eq.assert_same_grads(stock_grads, fused_grads, grad_rtol)
     assert stock_metrics.keys() == fused_metrics.keys()
     assert {"entropy", "logits/chosen", "logits/rejected", "mean_token_accuracy"} <= stock_metrics.keys()
     for key, values in stock_metrics.items():
@@ -140,11 +144,110 @@ def test_train_with_gradient_checkpointing_and_precompute(build):
         assert torch.allclose(value, stock_weights[name], rtol=RTOL, atol=1e-12), name
 
 
+class _HeadCalls:
+    """Counts the calls of a model's output head module (the model's own pass-through call included)."""
+
+    def __init__(self, model):
+        self.calls = 0
+        self.handle = model.get_output_embeddings().register_forward_hook(self._count)
+
+    def _count(self, *args):
+        self.calls += 1
+
+
 @pytest.mark.slow
-def test_packing_refused(build):
+def test_head_runs_once_per_chunk(build):
+    """Loss with every reduction TRL applies to the logits (log-probs, sft, WPO weights, entropy, mean logits, token
+    accuracy) and its backward: the policy's head runs once per chunk of completion positions in the forward and once
+    in the backward (the recompute), the reference's once; plus one pass-through call per model forward."""
+    chunk = 4
+    with trl_ext.install(fused_logprobs=True, plugins={"fused_logprobs": {"chunk": chunk}}):
+        fused = build(use_weighting=True)
+    batch = fused.data_collator(eq.examples(fused))
+    chunks = -(-int(batch["completion_mask"][:, 1:].sum()) // chunk)
+    # (TRL 1.12's `sft` loss with `use_weighting` fails in stock TRL: an in-place product on an expanded tensor.)
+    for case in ({"loss_types": ["sigmoid", "ipo"], "use_weighting": True}, {"loss_types": ["sigmoid", "sft"]}):
+        _set_loss(fused, case)
+        policy, ref = _HeadCalls(fused.model), _HeadCalls(fused.ref_model)
+        eq.loss_and_grads(fused, batch)
+        policy.handle.remove()
+        ref.handle.remove()
+        assert (policy.calls, ref.calls) == (1 + 2 * chunks, 1 + chunks), case
+
+
+PACKING = ["padding_free", "prompt_sharing"]
+#: prompt_sharing alone differs from stock by its own float64 floor on gradients (the shared prompt's gradient is
+#: summed over both responses in another order): fused + prompt_sharing is compared with stock at that floor and
+#: with prompt_sharing alone at RTOL.
+PACKING_GRAD_RTOL = {"padding_free": RTOL, "prompt_sharing": 1e-6}
+#: The loss cases run with packing (the first comparison runs `exo_pair` with label smoothing and WPO weights).
+PACKING_CASES = [
+    {"loss_types": ["sigmoid"]},
+    {"loss_types": ["ipo"]},
+    {"loss_types": ["aot", "aot_unpaired"], "label_smoothing": 0.1},
+    {"loss_types": ["sigmoid", "bco_pair", "sft"], "loss_weights": [0.8, 0.2, 1.0]},
+    {"loss_types": ["sigmoid_norm", "ipo"], "ld_alpha": 0.3, "loss_weights": [1.0, 0.5]},
+    {"loss_types": ["sigmoid", "ipo", "apo_down"], "use_weighting": True},
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("packing", PACKING)
+def test_with_packing_equals_stock(build, packing):
+    """fused_logprobs + padding_free / prompt_sharing (TRL < 1.15: their packed forward returns the hidden states,
+    put back into the padded layout, and the fused head scores them): log-probs, loss, gradients and metrics equal
+    stock for the loss cases, and the packing plugin alone at RTOL; no `[2B, L, V]` tensor."""
+    stock = build(use_weighting=True, label_smoothing=1e-3, loss_type=["exo_pair"])
+    with trl_ext.install(**{packing: True}):
+        packed = build(use_weighting=True, label_smoothing=1e-3, loss_type=["exo_pair"])
+    with trl_ext.install(fused_logprobs=True, **{packing: True}, plugins={"fused_logprobs": {"chunk": 5}}):
+        fused = build(use_weighting=True, label_smoothing=1e-3, loss_type=["exo_pair"])
+    batch = stock.data_collator(eq.examples(stock))
+    fused_batch = fused.data_collator(eq.examples(fused))
+    assert set(fused_batch) > set(batch)  # the packing plugin's metadata
+    runs = fused._trl_ext.state[packing]
+    runs_before = getattr(runs, "packed_calls", None), getattr(runs, "shared_calls", None)
+    _compare(stock, fused, batch, fused_batch=fused_batch, grad_rtol=PACKING_GRAD_RTOL[packing])
+    assert (getattr(runs, "packed_calls", None), getattr(runs, "shared_calls", None)) != runs_before
+    failures = []
+    for case in PACKING_CASES:
+        for trainer in (stock, packed, fused):
+            _set_loss(trainer, case)
+        try:
+            _compare(stock, fused, batch, logps=False, fused_batch=fused_batch, grad_rtol=PACKING_GRAD_RTOL[packing])
+            _compare(packed, fused, fused_batch, logps=False)
+        except AssertionError as exc:
+            failures.append(f"{case}: {exc}")
+    assert not failures, "\n".join(failures)
+    full = batch["input_ids"].numel() * stock.model.config.vocab_size
+    with eq.LargestTensor() as sizes:
+        for case in ({"loss_types": ["sigmoid", "ipo"], "use_weighting": True}, {"loss_types": ["sft"]}):
+            _set_loss(fused, case)
+            eq.loss_and_grads(fused, fused_batch)
+    assert sizes.largest < full
+
+
+@pytest.mark.slow
+def test_train_with_padding_free(build):
+    """Two SGD steps through `trainer.train()` with padding_free: every logged metric and the trained weights equal
+    stock."""
+    kwargs = dict(max_steps=2, optim="sgd")
+    stock = build(**kwargs)
+    stock.train()
     with trl_ext.install(fused_logprobs=True, padding_free=True):
-        with pytest.raises(trl_ext.UsageError, match=r"does not combine with packing \(padding_free\)"):
-            build()
+        fused = build(**kwargs)
+        fused.train()
+    assert fused._trl_ext.state["padding_free"].packed_calls >= 4
+    logs = [[h for h in t.state.log_history if "loss" in h] for t in (stock, fused)]
+    assert len(logs[0]) == len(logs[1]) == 2
+    for s, p in zip(*logs, strict=True):
+        assert s.keys() == p.keys()
+        for key in s:
+            if not (key.endswith("runtime") or key.endswith("per_second")):
+                assert p[key] == pytest.approx(s[key], rel=RTOL, abs=1e-12), key
+    stock_weights = dict(stock.model.named_parameters())
+    for name, value in fused.model.named_parameters():
+        assert torch.allclose(value, stock_weights[name], rtol=RTOL, atol=1e-12), name
 
 
 @pytest.mark.slow

@@ -1,15 +1,26 @@
 """`LazyLogits`: stands for `head(hidden)` (`[..., V]`) without computing it; each reduction TRL applies to the logits
-runs chunk by chunk.
+runs chunk by chunk, on the scored positions only.
 
 TRL's DPO scoring (TRL < 1.15) reads its logits only through a few operations, each a per-position reduction over
 the vocabulary: slicing and boolean selection of positions, `detach`, `chunk` over rows, `selective_log_softmax`,
 `entropy_from_logits`, `.mean(-1)`, `.argmax(-1)`, `torch.logsumexp(x, -1)`, `2.0 * x`, `F.cross_entropy`. Those
 are given here; any other operation raises a `UsageError` naming it (a TRL that reads its logits another way).
+
+Scored positions. A `LazyLogits` knows which of its positions TRL keeps (the shifted completion mask): every reduction
+computes those only and gives 0 elsewhere, which TRL's masking turns into the stock values (it zeroes the log-probs
+outside the completion and multiplies the entropy, the WPO log-sum-exps and the token accuracy by the mask; the mean
+logits and the `sft` cross-entropy select completion positions).
+
+One pass. The positions of all derived `LazyLogits` (slices, chunks, selections) are tracked as indices into the
+model output they come from, whose per-position results are kept (`Root.cache`). When the policy's log-probs are
+computed (`stats`), the same chunk pass, on the logits it already holds, stores without gradients the entropy, the
+mean logit, the argmax and the log-sum-exps TRL asks for next, so the head runs once per chunk in the forward (and
+once more per chunk in the backward, recomputed); the `sft` cross-entropy reuses the log-probs (and their graph).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -17,9 +28,18 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ...errors import UsageError
-from .chunked import accumulation_dtype, token_logprobs
+from .chunked import accumulation_dtype
 
-__all__ = ["LazyLogits", "entropy", "selective_logprobs"]
+__all__ = ["STATS", "LazyLogits", "Root", "entropy", "selective_logprobs"]
+
+#: The per-position statistics a log-prob pass can store on the way: name -> function of (logits, log-sum-exp).
+STATS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "entropy": lambda logits, lse: -(torch.exp(logits - lse[:, None]) * (logits - lse[:, None])).sum(-1),
+    "mean": lambda logits, lse: logits.mean(-1),
+    "argmax": lambda logits, lse: logits.argmax(-1),
+    "lse": lambda logits, lse: lse,
+    "lse2": lambda logits, lse: torch.logsumexp(2.0 * logits, dim=-1),
+}
 
 
 def _unsupported(what: str) -> UsageError:
@@ -40,26 +60,60 @@ _CROSS_ENTROPY_DEFAULTS = {
 }
 
 
+class Root:
+    """What the `LazyLogits` derived from one model output share: the head, its autocast state, the chunk, the scored
+    positions (flat, over the output's positions) and the per-position results computed so far.
+
+    Args:
+        head (`Callable`): the output head module.
+        autocast (`Callable`): returns the autocast context the head ran under in the model's forward.
+        chunk (`int`): positions per chunk.
+        scored (`torch.Tensor`): flat bool mask over the output's positions: those TRL keeps.
+        stats (`Iterable[str]`, *optional*): names of `STATS` to store during the first log-prob pass.
+        grad (`bool`, *optional*, defaults to `True`): whether the model's forward ran with gradients enabled (stock
+            logits of a forward under `no_grad`, the reference's, carry none, so neither do these).
+    """
+
+    def __init__(
+        self,
+        head: Callable,
+        autocast: Callable[[], Any],
+        chunk: int,
+        scored: torch.Tensor,
+        stats: Iterable[str] = (),
+        grad: bool = True,
+    ) -> None:
+        self.head, self.autocast, self.chunk, self.scored, self.grad = head, autocast, chunk, scored, grad
+        self.stats = tuple(stats)
+        self.scored_count = int(scored.sum())
+        self.cache: dict[str, torch.Tensor] = {}
+        #: head passes over chunks (forward, without the recompute of the backward): for tests and logs
+        self.passes = 0
+
+
 class LazyLogits:
     """`scale * head(hidden)` over the leading dimensions of `hidden`, never materialised as a whole.
 
     Args:
         hidden (`torch.Tensor`): `[..., H]` hidden states (the head's input).
-        head (`Callable`): the output head module.
-        autocast (`Callable`): returns the autocast context the head ran under in the model's forward.
-        chunk (`int`): positions per chunk.
+        root (`Root`): what the logits derived from one model output share.
+        ids (`torch.Tensor`, *optional*): `hidden.shape[:-1]` indices of these positions among the root's (default:
+            all of them, in order: a model output).
         scale (`float`, *optional*, defaults to `1.0`): a factor applied to the logits.
     """
 
-    def __init__(self, hidden: torch.Tensor, head: Callable, autocast: Callable[[], Any], chunk: int, scale=1.0):
-        self.hidden, self.head, self.autocast, self.positions, self.scale = hidden, head, autocast, chunk, scale
+    def __init__(self, hidden: torch.Tensor, root: Root, ids: torch.Tensor | None = None, scale: float = 1.0) -> None:
+        if ids is None:
+            ids = torch.arange(hidden[..., 0].numel(), device=hidden.device).reshape(hidden.shape[:-1])
+        self.hidden, self.root, self.ids, self.scale = hidden, root, ids, scale
 
-    def _like(self, hidden: torch.Tensor, scale: float | None = None) -> LazyLogits:
-        return LazyLogits(hidden, self.head, self.autocast, self.positions, self.scale if scale is None else scale)
+    def _like(self, hidden: torch.Tensor, ids: torch.Tensor, scale: float | None = None) -> LazyLogits:
+        return LazyLogits(hidden, self.root, ids, self.scale if scale is None else scale)
 
     @property
     def shape(self) -> torch.Size:
-        vocab = getattr(self.head, "out_features", None) or getattr(self.head, "weight").shape[0]  # noqa: B009
+        head = self.root.head
+        vocab = getattr(head, "out_features", None) or getattr(head, "weight").shape[0]  # noqa: B009
         return torch.Size((*self.hidden.shape[:-1], vocab))
 
     def dim(self) -> int:
@@ -70,69 +124,146 @@ class LazyLogits:
     def size(self, dim: int | None = None) -> Any:
         return self.shape if dim is None else self.shape[dim]
 
+    def __len__(self) -> int:
+        return self.hidden.shape[0]
+
     def __getitem__(self, index: Any) -> LazyLogits:
         if isinstance(index, tuple) and index and index[-1] == slice(None) and Ellipsis in index:
-            return self._like(self.hidden[index])  # `[..., a:b, :]`: the last dimension kept whole
+            return self._like(self.hidden[index], self.ids[index[:-1]])  # `[..., a:b, :]`: vocabulary kept whole
         if isinstance(index, torch.Tensor) and index.dtype == torch.bool and index.dim() == self.hidden.dim() - 1:
-            return self._like(self.hidden[index])  # boolean selection of positions
+            return self._like(self.hidden[index], self.ids[index])  # boolean selection of positions
         raise _unsupported(f"logits[{index!r}]")
 
     def detach(self) -> LazyLogits:
-        return self._like(self.hidden.detach())
+        return self._like(self.hidden.detach(), self.ids)
 
     def chunk(self, chunks: int, dim: int = 0) -> tuple[LazyLogits, ...]:
-        if dim < 0 and dim + self.dim() == self.dim() - 1:
+        if dim % self.dim() == self.dim() - 1:
             raise _unsupported("chunk over the vocabulary")
-        return tuple(self._like(h) for h in self.hidden.chunk(chunks, dim))
+        pairs = zip(self.hidden.chunk(chunks, dim), self.ids.chunk(chunks, dim), strict=True)
+        return tuple(self._like(h, i) for h, i in pairs)
 
     def __mul__(self, other: Any) -> LazyLogits:
         if isinstance(other, (int, float)) and not isinstance(other, bool):
-            return self._like(self.hidden, self.scale * other)
+            return self._like(self.hidden, self.ids, self.scale * other)
         raise _unsupported(f"logits * {type(other).__name__}")
 
     __rmul__ = __mul__
 
+    # -----------------------------------------------------------------------------------------------------------------
+    # Chunked evaluation
+    # -----------------------------------------------------------------------------------------------------------------
+
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        with self.autocast():
-            logits = self.head(hidden)
-        logits = logits.to(accumulation_dtype(logits.dtype))
-        return logits * self.scale if self.scale != 1.0 else logits
+        with self.root.autocast():
+            logits = self.root.head(hidden)
+        return logits.to(accumulation_dtype(logits.dtype))
 
-    def reduce(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """`fn(logits)` (a reduction over the last dimension), chunk by chunk; with gradients, each chunk is
-        recomputed in backward."""
-        flat = self.hidden.reshape(-1, self.hidden.size(-1))
-        grad = torch.is_grad_enabled() and flat.requires_grad
+    def _live(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Flat hidden states, flat root ids, and the flat local indices of the scored positions."""
+        flat_ids = self.ids.reshape(-1)
+        live = self.root.scored[flat_ids].nonzero().squeeze(1)
+        return self.hidden.reshape(-1, self.hidden.size(-1)), flat_ids, live
 
-        def one(h: torch.Tensor) -> torch.Tensor:
-            return fn(self._logits(h))
+    def _spread(self, values: torch.Tensor, live: torch.Tensor, flat_ids: torch.Tensor) -> torch.Tensor:
+        """`values` of the scored positions -> `[...]` over these positions, 0 elsewhere."""
+        out = values.new_zeros(flat_ids.numel())
+        return out.index_copy(0, live, values).reshape(self.ids.shape)
 
-        parts = [
-            checkpoint(one, flat[s : s + self.positions], use_reentrant=False)
-            if grad
-            else one(flat[s : s + self.positions])
-            for s in range(0, flat.size(0), self.positions)
-        ]
-        out = torch.cat(parts) if parts else flat.new_zeros(0)
-        return out.reshape(self.hidden.shape[:-1])
+    def _cached(self, name: str) -> torch.Tensor | None:
+        """The stored `name` of these positions (0 outside the scored ones), if every scored one has it."""
+        value = self.root.cache.get(name)
+        return None if value is None else value[self.ids]
+
+    def _store(self, name: str, values: torch.Tensor, live: torch.Tensor, flat_ids: torch.Tensor) -> None:
+        size = self.root.scored.numel()
+        self.root.cache[name] = values.new_zeros(size).index_copy(0, flat_ids.index_select(0, live), values)
+
+    def reduce(self, name: str, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """`fn(logits)` (a reduction over the last dimension, without gradients) on the scored positions, chunk by
+        chunk, 0 elsewhere; read from the root's results when the log-prob pass stored `name`."""
+        if self.scale == 1.0:
+            cached = self._cached(name)
+            if cached is not None:
+                return cached
+        flat, flat_ids, live = self._live()
+        rows = flat.index_select(0, live)
+        chunk = self.root.chunk
+        with torch.no_grad():
+            parts = [fn(self._logits(rows[s : s + chunk]) * self.scale) for s in range(0, len(rows), chunk)]
+        if not parts:
+            return torch.zeros(self.ids.shape, dtype=accumulation_dtype(flat.dtype), device=flat.device)
+        return self._spread(torch.cat(parts), live, flat_ids)
 
     def mean(self, dim: int = -1) -> torch.Tensor:
-        if dim not in (-1, self.dim() - 1):
+        if dim % self.dim() != self.dim() - 1:
             raise _unsupported(f"mean(dim={dim})")
-        return self.reduce(lambda logits: logits.mean(-1))
+        return self.reduce("mean", lambda logits: logits.mean(-1))
 
     def argmax(self, dim: int = -1) -> torch.Tensor:
-        if dim not in (-1, self.dim() - 1):
+        if dim % self.dim() != self.dim() - 1:
             raise _unsupported(f"argmax(dim={dim})")
-        with torch.no_grad():
-            return self.reduce(lambda logits: logits.argmax(-1))
+        return self.reduce("argmax", lambda logits: logits.argmax(-1))
 
-    def logprobs(self, targets: torch.Tensor, scored: torch.Tensor | None = None) -> torch.Tensor:
-        """Per-position log-probs of `targets` (`chunked.token_logprobs`); positions outside `scored` are 0."""
+    def logsumexp(self) -> torch.Tensor:
+        """`torch.logsumexp(self, -1)` (of `2.0 * logits` as well: the WPO weights' second term)."""
+        if self.scale == 2.0:
+            cached = self._cached("lse2")
+            if cached is not None:
+                return cached
+        return self.reduce("lse" if self.scale == 1.0 else "", lambda logits: torch.logsumexp(logits, dim=-1))
+
+    def entropy(self) -> torch.Tensor:
+        return self.reduce("entropy", lambda logits: STATS["entropy"](logits, torch.logsumexp(logits, dim=-1)))
+
+    def logprobs(self, targets: torch.Tensor) -> torch.Tensor:
+        """Per-position log-probs of `targets` on the scored positions (with gradients where the hidden states have
+        them: each chunk recomputed in the backward), 0 elsewhere. The first pass of a root stores its `stats`."""
         if self.scale != 1.0:
             raise _unsupported("log-probs of scaled logits")
-        with self.autocast():
-            return token_logprobs(self.hidden, targets, self.head, chunk=self.positions, scored=scored, rest="skip")
+        cached, known = self._cached("logprobs"), self._cached("targets")
+        if cached is not None and known is not None and torch.equal(known, self._spread_targets(targets)):
+            return cached
+        flat, flat_ids, live = self._live()
+        rows, goals = flat.index_select(0, live), targets.reshape(-1).index_select(0, live)
+        grad = self.root.grad and torch.is_grad_enabled()
+        grad = grad and (rows.requires_grad or any(p.requires_grad for p in _params(self.root.head)))
+        stats = [s for s in self.root.stats if s not in self.root.cache]
+        chunk = self.root.chunk
+        starts = range(0, len(rows), chunk)
+        collected: dict[int, dict[str, torch.Tensor]] = {}
+
+        def one(index: int, h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+            logits = self._logits(h)
+            lse = torch.logsumexp(logits, dim=-1)
+            if stats and index not in collected:  # the first run, not the backward's recompute
+                with torch.no_grad():
+                    collected[index] = {s: STATS[s](logits.detach(), lse.detach()) for s in stats}
+            return logits.gather(-1, t.unsqueeze(-1)).squeeze(-1) - lse
+
+        parts = []
+        for index, s in enumerate(starts):
+            h, t = rows[s : s + chunk], goals[s : s + chunk]
+            if grad:
+                parts.append(checkpoint(one, index, h, t, use_reentrant=False))
+            else:
+                with torch.no_grad():
+                    parts.append(one(index, h, t))
+        self.root.passes += len(parts)
+        if not parts:
+            return torch.zeros(self.ids.shape, dtype=accumulation_dtype(flat.dtype), device=flat.device)
+        values = torch.cat(parts)
+        if live.numel() == self.root.scored_count:  # every scored position of the output: kept for what follows
+            for name in stats:
+                self._store(name, torch.cat([collected[i][name] for i in range(len(parts))]), live, flat_ids)
+            if "logprobs" not in self.root.cache:
+                self._store("logprobs", values, live, flat_ids)
+                self._store("targets", goals, live, flat_ids)
+        return self._spread(values, live, flat_ids)
+
+    def _spread_targets(self, targets: torch.Tensor) -> torch.Tensor:
+        """`targets` with 0 outside the scored positions (as the stored ones)."""
+        return targets * self.root.scored[self.ids].to(targets.dtype)
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -140,7 +271,7 @@ class LazyLogits:
         if func is torch.logsumexp:
             logits, dim = args[0], kwargs.get("dim", args[1] if len(args) > 1 else None)
             if isinstance(logits, LazyLogits) and dim in (-1, logits.dim() - 1) and not kwargs.get("keepdim"):
-                return logits.reduce(lambda x: torch.logsumexp(x, dim=-1))
+                return logits.logsumexp()
         if func is F.cross_entropy:
             logits, target = args[0], kwargs.get("target", args[1] if len(args) > 1 else None)
             extra = {k: v for k, v in kwargs.items() if k != "target" and _CROSS_ENTROPY_DEFAULTS.get(k, v) != v}
@@ -149,37 +280,40 @@ class LazyLogits:
             if plain and isinstance(target, torch.Tensor) and bool((target == -100).any()):
                 plain = False  # ignored targets: not what TRL passes (it selects the completion tokens)
             if isinstance(logits, LazyLogits) and isinstance(target, torch.Tensor) and logits.dim() == 2 and plain:
+                if not bool(logits.root.scored[logits.ids].all()):
+                    raise _unsupported("cross_entropy over positions outside the completion")
                 return -logits.logprobs(target).mean()
         raise _unsupported(getattr(func, "__name__", str(func)))
 
 
-def selective_logprobs(original: Callable, scored: Callable[[LazyLogits], torch.Tensor | None]) -> Callable:
-    """A `selective_log_softmax(logits, index)` that scores `LazyLogits` chunk by chunk (only the positions
-    `scored(logits)` names, the others 0, as TRL masks them next) and passes any other call to `original`."""
+def selective_logprobs(original: Callable) -> Callable:
+    """A `selective_log_softmax(logits, index)` that scores `LazyLogits` chunk by chunk (only their scored positions,
+    the others 0, as TRL masks them next) and passes any other call to `original`."""
 
     def selective_log_softmax(logits: Any, index: torch.Tensor) -> torch.Tensor:
         if not isinstance(logits, LazyLogits):
             return original(logits, index)
         if index.dim() != logits.dim() - 1:
             raise _unsupported("selective_log_softmax with several indices per position")
-        return logits.logprobs(index, scored(logits))
+        return logits.logprobs(index)
 
     return selective_log_softmax
 
 
 def entropy(original: Callable) -> Callable:
     """An `entropy_from_logits(logits, chunk_size=...)` that reduces `LazyLogits` chunk by chunk (the entropy of
-    `softmax(logits)` in nats) and passes any other call to `original`."""
+    `softmax(logits)` in nats, on the scored positions, 0 elsewhere) and passes any other call to `original`."""
 
     def entropy_from_logits(logits: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         if not isinstance(logits, LazyLogits):
             return original(logits, *args, **kwargs)
-
-        def one(x: torch.Tensor) -> torch.Tensor:
-            logps = F.log_softmax(x, dim=-1)
-            return -(torch.exp(logps) * logps).sum(-1)
-
-        with torch.no_grad():
-            return logits.reduce(one)
+        if logits.scale != 1.0:
+            raise _unsupported("entropy of scaled logits")
+        return logits.entropy()
 
     return entropy_from_logits
+
+
+def _params(head: Any) -> list[torch.Tensor]:
+    parameters = getattr(head, "parameters", None)
+    return list(parameters()) if callable(parameters) else []
