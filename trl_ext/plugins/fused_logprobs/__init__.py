@@ -46,9 +46,11 @@ chunk counts differ), and DPO on TRL < 1.15 (below). DDP, ZeRO-2, ZeRO-3 and FSD
 log line and leaves it. On older TRL (`dpo.py`) the policy's and reference's scoring forwards return `LazyLogits`
 (`lazy.py`, whose head runs after the forward: refused under ZeRO-3 and FSDP): every reduction TRL's `_compute_loss`
 and `compute_ref_log_probs` apply to the logits (log-probs of every loss type, the `sft` cross-entropy, WPO weights,
-entropy, mean logits, token accuracy) runs chunk by chunk, and only completion positions are scored. There it does
-not combine with packing yet (refused); an evaluation that asks for the logits themselves
-(`prediction_loss_only=False`) gets them, built as stock, with a warning.
+entropy, mean logits, token accuracy) runs chunk by chunk, only completion positions are scored, and the policy's
+head runs once per chunk (the metrics' reductions are stored on the way). It combines with padding_free and
+prompt_sharing: their packed forward runs inside the fused one, which scores the hidden states they put back into the
+padded layout. An evaluation that asks for the logits themselves (`prediction_loss_only=False`) gets them, built as
+stock, with a warning.
 """
 
 from __future__ import annotations
