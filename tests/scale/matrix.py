@@ -140,7 +140,7 @@ FUSED_REFUSED = {
 }
 
 #: token_budget cell: two pairs of this data (padded: `2 x pairs x longest`) fit together only when both are short, so
-#: in some steps one rank runs its 2 pairs as one micro-batch and the other as two.
+#: a step's 4 pairs (2 per rank) cut into 2 to 4 micro-batches, and with 3 one rank runs a zero-weight repeat.
 TOKEN_BUDGET = 150
 
 CELLS: tuple[Cell, ...] = (
@@ -185,8 +185,8 @@ CELLS: tuple[Cell, ...] = (
         baseline="dpo-stock",
         expect=ALL,
     ),
-    # Micro-batches cut by TOKEN_BUDGET padded tokens: ranks cut their pairs into different numbers of micro-batches
-    # (the script records the counts) and run the same number, padded with zero-weight repeats.
+    # Micro-batches cut by TOKEN_BUDGET padded tokens over both ranks' pairs, balanced across ranks (pairs move); the
+    # ranks run the same number, padded with zero-weight repeats (the script records the counts and moved pairs).
     Cell("dpo-token_budget", "dpo", {"token_budget": TOKEN_BUDGET}, baseline="dpo-stock", expect=ALL),
     # -- OnlineDPO ---------------------------------------------------------------------------------------------------
     Cell("online-stock", "online_dpo", expect=ALL),
@@ -262,6 +262,22 @@ CELLS: tuple[Cell, ...] = (
         options={"fused_logprobs": {"chunk": FUSED_CHUNK}},
         baseline="online-stock",
         expect=ALL,
+    ),
+    # With prompt_sharing the model runs on packed rows: the head passes its input through and is called per chunk
+    # after the forward (as DPO on TRL < 1.15), so the pair is refused where the head's parameters are gathered per
+    # call. Compared with prompt_sharing alone: what differs is fused_logprobs.
+    Cell(
+        "online-fused_logprobs-prompt_sharing",
+        "online_dpo",
+        {"fused_logprobs": True, "prompt_sharing": True},
+        options={"fused_logprobs": {"chunk": FUSED_CHUNK}},
+        baseline="online-prompt_sharing",
+        expect=_on(
+            "ddp",
+            "zero2",
+            zero3=Expect(REFUSE, r"fused_logprobs with prompt_sharing does not run under DeepSpeed ZeRO-3.*DDP"),
+            fsdp2=Expect(REFUSE, r"fused_logprobs with prompt_sharing does not run under FSDP.*DDP"),
+        ),
     ),
 )
 
