@@ -325,6 +325,8 @@ def run(cell) -> dict:
             record["token_budget"] = {
                 "micro_batch_counts": list(budget.micro_batch_counts),
                 "local_micro_batch_counts": list(budget.local_micro_batch_counts),
+                "moved_pairs": list(budget.moved_pairs),
+                "rank_tokens": list(budget.rank_tokens),
             }
         record["distributed_type"] = str(trainer.accelerator.distributed_type)
         if DEEPSPEED:
