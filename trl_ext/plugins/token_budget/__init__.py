@@ -62,13 +62,33 @@ metrics are rebuilt for the whole batch, so `evaluate()` logs what stock logs. A
 stock does, so when logits are asked for (`prediction_loss_only=False`, e.g. `predict()`, or `compute_metrics`)
 batches run whole, and one warning says so.
 
+Several processes (DDP, DeepSpeed ZeRO-2 and ZeRO-3, FSDP2; tests/scale/ `dpo-token_budget`, equal to stock under
+each engine):
+
+- *Balanced.* The ranks exchange the examples of the step (one all-gather) and all compute the same cut of all its
+  pairs (longest first within pairs of equal stock weight, so similar lengths share a micro-batch) and the same
+  assignment of micro-batches to ranks (the most tokens first, each to the rank holding the fewest). A pair keeps the
+  weight stock gives it on its own rank; the engine averages gradients over ranks as in stock, so the global gradient
+  is stock's. The log at level debug gives, per step, the most and the mean tokens per rank.
+- *In lockstep.* ZeRO-3 and FSDP2 gather parameters on every forward and DDP reduces gradients on the synchronised
+  backward, so every rank runs the same number of micro-batches per step: a rank given fewer runs its smallest (or
+  the step's smallest) again with loss weight 0, its metrics and tokens not counted. Only the step's last
+  micro-batch runs with gradient synchronisation (before it: `accelerator.no_sync`, and `sync_gradients` False, so
+  DeepSpeed steps once).
+- *Metrics.* The ranks' micro-batches hold different numbers of pairs, which `accelerator.gather` cannot join: TRL's
+  per-call gathers are answered locally, and the per-pair values and token counts are exchanged in one all-gather at
+  the end of the step, from which stock's gathered metrics (per stock micro-batch, rank-major) and `num_tokens` are
+  rebuilt.
+- *Evaluation* batches are cut on their own rank (not balanced), every rank running as many parts as the rank with
+  most (one all-reduce per batch), their metrics rebuilt from every rank's values.
+
 Refused with `trl_ext.UsageError`, when the trainer is built:
 
 - `loss_type` `aot`, `aot_unpaired` (sorted across the micro-batch) and `sft` (a mean over the micro-batch's tokens):
   their values change with the cut;
 - a MoE model with `router_aux_loss_coef != 0` (the auxiliary loss is computed over all tokens of a micro-batch);
 - `use_liger_kernel=True`;
-- more than one process (distributed training is not cut yet);
+- `sync_metrics` on several processes (it would count the zero-weight repeats' pairs);
 - vision datasets (examples other than tokenized text pairs), at the first step.
 """
 

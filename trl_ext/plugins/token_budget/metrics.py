@@ -5,6 +5,8 @@ means (entropy, logits, token accuracy); `DPOTrainer.log` averages those per-mic
 the budget is not one of stock's, so its appended values are removed, and the plugin records instead what lies
 behind them per pair: the per-pair tensors TRL passes to `accelerator.gather`, and per-row token sums of the policy
 forward. At the end of the step it appends, for each stock micro-batch in order, the value stock would have appended.
+On several processes those values come from every rank (stock's micro-batch `i` is the `i`-th of every rank, joined by
+TRL's gather), wherever the plugin ran its pairs.
 """
 
 from __future__ import annotations
@@ -160,3 +162,29 @@ def _batch_values(part: dict[str, torch.Tensor]) -> dict[str, float]:
     correct = part["correct_c"].sum()
     values["mean_token_accuracy"] = (correct / part["tokens_c"].sum()).item() if tokens_c > 0 else 0.0
     return values
+
+
+def stock_values_of_pairs(
+    ranks: Sequence[tuple[Sequence[tuple[int, int]], dict[str, torch.Tensor] | None]], sizes: Sequence[int], slots: int
+) -> list[dict[str, float]]:
+    """The values TRL appends for each stock micro-batch of a step whose pairs ran on other ranks than stock's.
+
+    `ranks`: per rank, the ids `(batch, row)` of the pairs it recorded, in order, with their values
+    (`StepRecord.local`); `batch` is `rank * slots + slot` of the pair's stock micro-batch, of `sizes[batch]` pairs.
+    Stock micro-batch `i` joins the `i`-th micro-batch of every rank, in rank order (TRL's gather).
+    """
+    if any(values is None for _, values in ranks):
+        if not all(values is None for _, values in ranks):
+            raise RuntimeError("token_budget: TRL's metric buffer was emptied on some ranks only.")
+        return []
+    ids = [pair for pair_ids, _ in ranks for pair in pair_ids]
+    flat = {name: torch.cat([values[name] for _, values in ranks if values is not None]) for name in ranks[0][1] or {}}
+    where = {pair: k for k, pair in enumerate(ids)}
+    if len(where) != len(ids) or len(ids) != sum(sizes):
+        raise RuntimeError(f"token_budget: {len(ids)} pairs recorded for a step of {sum(sizes)}.")
+    out = []
+    for i in range(slots):
+        rows = [where[(b, j)] for b in range(i, len(sizes), slots) for j in range(sizes[b])]
+        index = torch.tensor(rows, dtype=torch.long)
+        out.append(_batch_values({name: tensor[index] for name, tensor in flat.items()}))
+    return out

@@ -11,6 +11,10 @@ slots. `training_step` runs a slot's micro-batches one after another (possibly n
 Loss scaling uses transformers' own hook: `Trainer.loss_is_scaled_for_ga = True` says `compute_loss` already scaled
 the loss for accumulation, so `training_step` does not divide it again; the plugin's `compute_loss` multiplies each
 micro-batch's mean loss by its weight (its pairs' share of the step as stock weighs them).
+
+On several processes the step's pairs of every rank are cut together and shared out with tokens balanced
+(`cut_across_ranks`); every rank runs as many micro-batches as the rank with most (`ranks.Padding`), and only the
+step's last runs with gradient synchronisation (`unsynced`).
 """
 
 from __future__ import annotations
@@ -25,9 +29,9 @@ import torch
 from ... import _compat
 from ..._logging import get_logger
 from ...patching import Patcher
-from .cut import EXAMPLES_KEY, KeepExamples, MicroBatch, cut_step, spread
-from .metrics import StepRecord, row_sums, stock_values
-from .ranks import Padding, Ranks, pad_to
+from .cut import EXAMPLES_KEY, KeepExamples, Layout, MicroBatch, cut_step, spread, tokens
+from .metrics import StepRecord, row_sums, stock_values, stock_values_of_pairs
+from .ranks import Padding, Ranks, balanced_plan, global_pairs, pad_to
 
 logger = get_logger(__name__)
 
@@ -42,7 +46,7 @@ class Slot(dict):
 class TokenBudgetState:
     """Per-trainer state (`context.state["token_budget"]`)."""
 
-    def __init__(self, trainer: Any, budget: int, packed: bool) -> None:
+    def __init__(self, trainer: Any, budget: int, packed: bool | Layout) -> None:
         self.trainer = trainer
         self.budget = budget
         #: whether the collator packs (the budget then counts real tokens, not padded ones)
@@ -53,16 +57,25 @@ class TokenBudgetState:
         self.plain_scale: float | None = None
         self.record = StepRecord()
         self.sizes: list[int] = []
-        self.ranks = Ranks(trainer.accelerator.num_processes, trainer.args.device)
+        self.ranks = Ranks(trainer.accelerator.num_processes, trainer.accelerator.process_index, trainer.args.device)
+        #: several processes: the step's stock micro-batch sizes (`rank * slots + slot`), slots, and the ids
+        #: `(batch, row)` of the pairs this rank recorded, in order
+        self.global_sizes: list[int] = []
+        self.slots = 0
+        self.recorded: list[tuple[int, int]] = []
         #: per optimizer step: micro-batches run (for logs and tests); on several processes the same on every rank
         self.micro_batch_counts: list[int] = []
-        #: per optimizer step: micro-batches this rank's pairs were cut into (the rest are `ranks.Padding`)
+        #: per optimizer step: micro-batches of real pairs this rank ran (the rest are `ranks.Padding`)
         self.local_micro_batch_counts: list[int] = []
+        #: per optimizer step on several processes: pairs this rank ran that stock runs on another rank
+        self.moved_pairs: list[int] = []
         #: per evaluation/prediction batch: micro-batches it was cut into
         self.eval_micro_batch_counts: list[int] = []
         #: TRL's token count (`num_tokens`) at the start of the step, and what it counted for its padding micro-batches
         self.tokens_before = 0
         self.padding_tokens = 0
+        #: per optimizer step on several processes: the most and the mean tokens (by the budget's count) per rank
+        self.rank_tokens: list[tuple[int, float]] = []
         self.warned_logits = False
         self.max_tokens: list[int] = []
         #: per optimizer step: pairs longer than the budget
@@ -78,9 +91,13 @@ class TokenBudgetState:
             )
         examples = [batch[EXAMPLES_KEY] for batch in batches]
         stock = [{key: value for key, value in batch.items() if key != EXAMPLES_KEY} for batch in batches]
-        micro_batches, over = cut_step(
-            examples, self.budget, self.trainer.data_collator, self.packed, self.trainer.args.max_length
-        )
+        if self.ranks.size > 1:
+            micro_batches, over, count, smallest = self.cut_across_ranks(examples)
+        else:
+            micro_batches, over = cut_step(
+                examples, self.budget, self.trainer.data_collator, self.packed, self.trainer.args.max_length
+            )
+            count, smallest = len(micro_batches), None
         if over:
             logger.warning(
                 "token_budget: %d pair(s) of this step exceed the budget of %d tokens; each runs alone.",
@@ -91,8 +108,9 @@ class TokenBudgetState:
         self.padding_tokens = 0
         self.tokens_before = getattr(self.trainer, "_total_train_tokens", 0)
         self.sizes = [len(part) for part in examples]
+        self.recorded = []
         self.local_micro_batch_counts.append(len(micro_batches))
-        micro_batches = pad_to(micro_batches, self.ranks.max(len(micro_batches)))
+        micro_batches = pad_to(micro_batches, count, smallest)
         self.micro_batch_counts.append(len(micro_batches))
         self.over_budget.append(over)
         self.max_tokens.append(max((mb.tokens for mb in micro_batches), default=0))
@@ -103,6 +121,48 @@ class TokenBudgetState:
             slot.last = i == len(batches) - 1
             slots.append(slot)
         return slots
+
+    def cut_across_ranks(self, examples: list[list[Any]]) -> tuple[list[MicroBatch], int, int, MicroBatch | None]:
+        """Cut the step's pairs of every rank together (one all-gather of the examples) and run this rank's share of
+        the micro-batches, tokens balanced across ranks (`ranks.balanced_plan`, the same on every rank).
+
+        A pair keeps the weight stock gives it on its own rank (`1 / (pairs in its stock micro-batch x stock
+        micro-batches in the step)`): the engine averages gradients over ranks, as stock's. Returns this rank's
+        micro-batches, the pairs over the budget, the most micro-batches a rank runs, and (for a rank given none)
+        the step's smallest micro-batch, to repeat with weight 0.
+        """
+        collate, max_length = self.trainer.data_collator, self.trainer.args.max_length
+        everyone = self.ranks.gather(examples)
+        pairs, sizes = global_pairs(everyone, self.packed, max_length)
+        runs, owner = balanced_plan(pairs, sizes, self.budget, self.packed, self.ranks.size)
+        slots = len(examples)
+        self.global_sizes, self.slots = sizes, slots
+
+        def micro_batch(run: list[Any]) -> MicroBatch:
+            inputs = collate([everyone[p.batch // slots][p.batch % slots][p.row] for p in run])
+            return MicroBatch(run, inputs, len(run) / (sizes[run[0].batch] * slots), tokens(run, self.packed))
+
+        mine = [micro_batch(run) for run, r in zip(runs, owner, strict=True) if r == self.ranks.rank]
+        self.moved_pairs.append(sum(1 for mb in mine for p in mb.pairs if p.batch // slots != self.ranks.rank))
+        smallest = None
+        if not mine:
+            smallest = micro_batch(min(runs, key=lambda run: tokens(run, self.packed)))
+        per_rank = [0] * self.ranks.size
+        for run, r in zip(runs, owner, strict=True):
+            per_rank[r] += tokens(run, self.packed)
+        self.rank_tokens.append((max(per_rank), sum(per_rank) / len(per_rank)))
+        count = max(owner.count(r) for r in range(self.ranks.size))
+        logger.debug(
+            "token_budget: step cut into %d micro-batches over %d ranks (%d per rank, this rank's own: %d); tokens "
+            "per rank max %d, mean %.1f",
+            len(runs),
+            self.ranks.size,
+            count,
+            len(mine),
+            *self.rank_tokens[-1],
+        )
+        over = sum(1 for p in pairs if tokens([p], self.packed) > self.budget)
+        return mine, over, count, smallest
 
     # -- training_step --
 
@@ -199,13 +259,17 @@ class TokenBudgetState:
         back out of TRL's `num_tokens`."""
         trainer = self.trainer
         metrics = trainer._metrics["train"]
-        tokens = getattr(trainer, "_total_train_tokens", 0) - self.tokens_before - self.padding_tokens
-        ranks = self.ranks.gather((self.sizes, self.record.local(), tokens))
-        if self.ranks.size > 1 and hasattr(trainer, "_total_train_tokens"):
-            # TRL counted this rank's tokens only (its gathers answered locally): the step's count is every rank's
-            trainer._total_train_tokens = self.tokens_before + sum(tokens for _, _, tokens in ranks)
-            metrics["num_tokens"] = [trainer._total_train_tokens]
-        for values in stock_values([(sizes, values) for sizes, values, _ in ranks]):
+        if self.ranks.size == 1:
+            step_values = self.record.stock_values(self.sizes)
+        else:
+            counted = getattr(trainer, "_total_train_tokens", 0) - self.tokens_before - self.padding_tokens
+            ranks = self.ranks.gather((self.recorded, self.record.local(), counted))
+            if hasattr(trainer, "_total_train_tokens"):
+                # TRL counted this rank's tokens only (its gathers answered locally): the step's count is every rank's
+                trainer._total_train_tokens = self.tokens_before + sum(r[2] for r in ranks)
+                metrics["num_tokens"] = [trainer._total_train_tokens]
+            step_values = stock_values_of_pairs([(r[0], r[1]) for r in ranks], self.global_sizes, self.slots)
+        for values in step_values:
             for name, value in values.items():
                 metrics[name].append(value)
         self.record = StepRecord()
@@ -279,6 +343,8 @@ class TokenBudgetState:
             self.padding_tokens += getattr(trainer, "_total_train_tokens", 0) - tokens_before
             return
         self.record.add(gathered, row_sums(outputs[0], inputs), appended)
+        if self.active is not None:
+            self.recorded.extend((p.batch, p.row) for p in self.active.pairs)
 
 
 def _local(tensor: Any, *args: Any, **kwargs: Any) -> Any:

@@ -1,0 +1,111 @@
+"""2-process (gloo, CPU, DDP) DPO training and evaluation, stock TRL and then `token_budget`, in the same processes.
+
+Launched by tests/plugins/test_token_budget_ranks.py as `torchrun --nproc_per_node 2 token_budget_ranks.py OUT_DIR`.
+Float64 models, SGD without clipping, gradient accumulation 2 (so a step's micro-batches are spread over two Trainer
+micro-steps), evaluation batches of 4 pairs per rank (so they are cut too). Each rank writes
+`OUT_DIR/<mode>.rank<r>.pt` with the logs, the plugin's per-step and per-evaluation-batch micro-batch counts, and on
+rank 0 the final parameters; `refused.rank<r>.pt` holds the message of the refused combination with `sync_metrics`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TQDM_DISABLE", "1")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from accelerate import PartialState  # noqa: E402
+from accelerate.state import AcceleratorState  # noqa: E402
+from trl import DPOConfig, DPOTrainer  # noqa: E402
+
+import trl_ext  # noqa: E402
+from trl_ext.testing import make_model, make_preference_dataset, make_tokenizer  # noqa: E402
+
+OUT = Path(sys.argv[1])
+STATE = PartialState(cpu=True, backend="gloo")
+RANK = STATE.process_index
+#: padded tokens; the pairs are up to ~50 tokens long: a micro-batch holds 1 pair, or 2 short ones
+BUDGET = 120
+TOKENIZER = make_tokenizer()
+TRAIN = make_preference_dataset(16, seed=1, max_prompt=24, max_completion=24)
+EVAL = make_preference_dataset(8, seed=2, max_prompt=24, max_completion=24)
+
+
+def build(mode: str) -> DPOTrainer:
+    AcceleratorState._reset_state(reset_partial_state=False)
+    args = DPOConfig(
+        output_dir=str(OUT / "run" / mode),
+        per_device_train_batch_size=2,
+        per_device_eval_batch_size=4,
+        gradient_accumulation_steps=2,
+        max_steps=2,
+        max_length=64,
+        logging_steps=1,
+        eval_strategy="steps",
+        eval_steps=1,
+        optim="sgd",
+        learning_rate=0.5,
+        lr_scheduler_type="constant",
+        max_grad_norm=0.0,
+        bf16=False,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        seed=0,
+        disable_tqdm=True,
+    )
+    return DPOTrainer(
+        model=make_model(dtype=torch.float64, num_layers=2, seed=0),
+        ref_model=make_model(dtype=torch.float64, num_layers=2, seed=1),
+        args=args,
+        train_dataset=TRAIN,
+        eval_dataset=EVAL,
+        processing_class=TOKENIZER,
+    )
+
+
+def run(mode: str) -> None:
+    installation = trl_ext.install(token_budget=BUDGET) if mode == "plugin" else None
+    try:
+        trainer = build(mode)
+        trainer.train()
+        record: dict = {"logs": [dict(entry) for entry in trainer.state.log_history], "rank": RANK}
+        context = trainer.__dict__.get("_trl_ext")
+        if mode == "plugin":
+            state = context.state["token_budget"]
+            record["micro_batch_counts"] = list(state.micro_batch_counts)
+            record["local_micro_batch_counts"] = list(state.local_micro_batch_counts)
+            record["eval_micro_batch_counts"] = list(state.eval_micro_batch_counts)
+        policy = trainer.accelerator.unwrap_model(trainer.model)
+        record["params"] = {n: p.detach().clone() for n, p in policy.named_parameters()} if RANK == 0 else {}
+        torch.save(record, OUT / f"{mode}.rank{RANK}.pt")
+    finally:
+        if installation is not None:
+            installation.uninstall()
+
+
+def refused() -> None:
+    with trl_ext.install(token_budget=BUDGET, sync_metrics=True):
+        try:
+            build("refused")
+        except trl_ext.UsageError as error:
+            torch.save({"refused": str(error)}, OUT / f"refused.rank{RANK}.pt")
+
+
+def main() -> None:
+    OUT.mkdir(parents=True, exist_ok=True)
+    for mode in ("stock", "plugin"):
+        run(mode)
+        dist.barrier()
+    refused()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
