@@ -205,16 +205,19 @@ def _assert_fused(c, record: dict) -> None:
 
 
 def _assert_token_budget(records: list[dict]) -> None:
-    """token_budget ran every step in lockstep: the same number of micro-batches on every rank, though the ranks' own
-    pairs cut into different numbers in some step (so zero-weight repeats ran) and into several in some step (so
-    micro-batches ran without gradient synchronisation before the step's last)."""
-    counts = [r["token_budget"]["micro_batch_counts"] for r in records]
-    local = [r["token_budget"]["local_micro_batch_counts"] for r in records]
+    """token_budget ran every step in lockstep: the same number of micro-batches on every rank, though the ranks got
+    different numbers of real ones in some step (so zero-weight repeats ran) and several in some step (so micro-batches
+    ran without gradient synchronisation before the step's last); pairs moved between ranks to balance tokens."""
+    budget = [r["token_budget"] for r in records]
+    counts = [b["micro_batch_counts"] for b in budget]
+    local = [b["local_micro_batch_counts"] for b in budget]
     assert counts[0] and all(c == counts[0] for c in counts), counts
     assert all(len(c) == len(counts[0]) for c in local), local
     assert [max(step) for step in zip(*local, strict=True)] == counts[0], (counts, local)
     assert any(len(set(step)) > 1 for step in zip(*local, strict=True)), f"the ranks never cut differently: {local}"
     assert max(counts[0]) > 1, counts
+    assert sum(sum(b["moved_pairs"]) for b in budget) > 0, "no pair ran on another rank than stock's"
+    assert all(b["rank_tokens"] == budget[0]["rank_tokens"] for b in budget) and budget[0]["rank_tokens"]
 
 
 @pytest.mark.parametrize("engine,name", MATRIX)
