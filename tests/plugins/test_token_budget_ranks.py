@@ -1,6 +1,6 @@
 """token_budget on several processes: the pure parts (padding the ranks' micro-batch counts, the metrics of a step
 rebuilt from every rank's per-pair values). The launched runs are the scale matrix's `dpo-token_budget` cells
-(tests/scale/) and `test_ddp_accumulation_and_evaluation_equal_stock` below."""
+(tests/scale/) and `test_accumulation_and_evaluation_equal_stock` below."""
 
 from __future__ import annotations
 
@@ -163,8 +163,10 @@ def test_stock_values_refuse_ranks_out_of_step():
 SCRIPT = Path(__file__).parent / "scripts" / "token_budget_ranks.py"
 WORLD = 2
 #: TRL 1.16 computes per-token log-probs in float32 (trl/kernels/chunked_logprob.py), here in batches of other shapes.
-#: Measured worst: trl 1.16, 2.8e-7 on a logged value (`eval_logits/rejected`) and 2.7e-7 on the parameter update;
-#: trl 1.12 (float64 log-probs), every logged value within the 1e-12 absolute floor and 4.2e-16 on the update.
+#: DeepSpeed reduces gradients in float32 (its default `communication_data_type` without fp16/bf16), once per
+#: backward. Measured worst, DDP: trl 1.16, 2.8e-7 on a logged value (`eval_logits/rejected`) and 2.7e-7 on the
+#: parameter update; trl 1.12 (float64 log-probs), every logged value within the 1e-12 absolute floor and 4.2e-16 on
+#: the update. ZeRO-2: trl 1.16, 1.7e-7 and 3.9e-7; trl 1.12, 3.2e-8 and 1.6e-7.
 RTOL = 2e-6
 _TIMING = re.compile(r"runtime|per_second")
 #: `logits/*` are means over tokens of each position's mean logit (8e-3 in magnitude on average for this model), which
@@ -179,16 +181,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def ddp_runs(tmp_path_factory) -> dict[str, list[dict]]:
-    out = tmp_path_factory.mktemp("token_budget_ranks")
+_RUNS: dict[str, dict[str, list[dict]]] = {}
+
+
+def _launch(engine: str, out: Path) -> dict[str, list[dict]]:
     env = dict(os.environ, OMP_NUM_THREADS="1", TQDM_DISABLE="1", TRL_EXPERIMENTAL_SILENCE="1")
     env["PYTHONWARNINGS"] = "ignore"
     for key in list(env):
         if key.startswith("TRL_EXT_") and key != "TRL_EXT_LOG_LEVEL":
             env.pop(key)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(WORLD)]
-    cmd += ["--master_port", str(_free_port()), str(SCRIPT), str(out)]
+    cmd += ["--master_port", str(_free_port()), str(SCRIPT), str(out), engine]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=420)
     assert proc.returncode == 0, f"{SCRIPT.name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return {
@@ -197,16 +200,34 @@ def ddp_runs(tmp_path_factory) -> dict[str, list[dict]]:
     }
 
 
+@pytest.fixture
+def runs(tmp_path_factory):
+    """The launch of an engine, once per session."""
+
+    def get(engine: str) -> dict[str, list[dict]]:
+        if engine not in _RUNS:
+            _RUNS[engine] = _launch(engine, tmp_path_factory.mktemp(f"token_budget_ranks_{engine}"))
+        return _RUNS[engine]
+
+    return get
+
+
 def _relative(a: float, b: float, scale: float) -> float:
     return abs(a - b) / max(scale, 1e-12) if abs(a - b) > 1e-12 else 0.0
 
 
+ENGINE_TYPES = {"ddp": "DistributedType.MULTI_CPU", "zero2": "DistributedType.DEEPSPEED"}
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_ddp_accumulation_and_evaluation_equal_stock(ddp_runs):
-    """Under DDP with gradient accumulation 2 and evaluation: every logged value (training and evaluation) and the
-    parameter update equal stock's, with the ranks in lockstep although their own pairs cut differently."""
-    stock, plugin = ddp_runs["stock"], ddp_runs["plugin"]
+@pytest.mark.parametrize("engine", [pytest.param("ddp"), pytest.param("zero2", marks=pytest.mark.deepspeed)])
+def test_accumulation_and_evaluation_equal_stock(runs, engine):
+    """Under DDP and ZeRO-2 with gradient accumulation 2 and evaluation: every logged value (training and evaluation)
+    and the parameter update equal stock's, with the ranks in lockstep although they run different numbers of real
+    micro-batches."""
+    stock, plugin = runs(engine)["stock"], runs(engine)["plugin"]
+    assert {r["distributed_type"] for r in stock + plugin} == {ENGINE_TYPES[engine]}
     counts = [r["micro_batch_counts"] for r in plugin]
     local = [r["local_micro_batch_counts"] for r in plugin]
     assert counts[0] == counts[1] and [max(s) for s in zip(*local, strict=True)] == counts[0], (counts, local)
@@ -242,6 +263,6 @@ def test_ddp_accumulation_and_evaluation_equal_stock(ddp_runs):
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_sync_metrics_is_refused_on_several_processes(ddp_runs):
-    for record in ddp_runs["refused"]:
+def test_sync_metrics_is_refused_on_several_processes(runs):
+    for record in runs("ddp")["refused"]:
         assert re.search(r"token_budget.*sync_metrics.*several processes", record["refused"]), record

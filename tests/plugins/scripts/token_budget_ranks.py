@@ -1,6 +1,7 @@
 """2-process (gloo, CPU, DDP) DPO training and evaluation, stock TRL and then `token_budget`, in the same processes.
 
-Launched by tests/plugins/test_token_budget_ranks.py as `torchrun --nproc_per_node 2 token_budget_ranks.py OUT_DIR`.
+Launched by tests/plugins/test_token_budget_ranks.py as `torchrun --nproc_per_node 2 token_budget_ranks.py OUT_DIR
+ENGINE`, ENGINE `ddp` or `zero2` (DeepSpeed ZeRO-2, which steps the engine on the synchronised backward).
 Float64 models, SGD without clipping, gradient accumulation 2 (so a step's micro-batches are spread over two Trainer
 micro-steps), evaluation batches of 4 pairs per rank (so they are cut too). Each rank writes
 `OUT_DIR/<mode>.rank<r>.pt` with the logs, the plugin's per-step and per-evaluation-batch micro-batch counts, and on
@@ -17,6 +18,16 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TQDM_DISABLE", "1")
 
+OUT, ENGINE = Path(sys.argv[1]), sys.argv[2]
+if ENGINE == "zero2":
+    # research/deepspeed_cpu.md: skip the shm op JIT build (unused by ZeRO), and create the gloo state before
+    # accelerate computes one for DeepSpeed on CPU.
+    import importlib
+
+    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from accelerate import PartialState  # noqa: E402
@@ -26,14 +37,32 @@ from trl import DPOConfig, DPOTrainer  # noqa: E402
 import trl_ext  # noqa: E402
 from trl_ext.testing import make_model, make_preference_dataset, make_tokenizer  # noqa: E402
 
-OUT = Path(sys.argv[1])
-STATE = PartialState(cpu=True, backend="gloo")
+STATE = PartialState(backend="gloo") if ENGINE == "zero2" else PartialState(cpu=True, backend="gloo")
 RANK = STATE.process_index
 #: padded tokens; the pairs are up to ~50 tokens long: a micro-batch holds 1 pair, or 2 short ones
 BUDGET = 120
 TOKENIZER = make_tokenizer()
 TRAIN = make_preference_dataset(16, seed=1, max_prompt=24, max_completion=24)
 EVAL = make_preference_dataset(8, seed=2, max_prompt=24, max_completion=24)
+
+
+def engine_args() -> dict:
+    if ENGINE == "ddp":
+        return {"use_cpu": True}
+    return {
+        "deepspeed": {
+            "train_micro_batch_size_per_gpu": "auto",
+            "train_batch_size": "auto",
+            "gradient_accumulation_steps": "auto",
+            "gradient_clipping": "auto",
+            "zero_optimization": {"stage": 2, "overlap_comm": False},
+            "zero_allow_untested_optimizer": True,
+            "bf16": {"enabled": False},
+            "fp16": {"enabled": False},
+            "steps_per_print": 10**9,
+        },
+        "accelerator_config": {"use_configured_state": True},
+    }
 
 
 def build(mode: str) -> DPOTrainer:
@@ -53,11 +82,11 @@ def build(mode: str) -> DPOTrainer:
         lr_scheduler_type="constant",
         max_grad_norm=0.0,
         bf16=False,
-        use_cpu=True,
         report_to=[],
         save_strategy="no",
         seed=0,
         disable_tqdm=True,
+        **engine_args(),
     )
     return DPOTrainer(
         model=make_model(dtype=torch.float64, num_layers=2, seed=0),
@@ -75,6 +104,7 @@ def run(mode: str) -> None:
         trainer = build(mode)
         trainer.train()
         record: dict = {"logs": [dict(entry) for entry in trainer.state.log_history], "rank": RANK}
+        record["distributed_type"] = str(trainer.accelerator.distributed_type)
         context = trainer.__dict__.get("_trl_ext")
         if mode == "plugin":
             state = context.state["token_budget"]
