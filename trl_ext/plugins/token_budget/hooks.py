@@ -74,12 +74,14 @@ def trl_ext_trainer_init_end(trainer: Any, context: Any) -> None:
     state = TokenBudgetState(trainer, budget, packed)
     context.state[NAME] = state
     install(trainer, context.patcher, state)
+    processes = trainer.accelerator.num_processes
     logger.info(
-        "token_budget: each optimizer step's %d x %d pairs run in micro-batches of at most %d %s tokens",
+        "token_budget: each optimizer step's %d x %d pairs run in micro-batches of at most %d %s tokens%s",
         trainer.args.per_device_train_batch_size,
         trainer.args.gradient_accumulation_steps,
         budget,
         "packed" if packed else "padded",
+        f"; the {processes} ranks' pairs are cut together, tokens balanced, in lockstep" if processes > 1 else "",
     )
 
 
