@@ -92,8 +92,8 @@ def _step(trainer):
     return loss, grads, {k: list(v) for k, v in trainer.stats.items() if v}
 
 
-def _compare(stock, fused):
-    prompt_ids, prompt_mask, completion_ids, completion_mask = _fixed_generation()
+def _compare(stock, fused, generation=None):
+    prompt_ids, prompt_mask, completion_ids, completion_mask = generation or _fixed_generation()
     assert fused._trl_ext.state["fused_logprobs"].in_head
     for model in (stock.model, stock.ref_model):
         if model is None:
@@ -175,8 +175,7 @@ def test_train_logs_equal_stock(build, others):
     with trl_ext.install(fused_logprobs=True, **others):
         fused = build(max_steps=2, gradient_checkpointing=True)
         assert set(fused._trl_ext.enabled) == {"fused_logprobs", *others}
-        # prompt_sharing runs the head on a packed row: the head passes its input through, scored after the forward
-        assert fused._trl_ext.state["fused_logprobs"].in_head == ("prompt_sharing" not in others)
+        assert fused._trl_ext.state["fused_logprobs"].in_head  # with prompt_sharing's packed rows too
         fused.train()
     assert fused._trl_ext.state["fused_logprobs"].fused_calls == 4
     logs = [[h for h in t.state.log_history if "loss" in h] for t in (stock, fused)]
@@ -192,20 +191,45 @@ def test_train_logs_equal_stock(build, others):
 
 
 @pytest.mark.slow
-def test_training_step_never_allocates_full_logits(build):
+@pytest.mark.parametrize("others", [{}, {"prompt_sharing": True}])
+def test_training_step_never_allocates_full_logits(build, others):
     """A whole training step (policy and reference scoring, loss, backward): no tensor of `rows * length * vocab`
-    elements; stock allocates one."""
+    elements; stock allocates one (with prompt_sharing too: it unpacks the shared row's logits to the padded
+    layout)."""
     prompt_ids, _, completion_ids, _ = _fixed_generation()
     full = completion_ids.size(0) * (prompt_ids.size(1) + completion_ids.size(1)) * VOCAB
-    stock = build()
+    with trl_ext.install(**others):
+        stock = build()
     with eq.LargestTensor() as sizes:
         _step(stock)
     assert sizes.largest >= full
-    with trl_ext.install(fused_logprobs=True, plugins={"fused_logprobs": {"chunk": 4}}):
+    with trl_ext.install(fused_logprobs=True, plugins={"fused_logprobs": {"chunk": 4}}, **others):
         fused = build()
     with eq.LargestTensor() as sizes:
         _step(fused)
     assert sizes.largest < full
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("prompt_lens", [(5, 9, 2), (5, 9, 0)])
+def test_prompt_sharing_equals_prompt_sharing_alone(build, prompt_lens, monkeypatch):
+    """With prompt_sharing the model runs on one packed row and the head scores the completion columns from it, inside
+    its one call: log-probs, loss, gradients and metrics equal prompt_sharing alone (float64; rows share their
+    prompts, chunk 4 crosses rows and branches). A row without prompt tokens has no packed position at the column
+    that predicts its first completion token: prompt_sharing gives it zero logits, the head -log(vocab)."""
+    from trl.experimental.online_dpo import OnlineDPOTrainer
+
+    generation = _fixed_generation(prompt_lens)
+    batch = (*generation, None)[: _generate_arity()]
+    monkeypatch.setattr(OnlineDPOTrainer, "_generate", lambda self, model, prompts, images=None: batch)
+    with trl_ext.install(prompt_sharing=True):
+        stock = build()
+    with trl_ext.install(fused_logprobs=True, prompt_sharing=True, plugins={"fused_logprobs": {"chunk": 4}}):
+        fused = build()
+    shared = fused._trl_ext.state["prompt_sharing"]
+    calls = shared.shared_calls
+    _compare(stock, fused, generation)
+    assert shared.shared_calls >= calls + 4  # every scoring call ran on the shared row (2 forwards, 2 in the step)
 
 
 @pytest.mark.slow
@@ -293,7 +317,7 @@ class _Namespace:
         self.__dict__.update(kwargs)
 
 
-def _engine_setup(trainer_class, *, zero_stage=None, fsdp=False, prompt_sharing=False, head_adapter=False):
+def _engine_setup(trainer_class, *, zero_stage=None, fsdp=False, head_adapter=False):
     """A trainer and context carrying only what `hooks._check_engine` reads (its engine flags, the models' heads)."""
     from trl_ext.plugins.fused_logprobs.online import FusedState
 
@@ -307,7 +331,7 @@ def _engine_setup(trainer_class, *, zero_stage=None, fsdp=False, prompt_sharing=
         accelerator=_Namespace(state=_Namespace(deepspeed_plugin=plugin)),
     )
     context = _Namespace(trainer_class=trainer_class, models=lambda: {"policy": model})
-    state = FusedState(in_head=trainer_class != "DPOTrainer" and not prompt_sharing)
+    state = FusedState(in_head=trainer_class != "DPOTrainer")
     return trainer, context, state
 
 
@@ -316,18 +340,16 @@ def _engine_setup(trainer_class, *, zero_stage=None, fsdp=False, prompt_sharing=
     [
         ("OnlineDPOTrainer", {"zero_stage": 3}, None),
         ("OnlineDPOTrainer", {"fsdp": True}, None),
-        ("OnlineDPOTrainer", {"zero_stage": 2, "prompt_sharing": True, "head_adapter": True}, None),
+        ("OnlineDPOTrainer", {"zero_stage": 2, "head_adapter": True}, None),
         ("OnlineDPOTrainer", {"fsdp": True, "head_adapter": True}, None),
-        ("OnlineDPOTrainer", {"zero_stage": 3, "prompt_sharing": True}, r"prompt_sharing does not run under Deep"),
-        ("OnlineDPOTrainer", {"fsdp": True, "prompt_sharing": True}, r"prompt_sharing does not run under FSDP.*DDP"),
         ("OnlineDPOTrainer", {"zero_stage": 3, "head_adapter": True}, r"ZeRO-3 with the policy.*\['adapter'\]"),
         ("DPOTrainer", {"zero_stage": 3}, r"does not run under DeepSpeed ZeRO-3 with this TRL's DPOTrainer.*ZeRO-2"),
         ("DPOTrainer", {"fsdp": True}, r"does not run under FSDP with this TRL's DPOTrainer.*DDP"),
     ],
 )
 def test_engines(trainer_class, setup, match):
-    """Online DPO scores inside the head's call under ZeRO-3 and FSDP; refused there: prompt_sharing (the head is
-    applied after the forward), a ZeRO-3 head with parameterized sub-modules, DPO on TRL < 1.15."""
+    """Online DPO scores inside the head's call under ZeRO-3 and FSDP (with prompt_sharing too); refused there: a
+    ZeRO-3 head with parameterized sub-modules, DPO on TRL < 1.15."""
     from trl_ext.plugins.fused_logprobs.hooks import _check_engine
 
     trainer, context, state = _engine_setup(trainer_class, **setup)
@@ -336,3 +358,34 @@ def test_engines(trainer_class, setup, match):
     else:
         with pytest.raises(trl_ext.UsageError, match=match):
             _check_engine(trainer, context, state)
+
+
+def test_head_scores_from_announced_packed_positions():
+    """Inside a packed call the head gathers the scored columns from the packed row through the announced positions
+    (two rows sharing packed positions, one column the packed row does not compute): equal to the padded head's
+    log-probs, -log(vocab) where nothing computes the column, and the output is marked padded."""
+    from trl_ext.plugins._packing.positions import PackedPositions, packed_positions
+    from trl_ext.plugins.fused_logprobs.online import ScoreCall
+
+    g = torch.Generator().manual_seed(0)
+    head = torch.nn.Linear(4, 11, dtype=torch.float64)
+    rows, length, n = 2, 5, 7
+    packed_hidden = torch.randn(1, n, 4, dtype=torch.float64, generator=g)
+    padded = torch.tensor([1, 2, 3, 4, 5, 6, 7, 8, 9])  # row 0 column 0 is not computed
+    packed = torch.tensor([0, 1, 2, 3, 0, 1, 4, 5, 6])  # row 1 shares packed positions 0, 1 with row 0
+    targets = torch.randint(0, 11, (rows, 3), generator=g)
+    scored = torch.tensor([[True, True, False], [True, False, False]])
+    positions = PackedPositions(rows, length, padded, packed)
+    request = ScoreCall("policy", targets, scored, length, 0, 3, chunk=2)
+    with packed_positions(positions):
+        got = request.run(head, head.forward, packed_hidden, (), {})
+    index = positions.index()
+    assert index[0, 0] == -1 and index[1, 1] == 1
+    hidden = packed_hidden[0][index.clamp(min=0)]
+    want = head(hidden[:, :3]).log_softmax(-1).gather(-1, targets[..., None])[..., 0]
+    want[0, 0] = -torch.log(torch.tensor(11.0, dtype=torch.float64))
+    assert positions.padded_output
+    assert torch.allclose(got, want, rtol=1e-12, atol=0)
+    with packed_positions(PackedPositions(rows, length + 1, padded, packed)):
+        with pytest.raises(trl_ext.UsageError, match=r"packed call for 2 rows of 6 positions"):
+            ScoreCall("policy", targets, scored, length, 0, 3, chunk=2).run(head, head.forward, packed_hidden, (), {})

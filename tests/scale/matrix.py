@@ -263,21 +263,16 @@ CELLS: tuple[Cell, ...] = (
         baseline="online-stock",
         expect=ALL,
     ),
-    # With prompt_sharing the model runs on packed rows: the head passes its input through and is called per chunk
-    # after the forward (as DPO on TRL < 1.15), so the pair is refused where the head's parameters are gathered per
-    # call. Compared with prompt_sharing alone: what differs is fused_logprobs.
+    # With prompt_sharing the model runs on packed rows: the head, inside its one call, reads the scored columns'
+    # hidden states from the packed row (the positions prompt_sharing announces) and returns the padded log-probs.
+    # Compared with prompt_sharing alone: what differs is fused_logprobs.
     Cell(
         "online-fused_logprobs-prompt_sharing",
         "online_dpo",
         {"fused_logprobs": True, "prompt_sharing": True},
         options={"fused_logprobs": {"chunk": FUSED_CHUNK}},
         baseline="online-prompt_sharing",
-        expect=_on(
-            "ddp",
-            "zero2",
-            zero3=Expect(REFUSE, r"fused_logprobs with prompt_sharing does not run under DeepSpeed ZeRO-3.*DDP"),
-            fsdp2=Expect(REFUSE, r"fused_logprobs with prompt_sharing does not run under FSDP.*DDP"),
-        ),
+        expect=ALL,
     ),
 )
 

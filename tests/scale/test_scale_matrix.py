@@ -197,10 +197,10 @@ def _assert_fused(c, record: dict) -> None:
     assert fused["self_checks"] == ["policy", "ref"], fused
     assert fused["fused_calls"] > 0, fused
     assert head["whole"] == head["calls"] and head["calls_backward_whole"] == head["calls_backward"], head
-    if c.trainer == "online_dpo" and "prompt_sharing" not in c.flags:  # chunks inside the module's call
+    if c.trainer == "online_dpo":  # chunks inside the module's call (from the packed row with prompt_sharing)
         assert head["backward"] > 0 and head["calls_backward"] == 0, head
         assert head["chunks_whole"] == head["chunks"] and head["backward_whole"] == head["backward"], head
-    else:  # chunks through the module after the forward (packed rows; DPO on TRL < 1.15), recomputed in backward
+    else:  # chunks through the module after the forward (DPO on TRL < 1.15), recomputed in backward
         assert head["calls_backward"] > 0 and head["chunks"] == 0, head
 
 

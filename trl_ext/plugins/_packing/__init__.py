@@ -7,6 +7,8 @@
   `unregister_attention`, `packed_or_base_attention`, `packed_or_base_mask`).
 - `glue`: what a packing plugin needs around the model: `check_packable_trainer`, `AnnotatingCollator`,
   `scoring_call`, `positional_input_ids`, `repad_outputs`, `VISION_KEYS`.
+- `positions`: the packed position of each padded position, announced around a packed call to the modules inside it
+  (`PackedPositions`, `packed_positions`, `current_packed_positions`).
 
 This package imports nothing itself; import the submodule that owns a name. The submodules import torch (and
 `attention` transformers), so plugins import them from their hooks modules only, never from their declarations.

@@ -13,8 +13,9 @@ log-probs and the model passes them through as its `logits`. In the backward pas
 (a per-chunk checkpoint of the head's own code, so a bias and a PEFT adapter on the head keep working). The head
 module is called once per forward on every rank, as stock, under the autocast state of the model's forward, and with
 the parameters DeepSpeed ZeRO-3 or FSDP2 gather for that call in place (ZeRO-3's pre-backward hook on the head's
-output gathers them again before the recomputation). With prompt_sharing (which runs the model on a packed row) the
-head passes its input through instead and is applied after the forward.
+output gathers them again before the recomputation). With prompt_sharing the model runs on one packed row; the head
+then reads the hidden states of the scored columns through the packed positions prompt_sharing announces around that
+call (`_packing.positions`) and returns the padded `[rows, C]` log-probs itself, still inside its one call.
 
 Positions after a completion's end: TRL masks them in the loss but sums their log-probs into `objective/kl`,
 `objective/entropy`, `objective/non_score_reward` and `objective/rlhf_reward`. They are computed without gradients
@@ -37,8 +38,7 @@ own stock logits must equal its output head's output on the hidden states it rec
 model returns must equal the stock `log_softmax` (float64: 1e-10 relative). Refused with `trl_ext.UsageError`, naming
 the mechanism: final logit softcapping, logit scaling (`logit_scale`, `logits_scaling`), models without an output
 head module, heads the model does not call as a module, vision-language models, any model failing the self-check;
-and, when the trainer is built, under DeepSpeed ZeRO-3 or FSDP: prompt_sharing together with fused_logprobs (the head
-is applied after the forward, outside the call that gathers its parameters), under ZeRO-3 an output head with
+and, when the trainer is built, under DeepSpeed ZeRO-3 or FSDP: under ZeRO-3 an output head with
 parameterized sub-modules (e.g. a PEFT adapter on the head: ZeRO-3 would gather them once per chunk, and the ranks'
 chunk counts differ), and DPO on TRL < 1.15 (below). DDP, ZeRO-2, ZeRO-3 and FSDP2 equal stock (tests/scale).
 

@@ -17,9 +17,6 @@ from .selfcheck import head_mechanism, self_check
 
 logger = get_logger(__name__)
 
-#: The plugin whose shared forward runs the output head on a packed row (Online DPO then scores after the forward).
-PROMPT_SHARING = "prompt_sharing"
-
 
 def _state(context: Any) -> FusedState:
     state = context.state.get(NAME)
@@ -90,8 +87,8 @@ def _sharded_engine(trainer: Any) -> str | None:
 
 def _check_engine(trainer: Any, context: Any, state: FusedState) -> None:
     """Refuse what the head's parameter gathering under ZeRO-3 / FSDP does not keep in step across ranks: a head
-    applied after the model's forward (DPO on this TRL, Online DPO with prompt_sharing), and under ZeRO-3 a head with
-    sub-modules of its own (each chunk's call of such a sub-module would gather its parameters)."""
+    applied after the model's forward (DPO on this TRL), and under ZeRO-3 a head with sub-modules of its own (each
+    chunk's call of such a sub-module would gather its parameters)."""
     engine = _sharded_engine(trainer)
     if engine is None:
         return
@@ -107,13 +104,6 @@ def _check_engine(trainer: Any, context: Any, state: FusedState) -> None:
             "call gathers the head's parameters, and the number of chunks follows each rank's completion lengths, so "
             "the ranks' collectives would fall out of step. Use ZeRO-2 or DDP with fused_logprobs, or train without "
             "it under ZeRO-3."
-        )
-    if not state.in_head:
-        raise UsageError(
-            f"fused_logprobs with prompt_sharing does not run under {engine}: prompt_sharing runs the model on a "
-            "packed row, so the output head passes its input through and is applied after the model's forward, "
-            "outside the call that gathers its parameters. Under this engine use fused_logprobs or prompt_sharing, "
-            "not both (both together run under DDP and DeepSpeed ZeRO-2)."
         )
     if engine == "DeepSpeed ZeRO-3":
         for role, model in context.models().items():
@@ -134,9 +124,9 @@ def trl_ext_trainer_models_ready(trainer: Any, context: Any) -> None:
     if context.trainer_class == "DPOTrainer" and _dpo_has_fused_head():
         return
     state = _state(context)
-    # Online DPO scores inside the head's call, except with prompt_sharing (its shared forward runs the head on a
-    # packed row): there the head passes its input through and is applied after the forward.
-    state.in_head = context.trainer_class != "DPOTrainer" and not context.is_enabled(PROMPT_SHARING)
+    # Online DPO scores inside the head's call (with prompt_sharing too: the head reads its columns from the packed
+    # row through the positions prompt_sharing announces around its shared call).
+    state.in_head = context.trainer_class != "DPOTrainer"
     _check_engine(trainer, context, state)
     models = context.models()
     packing = tuple(n for n in context.plugins_serving(PACKING) if context.is_enabled(n))
@@ -155,9 +145,8 @@ def trl_ext_trainer_models_ready(trainer: Any, context: Any) -> None:
     method = _compat.ONLINE_DPO_FORWARD_METHOD
     context.patcher.setattr(trainer, method, make_fused_forward(trainer, state, role_of))
     logger.info(
-        "fused_logprobs: Online DPO scores completions in chunks of %s positions, %s",
+        "fused_logprobs: Online DPO scores completions in chunks of %s positions inside the output head's call",
         state.chunks,
-        "inside the output head's call" if state.in_head else "after the forward (prompt_sharing's packed rows)",
     )
 
 

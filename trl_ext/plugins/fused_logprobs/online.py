@@ -15,11 +15,13 @@ call:
   original `forward`. This runs inside the head module's own call, once per model forward on every rank as stock, so
   DeepSpeed ZeRO-3's gathered parameters (its pre-forward hook, and its pre-backward hook on the head's output for the
   recomputation of each chunk in backward) and FSDP2's unsharded root parameters are in place. The model passes the
-  head's output through as its `logits`.
+  head's output through as its `logits`. When a packing plugin (prompt_sharing) runs the call on one packed row, it
+  announces which packed position computes each padded position (`_packing.positions`): the head gathers the hidden
+  states of the scored columns from the packed row, returns them as `[rows, C]` and tells the plugin that its output
+  is padded already.
 - pass-through (`pass_through()`): the head returns its input, the model returns its last hidden states, and the head
-  module is applied after the forward. Used by DPO on TRL < 1.15 (`dpo.py`) and, with prompt_sharing (whose shared
-  forward runs the head on a packed row and scatters its output back to the padded layout), by Online DPO; neither
-  runs under ZeRO-3 or FSDP (refused in `hooks.py`).
+  module is applied after the forward. Used by DPO on TRL < 1.15 (`dpo.py`), which does not run under ZeRO-3 or FSDP
+  (refused in `hooks.py`).
 - recording (a `ScoreCall` without targets, the self-check): the head runs as stock and keeps its output.
 """
 
@@ -29,6 +31,7 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -37,6 +40,7 @@ import torch
 from ... import _compat
 from ...context import unwrap_causal_lm
 from ...errors import UsageError
+from .._packing.positions import PackedPositions, current_packed_positions
 from .chunked import auto_chunk, token_logprobs
 
 __all__ = [
@@ -82,7 +86,9 @@ def head_chunk(forward: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Te
 class ScoreCall:
     """A scoring request for the next output-head call: the log-probs of `targets` at the head input's columns
     `[start, end)`, `chunk` positions at a time; `scored` (bool, shaped like `targets`) names those with gradients.
-    Without `targets` the head runs as stock and keeps its output in `output` (the self-check)."""
+    Without `targets` the head runs as stock and keeps its output in `output` (the self-check). Inside a packed call
+    (`_packing.positions`) the head input is the packed row `[1, N, H]` and the columns are read through the
+    announced positions."""
 
     role: str
     targets: torch.Tensor | None = None
@@ -104,6 +110,9 @@ class ScoreCall:
                 "the hidden states; the fused path cannot reproduce that call. Train it without fused_logprobs."
             )
         rows = self.targets.size(0)
+        packed = current_packed_positions()
+        if packed is not None:
+            return self._run_packed(head, forward, hidden, packed)
         if hidden.dim() != 3 or tuple(hidden.shape[:2]) != (rows, self.columns):
             raise UsageError(
                 f"fused_logprobs: the {self.role} model passed its output head a {tuple(hidden.shape)} tensor, not "
@@ -119,6 +128,39 @@ class ScoreCall:
             parameters=head.parameters(),
         )
 
+    def _run_packed(
+        self, head: torch.nn.Module, forward: Callable, hidden: torch.Tensor, packed: PackedPositions
+    ) -> torch.Tensor:
+        assert self.targets is not None
+        rows = self.targets.size(0)
+        if hidden.dim() != 3 or hidden.size(0) != 1 or (packed.rows, packed.length) != (rows, self.columns):
+            raise UsageError(
+                f"fused_logprobs: the {self.role} model ran a packed call for {packed.rows} rows of {packed.length} "
+                f"positions and passed its output head a {tuple(hidden.shape)} tensor, not one packed row of hidden "
+                f"states for the {rows} rows of {self.columns} positions scored; the fused path cannot tell which "
+                "positions it holds. Train it without fused_logprobs or without the packing plugin."
+            )
+        index = packed.index()[:, self.start : self.end]  # [rows, C] packed position of each scored column
+        missing = index < 0
+        gathered = hidden[0].index_select(0, index.clamp(min=0).reshape(-1)).view(*index.shape, hidden.size(-1))
+        scored = ~missing if self.scored is None else self.scored.bool() & ~missing
+        values = token_logprobs(
+            gathered,
+            self.targets,
+            lambda h: head_chunk(forward, h),
+            chunk=self.chunk,
+            scored=scored,
+            parameters=head.parameters(),
+        )
+        if bool(missing.any()):
+            # a column the packed row does not compute (a row without tokens there): the packing plugin gives it zero
+            # logits, whose log_softmax is -log(vocab)
+            with torch.no_grad():
+                vocab = head_chunk(forward, hidden[0, :1]).size(-1)
+            values = values.masked_fill(missing, -math.log(vocab))
+        packed.padded_output = True
+        return values
+
 
 #: While set, the patched output head runs the request (once) and returns what it computes.
 _SCORE: contextvars.ContextVar[ScoreCall | None] = contextvars.ContextVar("trl_ext_head_score", default=None)
@@ -129,7 +171,7 @@ class FusedState:
     """Per-trainer state of the plugin (`context.state["fused_logprobs"]`)."""
 
     chunk: str | int = "auto"
-    #: Online DPO: score inside the head's call (False: the head passes its input through, see the module docstring)
+    #: score inside the head's call (Online DPO); False: the head passes its input through (DPO, `dpo.py`)
     in_head: bool = True
     #: the chunk each model scores with, by role
     chunks: dict[str, int] = dataclasses.field(default_factory=dict)
@@ -262,14 +304,7 @@ def make_fused_forward(trainer: Any, state: FusedState, roles: Callable[[Any], s
         # The completion tokens carry gradients; the positions after an end are computed without (TRL masks them in
         # the loss and sums them into its KL and entropy metrics).
         scored = completion_mask.bool()
-        if state.in_head:
-            request = ScoreCall(role, completion_ids, scored, ids.size(1), start, end, chunk)
-            return run_scoring(model, request, ids, attention_mask=mask).logits
-        hidden, call = hidden_states(model, role, ids, attention_mask=mask)
-        hidden = hidden[:, start:end]
-        # The head runs under the autocast state it had inside the model's forward (accelerate's mixed precision
-        # wraps the prepared forward; a checkpointed chunk recomputes under the same state).
-        with call.autocast_context():
-            return token_logprobs(hidden, completion_ids, head, chunk=chunk, scored=scored)
+        request = ScoreCall(role, completion_ids, scored, ids.size(1), start, end, chunk)
+        return run_scoring(model, request, ids, attention_mask=mask).logits
 
     return _forward

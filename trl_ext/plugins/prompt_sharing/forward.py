@@ -13,6 +13,10 @@ shared row, with the segments for the shared attention, and scatters the per-tok
 - logits: `[rows, length, vocab]` (zeros at padding);
 - backbone: `last_hidden_state` as `[rows, length, hidden]`.
 
+Around the causal LM's shared call, the padded position each shared token computes is announced
+(`_packing.positions`); a module inside that returns its output in the padded layout already (fused_logprobs' output
+head, scoring Online DPO's completion columns) says so, and that output is returned as it is.
+
 Every real token of a row reads the shared token that stands for it; the scatter is an `index_select`, so the
 gradient that reaches a shared prompt token is the sum of what both branches send it.
 """
@@ -30,6 +34,7 @@ import torch
 from ... import _compat
 from ..._logging import get_logger
 from .._packing.glue import positional_input_ids, repad_outputs, scoring_call
+from .._packing.positions import PackedPositions, packed_positions
 from .attention import GROUPS_KWARG, shared_call
 from .layout import (
     LAYOUT_KEY,
@@ -143,10 +148,15 @@ def make_causal_lm_forward(
     """
 
     def run(kwargs: dict[str, Any], layout: SharedLayout) -> Any:
-        with shared_call(), aux_loss.capture() if aux_loss is not None else contextlib.nullcontext():
-            outputs = original(**shared_kwargs(kwargs, layout))
+        # announced to the modules inside (fused_logprobs' output head scores padded positions from the shared row)
+        positions = PackedPositions(layout.rows, layout.length, layout.real_flat, layout.real_shared)
+        with shared_call(), packed_positions(positions):
+            with aux_loss.capture() if aux_loss is not None else contextlib.nullcontext():
+                outputs = original(**shared_kwargs(kwargs, layout))
         if aux_loss is not None:
             aux_loss.apply(outputs, layout, kwargs["attention_mask"])
+        if positions.padded_output:  # a module inside returned the padded layout already
+            return outputs
         return _unpack_outputs(outputs, layout, bool(kwargs.get("fused_lm_head")))
 
     @functools.wraps(original)

@@ -1,0 +1,68 @@
+"""Where a packed model call computes each position of the padded batch it stands for.
+
+A packing plugin that runs a padded `[rows, length]` call on one packed row `[1, N]` announces, around that call
+(`packed_positions`), which packed position computes each padded position. A module inside the model that works on
+per-position inputs (fused_logprobs' output head, which scores chosen padded positions) reads the announcement
+(`current_packed_positions`) and, when it returns its output in the padded layout already, says so
+(`PackedPositions.padded_output`): the packing plugin then leaves that output as it is instead of unpacking it.
+
+Nothing here imports TRL or transformers; torch is imported at module level.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Iterator
+
+import torch
+
+__all__ = ["PackedPositions", "current_packed_positions", "packed_positions"]
+
+
+@dataclasses.dataclass
+class PackedPositions:
+    """The packed positions of a padded `[rows, length]` call run on one packed row.
+
+    Attributes:
+        rows (`int`), length (`int`): the padded shape.
+        padded (`torch.LongTensor` of shape `(M,)`): flat padded positions (`row * length + column`) that the packed
+            row computes.
+        packed (`torch.LongTensor` of shape `(M,)`): the packed position that computes each of them (several padded
+            positions may share one, e.g. a prompt token computed once for two rows).
+        padded_output (`bool`): set by a module inside the call that returned its output in the padded layout; the
+            packing plugin then does not unpack the model's output.
+    """
+
+    rows: int
+    length: int
+    padded: torch.Tensor
+    packed: torch.Tensor
+    padded_output: bool = False
+
+    def index(self) -> torch.Tensor:
+        """`[rows, length]`: the packed position of each padded position, -1 where the packed row has none."""
+        out = torch.full((self.rows * self.length,), -1, dtype=torch.long, device=self.packed.device)
+        out = out.index_copy(0, self.padded.to(out.device), self.packed.to(torch.long))
+        return out.view(self.rows, self.length)
+
+
+_PACKED_POSITIONS: contextvars.ContextVar[PackedPositions | None] = contextvars.ContextVar(
+    "trl_ext_packed_positions", default=None
+)
+
+
+@contextlib.contextmanager
+def packed_positions(positions: PackedPositions) -> Iterator[PackedPositions]:
+    """Announce `positions` to the modules called inside the block (one packed model call)."""
+    token = _PACKED_POSITIONS.set(positions)
+    try:
+        yield positions
+    finally:
+        _PACKED_POSITIONS.reset(token)
+
+
+def current_packed_positions() -> PackedPositions | None:
+    """The announcement of the packed call being run, or None outside one."""
+    return _PACKED_POSITIONS.get()
