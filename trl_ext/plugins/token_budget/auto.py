@@ -139,7 +139,8 @@ def _untouched(trainer: Any) -> Iterator[None]:
 
     model = trainer.model
     training = model.training
-    metrics = {mode: {k: list(v) for k, v in values.items()} for mode, values in trainer._metrics.items()}
+    kept = getattr(trainer, "_metrics", {})
+    metrics = {mode: {k: list(v) for k, v in values.items()} for mode, values in kept.items()}
     total_tokens = getattr(trainer, "_total_train_tokens", None)
     device = trainer.args.device
     devices = [device] if device.type == "cuda" else []
@@ -149,7 +150,7 @@ def _untouched(trainer: Any) -> Iterator[None]:
     finally:
         model.zero_grad(set_to_none=True)
         model.train(training)
-        for mode, values in trainer._metrics.items():
+        for mode, values in kept.items():
             values.clear()
             values.update(metrics.get(mode, {}))
         if total_tokens is not None:
@@ -233,15 +234,15 @@ def measure(trainer: Any, kind: Layout, options: Any) -> AutoBudget:
             if k >= limit:
                 break
             k = min(2 * k, limit)
-    if not fitting:
-        raise UsageError(
-            f'`{NAME}="auto"`: one training step on the heaviest pair ({failed} {kind} tokens) needs more than the '
-            f"memory budget of {memory / 2**20:.0f} MiB. Raise `plugins.{NAME}.ram_budget` (CPU), shorten "
-            "`max_length`, or set a number of tokens."
-        )
-    budget = choose(fitting, memory, cap, failed)
-    if ranks.world > 1:  # every rank cuts by the same budget: the smallest any rank can hold
+    budget = choose(fitting, memory, cap, failed) if fitting else 0
+    if ranks.world > 1:  # every rank cuts by the same budget: the smallest any rank can hold (0: one could not)
         budget = min(ranks.all_gather(budget))
+    if budget == 0:
+        raise UsageError(
+            f'`{NAME}="auto"`: one training step on the heaviest pair ({failed} {kind} tokens on this process) needs '
+            f"more than the memory budget of {memory / 2**20:.0f} MiB. Raise `plugins.{NAME}.ram_budget` (CPU), "
+            "shorten `max_length`, or set a number of tokens."
+        )
     result = AutoBudget(budget, kind, memory, device.type, tuple(fitting), stop)
     if ranks.is_main:
         logger.log(NOTICE, "%s", result.line())
