@@ -3,7 +3,7 @@
 Launched by tests/plugins/test_token_budget_ranks.py as `torchrun --nproc_per_node 2 token_budget_ranks.py OUT_DIR
 ENGINE`, ENGINE `ddp` or `zero2` (DeepSpeed ZeRO-2, which steps the engine on the synchronised backward).
 Float64 models, SGD without clipping, gradient accumulation 2 (so a step's micro-batches are spread over two Trainer
-micro-steps), evaluation batches of 4 pairs per rank (so they are cut too). Each rank writes
+micro-steps) and an uneven last step, evaluation batches of 4 pairs per rank (so they are cut too). Each rank writes
 `OUT_DIR/<mode>.rank<r>.pt` with the logs, the plugin's per-step and per-evaluation-batch micro-batch counts, and on
 rank 0 the final parameters; `refused.rank<r>.pt` holds the message of the refused combination with `sync_metrics`.
 """
@@ -42,7 +42,9 @@ RANK = STATE.process_index
 #: padded tokens; the pairs are up to ~50 tokens long: a micro-batch holds 1 pair, or 2 short ones
 BUDGET = 120
 TOKENIZER = make_tokenizer()
-TRAIN = make_preference_dataset(16, seed=1, max_prompt=24, max_completion=24)
+#: 18 pairs, 2 per rank and micro-batch: 5 micro-batches per rank (accelerate completes the last with pairs from the
+#: start), so one epoch is 2 steps of 2 micro-batches and a last step of 1
+TRAIN = make_preference_dataset(18, seed=1, max_prompt=24, max_completion=24)
 EVAL = make_preference_dataset(8, seed=2, max_prompt=24, max_completion=24)
 
 
@@ -72,7 +74,7 @@ def build(mode: str) -> DPOTrainer:
         per_device_train_batch_size=2,
         per_device_eval_batch_size=4,
         gradient_accumulation_steps=2,
-        max_steps=2,
+        num_train_epochs=1,
         max_length=64,
         logging_steps=1,
         eval_strategy="steps",
