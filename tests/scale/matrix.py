@@ -265,7 +265,8 @@ CELLS: tuple[Cell, ...] = (
     ),
     # With prompt_sharing the model runs on packed rows: the head, inside its one call, reads the scored columns'
     # hidden states from the packed row (the positions prompt_sharing announces) and returns the padded log-probs.
-    # Compared with prompt_sharing alone: what differs is fused_logprobs.
+    # Compared with prompt_sharing alone: what differs is fused_logprobs. Measured on trl 1.16 and 1.12 under all four
+    # engines: every logged value within the 1e-12 absolute floor, the parameter update within 4.5e-17 relative.
     Cell(
         "online-fused_logprobs-prompt_sharing",
         "online_dpo",
