@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
+import functools
 import json
 import os
 import subprocess
@@ -68,7 +70,7 @@ SIZES = {
             vocab_size=32000, hidden_size=1024, num_layers=8, num_heads=16, num_kv_heads=8, intermediate_size=2816
         ),
         data=dict(prompt_median=120, completion_median=100, sigma=0.9, max_prompt=1024, max_completion=1024),
-        low=64, high=2048, pairs=32, stock_batch=4, steps=2, rounds=5, first_budget=4096,
+        low=64, high=2048, pairs=32, stock_batch=4, steps=2, rounds=3, first_budget=4096,
     ),
 }  # fmt: skip
 #: the budgets tried grow by this factor from `--first-budget` until the peak passes the limit
@@ -89,10 +91,20 @@ def make_dataset(n: int, size: str, seed: int):
     return Dataset.from_list(kept[:n])
 
 
+@functools.cache
+def _models(size: str) -> tuple:
+    """The policy (seed 0) and reference (seed 1) of `size`, built once per process: a random init of the GPU size
+    takes seconds on the host."""
+    from trl_ext.testing import make_model
+
+    model = SIZES[size]["model"]
+    return make_model(**model, seed=0), make_model(**model, seed=1)
+
+
 def make_trainer(config: dict, size: str, device: str, dataset, out: str):
     from trl import DPOConfig, DPOTrainer
 
-    from trl_ext.testing import make_model, make_tokenizer
+    from trl_ext.testing import make_tokenizer
 
     model = SIZES[size]["model"]
     args = DPOConfig(
@@ -112,8 +124,8 @@ def make_trainer(config: dict, size: str, device: str, dataset, out: str):
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
     trainer = DPOTrainer(
-        make_model(**model, seed=0),
-        ref_model=make_model(**model, seed=1),
+        copy.deepcopy(_models(size)[0]),  # every trainer trains its own copy
+        ref_model=copy.deepcopy(_models(size)[1]),
         args=args,
         train_dataset=dataset,
         processing_class=make_tokenizer(model["vocab_size"]),
