@@ -10,8 +10,9 @@ than the budget runs alone, and one warning line per step says so.
 
 What the budget counts: alone, padded tokens (`2 x pairs x longest sequence`); with a packing plugin (the plugin
 that holds the `packing` role for the trainer, which then collates each micro-batch), real tokens: under padding_free
-both sequences of every pair, under prompt_sharing the prompt once and both completions (what its shared row holds; a
-pair that `max_length` truncates counts both sequences, since `truncation_mode="keep_end"` may leave it unshared).
+both sequences of every pair, under prompt_sharing what its shared row holds: the prompt once and each completion
+after a copy of the prompt's last token (a pair that `max_length` truncates counts both sequences, since
+`truncation_mode="keep_end"` may leave it unshared).
 Sequences count at most `DPOConfig.max_length`.
 
 ```python

@@ -27,8 +27,8 @@ class Layout(str, enum.Enum):
 
     - `padded` (no packing plugin): `2 x pairs x longest sequence`;
     - `packed` (padding_free): the real tokens of both sequences of every pair;
-    - `prompt-shared` (prompt_sharing): the real tokens of a pair with its prompt counted once (prompt + chosen +
-      rejected completions).
+    - `prompt-shared` (prompt_sharing): the tokens of a pair's shared row, its prompt counted once (prompt, then
+      each completion after a copy of the prompt's last token).
 
     Truthy when the collator packs (`packed` and `prompt-shared`), so it stands where a "packed" flag is expected.
     """
