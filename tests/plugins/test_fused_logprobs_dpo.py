@@ -251,9 +251,10 @@ def test_train_with_padding_free(build):
 
 
 @pytest.mark.slow
-def test_peft_reference_is_adapter_disabled_model(build):
+@pytest.mark.parametrize("packing", [None, "padding_free"])
+def test_peft_reference_is_adapter_disabled_model(build, packing):
     """PEFT policy without a reference model: TRL's reference is the adapter-disabled policy (its forward is fused
-    too); sigmoid loss, log-probs, loss, gradients and metrics equal."""
+    too, packed with padding_free); sigmoid loss, log-probs, loss, gradients and metrics equal."""
     pytest.importorskip("peft")
     from peft import LoraConfig
 
@@ -261,7 +262,11 @@ def test_peft_reference_is_adapter_disabled_model(build):
         return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
 
     stock = build(ref=False, peft_config=lora())
-    with trl_ext.install(fused_logprobs=True, plugins={"fused_logprobs": {"chunk": 3}}):
+    plugins = {"fused_logprobs": True, **({packing: True} if packing else {})}
+    with trl_ext.install(**plugins, plugins={"fused_logprobs": {"chunk": 3}}):
         fused = build(ref=False, peft_config=lora())
     assert set(fused._trl_ext.state["fused_logprobs"].self_checks) == {"policy"}
-    _compare(stock, fused, stock.data_collator(eq.examples(stock)))
+    batch = stock.data_collator(eq.examples(stock))
+    _compare(stock, fused, batch, fused_batch=fused.data_collator(eq.examples(fused)))
+    if packing:
+        assert fused._trl_ext.state[packing].packed_calls >= 3  # reference log-probs, then the loss: policy and ref
