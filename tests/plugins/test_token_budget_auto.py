@@ -104,10 +104,21 @@ def _example(prompt: int, chosen: int, rejected: int) -> dict:
     return {"prompt_ids": [5] * prompt, "chosen_ids": [6] * chosen, "rejected_ids": [7] * rejected}
 
 
-def test_layout_follows_the_packing_holder():
-    assert layout([]) is Layout.PADDED and not Layout.PADDED
-    assert layout(["padding_free"]) is Layout.PACKED and Layout.PACKED
-    assert layout(["prompt_sharing"]) is Layout.PROMPT_SHARED and Layout.PROMPT_SHARED
+def test_layout_follows_the_packing_collator():
+    from trl_ext.plugins._packing.glue import AnnotatingCollator
+    from trl_ext.plugins.padding_free.hooks import PaddingFreeCollator
+    from trl_ext.plugins.prompt_sharing.layout import PromptSharingCollator
+
+    assert layout(None) is Layout.PADDED and not Layout.PADDED
+    assert layout(PaddingFreeCollator(dict)) is Layout.PACKED and Layout.PACKED
+    assert layout(PromptSharingCollator(dict)) is Layout.PROMPT_SHARED and Layout.PROMPT_SHARED
+    assert layout(object()) is Layout.PACKED  # a third-party packing collator that declares nothing
+
+    class Odd(AnnotatingCollator):
+        token_layout = "interleaved"
+
+    with pytest.raises(UsageError, match="declares `token_layout` 'interleaved'"):
+        layout(Odd(dict))
     assert as_layout(True) is Layout.PACKED and as_layout(False) is Layout.PADDED
     assert as_layout(Layout.PROMPT_SHARED) is Layout.PROMPT_SHARED
 

@@ -69,6 +69,9 @@ class AnnotatingCollator:
     """
 
     plugin = "trl-ext"
+    #: How a pair's tokens sit in the packed rows, for plugins that size batches by tokens: `"packed"` (both
+    #: sequences, the prompt in each) or `"prompt-shared"` (the prompt once, then each completion).
+    token_layout = "packed"
 
     def __init__(self, collator: Callable) -> None:
         self.collator = collator

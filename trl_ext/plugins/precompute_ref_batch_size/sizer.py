@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import math
 import time
-from pathlib import Path
 
 from ... import _compat
 from ..._logging import NOTICE, get_logger
-from ..._shared import free_memory_bytes
+from .._memory import PeakMemory, budget_bytes, over_budget
 from .plan import concat_results
 
 NAME = "precompute_ref_batch_size"
@@ -18,8 +17,6 @@ logger = get_logger(f"trl_ext.plugins.{NAME}")
 #: `"auto"` stops doubling when real tokens/s grew by < 10%, but only past this many tokens per batch: below it, fixed
 #: per-batch costs dominate and timings are noise.
 PLATEAU_MIN_TOKENS = 4096
-#: Share of the free GPU memory the `"auto"` probe may fill.
-GPU_MEMORY_FRACTION = 0.9
 #: Added to an out-of-memory error that is re-raised because the ranks run in lockstep.
 OOM_ADVICE = (
     f"trl-ext `{NAME}`: out of memory in the reference precompute under multi-process DeepSpeed/FSDP, where every "
@@ -34,72 +31,6 @@ def lockstep(trainer, ranks) -> bool:
     the next collective while the others are still inside the forward's, and the job could hang."""
     sharded = any(getattr(trainer, flag, False) for flag in _compat.TRAINER_SHARDING_FLAGS)
     return ranks.world > 1 and bool(sharded)
-
-
-def over_budget(cost: float, ref_cost: float, ref_used: float, budget: float) -> bool:
-    """Whether a batch of `cost` tokens is expected to need more than `budget` bytes, extrapolated linearly from a
-    measured batch of `ref_cost` tokens that needed `ref_used` bytes (nothing measured: not expected)."""
-    if ref_cost <= 0 or ref_used <= 0:
-        return False
-    return ref_used * cost / ref_cost > budget
-
-
-def _cpu_rss() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-class _PeakMemory:
-    """Extra memory one forward needs beyond what the process holds before it (GPU: allocator; CPU: peak RSS)."""
-
-    def __init__(self, device) -> None:
-        self.device = device
-        self.cuda = device.type == "cuda"
-        self.cpu_ok = Path("/proc/self/clear_refs").exists()
-
-    def __enter__(self):
-        import torch
-
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self.base = torch.cuda.memory_allocated(self.device)
-        else:
-            self.base = _cpu_rss()
-            try:
-                # "5" resets the peak-RSS counter (VmHWM) of this process (Linux >= 4.0, proc(5)).
-                with open("/proc/self/clear_refs", "w") as f:
-                    f.write("5")
-            except OSError:
-                self.cpu_ok = False
-        return self
-
-    def __exit__(self, *exc) -> None:
-        import torch
-
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
-            self.used = torch.cuda.max_memory_allocated(self.device) - self.base
-        else:
-            hwm = 0
-            with open("/proc/self/status") as f:
-                for line in f:
-                    if line.startswith("VmHWM:"):
-                        hwm = int(line.split()[1]) * 1024
-            self.used = max(0, (hwm if self.cpu_ok else _cpu_rss()) - self.base)
-
-
-def budget_bytes(options, device, ranks) -> float:
-    """Memory one probe forward may use: a share of the free device memory on GPU, `ram_budget` on CPU."""
-    if device.type == "cuda":
-        return GPU_MEMORY_FRACTION * free_memory_bytes(device)
-    kind, value = options.ram_budget.kind, options.ram_budget.value
-    if kind == "bytes":
-        return value
-    return value * free_memory_bytes(device) / max(1, ranks.local_world)
 
 
 def probe(run, model, todo, store, progress):
@@ -259,7 +190,7 @@ def measured_forward(run, model, batch, device, strict: bool):
     import torch
 
     try:
-        with _PeakMemory(device) as peak:
+        with PeakMemory(device) as peak:
             result = run.forward(model, batch)
     except torch.OutOfMemoryError as exc:
         if strict:

@@ -399,6 +399,7 @@ class PromptSharingCollator(AnnotatingCollator):
     """
 
     plugin = "prompt_sharing"
+    token_layout = "prompt-shared"
 
     def annotate(self, batch: dict[str, Any]) -> None:
         ids, mask, completion = batch.get("input_ids"), batch.get("attention_mask"), batch.get("completion_mask")

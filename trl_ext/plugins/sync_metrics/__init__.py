@@ -95,6 +95,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...spec import Flag, PluginSpec, boolean
+from .._roles import METRICS
 
 NAME = "sync_metrics"
 
@@ -103,6 +104,7 @@ TRL_EXT_PLUGIN = PluginSpec(
     summary="Exact global metrics with one collective per logging step.",
     flags=(Flag(NAME, default=False, parse=boolean, help="Log exact global metrics, one collective per log step."),),
     trainers=("DPOTrainer", "OnlineDPOTrainer"),
+    serves=(METRICS,),
     hooks=".hooks",
 )
 

@@ -9,7 +9,8 @@ forward/backward, long ones run in small groups. Chosen and rejected sequences o
 than the budget runs alone, and one warning line per step says so.
 
 What the budget counts: alone, padded tokens (`2 x pairs x longest sequence`); with a packing plugin (the plugin
-that holds the `packing` role for the trainer, which then collates each micro-batch), real tokens: under padding_free
+that holds the `packing` role for the trainer, which then collates each micro-batch), real tokens, as its collator
+declares (`token_layout`): under padding_free
 both sequences of every pair, under prompt_sharing what its shared row holds: the prompt once and each completion
 after a copy of the prompt's last token (a pair that `max_length` truncates counts both sequences, since
 `truncation_mode="keep_end"` may leave it unshared).
@@ -23,8 +24,8 @@ with trl_ext.install(token_budget=4096):
 
 (or `TRL_EXT_TOKEN_BUDGET=4096`, or `token_budget: 4096` in the trl-ext YAML file).
 
-`token_budget="auto"` measures the budget when the trainer is built, as `precompute_ref_batch_size="auto"` does (its
-memory probe, `precompute_ref_batch_size.sizer`): training steps (the trainer's `compute_loss` under its autocast, and
+`token_budget="auto"` measures the budget when the trainer is built, as `precompute_ref_batch_size="auto"` does (the
+memory probe both use, `trl_ext.plugins._memory`): training steps (the trainer's `compute_loss` under its autocast, and
 the backward) on micro-batches of the dataset's heaviest pairs, doubling, while the peak memory a step adds stays
 within the memory budget (GPU: 90% of the free device memory, less the optimizer's two moments per trainable
 parameter; CPU: the `ram_budget` option, the kernel's peak-RSS counter). The budget is the largest token count a

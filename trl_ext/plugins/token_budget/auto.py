@@ -179,7 +179,7 @@ def measure(trainer: Any, kind: Layout, options: Any) -> AutoBudget:
     """Probe training steps on the heaviest pairs and choose the budget (`choose`)."""
     import torch
 
-    from ..precompute_ref_batch_size.sizer import _PeakMemory, budget_bytes, over_budget
+    from .._memory import PeakMemory, budget_bytes, over_budget
 
     if any(getattr(trainer, flag, False) for flag in _compat.TRAINER_SHARDING_FLAGS):
         raise UsageError(
@@ -219,7 +219,7 @@ def measure(trainer: Any, kind: Layout, options: Any) -> AutoBudget:
                 break
             used: float | None
             try:
-                with _PeakMemory(device) as peak:
+                with PeakMemory(device) as peak:
                     _train_step(trainer, trainer.data_collator(batch))
                 used = float(peak.used)
             except torch.OutOfMemoryError:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ...errors import UsageError
@@ -44,16 +44,19 @@ class Layout(str, enum.Enum):
         return self.value
 
 
-#: The packing plugin whose collator computes each prompt once per pair (`trl_ext.plugins.prompt_sharing`).
-PROMPT_SHARING = "prompt_sharing"
-
-
-def layout(packing: Iterable[str]) -> Layout:
-    """The layout given the enabled plugins that hold the packing role for the trainer (at most one collates)."""
-    names = set(packing)
-    if PROMPT_SHARING in names:
-        return Layout.PROMPT_SHARED
-    return Layout.PACKED if names else Layout.PADDED
+def layout(collator: Any | None) -> Layout:
+    """The layout of the packing collator that collates the micro-batches (None: no packing plugin, padded), from the
+    `token_layout` it declares (`_packing.glue.AnnotatingCollator`; `"packed"` when it declares none)."""
+    if collator is None:
+        return Layout.PADDED
+    value = getattr(collator, "token_layout", Layout.PACKED.value)
+    try:
+        return Layout(value)
+    except ValueError:
+        raise UsageError(
+            f"`token_budget` cannot count the tokens of {type(collator).__name__}: it declares `token_layout` "
+            f"{value!r}, not one of {[kind.value for kind in Layout if kind is not Layout.PADDED]}."
+        ) from None
 
 
 def as_layout(packed: bool | Layout) -> Layout:

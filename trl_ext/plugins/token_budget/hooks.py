@@ -7,7 +7,7 @@ from typing import Any
 from ..._logging import get_logger
 from ...errors import UsageError
 from ...hookspecs import hookimpl
-from .._roles import PACKING
+from .._roles import METRICS, PACKING
 from . import NAME
 
 logger = get_logger(__name__)
@@ -59,17 +59,20 @@ def trl_ext_trainer_init_end(trainer: Any, context: Any) -> None:
             "cannot re-cut micro-batches for `loss_type='bco_pair'` on this TRL: it keeps a running mean of the "
             "rewards across micro-batches. Disable `token_budget` or upgrade TRL."
         )
-    if trainer.accelerator.num_processes > 1 and context.is_enabled("sync_metrics"):
+    reducers = [name for name in context.plugins_serving(METRICS) if context.is_enabled(name)]
+    if trainer.accelerator.num_processes > 1 and reducers:
         raise _refuse(
-            "cannot run with `sync_metrics` on several processes: to keep the ranks in step, a rank with fewer "
-            "micro-batches runs zero-weight repeats, whose pairs `sync_metrics` would count. Disable one of the two."
+            f"cannot run with `{reducers[0]}` on several processes: to keep the ranks in step, a rank with fewer "
+            f"micro-batches runs zero-weight repeats, whose pairs `{reducers[0]}` would count in the metrics it "
+            "reduces. Disable one of the two."
         )
     from .auto import resolve
     from .cut import layout
 
     # The packing role's holder collates the micro-batches; its layout (`cut.Layout`, truthy when packed) says what
     # the budget counts. "auto" is measured here, before the first step (`.auto`).
-    packed = layout(name for name in context.plugins_serving(PACKING) if context.is_enabled(name))
+    packing = any(context.is_enabled(name) for name in context.plugins_serving(PACKING))
+    packed = layout(trainer.data_collator if packing else None)
     budget = resolve(trainer, context, packed)
     state = TokenBudgetState(trainer, budget, packed)
     context.state[NAME] = state

@@ -1,0 +1,80 @@
+"""Memory measurement shared by the plugins that size work by probing it (the reference precompute's and
+token_budget's `"auto"`): the extra memory a piece of work needs (peak RSS on CPU, the allocator's peak on GPU), the
+budget it may use, and the linear projection that stops a probe before it runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .._shared import free_memory_bytes
+
+__all__ = ["GPU_MEMORY_FRACTION", "PeakMemory", "budget_bytes", "over_budget"]
+
+#: Share of the free GPU memory a probe may fill.
+GPU_MEMORY_FRACTION = 0.9
+
+
+def over_budget(cost: float, ref_cost: float, ref_used: float, budget: float) -> bool:
+    """Whether a batch of `cost` tokens is expected to need more than `budget` bytes, extrapolated linearly from a
+    measured batch of `ref_cost` tokens that needed `ref_used` bytes (nothing measured: not expected)."""
+    if ref_cost <= 0 or ref_used <= 0:
+        return False
+    return ref_used * cost / ref_cost > budget
+
+
+def _cpu_rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+class PeakMemory:
+    """Extra memory one forward needs beyond what the process holds before it (GPU: allocator; CPU: peak RSS)."""
+
+    def __init__(self, device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.cpu_ok = Path("/proc/self/clear_refs").exists()
+
+    def __enter__(self):
+        import torch
+
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.base = torch.cuda.memory_allocated(self.device)
+        else:
+            self.base = _cpu_rss()
+            try:
+                # "5" resets the peak-RSS counter (VmHWM) of this process (Linux >= 4.0, proc(5)).
+                with open("/proc/self/clear_refs", "w") as f:
+                    f.write("5")
+            except OSError:
+                self.cpu_ok = False
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import torch
+
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            self.used = torch.cuda.max_memory_allocated(self.device) - self.base
+        else:
+            hwm = 0
+            with open("/proc/self/status") as f:
+                for line in f:
+                    if line.startswith("VmHWM:"):
+                        hwm = int(line.split()[1]) * 1024
+            self.used = max(0, (hwm if self.cpu_ok else _cpu_rss()) - self.base)
+
+
+def budget_bytes(options, device, ranks) -> float:
+    """Memory one probe forward may use: a share of the free device memory on GPU, `ram_budget` on CPU."""
+    if device.type == "cuda":
+        return GPU_MEMORY_FRACTION * free_memory_bytes(device)
+    kind, value = options.ram_budget.kind, options.ram_budget.value
+    if kind == "bytes":
+        return value
+    return value * free_memory_bytes(device) / max(1, ranks.local_world)
