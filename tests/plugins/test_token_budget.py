@@ -293,9 +293,20 @@ def test_micro_batch_counts_follow_the_budget(dpo_args, tokenizer):
     """A budget that holds a whole step runs one micro-batch per step; a tiny one runs every pair alone."""
     trainer, _, _ = _train(dpo_args, tokenizer, {PLUGIN: 100_000})
     assert _state(trainer).micro_batch_counts == [1, 2]  # the short last batch is cut apart from the full one
-    trainer, _, _ = _train(dpo_args, tokenizer, {PLUGIN: 1})
-    assert _state(trainer).micro_batch_counts == [4, 3]
-    assert all(count == 4 or count == 3 for count in _state(trainer).over_budget)
+    with _records() as records:
+        trainer, _, _ = _train(dpo_args, tokenizer, {PLUGIN: 1})
+    state = _state(trainer)
+    assert state.micro_batch_counts == [4, 3]
+    assert all(count == 4 or count == 3 for count in state.over_budget)
+    # One line when train() returns, its figures those of the run: 7 micro-batches where stock ran 2 + 2.
+    lines = [r.getMessage() for r in records if r.getMessage().startswith("token_budget: 2 optimizer step(s)")]
+    assert len(lines) == 1, [r.getMessage() for r in records]
+    assert state.stock_micro_batch_counts == [ACCUMULATION, ACCUMULATION]
+    expected = (
+        f"token_budget: 2 optimizer step(s) ran 7 micro-batches (stock: {2 * ACCUMULATION}), the largest "
+        f"{max(state.max_tokens)} of the 1 padded tokens allowed; 7 pair(s) over the budget ran alone"
+    )
+    assert lines[0] == expected
 
 
 def test_evaluation_batches_over_the_budget_are_split(dpo_args, tokenizer):

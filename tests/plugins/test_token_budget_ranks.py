@@ -268,3 +268,28 @@ def test_accumulation_and_evaluation_equal_stock(runs, engine):
 def test_sync_metrics_is_refused_on_several_processes(runs):
     for record in runs("ddp")["refused"]:
         assert re.search(r"token_budget.*sync_metrics.*several processes", record["refused"]), record
+
+
+def test_train_summary_reports_the_rank_balance():
+    """The line logged when `train()` returns: counts from the given step on, and most / mean tokens per rank."""
+    from types import SimpleNamespace
+
+    from trl_ext.plugins.token_budget.cut import Layout
+    from trl_ext.plugins.token_budget.report import summary
+
+    state = SimpleNamespace(
+        micro_batch_counts=[9, 3, 2],
+        stock_micro_batch_counts=[4, 4, 4],
+        max_tokens=[500, 120, 90],
+        over_budget=[1, 0, 0],
+        rank_tokens=[(600, 500.0), (300, 200.0), (100, 100.0)],
+        budget=128,
+        packed=Layout.PACKED,
+        ranks=SimpleNamespace(size=2),
+    )
+    assert summary(state, 3) is None
+    assert summary(state, 1) == (
+        "token_budget: 2 optimizer step(s) ran 5 micro-batches (stock: 8), the largest 120 of the 128 packed tokens "
+        "allowed; tokens per rank, most / mean: median 1.25, worst 1.50 over 2 ranks"
+    )
+    assert "1 pair(s) over the budget ran alone" in summary(state, 0)

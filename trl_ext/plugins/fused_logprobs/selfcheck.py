@@ -111,7 +111,9 @@ def self_check(model: Any, trainer: Any, role: str, chunk: int, in_head: bool = 
     want = torch.take_along_dim(stock.to(acc).log_softmax(-1), targets.unsqueeze(-1), dim=2).squeeze(-1)
     result = SelfCheckResult(lengths, 0.0, 0.0, LOGPROB_RTOL[acc], 0.0)
     head_tol = 0.0 if stock.dtype == torch.float64 else 4 * torch.finfo(stock.dtype).eps
-    if stock.shape != applied.shape:
+    if applied is None:
+        result.failure = "its forward did not call its output head module"
+    elif stock.shape != applied.shape:
         result.failure = (
             f"its logits have shape {tuple(stock.shape)} but its output head gives {tuple(applied.shape)} on the "
             "hidden states it passes to the head"

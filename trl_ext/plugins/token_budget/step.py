@@ -27,11 +27,12 @@ from typing import Any
 import torch
 
 from ... import _compat
-from ..._logging import get_logger
+from ..._logging import NOTICE, get_logger, is_main_process
 from ...patching import Patcher
 from .cut import EXAMPLES_KEY, KeepExamples, Layout, MicroBatch, cut_step, spread, tokens
 from .metrics import StepRecord, row_sums, stock_values, stock_values_of_pairs
 from .ranks import Padding, Ranks, balanced_plan, global_pairs, pad_to
+from .report import summary
 
 logger = get_logger(__name__)
 
@@ -65,6 +66,8 @@ class TokenBudgetState:
         self.recorded: list[tuple[int, int]] = []
         #: per optimizer step: micro-batches run (for logs and tests); on several processes the same on every rank
         self.micro_batch_counts: list[int] = []
+        #: per optimizer step: the micro-batches stock runs (the Trainer's batches of the step)
+        self.stock_micro_batch_counts: list[int] = []
         #: per optimizer step: micro-batches of real pairs this rank ran (the rest are `ranks.Padding`)
         self.local_micro_batch_counts: list[int] = []
         #: per optimizer step on several processes: pairs this rank ran that stock runs on another rank
@@ -112,6 +115,7 @@ class TokenBudgetState:
         self.local_micro_batch_counts.append(len(micro_batches))
         micro_batches = pad_to(micro_batches, count, smallest)
         self.micro_batch_counts.append(len(micro_batches))
+        self.stock_micro_batch_counts.append(len(batches))
         self.over_budget.append(over)
         self.max_tokens.append(max((mb.tokens for mb in micro_batches), default=0))
         slots = []
@@ -416,6 +420,18 @@ def install(trainer: Any, patcher: Any, state: TokenBudgetState) -> None:
             loss = original_compute_loss(model, inputs, *args, **kwargs)
         return loss * mb.weight
 
+    original_train = trainer.train
+
+    @functools.wraps(original_train)
+    def train(*args: Any, **kwargs: Any) -> Any:
+        first_step = len(state.micro_batch_counts)
+        result = original_train(*args, **kwargs)
+        line = summary(state, first_step)
+        if line is not None and is_main_process(trainer.accelerator):
+            logger.log(NOTICE, line)
+        return result
+
+    patcher.setattr(trainer, "train", train)
     patcher.setattr(trainer, _compat.TRAINER_BATCH_SAMPLES_METHOD, get_batch_samples)
     patcher.setattr(trainer, "training_step", training_step)
     patcher.setattr(trainer, "compute_loss", compute_loss)

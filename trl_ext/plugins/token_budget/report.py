@@ -1,0 +1,33 @@
+"""The one line `token_budget` logs when `train()` returns: what the cut did over that run."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+__all__ = ["summary"]
+
+
+def summary(state: Any, first_step: int) -> str | None:
+    """What the optimizer steps from `first_step` on ran: micro-batches against stock's, the largest micro-batch
+    against the budget, pairs over the budget, and on several processes the balance of tokens across ranks (None
+    when no step ran)."""
+    counts = state.micro_batch_counts[first_step:]
+    if not counts:
+        return None
+    stock = sum(state.stock_micro_batch_counts[first_step:])
+    largest = max(state.max_tokens[first_step:], default=0)
+    text = (
+        f"token_budget: {len(counts)} optimizer step(s) ran {sum(counts)} micro-batches (stock: {stock}), the "
+        f"largest {largest} of the {state.budget} {state.packed} tokens allowed"
+    )
+    over = sum(state.over_budget[first_step:])
+    if over:
+        text += f"; {over} pair(s) over the budget ran alone"
+    balance = [most / mean for most, mean in state.rank_tokens[first_step:] if mean > 0]
+    if balance:
+        text += (
+            f"; tokens per rank, most / mean: median {statistics.median(balance):.2f}, worst {max(balance):.2f} "
+            f"over {state.ranks.size} ranks"
+        )
+    return text
