@@ -101,7 +101,7 @@ class TokenBudgetState:
                 examples, self.budget, self.trainer.data_collator, self.packed, self.trainer.args.max_length
             )
             count, smallest = len(micro_batches), None
-        if over:
+        if over and is_main_process(self.trainer.accelerator):  # on several processes every rank counts all pairs
             logger.warning(
                 "token_budget: %d pair(s) of this step exceed the budget of %d tokens; each runs alone.",
                 over,
