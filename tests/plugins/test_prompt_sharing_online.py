@@ -84,15 +84,21 @@ def _step(trainer):
 
 
 @pytest.mark.parametrize("max_length", [None, 12])
-def test_training_step_equals_stock(build, max_length):
+def test_training_step_equals_stock(build, max_length, monkeypatch):
     """One training step (policy and reference scoring, the loss, the backward), prompts shared; with `max_length=12`
     TRL cuts the prompts on the left first (the same columns for every row, so they still share). The self-check is
-    forced on (the model type is verified)."""
+    forced on (the model type is verified). The completion log-probs come from the packed logits: no shared call
+    unpacks its outputs into padded logits."""
+    from trl_ext.plugins.prompt_sharing import forward
+
     kwargs = {} if max_length is None else {"max_length": max_length}
     stock = build(**kwargs)
     with trl_ext.install(prompt_sharing=True, plugins={"prompt_sharing": {"self_check": True}}):
         shared = build(**kwargs)
         assert "prompt_sharing" in shared._trl_ext.enabled
+        unpacked = []
+        original_unpack = forward._unpack_outputs
+        monkeypatch.setattr(forward, "_unpack_outputs", lambda *a: unpacked.append(1) or original_unpack(*a))
         prompt_ids, prompt_mask, completion_ids, completion_mask = _fixed_generation()
         # TRL's own per-token log-probs of the completions, from the wrapped `_forward`
         a = stock._forward(stock.model, prompt_ids, prompt_mask, completion_ids, completion_mask)
@@ -109,6 +115,7 @@ def test_training_step_equals_stock(build, max_length):
             per_call = sum(p - 1 for p in (5, 9, 2)) + 6 * (1 + 6)
             assert state.shared_tokens == state.shared_calls * per_call
         assert state.checked == {"policy", "ref"}  # the self-check ran on both models, before the step
+        assert not unpacked
     assert shared_loss.item() == pytest.approx(stock_loss.item(), rel=1e-9)
     eq.assert_same_grads(stock_grads, shared_grads, GRAD_RTOL)
 

@@ -15,7 +15,9 @@ shared row, with the segments for the shared attention, and scatters the per-tok
 
 Around the causal LM's shared call, the padded position each shared token computes is announced
 (`_packing.positions`); a module inside that returns its output in the padded layout already (fused_logprobs' output
-head, scoring Online DPO's completion columns) says so, and that output is returned as it is.
+head, scoring Online DPO's completion columns) says so, and that output is returned as it is. Otherwise Online DPO's
+scoring call (run by the `_forward` wrapper, `OnlineScore`) returns the completion log-probs `[rows, C]` taken from
+the packed logits, not padded logits.
 
 Every real token of a row reads the shared token that stands for it; the scatter is an `index_select`, so the
 gradient that reaches a shared prompt token is the sum of what both branches send it.
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import functools
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -56,6 +59,57 @@ __all__ = ["make_backbone_forward", "make_causal_lm_forward", "online_prompt_col
 # Set by the Online DPO `_forward` wrapper: the number of prompt columns of the call it makes (same for every row).
 _ONLINE_PROMPT_COLUMNS: contextvars.ContextVar[int | None] = contextvars.ContextVar(
     "trl_ext_online_prompt_columns", default=None
+)
+
+
+@dataclasses.dataclass
+class OnlineScore:
+    """Online DPO's scoring of one model call, done by the shared call from its packed logits.
+
+    TRL's `_forward` keeps the logits of the columns `[start, end)` of the padded `[rows, columns, vocab]` logits
+    and returns `log_softmax` of them gathered at `targets` (`[rows, C]`). The shared call takes those positions
+    from its packed logits (`[1, N, vocab]`) instead: the same rows of logits (zeros where the padded logits are
+    zeros, at a position the packed row does not compute), the same `log_softmax` and gather, without the padded
+    logits. `calls` counts the model calls that scored it (the first shared call does; at most one).
+    """
+
+    targets: torch.Tensor
+    columns: int
+    start: int
+    end: int | None
+    calls: int = 0
+
+    def accepts(self, outputs: Any, positions: PackedPositions) -> bool:
+        """Whether this call is the one to score: the first, of the announced shape, with packed logits."""
+        logits = getattr(outputs, "logits", None)
+        return (
+            self.calls == 0
+            and (positions.rows, positions.length) == (self.targets.size(0), self.columns)
+            and isinstance(logits, torch.Tensor)
+            and logits.dim() == 3
+            and logits.size(0) == 1
+        )
+
+    def score(self, outputs: Any, positions: PackedPositions) -> None:
+        """Replace the packed `[1, N, vocab]` `outputs.logits` by the `[rows, C]` log-probs of the targets; the packed
+        logits are released as soon as the scored rows are taken from them."""
+        self.calls += 1
+        logits = outputs.logits
+        index = positions.index()[:, self.start : self.end]
+        missing = index < 0
+        picked = logits[0].index_select(0, index.clamp(min=0).reshape(-1)).view(*index.shape, logits.size(-1))
+        outputs.logits = picked  # (a model output keeps what was set last; None would not replace it)
+        del logits
+        if bool(missing.any()):
+            picked = picked.masked_fill(missing.unsqueeze(-1), 0.0)
+        log_probs = picked.log_softmax(dim=-1)
+        outputs.logits = log_probs
+        del picked
+        outputs.logits = torch.take_along_dim(log_probs, self.targets.unsqueeze(-1), dim=2).squeeze(-1)
+
+
+_ONLINE_SCORE: contextvars.ContextVar[OnlineScore | None] = contextvars.ContextVar(
+    "trl_ext_online_score", default=None
 )
 
 
@@ -157,6 +211,10 @@ def make_causal_lm_forward(
             aux_loss.apply(outputs, layout, kwargs["attention_mask"])
         if positions.padded_output:  # a module inside returned the padded layout already
             return outputs
+        score = _ONLINE_SCORE.get()
+        if score is not None and not kwargs.get("fused_lm_head") and score.accepts(outputs, positions):
+            score.score(outputs, positions)  # Online DPO's log-probs from the packed logits (never padded ones)
+            return outputs
         return _unpack_outputs(outputs, layout, bool(kwargs.get("fused_lm_head")))
 
     @functools.wraps(original)
@@ -196,17 +254,49 @@ def make_backbone_forward(original: Callable, state: Any) -> Callable:
     return forward
 
 
+def _is_trl_online_forward(method: Callable) -> bool:
+    """Whether `method` is TRL's own `OnlineDPOTrainer._forward` (not a subclass's, nor another plugin's)."""
+    function = getattr(method, "__func__", None)
+    return getattr(function, "__qualname__", None) == "OnlineDPOTrainer._forward" and str(
+        getattr(function, "__module__", "")
+    ).startswith("trl.")
+
+
 def make_online_forward(original: Callable, max_length: Callable[[], int | None]) -> Callable:
     """Wrap `OnlineDPOTrainer._forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask, ...)`: the
-    model call inside learns how many of its columns are prompt (after TRL's left truncation to `max_length`)."""
+    model call inside learns how many of its columns are prompt (after TRL's left truncation to `max_length`).
+
+    When `original` is TRL's own `_forward` and the call carries no images, the wrapper runs TRL's steps itself (the
+    left truncation, the concatenation, the model call, the completion columns `[P - 1, P + C - 1)`, or `[0, C)`
+    without a prompt, their `log_softmax` gathered at the completion tokens), with the last three done by the shared
+    call on its packed logits (`OnlineScore`): the padded `[rows, P + C, vocab]` logits are never built. A call that
+    does not share (nothing to share, or a model that is not wrapped) returns its padded logits and is finished here
+    as TRL does. Another `_forward` (fused_logprobs', a subclass's) is called as it is."""
+    own = _is_trl_online_forward(original)
 
     @functools.wraps(original)
     def _forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask, *args, **kwargs):
         vision_inputs = args[0] if args else kwargs.get("vision_inputs")
-        columns = prompt_ids.size(1)
-        if vision_inputs is None:
-            columns = _compat.online_dpo_prompt_columns(columns, completion_ids.size(1), max_length())
-        with online_prompt_columns(columns):
+        if vision_inputs is not None:
             return original(model, prompt_ids, prompt_mask, completion_ids, completion_mask, *args, **kwargs)
+        columns = _compat.online_dpo_prompt_columns(prompt_ids.size(1), completion_ids.size(1), max_length())
+        if not own:
+            with online_prompt_columns(columns):
+                return original(model, prompt_ids, prompt_mask, completion_ids, completion_mask, *args, **kwargs)
+        cut = prompt_ids.size(1) - columns  # TRL's left truncation
+        ids = torch.cat((prompt_ids[:, cut:], completion_ids), dim=1)
+        mask = torch.cat((prompt_mask[:, cut:], completion_mask), dim=1)
+        start, end = (columns - 1, -1) if columns > 0 else (0, None)
+        score = OnlineScore(completion_ids, ids.size(1), start, end)
+        token = _ONLINE_SCORE.set(score)
+        try:
+            with online_prompt_columns(columns):
+                output = model(ids, attention_mask=mask)
+        finally:
+            _ONLINE_SCORE.reset(token)
+        if score.calls:
+            return output.logits
+        logits = output.logits[:, start:end]
+        return torch.take_along_dim(logits.log_softmax(dim=-1), completion_ids.unsqueeze(-1), dim=2).squeeze(-1)
 
     return _forward
