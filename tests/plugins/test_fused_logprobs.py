@@ -331,7 +331,7 @@ def _engine_setup(trainer_class, *, zero_stage=None, fsdp=False, head_adapter=Fa
         accelerator=_Namespace(state=_Namespace(deepspeed_plugin=plugin)),
     )
     context = _Namespace(trainer_class=trainer_class, models=lambda: {"policy": model})
-    state = FusedState(in_head=trainer_class != "DPOTrainer")
+    state = FusedState(in_head=True)
     return trainer, context, state
 
 
@@ -343,13 +343,14 @@ def _engine_setup(trainer_class, *, zero_stage=None, fsdp=False, head_adapter=Fa
         ("OnlineDPOTrainer", {"zero_stage": 2, "head_adapter": True}, None),
         ("OnlineDPOTrainer", {"fsdp": True, "head_adapter": True}, None),
         ("OnlineDPOTrainer", {"zero_stage": 3, "head_adapter": True}, r"ZeRO-3 with the policy.*\['adapter'\]"),
-        ("DPOTrainer", {"zero_stage": 3}, r"does not run under DeepSpeed ZeRO-3 with this TRL's DPOTrainer.*ZeRO-2"),
-        ("DPOTrainer", {"fsdp": True}, r"does not run under FSDP with this TRL's DPOTrainer.*DDP"),
+        ("DPOTrainer", {"zero_stage": 3}, None),
+        ("DPOTrainer", {"fsdp": True}, None),
+        ("DPOTrainer", {"zero_stage": 3, "head_adapter": True}, r"ZeRO-3 with the policy.*\['adapter'\]"),
     ],
 )
 def test_engines(trainer_class, setup, match):
-    """Online DPO scores inside the head's call under ZeRO-3 and FSDP (with prompt_sharing too); refused there: a
-    ZeRO-3 head with parameterized sub-modules, DPO on TRL < 1.15."""
+    """Online DPO and DPO (TRL < 1.15) score inside the head's call under ZeRO-3 and FSDP (with packing too); refused
+    there: a ZeRO-3 head with parameterized sub-modules."""
     from trl_ext.plugins.fused_logprobs.hooks import _check_engine
 
     trainer, context, state = _engine_setup(trainer_class, **setup)

@@ -17,6 +17,7 @@ import trl_ext
 from tests import equivalence as eq
 from tests.equivalence import TRL_LOSS_TYPES
 from trl_ext import _compat
+from trl_ext.plugins.fused_logprobs import online
 from trl_ext.testing import make_preference_dataset
 
 pytestmark = pytest.mark.skipif(
@@ -145,7 +146,7 @@ def test_train_with_gradient_checkpointing_and_precompute(build):
 
 
 class _HeadCalls:
-    """Counts the calls of a model's output head module (the model's own pass-through call included)."""
+    """Counts the calls of a model's output head module."""
 
     def __init__(self, model):
         self.calls = 0
@@ -155,11 +156,29 @@ class _HeadCalls:
         self.calls += 1
 
 
+class _HeadChunks:
+    """Counts the chunks of logits each output head computes inside its call (forward and backward's recompute)."""
+
+    def __init__(self, monkeypatch, **models):
+        self.heads = {role: model.get_output_embeddings() for role, model in models.items()}
+        self.calls = dict.fromkeys(models, 0)
+        original = online.head_chunk
+
+        def head_chunk(forward, hidden):
+            for role, head in self.heads.items():
+                if getattr(forward, "__self__", None) is head:
+                    self.calls[role] += 1
+            return original(forward, hidden)
+
+        monkeypatch.setattr(online, "head_chunk", head_chunk)
+
+
 @pytest.mark.slow
-def test_head_runs_once_per_chunk(build):
+def test_head_runs_once_per_chunk(build, monkeypatch):
     """Loss with every reduction TRL applies to the logits (log-probs, sft, WPO weights, entropy, mean logits, token
-    accuracy) and its backward: the policy's head runs once per chunk of completion positions in the forward and once
-    in the backward (the recompute), the reference's once; plus one pass-through call per model forward."""
+    accuracy) and its backward: each model calls its head module once per forward, as stock (the scoring runs inside
+    that call); inside it the policy's head computes each chunk of completion positions once in the forward and once
+    in the backward (the recompute), the reference's once."""
     chunk = 4
     with trl_ext.install(fused_logprobs=True, plugins={"fused_logprobs": {"chunk": chunk}}):
         fused = build(use_weighting=True)
@@ -169,10 +188,12 @@ def test_head_runs_once_per_chunk(build):
     for case in ({"loss_types": ["sigmoid", "ipo"], "use_weighting": True}, {"loss_types": ["sigmoid", "sft"]}):
         _set_loss(fused, case)
         policy, ref = _HeadCalls(fused.model), _HeadCalls(fused.ref_model)
+        chunks_seen = _HeadChunks(monkeypatch, policy=fused.model, ref=fused.ref_model)
         eq.loss_and_grads(fused, batch)
         policy.handle.remove()
         ref.handle.remove()
-        assert (policy.calls, ref.calls) == (1 + 2 * chunks, 1 + chunks), case
+        assert (policy.calls, ref.calls) == (1, 1), case
+        assert (chunks_seen.calls["policy"], chunks_seen.calls["ref"]) == (2 * chunks, chunks), case
 
 
 PACKING = ["padding_free", "prompt_sharing"]

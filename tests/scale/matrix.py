@@ -117,27 +117,13 @@ PROMPT_SHARING_RTOL = 1e-5
 _PROMPT_SHARING_WHY = "float32 RMSNorm backward of a gradient summed over branches (see PROMPT_SHARING_RTOL)"
 
 #: fused_logprobs cells use chunks far below the automatic size (4096 positions for this vocabulary), so that every
-#: scoring call runs several chunks and the ranks' chunk counts differ with their completion lengths. Online DPO runs
-#: them inside the head module's one call per forward (ZeRO-3 and FSDP2 gather the head once, as stock); DPO on
-#: TRL < 1.15 calls the head module once per chunk.
+#: scoring call runs several chunks and the ranks' chunk counts differ with their completion lengths. Online DPO and
+#: DPO on TRL < 1.15 run them inside the head module's one call per forward (ZeRO-3 and FSDP2 gather the head once,
+#: as stock, and again before the backward's recomputation).
 FUSED_CHUNK = 5
-#: Measured on trl 1.16 and 1.12 under DDP and ZeRO-2: every logged value within the 1e-12 absolute floor of stock's,
-#: the parameter update within 6.2e-16 relative (float64 log-sum-exp); the engine's tolerance applies.
 #: TRL >= 1.15 scores DPO with its own fused LM head: there the plugin leaves DPOTrainer as it is (asserted), below it
 #: scores through its chunked head.
 TRL_DPO_FUSED_HEAD = dpo_uses_fused_lm_head()
-#: DPO on TRL < 1.15 (fused_logprobs' `LazyLogits` call the head after the forward) refuses two engines before the
-#: first step:
-#: - ZeRO-3: every head call all-gathers the head's weight, and a rank's number of head calls follows its completion
-#:   lengths (the chunks, the no-grad pass over positions after an end), so the ranks' collectives would fall out of
-#:   step (seen before the refusal: gloo aborting with "Received data size doesn't match expected size", or a hang).
-#: - FSDP2: the head is called outside the model's forward, where FSDP2 has resharded the root unit that holds it
-#:   (seen before the refusal: "mixed torch.Tensor and DTensor" in the reference's chunked scoring).
-#: Online DPO scores inside the head's call and trains under every engine.
-FUSED_REFUSED = {
-    "zero3": Expect(REFUSE, r"fused_logprobs does not run under DeepSpeed ZeRO-3.*ZeRO-2"),
-    "fsdp2": Expect(REFUSE, r"fused_logprobs does not run under FSDP.*DDP"),
-}
 
 #: token_budget cell: two pairs of this data (padded: `2 x pairs x longest`) fit together only when both are short, so
 #: a step's 4 pairs (2 per rank) cut into 2 to 4 micro-batches, and with 3 one rank runs a zero-weight repeat.
@@ -244,14 +230,15 @@ CELLS: tuple[Cell, ...] = (
         by_design=("val/contain_eos_token",),
     ),
     # -- fused_logprobs ----------------------------------------------------------------------------------------------
-    # TRL < 1.15: policy and reference log-probs through chunked heads; TRL >= 1.15: TRL's own fused head, left.
+    # TRL < 1.15: policy and reference log-probs (and the policy's metrics) in chunks inside the head's call;
+    # TRL >= 1.15: TRL's own fused head, left.
     Cell(
         "dpo-fused_logprobs",
         "dpo",
         {"fused_logprobs": True},
         options={"fused_logprobs": {"chunk": FUSED_CHUNK}},
         baseline="dpo-stock",
-        expect=ALL if TRL_DPO_FUSED_HEAD else _on("ddp", "zero2", **FUSED_REFUSED),
+        expect=ALL,
     ),
     # Policy and reference completions scored FUSED_CHUNK positions at a time inside the head's call (the script
     # counts the head's calls and chunks, those recomputed in backward, and whether its weight was whole at each).

@@ -185,9 +185,9 @@ def _assert_engine(engine: str, record: dict) -> None:
 
 
 def _assert_fused(c, record: dict) -> None:
-    """fused_logprobs really scored in chunks (Online DPO: inside the head module's call), recomputing each chunk in
-    backward with the head's weight whole (under ZeRO-3 gathered again for the recomputation, under FSDP2 unsharded by
-    the root's pre-backward hook); DPO on TRL >= 1.15: left to TRL."""
+    """fused_logprobs really scored in chunks inside the head module's call (Online DPO, DPO on TRL < 1.15),
+    recomputing each chunk in backward with the head's weight whole (under ZeRO-3 gathered again for the
+    recomputation, under FSDP2 unsharded by the root's pre-backward hook); DPO on TRL >= 1.15: left to TRL."""
     fused, head = record["fused_logprobs"], record["head"]
     if c.trainer == "dpo" and TRL_DPO_FUSED_HEAD:
         assert fused["describe"] == "TRL's own fused LM head", fused
@@ -197,11 +197,9 @@ def _assert_fused(c, record: dict) -> None:
     assert fused["self_checks"] == ["policy", "ref"], fused
     assert fused["fused_calls"] > 0, fused
     assert head["whole"] == head["calls"] and head["calls_backward_whole"] == head["calls_backward"], head
-    if c.trainer == "online_dpo":  # chunks inside the module's call (from the packed row with prompt_sharing)
-        assert head["backward"] > 0 and head["calls_backward"] == 0, head
-        assert head["chunks_whole"] == head["chunks"] and head["backward_whole"] == head["backward"], head
-    else:  # chunks through the module after the forward (DPO on TRL < 1.15), recomputed in backward
-        assert head["calls_backward"] > 0 and head["chunks"] == 0, head
+    # chunks inside the module's call (from the packed row with a packing plugin), recomputed in backward
+    assert head["backward"] > 0 and head["calls_backward"] == 0, head
+    assert head["chunks_whole"] == head["chunks"] and head["backward_whole"] == head["backward"], head
 
 
 def _assert_token_budget(records: list[dict]) -> None:

@@ -218,8 +218,8 @@ def watch_fsdp2_generation(trainer, record: dict) -> None:
 
 
 def watch_head(trainer, record: dict) -> None:
-    """Count the policy output head's module calls (DPO on TRL < 1.15: one per chunk) and its chunks of logits in
-    Online DPO (`fused_logprobs.online.head_chunk`, called inside the module's call): all, those run inside a backward
+    """Count the policy output head's module calls and its chunks of logits (`fused_logprobs.online.head_chunk`,
+    called inside the module's call, by Online DPO and DPO on TRL < 1.15): all, those run inside a backward
     pass (a checkpointed chunk recomputed), and how many of each saw the head's weight whole (its full
     `vocab x hidden` elements as a plain tensor).
 

@@ -38,19 +38,20 @@ own stock logits must equal its output head's output on the hidden states it rec
 model returns must equal the stock `log_softmax` (float64: 1e-10 relative). Refused with `trl_ext.UsageError`, naming
 the mechanism: final logit softcapping, logit scaling (`logit_scale`, `logits_scaling`), models without an output
 head module, heads the model does not call as a module, vision-language models, any model failing the self-check;
-and, when the trainer is built, under DeepSpeed ZeRO-3 or FSDP: under ZeRO-3 an output head with
-parameterized sub-modules (e.g. a PEFT adapter on the head: ZeRO-3 would gather them once per chunk, and the ranks'
-chunk counts differ), and DPO on TRL < 1.15 (below). DDP, ZeRO-2, ZeRO-3 and FSDP2 equal stock (tests/scale).
+and, when the trainer is built under DeepSpeed ZeRO-3, an output head with parameterized sub-modules (e.g. a PEFT
+adapter on the head: ZeRO-3 would gather them once per chunk, and the ranks' chunk counts differ). DDP, ZeRO-2,
+ZeRO-3 and FSDP2 equal stock (tests/scale).
 
 `DPOTrainer`: on TRL >= 1.15 TRL's own fused LM head already scores DPO without full logits; the plugin says so in one
-log line and leaves it. On older TRL (`dpo.py`) the policy's and reference's scoring forwards return `LazyLogits`
-(`lazy.py`, whose head runs after the forward: refused under ZeRO-3 and FSDP): every reduction TRL's `_compute_loss`
-and `compute_ref_log_probs` apply to the logits (log-probs of every loss type, the `sft` cross-entropy, WPO weights,
-entropy, mean logits, token accuracy) runs chunk by chunk, only completion positions are scored, and the policy's
-head runs once per chunk (the metrics' reductions are stored on the way). It combines with padding_free and
-prompt_sharing: their packed forward runs inside the fused one, which scores the hidden states they put back into the
-padded layout. An evaluation that asks for the logits themselves (`prediction_loss_only=False`) gets them, built as
-stock, with a warning.
+log line and leaves it. On older TRL (`dpo.py`) the policy's and reference's scoring forwards score inside the output
+head's call as well: told the targets, the completion positions and the statistics TRL's metrics read, the head runs
+one chunked pass (log-probs of every loss type, the `sft` cross-entropy, WPO weights, entropy, mean logits, token
+accuracy) and the model returns a `LazyLogits` (`lazy.py`) holding those results, which TRL's `_compute_loss` and
+`compute_ref_log_probs` read unchanged. Only completion positions are scored, and the head module is called once per
+forward, so DPO runs under DDP, ZeRO-2, ZeRO-3 and FSDP2 too. It combines with padding_free and prompt_sharing: their
+packed forward announces the packed positions and the head gathers the scored positions from the packed row. An
+evaluation that asks for the logits themselves (`prediction_loss_only=False`) gets them, built as stock, with a
+warning.
 """
 
 from __future__ import annotations

@@ -5,18 +5,26 @@ TRL's `_compute_loss` and `compute_ref_log_probs` (checked 1.10-1.14 layout, ver
 `selective_log_softmax` (every loss type's log-probs), `F.cross_entropy` (the `sft` loss), `torch.logsumexp` of the
 logits and of `2.0 *` the logits (WPO weights, `use_weighting`), `entropy_from_logits` (`entropy`), `.mean(-1)` over
 boolean-selected positions (`logits/chosen`, `logits/rejected`) and `.argmax(-1)` (`mean_token_accuracy`). While one of
-those two methods runs, each causal LM's forward returns its hidden states (the head passes through) wrapped in a
-`LazyLogits`, and the two helpers TRL imports into `trl.trainer.dpo_trainer` are replaced by versions that reduce a
-`LazyLogits` chunk by chunk (any other argument goes to TRL's own). The loss code itself is TRL's, unchanged: every
-loss type, `loss_weights`, `ld_alpha`, `use_weighting`.
+those two methods runs, each causal LM's forward returns a `LazyLogits` whose values were all computed inside the
+output head's own call, and the two helpers TRL imports into `trl.trainer.dpo_trainer` are replaced by versions that
+read a `LazyLogits` (any other argument goes to TRL's own). The loss code itself is TRL's, unchanged: every loss type,
+`loss_weights`, `ld_alpha`, `use_weighting`.
 
-Only the completion positions are scored (TRL masks every other position right after); the policy's log-prob pass
-also stores the entropy, mean logit, argmax (and WPO log-sum-exps) TRL reads next, so its head runs once per chunk.
+Inside the head's call. Before each model call the fused forward announces to the patched head (`DpoScoreCall`) the
+targets (`input_ids` shifted by one), the positions TRL keeps (the shifted completion mask) and, for the policy's call
+of `_compute_loss`, the statistics its metrics read (entropy, mean logit, argmax, and with `use_weighting` the WPO
+log-sum-exps). The head, called once per forward on every rank as stock, runs one chunked pass with its original
+`forward` (`lazy.LazyLogits.logprobs`): the log-probs of the scored positions with a per-chunk checkpoint (each chunk
+recomputed in the backward, where DeepSpeed ZeRO-3's pre-backward hook on the head's output has gathered the weight
+again and FSDP2's root has unsharded it) and, without gradients, the statistics. It returns the `[rows, length]`
+log-probs (0 elsewhere) as the model's `logits`; the fused forward wraps that output, and the statistics, in a
+`LazyLogits` that computes nothing more (a reduction it does not hold is refused with a `UsageError`).
 
 Packing (padding_free, prompt_sharing). The fused forward is put around each model's forward at the start of each
-scoring call, so it is the outermost wrapper, whatever order the plugins wrapped the model in: the packing plugin's
-forward inside it runs the packed row, the head passes its input through, and the plugin puts those hidden states
-back into the padded `[rows, length, H]` layout as it would the logits; they become the `LazyLogits`.
+scoring call, so it is the outermost wrapper, whatever order the plugins wrapped the model in. The packing plugin's
+forward inside it runs one packed row and announces which packed position computes each padded position
+(`_packing.positions`); the head gathers the hidden states of the padded positions from the packed row, returns the
+padded log-probs and marks its output padded, so the plugin leaves it.
 
 An evaluation that asks for the logits themselves (`prediction_loss_only=False`) gets them: that call runs stock.
 """
@@ -36,8 +44,11 @@ import torch
 from ... import _compat
 from ..._logging import get_logger
 from ...errors import UsageError
+from .._packing.positions import current_packed_positions
+from . import online
 from .lazy import LazyLogits, Root, entropy, selective_logprobs
-from .online import FusedState, output_head, run_passing_through
+from .online import FusedState, ScoreCall, output_head
+from .online import scoring as scoring_head
 
 __all__ = ["install_dpo"]
 
@@ -117,26 +128,106 @@ def _wrap_method(original: Callable, name: str, trainer: Any, state: FusedState,
     return method
 
 
+@dataclasses.dataclass
+class DpoScoreCall(ScoreCall):
+    """The DPO scoring request for the next output-head call: inside its call the head scores `targets` (the next
+    token of each position, `[rows, length]`) at the `scored` positions with its original `forward`, one chunk pass
+    that also stores the statistics `stats` (`Root.cache`), and returns the `[rows, length]` log-probs (0 elsewhere).
+    Inside a packed call (`_packing.positions`) it reads the hidden states of the padded positions from the packed
+    row and returns the padded layout itself."""
+
+    stats: tuple[str, ...] = ()
+    vocab: int | None = None
+    root: Root | None = None
+
+    def run(self, head: torch.nn.Module, forward: Callable, hidden: torch.Tensor, args: tuple, kwargs: dict) -> Any:
+        assert self.targets is not None and self.scored is not None
+        if args or kwargs:
+            raise UsageError(
+                f"fused_logprobs: the {self.role} model calls its output head ({type(head).__name__}) with more than "
+                "the hidden states; the fused path cannot reproduce that call. Train it without fused_logprobs."
+            )
+        rows, length = self.targets.shape
+        packed = current_packed_positions()
+        if packed is not None:
+            if hidden.dim() != 3 or hidden.size(0) != 1 or (packed.rows, packed.length) != (rows, length):
+                raise UsageError(
+                    f"fused_logprobs: the {self.role} model ran a packed call for {packed.rows} rows of "
+                    f"{packed.length} positions and passed its output head a {tuple(hidden.shape)} tensor, not one "
+                    f"packed row of hidden states for the DPO batch of {rows} rows of {length} positions. Train it "
+                    "without fused_logprobs or without the packing plugin."
+                )
+            index = packed.index()
+            if bool((index[self.scored] < 0).any()):
+                raise UsageError(
+                    f"fused_logprobs: the packed call of the {self.role} model does not compute every completion "
+                    "position of the DPO batch; train without fused_logprobs or without the packing plugin."
+                )
+            width = hidden.size(-1)
+            hidden = hidden[0].index_select(0, index.clamp(min=0).reshape(-1)).view(rows, length, width)
+            packed.padded_output = True
+        elif hidden.dim() != 3 or tuple(hidden.shape[:2]) != (rows, length):
+            raise UsageError(
+                f"fused_logprobs: the {self.role} model passed its output head a {tuple(hidden.shape)} tensor, not "
+                f"the hidden states of its {rows} rows of {length} positions; the fused path cannot tell which "
+                "positions it holds. Train it without fused_logprobs."
+            )
+        root = Root(
+            functools.partial(online.head_chunk, forward),  # looked up per call (the scale matrix counts it)
+            contextlib.nullcontext,  # inside the head's call: the model's autocast state is the current one
+            self.chunk,
+            self.scored.reshape(-1),
+            self.stats,
+            torch.is_grad_enabled(),
+            vocab=self.vocab,
+            parameters=head.parameters(),
+        )
+        self.root = root
+        return LazyLogits(hidden, root).logprobs(self.targets)
+
+
 def _fused_forward(original: Callable, role: str, head: torch.nn.Module, state: FusedState) -> Callable:
+    vocab = getattr(head, "out_features", None) or getattr(head, "weight").shape[0]  # noqa: B009
+
     @functools.wraps(original)
     def forward(*args: Any, **kwargs: Any) -> Any:
         scoring = _SCORING.get()
         if scoring is None:
             return original(*args, **kwargs)
-        outputs, call = run_passing_through(original, role, *args, **kwargs)
-        state.fused_calls += 1
-        hidden = outputs.logits
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
         mask = scoring.completion_mask
-        if tuple(hidden.shape[:-1]) != tuple(mask.shape):
+        if not isinstance(input_ids, torch.Tensor) or tuple(input_ids.shape) != tuple(mask.shape):
             raise UsageError(
-                f"fused_logprobs: the {role} model returned outputs for {tuple(hidden.shape[:-1])} positions in a "
-                f"DPO batch of {tuple(mask.shape)} tokens; train without fused_logprobs."
+                f"fused_logprobs: the {role} model was called with input_ids of shape "
+                f"{tuple(getattr(input_ids, 'shape', ()))} in a DPO batch of {tuple(mask.shape)} tokens; train "
+                "without fused_logprobs."
             )
         # Position p predicts token p + 1: it is scored when that token is a completion token.
-        scored = torch.nn.functional.pad(mask[..., 1:].bool(), (0, 1)).reshape(-1)
-        root = Root(head, call.autocast_context, state.chunks[role], scored, scoring.stats, torch.is_grad_enabled())
+        targets = torch.nn.functional.pad(input_ids[..., 1:], (0, 1))
+        scored = torch.nn.functional.pad(mask[..., 1:].bool(), (0, 1))
+        request = DpoScoreCall(role, targets, scored, chunk=state.chunks[role], stats=scoring.stats, vocab=vocab)
         scoring.stats = ()  # the policy's call only
-        outputs.logits = LazyLogits(hidden, root)
+        with scoring_head(request):
+            outputs = original(*args, **kwargs)
+        if request.calls != 1:
+            raise UsageError(
+                f"fused_logprobs: the {role} model did not call its output head module in its forward; it computes "
+                "its logits another way. Train it without fused_logprobs."
+            )
+        state.fused_calls += 1
+        values, root = outputs.logits, request.root
+        if root is None or not isinstance(values, torch.Tensor) or tuple(values.shape) != tuple(mask.shape):
+            raise UsageError(
+                f"fused_logprobs: the {role} model's forward changed its output head's result on the way out "
+                f"({tuple(getattr(values, 'shape', ()))} for a DPO batch of {tuple(mask.shape)} tokens); train "
+                "without fused_logprobs."
+            )
+        # The log-probs TRL reads are the model's output itself (under ZeRO-3 its backward hook gathers the head's
+        # weight before the chunks are recomputed); nothing else is computed after the forward.
+        root.cache["logprobs"] = values.reshape(-1)
+        root.precomputed = True
+        ids = torch.arange(values.numel(), device=values.device).view(values.shape)
+        outputs.logits = LazyLogits(values.new_empty(*values.shape, 0), root, ids)
         return outputs
 
     return forward

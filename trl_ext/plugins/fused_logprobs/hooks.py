@@ -55,8 +55,7 @@ def _check_model(context: Any, role: str, model: Any, trainer: Any) -> None:
     head = output_head(causal_lm, role)
     patch_head(context.patcher, head)
     chunk = state.chunks[role] = resolve_chunk(state, head, next(causal_lm.parameters()).dtype)
-    in_head = context.trainer_class != "DPOTrainer" and state.in_head
-    result = state.self_checks[role] = self_check(causal_lm, trainer, role, min(chunk, 7), in_head)
+    result = state.self_checks[role] = self_check(causal_lm, trainer, role, min(chunk, 7), state.in_head)
     if result.failure is not None:
         raise UsageError(
             f"fused_logprobs' self-check failed for the {name}: {result.failure}. Train this model without "
@@ -86,25 +85,11 @@ def _sharded_engine(trainer: Any) -> str | None:
 
 
 def _check_engine(trainer: Any, context: Any, state: FusedState) -> None:
-    """Refuse what the head's parameter gathering under ZeRO-3 / FSDP does not keep in step across ranks: a head
-    applied after the model's forward (DPO on this TRL), and under ZeRO-3 a head with sub-modules of its own (each
-    chunk's call of such a sub-module would gather its parameters)."""
+    """Refuse what the head's parameter gathering under ZeRO-3 does not keep in step across ranks: a head with
+    sub-modules of its own (each chunk's call of such a sub-module would gather its parameters)."""
     engine = _sharded_engine(trainer)
     if engine is None:
         return
-    if context.trainer_class == "DPOTrainer":
-        if engine == "FSDP":
-            raise UsageError(
-                "fused_logprobs does not run under FSDP with this TRL's DPOTrainer: it calls the output head outside "
-                "the model's forward, where FSDP has resharded its weight. Use DDP or DeepSpeed ZeRO-2 with "
-                "fused_logprobs, or train without it under FSDP."
-            )
-        raise UsageError(
-            "fused_logprobs does not run under DeepSpeed ZeRO-3 with this TRL's DPOTrainer: each chunk's output-head "
-            "call gathers the head's parameters, and the number of chunks follows each rank's completion lengths, so "
-            "the ranks' collectives would fall out of step. Use ZeRO-2 or DDP with fused_logprobs, or train without "
-            "it under ZeRO-3."
-        )
     if engine == "DeepSpeed ZeRO-3":
         for role, model in context.models().items():
             head = output_head(model, role)
@@ -124,9 +109,9 @@ def trl_ext_trainer_models_ready(trainer: Any, context: Any) -> None:
     if context.trainer_class == "DPOTrainer" and _dpo_has_fused_head():
         return
     state = _state(context)
-    # Online DPO scores inside the head's call (with prompt_sharing too: the head reads its columns from the packed
-    # row through the positions prompt_sharing announces around its shared call).
-    state.in_head = context.trainer_class != "DPOTrainer"
+    # Both trainers score inside the head's call (with a packing plugin too: the head reads its positions from the
+    # packed row through the positions the plugin announces around its packed call).
+    state.in_head = True
     _check_engine(trainer, context, state)
     models = context.models()
     packing = tuple(n for n in context.plugins_serving(PACKING) if context.is_enabled(n))

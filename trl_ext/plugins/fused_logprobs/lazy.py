@@ -16,6 +16,11 @@ model output they come from, whose per-position results are kept (`Root.cache`).
 computed (`stats`), the same chunk pass, on the logits it already holds, stores without gradients the entropy, the
 mean logit, the argmax and the log-sum-exps TRL asks for next, so the head runs once per chunk in the forward (and
 once more per chunk in the backward, recomputed); the `sft` cross-entropy reuses the log-probs (and their graph).
+
+Inside the head's call (`dpo.DpoScoreCall`). That pass runs inside the output head module's own call, with the head's
+original `forward`; the model's output is the log-probs, and the `LazyLogits` TRL reads is built on a root that holds
+them and the statistics (`Root.precomputed`): it keeps no hidden states, and any reduction it does not hold is
+refused.
 """
 
 from __future__ import annotations
@@ -72,6 +77,8 @@ class Root:
         stats (`Iterable[str]`, *optional*): names of `STATS` to store during the first log-prob pass.
         grad (`bool`, *optional*, defaults to `True`): whether the model's forward ran with gradients enabled (stock
             logits of a forward under `no_grad`, the reference's, carry none, so neither do these).
+        vocab (`int`, *optional*): the vocabulary size (default: read from `head`).
+        parameters (`Iterable[torch.Tensor]`, *optional*): the head's parameters (default: `head.parameters()`).
     """
 
     def __init__(
@@ -82,9 +89,16 @@ class Root:
         scored: torch.Tensor,
         stats: Iterable[str] = (),
         grad: bool = True,
+        vocab: int | None = None,
+        parameters: Iterable[torch.Tensor] | None = None,
     ) -> None:
         self.head, self.autocast, self.chunk, self.scored, self.grad = head, autocast, chunk, scored, grad
         self.stats = tuple(stats)
+        self.vocab = vocab
+        self.parameters = list(_params(head) if parameters is None else parameters)
+        #: every result was computed inside the head's call (`precompute`): the hidden states are not kept, and a
+        #: reduction whose result is not stored is refused
+        self.precomputed = False
         self.scored_count = int(scored.sum())
         self.cache: dict[str, torch.Tensor] = {}
         #: head passes over chunks (forward, without the recompute of the backward): for tests and logs
@@ -113,7 +127,7 @@ class LazyLogits:
     @property
     def shape(self) -> torch.Size:
         head = self.root.head
-        vocab = getattr(head, "out_features", None) or getattr(head, "weight").shape[0]  # noqa: B009
+        vocab = self.root.vocab or getattr(head, "out_features", None) or getattr(head, "weight").shape[0]  # noqa: B009
         return torch.Size((*self.hidden.shape[:-1], vocab))
 
     def dim(self) -> int:
@@ -186,6 +200,7 @@ class LazyLogits:
             cached = self._cached(name)
             if cached is not None:
                 return cached
+        self._check_computable(name or "logsumexp")
         flat, flat_ids, live = self._live()
         rows = flat.index_select(0, live)
         chunk = self.root.chunk
@@ -224,10 +239,11 @@ class LazyLogits:
         cached, known = self._cached("logprobs"), self._cached("targets")
         if cached is not None and known is not None and torch.equal(known, self._spread_targets(targets)):
             return cached
+        self._check_computable("log-probs of other targets")
         flat, flat_ids, live = self._live()
         rows, goals = flat.index_select(0, live), targets.reshape(-1).index_select(0, live)
         grad = self.root.grad and torch.is_grad_enabled()
-        grad = grad and (rows.requires_grad or any(p.requires_grad for p in _params(self.root.head)))
+        grad = grad and (rows.requires_grad or any(p.requires_grad for p in self.root.parameters))
         stats = [s for s in self.root.stats if s not in self.root.cache]
         chunk = self.root.chunk
         starts = range(0, len(rows), chunk)
@@ -260,6 +276,10 @@ class LazyLogits:
                 self._store("logprobs", values, live, flat_ids)
                 self._store("targets", goals, live, flat_ids)
         return self._spread(values, live, flat_ids)
+
+    def _check_computable(self, what: str) -> None:
+        if self.root.precomputed:
+            raise _unsupported(f"{what} (not computed inside the output head's call)")
 
     def _spread_targets(self, targets: torch.Tensor) -> torch.Tensor:
         """`targets` with 0 outside the scored positions (as the stored ones)."""

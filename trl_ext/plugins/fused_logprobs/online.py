@@ -19,9 +19,10 @@ call:
   announces which packed position computes each padded position (`_packing.positions`): the head gathers the hidden
   states of the scored columns from the packed row, returns them as `[rows, C]` and tells the plugin that its output
   is padded already.
-- pass-through (`pass_through()`): the head returns its input, the model returns its last hidden states, and the head
-  module is applied after the forward. Used by DPO on TRL < 1.15 (`dpo.py`), which does not run under ZeRO-3 or FSDP
-  (refused in `hooks.py`).
+- DPO on TRL < 1.15 (`dpo.DpoScoreCall`, a `ScoreCall`): the same inside the head's call, over every position of
+  the DPO batch, with the statistics TRL's metrics read stored on the way.
+- pass-through (`pass_through()`): the head returns its input and the model returns its last hidden states (a
+  self-check without scoring inside the head).
 - recording (a `ScoreCall` without targets, the self-check): the head runs as stock and keeps its output.
 """
 
@@ -171,7 +172,7 @@ class FusedState:
     """Per-trainer state of the plugin (`context.state["fused_logprobs"]`)."""
 
     chunk: str | int = "auto"
-    #: score inside the head's call (Online DPO); False: the head passes its input through (DPO, `dpo.py`)
+    #: score inside the head's call (Online DPO, DPO on TRL < 1.15); False: the self-check passes the head through
     in_head: bool = True
     #: the chunk each model scores with, by role
     chunks: dict[str, int] = dataclasses.field(default_factory=dict)

@@ -36,6 +36,7 @@ from .._packing.metadata import (
     unpack_rows,
     unpack_shifted,
 )
+from .._packing.positions import PackedPositions, packed_positions
 from .._probe import STOCK_CALL, model_probe_lengths, training_max_length
 from . import NAME, PaddingFreeOptions
 from .architecture import Inspection, inspect_model
@@ -338,9 +339,14 @@ def _make_causal_lm_forward(original: Callable, state: PaddingFreeState) -> Call
             packed_labels = pack_rows(labels, info).clone()
             starts = info.cu_seq_lens[:-1].long().clamp(max=max(info.num_tokens - 1, 0))
             packed["labels"] = packed_labels.index_fill_(1, starts, -100)
-        with packed_call(info):
+        # announced to the modules inside (fused_logprobs' output head scores padded positions from the packed row)
+        packed_ids = torch.arange(info.num_tokens, device=info.indices.device)
+        positions = PackedPositions(info.rows, info.length, info.indices, packed_ids)
+        with packed_call(info), packed_positions(positions):
             outputs = original(**packed)
         state.packed_calls += 1
+        if positions.padded_output:  # a module inside returned the padded layout already
+            return outputs
         fused = bool(kwargs.get("fused_lm_head"))
         return repad_outputs(outputs, fused, lambda x: unpack_rows(x, info), lambda x: unpack_shifted(x, info))
 
