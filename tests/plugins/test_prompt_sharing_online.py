@@ -248,3 +248,41 @@ def test_refusal_advice_works_for_online_dpo(online_dpo_args, tokenizer, build, 
     assert "Online DPO then scores padded" in message, message
     if case == "flex_attention":
         assert 'attn_implementation="sdpa"' in message
+
+
+@pytest.mark.parametrize("trailing_padding", [True, False])
+def test_online_score_equals_unpacked_logits(trailing_padding):
+    """`OnlineScore` (TRL's completion log-probs from the packed logits) against TRL's steps on the unpacked padded
+    logits, values and gradients, float64: rows that are runs of the packed row (split, the Online DPO layout) and
+    rows with positions the packed row does not compute (gathered, zero logits there)."""
+    from types import SimpleNamespace
+
+    from trl_ext.plugins._packing.positions import PackedPositions
+    from trl_ext.plugins.prompt_sharing.forward import OnlineScore, _row_runs
+    from trl_ext.plugins.prompt_sharing.layout import build_layout, unpack
+
+    prompt_ids, prompt_mask, completion_ids, completion_mask = _fixed_generation()
+    ids, mask = torch.cat((prompt_ids, completion_ids), 1), torch.cat((prompt_mask, completion_mask), 1)
+    p, vocab = prompt_ids.size(1), 11
+    layout = build_layout(ids, mask, [p] * ids.size(0), trailing_padding=trailing_padding)
+    positions = PackedPositions(layout.rows, layout.length, layout.real_flat, layout.real_shared)
+    packed_len = int(layout.real_shared.max()) + 1
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(1, packed_len, vocab, dtype=torch.float64, generator=g, requires_grad=True)
+    weight = torch.randn(completion_ids.shape, dtype=torch.float64, generator=g)
+    targets = completion_ids % vocab
+
+    padded = unpack(logits, layout)[:, p - 1 : -1]
+    expected = torch.take_along_dim(padded.log_softmax(-1), targets.unsqueeze(-1), dim=2).squeeze(-1)
+    (expected_grad,) = torch.autograd.grad((expected * weight).sum(), logits)
+    outputs = SimpleNamespace(logits=logits)
+    score = OnlineScore(targets, ids.size(1), p - 1, -1)
+    assert score.accepts(outputs, positions)
+    score.score(outputs, positions)
+    (grad,) = torch.autograd.grad((outputs.logits * weight).sum(), logits)
+
+    split = _row_runs(positions.index()[:, p - 1 : -1]) is not None
+    assert split == trailing_padding  # without the padding computed, rows have positions the packed row lacks
+    assert score.calls == 1 and not score.accepts(outputs, positions)
+    torch.testing.assert_close(outputs.logits, expected, rtol=1e-12, atol=0)
+    torch.testing.assert_close(grad, expected_grad, rtol=1e-12, atol=1e-15)

@@ -91,21 +91,63 @@ class OnlineScore:
         )
 
     def score(self, outputs: Any, positions: PackedPositions) -> None:
-        """Replace the packed `[1, N, vocab]` `outputs.logits` by the `[rows, C]` log-probs of the targets; the packed
-        logits are released as soon as the scored rows are taken from them."""
+        """Replace the packed `[1, N, vocab]` `outputs.logits` by the `[rows, C]` log-probs of the targets.
+
+        Each row's scored positions are usually one run of the packed row (its last prompt token and its completion,
+        padding after an end included); the runs are then split off as views (`split`, whose backward writes one
+        packed gradient) and no scored logits are copied. Otherwise they are gathered (`index_select`), with zero
+        logits where the packed row computes no position."""
         self.calls += 1
-        logits = outputs.logits
         index = positions.index()[:, self.start : self.end]
-        missing = index < 0
-        picked = logits[0].index_select(0, index.clamp(min=0).reshape(-1)).view(*index.shape, logits.size(-1))
-        outputs.logits = picked  # (a model output keeps what was set last; None would not replace it)
-        del logits
-        if bool(missing.any()):
-            picked = picked.masked_fill(missing.unsqueeze(-1), 0.0)
-        log_probs = picked.log_softmax(dim=-1)
-        outputs.logits = log_probs
-        del picked
-        outputs.logits = torch.take_along_dim(log_probs, self.targets.unsqueeze(-1), dim=2).squeeze(-1)
+        starts = _row_runs(index)
+        logits = outputs.logits
+        if starts is None:
+            missing = index < 0
+            picked = logits[0].index_select(0, index.clamp(min=0).reshape(-1)).view(*index.shape, logits.size(-1))
+            outputs.logits = picked  # the packed logits are released (a model output keeps the last non-None value)
+            del logits
+            if bool(missing.any()):
+                picked = picked.masked_fill(missing.unsqueeze(-1), 0.0)
+            log_probs = picked.log_softmax(dim=-1)
+            outputs.logits = log_probs
+            del picked
+            outputs.logits = torch.take_along_dim(log_probs, self.targets.unsqueeze(-1), dim=2).squeeze(-1)
+            return
+        width = index.size(1)
+        sizes: list[int] = []
+        piece: dict[int, int] = {}
+        cursor = 0
+        for row in sorted(range(len(starts)), key=starts.__getitem__):
+            if starts[row] > cursor:
+                sizes.append(starts[row] - cursor)
+            piece[row] = len(sizes)
+            sizes.append(width)
+            cursor = starts[row] + width
+        if cursor < logits.size(1):
+            sizes.append(logits.size(1) - cursor)
+        pieces = logits[0].split(sizes)
+        scored = [
+            torch.take_along_dim(pieces[piece[row]].log_softmax(dim=-1), self.targets[row].unsqueeze(-1), dim=1)
+            for row in range(len(starts))
+        ]
+        del pieces, logits
+        outputs.logits = torch.stack(scored).squeeze(-1)
+
+
+def _row_runs(index: torch.Tensor) -> list[int] | None:
+    """For `[rows, C]` packed positions: the first of each row when every row's positions are one run of the packed
+    row and the runs do not overlap; None otherwise."""
+    rows, width = index.shape
+    if rows == 0 or width == 0:
+        return None
+    host = index.cpu()
+    if bool((host < 0).any()) or (width > 1 and not bool((host[:, 1:] - host[:, :-1] == 1).all())):
+        return None
+    starts = host[:, 0].tolist()
+    ordered = sorted(starts)
+    if any(b - a < width for a, b in zip(ordered, ordered[1:], strict=False)):
+        return None
+    return starts
 
 
 _ONLINE_SCORE: contextvars.ContextVar[OnlineScore | None] = contextvars.ContextVar(
