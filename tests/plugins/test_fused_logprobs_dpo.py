@@ -1,8 +1,9 @@
-"""fused_logprobs on `DPOTrainer` with TRL < 1.15 (no fused LM head there): `LazyLogits` scoring equals stock TRL's
-full-logit `_compute_loss` in float64 for every loss type and loss option: per-sequence log-probs, loss, gradients and
-every logged metric (entropy, logits/chosen|rejected, mean_token_accuracy, rewards, logps); no `[2B, L, V]` tensor;
-the head runs once per chunk of completion positions (metrics included). The same with padding_free and
-prompt_sharing, whose packed forwards then run under the fused head.
+"""fused_logprobs on `DPOTrainer` with TRL < 1.15 (no fused LM head there): scoring inside the output head's call
+equals stock TRL's full-logit `_compute_loss` in float64 for every loss type and loss option: per-sequence log-probs,
+loss, gradients and every logged metric (entropy, logits/chosen|rejected, mean_token_accuracy, rewards, logps); no
+`[2B, L, V]` tensor; the head module is called once per forward and computes each chunk of completion positions once
+(metrics included), plus once in the backward. The same with padding_free and prompt_sharing, whose packed forwards
+announce the packed positions the head reads.
 
 On TRL >= 1.15 DPO runs TRL's own fused head and the plugin leaves it (tests/plugins/test_fused_logprobs.py::
 test_dpo_trainer); these tests run with trl 1.12.
@@ -214,10 +215,22 @@ PACKING_CASES = [
 
 @pytest.mark.slow
 @pytest.mark.parametrize("packing", PACKING)
-def test_with_packing_equals_stock(build, packing):
-    """fused_logprobs + padding_free / prompt_sharing (TRL < 1.15: their packed forward returns the hidden states,
-    put back into the padded layout, and the fused head scores them): log-probs, loss, gradients and metrics equal
-    stock for the loss cases, and the packing plugin alone at RTOL; no `[2B, L, V]` tensor."""
+def test_with_packing_equals_stock(build, packing, monkeypatch):
+    """fused_logprobs + padding_free / prompt_sharing (TRL < 1.15: the packing plugin announces the packed positions
+    and the fused head, inside its call, scores the completion positions from the packed row): log-probs, loss,
+    gradients and metrics equal stock for the loss cases, and the packing plugin alone at RTOL; no `[2B, L, V]`
+    tensor."""
+    from trl_ext.plugins.fused_logprobs import dpo
+
+    announced = []
+    original = dpo.current_packed_positions
+
+    def current_packed_positions():
+        positions = original()
+        announced.append(positions is not None)
+        return positions
+
+    monkeypatch.setattr(dpo, "current_packed_positions", current_packed_positions)
     stock = build(use_weighting=True, label_smoothing=1e-3, loss_type=["exo_pair"])
     with trl_ext.install(**{packing: True}):
         packed = build(use_weighting=True, label_smoothing=1e-3, loss_type=["exo_pair"])
@@ -230,6 +243,7 @@ def test_with_packing_equals_stock(build, packing):
     runs_before = getattr(runs, "packed_calls", None), getattr(runs, "shared_calls", None)
     _compare(stock, fused, batch, fused_batch=fused_batch, grad_rtol=PACKING_GRAD_RTOL[packing])
     assert (getattr(runs, "packed_calls", None), getattr(runs, "shared_calls", None)) != runs_before
+    assert announced and all(announced), announced  # every fused head call read the packed row
     failures = []
     for case in PACKING_CASES:
         for trainer in (stock, packed, fused):
