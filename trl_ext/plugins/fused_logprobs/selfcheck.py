@@ -2,12 +2,12 @@
 are its output head applied to the hidden states the head receives, and that the fused log-probs equal the stock
 `log_softmax`.
 
-Scoring inside the head's call (`in_head`, Online DPO): the head's output is recorded inside the model's forward and
-compared with the model's logits, then the model's output in a scoring call (the log-probs the head computed, passed
-through the rest of the model's forward) is compared with the stock log-probs. Every head call runs inside the
-model's forward, so the check runs under FSDP2 and ZeRO-3 too (the same calls on every rank). Otherwise
-(pass-through, DPO): the hidden states the model returns with its head passing through are compared as above, with
-the head applied after the forward.
+Scoring inside the head's call (`in_head`, Online DPO and DPO on TRL < 1.15): the head's output is recorded inside
+the model's forward and compared with the model's logits, then the model's output in a scoring call (the log-probs the
+head computed, passed through the rest of the model's forward) is compared with the stock log-probs. Every head call
+runs inside the model's forward, so the check runs under FSDP2 and ZeRO-3 too (the same calls on every rank).
+Otherwise (pass-through, a head applied after the forward): the hidden states the model returns with its head passing
+through are compared as above, with the head applied after the forward.
 
 What is compared is the model's last step (head and anything after it), so the probe does not need training-length
 sequences: its rows are sized from the training lengths (`_probe.model_probe_lengths`) but capped at `PROBE_CAP`
