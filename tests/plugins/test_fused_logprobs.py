@@ -94,7 +94,6 @@ def _step(trainer):
 
 def _compare(stock, fused, generation=None):
     prompt_ids, prompt_mask, completion_ids, completion_mask = generation or _fixed_generation()
-    assert fused._trl_ext.state["fused_logprobs"].in_head
     for model in (stock.model, stock.ref_model):
         if model is None:
             continue
@@ -175,7 +174,6 @@ def test_train_logs_equal_stock(build, others):
     with trl_ext.install(fused_logprobs=True, **others):
         fused = build(max_steps=2, gradient_checkpointing=True)
         assert set(fused._trl_ext.enabled) == {"fused_logprobs", *others}
-        assert fused._trl_ext.state["fused_logprobs"].in_head  # with prompt_sharing's packed rows too
         fused.train()
     assert fused._trl_ext.state["fused_logprobs"].fused_calls == 4
     logs = [[h for h in t.state.log_history if "loss" in h] for t in (stock, fused)]
@@ -332,7 +330,7 @@ def _engine_setup(trainer_class, *, zero_stage=None, fsdp=False, head_adapter=Fa
         accelerator=_Namespace(state=_Namespace(deepspeed_plugin=plugin)),
     )
     context = _Namespace(trainer_class=trainer_class, models=lambda: {"policy": model})
-    state = FusedState(in_head=True)
+    state = FusedState()
     return trainer, context, state
 
 

@@ -55,7 +55,7 @@ def _check_model(context: Any, role: str, model: Any, trainer: Any) -> None:
     head = output_head(causal_lm, role)
     patch_head(context.patcher, head)
     chunk = state.chunks[role] = resolve_chunk(state, head, next(causal_lm.parameters()).dtype)
-    result = state.self_checks[role] = self_check(causal_lm, trainer, role, min(chunk, 7), state.in_head)
+    result = state.self_checks[role] = self_check(causal_lm, trainer, role, min(chunk, 7))
     if result.failure is not None:
         raise UsageError(
             f"fused_logprobs' self-check failed for the {name}: {result.failure}. Train this model without "
@@ -111,7 +111,6 @@ def trl_ext_trainer_models_ready(trainer: Any, context: Any) -> None:
     state = _state(context)
     # Both trainers score inside the head's call (with a packing plugin too: the head reads its positions from the
     # packed row through the positions the plugin announces around its packed call).
-    state.in_head = True
     _check_engine(trainer, context, state)
     models = context.models()
     packing = tuple(n for n in context.plugins_serving(PACKING) if context.is_enabled(n))

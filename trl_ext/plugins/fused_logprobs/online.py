@@ -21,8 +21,6 @@ call:
   is padded already.
 - DPO on TRL < 1.15 (`dpo.DpoScoreCall`, a `ScoreCall`): the same inside the head's call, over every position of
   the DPO batch, with the statistics TRL's metrics read stored on the way.
-- pass-through (`pass_through()`): the head returns its input and the model returns its last hidden states (a
-  self-check without scoring inside the head).
 - recording (a `ScoreCall` without targets, the self-check): the head runs as stock and keeps its output.
 """
 
@@ -46,36 +44,14 @@ from .chunked import auto_chunk, token_logprobs
 
 __all__ = [
     "FusedState",
-    "HeadCall",
     "ScoreCall",
     "head_chunk",
     "make_fused_forward",
     "output_head",
-    "pass_through",
     "patch_head",
-    "run_passing_through",
     "run_scoring",
     "scoring",
 ]
-
-
-@dataclasses.dataclass
-class HeadCall:
-    """What the pass-through saw: how often the head was called, and the autocast state it was called under."""
-
-    calls: int = 0
-    device_type: str = "cpu"
-    autocast: torch.dtype | None = None
-
-    def autocast_context(self) -> Any:
-        """The autocast state the head ran under inside the model's forward (stock runs the head there)."""
-        if self.autocast is None:
-            return torch.autocast(self.device_type, enabled=False)
-        return torch.autocast(self.device_type, dtype=self.autocast)
-
-
-#: While set, the patched output head returns its input (once) and records the call.
-_PASS_THROUGH: contextvars.ContextVar[HeadCall | None] = contextvars.ContextVar("trl_ext_head_pass", default=None)
 
 
 def head_chunk(forward: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor) -> torch.Tensor:
@@ -172,8 +148,6 @@ class FusedState:
     """Per-trainer state of the plugin (`context.state["fused_logprobs"]`)."""
 
     chunk: str | int = "auto"
-    #: score inside the head's call (Online DPO, DPO on TRL < 1.15); False: the self-check passes the head through
-    in_head: bool = True
     #: the chunk each model scores with, by role
     chunks: dict[str, int] = dataclasses.field(default_factory=dict)
     #: self-check results by role
@@ -199,8 +173,8 @@ def output_head(model: Any, role: str = "model") -> torch.nn.Module:
 
 
 def patch_head(patcher: Any, head: torch.nn.Module) -> None:
-    """Make `head` score (`scoring()`) or return its input (`pass_through()`) on its first call in such
-    a block; otherwise it runs as before. Patching a head twice (a model shared by two trainers) is harmless: the
+    """Make `head` run the scoring request (`scoring()`) on its first call in such a block; otherwise it runs as
+    before. Patching a head twice (a model shared by two trainers) is harmless: the
     outer patch consumes the request."""
     original = head.forward
 
@@ -210,27 +184,9 @@ def patch_head(patcher: Any, head: torch.nn.Module) -> None:
         if score is not None and score.calls == 0:
             score.calls += 1
             return score.run(head, original, hidden_states, args, kwargs)
-        call = _PASS_THROUGH.get()
-        if call is None or call.calls > 0:
-            return original(hidden_states, *args, **kwargs)
-        call.calls += 1
-        call.device_type = hidden_states.device.type
-        if torch.is_autocast_enabled(call.device_type):
-            call.autocast = torch.get_autocast_dtype(call.device_type)
-        return hidden_states
+        return original(hidden_states, *args, **kwargs)
 
     patcher.setattr(head, "forward", forward)
-
-
-@contextlib.contextmanager
-def pass_through() -> Iterator[HeadCall]:
-    """The patched heads return their input for the first head call of the block; yields what they saw."""
-    call = HeadCall()
-    token = _PASS_THROUGH.set(call)
-    try:
-        yield call
-    finally:
-        _PASS_THROUGH.reset(token)
 
 
 @contextlib.contextmanager
@@ -253,26 +209,6 @@ def run_scoring(model: Any, request: ScoreCall, *args: Any, **kwargs: Any) -> An
             "output head module in its forward; it computes its logits another way. Train it without fused_logprobs."
         )
     return outputs
-
-
-def hidden_states(model: Any, role: str, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, HeadCall]:
-    """Run `model(*args, **kwargs)` with its output head passing through: the hidden states the head would see, and
-    the autocast state it would run under."""
-    outputs, call = run_passing_through(model, role, *args, **kwargs)
-    return outputs.logits, call
-
-
-def run_passing_through(model: Any, role: str, *args: Any, **kwargs: Any) -> tuple[Any, HeadCall]:
-    """`model(*args, **kwargs)` with its output head passing through: its outputs (`logits` holds the hidden states)
-    and what the head saw."""
-    with pass_through() as call:
-        outputs = model(*args, **kwargs)
-    if call.calls != 1:
-        raise UsageError(
-            f"fused_logprobs: the {role} model ({type(unwrap_causal_lm(model)).__name__}) did not call its output "
-            "head module in its forward; it computes its logits another way. Train it without fused_logprobs."
-        )
-    return outputs, call
 
 
 def resolve_chunk(state: FusedState, head: torch.nn.Module, dtype: torch.dtype) -> int:

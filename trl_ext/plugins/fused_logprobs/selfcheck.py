@@ -2,12 +2,10 @@
 are its output head applied to the hidden states the head receives, and that the fused log-probs equal the stock
 `log_softmax`.
 
-Scoring inside the head's call (`in_head`, Online DPO and DPO on TRL < 1.15): the head's output is recorded inside
-the model's forward and compared with the model's logits, then the model's output in a scoring call (the log-probs the
-head computed, passed through the rest of the model's forward) is compared with the stock log-probs. Every head call
-runs inside the model's forward, so the check runs under FSDP2 and ZeRO-3 too (the same calls on every rank).
-Otherwise (pass-through, a head applied after the forward): the hidden states the model returns with its head passing
-through are compared as above, with the head applied after the forward.
+Both trainers score inside the head's call: the head's output is recorded inside the model's forward and compared
+with the model's logits, then the model's output in a scoring call (the log-probs the head computed, passed through
+the rest of the model's forward) is compared with the stock log-probs. Every head call runs inside the model's
+forward, so the check runs under FSDP2 and ZeRO-3 too (the same calls on every rank).
 
 What is compared is the model's last step (head and anything after it), so the probe does not need training-length
 sequences: its rows are sized from the training lengths (`_probe.model_probe_lengths`) but capped at `PROBE_CAP`
@@ -25,8 +23,8 @@ import torch
 
 from ...context import unwrap_causal_lm
 from .._probe import model_probe_lengths, stock_forward
-from .chunked import accumulation_dtype, token_logprobs
-from .online import ScoreCall, hidden_states, output_head, run_scoring
+from .chunked import accumulation_dtype
+from .online import ScoreCall, run_scoring
 
 __all__ = ["HEAD_MECHANISMS", "SelfCheckResult", "head_mechanism", "self_check"]
 
@@ -70,9 +68,9 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().max().item() / scale
 
 
-def self_check(model: Any, trainer: Any, role: str, chunk: int, in_head: bool = False) -> SelfCheckResult:
-    """Compare the fused path (`in_head`: scoring inside the head's call) with `model`'s stock forward on a probe;
-    `failure` says what differs."""
+def self_check(model: Any, trainer: Any, role: str, chunk: int) -> SelfCheckResult:
+    """Compare the fused path (scoring inside the head's call) with `model`'s stock forward on a probe; `failure` says
+    what differs."""
     started = time.perf_counter()
     causal_lm = unwrap_causal_lm(model)
     lengths = tuple(min(n, PROBE_CAP) for n in model_probe_lengths(causal_lm, trainer, "fused_logprobs"))
@@ -82,7 +80,6 @@ def self_check(model: Any, trainer: Any, role: str, chunk: int, in_head: bool = 
     device = next(causal_lm.parameters()).device
     ids = torch.randint(0, vocab, (len(lengths), width), generator=g).to(device)
     mask = (torch.arange(width)[None] < torch.tensor(lengths)[:, None]).long().to(device)
-    head = output_head(model, role)
     was_training = causal_lm.training
     causal_lm.eval()
     kwargs = dict(input_ids=ids, attention_mask=mask, use_cache=False)
@@ -91,20 +88,13 @@ def self_check(model: Any, trainer: Any, role: str, chunk: int, in_head: bool = 
         with torch.no_grad():
             with stock_forward(causal_lm):
                 stock = causal_lm(**kwargs).logits
-            if in_head:
-                record = ScoreCall(role)  # the head runs as stock and keeps its output
-                with stock_forward(causal_lm):
-                    run_scoring(causal_lm, record, **kwargs)
-                applied = record.output
-                request = ScoreCall(role, targets, None, width, 0, None, chunk)
-                with stock_forward(causal_lm):
-                    fused = run_scoring(causal_lm, request, **kwargs).logits
-            else:
-                with stock_forward(causal_lm):  # a packing plugin's wrapper passes the probe through as well
-                    hidden, call = hidden_states(causal_lm, role, **kwargs)
-                with call.autocast_context():
-                    applied = head(hidden)
-                    fused = token_logprobs(hidden, targets, head, chunk=chunk)
+            record = ScoreCall(role)  # the head runs as stock and keeps its output
+            with stock_forward(causal_lm):  # a packing plugin's wrapper passes the probe through as well
+                run_scoring(causal_lm, record, **kwargs)
+            applied = record.output
+            request = ScoreCall(role, targets, None, width, 0, None, chunk)
+            with stock_forward(causal_lm):
+                fused = run_scoring(causal_lm, request, **kwargs).logits
     finally:
         causal_lm.train(was_training)
     acc = accumulation_dtype(stock.dtype)
