@@ -4,7 +4,10 @@ budget it may use, and the linear projection that stops a probe before it runs."
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 from pathlib import Path
+from typing import Any
 
 from .._shared import free_memory_bytes
 
@@ -30,8 +33,26 @@ def _cpu_rss() -> int:
     return 0
 
 
+def _release_free_heap() -> None:
+    """Give the C allocator's free memory back to the kernel (glibc `malloc_trim`), so that work measured by the
+    resident set next touches fresh pages: memory freed by earlier work and kept by the allocator would otherwise be
+    reused without the resident set growing, and the work would look free. A no-op without glibc."""
+    global _MALLOC_TRIM
+    if _MALLOC_TRIM is None:
+        try:
+            _MALLOC_TRIM = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _MALLOC_TRIM = False
+    if _MALLOC_TRIM:
+        _MALLOC_TRIM(0)
+
+
+_MALLOC_TRIM: Any = None
+
+
 class PeakMemory:
-    """Extra memory one forward needs beyond what the process holds before it (GPU: allocator; CPU: peak RSS)."""
+    """Extra memory one forward needs beyond what the process holds before it (GPU: allocator; CPU: peak RSS, the
+    allocator's free memory released first)."""
 
     def __init__(self, device) -> None:
         self.device = device
@@ -46,6 +67,7 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats(self.device)
             self.base = torch.cuda.memory_allocated(self.device)
         else:
+            _release_free_heap()
             self.base = _cpu_rss()
             try:
                 # "5" resets the peak-RSS counter (VmHWM) of this process (Linux >= 4.0, proc(5)).
