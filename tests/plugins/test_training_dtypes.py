@@ -60,6 +60,21 @@ ONLINE_PLUGINS: dict[str, dict[str, Any]] = {
 }
 
 
+#: Stock's runs, shared by the tests of every plugin (same model, batch and settings): (trainer, precision, ...) ->
+#: result. A run under an installation is never cached.
+_STOCK: dict[tuple, Any] = {}
+
+
+def _stock_once(key: tuple, run: Any) -> Any:
+    from trl_ext import installation as _installation
+
+    if _installation.current() is not None:
+        return run()
+    if key not in _STOCK:
+        _STOCK[key] = run()
+    return _STOCK[key]
+
+
 def _first_log(trainer: Any) -> dict[str, float]:
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
@@ -93,6 +108,9 @@ def dpo_dataset():
 @pytest.fixture
 def dpo_run(dpo_args, tokenizer, dpo_dataset):
     def run(precision: str | None, precompute: bool) -> dict[str, float]:
+        return _stock_once(("dpo", precision, precompute), lambda: build_and_train(precision, precompute))
+
+    def build_and_train(precision: str | None, precompute: bool) -> dict[str, float]:
         from trl import DPOTrainer
 
         args: dict[str, Any] = dict(max_steps=1, per_device_train_batch_size=4, optim="sgd", learning_rate=0.1)
@@ -152,6 +170,9 @@ def online_run(online_dpo_args, tokenizer, monkeypatch):
     arity = 5 if "vision_inputs = self._generate(" in inspect.getsource(OnlineDPOTrainer.training_step) else 4
 
     def run(precision: str | None) -> tuple[dict[str, float], list[torch.Tensor]]:
+        return _stock_once(("online", precision), lambda: build_and_train(precision))
+
+    def build_and_train(precision: str | None) -> tuple[dict[str, float], list[torch.Tensor]]:
         args: dict[str, Any] = dict(
             max_steps=1, per_device_train_batch_size=3, optim="sgd", learning_rate=0.1, max_length=64
         )
