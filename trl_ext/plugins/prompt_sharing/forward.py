@@ -34,8 +34,8 @@ from typing import Any
 
 import torch
 
-from ... import _compat
 from ..._logging import get_logger
+from .._online_forward import ScoringCall, verify_against_trl
 from .._packing.glue import positional_input_ids, repad_outputs, scoring_call
 from .._packing.positions import PackedPositions, packed_positions
 from .attention import GROUPS_KWARG, shared_call
@@ -327,30 +327,27 @@ def make_online_forward(original: Callable, max_length: Callable[[], int | None]
     does not share (nothing to share, or a model that is not wrapped) returns its padded logits and is finished here
     as TRL does. Another `_forward` (fused_logprobs', a subclass's) is called as it is."""
     own = _is_trl_online_forward(original)
+    if own:  # the steps below are TRL's: refuse a TRL whose `_forward` is not what they reproduce
+        verify_against_trl(getattr(original, "__func__", original), "prompt_sharing")
 
     @functools.wraps(original)
     def _forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask, *args, **kwargs):
         vision_inputs = args[0] if args else kwargs.get("vision_inputs")
         if vision_inputs is not None:
             return original(model, prompt_ids, prompt_mask, completion_ids, completion_mask, *args, **kwargs)
-        columns = _compat.online_dpo_prompt_columns(prompt_ids.size(1), completion_ids.size(1), max_length())
+        call = ScoringCall.build(prompt_ids, prompt_mask, completion_ids, completion_mask, max_length())
         if not own:
-            with online_prompt_columns(columns):
+            with online_prompt_columns(call.prompt_columns):
                 return original(model, prompt_ids, prompt_mask, completion_ids, completion_mask, *args, **kwargs)
-        cut = prompt_ids.size(1) - columns  # TRL's left truncation
-        ids = torch.cat((prompt_ids[:, cut:], completion_ids), dim=1)
-        mask = torch.cat((prompt_mask[:, cut:], completion_mask), dim=1)
-        start, end = (columns - 1, -1) if columns > 0 else (0, None)
-        score = OnlineScore(completion_ids, ids.size(1), start, end)
+        score = OnlineScore(completion_ids, call.ids.size(1), call.start, call.end)
         token = _ONLINE_SCORE.set(score)
         try:
-            with online_prompt_columns(columns):
-                output = model(ids, attention_mask=mask)
+            with online_prompt_columns(call.prompt_columns):
+                output = model(call.ids, attention_mask=call.mask)
         finally:
             _ONLINE_SCORE.reset(token)
         if score.calls:
             return score.finish(output.logits)
-        logits = output.logits[:, start:end]
-        return torch.take_along_dim(logits.log_softmax(dim=-1), completion_ids.unsqueeze(-1), dim=2).squeeze(-1)
+        return call.log_probs(output.logits)
 
     return _forward
