@@ -139,6 +139,8 @@ def test_unsupported_features_of_real_models(model_type, feature):
     if model_type == "llama":
         model.model.layers[0].self_attn.attention_dropout = 0.1
         assert kernels.unsupported_features(model, "sdpa") == ["dropout in attention"]
+        model.config.head_dim = 12
+        assert kernels.unsupported_features(model, "sdpa")[1].startswith("head_dim 12 (the flash kernels need")
     assert kernels.has_windows(model.config) == (model_type in ("mistral", "gemma2", "gpt_oss"))
 
 

@@ -9,6 +9,13 @@ Two things keep the sequences of a packed row apart:
   attention of this module ("varlen"), registered in transformers' `AttentionInterface` as `trl_ext_varlen_<base>`.
   The dense mask costs (sum of lengths)^2 per layer, varlen only the sum of the squared lengths.
 
+On CUDA in bf16/fp16 the varlen attention runs each layer's packed call as one fused varlen kernel (`kernels.py`:
+chosen once per trainer and model, logged, `attention: fused` / `segments` to force either): with the batch's device
+`cu_seq_lens_q` and host `max_length_q` as the layers receive them (built once per batch), so no host work runs per
+layer; a sliding window is the kernel's `window_size`, also where only the mask applies it (`_packed_mask` marks a
+block-diagonal mask that is exactly the config's window). Elsewhere, and for calls with softcapping, sinks, dropout or
+another mask pattern, it runs per segment.
+
 The varlen attention only acts on packed calls (those that carry `cu_seq_lens_q` and no mask, or run inside
 `metadata.packed_call`); every other call (generation, a user's own forward) is handed to the base implementation with
 the mask transformers builds for it, so a model switched to varlen attention behaves exactly as before outside packed
@@ -35,7 +42,7 @@ from ... import _compat
 from ...errors import UsageError
 from . import kernels
 from .kernels import packed_segments, run_packed
-from .metadata import PACKED_BOUNDS, PACKED_CALL
+from .metadata import PACKED_BOUNDS, PACKED_CALL, PACKED_CU
 
 __all__ = [
     "VARLEN_BASES",
@@ -193,7 +200,7 @@ def _make_varlen_attention(base: str) -> Callable:
             return run_packed(kernel, query, key, value, cu_seq_lens, max_length, scaling, window), None
         # the host bounds of the batch (read once per batch by `packed_call`), not a device read per layer
         bounds = PACKED_BOUNDS.get()
-        if cu_seq_lens is not None and bounds is None:
+        if cu_seq_lens is not None and (bounds is None or cu_seq_lens is not PACKED_CU.get()):
             bounds = cu_seq_lens.tolist()
         if cu_seq_lens is None and attention_mask is None:
             from_positions = _bounds_from_positions(kwargs.get("position_ids"), query, key)

@@ -178,7 +178,22 @@ def unsupported_features(model: torch.nn.Module, base: str) -> list[str]:
         found.append("custom attention masks (chunked attention)")
     if any(isinstance(p := getattr(m, "attention_dropout", None), float) and p > 0 for m in model.modules()):
         found.append("dropout in attention")
+    head_dim = getattr(config, "head_dim", None) or _head_dim(config)
+    if isinstance(head_dim, int) and (head_dim % 8 or head_dim > 256):
+        found.append(f"head_dim {head_dim} (the flash kernels need a multiple of 8, at most 256)")
     return found
+
+
+def _head_dim(config: Any) -> int | None:
+    hidden, heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
+    return hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads else None
+
+
+def _capability_ok(device: torch.device) -> bool:
+    """The flash kernels need an Ampere or newer GPU (compute capability 8.0)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return True
+    return torch.cuda.get_device_capability(device) >= (8, 0)
 
 
 def choose(
@@ -198,7 +213,8 @@ def choose(
     first (`"flash_attn"` for a model loaded with `flash_attention_2`). `windows`: the model has sliding windows, which
     a kernel without `window_size` leaves to the loop.
     """
-    device_type = torch.device(device).type
+    device = torch.device(device)
+    device_type = device.type
     if requested == "segments":
         return Choice(None, device_type, dtype, ("attention: segments",))
     order = [prefer] if prefer in KERNELS else []
@@ -210,7 +226,10 @@ def choose(
         if device_type in candidate.devices and dtype in candidate.dtypes:
             kernel = candidate
             break
-    if not KERNELS:
+    if kernel is not None and not _capability_ok(device):
+        kernel = None
+        reasons.append("a GPU older than compute capability 8.0 (the flash kernels need Ampere or newer)")
+    elif not KERNELS:
         reasons.append("no fused kernel installed (torch.nn.attention.varlen or flash-attn)")
     elif kernel is None:
         reasons += [

@@ -13,6 +13,16 @@ causally; a branch's queries run against the prefix's keys/values followed by it
 mask (every prefix key visible, the branch causal), so the cost is `P^2 + sum_b B_b (P + B_b)` per group, the cost
 of the shared layout, not of a dense mask over the row. Sliding windows are applied by position (a key at `j` is
 visible from `i` when `i - window < j <= i`), as transformers' `sliding_window_overlay` does.
+
+CUDA (bf16/fp16, plain sdpa; `_packing/kernels.py` chooses, once per trainer and model): one fused varlen kernel call
+per layer (`shared_segments`, `run_shared`). Its segments are every prefix (its own keys) and every branch (the
+prefix's keys followed by its own), in row order, so the queries are the row itself; the flash kernels align a causal
+mask to the bottom right when a segment has more keys than queries, which is exactly "the whole prefix, then causal",
+windows included (`window_size` counts positions the same way). The keys are gathered once per layer (`kv_index`: a
+prefix's keys once per branch). Online DPO's trailing padding (queries over the real keys only) is a second,
+non-causal call, merged back by position. The segment plan is host work on the layout's groups, built once per batch
+and cached (the reference forward and the recomputed layers reuse it). One kernel call computes each query's whole
+softmax, so no log-sum-exp merge of partial attentions is needed.
 """
 
 from __future__ import annotations
