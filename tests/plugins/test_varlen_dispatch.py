@@ -110,6 +110,25 @@ def test_choice_per_device_dtype_and_feature(monkeypatch):
     assert "no fused kernel installed" in kernels.choose("auto", "cuda", bf16, []).fallbacks[0]
 
 
+def test_autocast_calls_run_in_the_autocast_dtype():
+    """A float32 model trained with `bf16=True`: its rotary embeddings promote the queries to float32 under autocast;
+    the kernel still runs the call, in bf16 (as SDPA casts it under autocast), and not outside autocast."""
+    ref = ReferenceVarlen()
+    kernel = kernels.Kernel("varlen_attn", ("cpu",), (torch.bfloat16,), True, ref)
+    choice = kernels.Choice(kernel, "cpu", torch.bfloat16)
+    query = torch.randn(1, 2, 5, 8)
+    assert kernels.runs_fused(choice, query) is None
+    assert kernels.runs_fused(choice, query.double()) is None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert kernels.runs_fused(choice, query) is kernel
+        assert kernels.runs_fused(choice, query.bfloat16()) is kernel
+        q, k = kernels.kernel_inputs(kernel, query, query[:, :1])
+        cu = torch.tensor([0, 2, 5], dtype=torch.int32)
+        out = kernels.run_packed(kernel, query, query[:, :1], query[:, :1].bfloat16(), cu, 3, None, None)
+    assert q.dtype == k.dtype == torch.bfloat16 and q.shape == (5, 2, 8) and k.shape == (5, 1, 8)
+    assert out.dtype == torch.bfloat16 and out.shape == (1, 5, 2, 8) and len(ref.calls) == 1
+
+
 def test_fused_where_it_cannot_run_is_refused(monkeypatch):
     monkeypatch.setattr(kernels, "KERNELS", {"varlen_attn": _cuda_kernel()})
     with pytest.raises(UsageError, match=r"padding_free: `attention: fused`.*cpu.*Set `attention: auto`"):

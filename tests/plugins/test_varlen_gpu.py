@@ -167,7 +167,10 @@ def test_fused_path_equals_stock_in_bf16(plugin, model_type, checkpointing, monk
         assert f <= FACTOR * s + FLOOR, f"{what}: fused {f:.3g} vs stock bf16 {s:.3g} (from fp32)"
 
 
-def test_trainer_logs_the_fused_kernel(dpo_args, tokenizer, caplog):
+def test_trainer_logs_the_fused_kernel(dpo_args, tokenizer, caplog, monkeypatch):
+    """A float32 model trained with `bf16=True` (autocast; TRL's default where supported): the kernel is chosen, logged
+    and runs in training (the queries, promoted to float32 by the rotary embedding, are cast to bf16 as SDPA does)."""
+    calls = _spy(monkeypatch)
     dataset = make_preference_dataset(8, seed=0)
     build = eq.dpo_builder(dpo_args, tokenizer, dataset)
     with caplog.at_level(logging.INFO, logger="trl_ext"), trl_ext.install(padding_free=True, prompt_sharing=False):
@@ -175,3 +178,4 @@ def test_trainer_logs_the_fused_kernel(dpo_args, tokenizer, caplog):
     lines = [r.getMessage() for r in caplog.records if "packed attention" in r.getMessage()]
     assert lines == ["padding_free: packed attention: varlen_attn (CUDA, bf16)"]
     trainer.train()  # two steps through the kernel
+    assert len(calls) >= 2 * 2 * trainer.model.config.num_hidden_layers  # policy and reference forwards, two steps

@@ -332,12 +332,32 @@ def choice_for(module: torch.nn.Module) -> Choice | None:
     return entry[1]
 
 
+def call_dtype(kernel: Kernel, query: torch.Tensor) -> torch.dtype | None:
+    """The dtype `kernel` runs this call in: the query's, or under autocast the autocast dtype (float32 queries of a
+    float32 model trained with `bf16=True`: rotary embeddings promote them; SDPA casts them down the same way);
+    None when it runs neither."""
+    if query.dtype in kernel.dtypes:
+        return query.dtype
+    device_type = query.device.type
+    if query.dtype == torch.float32 and torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        return dtype if dtype in kernel.dtypes else None
+    return None
+
+
 def runs_fused(choice: Choice | None, query: torch.Tensor) -> Kernel | None:
     """The kernel of `choice` when this call's tensors are what it was chosen for (device type and dtype)."""
     if choice is None or choice.kernel is None:
         return None
     kernel = choice.kernel
-    return kernel if query.device.type in kernel.devices and query.dtype in kernel.dtypes else None
+    return kernel if query.device.type in kernel.devices and call_dtype(kernel, query) is not None else None
+
+
+def kernel_inputs(kernel: Kernel, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    """Transformers' `[1, H, T, D]` query/key/value as the kernels take them: `[T, H, D]`, contiguous, in the call's
+    dtype (`call_dtype`)."""
+    dtype = call_dtype(kernel, tensors[0])
+    return [t[0].transpose(0, 1).to(dtype).contiguous() for t in tensors]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -417,6 +437,6 @@ def run_packed(
 ) -> torch.Tensor:
     """Causal attention of one packed row in one kernel call: `query [1, H, T, D]` (transformers' layout) ->
     `[1, T, H, D]` (an attention function's output layout)."""
-    q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))
+    q, k, v = kernel_inputs(kernel, query, key, value)
     out = kernel.call(q, k, v, cu, cu, max_length, max_length, causal=True, window=window, scale=scaling)
     return out.unsqueeze(0)

@@ -261,7 +261,7 @@ def run_shared(
 ) -> torch.Tensor:
     """Shared attention of one shared row in one kernel call (two with trailing padding): `query [1, H, T, D]` ->
     `[1, T, H, D]`."""
-    q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))
+    q, k, v = kernels.kernel_inputs(kernel, query, key, value)
     window = None if sliding_window is None else int(sliding_window) - 1
     out = _kernel_call(kernel, q, k, v, plan.main, True, window, scaling)
     if plan.tail is not None and plan.inverse is not None:
