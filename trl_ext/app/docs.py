@@ -132,9 +132,10 @@ def fused_dpo_packing_sentence(root: Path, argument: str) -> str:
         r = cpu[key]
         return f"{r['median']:.2f}x speed-up over stock in CPU time (IQR {r['q1']:.2f}-{r['q3']:.2f})"
 
+    alone = cpu["padding_free_old"]["median"]
     return (
-        f"padding_free on trl {new} (TRL's fused head): {ratio('target')}; fused_logprobs + padding_free on trl {old}: "
-        f"{ratio('fused_padding_free')}, against padding_free alone there {cpu['padding_free_old']['median']:.2f}x. "
+        f"padding_free on trl {new} (TRL's fused head): {ratio('target')}; fused_logprobs + padding_free on "
+        f"trl {old}: {ratio('fused_padding_free')}, against padding_free alone there {alone:.2f}x. "
         f"The trl {old} speed-up is {cpu['relative']:.2f}x the trl {new} one."
     )
 
