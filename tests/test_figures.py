@@ -95,7 +95,7 @@ def test_generated_parts_are_up_to_date():
     keys = {part.key for part in parts}
     from trl_ext.manager import builtin_plugin_modules
 
-    wanted = {"plugins", "flags", "bench", "fused_logprobs", "fused_dpo_packing"}
+    wanted = {"plugins", "flags", "hooks", "bench", "fused_logprobs", "fused_dpo_packing"}
     wanted |= {f"settings {name}" for name in builtin_plugin_modules()}
     assert wanted <= keys, f"missing generated parts: {sorted(wanted - keys)}"
     assert docs.stale() == [], "out of date; run `python -m trl_ext.app.docs`"

@@ -8,6 +8,7 @@ fills it (`GENERATORS`):
 - `plugins`: the table of built-in plugins (README.md), from their `PluginSpec` declarations;
 - `settings NAME`: plugin NAME's flags and options with what they accept, default and help (docs/plugins/NAME.md);
 - `flags`: every built-in flag with its plugin (docs/configuration.md);
+- `hooks`: every hook of `trl_ext.hookspecs` with its first sentence (docs/writing-plugins.md);
 - `bench`: the recorded `trl-ext bench --quick` run, `benchmarks/results/bench_quick.json` (docs/benchmarks.md);
 - `fused_logprobs`: the recorded `benchmarks/fused_logprobs.py` run, `benchmarks/results/fused_logprobs.json`;
 - `fused_dpo_packing`: the recorded `benchmarks/fused_dpo_packing.py` run, `benchmarks/results/fused_dpo_packing.json`.
@@ -31,6 +32,13 @@ __all__ = ["GENERATORS", "Part", "generated_parts", "main", "render", "stale"]
 ROOT = Path(__file__).resolve().parents[2]
 
 _PART = re.compile(r"(<!-- generated: (?P<key>[^>]+?) -->\n)(?P<body>.*?)(<!-- end generated: (?P=key) -->)", re.S)
+
+
+def _wrap(text: str) -> str:
+    """Prose wrapped at the project's line length, as the hand-written text around it."""
+    import textwrap
+
+    return "\n".join(textwrap.wrap(text, 119, break_long_words=False, break_on_hyphens=False))
 
 
 def _cell(text: str) -> str:
@@ -73,7 +81,7 @@ def settings_table(root: Path, argument: str) -> str:
     for doc in spec.docs():
         key = doc.name if doc.kind == "flag" else f"plugins.{argument}.{doc.name}"
         rows.append(f"| `{key}` ({doc.kind}) | {_cell(doc.accepts)} | `{doc.default_text()}` | {_cell(doc.help)} |")
-    return "\n\n".join([" ".join(lines), "\n".join(rows)])
+    return "\n\n".join([_wrap(" ".join(lines)), "\n".join(rows)])
 
 
 def flags_table(root: Path, argument: str) -> str:
@@ -87,6 +95,20 @@ def flags_table(root: Path, argument: str) -> str:
         "flag (options of a plugin whose flag is off are a `UsageError`) |"
     )
     rows.append("| `block` | `[name, ...]` | any | plugin names never to load (like pytest's `-p no:NAME`) |")
+    return "\n".join(rows)
+
+
+def hooks_table(root: Path, argument: str) -> str:
+    """Every hook of `trl_ext.hookspecs`, in the module's order (grouped by lifecycle), with its first sentence."""
+    import inspect
+
+    from .. import hookspecs
+    from ..setting_docs import first_sentence
+
+    rows = ["| hook | called |", "|---|---|"]
+    for name, function in vars(hookspecs).items():
+        if name.startswith("trl_ext_") and inspect.isfunction(function):
+            rows.append(f"| `{name}` | {_cell(first_sentence(inspect.getdoc(function) or ''))} |")
     return "\n".join(rows)
 
 
@@ -133,7 +155,7 @@ def fused_dpo_packing_sentence(root: Path, argument: str) -> str:
         return f"{r['median']:.2f}x speed-up over stock in CPU time (IQR {r['q1']:.2f}-{r['q3']:.2f})"
 
     alone = cpu["padding_free_old"]["median"]
-    return (
+    return _wrap(
         f"padding_free on trl {new} (TRL's fused head): {ratio('target')}; fused_logprobs + padding_free on "
         f"trl {old}: {ratio('fused_padding_free')}, against padding_free alone there {alone:.2f}x. "
         f"The trl {old} speed-up is {cpu['relative']:.2f}x the trl {new} one."
@@ -145,6 +167,7 @@ GENERATORS: dict[str, Callable[[Path, str], str]] = {
     "plugins": plugins_table,
     "settings": settings_table,
     "flags": flags_table,
+    "hooks": hooks_table,
     "bench": bench_table,
     "fused_logprobs": fused_logprobs_table,
     "fused_dpo_packing": fused_dpo_packing_sentence,
