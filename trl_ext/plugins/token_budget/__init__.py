@@ -104,6 +104,17 @@ from ...spec import Flag, PluginSpec, Size, either, one_of, optional, positive_i
 NAME = "token_budget"
 
 
+class _NoValue(str):
+    """What a bare `--trl-ext-token-budget` (no value) gives the flag's parser, which refuses it: the flag takes a
+    number of tokens or "auto", never a silent default."""
+
+    def __repr__(self) -> str:
+        return 'no value (a bare `--trl-ext-token-budget`: give a number of tokens or "auto")'
+
+
+NO_VALUE = _NoValue("")
+
+
 @dataclass(frozen=True)
 class TokenBudgetOptions:
     """Options of the `token_budget` plugin (`plugins: {token_budget: {...}}`).
@@ -126,8 +137,9 @@ TRL_EXT_PLUGIN = PluginSpec(
             NAME,
             default=None,
             parse=optional(either(positive_int, one_of("auto"))),
-            help='Most tokens per DPO micro-batch (pairs per optimizer step unchanged), or "auto" to measure it.',
-            cli_const="auto",
+            help='Most tokens per DPO micro-batch (pairs per optimizer step unchanged), or "auto" to measure it; '
+            "a value is required.",
+            cli_const=NO_VALUE,
         ),
     ),
     options=TokenBudgetOptions,

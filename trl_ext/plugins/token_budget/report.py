@@ -18,12 +18,19 @@ def summary(state: Any, first_step: int) -> str | None:
     stock = sum(state.stock_micro_batch_counts[first_step:])
     largest = max(state.max_tokens[first_step:], default=0)
     text = (
-        f"token_budget: {len(counts)} optimizer step(s) ran {sum(counts)} micro-batches (stock: {stock}), the "
-        f"largest {largest} of the {state.budget} {state.packed} tokens allowed"
+        f"token_budget: {len(counts)} optimizer step(s) ran {sum(counts)} micro-batches (stock: {stock}) within the "
+        f"budget of {state.budget} {state.packed} tokens"
     )
     over = sum(state.over_budget[first_step:])
-    if over:
-        text += f"; {over} pair(s) over the budget ran alone"
+    if largest > state.budget:
+        # only a pair that alone holds more tokens than the budget makes a micro-batch larger than it
+        text += (
+            f"; {over} pair(s) over the budget ran alone, the largest a pair of {largest} tokens"
+            if over > 1
+            else f"; a pair of {largest} tokens is over the budget of {state.budget} and ran alone"
+        )
+    else:
+        text += f", the largest micro-batch {largest} tokens"
     balance = [most / mean for most, mean in state.rank_tokens[first_step:] if mean > 0]
     if balance:
         text += (
