@@ -304,7 +304,7 @@ def test_micro_batch_counts_follow_the_budget(dpo_args, tokenizer):
     assert state.stock_micro_batch_counts == [ACCUMULATION, ACCUMULATION]
     expected = (
         f"token_budget: 2 optimizer step(s) ran 7 micro-batches (stock: {2 * ACCUMULATION}) within the budget of 1 "
-        f"padded tokens; 7 pair(s) over the budget ran alone, the largest a pair of {max(state.max_tokens)} tokens"
+        f"padded tokens; 7 pairs over the budget ran alone, the largest of {max(state.max_tokens)} tokens"
     )
     assert lines[0] == expected
 

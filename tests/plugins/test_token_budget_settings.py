@@ -24,6 +24,7 @@ from trl_ext.plugins.token_budget.cut import pair_length
 from trl_ext.plugins.token_budget.hooks import (
     ACCEPTED_LOSS_TYPES,
     COUPLED_LOSS_TYPES,
+    PER_PAIR_LOSS_TYPES,
     check_loss_types,
     check_trainer,
     trl_loss_types,
@@ -35,6 +36,7 @@ from .test_token_budget import (
     BUDGET,
     LOG_ATOL,
     LOG_RTOL,
+    MEAN_OVER_PAIRS,
     PARAM_RTOL,
     PLUGIN,
     TIMINGS,
@@ -137,9 +139,10 @@ def test_every_trl_loss_type_is_classified():
     or refused with a reason. A TRL that adds one fails here until it is verified and classified."""
     known = trl_loss_types()
     assert {"sigmoid", "sft", "aot"} <= known, known
-    assert known == ACCEPTED_LOSS_TYPES | set(COUPLED_LOSS_TYPES), sorted(
-        known ^ (ACCEPTED_LOSS_TYPES | COUPLED_LOSS_TYPES.keys())
-    )
+    classified = ACCEPTED_LOSS_TYPES | set(COUPLED_LOSS_TYPES)
+    assert known == classified, f"not classified: {sorted(known - classified)}; gone: {sorted(classified - known)}"
+    # every accepted type is compared with stock: the per-pair ones in test_token_budget.py, "sft" here
+    assert set(MEAN_OVER_PAIRS) == PER_PAIR_LOSS_TYPES and ACCEPTED_LOSS_TYPES - PER_PAIR_LOSS_TYPES == {"sft"}
     assert not ACCEPTED_LOSS_TYPES & set(COUPLED_LOSS_TYPES)
 
 
@@ -284,14 +287,15 @@ def test_fsdp_v1_is_refused_fsdp2_is_not():
 
 @pytest.mark.slow
 @pytest.mark.distributed
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="accelerate's FSDP needs an accelerator")
 def test_fsdp_v1_trainer_is_refused_when_built(tmp_path):
-    """A real FSDP v1 DPOTrainer (one process under torchrun, gloo) is refused before training."""
+    """A real FSDP v1 DPOTrainer (one process under torchrun) is refused before training."""
     script = tmp_path / "fsdp1.py"
     script.write_text(
         "import torch, trl_ext\n"
         "from trl import DPOConfig, DPOTrainer\n"
         "from trl_ext.testing import make_model, make_preference_dataset, make_tokenizer\n"
-        f"args = DPOConfig(output_dir={str(tmp_path / 'out')!r}, use_cpu=True, bf16=False, report_to=[],\n"
+        f"args = DPOConfig(output_dir={str(tmp_path / 'out')!r}, bf16=False, report_to=[],\n"
         "                 save_strategy='no', fsdp='full_shard', fsdp_config={'fsdp_version': 1})\n"
         "try:\n"
         "    with trl_ext.install(token_budget=64):\n"
@@ -397,3 +401,39 @@ def test_sync_metrics_notice_counts_stocks_batches(dpo_args, tokenizer):
     assert _state(trainer).micro_batch_counts != [2, 2]
     lines = [r.getMessage() for r in records if "sync_metrics: the train batches" in r.getMessage()]
     assert len(lines) == 1 and "held 2 / 1 pairs (3 in all)" in lines[0], lines
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# TRL's helpers found by capability (1.14 calls a joint log-prob/entropy helper and imports no `entropy_from_logits`)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_entropy_helper_found_by_capability(monkeypatch):
+    """The entropy of the logits path comes from TRL's DPO module's `entropy_from_logits` (1.10-1.13) or, on a module
+    without it, its `selective_log_softmax_and_entropy` (1.14); with neither, a clear error."""
+    import types
+
+    from trl_ext import _compat
+    from trl_ext.plugins.token_budget import metrics
+
+    logits = torch.randn(2, 3, 5, dtype=torch.float64)
+    labels = torch.randint(0, 5, (2, 3))
+    mask = torch.tensor([[0, 1, 1], [1, 1, 0]])
+    expected = -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1)
+    calls = []
+
+    def joint(logits, index, entropy_requires_grad=True, row_mask=None):
+        calls.append(entropy_requires_grad)
+        entropy = -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1)
+        return logits.log_softmax(-1).gather(-1, index[..., None])[..., 0], entropy.masked_fill(row_mask == 0, 0.0)
+
+    fake = types.ModuleType("fake_dpo")
+    monkeypatch.setitem(sys.modules, "fake_dpo", fake)
+    monkeypatch.setattr(_compat, "DPO_LOGITS_MODULE", "fake_dpo")
+    with pytest.raises(RuntimeError, match="neither `entropy_from_logits` nor `selective_log_softmax_and_entropy`"):
+        metrics.logits_entropy(logits, labels, mask)
+    fake.selective_log_softmax_and_entropy = joint
+    assert torch.equal(metrics.logits_entropy(logits, labels, mask), expected.masked_fill(mask == 0, 0.0))
+    assert calls == [False]
+    fake.entropy_from_logits = lambda logits: -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1)
+    assert torch.equal(metrics.logits_entropy(logits, labels, mask), expected) and calls == [False]

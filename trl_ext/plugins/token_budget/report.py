@@ -22,13 +22,12 @@ def summary(state: Any, first_step: int) -> str | None:
         f"budget of {state.budget} {state.packed} tokens"
     )
     over = sum(state.over_budget[first_step:])
-    if largest > state.budget:
-        # only a pair that alone holds more tokens than the budget makes a micro-batch larger than it
-        text += (
-            f"; {over} pair(s) over the budget ran alone, the largest a pair of {largest} tokens"
-            if over > 1
-            else f"; a pair of {largest} tokens is over the budget of {state.budget} and ran alone"
-        )
+    if over == 1 and largest > state.budget:
+        text += f"; a pair of {largest} tokens is over the budget of {state.budget} and ran alone"
+    elif over:
+        # on several processes the pairs over the budget may have run on other ranks than this one
+        text += f"; {over} pairs over the budget ran alone"
+        text += f", the largest of {largest} tokens" if largest > state.budget else ""
     else:
         text += f", the largest micro-batch {largest} tokens"
     balance = [most / mean for most, mean in state.rank_tokens[first_step:] if mean > 0]
