@@ -77,11 +77,11 @@ def _dataset():
     return make_preference_dataset(PAIRS, seed=15, prompt_median=6, completion_median=5, max_prompt=24)
 
 
-def _train(dpo_args, tokenizer, install: dict | None, peft: bool = False, dataset=None, **args):
+def _train(dpo_args, tokenizer, install: dict | None, peft: bool = False, dataset=None, dtype=torch.float64, **args):
     from trl import DPOTrainer
 
-    model = sharpen(make_model(dtype=torch.float64, hidden_size=32))
-    ref = None if peft else sharpen(make_model(dtype=torch.float64, hidden_size=32, seed=1))
+    model = sharpen(make_model(dtype=dtype, hidden_size=32))
+    ref = None if peft else sharpen(make_model(dtype=dtype, hidden_size=32, seed=1))
     peft_config = None
     if peft:
         from peft import LoraConfig
