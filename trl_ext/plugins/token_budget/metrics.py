@@ -36,8 +36,9 @@ ROW_SUMS = ("entropy_c", "entropy_r", "tokens_c", "tokens_r", "logits_c", "logit
 def row_sums(output: Any, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Per-pair sums behind TRL's token metrics, computed as TRL computes them from the policy forward's output.
 
-    TRL >= 1.13 runs the policy with a fused LM head whose output carries per-token `entropy`, `mean_logits` and
-    `is_top1`; older TRL computes them from `logits` (trl/trainer/dpo_trainer.py, 1.12.0:1614-1661).
+    Chosen by what the output carries, not by TRL's version: TRL's fused LM head (1.15+) returns per-token `entropy`,
+    `mean_logits` and `is_top1`; otherwise they come from `logits` as TRL's logits path computes them
+    (trl/trainer/dpo_trainer.py, 1.12.0:1614-1661; 1.14.2 takes the entropy from `selective_log_softmax_and_entropy`).
     """
     mask = inputs["completion_mask"][:, 1:].bool()
     width = mask.size(1)
