@@ -86,7 +86,7 @@ bad = []
 assert len(stock_logs) == len(cut_logs) == 3, (stock_logs, cut_logs)
 for s, p in zip(stock_logs, cut_logs, strict=True):
     # rewards are differences of log-probs (~100 here) scored in float32 by TRL >= 1.15's fused head: their floor is
-    # beta x 1e-6 x |logps| (tests/plugins/test_token_budget_settings.py `_assert_same_run_sft`)
+    # beta x 1e-6 x |logps| (tests/plugins/test_token_budget_losses.py `_assert_same_run_sft`)
     logps = max(abs(s.get(k, 0.0)) for k in ("logps/chosen", "logps/rejected", "eval_logps/chosen"))
     for key in s:
         if key.endswith(("runtime", "per_second")):
