@@ -274,8 +274,14 @@ def test_gradient_checkpointing_and_peft_equal_stock(dpo_args, tokenizer, peft):
 
 @pytest.mark.slow
 def test_with_fused_logprobs_equals_stock(dpo_args, tokenizer):
-    """fused_logprobs hands TRL < 1.15 lazy logits; the per-row token sums go through the same functions TRL calls."""
-    plugin = _train(dpo_args, tokenizer, {PLUGIN: BUDGET, "fused_logprobs": True})
+    """fused_logprobs hands TRL < 1.15 lazy logits; the per-row token sums go through the same functions TRL calls.
+    (fused_logprobs itself refuses TRL 1.14, whose DPO module calls another helper: nothing to compare there.)"""
+    try:
+        plugin = _train(dpo_args, tokenizer, {PLUGIN: BUDGET, "fused_logprobs": True})
+    except UsageError as error:
+        if str(error).startswith("fused_logprobs:") and "has no ['entropy_from_logits']" in str(error):
+            pytest.skip(f"fused_logprobs refuses this TRL: {error}")
+        raise
     _assert_same_run(_train(dpo_args, tokenizer, None), plugin)
 
 
