@@ -37,8 +37,10 @@ def install(trainer: Any, patcher: Any, state: TokenBudgetState) -> None:
             finally:
                 scoped.undo()
             if dispatches(loader):  # accelerate joins the batches: the examples travel as tensors (`.dispatch`)
-                config = trainer.args
-                keep.encoder = Encoder(config.max_length, config.truncation_mode, state.multiple)
+                # truncated as the collator truncates (`DataCollatorForPreference`'s fields; one without them does not)
+                collator = keep.collator
+                truncation = getattr(collator, "truncation_mode", "keep_start")
+                keep.encoder = Encoder(getattr(collator, "max_length", None), truncation, state.multiple)
             return loader
 
         return build_loader
