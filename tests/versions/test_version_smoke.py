@@ -184,3 +184,23 @@ def test_plugin_equals_stock_or_is_refused_by_a_named_fact(
         "version matrix",
         f"trl {TRL}: {plugin} on {trainer_kind}: equal (largest difference {worst:.1e}: {where})",
     )
+
+
+def test_doctor_names_the_dpo_layout_and_what_keeps_dpo_from_training(capsys):
+    import argparse
+
+    from trl_ext.app import cli
+
+    code = cli._cmd_doctor(argparse.Namespace())
+    out = capsys.readouterr().out
+    layout = "TRL's fused LM head" if _compat.dpo_has_fused_head() else " + ".join(_compat.dpo_logits_helpers())
+    assert (
+        f"supported; DPO scoring: {'' if _compat.dpo_has_fused_head() else 'full logits, read through '}{layout}"
+        in out
+    )
+    fact = _compat.dpo_training_refusal()
+    if fact is None:
+        assert "CANNOT TRAIN" not in out and code == 0, out
+    else:
+        assert f"DPOTrainer CANNOT TRAIN here: {fact.text}" in out and fact.name in out, out
+        assert code == 1 and out.strip().endswith("PROBLEMS FOUND (see above)")
