@@ -2,7 +2,8 @@
 
 Each entry says which TRL versions it was checked on. When a new TRL minor is released, read its
 `trl/trainer/dpo_trainer.py`, `trl/experimental/online_dpo/online_dpo_trainer.py` and `trl/models/utils.py`, check
-every entry below, and only then raise `TRL_MAX_EXCLUSIVE`.
+every entry below, run tests/test_compat.py and tests/versions against it (docs/versions.md), and only then raise
+`TRL_MAX_EXCLUSIVE`. Code layouts that differ within the range are found by probes (`_trl_layouts`), not versions.
 """
 
 from __future__ import annotations
