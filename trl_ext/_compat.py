@@ -312,23 +312,15 @@ def attention_registry(interface: type) -> dict:
 #: `plugins._packing.glue.check_packable_trainer` (packing refuses both). Checked on 1.12.0 and 1.16.0.
 TRL_VISION_ATTRS = ("_is_vlm", "_is_vision_dataset")
 #: `OnlineDPOTrainer._forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask, vision_inputs=None)`,
-#: and the attribute that holds its `max_length`. Consumer: `plugins.prompt_sharing` (wraps `_forward`). Checked on
-#: 1.12.0 and 1.16.0.
+#: and the attribute that holds its `max_length`. Consumers: `plugins._online_forward` (reproduces it and verifies
+#: that against it), prompt_sharing and fused_logprobs. Checked on 1.10.0-1.16.0.
 ONLINE_DPO_FORWARD_METHOD = "_forward"
+ONLINE_DPO_MAX_LENGTH_ATTR = "max_length"
 #: transformers' `Trainer`: the attribute saying that `compute_loss` already scaled the loss for gradient accumulation
 #: (`training_step` then does not divide it), and the method that fetches one optimizer step's batches. Consumer:
 #: `plugins.token_budget.step`. Checked on transformers 5.24.0.
 TRAINER_LOSS_SCALED_ATTR = "loss_is_scaled_for_ga"
 TRAINER_BATCH_SAMPLES_METHOD = "get_batch_samples"
-ONLINE_DPO_MAX_LENGTH_ATTR = "max_length"
-
-
-def online_dpo_prompt_columns(prompt_columns: int, completion_columns: int, max_length: int | None) -> int:
-    """How many prompt columns `OnlineDPOTrainer._forward` keeps (text only): it cuts the prompt on the left so that
-    prompt + completion <= `max_length` (`num_tokens_to_truncate`). Consumer: `plugins.prompt_sharing.forward`."""
-    if max_length is None:
-        return prompt_columns
-    return prompt_columns - max(prompt_columns + completion_columns - max_length, 0)
 
 
 # -- generation: DeepSpeed ZeRO-3 ------------------------------------------------------------------------------------

@@ -39,6 +39,7 @@ import torch
 from ... import _compat
 from ...context import unwrap_causal_lm
 from ...errors import UsageError
+from .._online_forward import ScoringCall, verify_against_trl
 from .._packing.positions import PackedPositions, current_packed_positions
 from .chunked import auto_chunk, token_logprobs
 
@@ -231,7 +232,9 @@ def resolve_chunk(state: FusedState, head: torch.nn.Module, dtype: torch.dtype) 
 
 
 def make_fused_forward(trainer: Any, state: FusedState, roles: Callable[[Any], str]) -> Callable:
-    """The replacement of `trainer._forward`: same arguments, same `[rows, C]` log-probs, no full logits."""
+    """The replacement of `trainer._forward`: same arguments, same `[rows, C]` log-probs, no full logits. TRL's steps
+    around the model call are `_online_forward.ScoringCall`'s, verified against the trainer's own `_forward` here."""
+    verify_against_trl(getattr(type(trainer), _compat.ONLINE_DPO_FORWARD_METHOD), "fused_logprobs")
 
     def _forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask, vision_inputs=None):
         role = roles(model)
@@ -240,20 +243,20 @@ def make_fused_forward(trainer: Any, state: FusedState, roles: Callable[[Any], s
                 "fused_logprobs does not score vision-language batches (image inputs reached Online DPO's scoring "
                 "forward). Train without fused_logprobs."
             )
-        max_length = getattr(trainer, _compat.ONLINE_DPO_MAX_LENGTH_ATTR)
-        cut = max(prompt_ids.size(1) + completion_ids.size(1) - max_length, 0)  # TRL's left truncation
-        prompt_ids, prompt_mask = prompt_ids[:, cut:], prompt_mask[:, cut:]
-        ids = torch.cat((prompt_ids, completion_ids), dim=1)
-        mask = torch.cat((prompt_mask, completion_mask), dim=1)
-        prompt_len = prompt_ids.size(1)
-        start, end = (prompt_len - 1, -1) if prompt_len > 0 else (0, None)
+        call = ScoringCall.build(
+            prompt_ids,
+            prompt_mask,
+            completion_ids,
+            completion_mask,
+            getattr(trainer, _compat.ONLINE_DPO_MAX_LENGTH_ATTR),
+        )
         head = output_head(model, role)
         chunk = state.chunks.get(role) or resolve_chunk(state, head, next(unwrap_causal_lm(model).parameters()).dtype)
         state.fused_calls += 1
         # The completion tokens carry gradients; the positions after an end are computed without (TRL masks them in
         # the loss and sums them into its KL and entropy metrics).
         scored = completion_mask.bool()
-        request = ScoreCall(role, completion_ids, scored, ids.size(1), start, end, chunk)
-        return run_scoring(model, request, ids, attention_mask=mask).logits
+        request = ScoreCall(role, completion_ids, scored, call.ids.size(1), call.start, call.end, chunk)
+        return run_scoring(model, request, call.ids, attention_mask=call.mask).logits
 
     return _forward
