@@ -570,7 +570,7 @@ def test_online_dpo_forward_truncates_the_prompt_on_the_left():
             "ONLINE_DPO_MAX_LENGTH_ATTR",
             "OnlineDPOTrainer._forward no longer cuts the prompt on the left to max_length",
         )
-    )  # trl_ext.plugins._online_forward reproduces it and verifies that at attach: tests/plugins/test_online_forward.py
+    )  # plugins._online_forward reproduces it and verifies that at attach: tests/plugins/test_online_forward.py
 
 
 def test_trainer_state_attributes_are_the_named_ones():
