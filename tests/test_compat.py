@@ -565,11 +565,9 @@ def test_online_dpo_forward_truncates_the_prompt_on_the_left():
     source = " ".join(_source(forward).split())
     limit = f"self.{_compat.ONLINE_DPO_MAX_LENGTH_ATTR}"
     rule = f"max(prompt_ids.size(1) + completion_ids.size(1) - {limit}, 0)"
-    assert rule in source and "prompt_ids = prompt_ids[:, num_tokens_to_truncate:]" in source, (
-        _fail(
-            "ONLINE_DPO_MAX_LENGTH_ATTR",
-            "OnlineDPOTrainer._forward no longer cuts the prompt on the left to max_length",
-        )
+    assert rule in source and "prompt_ids = prompt_ids[:, num_tokens_to_truncate:]" in source, _fail(
+        "ONLINE_DPO_MAX_LENGTH_ATTR",
+        "OnlineDPOTrainer._forward no longer cuts the prompt on the left to max_length",
     )  # plugins._online_forward reproduces it and verifies that at attach: tests/plugins/test_online_forward.py
 
 

@@ -10,6 +10,7 @@ an epoch are exactly the dataset's pairs.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import socket
@@ -614,3 +615,30 @@ def test_schema_reduce_mean_max_min():
     metrics, total = schema.reduce(torch.stack(rows))
     assert metrics == {"a": 5.0, "b": 1.0, "c": -4.0}
     assert total[schema.calls] == 2 and total[schema.tokens] == 7 and len(total) == schema.size
+
+
+def test_float64_per_pair_metrics_keep_float64(dpo_args, tokenizer):
+    """float64 models: the per-pair metrics (rewards, log-probs) are summed in float64 as stock's means are, not
+    rounded to float32 first (a near-zero `rewards/chosen` was off by 5e-6 relative that way)."""
+    from trl import DPOTrainer
+
+    def run(plugin: bool) -> dict:
+        with trl_ext.install(sync_metrics=True) if plugin else contextlib.nullcontext():
+            trainer = DPOTrainer(
+                model=make_model(seed=0, dtype=torch.float64),
+                ref_model=make_model(seed=1, dtype=torch.float64),
+                args=dpo_args(max_steps=1, per_device_train_batch_size=3, bf16=False),
+                train_dataset=make_preference_dataset(3, seed=2),
+                processing_class=tokenizer,
+            )
+            trainer.train()
+        return next(h for h in trainer.state.log_history if "loss" in h)
+
+    from trl_ext import _compat
+
+    # TRL's fused LM head (TRL >= 1.15) returns float32 log-probs even from a float64 model: stock's means are then
+    # float32 means, the plugin's float64 sums of the same float32 values
+    rel = 1e-6 if _compat.dpo_uses_fused_lm_head() else 1e-12
+    plugin, stock = run(True), run(False)
+    for key in ("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected"):
+        assert plugin[key] == pytest.approx(stock[key], rel=rel, abs=1e-15), key

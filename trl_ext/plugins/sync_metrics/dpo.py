@@ -44,14 +44,14 @@ def _items(state: SyncMetricsState, trainer: Any, captured: list[torch.Tensor], 
     items: list = [(s.calls, 1)]
     if aux:
         value = next(it)
-        items += [(s.sum_slot("aux_loss"), value.float() * n), (s.count_slot("aux_loss"), n)]
+        items += [(s.sum_slot("aux_loss"), value.double() * n), (s.count_slot("aux_loss"), n)]
     items += [(s.sum_slot("entropy"), next(it)), (s.count_slot("entropy"), next(it))]
     if mode == "train":
         items.append((s.tokens, next(it)))
     for name in _compat.DPO_TOKEN_METRICS[1:]:  # entropy came first
         items += [(s.sum_slot(name), next(it)), (s.count_slot(name), next(it))]
     for name, tensor in zip(_compat.DPO_PAIR_METRICS, it, strict=True):
-        items += [(s.sum_slot(name), tensor.float().sum()), (s.count_slot(name), n)]
+        items += [(s.sum_slot(name), tensor.double().sum()), (s.count_slot(name), n)]  # float64 slots: no rounding
     return items
 
 
