@@ -122,6 +122,21 @@ def _config_value(config, *names):
     return None
 
 
+def _nested_config_value(config, *names):
+    """`_config_value` of `config`, else of its nested configs (DBRX keeps its expert count in `ffn_config`)."""
+    value = _config_value(config, *names)
+    if value is not None:
+        return value
+    for nested in vars(config).values():
+        if isinstance(nested, dict):
+            value = next((nested[n] for n in names if nested.get(n) is not None), None)
+        elif hasattr(nested, "to_dict"):
+            value = _config_value(nested, *names)
+        if value is not None:
+            return value
+    return None
+
+
 def _stateful_module(model: torch.nn.Module) -> tuple[str, torch.nn.Module] | None:
     def stateful(module: torch.nn.Module) -> bool:
         cls = type(module).__name__.lower()
@@ -323,9 +338,9 @@ def inspect_model(
         mechanisms.append("softcapping")
     if any(n.endswith(("q_norm", "k_norm", "q_layernorm", "k_layernorm")) for n, _ in model.named_modules()):
         mechanisms.append("QK-norm")
-    experts = _config_value(config, "num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+    experts = _nested_config_value(config, "num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
     if isinstance(experts, int) and experts > 1:
-        capacity = _config_value(config, "expert_capacity", "capacity_factor", "moe_capacity_factor")
+        capacity = _nested_config_value(config, "expert_capacity", "capacity_factor", "moe_capacity_factor")
         if capacity:
             return Inspection(
                 [*mechanisms, "MoE (capacity-limited)"],

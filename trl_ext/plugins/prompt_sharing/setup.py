@@ -14,6 +14,7 @@ from .._architecture import inspect_model, verified_except
 from .._packing.attention import switch_attention
 from .._packing.glue import check_packable_trainer
 from .._probe import model_probe_lengths
+from .._randomness import describe_draws, training_draws
 from .._roles import PACKING as PACKING_ROLE
 from .attention import base_of, register_shared_attention, shared_attention_name, unregister_shared_attention
 from .dropout import describe, disable_dropout, dropout_sites
@@ -239,6 +240,30 @@ def handle_dropout(context: Any, role: str, model: Any, trainer: Any) -> None:
     )
 
 
+def refuse_random_draws(context: Any, role: str, model: Any) -> None:
+    """Refuse a policy whose forward still draws random numbers in training mode once its dropout is handled
+    (`_randomness.training_draws`: dropout read inside `forward`, or a layer that samples, such as PhiMoE's router).
+    A separate reference model runs in the mode it was given (TRL never changes it): checked when that is training."""
+    if role != "policy" and not model.training:
+        return
+    draws = training_draws(model)
+    if not draws:
+        return
+    if all(d.dropout for d in draws):
+        kind = "dropout that neither TRL's `disable_dropout` nor prompt_sharing could turn off"
+    else:
+        kind = (
+            "a layer that samples in training (PhiMoE's router samples its experts), or dropout applied inside "
+            "`forward` that neither TRL's `disable_dropout` nor prompt_sharing could turn off"
+        )
+    raise UsageError(
+        f"prompt_sharing cannot share prompts of the {role} model ({type(model).__name__}, "
+        f"`{getattr(model.config, 'model_type', None)}`): its forward draws random numbers in training mode, in "
+        f"{describe_draws(draws)} ({kind}). A shared prompt is computed once, so both responses would see one random "
+        f"sample of it where padded training draws one per response. {_disable_advice(context)}."
+    )
+
+
 def wrap_models(trainer: Any, context: Any) -> None:
     state = check_trainer(trainer, context)
     models = context.models()
@@ -252,6 +277,7 @@ def wrap_models(trainer: Any, context: Any) -> None:
             )
         state.attn_implementations[role] = configure_model(context, role, model)
         handle_dropout(context, role, model, trainer)
+        refuse_random_draws(context, role, model)
         forward = make_causal_lm_forward(model.forward, state, role, None, MoeAuxLoss.of(model))
         context.patcher.setattr(model, "forward", forward)
     if context.trainer_class == "OnlineDPOTrainer":
@@ -293,8 +319,9 @@ def run_self_check(context: Any, state: PromptSharingState, role: str, model: An
     # mixed precision: accelerate's autocast, which the prepared model's forward runs under in training
     accelerator = getattr(trainer, "accelerator", None)
     autocast = accelerator.autocast if dtype != next(model.parameters()).dtype and accelerator is not None else None
-    # the policy trains in training mode (its dropout off); a separate reference model runs in eval mode
-    result = self_check(model, model.forward, lengths, dtype=dtype, training=role == "policy", autocast=autocast)
+    # the policy trains in training mode (its dropout off); a separate reference model runs in the mode it was given
+    training = role == "policy" or model.training
+    result = self_check(model, model.forward, lengths, dtype=dtype, training=training, autocast=autocast)
     for name, value in counters.items():  # the probe's forwards are not training forwards
         setattr(state, name, value)
     state.self_checks[role] = result
