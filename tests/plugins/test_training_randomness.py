@@ -147,7 +147,9 @@ def test_a_reference_model_given_in_training_mode_is_checked_in_training_mode(dp
     assert set(trainer._trl_ext.state["padding_free"].random_draws) == {"ref"}
     assert "the ref model (PhimoeForCausalLM, `phimoe`) draws random numbers" in caplog.text
     with trl_ext.install(prompt_sharing=True):
-        with pytest.raises(UsageError, match=r"ref model \(PhimoeForCausalLM, `phimoe`\): its forward draws random"):
+        with pytest.raises(
+            UsageError, match=r"`phimoe` model \(ref model PhimoeForCausalLM\): its forward draws random"
+        ):
             build()
 
 

@@ -257,8 +257,8 @@ def refuse_random_draws(context: Any, role: str, model: Any) -> None:
             "`forward` that neither TRL's `disable_dropout` nor prompt_sharing could turn off"
         )
     raise UsageError(
-        f"prompt_sharing cannot share prompts of the {role} model ({type(model).__name__}, "
-        f"`{getattr(model.config, 'model_type', None)}`): its forward draws random numbers in training mode, in "
+        f"prompt_sharing cannot share prompts in this `{getattr(model.config, 'model_type', None)}` model ({role} "
+        f"model {type(model).__name__}): its forward draws random numbers in training mode, in "
         f"{describe_draws(draws)} ({kind}). A shared prompt is computed once, so both responses would see one random "
         f"sample of it where padded training draws one per response. {_disable_advice(context)}."
     )
