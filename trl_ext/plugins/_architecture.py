@@ -161,7 +161,8 @@ def _row_mixing_layer(model: torch.nn.Module) -> tuple[str, str, str] | None:
       row by learned scores, against the padded attention mask (the packed row has none);
     - a KV compressor (DeepSeek-V4): appends entries that each summarize a window of the row's tokens;
     - a byte patcher with a global transformer (BLT): groups the row's bytes into patches and attends across them;
-    - prepended prompt tokens (CPM-Ant): learned tokens before every row, and a mask derived from the token ids.
+    - prepended prompt tokens (CPM-Ant): learned tokens before every row, and a mask derived from the token ids;
+    - positions numbered from the padding id (RoBERTa and its copies): offsets the packed position ids do not carry.
     """
     config = model.config
     for name, module in model.named_modules():
@@ -188,6 +189,18 @@ def _row_mixing_layer(model: torch.nn.Module) -> tuple[str, str, str] | None:
                 "byte patches",
                 "is part of a byte-patch model: the row's bytes are grouped into patches that a global transformer "
                 "attends across (`patch_size`), so in a packed row patches and their attention would span sequences",
+            )
+    for name, module in model.named_modules():
+        if hasattr(module, "create_position_ids_from_input_ids") and isinstance(
+            getattr(module, "padding_idx", 0), int
+        ):
+            offset = module.padding_idx + 1  # type: ignore[operator]
+            return (
+                f"`{name}` ({type(module).__name__})",
+                "positions from the padding id",
+                "numbers each row's real tokens from the padding id on (`create_position_ids_from_input_ids`: the "
+                f"first real token gets position `padding_idx + 1 = {offset}`), in its own code, so the packed "
+                "position ids, which restart at 0 for every sequence, would give other learned positions",
             )
     prompt = _config_value(config, "prompt_length")
     if isinstance(prompt, int) and prompt > 0 and _config_value(config, "prompt_types"):
