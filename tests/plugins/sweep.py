@@ -662,6 +662,7 @@ def shared_model(context, state, model) -> None:
     disable_dropout_in_model(model)  # what DPOTrainer does first under `disable_dropout=True`
     state.attn_implementations["policy"] = setup.configure_model(context, "policy", model)
     setup.handle_dropout(context, "policy", model, trainer)
+    setup.refuse_acting_chunks(context, "policy", model, trainer)
     setup.refuse_random_draws(context, "policy", model)
     forward = make_causal_lm_forward(model.forward, state, "policy", None, MoeAuxLoss.of(model))
     context.patcher.setattr(model, "forward", forward)

@@ -93,6 +93,11 @@ NAMED_MECHANISMS = {
     "deepseek_v4": ("`model.layers.0.self_attn.compressor` (DeepseekV4HCACompressor) compresses the key/value",) * 2,
     "blt": ("`model.global_transformer` (BltGlobalTransformer) is part of a byte-patch model",) * 2,
     "cpmant": ("`cpmant` (CpmAntModel) prepends `prompt_length=32` learned prompt tokens",) * 2,
+    "roberta": ("`roberta.embeddings` (RobertaEmbeddings) numbers each row's real tokens from the padding id on",) * 2,
+    "xlnet": ("`transformer.layer.0.rel_attn` (XLNetRelativeAttention) computes attention in its own module",) * 2,
+    "xlm": ("`transformer.attentions.0` (MultiHeadAttention) computes attention in its own module",) * 2,
+    "llama4_text": (None, "applies chunked attention (`attention_chunk_size=4`) only through the attention mask"),
+    "phimoe": (None, "draws random numbers in training mode, in `model.layers.0.mlp.router` (PhimoeTopKRouter)"),
     "dbrx": (None, None),  # its expert count sits in `ffn_config`: the self-check's MoE round-off applies
     "vaultgemma": (None, None),  # prompt_sharing's NaN padded probe rows take their reference from the row alone
 }
@@ -107,6 +112,15 @@ def test_former_crashes_and_false_refusals(model_type):
             assert outcome.status == "exact", outcome.detail
         else:
             assert outcome.status == "refused" and expected in outcome.detail, outcome.detail
+
+
+def test_chunks_longer_than_training_are_shared_exactly(monkeypatch):
+    """Llama 4's chunked attention never acts on sequences no longer than a chunk (stock or shared): with chunks of 64
+    tokens and `max_length` 12, prompt_sharing admits the model through its self-check and is exact."""
+    monkeypatch.setitem(_SMALL, "attention_chunk_size", 64)
+    with sweep.single_thread_float64():
+        row = sweep.sweep_row("llama4_text")
+    assert row.prompt_sharing.status == "exact", row.prompt_sharing.detail
 
 
 def test_the_architecture_table_has_no_crash_refusal():

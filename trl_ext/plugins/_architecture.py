@@ -232,7 +232,9 @@ def _attention_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Modul
     found = []
     for name, module in model.named_modules():
         children = dict(module.named_children())
-        if any(k in children for k in ("q_proj", "query", "query_key_value", "c_attn", "Wqkv", "qkv_proj")):
+        if any(k in children for k in ("q_proj", "query", "query_key_value", "c_attn", "Wqkv", "qkv_proj", "q_lin")):
+            found.append((name, module))
+        elif type(module).__name__.endswith("RelativeAttention"):  # XLNet: projections are parameters, not modules
             found.append((name, module))
     return found
 

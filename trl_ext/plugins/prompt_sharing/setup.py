@@ -13,7 +13,7 @@ from ...errors import UsageError
 from .._architecture import inspect_model, verified_except
 from .._packing.attention import switch_attention
 from .._packing.glue import check_packable_trainer
-from .._probe import model_probe_lengths
+from .._probe import model_probe_lengths, training_max_length
 from .._randomness import describe_draws, training_draws
 from .._roles import PACKING as PACKING_ROLE
 from .attention import base_of, register_shared_attention, shared_attention_name, unregister_shared_attention
@@ -240,6 +240,23 @@ def handle_dropout(context: Any, role: str, model: Any, trainer: Any) -> None:
     )
 
 
+def refuse_acting_chunks(context: Any, role: str, model: Any, trainer: Any) -> None:
+    """Refuse chunked attention (`attention_chunk_size`, Llama 4) whose chunks act on the sequences training feeds:
+    transformers applies it only through the attention mask, which the shared attention does not rebuild for a
+    prompt and its responses. A chunk at least as long as every training sequence never acts (stock or shared)."""
+    chunk = getattr(model.config, "attention_chunk_size", None)
+    longest = training_max_length(trainer)
+    if not isinstance(chunk, int) or chunk <= 0 or (longest is not None and longest <= chunk):
+        return
+    raise UsageError(
+        f"prompt_sharing cannot share prompts in this `{model.config.model_type}` model ({role} model "
+        f"{type(model).__name__}): its attention applies chunked attention (`attention_chunk_size={chunk}`) only "
+        "through the attention mask transformers builds, which the shared attention does not rebuild for a prompt and "
+        f"its responses, so a response would attend across chunks (training feeds sequences of up to {longest} "
+        f"tokens). Set `max_length` to at most {chunk}, or: {_disable_advice(context)}."
+    )
+
+
 def refuse_random_draws(context: Any, role: str, model: Any) -> None:
     """Refuse a policy whose forward still draws random numbers in training mode once its dropout is handled
     (`_randomness.training_draws`: dropout read inside `forward`, or a layer that samples, such as PhiMoE's router).
@@ -277,6 +294,7 @@ def wrap_models(trainer: Any, context: Any) -> None:
             )
         state.attn_implementations[role] = configure_model(context, role, model)
         handle_dropout(context, role, model, trainer)
+        refuse_acting_chunks(context, role, model, trainer)
         refuse_random_draws(context, role, model)
         forward = make_causal_lm_forward(model.forward, state, role, None, MoeAuxLoss.of(model))
         context.patcher.setattr(model, "forward", forward)
