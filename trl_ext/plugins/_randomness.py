@@ -56,6 +56,24 @@ def _generator_state(device: torch.device) -> Callable[[], torch.Tensor]:
     return torch.get_rng_state
 
 
+def _gather(module: torch.nn.Module) -> Any:
+    """Enter DeepSpeed's `GatheredParameters` for `module`'s own ZeRO-3 partitioned parameters, or None."""
+    own = [p for p in module.parameters(recurse=False) if hasattr(p, "ds_id")]
+    if not own:
+        return None
+    import deepspeed
+
+    gathered = deepspeed.zero.GatheredParameters(own, modifier_rank=None)
+    gathered.__enter__()
+    return gathered
+
+
+def _release(frame: list[Any]) -> None:
+    if frame[2] is not None:
+        frame[2].__exit__(None, None, None)
+        frame[2] = None
+
+
 def random_draws(model: torch.nn.Module, run: Callable[[], Any], training: bool = True) -> list[RandomDraw]:
     """Run `run()` (a forward of `model`) once, with `model` in training mode (`training`), under `torch.no_grad`,
     and return every module that advanced the device's random number generator while it ran, outside the calls of
@@ -64,8 +82,12 @@ def random_draws(model: torch.nn.Module, run: Callable[[], Any], training: bool 
     device = next(model.parameters()).device
     state = _generator_state(device)
     names = {module: name for name, module in model.named_modules()}
-    frames: list[list[Any]] = []  # per active module call: [module, generator state after its last child returned]
+    frames: list[list[Any]] = []  # per call: [module, generator state after its last child returned, gathered]
     found: dict[str, RandomDraw] = {}
+    # DeepSpeed ZeRO-3 partitions the parameters when the model is built (`zero.Init`), before any engine runs its
+    # gathering hooks: gather each module's own parameters while it runs, one module at a time (every rank runs the
+    # same probe, so the collectives match).
+    zero3 = any(hasattr(p, "ds_id") for p in model.parameters())
 
     def drew(frame: list[Any], now: torch.Tensor) -> None:
         if not torch.equal(frame[1], now):
@@ -74,17 +96,20 @@ def random_draws(model: torch.nn.Module, run: Callable[[], Any], training: bool 
             found.setdefault(name, RandomDraw(name, type(module).__name__, _drops_out(module)))
 
     def pre(module: torch.nn.Module, args: Any) -> None:
+        gathered = _gather(module) if zero3 else None
         now = state()
         if frames:
             drew(frames[-1], now)
-        frames.append([module, now])
+        frames.append([module, now, gathered])
 
     def post(module: torch.nn.Module, args: Any, output: Any) -> None:
         now = state()
         while frames and frames[-1][0] is not module:  # a call that raised inside: unwind to this module
-            frames.pop()
+            _release(frames.pop())
         if frames:
-            drew(frames.pop(), now)
+            frame = frames.pop()
+            drew(frame, now)
+            _release(frame)
         if frames:
             frames[-1][1] = now
 
@@ -98,6 +123,8 @@ def random_draws(model: torch.nn.Module, run: Callable[[], Any], training: bool 
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
             run()
     finally:
+        while frames:
+            _release(frames.pop())
         for handle in handles:
             handle.remove()
         for module, mode in modes.items():
