@@ -838,8 +838,12 @@ def markdown(rows: list[Row]) -> str:
         "options, as a DPOTrainer's policy (inspection; the self-check for model types outside the plugin's verified "
         f"table, sized for `max_length` {MAX_LENGTH}; the packed or shared forward). **exact**: a DPO loss (sigmoid, "
         f"beta {BETA}, plus the auxiliary loss), the per-sequence log-probs, the auxiliary loss and every gradient "
-        f"equal the stock padded forward within {REL:g} relative. **refused**: the plugin raises `UsageError` before "
-        "the first step, with the reason shown. Anything else fails the sweep.",
+        f"equal the stock padded forward within {REL:g} relative. **exact; in training mode, random draws in ... "
+        "(notice)**: exact as above (the comparison runs in eval mode), and the named layers draw random numbers in "
+        "training mode (a sampling router, dropout TRL's `disable_dropout` misses): padding_free trains the model "
+        "with one warning that packed training takes other random samples than stock TRL (prompt_sharing refuses "
+        "such a model). **refused**: the plugin raises `UsageError` before the first step, with the reason shown "
+        "(the layer or feature). Anything else fails the sweep.",
         "",
         f"**{c['decoders']} text decoders, 0 not built.** padding_free: **{c['padding_free exact']} exact, "
         f"{c['padding_free refused']} refused**, {c['padding_free FAIL']} failing. prompt_sharing: "

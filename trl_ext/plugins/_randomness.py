@@ -114,14 +114,17 @@ def random_draws(model: torch.nn.Module, run: Callable[[], Any], training: bool 
             frames[-1][1] = now
 
     handles = []
-    for module in model.modules():
+    for module in list(model.modules())[1:]:  # the model itself is the root frame below (`run` may bypass __call__)
         handles.append(module.register_forward_pre_hook(pre))
         handles.append(module.register_forward_hook(post))
     modes = {m: m.training for m in model.modules()}
     model.train(training)
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
+            frames.append([model, state(), _gather(model) if zero3 else None])
             run()
+            if frames and frames[0][0] is model:
+                drew(frames[0], state())
     finally:
         while frames:
             _release(frames.pop())
@@ -160,7 +163,8 @@ def training_draws(model: torch.nn.Module) -> list[RandomDraw]:
     ids, mask = ids.to(device), mask.to(device)
 
     def run() -> Any:
+        # `forward`, not `__call__`: a probe, not a forward of the model's own (hooks that count its calls stay quiet)
         with stock_forward(model):
-            return model(input_ids=ids, attention_mask=mask, use_cache=False)
+            return model.forward(input_ids=ids, attention_mask=mask, use_cache=False)
 
     return random_draws(model, run, training=True)
