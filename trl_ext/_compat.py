@@ -420,7 +420,8 @@ MOE_AUX_LOSS = ("transformers.models.mixtral.modeling_mixtral", "load_balancing_
 #: gpt_neox_japanese).
 OWN_ATTENTION_MODEL_TYPES = ("bloom", "falcon", "gpt_neox_japanese", "mpt")
 #: MPT's ALiBi bias table covers `config.max_seq_len` keys (`MptModel.forward` builds it before the mask; a longer row
-#: fails to broadcast in `MptAttention`). Consumer: padding_free (refuses a longer packed row when its mask is built).
+#: fails to broadcast in `MptAttention`). Consumer: padding_free (splits a packed batch into packed rows of at most
+#: that many tokens, `hooks.row_limit`; the packed mask refuses a longer row).
 #: Checked 5.24.0.
 MPT_ALIBI_TABLE_ATTR = "max_seq_len"
 #: Model types whose mask creation receives the packed `position_ids` (so transformers remaps chunk boundaries to each

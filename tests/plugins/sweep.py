@@ -546,8 +546,9 @@ def packed_forward(model, state):
     register_varlen_attention()
     try:
         model.config._attn_implementation_internal = varlen_attention_name(base)
-        model.base_model.forward = pf._make_backbone_forward(model.base_model.forward, state)
-        model.forward = pf._make_causal_lm_forward(model.forward, state)
+        limit = pf.row_limit(model)
+        model.base_model.forward = pf._make_backbone_forward(model.base_model.forward, state, limit)
+        model.forward = pf._make_causal_lm_forward(model.forward, state, limit)
         yield model.forward
     finally:
         model.config._attn_implementation_internal = base
@@ -565,11 +566,10 @@ def packed_model(context, model) -> Any:
 
     state = pf._state(context)
     state.attn_implementations["policy"] = pf._configure_model(context, "policy", model)
-    backbone = model.base_model
-    context.patcher.setattr(backbone, "forward", pf._make_backbone_forward(backbone.forward, state))
-    context.patcher.setattr(model, "forward", pf._make_causal_lm_forward(model.forward, state))
-    if state.self_check is True or not state.inspections["policy"].verified:
-        pf._run_self_check(state, "policy", model, _trainer())
+    backbone, limit = model.base_model, pf.row_limit(model)
+    context.patcher.setattr(backbone, "forward", pf._make_backbone_forward(backbone.forward, state, limit))
+    context.patcher.setattr(model, "forward", pf._make_causal_lm_forward(model.forward, state, limit))
+    pf.check_model(state, "policy", model, _trainer())
     return state
 
 
@@ -577,6 +577,8 @@ def packed_model(context, model) -> Any:
 class Outcome:
     status: str  # "exact", "refused" or "FAIL"
     detail: str
+    #: what the plugin's notice says of an exact outcome (layers that draw random numbers in training mode)
+    notice: str = ""
 
 
 def _exception(exc: BaseException, limit: int = 200) -> str:
@@ -585,10 +587,14 @@ def _exception(exc: BaseException, limit: int = 200) -> str:
 
 
 def padding_free_outcome(model, stock: Measured, ids, mask, moe: bool) -> Outcome:
+    from trl.trainer.utils import disable_dropout_in_model
+
     from trl_ext import UsageError
+    from trl_ext.plugins._randomness import describe_draws
 
     context = _Context()
     base = model.config._attn_implementation
+    disable_dropout_in_model(model)  # what DPOTrainer does first under `disable_dropout=True`
     try:
         try:
             state = packed_model(context, model)
@@ -611,7 +617,9 @@ def padding_free_outcome(model, stock: Measured, ids, mask, moe: bool) -> Outcom
     problems = differences(stock, packed)
     if problems:
         return Outcome("FAIL", "; ".join(problems))
-    return Outcome("exact", _exact_detail(packed))
+    draws = state.random_draws.get("policy")
+    notice = f"in training mode, random draws in {describe_draws(draws, 1)} (notice)" if draws else ""
+    return Outcome("exact", _exact_detail(packed), notice)
 
 
 def _exact_detail(measured: Measured) -> str:
@@ -654,6 +662,8 @@ def shared_model(context, state, model) -> None:
     disable_dropout_in_model(model)  # what DPOTrainer does first under `disable_dropout=True`
     state.attn_implementations["policy"] = setup.configure_model(context, "policy", model)
     setup.handle_dropout(context, "policy", model, trainer)
+    setup.refuse_acting_chunks(context, "policy", model, trainer)
+    setup.refuse_random_draws(context, "policy", model)
     forward = make_causal_lm_forward(model.forward, state, "policy", None, MoeAuxLoss.of(model))
     context.patcher.setattr(model, "forward", forward)
     if state.self_check is True or model.config.model_type not in setup.VERIFIED_MODEL_TYPES:
@@ -801,6 +811,12 @@ def _reason(outcome: Outcome) -> str:
     return re.split(r"(?<=[\w)`'\]])\. (?=[A-Z])", text)[0]  # the first sentence: what and where; advice follows
 
 
+def _outcome_cell(outcome: Outcome) -> str:
+    if outcome.status != "exact":
+        return f"{outcome.status}: {_cell(_reason(outcome), 600)}"
+    return f"exact; {outcome.notice}" if outcome.notice else "exact"
+
+
 HEADER = "| type | mechanisms | padding_free | prompt_sharing |"
 
 
@@ -822,8 +838,12 @@ def markdown(rows: list[Row]) -> str:
         "options, as a DPOTrainer's policy (inspection; the self-check for model types outside the plugin's verified "
         f"table, sized for `max_length` {MAX_LENGTH}; the packed or shared forward). **exact**: a DPO loss (sigmoid, "
         f"beta {BETA}, plus the auxiliary loss), the per-sequence log-probs, the auxiliary loss and every gradient "
-        f"equal the stock padded forward within {REL:g} relative. **refused**: the plugin raises `UsageError` before "
-        "the first step, with the reason shown. Anything else fails the sweep.",
+        f"equal the stock padded forward within {REL:g} relative. **exact; in training mode, random draws in ... "
+        "(notice)**: exact as above (the comparison runs in eval mode), and the named layers draw random numbers in "
+        "training mode (a sampling router, dropout TRL's `disable_dropout` misses): padding_free trains the model "
+        "with one warning that packed training takes other random samples than stock TRL (prompt_sharing refuses "
+        "such a model). **refused**: the plugin raises `UsageError` before the first step, with the reason shown "
+        "(the layer or feature). Anything else fails the sweep.",
         "",
         f"**{c['decoders']} text decoders, 0 not built.** padding_free: **{c['padding_free exact']} exact, "
         f"{c['padding_free refused']} refused**, {c['padding_free FAIL']} failing. prompt_sharing: "
@@ -834,7 +854,7 @@ def markdown(rows: list[Row]) -> str:
         "|---|---|---|---|",
     ]
     for row in decoders:
-        cells = [o.status + (f": {_cell(_reason(o), 600)}" if o.status != "exact" else "") for o in row.outcomes]
+        cells = [_outcome_cell(o) for o in row.outcomes]
         lines.append(f"| {row.model_type} | {row.mechanism or '-'} | {cells[0]} | {cells[1]} |")
     lines += [
         "",

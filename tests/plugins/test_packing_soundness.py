@@ -147,17 +147,20 @@ def test_probe_lengths_follow_training():
             self.attention_chunk_size = 100
             self.use_sliding_window = True  # a flag, not a length
             self.layer_types = ["sliding_attention", "full_attention"]
+            self.compress_rates = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
 
     found = declared_localities(Config())
-    assert found == {"sliding_window": 4096, "attention_chunk_size": 100}
-    assert probe_lengths(512, found) == (512, 101, 103)  # the 4096 window never acts on 512 tokens
+    assert found == {"sliding_window": 4096, "attention_chunk_size": 100, "compress_rates": 128}
+    assert probe_lengths(512, found) == (512, 129, 131)  # the 4096 window never acts on 512 tokens
     assert probe_lengths(64, {}) == (64, 9, 11)
     assert probe_lengths(5000, {}, max_positions=2048)[0] == 2048
 
 
-def test_a_packed_row_longer_than_mpts_alibi_table_is_refused_before_the_first_step(tokenizer, dpo_args):
-    """MPT's ALiBi table covers `max_seq_len` keys of one row: a packed batch that can exceed it is refused when the
-    trainer is built, naming the numbers, not in the middle of a step."""
+def test_a_batch_longer_than_mpts_alibi_table_trains_in_several_packed_rows(tokenizer, dpo_args):
+    """MPT's ALiBi table covers `max_seq_len` keys of one row: a batch of 8 sequences of up to 32 tokens with
+    `max_seq_len=64` trains (stock trains it: each padded row is within the table), its packed batches split into
+    packed rows of at most 64 tokens (it was refused before). Equality with stock: test_padding_free_mechanisms.py
+    `test_mpt_through_a_dpo_trainer_with_batches_longer_than_its_table`."""
     from transformers import AutoModelForCausalLM, MptConfig
     from trl import DPOTrainer
 
@@ -168,11 +171,16 @@ def test_a_packed_row_longer_than_mpts_alibi_table_is_refused_before_the_first_s
         return AutoModelForCausalLM.from_config(config, attn_implementation="eager")
 
     with trl_ext.install(padding_free=True):
-        with pytest.raises(UsageError, match=r"max_seq_len=64.*8 sequences of up to \d+ tokens"):
-            DPOTrainer(
-                mpt(0),
-                ref_model=mpt(1),
-                args=dpo_args(bf16=False, max_length=32, per_device_train_batch_size=4),
-                train_dataset=make_preference_dataset(8),
-                processing_class=tokenizer,
-            )
+        trainer = DPOTrainer(
+            mpt(0),
+            ref_model=mpt(1),
+            args=dpo_args(bf16=False, max_length=32, per_device_train_batch_size=4, max_steps=1),
+            train_dataset=make_preference_dataset(8),
+            processing_class=tokenizer,
+        )
+        state = trainer._trl_ext.state["padding_free"]
+        calls = state.packed_calls
+        trainer.train()
+    assert state.packed_calls - calls >= 2 * 2  # reference and policy forwards, each in at least two packed rows
+    losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
+    assert len(losses) == 1 and losses[0] == losses[0] and abs(losses[0]) < 1e3  # a finite loss was logged

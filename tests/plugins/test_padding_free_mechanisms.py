@@ -95,7 +95,7 @@ def _loss_and_grads(model, forward, ids, mask):
 
 
 @contextlib.contextmanager
-def _packed_forward(model, state):
+def _packed_forward(model, state, limit=None):
     """The plugin's packed causal-LM forward for `model`, as `_configure_model` sets it up (varlen attention
     registered, backbone wrapped); undone on exit."""
     from trl_ext.plugins import padding_free as pf
@@ -109,8 +109,8 @@ def _packed_forward(model, state):
     register_varlen_attention()
     try:
         model.config._attn_implementation_internal = varlen_attention_name(base)
-        model.base_model.forward = pf._make_backbone_forward(model.base_model.forward, state)
-        yield pf._make_causal_lm_forward(model.forward, state)
+        model.base_model.forward = pf._make_backbone_forward(model.base_model.forward, state, limit)
+        yield pf._make_causal_lm_forward(model.forward, state, limit)
     finally:
         model.config._attn_implementation_internal = base
         model.base_model.__dict__.pop("forward", None)
@@ -183,7 +183,34 @@ def test_bloom_in_16_bits_is_refused_naming_its_bias_dtype():
     assert "`transformer.h.0.self_attention` (BloomAttention)" in refusal and "torch.bfloat16" in refusal
 
 
-def test_mpt_row_longer_than_its_alibi_table_is_refused():
+def test_mpt_packs_in_rows_no_longer_than_its_alibi_table():
+    """MPT computes its ALiBi biases for rows of at most `max_seq_len` tokens: a batch of 105 real tokens with
+    `max_seq_len=56` runs as two packed rows (30 + 20 | 25 + 30 tokens), each within the table, and equals the stock
+    padded forward (loss, gradients) in float64; the batch within the limit runs as one packed row."""
+    from trl_ext.plugins import padding_free as pf
+
+    model = _tiny("mpt", "eager", max_seq_len=56)
+    limit = pf.row_limit(model)
+    assert limit == 56
+    ids, mask = _batch(model.config.vocab_size, LENGTHS)
+    info = pf.packing_metadata(mask)
+    assert pf._row_groups(info, limit) == [(0, 2), (2, 4)]
+    stock_loss, _, stock_grads = _loss_and_grads(model, model.forward, ids, mask)
+    state = pf.PaddingFreeState()
+    with _packed_forward(model, state, limit) as forward:
+        loss, _, grads = _loss_and_grads(model, forward, ids, mask)
+        assert state.packed_calls == 2
+        short = mask.clone()
+        short[:, 14:] = 0  # 4 x 14 = 56 tokens: one packed row
+        forward(input_ids=ids, attention_mask=short, use_cache=False)
+        assert state.packed_calls == 3
+    assert abs(loss - stock_loss) <= REL * max(1.0, abs(stock_loss)), (loss, stock_loss)
+    eq.assert_same_grads(stock_grads, grads, REL)
+
+
+def test_mpt_row_longer_than_its_alibi_table_without_the_row_limit_is_refused():
+    """Without the row limit (a wrapper that does not split), the attention refuses a packed row longer than the
+    table instead of reading past it."""
     from trl_ext.plugins import padding_free as pf
 
     model = _tiny("mpt", "eager", max_seq_len=40)
@@ -192,6 +219,51 @@ def test_mpt_row_longer_than_its_alibi_table_is_refused():
     with _packed_forward(model, pf.PaddingFreeState()) as forward:
         with pytest.raises(UsageError, match=r"longer than this model's ALiBi bias table \(`max_seq_len=40`\)"):
             forward(input_ids=ids, attention_mask=mask, use_cache=False)
+
+
+def test_mpt_through_a_dpo_trainer_with_batches_longer_than_its_table(dpo_args, tokenizer):
+    """Through `trl.DPOTrainer` (float64, the self-check included, in training mode): an MPT whose `max_seq_len` is
+    the longest sequence of the batch trains where stock trains (it was refused before the first step): packed
+    log-probs, loss and gradients equal stock's, the batch split into several packed rows. Tolerances of MPT's float32
+    attention softmax (as in `test_alibi_through_a_real_dpo_trainer_step`)."""
+    from trl import DPOTrainer
+
+    from trl_ext.testing import make_preference_dataset
+
+    dataset = make_preference_dataset(8, seed=0)
+    probe = DPOTrainer(
+        _mpt(tokenizer, 0, 1024), ref_model=_mpt(tokenizer, 1, 1024), args=dpo_args(bf16=False),
+        train_dataset=dataset, processing_class=tokenizer,
+    )  # fmt: skip
+    batch = probe.data_collator(eq.examples(probe, 4))
+    longest = int(batch["attention_mask"].sum(1).max())
+    assert int(batch["attention_mask"].sum()) > 2 * longest  # at least three packed rows
+
+    def build():
+        args = dpo_args(bf16=False, per_device_train_batch_size=4, max_length=longest)
+        policy, ref = _mpt(tokenizer, 0, longest), _mpt(tokenizer, 1, longest)
+        return DPOTrainer(policy, ref_model=ref, args=args, train_dataset=dataset, processing_class=tokenizer)
+
+    stock = build()
+    with trl_ext.install(padding_free=True):
+        packed = build()
+        state = packed._trl_ext.state["padding_free"]
+        assert state.self_checks["policy"].leak is None
+        eq.compare(
+            stock, packed, eq.examples(stock, 4), batch_key="trl_ext_packing", calls=lambda: state.packed_calls,
+            misses=lambda: state.unpacked_calls, logps_rtol=1e-6, loss_rtol=1e-6, grad_rtol=1e-6,
+        )  # fmt: skip
+        assert state.packed_calls >= 3 * 2  # several packed rows per forward (reference log-probs, loss)
+
+
+def _mpt(tokenizer, seed: int, max_seq_len: int):
+    from transformers import AutoModelForCausalLM, MptConfig
+
+    config = MptConfig(vocab_size=len(tokenizer), d_model=32, n_heads=4, n_layers=2, max_seq_len=max_seq_len)
+    config.pad_token_id = tokenizer.pad_token_id
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float64)
+    return eq.sharpen(model)
 
 
 @pytest.mark.parametrize("model_type", ["bloom", "mpt"])

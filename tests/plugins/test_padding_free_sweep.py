@@ -45,8 +45,13 @@ NAMED = (
 )
 
 
+#: A refusal that only reports a crash: an exception other than the plugins' own `UsageError` (which names its
+#: mechanism), caught by a self-check. The sweep's architectures each get a refusal that names the layer or feature.
+CRASH = re.compile(r"raised (?!UsageError)\w+(Error|Exception)\b")
+
+
 def _assert_classified(row: sweep.Row) -> None:
-    """Both plugins' outcomes are exact or refused; a refusal says why."""
+    """Both plugins' outcomes are exact or refused; a refusal says why, naming a mechanism, not a crash."""
     assert row.excluded is None, row.excluded
     for plugin, outcome in (("padding_free", row.padding_free), ("prompt_sharing", row.prompt_sharing)):
         assert outcome is not None
@@ -54,6 +59,7 @@ def _assert_classified(row: sweep.Row) -> None:
         if outcome.status == "refused":
             assert "``" not in outcome.detail, f"{row.model_type} {plugin}: the refusal names an empty layer"
             assert len(outcome.detail) > 40, f"{row.model_type} {plugin}: {outcome.detail}"
+            assert not CRASH.search(outcome.detail), f"{row.model_type} {plugin}: a crash, no mechanism named"
 
 
 def test_enumerates_the_installed_architectures():
@@ -76,6 +82,54 @@ def test_named_architectures(model_type):
     _assert_classified(row)
     if model_type in VERIFIED_MODEL_TYPES:
         assert row.padding_free.status == "exact", row.padding_free.detail
+
+
+#: Refusals that once were crashes or false (`docs/architectures.md` before): each names its layer and mechanism now,
+#: for both plugins; `None` marks an exact outcome.
+NAMED_MECHANISMS = {
+    "deepseek_v32": ("`model.layers.0.self_attn.indexer` (DeepseekV32Indexer) is a sparse-attention indexer",) * 2,
+    "glm_moe_dsa": ("`model.layers.0.self_attn.indexer` (GlmMoeDsaIndexer) is a sparse-attention indexer",) * 2,
+    "dots3_note_text": ("(Dots3NoteTextIndexer) is a sparse-attention indexer",) * 2,
+    "deepseek_v4": ("`model.layers.0.self_attn.compressor` (DeepseekV4HCACompressor) compresses the key/value",) * 2,
+    "blt": ("`model.global_transformer` (BltGlobalTransformer) is part of a byte-patch model",) * 2,
+    "cpmant": ("`cpmant` (CpmAntModel) prepends `prompt_length=32` learned prompt tokens",) * 2,
+    "roberta": ("`roberta.embeddings` (RobertaEmbeddings) numbers each row's real tokens from the padding id on",) * 2,
+    "xlnet": ("`transformer.layer.0.rel_attn` (XLNetRelativeAttention) computes attention in its own module",) * 2,
+    "xlm": ("`transformer.attentions.0` (MultiHeadAttention) computes attention in its own module",) * 2,
+    "llama4_text": (None, "applies chunked attention (`attention_chunk_size=4`) only through the attention mask"),
+    "phimoe": (None, "draws random numbers in training mode, in `model.layers.0.mlp.router` (PhimoeTopKRouter)"),
+    "dbrx": (None, None),  # its expert count sits in `ffn_config`: the self-check's MoE round-off applies
+    "vaultgemma": (None, None),  # prompt_sharing's NaN padded probe rows take their reference from the row alone
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(NAMED_MECHANISMS))
+def test_former_crashes_and_false_refusals(model_type):
+    row = sweep.row(model_type)
+    _assert_classified(row)
+    for outcome, expected in zip((row.padding_free, row.prompt_sharing), NAMED_MECHANISMS[model_type], strict=True):
+        if expected is None:
+            assert outcome.status == "exact", outcome.detail
+        else:
+            assert outcome.status == "refused" and expected in outcome.detail, outcome.detail
+
+
+def test_chunks_longer_than_training_are_shared_exactly(monkeypatch):
+    """Llama 4's chunked attention never acts on sequences no longer than a chunk (stock or shared): with chunks of 64
+    tokens and `max_length` 12, prompt_sharing admits the model through its self-check and is exact."""
+    monkeypatch.setitem(_SMALL, "attention_chunk_size", 64)
+    with sweep.single_thread_float64():
+        row = sweep.sweep_row("llama4_text")
+    assert row.prompt_sharing.status == "exact", row.prompt_sharing.detail
+
+
+def test_the_architecture_table_has_no_crash_refusal():
+    """docs/architectures.md (the sweep's table, checked against the sweep by `test_docs_match_the_sweep`): every
+    refusal names a mechanism; none only reports an exception (fast: reads the committed table)."""
+    rows, _ = sweep.parse_markdown(DOCS.read_text())
+    assert len(rows) > 150
+    crashes = {t: c for t, cells in rows.items() for c in cells if CRASH.search(c)}
+    assert crashes == {}
 
 
 @pytest.mark.slow

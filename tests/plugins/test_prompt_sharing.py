@@ -561,8 +561,9 @@ def test_dropout_with_disable_dropout_false_is_refused(dpo_args, tokenizer, data
 
 
 def test_self_check_names_dropout_it_cannot_turn_off(dpo_args, tokenizer, dataset):
-    """Dropout read inside `forward` (no module attribute to zero; here a forward hook) makes two forwards differ:
-    the self-check's refusal says it is dropout, not a wrong shared prompt."""
+    """Dropout read inside `forward` (no module attribute to zero; here a forward hook) draws random numbers in
+    training mode: the refusal names the layer that draws them and says it may be dropout, not a wrong shared
+    prompt (`trl_ext.plugins._randomness`)."""
     from trl import DPOTrainer
 
     model = _opt(0.0)
@@ -570,7 +571,8 @@ def test_self_check_names_dropout_it_cannot_turn_off(dpo_args, tokenizer, datase
         lambda module, args, out: torch.nn.functional.dropout(out, 0.1, training=module.training)
     )
     with trl_ext.install(prompt_sharing=True, plugins={"prompt_sharing": {"self_check": True}}):
-        with pytest.raises(UsageError, match=r"(?s)policy model .*two stock padded forwards .*differ.*dropout"):
+        match = r"(?s)policy model .*draws random numbers in training mode, in `model.decoder.layers.0.fc2` .*dropout"
+        with pytest.raises(UsageError, match=match):
             DPOTrainer(
                 model, ref_model=_opt(0.0, seed=1), args=dpo_args(bf16=False), train_dataset=dataset,
                 processing_class=tokenizer,

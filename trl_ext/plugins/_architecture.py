@@ -6,7 +6,8 @@ mask) with positions that restart per sequence (`position_ids`). `inspect_model`
 config and either returns the mechanisms it found or the reason packing cannot be exact (a layer that carries state
 from token to token, attention outside transformers' attention interface whose mask packing cannot build, a dynamic
 mask, queries scaled by the row index, ALiBi biases rounded at the row index, capacity-limited routing, a window or
-chunk that only the mask applies under flash-attention). Architectures checked end to end (packed == padded in
+chunk that only the mask applies under flash-attention, a layer that mixes the whole row: a sparse-attention indexer,
+a KV compressor, byte patches, prepended prompt tokens). Architectures checked end to end (packed == padded in
 float64, loss, MoE auxiliary loss and gradients) by the architecture sweep are listed in `VERIFIED_MODEL_TYPES`; a
 plugin that packs more selectively declares its own table with `verified_except`. Any other model is measured by the
 plugin's self-check before its first step. The refusals name the plugin that asked (`plugin`).
@@ -122,6 +123,21 @@ def _config_value(config, *names):
     return None
 
 
+def _nested_config_value(config, *names):
+    """`_config_value` of `config`, else of its nested configs (DBRX keeps its expert count in `ffn_config`)."""
+    value = _config_value(config, *names)
+    if value is not None:
+        return value
+    for nested in vars(config).values():
+        if isinstance(nested, dict):
+            value = next((nested[n] for n in names if nested.get(n) is not None), None)
+        elif hasattr(nested, "to_dict"):
+            value = _config_value(nested, *names)
+        if value is not None:
+            return value
+    return None
+
+
 def _stateful_module(model: torch.nn.Module) -> tuple[str, torch.nn.Module] | None:
     def stateful(module: torch.nn.Module) -> bool:
         cls = type(module).__name__.lower()
@@ -134,6 +150,67 @@ def _stateful_module(model: torch.nn.Module) -> tuple[str, torch.nn.Module] | No
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Conv1d):
             return name, module
+    return None
+
+
+def _row_mixing_layer(model: torch.nn.Module) -> tuple[str, str, str] | None:
+    """A layer that mixes the tokens of a row outside attention's per-sequence keys, found by the module it runs: the
+    layer, the mechanism's name and what it does; None when there is none. A packed row would mix its sequences there:
+
+    - a sparse-attention indexer (DeepSeek-V3.2, GLM-MoE-DSA, ...): picks each query's top `index_topk` keys of the
+      row by learned scores, against the padded attention mask (the packed row has none);
+    - a KV compressor (DeepSeek-V4): appends entries that each summarize a window of the row's tokens;
+    - a byte patcher with a global transformer (BLT): groups the row's bytes into patches and attends across them;
+    - prepended prompt tokens (CPM-Ant): learned tokens before every row, and a mask derived from the token ids;
+    - positions numbered from the padding id (RoBERTa and its copies): offsets the packed position ids do not carry.
+    """
+    config = model.config
+    for name, module in model.named_modules():
+        cls = type(module).__name__
+        if name.rsplit(".", 1)[-1] == "indexer" or cls.endswith("Indexer"):
+            topk = _config_value(config, "index_topk", "indexer_budget")
+            return (
+                f"`{name}` ({cls})",
+                "sparse-attention indexer",
+                f"is a sparse-attention indexer: it picks each query's top {f'`index_topk={topk}`' if topk else 'k'} "
+                "keys of the whole row by learned scores, against the padded attention mask, so in a packed row "
+                "(which has no mask) it would score and select keys of other sequences",
+            )
+        if name.rsplit(".", 1)[-1] == "compressor" or cls.endswith("Compressor"):
+            return (
+                f"`{name}` ({cls})",
+                "KV compressor",
+                "compresses the key/value states of windows of the row's tokens into extra entries that every query "
+                "attends to, so in a packed row a window would span sequences",
+            )
+        if cls.endswith("Patcher") or cls.endswith("GlobalTransformer"):
+            return (
+                f"`{name}` ({cls})",
+                "byte patches",
+                "is part of a byte-patch model: the row's bytes are grouped into patches that a global transformer "
+                "attends across (`patch_size`), so in a packed row patches and their attention would span sequences",
+            )
+    for name, module in model.named_modules():
+        if hasattr(module, "create_position_ids_from_input_ids") and isinstance(
+            getattr(module, "padding_idx", 0), int
+        ):
+            offset = module.padding_idx + 1  # type: ignore[operator]
+            return (
+                f"`{name}` ({type(module).__name__})",
+                "positions from the padding id",
+                "numbers each row's real tokens from the padding id on (`create_position_ids_from_input_ids`: the "
+                f"first real token gets position `padding_idx + 1 = {offset}`), in its own code, so the packed "
+                "position ids, which restart at 0 for every sequence, would give other learned positions",
+            )
+    prompt = _config_value(config, "prompt_length")
+    if isinstance(prompt, int) and prompt > 0 and _config_value(config, "prompt_types"):
+        return (
+            f"`{getattr(model, 'base_model_prefix', '')}` ({type(model.base_model).__name__})",
+            "prepended prompt tokens",
+            f"prepends `prompt_length={prompt}` learned prompt tokens to every row and derives its attention mask "
+            "and segments from the token ids (non-zero ids are real tokens), not from `attention_mask`, so a packed "
+            "row would get one prompt for all its sequences and attend across them",
+        )
     return None
 
 
@@ -155,7 +232,9 @@ def _attention_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Modul
     found = []
     for name, module in model.named_modules():
         children = dict(module.named_children())
-        if any(k in children for k in ("q_proj", "query", "query_key_value", "c_attn", "Wqkv", "qkv_proj")):
+        if any(k in children for k in ("q_proj", "query", "query_key_value", "c_attn", "Wqkv", "qkv_proj", "q_lin")):
+            found.append((name, module))
+        elif type(module).__name__.endswith("RelativeAttention"):  # XLNet: projections are parameters, not modules
             found.append((name, module))
     return found
 
@@ -226,6 +305,10 @@ def inspect_model(
             + _ADVICE,
             verified,
         )
+    mixing = _row_mixing_layer(model)
+    if mixing is not None:
+        layer, label, what = mixing
+        return Inspection([label], f"its layer {layer} {what}. " + _ADVICE, verified)
     impl = str(getattr(config, "_attn_implementation", None) or "")
     flash = impl.startswith("flash")
     own = _own_attention(model)
@@ -323,9 +406,9 @@ def inspect_model(
         mechanisms.append("softcapping")
     if any(n.endswith(("q_norm", "k_norm", "q_layernorm", "k_layernorm")) for n, _ in model.named_modules()):
         mechanisms.append("QK-norm")
-    experts = _config_value(config, "num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+    experts = _nested_config_value(config, "num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
     if isinstance(experts, int) and experts > 1:
-        capacity = _config_value(config, "expert_capacity", "capacity_factor", "moe_capacity_factor")
+        capacity = _nested_config_value(config, "expert_capacity", "capacity_factor", "moe_capacity_factor")
         if capacity:
             return Inspection(
                 [*mechanisms, "MoE (capacity-limited)"],

@@ -57,17 +57,24 @@ def _configs(config: Any) -> Iterator[Any]:
                 stack.append(value)
 
 
+#: Name fragments of config fields that declare a locality: a window, a chunk, or a compression window of key/value
+#: states (DeepSeek-V4's `compress_rates`).
+_LOCALITY_NAMES = ("window", "chunk", "compress")
+
+
 def declared_localities(config: Any) -> dict[str, int]:
-    """Every positive length a config declares under a name that says window or chunk (`sliding_window`,
-    `attention_chunk_size`, `local_attention_window_len`, ...), by attribute name. Deliberately broad: a name that
-    is not a locality only makes the probe longer, a missed one would hide a window from the self-check."""
+    """Every positive length a config declares under a name that says window, chunk or compress (`sliding_window`,
+    `attention_chunk_size`, `local_attention_window_len`, `compress_rates`, ...), in a value, a list or a dict, by
+    attribute name. Deliberately broad: a name that is not a locality only makes the probe longer (up to the longest
+    training sequence), a missed one would hide a window from the self-check."""
     found: dict[str, int] = {}
     for sub in _configs(config):
         for name, value in vars(sub).items():
             lowered = name.lower()
-            if "window" not in lowered and "chunk" not in lowered:
+            if not any(part in lowered for part in _LOCALITY_NAMES):
                 continue
-            values = value if isinstance(value, (list, tuple)) else [value]
+            values = list(value.values()) if isinstance(value, dict) else value
+            values = values if isinstance(values, (list, tuple)) else [values]
             lengths = [v for v in values if isinstance(v, int) and not isinstance(v, bool) and v > 0]
             if lengths:
                 found[name] = max(max(lengths), found.get(name, 0))

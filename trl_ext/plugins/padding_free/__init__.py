@@ -64,13 +64,26 @@ logits bit-identical, and each sequence must match its unpacked forward; one log
 Refused with `trl_ext.UsageError` (nothing is silently turned off; the advice is to train without padding_free):
 
 - layers that carry state along the sequence (short convolutions, Mamba/SSM, linear attention: LFM2, NemotronH,
-  Jamba, Qwen3-Next, ...), named in the message; ALiBi models (Bloom, MPT, Falcon with `alibi=True`);
-  capacity-limited MoE routing; any model that fails the self-check (the message names the first leaking layer);
+  Jamba, Qwen3-Next, ...), named in the message; layers that mix the whole row (sparse-attention indexers of
+  DeepSeek-V3.2 / GLM-MoE-DSA, DeepSeek-V4's KV compressor, BLT's byte patches, CPM-Ant's prepended prompt tokens);
+  positions numbered from the padding id (RoBERTa and its copies); Falcon's ALiBi (`alibi=True`) and Bloom in 16
+  bits; capacity-limited MoE routing; any model that fails the self-check (the message names the first leaking
+  layer);
 - attention implementations other than `sdpa`, `eager` and `flash_attention_2/3/4` (e.g. `flex_attention`, which has
   no backward on CPU with torch 2.13);
 - vision-language models and vision datasets;
 - prompt-learning PEFT (prompt tuning, prefix tuning, P-tuning: virtual tokens are prepended to every row);
 - `use_liger_kernel=True` (not verified; on TRL <= 1.14 its fused DPO loss bypasses the model forward).
+
+Random draws in training. A policy whose forward draws random numbers in training mode (PhiMoE's router samples its
+experts; dropout TRL's `disable_dropout` misses, such as OPT's `config.dropout`) is found by the generator it advances
+(`trl_ext.plugins._randomness`) and trained with one warning that names the layers: a packed row draws those numbers
+on other shapes than the padded batch, so training takes other samples than stock TRL (equal in distribution where
+the layer draws per token, not step for step), while the forward without draws (eval mode) equals stock; the
+self-check then runs in eval mode. Otherwise the self-check runs the policy in training mode, as it trains.
+
+Row limits. MPT computes its ALiBi biases for rows of at most `max_seq_len` tokens: its packed batches run as
+several packed rows of at most that many tokens each (equal to stock, which never feeds a longer row).
 
 Batch dispatching: the collator's packing metadata is row-major (`row_starts`, `row_lengths`), so accelerate's
 `DataLoaderDispatcher` (iterable datasets, `dispatch_batches=True`), which concatenates and slices batches along

@@ -38,10 +38,11 @@ from .._packing.metadata import (
     unpack_shifted,
 )
 from .._packing.positions import PackedPositions, packed_positions
-from .._probe import STOCK_CALL, model_probe_lengths, training_max_length
+from .._probe import STOCK_CALL, model_probe_lengths
+from .._randomness import RandomDraw, training_draws
 from . import NAME, PaddingFreeOptions
 from .architecture import Inspection, inspect_model
-from .self_check import SelfCheckResult, self_check
+from .self_check import SelfCheckResult, random_draws_notice, self_check
 
 if TYPE_CHECKING:  # pragma: no cover
     from transformers import Trainer
@@ -70,6 +71,8 @@ class PaddingFreeState:
     #: number of packed forward calls, and of calls that could not be packed and ran padded
     packed_calls: int = 0
     unpacked_calls: int = 0
+    #: the layers of each model that draw random numbers in training mode (`_randomness.training_draws`), by role
+    random_draws: dict[str, list[RandomDraw]] = dataclasses.field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -153,7 +156,7 @@ def trl_ext_make_packed_forward(
     state = _check_trainer(trainer, context)
     model = context.models()[role]
     state.attn_implementations[role] = _configure_model(context, role, model)
-    return _make_backbone_forward(backbone.forward, state)
+    return _make_backbone_forward(backbone.forward, state, row_limit(model))
 
 
 @hookimpl
@@ -163,10 +166,9 @@ def trl_ext_trainer_models_ready(trainer: Trainer, context: TrainerContext) -> N
         if role not in state.attn_implementations:  # a model whose backbone the core could not reach
             state.attn_implementations[role] = _configure_model(context, role, model)
         _choose_kernel(state, role, model, trainer)
-        context.patcher.setattr(model, "forward", _make_causal_lm_forward(model.forward, state))
-        _check_row_limit(role, model, trainer)
-        if state.self_check is True or not state.inspections[role].verified:
-            _run_self_check(state, role, model, trainer)
+        limit = row_limit(model)
+        context.patcher.setattr(model, "forward", _make_causal_lm_forward(model.forward, state, limit))
+        check_model(state, role, model, trainer)
     logger.info("padding_free: packing %s", state.attn_implementations)
     log_choices(logger, NAME, state.kernels)
 
@@ -180,29 +182,34 @@ def _choose_kernel(state: PaddingFreeState, role: str, model, trainer) -> None:
         state.kernels[role] = choose_for_model(model, base, state.attention, trainer, NAME)
 
 
-def _check_row_limit(role: str, model, trainer) -> None:
-    """Refuse, before the first step, a model whose packed row has a length limit that a batch can exceed (MPT's
-    ALiBi table covers `max_seq_len` keys of one row): instead of failing mid-step."""
+def row_limit(model) -> int | None:
+    """The most tokens one packed row of `model` may hold, or None: MPT computes its ALiBi biases for rows of at most
+    `max_seq_len` tokens (a padded row never holds more, a packed row of a whole batch can), so its packed batches are
+    split into several packed rows of at most that many tokens."""
     table = getattr(model.config, _compat.MPT_ALIBI_TABLE_ATTR, None)
-    if getattr(model.config, "model_type", None) != "mpt" or not isinstance(table, int):
-        return
-    args = getattr(trainer, "args", None)
-    rows = 2 * max(getattr(args, "per_device_train_batch_size", 1), getattr(args, "per_device_eval_batch_size", 1))
-    longest = training_max_length(trainer)
-    if longest is None or rows * longest > table:
-        raise UsageError(
-            f"padding_free: the {role} model ({type(model).__name__}) computes its ALiBi biases for rows of at most "
-            f"`{_compat.MPT_ALIBI_TABLE_ATTR}={table}` tokens, and a packed batch can hold {rows} sequences of up to "
-            f"{longest} tokens. Lower per_device_train_batch_size / per_device_eval_batch_size or max_length so that "
-            f"2 x batch size x max_length <= {table}, or train without padding_free."
-        )
+    return table if getattr(model.config, "model_type", None) == "mpt" and isinstance(table, int) else None
+
+
+def check_model(state: PaddingFreeState, role: str, model, trainer) -> None:
+    """What padding_free measures of a wrapped model before the first step: the layers that draw random numbers in
+    training mode (the policy; reported in one notice), then the self-check where it runs (models outside the
+    verified table, or `self_check: true`), in the mode the model trains in."""
+    # TRL trains the policy in training mode (`Trainer.train` calls `model.train()`) and runs a separate reference
+    # model in the mode it was given (eval after `from_pretrained`; TRL never changes it)
+    training = role == "policy" or model.training
+    draws = training_draws(model) if training else []
+    if draws:
+        state.random_draws[role] = draws
+        logger.warning("padding_free: %s", random_draws_notice(role, model, draws))
+    if state.self_check is True or not state.inspections[role].verified:
+        _run_self_check(state, role, model, trainer, training=training and not draws)
 
 
 def _probe_lengths(model, trainer) -> tuple[int, ...]:
     return model_probe_lengths(model, trainer, "padding_free")
 
 
-def _run_self_check(state: PaddingFreeState, role: str, model, trainer) -> None:
+def _run_self_check(state: PaddingFreeState, role: str, model, trainer, training: bool = False) -> None:
     """Measure, before the first step, that `model`'s packed forward equals its stock padded forward on a probe sized
     from what training will feed; refuse if it does not."""
     calls = state.packed_calls, state.unpacked_calls
@@ -214,7 +221,7 @@ def _run_self_check(state: PaddingFreeState, role: str, model, trainer) -> None:
         autocast = (
             torch.bfloat16 if getattr(args, "bf16", False) else torch.float16 if getattr(args, "fp16", False) else None
         )
-    result = self_check(model, model.forward, lengths=lengths, moe=moe, autocast=autocast)
+    result = self_check(model, model.forward, lengths=lengths, moe=moe, autocast=autocast, training=training)
     state.packed_calls, state.unpacked_calls = calls  # the probe's forwards are not training forwards
     state.self_checks[role] = result
     model_type = getattr(model.config, "model_type", None)
@@ -224,13 +231,14 @@ def _run_self_check(state: PaddingFreeState, role: str, model, trainer) -> None:
             f"{result.leak}. Packed training would differ from stock; train this model without padding_free."
         )
     logger.info(
-        "padding_free: self-check passed for the %s model (%s, `%s`, %s): packed sequences stay apart "
+        "padding_free: self-check passed for the %s model (%s, `%s`, %s, %s mode): packed sequences stay apart "
         "(bit-identical) and equal the stock padded forward (max relative difference %.2g <= %g) on probe sequences "
         "of %s tokens; cost %d forwards, %.2f s",
         role,
         type(model).__name__,
         model_type,
         f"{autocast} autocast" if autocast is not None else next(model.parameters()).dtype,
+        "training" if training else "eval",
         result.max_position_error,
         result.tolerance,
         list(result.lengths),
@@ -306,15 +314,50 @@ def _warn_rebuilt(meta: Any, input_ids: torch.Tensor) -> None:
     )
 
 
-def _make_backbone_forward(original: Callable, state: PaddingFreeState) -> Callable:
-    """Backbone (`model.base_model`) forward: pack a padded batch, scatter `last_hidden_state` back to `[R, L, H]`."""
+def _row_groups(info: PackInfo, limit: int) -> list[tuple[int, int]]:
+    """Consecutive rows `[start, end)` whose real tokens fit one packed row of at most `limit` tokens (a row longer
+    than `limit` alone in its group)."""
+    lengths = (info.cu_seq_lens[1:] - info.cu_seq_lens[:-1]).tolist()
+    groups, start, total = [], 0, 0
+    for row, n in enumerate(lengths):
+        if row > start and total + n > limit:
+            groups.append((start, row))
+            start, total = row, 0
+        total += n
+    groups.append((start, len(lengths)))
+    return groups
 
-    @functools.wraps(original)
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        meta = kwargs.pop(PACKING_KEY, None)
-        args = positional_input_ids(args, kwargs)
-        if args or not scoring_call(kwargs):
-            return original(*args, **kwargs)
+
+def _split_call(run: Callable, kwargs: dict[str, Any], info: PackInfo, limit: int) -> Any:
+    """`run(kwargs, None)` on each group of rows that fits a packed row of `limit` tokens, the outputs concatenated
+    along the rows: one packed row per group, as many packed rows as the row limit needs. Per-row outputs are
+    concatenated; `loss` (a mean over the whole call, which TRL's DPO does not read) is dropped; any other field,
+    which could not be combined exactly, is refused."""
+    outputs = []
+    for start, end in _row_groups(info, limit):
+        part = {k: v[start:end] if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == info.rows else v
+                for k, v in kwargs.items()}  # fmt: skip
+        outputs.append((end - start, run(part, None)))
+    first = outputs[0][1]
+    combined = {}
+    for key, value in first.items():
+        if isinstance(value, torch.Tensor) and value.dim() and all(o[key].shape[0] == n for n, o in outputs):
+            combined[key] = torch.cat([o[key] for _, o in outputs])
+        elif key != "loss":
+            raise UsageError(
+                f"padding_free: this model's packed rows hold at most {limit} tokens, so a batch of {info.num_tokens} "
+                f"tokens runs as several packed rows, whose `{key}` output cannot be combined exactly. Lower "
+                f"per_device_train_batch_size / max_length so that a batch holds at most {limit} tokens, or train "
+                "without padding_free."
+            )
+    return type(first)(**combined)
+
+
+def _make_backbone_forward(original: Callable, state: PaddingFreeState, limit: int | None = None) -> Callable:
+    """Backbone (`model.base_model`) forward: pack a padded batch, scatter `last_hidden_state` back to `[R, L, H]`
+    (in several packed rows of at most `limit` tokens where the model has a row limit)."""
+
+    def run(kwargs: dict[str, Any], meta: Any) -> Any:
         packed, info = _pack_kwargs(kwargs, meta)
         with packed_call(info):
             outputs = original(**packed)
@@ -322,28 +365,24 @@ def _make_backbone_forward(original: Callable, state: PaddingFreeState) -> Calla
         outputs.last_hidden_state = unpack_rows(outputs.last_hidden_state, info)
         return outputs
 
-    return forward
-
-
-def _make_causal_lm_forward(original: Callable, state: PaddingFreeState) -> Callable:
-    """Causal-LM forward: pack, run backbone and LM head on real tokens only, return outputs in the padded layout."""
-
     @functools.wraps(original)
     def forward(*args: Any, **kwargs: Any) -> Any:
         meta = kwargs.pop(PACKING_KEY, None)
         args = positional_input_ids(args, kwargs)
         if args or not scoring_call(kwargs):
-            if (
-                kwargs.get("use_cache") is False
-                and isinstance(kwargs.get("attention_mask"), torch.Tensor)
-                and not STOCK_CALL.get()
-            ):
-                # A scoring call on a padded batch that packing cannot reproduce (e.g. `output_hidden_states`): it
-                # runs padded, which is correct; say so once instead of hiding it.
-                state.unpacked_calls += 1
-                if state.unpacked_calls == 1:
-                    logger.warning("padding_free: a forward with %s ran padded (not packable)", sorted(kwargs))
             return original(*args, **kwargs)
+        if limit is not None and (info := packing_metadata(kwargs["attention_mask"])).num_tokens > limit:
+            return _split_call(run, kwargs, info, limit)
+        return run(kwargs, meta)
+
+    return forward
+
+
+def _make_causal_lm_forward(original: Callable, state: PaddingFreeState, limit: int | None = None) -> Callable:
+    """Causal-LM forward: pack, run backbone and LM head on real tokens only, return outputs in the padded layout (in
+    several packed rows of at most `limit` tokens where the model has a row limit: `row_limit`)."""
+
+    def run(kwargs: dict[str, Any], meta: Any) -> Any:
         packed, info = _pack_kwargs(kwargs, meta)
         labels = kwargs.get("labels")
         if labels is not None:
@@ -363,5 +402,25 @@ def _make_causal_lm_forward(original: Callable, state: PaddingFreeState) -> Call
             return outputs
         fused = bool(kwargs.get("fused_lm_head"))
         return repad_outputs(outputs, fused, lambda x: unpack_rows(x, info), lambda x: unpack_shifted(x, info))
+
+    @functools.wraps(original)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        meta = kwargs.pop(PACKING_KEY, None)
+        args = positional_input_ids(args, kwargs)
+        if args or not scoring_call(kwargs):
+            if (
+                kwargs.get("use_cache") is False
+                and isinstance(kwargs.get("attention_mask"), torch.Tensor)
+                and not STOCK_CALL.get()
+            ):
+                # A scoring call on a padded batch that packing cannot reproduce (e.g. `output_hidden_states`): it
+                # runs padded, which is correct; say so once instead of hiding it.
+                state.unpacked_calls += 1
+                if state.unpacked_calls == 1:
+                    logger.warning("padding_free: a forward with %s ran padded (not packable)", sorted(kwargs))
+            return original(*args, **kwargs)
+        if limit is not None and (info := packing_metadata(kwargs["attention_mask"])).num_tokens > limit:
+            return _split_call(run, kwargs, info, limit)
+        return run(kwargs, meta)
 
     return forward

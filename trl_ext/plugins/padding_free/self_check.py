@@ -2,7 +2,10 @@
 
 The probe is sized from what training will feed (`trl_ext.plugins._probe`): three random sequences, the first as long
 as the longest sequence the trainer will feed, the others longer than every window or chunk the config declares. Run
-in eval mode without gradients, in the model's dtype:
+without gradients, in the model's dtype, in the mode the model runs in: training mode for the policy (which trains in
+it), eval mode for a reference model, and eval mode for a policy whose forward draws random numbers in training mode
+(`trl_ext.plugins._randomness`; its draws fall on other shapes packed than padded, so only the forward without them
+can be compared, and the plugin says so in a notice):
 
 1. isolation: the tokens of the middle sequence are replaced; the packed logits of the two other sequences must stay
    bit-identical. A packed row runs every per-token operation row by row and attention per sequence, so nothing
@@ -33,6 +36,7 @@ from typing import Any, cast
 import torch
 
 from .._probe import stock_forward as stock_mode
+from .._randomness import describe_draws
 
 #: The probe of a model whose training lengths are unknown (no `max_length`, no readable dataset).
 PROBE_LENGTHS = (9, 6, 11)
@@ -106,6 +110,7 @@ def self_check(
     dtype: torch.dtype | None = None,
     moe: bool = False,
     autocast: torch.dtype | None = None,
+    training: bool = False,
 ) -> SelfCheckResult:
     """Measure whether `packed_forward` (the model's wrapped forward) keeps packed sequences apart and equals
     `stock_forward` (the model's stock padded forward; default: `model.forward` under
@@ -135,7 +140,7 @@ def self_check(
     n = lengths[middle]
     changed[middle, :n] = (ids[middle, :n] + 1 + torch.arange(n, device=device) % 5) % vocab
     modes = {m: m.training for m in model.modules()}
-    model.eval()
+    model.train(training)
     forwards = 0
 
     def result(leak: str | None, worst: float = float("nan")) -> SelfCheckResult:
@@ -203,3 +208,22 @@ def self_check(
     finally:
         for module, mode in modes.items():
             module.training = mode
+
+
+def random_draws_notice(role: str, model: torch.nn.Module, draws: Sequence[Any]) -> str:
+    """The one notice padding_free gives for a model whose forward draws random numbers in training mode
+    (`trl_ext.plugins._randomness`): which layers, what is equal to stock TRL and what is not."""
+    kind = (
+        "dropout"
+        if all(d.dropout for d in draws)
+        else "a layer that samples in training, as PhiMoE's router samples experts, or dropout applied in `forward`"
+    )
+    return (
+        f"the {role} model ({type(model).__name__}, `{getattr(model.config, 'model_type', None)}`) draws random "
+        f"numbers in its forward in training mode, in {describe_draws(list(draws))} ({kind}). A packed row draws "
+        "them on other tensor shapes than TRL's padded batch, so packed training takes other random samples than "
+        "stock TRL: its losses and gradients are not equal to stock's step for step, only drawn from the same "
+        "distributions where the layer draws per token (dropout, PhiMoE's expert sampling). The forward without "
+        "random draws (eval mode: evaluation, a separate reference model) is equal to stock. For step-for-step "
+        "equality with stock, train without padding_free."
+    )

@@ -29,7 +29,11 @@ Dropout (`dropout.py`). A shared prompt is computed once, so in training both re
 on it where padded training draws two. With `disable_dropout=True` (TRL's default) every dropout site of the models
 is set to 0 while the trainer keeps its plugins, also the functional dropout and layer drop that TRL's
 `disable_dropout` misses (OPT's `config.dropout`), in one log line; with `disable_dropout=False` a policy with
-dropout is refused. A self-check that finds two forwards of the same batch differ says it is dropout.
+dropout is refused. Any other random numbers the forward draws in training mode (dropout applied inside `forward`,
+PhiMoE's router sampling its experts) are found by the generator they advance (`trl_ext.plugins._randomness`): the
+model is refused before the first step, naming the layer, since a shared prompt would get one sample where padded
+training draws one per response. Chunked attention (Llama 4's `attention_chunk_size`) that acts on the sequences
+training feeds is refused too (it lives only in the mask transformers builds).
 
 Batch dispatching (`dispatch_batches=True`, iterable datasets): the batch carries the layout as tensors only, with the
 prompt ends row-major; when accelerate's dim-0 concatenation and slicing cut the serialized layout, the forward

@@ -11,8 +11,8 @@ that drops anything in training mode is not shared as it is:
 
 A site is an `nn.Dropout*` module with `p > 0`, or a positive float attribute of a module whose name says dropout
 (`dropout`, `attention_dropout`, `activation_dropout`, ...) or layer drop (`layerdrop`). Dropout read from the config
-inside `forward` has no module attribute to set; the self-check measures it (two stock forwards in training mode
-differ) and its refusal names dropout.
+inside `forward` has no module attribute to set; `setup.refuse_random_draws` finds it by the random numbers the
+forward draws in training mode (`trl_ext.plugins._randomness`) and refuses the model, naming the layer.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["config_dropouts", "describe", "disable_dropout", "dropout_sites", "forward_is_random"]
+__all__ = ["config_dropouts", "describe", "disable_dropout", "dropout_sites"]
 
 _LAYER_DROP = ("layerdrop", "layer_drop", "drop_path", "drop_path_rate")
 
@@ -73,17 +73,3 @@ def disable_dropout(patcher: Any, model: torch.nn.Module) -> list[tuple[torch.nn
         value = getattr(module, name)
         patcher.setattr(module, name, 0 if isinstance(value, int) else 0.0)
     return sites
-
-
-def forward_is_random(run: Any, tolerance: float, device: torch.device) -> float | None:
-    """Run `run()` (a forward returning a tensor) twice from two RNG states; the relative difference when the two
-    differ beyond `tolerance` (random numbers drawn inside the forward, e.g. dropout), else None. The caller's RNG
-    state is kept."""
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        torch.manual_seed(1)
-        first = run().double()
-        torch.manual_seed(2)
-        second = run().double()
-    scale = first.abs().max().clamp(min=1e-30)
-    difference = ((first - second).abs().max() / scale).item()
-    return difference if not difference <= tolerance else None

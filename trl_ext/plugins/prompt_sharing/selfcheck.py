@@ -14,8 +14,10 @@ in training mode, its dropout turned off by `dropout.py`; a separate reference m
 every real token of every sequence must agree to the dtype's round-off, relative to the sequence's largest logit
 (1e-6 in float64, 1e-4 in float32, 5e-2 in 16-bit); a position off by one, a response seeing the other, or a window
 lost in the shared row moves them by order 1e-1. A difference raises `UsageError` naming the model, the output and
-the position; when two stock forwards of the probe differ as well, the model draws random numbers in its forward and
-the message says it is dropout.
+the position. (A policy that draws random numbers in training mode never gets here: `setup.refuse_random_draws`
+refuses it by layer first.) Where the padded forward itself is degenerate on a row (eager attention over a query
+whose sliding window holds only padding gives NaN, which the next layer spreads to the real tokens, in stock TRL as
+well), that row's reference is the sequence run alone, which has no padding.
 
 Cost: one shared and one padded forward of six sequences (timed and logged).
 """
@@ -31,7 +33,6 @@ from typing import Any, cast
 import torch
 
 from .._probe import stock_forward
-from .dropout import forward_is_random
 from .layout import LAYOUT_KEY, build_layout
 
 __all__ = ["SelfCheckResult", "TOLERANCES", "probe_pairs", "self_check"]
@@ -51,8 +52,6 @@ class SelfCheckResult:
     seconds: float
     forwards: int
     lengths: tuple[int, ...]
-    #: the two stock forwards differed: random numbers in the forward (dropout)
-    random: bool = False
 
 
 def probe_pairs(
@@ -116,15 +115,15 @@ def self_check(
     modes = {m: m.training for m in model.modules()}
     model.train(training)
 
-    def result(failure: str | None, worst: float = float("nan"), random: bool = False) -> SelfCheckResult:
-        return SelfCheckResult(failure, worst, tolerance, time.perf_counter() - start, forwards, lengths, random)
+    def result(failure: str | None, worst: float = float("nan")) -> SelfCheckResult:
+        return SelfCheckResult(failure, worst, tolerance, time.perf_counter() - start, forwards, lengths)
 
     def amp() -> Any:
         return autocast() if autocast is not None else contextlib.nullcontext()
 
-    def stock() -> torch.Tensor:
+    def stock(input_ids: torch.Tensor = ids, attention_mask: torch.Tensor = mask) -> torch.Tensor:
         with stock_forward(model), amp():
-            return model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+            return model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
 
     try:
         with torch.no_grad():
@@ -139,9 +138,15 @@ def self_check(
             try:
                 want = stock()
                 forwards += 1
+                real = mask.bool()
+                for row in range(ids.shape[0]):
+                    if not torch.isfinite(want[row][real[row]]).all():  # degenerate padded row: the row alone
+                        alone = ids[row : row + 1][:, real[row]]
+                        want = want.clone()
+                        want[row, real[row]] = stock(alone, torch.ones_like(alone))[0]
+                        forwards += 1
             except Exception as exc:  # noqa: BLE001 - no stock reference, no verdict: refuse with the cause
                 return result(f"its stock padded forward (the reference) raised {type(exc).__name__}: {exc}")
-            real = mask.bool()
             worst, where = 0.0, (0, 0)
             for row in range(ids.shape[0]):
                 ref = want[row][real[row]].double()
@@ -152,18 +157,6 @@ def self_check(
                     worst, where = error[token].item(), (row, token)
             if worst <= tolerance:
                 return result(None, worst)
-            random = forward_is_random(stock, tolerance, device)
-            forwards += 2
-            if random is not None:
-                return result(
-                    f"two stock padded forwards of the same probe differ by {random:.3g} (relative to the largest "
-                    f"logit; tolerance {tolerance:g}): the model draws random numbers in its forward in "
-                    f"{'training' if training else 'eval'} mode, i.e. dropout that neither TRL's `disable_dropout` "
-                    "nor prompt_sharing could turn off (read from the config inside `forward`), so a shared prompt "
-                    "would see one dropout mask where padded training draws two",
-                    worst,
-                    random=True,
-                )
             return result(
                 f"the shared forward's `logits` differ from the stock padded forward by {worst:.3g} (relative to the "
                 f"sequence's largest logit; {dtype} round-off allows {tolerance:g}) at "

@@ -14,7 +14,8 @@ from .._architecture import inspect_model, verified_except
 from .._packing.attention import switch_attention
 from .._packing.glue import check_packable_trainer
 from .._packing.kernels import Choice, choose_for_model, log_choices
-from .._probe import model_probe_lengths
+from .._probe import model_probe_lengths, training_max_length
+from .._randomness import describe_draws, training_draws
 from .._roles import PACKING as PACKING_ROLE
 from .attention import base_of, register_shared_attention, shared_attention_name, unregister_shared_attention
 from .dropout import describe, disable_dropout, dropout_sites
@@ -244,6 +245,47 @@ def handle_dropout(context: Any, role: str, model: Any, trainer: Any) -> None:
     )
 
 
+def refuse_acting_chunks(context: Any, role: str, model: Any, trainer: Any) -> None:
+    """Refuse chunked attention (`attention_chunk_size`, Llama 4) whose chunks act on the sequences training feeds:
+    transformers applies it only through the attention mask, which the shared attention does not rebuild for a
+    prompt and its responses. A chunk at least as long as every training sequence never acts (stock or shared)."""
+    chunk = getattr(model.config, "attention_chunk_size", None)
+    longest = training_max_length(trainer)
+    if not isinstance(chunk, int) or chunk <= 0 or (longest is not None and longest <= chunk):
+        return
+    raise UsageError(
+        f"prompt_sharing cannot share prompts in this `{model.config.model_type}` model ({role} model "
+        f"{type(model).__name__}): its attention applies chunked attention (`attention_chunk_size={chunk}`) only "
+        "through the attention mask transformers builds, which the shared attention does not rebuild for a prompt and "
+        f"its responses, so a response would attend across chunks (training feeds sequences of up to {longest} "
+        f"tokens). Set `max_length` to at most {chunk}, or: {_disable_advice(context)}."
+    )
+
+
+def refuse_random_draws(context: Any, role: str, model: Any) -> None:
+    """Refuse a policy whose forward still draws random numbers in training mode once its dropout is handled
+    (`_randomness.training_draws`: dropout read inside `forward`, or a layer that samples, such as PhiMoE's router).
+    A separate reference model runs in the mode it was given (TRL never changes it): checked when that is training."""
+    if role != "policy" and not model.training:
+        return
+    draws = training_draws(model)
+    if not draws:
+        return
+    if all(d.dropout for d in draws):
+        kind = "dropout that neither TRL's `disable_dropout` nor prompt_sharing could turn off"
+    else:
+        kind = (
+            "a layer that samples in training (PhiMoE's router samples its experts), or dropout applied inside "
+            "`forward` that neither TRL's `disable_dropout` nor prompt_sharing could turn off"
+        )
+    raise UsageError(
+        f"prompt_sharing cannot share prompts in this `{getattr(model.config, 'model_type', None)}` model ({role} "
+        f"model {type(model).__name__}): its forward draws random numbers in training mode, in "
+        f"{describe_draws(draws)} ({kind}). A shared prompt is computed once, so both responses would see one random "
+        f"sample of it where padded training draws one per response. {_disable_advice(context)}."
+    )
+
+
 def wrap_models(trainer: Any, context: Any) -> None:
     state = check_trainer(trainer, context)
     models = context.models()
@@ -257,6 +299,8 @@ def wrap_models(trainer: Any, context: Any) -> None:
             )
         state.attn_implementations[role] = configure_model(context, role, model)
         handle_dropout(context, role, model, trainer)
+        refuse_acting_chunks(context, role, model, trainer)
+        refuse_random_draws(context, role, model)
         base = base_of(state.attn_implementations[role]) or "sdpa"
         state.kernels[role] = choose_for_model(model, base, state.attention, trainer, NAME)
         forward = make_causal_lm_forward(model.forward, state, role, None, MoeAuxLoss.of(model))
@@ -301,8 +345,9 @@ def run_self_check(context: Any, state: PromptSharingState, role: str, model: An
     # mixed precision: accelerate's autocast, which the prepared model's forward runs under in training
     accelerator = getattr(trainer, "accelerator", None)
     autocast = accelerator.autocast if dtype != next(model.parameters()).dtype and accelerator is not None else None
-    # the policy trains in training mode (its dropout off); a separate reference model runs in eval mode
-    result = self_check(model, model.forward, lengths, dtype=dtype, training=role == "policy", autocast=autocast)
+    # the policy trains in training mode (its dropout off); a separate reference model runs in the mode it was given
+    training = role == "policy" or model.training
+    result = self_check(model, model.forward, lengths, dtype=dtype, training=training, autocast=autocast)
     for name, value in counters.items():  # the probe's forwards are not training forwards
         setattr(state, name, value)
     state.self_checks[role] = result
