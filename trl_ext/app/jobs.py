@@ -22,7 +22,7 @@ from typing import Any
 from .._logging import get_logger
 from ..config import TrlExtConfig
 from ..errors import UsageError
-from .job_args import is_main_process, parse_job_args, resolve_config
+from .job_args import is_main_process, parse_job_args, recipe_path, resolve_config
 
 logger = get_logger(__name__)
 
@@ -83,7 +83,9 @@ def run_dpo(argv: Sequence[str]) -> int:
     if cpu_deepspeed:
         _use_configured_state(parser)
     try:
-        script_args, training_args, model_args, dataset_args = parse_job_args(parser, "dpo", rest, _deepspeed())
+        script_args, training_args, model_args, dataset_args = parse_job_args(
+            parser, "dpo", rest, _deepspeed(), recipe_path(argv)
+        )
     finally:
         if stripped:
             os.unlink(stripped)
@@ -152,7 +154,9 @@ def run_online_dpo(argv: Sequence[str]) -> int:
     if cpu_deepspeed:
         _use_configured_state(parser)
     try:
-        script_args, training_args, model_args = parse_job_args(parser, "online-dpo", rest, _deepspeed())
+        script_args, training_args, model_args = parse_job_args(
+            parser, "online-dpo", rest, _deepspeed(), recipe_path(argv)
+        )
     finally:
         if stripped:
             os.unlink(stripped)
