@@ -252,7 +252,8 @@ def test_one_value_grammar_for_every_source(source, tmp_path, monkeypatch):
 
 
 def test_options_and_sizes_take_the_same_grammar():
-    config = load_config(flags={"precompute_ref_batch_size": 8, "plugins": {"precompute_ref_batch_size": {"shard_size": 512.0}}}, environ={})  # fmt: skip
+    options = {"precompute_ref_batch_size": {"shard_size": 512.0}}
+    config = load_config(flags={"precompute_ref_batch_size": 8, "plugins": options}, environ={})
     assert config.options("precompute_ref_batch_size").shard_size == 512
     with pytest.raises(UsageError, match=r"shard_size` must be a positive integer, got 512\.5 \(not a whole number\)"):
         load_config(flags={"plugins": {"precompute_ref_batch_size": {"shard_size": 512.5}}}, environ={})
