@@ -152,6 +152,18 @@ def test_summarize_flags_ratios_above_bound_below_one_and_wide():
     assert any("WIDE SPREAD" in f for f in stats.summarize([1.0, 2.0, 3.0])["flags"])
 
 
+def test_a_ratio_is_flagged_slower_only_when_its_text_says_slower():
+    """A median below 1 whose IQR spans 1 reads "no clear difference", and is not also flagged "SLOWER" (the
+    token_budget row said both)."""
+    for values in ([0.9, 0.95, 1.05, 1.1, 0.97], [0.99, 1.01], [0.7, 1.2, 0.95], [0.8, 0.85, 0.9], [1.2, 1.3, 1.25]):
+        r = stats.against(stats.summarize(values), "padding_free")
+        slower_flag = any("SLOWER than padding_free" in f for f in r["flags"])
+        assert slower_flag == (stats.direction(r) == "slower"), (values, r["flags"], stats.direction(r))
+        text = output.text_table({"sections": {}, "load_average": {}}) + stats.ratio_text(r)
+        assert not ("no clear difference" in text and slower_flag)
+    assert stats.direction(stats.summarize([0.9, 0.95, 1.05, 1.1, 0.97])).startswith("(no clear difference")
+
+
 def test_agreement_flips_when_the_numbers_differ():
     same = stats.agreement(4e-7, 1e-4, "losses")
     assert same["same"] and same["flags"] == [] and same["text"] == "same losses (within 1.0e-04)"
@@ -304,3 +316,105 @@ def test_bench_help_states_the_measured_duration(capsys):
     help_text = " ".join(capsys.readouterr().out.split())
     assert f"({bench.QUICK_DURATION} on 2 shared CPU cores)" in help_text
     assert "--seconds" not in help_text  # fixed rounds: no time cap that stops on the spread
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# a user's install: no matplotlib, no DeepSpeed; outputs written as each section finishes (issue 35, items 1 and 5)
+# -------------------------------------------------------------------------------------------------------------------
+
+
+class _CheapSetup:
+    """What `bench.main` reads of a `sections.Setup`, without building a model."""
+
+    def __init__(self, args):
+        self.out = Path(args.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.model_desc = "llama (stand-in)"
+
+
+def _written(out: Path) -> dict:
+    return json.loads((out / "report.json").read_text())
+
+
+def test_bench_without_matplotlib_or_deepspeed_writes_report_and_table_as_sections_finish(
+    tmp_path, monkeypatch, capsys
+):
+    recorded = _recorded()["sections"]
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # not installed: `import matplotlib` fails
+    monkeypatch.setitem(sys.modules, "deepspeed", None)
+    monkeypatch.setattr(sections, "Setup", _CheapSetup)
+    monkeypatch.setattr(sections, "padding_free", lambda setup, rounds: recorded["padding_free"])
+
+    def precompute(setup, rounds):  # runs second: the first section is already on disk
+        written = _written(setup.out)
+        assert "padding_free" in written["sections"] and written["complete"] is False
+        assert "DPO step fwd+bwd" in (setup.out / "table.md").read_text()
+        return recorded["precompute"]
+
+    monkeypatch.setattr(sections, "precompute", precompute)
+    argv = ["--quick", "--out", str(tmp_path), "--only", "padding_free", "--only", "precompute"]
+    assert bench.main([*argv, "--only", "generation"]) == 0
+    captured = capsys.readouterr()
+    missing = 'bench.png not drawn: matplotlib is not installed (pip install "trl-ext[bench]"'
+    assert missing in captured.out and missing in captured.err  # said at the start and in the closing line
+    assert not (tmp_path / "bench.png").exists()
+    report = _written(tmp_path)
+    assert report["complete"] is True and list(report["sections"]) == ["padding_free", "precompute", "generation"]
+    assert "DeepSpeed" in report["sections"]["generation"]["skipped"]
+    table = (tmp_path / "table.md").read_text()
+    assert table == output.markdown_table(report) + "\n"
+    row = next(line for line in table.splitlines() if line.startswith("| generation: skipped |"))
+    assert 'needs DeepSpeed, which is not installed (pip install "trl-ext[deepspeed]"' in row
+    assert "generation: skipped" in captured.out  # the printed table says so too
+
+
+def test_bench_interrupted_keeps_the_sections_that_finished(tmp_path, monkeypatch):
+    recorded = _recorded()["sections"]
+    monkeypatch.setattr(sections, "Setup", _CheapSetup)
+    monkeypatch.setattr(sections, "padding_free", lambda setup, rounds: recorded["padding_free"])
+
+    def interrupted(setup, rounds):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sections, "precompute", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(["--quick", "--out", str(tmp_path), "--only", "padding_free", "--only", "precompute"])
+    report = _written(tmp_path)
+    assert report["complete"] is False and list(report["sections"]) == ["padding_free"]
+    table = (tmp_path / "table.md").read_text()
+    assert "INCOMPLETE: the sections finished so far" in table and "DPO step fwd+bwd" in table
+
+
+def test_plot_legends_cover_nothing_plotted():
+    """Every panel's legend sits clear of its bars, error bars, points, lines and flag notes (a `!! WIDE SPREAD`
+    note was hidden under the legend)."""
+    report = _recorded()
+    fused = report["sections"]["fused_logprobs"]
+    fused["speedup"] = stats.summarize([1.0, 1.2, 1.5, 1.9, 2.3])  # wide and tall: its note sits high
+    from matplotlib.transforms import Bbox
+
+    fig = output.figure(report)
+    renderer = fig.canvas.get_renderer()
+    checked = 0
+    for ax in fig.axes:
+        legend = ax.get_legend()
+        if legend is None:
+            continue
+        box = legend.get_window_extent(renderer)
+        extents = [a.get_window_extent(renderer) for a in [*ax.patches, *ax.lines, *ax.texts]]
+        for collection in ax.collections:  # error bars: their segments, in display coordinates
+            points = [p for segment in collection.get_segments() for p in segment]
+            extents.append(Bbox.null() if not points else Bbox.unit().from_extents(*_bounds(ax, points)))
+        for extent in extents:
+            if all(math.isfinite(v) for v in extent.extents):
+                assert not box.overlaps(extent), (ax.get_title(), extent)
+                checked += 1
+    assert checked > 20 and any("WIDE SPREAD" in t.get_text() for ax in fig.axes for t in ax.texts)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+
+
+def _bounds(ax, points):
+    xy = ax.transData.transform(points)
+    return xy[:, 0].min(), xy[:, 1].min(), xy[:, 0].max(), xy[:, 1].max()
