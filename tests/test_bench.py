@@ -65,6 +65,7 @@ def test_bench_quick_writes_report_and_plot(tmp_path):
     )
     assert pc["values"]["same"]
     assert report["headline"]["precompute_speedup"] == pc["speedup"]["median"]
+    assert pc["clock"] == "cpu" and not list(tmp_path.glob("trl-ext-bench-precompute-*"))  # caches removed
 
     co = measured["sync_metrics"]
     assert co["stock"]["world_size"] == 2 and co["rounds"] == 3
@@ -418,3 +419,24 @@ def test_plot_legends_cover_nothing_plotted():
 def _bounds(ax, points):
     xy = ax.transData.transform(points)
     return xy[:, 0].min(), xy[:, 1].min(), xy[:, 0].max(), xy[:, 1].max()
+
+
+@pytest.mark.slow  # about 20 s of CPU: 6 trainer builds with their precompute
+def test_precompute_section_times_cpu_after_a_warmup_round_and_removes_its_caches(tmp_path):
+    import argparse
+
+    setup = sections.Setup(argparse.Namespace(quick=True, model=None, out=str(tmp_path)))
+    setup.size["pairs"] = 8  # 16 pairs: the measurement's shape, not its numbers
+    pc = sections.precompute(setup, rounds=2)
+    assert pc["clock"] == "cpu" and pc["warmup_rounds"] == sections.WARMUP_ROUNDS == 1
+    for arm in ("stock", "trl_ext", "trl_ext_auto"):
+        assert len(pc[arm]["seconds"]) == len(pc[arm]["wall_seconds"]) == 2  # the warm-up round is not kept
+        assert all(
+            0 < cpu <= wall * 1.2 for cpu, wall in zip(pc[arm]["seconds"], pc[arm]["wall_seconds"], strict=True)
+        )
+    assert pc["speedup"]["ratios"] == stats.ratios(
+        {"a": pc["stock"]["seconds"], "b": pc["trl_ext"]["seconds"]}, "a", "b"
+    )
+    assert pc["values"]["same"]
+    assert not list(tmp_path.glob("trl-ext-bench-precompute-*"))  # no cache folder left behind
+    assert "(CPU s)" in output.text_table({"sections": {"precompute": pc}, "load_average": {}})
