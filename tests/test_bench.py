@@ -440,3 +440,46 @@ def test_precompute_section_times_cpu_after_a_warmup_round_and_removes_its_cache
     assert pc["values"]["same"]
     assert not list(tmp_path.glob("trl-ext-bench-precompute-*"))  # no cache folder left behind
     assert "(CPU s)" in output.text_table({"sections": {"precompute": pc}, "load_average": {}})
+
+
+_BLOCKER = """
+import sys
+from importlib.machinery import PathFinder
+
+
+class _NotInstalled(PathFinder):
+    # What a user's `pip install trl-ext` (no extras) lacks is not found, as if it were not in site-packages.
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        if name.split(".")[0] in ("matplotlib", "deepspeed"):
+            return None
+        return PathFinder.find_spec(name, path, target)
+
+
+sys.meta_path[:] = [_NotInstalled if finder is PathFinder else finder for finder in sys.meta_path]
+"""
+
+
+@pytest.mark.slow
+def test_bench_quick_on_a_user_install_without_the_bench_extra(tmp_path):
+    """`trl-ext bench --quick` where matplotlib and DeepSpeed are not installed: no crash; the report, the table and
+    the line that says how to get the plot; the ZeRO-3 generation row says it needs DeepSpeed."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(_BLOCKER)
+    env = dict(os.environ, TQDM_DISABLE="1", PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p)
+    out = tmp_path / "out"
+    cmd = [str(Path(sys.executable).with_name("trl-ext")), "bench", "--quick", "--rounds", "1", "--out", str(out)]
+    proc = subprocess.run(
+        [*cmd, "--only", "padding_free", "--only", "generation"], capture_output=True, text=True, env=env, timeout=900
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert 'bench.png not drawn: matplotlib is not installed (pip install "trl-ext[bench]"' in proc.stdout
+    assert not (out / "bench.png").exists()
+    report = json.loads((out / "report.json").read_text())
+    assert report["complete"] is True and report["sections"]["padding_free"]["losses"]["same"]
+    assert "needs DeepSpeed" in report["sections"]["generation"]["skipped"]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("generation: skipped")]
+    assert len(rows) == 1 and 'pip install "trl-ext[deepspeed]"' in rows[0]
+    assert (out / "table.md").read_text() == output.markdown_table(report) + "\n"
