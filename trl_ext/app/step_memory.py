@@ -71,8 +71,9 @@ def measuring_steps() -> Iterator[list[StepPeakMemory]]:
             super().__init__()
             made.append(self)
 
-    hf_trainer.DEFAULT_CALLBACKS.append(Measured)
+    defaults: list[Any] = hf_trainer.DEFAULT_CALLBACKS  # `Trainer.__init__` reads it when each trainer is built
+    defaults.append(Measured)
     try:
         yield made
     finally:
-        hf_trainer.DEFAULT_CALLBACKS.remove(Measured)
+        defaults.remove(Measured)
