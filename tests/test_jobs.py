@@ -486,3 +486,25 @@ def test_dpo_job_trains_on_a_save_to_disk_folder_and_reports_the_peak_memory_of_
     assert match, line
     assert 50 < int(match.group(1)) <= rss_mib("VmPeak")  # the process' resident set: torch and the models at least
     assert (tmp_path / "out" / "model.safetensors").exists()
+
+
+def test_recipe_mistakes_name_the_recipe(tmp_path, capsys):
+    """A bad value or key in the recipe is reported against the recipe's file, with the command line's own values
+    still reported against the command line; a misspelled `trl_ext:` key gets its right spelling."""
+    recipe = tmp_path / "my_recipe.yaml"
+    recipe.write_text(f"learning_rate: fast\noutput_dir: {tmp_path / 'o'}\n")
+    line = _usage_error_line("dpo", ["--config", str(recipe)], capsys)
+    assert f"invalid float value: 'fast' (from the recipe {recipe})" in line
+    line = _usage_error_line("dpo", ["--config", str(recipe), "--learning_rate", "slow"], capsys)
+    assert "invalid float value: 'slow' (from the command line)" in line
+    recipe.write_text(f"lerning_rate: 0.1\noutput_dir: {tmp_path / 'o'}\n")
+    line = _usage_error_line("dpo", ["--config", str(recipe)], capsys)
+    assert f"The recipe {recipe} sets ['lerning_rate']" in line and "Did you mean `learning_rate`?" in line
+    recipe.write_text(f"learning_rate: 0.1\noutput_dir: {tmp_path / 'o'}\ntrl-ext:\n  padding_free: true\n")
+    line = _usage_error_line("online-dpo", ["--config", str(recipe)], capsys)
+    assert f"The recipe {recipe} has a key `trl-ext:`. Did you mean `trl_ext:`?" in line
+    recipe.write_text(f"output_dir: {tmp_path / 'o'}\ntrl_ext:\n  fused_logprobs: 1\n  padding_free: 256.5\n")
+    line = _usage_error_line("dpo", ["--config", str(recipe)], capsys)
+    assert (
+        f"`padding_free` must be true or false, got 256.5 (from the `trl_ext:` section of the recipe {recipe})" in line
+    )

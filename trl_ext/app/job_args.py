@@ -5,6 +5,7 @@ arguments parsed like `trl <command>` does, with CPU defaults on a machine witho
 from __future__ import annotations
 
 import os
+import re
 import sys
 import tempfile
 import warnings
@@ -261,8 +262,16 @@ def parse_job_args(
 
     add_trl_ext_help(parser, command)
 
+    recipe_keys = set(_read_recipe(rest) or ())
+
     def error(message: str) -> None:
-        raise UsageError(f"{message} (from the command line). `trl-ext {command} --help` lists the arguments.")
+        # argparse names the argument ("argument --learning_rate/--learning-rate: invalid float value"); a value the
+        # command line does not give came from the recipe.
+        named = {n.replace("-", "_") for n in re.findall(r"--([\w-]+)", message.split(":", 1)[0])}
+        source = "the command line"
+        if named & recipe_keys and not named & _explicit_keys(rest, None):
+            source = f"the recipe {recipe or recipe_path(rest)}"
+        raise UsageError(f"{message} (from {source}). `trl-ext {command} --help` lists the arguments.")
 
     parser.error = error
     helping = any(token in ("-h", "--help") for token in rest)
@@ -290,8 +299,11 @@ def parse_job_args(
         )
     if from_recipe:
         keys = [token[2:] for token in from_recipe if token.startswith("--")]
+        dests = [action.dest for action in parser._actions]
+        close = difflib.get_close_matches(keys[0], dests, n=1) if keys else []
+        hint = f" Did you mean `{close[0]}`?" if close else ""
         raise UsageError(
-            f"The recipe {recipe or recipe_path(rest)} sets {keys}, which are no `trl-ext {command}` arguments. "
+            f"The recipe {recipe or recipe_path(rest)} sets {keys}, which are no `trl-ext {command}` arguments.{hint} "
             f"(`trl {command}` "
             "passes such keys to `accelerate launch`; with trl-ext, launch yourself: `accelerate launch ... "
             f"$(which trl-ext) {command} ...`.)"
