@@ -475,8 +475,12 @@ def test_dpo_job_trains_on_a_save_to_disk_folder_and_reports_the_peak_memory_of_
     from trl_ext.app.bench.memory import rss_mib
     from trl_ext.app.cli import main
 
+    import transformers.trainer
+
+    defaults = list(transformers.trainer.DEFAULT_CALLBACKS)
     folder = _saved(tmp_path, "saved", preference_rows(8, seed=1), as_dict=False)
     assert main(["dpo", *_job_argv(assets, tmp_path / "out", folder), "--trl-ext-padding-free"]) == 0
+    assert transformers.trainer.DEFAULT_CALLBACKS == defaults  # the measuring callback is gone with the job
     out = capsys.readouterr().out
     line = next(line for line in out.splitlines() if line.startswith("[trl-ext] DPOTrainer ran with plugins:"))
     expected = (
