@@ -472,10 +472,10 @@ def test_save_to_disk_folders_load_as_the_training_split(tmp_path):
 def test_dpo_job_trains_on_a_save_to_disk_folder_and_reports_the_peak_memory_of_a_step(assets, tmp_path, capsys):
     import re
 
+    import transformers.trainer
+
     from trl_ext.app.bench.memory import rss_mib
     from trl_ext.app.cli import main
-
-    import transformers.trainer
 
     defaults = list(transformers.trainer.DEFAULT_CALLBACKS)
     folder = _saved(tmp_path, "saved", preference_rows(8, seed=1), as_dict=False)
