@@ -439,7 +439,9 @@ def test_precompute_section_times_cpu_after_a_warmup_round_and_removes_its_cache
     )
     assert pc["values"]["same"]
     assert not list(tmp_path.glob("trl-ext-bench-precompute-*"))  # no cache folder left behind
-    assert "(CPU s)" in output.text_table({"sections": {"precompute": pc}, "load_average": {}})
+    assert len(pc["trl_ext_auto"]["batch_tokens"]) == 2 and all(t > 0 for t in pc["trl_ext_auto"]["batch_tokens"])
+    table = output.text_table({"sections": {"precompute": pc}, "load_average": {}})
+    assert "(CPU s)" in table and "auto chose " in table and " tokens per batch" in table
 
 
 _BLOCKER = """

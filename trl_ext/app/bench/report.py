@@ -68,7 +68,7 @@ def _rows(report: dict[str, Any]) -> list[tuple[str, str, str, str, list[str]]]:
                 f'ref precompute, "auto" ({unit})',
                 "",
                 f"{statistics.median(pc['trl_ext_auto']['seconds']):.2f}",
-                ratio_text(pc["speedup_auto"]),
+                ratio_text(pc["speedup_auto"]) + _auto_choice(pc["trl_ext_auto"].get("batch_tokens")),
                 pc["speedup_auto"]["flags"],
             )
         )
@@ -143,6 +143,14 @@ def matplotlib_missing() -> str | None:
     if importlib.util.find_spec("matplotlib") is not None:
         return None
     return f"bench.png not drawn: matplotlib is not installed ({BENCH_EXTRA})"
+
+
+def _auto_choice(tokens: list[Any] | None) -> str:
+    """What "auto" chose in the rounds (tokens per batch, from a probe of the free memory, so it can vary)."""
+    kept = sorted({int(t) for t in tokens or () if t})
+    if not kept:
+        return ""
+    return f"; auto chose {kept[0]}" + (f"-{kept[-1]}" if len(kept) > 1 else "") + " tokens per batch"
 
 
 def _peak(values: list[float | None]) -> str:

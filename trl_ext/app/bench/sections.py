@@ -242,13 +242,16 @@ def precompute(setup: Setup, rounds: int) -> dict[str, Any]:
     rig = pre.PrecomputeRig(options, model, setup.model_fn(), setup.tokenizer, data_kwargs, False, work)
     columns: dict[str, Any] = {}
     wall: dict[str, list[float]] = {}
+    chosen: list[Any] = []  # the batch size "auto" chose in each kept round (it probes the free memory)
 
     def arm(variant: str):
         def run(index: int) -> float:
-            box, _, cols, _ = rig.run(variant, work / f"cache-{variant}-{index}")  # a fresh cache every round
+            box, record, cols, _ = rig.run(variant, work / f"cache-{variant}-{index}")  # a fresh cache every round
             columns.setdefault(variant, cols)
             if index >= WARMUP_ROUNDS:
                 wall.setdefault(variant, []).append(box["seconds"])
+                if variant == "plugin-auto":
+                    chosen.append(record.get("batch_tokens"))
             return box["cpu_seconds"]
 
         return run
@@ -272,7 +275,7 @@ def precompute(setup: Setup, rounds: int) -> dict[str, Any]:
         "warmup_rounds": WARMUP_ROUNDS,
         "stock": {"seconds": times["trl"], "wall_seconds": wall["trl"]},
         "trl_ext": {"seconds": times["plugin"], "wall_seconds": wall["plugin"]},
-        "trl_ext_auto": {"seconds": times["plugin-auto"], "wall_seconds": wall["plugin-auto"]},
+        "trl_ext_auto": {"seconds": times["plugin-auto"], "wall_seconds": wall["plugin-auto"], "batch_tokens": chosen},
         "speedup": summarize(ratios(times, "trl", "plugin")),
         "speedup_auto": summarize(ratios(times, "trl", "plugin-auto")),
         # Wall time on a shared machine counts the waits for a core: for reference only, not flagged.
