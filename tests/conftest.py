@@ -14,6 +14,12 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("ACCELERATE_DISABLE_RICH", "1")
 
 
+def pytest_configure(config):
+    # registered here, not in pyproject.toml: the GPU tests (tests/plugins/test_varlen_gpu.py) skip themselves without
+    # CUDA, so the CPU suite runs them as skips
+    config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one); `-m gpu` runs only these")
+
+
 def pytest_collection_modifyitems(config, items):
     """Every process-launching test (`distributed`, `deepspeed`) is also `slow`: `-m "not slow"` is the fast loop."""
     for item in items:

@@ -124,8 +124,11 @@ def test_compute_ref_log_probs():
     assert method is not None and _params(method) == ["self", "model", "inputs"], _fail(
         "DPO_COMPUTE_REF_METHOD", "missing or new signature"
     )
-    # `(chosen, rejected)`: a pair of names, or the chosen/rejected halves of one tensor (`.chunk(2, dim=0)`).
+    # `(chosen, rejected)`: a pair of names, or the chosen/rejected halves of one tensor (`.chunk(2, dim=0)`); 1.14
+    # moved the body to `_compute_ref_log_probs(model, inputs)`, which it returns.
     returned = re.findall(r"return (.+)", _source(method))[-1]
+    if returned.strip() == "self._compute_ref_log_probs(model, inputs)":
+        returned = re.findall(r"return (.+)", _source(_dpo()._compute_ref_log_probs))[-1]
     assert re.fullmatch(r"\w+, \w+|\w+\.chunk\(2, dim=0\)", returned.strip()), _fail(
         "DPO_COMPUTE_REF_METHOD", f"no longer returns a (chosen, rejected) pair: `return {returned}`"
     )
@@ -511,12 +514,34 @@ def test_dpo_logits_helpers_scoring_methods_and_trainer_step_hooks():
     module = importlib.import_module(_compat.DPO_LOGITS_MODULE)
     for name in _compat.DPO_SCORING_METHODS:
         assert callable(getattr(_dpo(), name, None)), _fail("DPO_SCORING_METHODS", f"DPOTrainer has no `{name}`")
-    if not _compat.dpo_uses_fused_lm_head():  # TRL < 1.15 reads the logits through these helpers
+    if not _compat.dpo_uses_fused_lm_head():  # TRL < 1.15 reads the logits through the helpers a probe finds
         source = _source(_dpo()._compute_loss)
-        for name in _compat.DPO_LOGITS_HELPERS:
+        helpers = _compat.dpo_logits_helpers()
+        assert helpers[:1] == (_compat.DPO_LOGPROBS_HELPER,) and set(helpers[1:]) <= set(_compat.DPO_ENTROPY_HELPERS)
+        assert set(_compat.DPO_LOGITS_HELPERS) <= set(helpers) or _compat.DPO_LOGITS_HELPERS[1] not in source
+        for name in helpers:
             assert callable(getattr(module, name, None)) and f"{name}(" in source, _fail(
                 "DPO_LOGITS_HELPERS", f"`{_compat.DPO_LOGITS_MODULE}.{name}` is gone or not called by _compute_loss"
             )
+
+
+def test_dpo_layout_probes_and_refusal_facts():
+    """The probed DPO layout is one trl-ext knows (the fused head, or the logits helpers), and a refusal fact holds
+    exactly where its probe says: 1.15 without Triton has no chunked log-prob function for its fused head."""
+    utils = importlib.import_module("trl.trainer.utils")
+    fused = _compat.dpo_has_fused_head()
+    assert fused == (_compat.FUSED_LM_HEAD_KWARG in _source(_dpo()._compute_loss))
+    assert fused == (_compat.dpo_logits_helpers() == ()), _fail(
+        "DPO_UNKNOWN_LOGITS_HELPERS", "this TRL's DPOTrainer reads its logits through helpers trl-ext does not know"
+    )
+    fact = _compat.dpo_training_refusal()
+    assert fact in (None, _compat.DPO_FUSED_HEAD_WITHOUT_KERNEL)
+    assert (fact is not None) == (fused and getattr(utils, "_ChunkedLogProbFunction", object()) is None)
+    assert set(_compat.TRL_FACTS) == {
+        _compat.DPO_FUSED_HEAD_WITHOUT_KERNEL.name,
+        _compat.DPO_UNKNOWN_LOGITS_HELPERS.name,
+    }
+    assert all(name in fact.refusal("x") for name, fact in _compat.TRL_FACTS.items())
     import transformers
 
     trainer = transformers.Trainer

@@ -2,7 +2,8 @@
 
 Each entry says which TRL versions it was checked on. When a new TRL minor is released, read its
 `trl/trainer/dpo_trainer.py`, `trl/experimental/online_dpo/online_dpo_trainer.py` and `trl/models/utils.py`, check
-every entry below, and only then raise `TRL_MAX_EXCLUSIVE`.
+every entry below, run tests/test_compat.py and tests/versions against it (docs/versions.md), and only then raise
+`TRL_MAX_EXCLUSIVE`. Code layouts that differ within the range are found by probes (`_trl_layouts`), not versions.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import importlib.metadata
 import re
 from collections.abc import Iterable
 
+from ._trl_layouts import *  # noqa: F403 - the TRL layouts found by probes are part of `_compat`
+from ._trl_layouts import dpo_has_fused_head
 from .errors import UsageError
 
 #: The private config field behind transformers' `config._attn_implementation` property (transformers 5: the property
@@ -22,13 +25,15 @@ ATTN_IMPLEMENTATION_FIELD = "_attn_implementation_internal"
 #: packing self-checks read to find the longest pair training will feed. Checked on 1.12.0 and 1.16.0.
 DPO_TOKENIZED_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
 
-#: Supported TRL range: >= 1.10, < 1.17. Checked on 1.12.0 and 1.16.0 (CI), read on 1.10.0 and 1.14.0.
+#: Supported TRL range: >= 1.10, < 1.17. The full suite runs on 1.12.0 and 1.16.0 (CI), the version matrix
+#: (tests/versions) on the latest patch of every minor: 1.10.0, 1.11.0, 1.13.0, 1.14.2, 1.15.0.
 TRL_MIN = (1, 10)
 TRL_MAX_EXCLUSIVE = (1, 17)
 SUPPORTED_TRL_SPEC = ">=1.10,<1.17"
 
 #: DPO replaced `model(...).logits` with a fused LM head (`model(..., fused_lm_head=True)` returning `log_probs`,
-#: `entropy`, `mean_logits`, `is_top1`) in 1.15.0. Checked: 1.12.0 (logits path), 1.16.0 (fused path).
+#: `entropy`, `mean_logits`, `is_top1`) in 1.15.0. Checked: 1.10.0-1.14.2 (logits path), 1.15.0, 1.16.0 (fused path).
+#: The installed TRL is probed (`dpo_has_fused_head`); the version is read only for a TRL that is not installed.
 DPO_FUSED_LM_HEAD_SINCE = (1, 15)
 
 #: TRL config flags that TRL accepts but ignores, by trainer class name. While trl-ext is installed, setting one of
@@ -124,7 +129,10 @@ def check_trl_version(version: str | None = None) -> str:
 
 
 def dpo_uses_fused_lm_head(version: str | None = None) -> bool:
-    version = installed_version("trl") if version is None else version
+    """Whether `DPOTrainer` scores with TRL's fused LM head: probed on the installed TRL, read from `version` if given
+    (a release that is not installed)."""
+    if version is None or version == installed_version("trl"):
+        return dpo_has_fused_head()
     return parse_version(version or "0")[:2] >= DPO_FUSED_LM_HEAD_SINCE
 
 
@@ -307,14 +315,6 @@ TRL_VISION_ATTRS = ("_is_vlm", "_is_vision_dataset")
 #: and the attribute that holds its `max_length`. Consumer: `plugins.prompt_sharing` (wraps `_forward`). Checked on
 #: 1.12.0 and 1.16.0.
 ONLINE_DPO_FORWARD_METHOD = "_forward"
-#: TRL < 1.15: the module whose imported helpers DPOTrainer applies to the logits, those helpers (token log-probs,
-#: entropy), and the DPOTrainer methods whose model calls produce the logits they read. Consumers:
-#: `plugins.fused_logprobs.dpo` (replaces the helpers there, held while a trainer needs them) and
-#: `plugins.token_budget.metrics` (per-row entropy through the same name). Checked on 1.12.0; 1.16.0 scores DPO with
-#: its fused head and imports neither helper (the methods exist on both).
-DPO_LOGITS_MODULE = "trl.trainer.dpo_trainer"
-DPO_LOGITS_HELPERS = ("selective_log_softmax", "entropy_from_logits")
-DPO_SCORING_METHODS = ("_compute_loss", "compute_ref_log_probs")
 #: transformers' `Trainer`: the attribute saying that `compute_loss` already scaled the loss for gradient accumulation
 #: (`training_step` then does not divide it), and the method that fetches one optimizer step's batches. Consumer:
 #: `plugins.token_budget.step`. Checked on transformers 5.24.0.
@@ -405,16 +405,6 @@ TRAINER_SHARDING_FLAGS = ("is_deepspeed_enabled", "is_fsdp_enabled")
 #: `datasets.Dataset` keeps its content hash in this private attribute. Consumer: precompute_ref_batch_size (the
 #: fingerprint of the dataset with the precomputed columns). Checked datasets 5.2.0.
 DATASET_FINGERPRINT_ATTR = "_fingerprint"
-
-# -- padding_free: TRL's fused LM head (TRL >= 1.15) -----------------------------------------------------------------
-
-#: Per-token outputs of TRL's fused LM head (`trl.trainer.utils.FusedCausalLMOutput`), `[B, L - 1]` each; the
-#: padding_free and prompt_sharing plugins re-pad them (`plugins._packing.glue.repad_outputs`). Checked 1.16.0; absent
-#: on 1.12.0.
-FUSED_LM_HEAD_OUTPUT = ("trl.trainer.utils", "FusedCausalLMOutput")
-FUSED_LM_HEAD_FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1", "label_mask")
-#: The keyword DPO passes to the model forward to get the fused output. Consumer: padding_free. Checked 1.16.0.
-FUSED_LM_HEAD_KWARG = "fused_lm_head"
 
 # -- prompt_sharing: the MoE router auxiliary loss ---------------------------------------------------------------
 

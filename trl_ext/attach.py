@@ -107,6 +107,9 @@ def attach_before_init(ctx: TrainerContext) -> None:
     """Instance patches TRL's `__init__` already needs: the DPO reference precompute, the generation helper."""
     trainer = ctx.trainer
     if ctx.trainer_class == "DPOTrainer":
+        fact = _compat.dpo_training_refusal()  # stock DPOTrainer cannot train with this TRL here: say so now
+        if fact is not None:
+            raise UsageError(fact.refusal(f"trl-ext cannot run {', '.join(ctx.enabled)} on this DPOTrainer"))
         method = _compat.DPO_PRECOMPUTE_METHOD
         ctx.patcher.setattr(trainer, method, precompute_wrapper(ctx, getattr(trainer, method)))
     module_name = _compat.GENERATION_HELPER_MODULES.get(ctx.trainer_class)

@@ -4,9 +4,16 @@ reward for OnlineDPO and a counter of `torch.distributed` calls (the workload `t
 Nothing here touches a model hub: models are built from configs with random weights, the tokenizer is a word-level
 `tokenizers` tokenizer over a synthetic vocabulary, and the data is generated with skewed (lognormal) lengths like
 real preference data. The library never imports this module.
+
+`python -m trl_ext.testing DIR` writes a ready offline setup for trying `trl-ext dpo` / `trl-ext online-dpo`
+without a model hub (see `write_demo`).
 """
 
 from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
 
 from .app.bench.workload import (
     CollectiveCounter,
@@ -28,4 +35,39 @@ __all__ = [
     "make_prompt_dataset",
     "make_tokenizer",
     "preference_rows",
+    "write_demo",
 ]
+
+
+def write_demo(directory: str | Path, pairs: int = 12, prompts: int = 8) -> Path:
+    """Write a tiny model with its tokenizer and two datasets under `directory`, for the CLI without a hub.
+
+    Args:
+        directory (`str` or `Path`): created if missing; files already there are overwritten.
+        pairs (`int`, *optional*, defaults to `12`): preference pairs in `preferences/train.jsonl`.
+        prompts (`int`, *optional*, defaults to `8`): conversational prompts in `prompts/train.jsonl`.
+
+    Returns:
+        The directory, holding `model/` (a 2-layer Llama and its tokenizer, for `--model_name_or_path`),
+        `preferences/` (`prompt`/`chosen`/`rejected` rows, for `trl-ext dpo --dataset_name`) and `prompts/`
+        (`prompt` rows, for `trl-ext online-dpo --dataset_name`; reward: `--reward_funcs
+        trl_ext.testing:length_reward`).
+    """
+    root = Path(directory)
+    make_model(seed=0).save_pretrained(root / "model")
+    make_tokenizer().save_pretrained(root / "model")
+    (root / "preferences").mkdir(parents=True, exist_ok=True)
+    with open(root / "preferences" / "train.jsonl", "w") as f:
+        for row in preference_rows(pairs, seed=1):
+            f.write(json.dumps(row) + "\n")
+    (root / "prompts").mkdir(parents=True, exist_ok=True)
+    with open(root / "prompts" / "train.jsonl", "w") as f:
+        for row in preference_rows(prompts, seed=2):
+            f.write(json.dumps({"prompt": [{"role": "user", "content": row["prompt"]}]}) + "\n")
+    return root
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2 or sys.argv[1].startswith("-"):
+        sys.exit("usage: python -m trl_ext.testing DIR   (writes DIR/model, DIR/preferences, DIR/prompts)")
+    print(f"wrote {write_demo(sys.argv[1])}: model/, preferences/, prompts/")

@@ -278,7 +278,8 @@ def test_dpo_trainer(dpo_args, tokenizer, caplog):
             processing_class=tokenizer,
         )
 
-    with trl_ext.install(fused_logprobs=True):
+    with trl_ext.install(fused_logprobs=True) as installation:
+        installation.keep_records = True  # as `trl-ext dpo` does, for its end-of-run lines
         if _compat.dpo_uses_fused_lm_head():
             with caplog.at_level(logging.INFO, logger="trl_ext"):
                 trainer = build()
@@ -287,6 +288,17 @@ def test_dpo_trainer(dpo_args, tokenizer, caplog):
         else:
             trainer = build()
             assert set(trainer._trl_ext.state["fused_logprobs"].self_checks) == {"policy", "ref"}
+        trainer.train()
+        (record,) = installation.records
+    # The end-of-run line says what ran: on TRL >= 1.15 that the plugin left TRL's fused head in place (issue 35).
+    summary = record["summaries"]["fused_logprobs"]
+    if _compat.dpo_uses_fused_lm_head():
+        assert summary.startswith("did nothing: left TRL's own fused LM head in place")
+        assert trainer._trl_ext.state["fused_logprobs"].fused_calls == 0
+    else:
+        chunks = trainer._trl_ext.state["fused_logprobs"].chunks
+        # one step: the policy's forward and the reference's
+        assert summary == f"2 scoring forwards fused (chunk: policy {chunks['policy']}, ref {chunks['ref']})"
 
 
 @pytest.mark.slow

@@ -5,9 +5,9 @@ types that are not text decoders are excluded by a computed rule and counted. A 
 or differs fails.
 
 The quick loop runs a named set; the whole sweep (`slow`, in the default run) builds each type once per session
-(`sweep.row` caches), prints its counts at the end of the run, and checks `docs/architectures.md` and the README's
-counts against what it computed. `python tests/plugins/sweep.py --markdown docs/architectures.md` regenerates the
-table.
+(`sweep.row` caches), prints its counts at the end of the run, and checks `docs/architectures.md` and the counts in
+`docs/plugins/padding_free.md` against what it computed. `python tests/plugins/sweep.py --markdown
+docs/architectures.md` regenerates the table.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from trl_ext.plugins.padding_free.architecture import VERIFIED_MODEL_TYPES
 _SMALL = sweep._SMALL  # the same dict: tests that need another vocabulary patch it here
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs" / "architectures.md"
-README = ROOT / "README.md"
+PAGE = ROOT / "docs" / "plugins" / "padding_free.md"  # states the sweep counts
 # The quick loop's set: dense, sliding windows mixed with full layers, QK-norm, MoE with the auxiliary loss, sinks,
 # softcapping, learned positions, a stateful mixer, a hybrid Mamba model and a latent-attention MoE.
 NAMED = (
@@ -158,15 +158,15 @@ def test_docs_match_the_sweep(rows):
 
 @pytest.mark.slow
 def test_readme_states_the_sweep_counts(rows):
-    """The README's sentence on the sweep carries the counts the sweep computes."""
+    """The sentence on the sweep in padding_free's page carries the counts the sweep computes."""
     counts = sweep.counts(rows)
-    text = " ".join(README.read_text().split())
+    text = " ".join(PAGE.read_text().split())
     match = re.search(
         r"every causal-LM type of transformers ([\d.]+) \((\d+)\): (\d+) text decoders, all built; padding_free: "
         r"(\d+) exact, (\d+) refused; prompt_sharing: (\d+) exact, (\d+) refused; (\d+) excluded",
         text,
     )
-    assert match, "README.md: the sentence stating the architecture sweep's counts is missing"
+    assert match, "docs/plugins/padding_free.md: the sentence stating the architecture sweep's counts is missing"
     import transformers
 
     stated = [match.group(1), *map(int, match.groups()[1:])]

@@ -278,11 +278,12 @@ def test_online_score_equals_unpacked_logits(trailing_padding):
     outputs = SimpleNamespace(logits=logits)
     score = OnlineScore(targets, ids.size(1), p - 1, -1)
     assert score.accepts(outputs, positions)
-    score.score(outputs, positions)
-    (grad,) = torch.autograd.grad((outputs.logits * weight).sum(), logits)
+    score.capture(positions)
+    assert score.calls == 1 and not score.accepts(outputs, positions)
+    scored = score.finish(outputs.logits)
+    (grad,) = torch.autograd.grad((scored * weight).sum(), logits)
 
     split = _row_runs(positions.index()[:, p - 1 : -1]) is not None
     assert split == trailing_padding  # without the padding computed, rows have positions the packed row lacks
-    assert score.calls == 1 and not score.accepts(outputs, positions)
-    torch.testing.assert_close(outputs.logits, expected, rtol=1e-12, atol=0)
+    torch.testing.assert_close(scored, expected, rtol=1e-12, atol=0)
     torch.testing.assert_close(grad, expected_grad, rtol=1e-12, atol=1e-15)

@@ -77,11 +77,11 @@ def _dataset():
     return make_preference_dataset(PAIRS, seed=15, prompt_median=6, completion_median=5, max_prompt=24)
 
 
-def _train(dpo_args, tokenizer, install: dict | None, peft: bool = False, **args):
+def _train(dpo_args, tokenizer, install: dict | None, peft: bool = False, dataset=None, dtype=torch.float64, **args):
     from trl import DPOTrainer
 
-    model = sharpen(make_model(dtype=torch.float64, hidden_size=32))
-    ref = None if peft else sharpen(make_model(dtype=torch.float64, hidden_size=32, seed=1))
+    model = sharpen(make_model(dtype=dtype, hidden_size=32))
+    ref = None if peft else sharpen(make_model(dtype=dtype, hidden_size=32, seed=1))
     peft_config = None
     if peft:
         from peft import LoraConfig
@@ -105,7 +105,7 @@ def _train(dpo_args, tokenizer, install: dict | None, peft: bool = False, **args
             model,
             ref_model=ref,
             args=dpo_args(**config),
-            train_dataset=_dataset(),
+            train_dataset=_dataset() if dataset is None else dataset,
             processing_class=tokenizer,
             callbacks=[params],
             peft_config=peft_config,
@@ -218,7 +218,7 @@ def test_equals_stock_sigmoid(dpo_args, tokenizer):
         plugin = _train(dpo_args, tokenizer, {PLUGIN: BUDGET})
     _assert_same_run(stock, plugin)
     lines = [r.getMessage() for r in records if "exceed the budget" in r.getMessage()]
-    assert len(lines) == 1 and f"budget of {BUDGET} tokens" in lines[0], "one line for the step with a long pair"
+    assert len(lines) == 1 and f"budget of {BUDGET} padded tokens" in lines[0], "one line for the long pair's step"
     state = _state(plugin[0])
     assert len(state.micro_batch_counts) == 2
     assert sum(state.over_budget) > 0, "the data must hold a pair longer than the budget"
@@ -274,8 +274,14 @@ def test_gradient_checkpointing_and_peft_equal_stock(dpo_args, tokenizer, peft):
 
 @pytest.mark.slow
 def test_with_fused_logprobs_equals_stock(dpo_args, tokenizer):
-    """fused_logprobs hands TRL < 1.15 lazy logits; the per-row token sums go through the same functions TRL calls."""
-    plugin = _train(dpo_args, tokenizer, {PLUGIN: BUDGET, "fused_logprobs": True})
+    """fused_logprobs hands TRL < 1.15 lazy logits; the per-row token sums go through the same functions TRL calls.
+    (fused_logprobs itself refuses TRL 1.14, whose DPO module calls another helper: nothing to compare there.)"""
+    try:
+        plugin = _train(dpo_args, tokenizer, {PLUGIN: BUDGET, "fused_logprobs": True})
+    except UsageError as error:
+        if str(error).startswith("fused_logprobs:") and "has no ['entropy_from_logits']" in str(error):
+            pytest.skip(f"fused_logprobs refuses this TRL: {error}")
+        raise
     _assert_same_run(_train(dpo_args, tokenizer, None), plugin)
 
 
@@ -303,8 +309,8 @@ def test_micro_batch_counts_follow_the_budget(dpo_args, tokenizer):
     assert len(lines) == 1, [r.getMessage() for r in records]
     assert state.stock_micro_batch_counts == [ACCUMULATION, ACCUMULATION]
     expected = (
-        f"token_budget: 2 optimizer step(s) ran 7 micro-batches (stock: {2 * ACCUMULATION}), the largest "
-        f"{max(state.max_tokens)} of the 1 padded tokens allowed; 7 pair(s) over the budget ran alone"
+        f"token_budget: 2 optimizer step(s) ran 7 micro-batches (stock: {2 * ACCUMULATION}) within the budget of 1 "
+        f"padded tokens; 7 pairs over the budget ran alone, the largest of {max(state.max_tokens)} tokens"
     )
     assert lines[0] == expected
 

@@ -289,7 +289,7 @@ def test_train_summary_reports_the_rank_balance():
     )
     assert summary(state, 3) is None
     assert summary(state, 1) == (
-        "token_budget: 2 optimizer step(s) ran 5 micro-batches (stock: 8), the largest 120 of the 128 packed tokens "
-        "allowed; tokens per rank, most / mean: median 1.25, worst 1.50 over 2 ranks"
+        "token_budget: 2 optimizer step(s) ran 5 micro-batches (stock: 8) within the budget of 128 packed tokens, the "
+        "largest micro-batch 120 tokens; tokens per rank, most / mean: median 1.25, worst 1.50 over 2 ranks"
     )
-    assert "1 pair(s) over the budget ran alone" in summary(state, 0)
+    assert "; a pair of 500 tokens is over the budget of 128 and ran alone;" in summary(state, 0)

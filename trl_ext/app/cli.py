@@ -122,6 +122,19 @@ def _attention_backends() -> list[str]:
     return out
 
 
+def _dpo_scoring() -> str:
+    """How the installed DPOTrainer scores (the probed layout, docs/versions.md)."""
+    try:
+        if _compat.dpo_has_fused_head():
+            return "TRL's fused LM head (fused_logprobs leaves it in place)"
+        helpers = _compat.dpo_logits_helpers()
+    except Exception as exc:  # noqa: BLE001 - a TRL that does not import: said, not raised
+        return f"unknown (trl.trainer.dpo_trainer does not import: {exc})"
+    if not helpers:
+        return f"unknown layout ({_compat.DPO_UNKNOWN_LOGITS_HELPERS.name}: fused_logprobs refuses DPO)"
+    return f"full logits, read through {' + '.join(helpers)} (fused_logprobs scores inside the output head)"
+
+
 def _cmd_doctor(args: argparse.Namespace) -> int:
     print(f"trl-ext {__version__}  (Python {sys.version.split()[0]})")
     ok = True
@@ -133,8 +146,11 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
             ok = ok and supported
             note = "supported" if supported else f"NOT supported: trl-ext needs trl{_compat.SUPPORTED_TRL_SPEC}"
             if supported:
-                path = "fused LM head" if _compat.dpo_uses_fused_lm_head(version) else "logits"
-                note += f"; DPO forward path: {path}"
+                note += f"; DPO scoring: {_dpo_scoring()}"
+                fact = _compat.dpo_training_refusal()
+                if fact is not None:
+                    ok = False
+                    note += "\n" + " " * 15 + fact.refusal("DPOTrainer CANNOT TRAIN here")
         elif dist == "deepspeed" and version is None:
             note = "optional: `pip install trl-ext[deepspeed]` for ZeRO-3"
         elif version is None and dist not in ("peft",):

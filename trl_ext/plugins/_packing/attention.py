@@ -9,6 +9,13 @@ Two things keep the sequences of a packed row apart:
   attention of this module ("varlen"), registered in transformers' `AttentionInterface` as `trl_ext_varlen_<base>`.
   The dense mask costs (sum of lengths)^2 per layer, varlen only the sum of the squared lengths.
 
+On CUDA in bf16/fp16 the varlen attention runs each layer's packed call as one fused varlen kernel (`kernels.py`:
+chosen once per trainer and model, logged, `attention: fused` / `segments` to force either): with the batch's device
+`cu_seq_lens_q` and host `max_length_q` as the layers receive them (built once per batch), so no host work runs per
+layer; a sliding window is the kernel's `window_size`, also where only the mask applies it (`_packed_mask` marks a
+block-diagonal mask that is exactly the config's window). Elsewhere, and for calls with softcapping, sinks, dropout or
+another mask pattern, it runs per segment.
+
 The varlen attention only acts on packed calls (those that carry `cu_seq_lens_q` and no mask, or run inside
 `metadata.packed_call`); every other call (generation, a user's own forward) is handed to the base implementation with
 the mask transformers builds for it, so a model switched to varlen attention behaves exactly as before outside packed
@@ -33,12 +40,15 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ... import _compat
 from ...errors import UsageError
-from .metadata import PACKED_BOUNDS, PACKED_CALL
+from . import kernels
+from .kernels import packed_segments, run_packed
+from .metadata import PACKED_BOUNDS, PACKED_CALL, PACKED_CU
 
 __all__ = [
     "VARLEN_BASES",
     "attention_users",
     "base_attention",
+    "fused_kernel",
     "packed_or_base_attention",
     "packed_or_base_mask",
     "register_attention",
@@ -147,6 +157,26 @@ def _bounds_from_positions(position_ids: Any, query: torch.Tensor, key: torch.Te
 _VARLEN_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "position_ids")
 
 
+def _window(kwargs: dict[str, Any]) -> int | None:
+    """The kernel's window (earlier keys a query sees) for transformers' `sliding_window` (keys `q - w < k <= q`)."""
+    window = kwargs.get("sliding_window")
+    return None if window is None else int(window) - 1
+
+
+def fused_kernel(
+    module: torch.nn.Module, query: torch.Tensor, dropout: float, kwargs: dict[str, Any]
+) -> kernels.Kernel | None:
+    """The fused kernel chosen for this layer's model (`kernels.choice_for`) when this call can run it: the tensors it
+    was chosen for, and nothing the kernel does not compute (softcapping, sinks, dropout, a window it lacks); None:
+    the call runs per segment, exactly."""
+    kernel = kernels.runs_fused(kernels.choice_for(module), query)
+    if kernel is None or dropout or kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
+        return None
+    if kwargs.get("sliding_window") is not None and not kernel.windows:
+        return None
+    return kernel
+
+
 def _make_varlen_attention(base: str) -> Callable:
     def varlen_attention_forward(
         module: torch.nn.Module,
@@ -159,7 +189,19 @@ def _make_varlen_attention(base: str) -> Callable:
         **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:
         cu_seq_lens = kwargs.get("cu_seq_lens_q")
-        bounds = cu_seq_lens.tolist() if cu_seq_lens is not None else PACKED_BOUNDS.get()
+        # A fused kernel runs calls without a mask, and those whose block-diagonal mask is the config's window.
+        mask_window = getattr(attention_mask, _WINDOW, None)
+        fused_kwargs = kwargs if mask_window is None else {**kwargs, "sliding_window": mask_window}
+        no_mask = attention_mask is None or mask_window is not None
+        kernel = fused_kernel(module, query, dropout, fused_kwargs) if no_mask else None
+        max_length, window = kwargs.get("max_length_q"), _window(fused_kwargs)
+        if kernel is not None and cu_seq_lens is not None and isinstance(max_length, int) and query.shape[0] == 1:
+            # One kernel call with the batch's device `cu_seq_lens` (built once per batch): no host work per layer.
+            return run_packed(kernel, query, key, value, cu_seq_lens, max_length, scaling, window), None
+        # the host bounds of the batch (read once per batch by `packed_call`), not a device read per layer
+        bounds = PACKED_BOUNDS.get()
+        if cu_seq_lens is not None and (bounds is None or cu_seq_lens is not PACKED_CU.get()):
+            bounds = cu_seq_lens.tolist()
         if cu_seq_lens is None and attention_mask is None:
             from_positions = _bounds_from_positions(kwargs.get("position_ids"), query, key)
             if bounds is None:
@@ -189,6 +231,9 @@ def _make_varlen_attention(base: str) -> Callable:
                 f"packing: varlen attention expects one packed row of {bounds[-1]} tokens and no cache, got "
                 f"query {tuple(query.shape)} and key {tuple(key.shape)} in {type(module).__name__}"
             )
+        if kernel is not None:  # no mask, or the block-diagonal mask of the config's window
+            segments = packed_segments(bounds, query.device)
+            return run_packed(kernel, query, key, value, segments.cu_q, segments.max_q, scaling, window), None
         rest = {k: v for k, v in kwargs.items() if k not in _VARLEN_KWARGS}
         outs = [
             _segment_attention(
@@ -215,6 +260,9 @@ def _make_varlen_attention(base: str) -> Callable:
 # Set on the block-diagonal masks `_packed_mask` builds: the varlen attention then attends per sequence with the
 # diagonal blocks (a mask it did not build is used as is).
 _BLOCK_DIAGONAL = "_trl_ext_block_diagonal"
+# Set on those whose every block is causal within the config's `sliding_window` (its value): what a fused kernel with
+# that window computes.
+_WINDOW = "_trl_ext_sliding_window"
 
 
 def _as_bool_mask(mask: torch.Tensor) -> torch.Tensor:
@@ -274,6 +322,12 @@ def _packed_mask(kwargs: dict[str, Any], bounds: list[int] | None, base: str) ->
     causal = [_segment_mask(e - s, None, p.device) for (s, e), p in zip(spans, patterns, strict=True)]
     if not own and all(torch.equal(p, c.expand_as(p)) for p, c in zip(patterns, causal, strict=True)):
         return None
+    window = getattr(config, "sliding_window", None)
+    windowed = isinstance(window, int) and not own
+    windowed = windowed and all(
+        torch.equal(p, _segment_mask(e - s, window, p.device).expand_as(p))
+        for (s, e), p in zip(spans, patterns, strict=True)
+    )
     heads = max(p.shape[1] for p in patterns)
     mask = torch.zeros(1, heads, n, n, dtype=torch.bool, device=device)
     for (s, e), pattern in zip(spans, patterns, strict=True):
@@ -282,6 +336,8 @@ def _packed_mask(kwargs: dict[str, Any], bounds: list[int] | None, base: str) ->
         dtype = kwargs.get("dtype", torch.float32)
         mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, torch.finfo(dtype).min)
     setattr(mask, _BLOCK_DIAGONAL, True)
+    if windowed:  # causal within the config's window on every sequence: a fused kernel applies it itself
+        setattr(mask, _WINDOW, window)
     return mask
 
 

@@ -20,6 +20,7 @@ import torch
 __all__ = [
     "PACKED_BOUNDS",
     "PACKED_CALL",
+    "PACKED_CU",
     "PACKING_KEY",
     "PackInfo",
     "pack_rows",
@@ -40,6 +41,9 @@ PACKED_CALL: contextvars.ContextVar[bool] = contextvars.ContextVar("trl_ext_pack
 #: The sequence bounds (cumulative lengths) of the packed row being run, for models that do not forward
 #: `cu_seq_lens_q` to their attention function.
 PACKED_BOUNDS: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("trl_ext_packed_bounds", default=None)
+#: The device tensor those bounds were read from (`PackInfo.cu_seq_lens`): a layer that receives this very tensor as
+#: `cu_seq_lens_q` takes the host bounds above instead of reading the device tensor again.
+PACKED_CU: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar("trl_ext_packed_cu", default=None)
 
 
 @dataclasses.dataclass
@@ -171,8 +175,10 @@ def packed_call(info: PackInfo | None = None) -> Iterator[None]:
     bounds = None if info is None else [int(b) for b in info.cu_seq_lens.tolist()]
     token = PACKED_CALL.set(True)
     bounds_token = PACKED_BOUNDS.set(bounds)
+    cu_token = PACKED_CU.set(None if info is None else info.cu_seq_lens)
     try:
         yield
     finally:
+        PACKED_CU.reset(cu_token)
         PACKED_BOUNDS.reset(bounds_token)
         PACKED_CALL.reset(token)

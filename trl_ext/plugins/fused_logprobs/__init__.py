@@ -43,15 +43,16 @@ adapter on the head: ZeRO-3 would gather them once per chunk, and the ranks' chu
 ZeRO-3 and FSDP2 equal stock (tests/scale).
 
 `DPOTrainer`: on TRL >= 1.15 TRL's own fused LM head already scores DPO without full logits; the plugin says so in one
-log line and leaves it. On older TRL (`dpo.py`) the policy's and reference's scoring forwards score inside the output
-head's call as well: told the targets, the completion positions and the statistics TRL's metrics read, the head runs
-one chunked pass (log-probs of every loss type, the `sft` cross-entropy, WPO weights, entropy, mean logits, token
-accuracy) and the model returns a `LazyLogits` (`lazy.py`) holding those results, which TRL's `_compute_loss` and
-`compute_ref_log_probs` read unchanged. Only completion positions are scored, and the head module is called once per
-forward, so DPO runs under DDP, ZeRO-2, ZeRO-3 and FSDP2 too. It combines with padding_free and prompt_sharing: their
-packed forward announces the packed positions and the head gathers the scored positions from the packed row. An
-evaluation that asks for the logits themselves (`prediction_loss_only=False`) gets them, built as stock, with a
-warning.
+log line, leaves it, and the end-of-run line of `trl-ext dpo` says it did nothing ("left TRL's own fused LM head in
+place"). On older TRL (`dpo.py`: the logits helpers of 1.10-1.13 and of 1.14, found by a probe) the policy's and
+reference's scoring forwards score inside the output head's call as well: told the targets, the completion positions
+and the statistics TRL's metrics read, the head runs one chunked pass (log-probs of every loss type, the `sft`
+cross-entropy, WPO weights, entropy, mean logits, token accuracy) and the model returns a `LazyLogits` (`lazy.py`)
+holding those results, which TRL's `_compute_loss` and `compute_ref_log_probs` read unchanged. Only completion
+positions are scored, and the head module is called once per forward, so DPO runs under DDP, ZeRO-2, ZeRO-3 and FSDP2
+too. It combines with padding_free and prompt_sharing: their packed forward announces the packed positions and the head
+gathers the scored positions from the packed row. An evaluation that asks for the logits themselves
+(`prediction_loss_only=False`) gets them, built as stock, with a warning.
 """
 
 from __future__ import annotations

@@ -1,13 +1,14 @@
 """`DPOTrainer` on TRL < 1.15 (no fused LM head there): its scoring forwards return `LazyLogits` instead of logits.
 
-TRL's `_compute_loss` and `compute_ref_log_probs` (checked 1.10-1.14 layout, verified on 1.12) run
-`outputs = model(**model_kwargs)`, slice `outputs.logits[..., :-1, :]` and read it through
-`selective_log_softmax` (every loss type's log-probs), `F.cross_entropy` (the `sft` loss), `torch.logsumexp` of the
-logits and of `2.0 *` the logits (WPO weights, `use_weighting`), `entropy_from_logits` (`entropy`), `.mean(-1)` over
-boolean-selected positions (`logits/chosen`, `logits/rejected`) and `.argmax(-1)` (`mean_token_accuracy`). While one of
-those two methods runs, each causal LM's forward returns a `LazyLogits` whose values were all computed inside the
-output head's own call, and the two helpers TRL imports into `trl.trainer.dpo_trainer` are replaced by versions that
-read a `LazyLogits` (any other argument goes to TRL's own). The loss code itself is TRL's, unchanged: every loss type,
+TRL's `_compute_loss` and `compute_ref_log_probs` (1.10-1.14, each checked by tests/versions) run `outputs =
+model(**model_kwargs)`, slice `outputs.logits[..., :-1, :]` and read it through `selective_log_softmax` (every loss
+type's log-probs), `F.cross_entropy` (the `sft` loss), `torch.logsumexp` of the logits and of `2.0 *` the logits (WPO
+weights, `use_weighting`), `entropy_from_logits` (`entropy`; 1.14 takes the log-probs and the entropy from
+`selective_log_softmax_and_entropy` instead), `.mean(-1)` over boolean-selected positions (`logits/chosen`,
+`logits/rejected`) and `.argmax(-1)` (`mean_token_accuracy`). While one of those two methods runs, each causal LM's
+forward returns a `LazyLogits` whose values were all computed inside the output head's own call, and the helpers TRL
+imports into `trl.trainer.dpo_trainer` (those this TRL has, found by a probe) are replaced by versions that read a
+`LazyLogits` (any other argument goes to TRL's own). The loss code itself is TRL's, unchanged: every loss type,
 `loss_weights`, `ld_alpha`, `use_weighting`.
 
 Inside the head's call. Before each model call the fused forward announces to the patched head (`DpoScoreCall`) the
@@ -46,7 +47,7 @@ from ..._logging import get_logger
 from ...errors import UsageError
 from .._packing.positions import current_packed_positions
 from . import online
-from .lazy import LazyLogits, Root, entropy, selective_logprobs
+from .lazy import LazyLogits, Root, entropy, logprobs_and_entropy, selective_logprobs
 from .online import FusedState, ScoreCall, output_head
 from .online import scoring as scoring_head
 
@@ -54,12 +55,14 @@ __all__ = ["install_dpo"]
 
 logger = get_logger(__name__)
 
-#: The TRL module whose imported helpers read the logits, and the helpers replaced there.
+#: The TRL module whose imported helpers read the logits, and what replaces each helper this TRL has there (which:
+#: probed, `_compat.dpo_logits_helpers`).
 DPO_MODULE = _compat.DPO_LOGITS_MODULE
-_LOGPROBS_HELPER, _ENTROPY_HELPER = _compat.DPO_LOGITS_HELPERS
+_ENTROPY, _LOGPROBS_AND_ENTROPY = _compat.DPO_ENTROPY_HELPERS
 HELPERS: dict[str, Callable[[Callable], Callable]] = {
-    _LOGPROBS_HELPER: selective_logprobs,
-    _ENTROPY_HELPER: entropy,
+    _compat.DPO_LOGPROBS_HELPER: selective_logprobs,
+    _ENTROPY: entropy,  # TRL 1.10-1.13
+    _LOGPROBS_AND_ENTROPY: logprobs_and_entropy,  # TRL 1.14
 }
 #: The trainer methods whose model calls return `LazyLogits`.
 SCORING_METHODS = _compat.DPO_SCORING_METHODS
@@ -243,9 +246,9 @@ def _replace_helpers() -> None:
     if _ORIGINALS:
         return
     module = importlib.import_module(DPO_MODULE)
-    for name, make in HELPERS.items():
+    for name in _compat.dpo_logits_helpers():
         _ORIGINALS[name] = getattr(module, name)
-        setattr(module, name, make(_ORIGINALS[name]))
+        setattr(module, name, HELPERS[name](_ORIGINALS[name]))
 
 
 def _restore_helpers() -> None:
@@ -265,12 +268,8 @@ def install_dpo(trainer: Any, context: Any, state: FusedState, packing: tuple[st
                 "fused_logprobs does not combine with `use_liger_kernel=True` on DPOTrainer (Liger's DPO loss already "
                 "avoids the full logits). Keep one of the two."
             )
-        module = importlib.import_module(DPO_MODULE)
-        missing = [name for name in HELPERS if not hasattr(module, name)]
-        if missing:
-            raise UsageError(
-                f"fused_logprobs: `{DPO_MODULE}` has no {missing} in this TRL; train without fused_logprobs."
-            )
+        if not _compat.dpo_logits_helpers():
+            raise UsageError(_compat.DPO_UNKNOWN_LOGITS_HELPERS.refusal("fused_logprobs cannot score this DPOTrainer"))
         # Module-wide, held while any trainer needs them (they pass every argument but `LazyLogits` to TRL's own).
         context.hold(_HELD, _replace_helpers, _restore_helpers)
         for name in SCORING_METHODS:

@@ -27,13 +27,14 @@ def _state(context: Any) -> FusedState:
 
 
 def _dpo_has_fused_head() -> bool:
-    return _compat.dpo_uses_fused_lm_head()
+    return _compat.dpo_has_fused_head()
 
 
 @hookimpl
 def trl_ext_trainer_init_start(trainer: Any, context: Any, init_kwargs: dict[str, Any]) -> None:
-    _state(context)
+    state = _state(context)
     if context.trainer_class == "DPOTrainer" and _dpo_has_fused_head():
+        state.left_to_trl = True
         logger.info(
             "fused_logprobs: this TRL's DPOTrainer already scores with its own fused LM head (no full-vocabulary "
             "logits); fused_logprobs leaves it as it is"
@@ -137,6 +138,6 @@ def trl_ext_trainer_models_ready(trainer: Any, context: Any) -> None:
 @hookimpl
 def trl_ext_describe(trainer: Any, context: Any) -> str | None:
     state = _state(context)
-    if context.trainer_class == "DPOTrainer" and _dpo_has_fused_head():
-        return "TRL's own fused LM head"
+    if state.left_to_trl:
+        return "left TRL's own fused LM head in place"
     return ", ".join(f"{role}: chunk {chunk}" for role, chunk in state.chunks.items()) or None

@@ -1,10 +1,11 @@
 """`LazyLogits`: stands for `head(hidden)` (`[..., V]`) without computing it; each reduction TRL applies to the logits
 runs chunk by chunk, on the scored positions only.
 
-TRL's DPO scoring (TRL < 1.15) reads its logits only through a few operations, each a per-position reduction over
-the vocabulary: slicing and boolean selection of positions, `detach`, `chunk` over rows, `selective_log_softmax`,
-`entropy_from_logits`, `.mean(-1)`, `.argmax(-1)`, `torch.logsumexp(x, -1)`, `2.0 * x`, `F.cross_entropy`. Those
-are given here; any other operation raises a `UsageError` naming it (a TRL that reads its logits another way).
+TRL's DPO scoring (TRL < 1.15) reads its logits only through a few operations, each a per-position reduction over the
+vocabulary: slicing and boolean selection of positions, `detach`, `chunk` over rows, `selective_log_softmax`,
+`entropy_from_logits` (1.10-1.13) or `selective_log_softmax_and_entropy` (1.14), `.mean(-1)`, `.argmax(-1)`,
+`torch.logsumexp(x, -1)`, `2.0 * x`, `F.cross_entropy`. Those are given here; any other operation raises a `UsageError`
+naming it (a TRL that reads its logits another way).
 
 Scored positions. A `LazyLogits` knows which of its positions TRL keeps (the shifted completion mask): every reduction
 computes those only and gives 0 elsewhere, which TRL's masking turns into the stock values (it zeroes the log-probs
@@ -25,6 +26,7 @@ refused.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -35,7 +37,7 @@ from torch.utils.checkpoint import checkpoint
 from ...errors import UsageError
 from .chunked import accumulation_dtype
 
-__all__ = ["STATS", "LazyLogits", "Root", "entropy", "selective_logprobs"]
+__all__ = ["STATS", "LazyLogits", "Root", "entropy", "logprobs_and_entropy", "selective_logprobs"]
 
 #: The per-position statistics a log-prob pass can store on the way: name -> function of (logits, log-sum-exp).
 STATS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
@@ -306,16 +308,37 @@ class LazyLogits:
         raise _unsupported(getattr(func, "__name__", str(func)))
 
 
-def selective_logprobs(original: Callable) -> Callable:
-    """A `selective_log_softmax(logits, index)` that scores `LazyLogits` chunk by chunk (only their scored positions,
-    the others 0, as TRL masks them next) and passes any other call to `original`."""
+def _arguments(original: Callable, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    """The arguments of a call of TRL's helper `original`, by name, defaults included (its signature varies: 1.14 adds
+    `temperature` and `row_mask`)."""
+    bound = inspect.signature(original).bind(*args, **kwargs)
+    bound.apply_defaults()
+    return bound.arguments
 
-    def selective_log_softmax(logits: Any, index: torch.Tensor) -> torch.Tensor:
+
+def _plain(arguments: dict[str, Any], helper: str) -> torch.Tensor | None:
+    """The `row_mask` of a helper call (None without one); other non-default options are refused."""
+    if arguments.get("temperature", 1.0) != 1.0:
+        raise _unsupported(f"{helper} with a temperature")
+    return arguments.get("row_mask")
+
+
+def _zero_outside(values: torch.Tensor, row_mask: torch.Tensor | None) -> torch.Tensor:
+    """TRL 1.14's `row_mask`: 0 where it is 0 (the scored positions are those already; kept for any other mask)."""
+    return values if row_mask is None else values.masked_fill(row_mask == 0, 0.0)
+
+
+def selective_logprobs(original: Callable) -> Callable:
+    """A `selective_log_softmax(logits, index[, temperature, row_mask])` that scores `LazyLogits` chunk by chunk (only
+    their scored positions, the others 0, as TRL masks them next) and passes any other call to `original`."""
+
+    def selective_log_softmax(logits: Any, index: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if not isinstance(logits, LazyLogits):
-            return original(logits, index)
+            return original(logits, index, *args, **kwargs)
+        row_mask = _plain(_arguments(original, logits, index, *args, **kwargs), "selective_log_softmax")
         if index.dim() != logits.dim() - 1:
             raise _unsupported("selective_log_softmax with several indices per position")
-        return logits.logprobs(index)
+        return _zero_outside(logits.logprobs(index), row_mask)
 
     return selective_log_softmax
 
@@ -332,6 +355,26 @@ def entropy(original: Callable) -> Callable:
         return logits.entropy()
 
     return entropy_from_logits
+
+
+def logprobs_and_entropy(original: Callable) -> Callable:
+    """A `selective_log_softmax_and_entropy(logits, index, entropy_requires_grad, temperature, row_mask)` (TRL 1.14:
+    `(log-probs, entropy)` in one pass) that answers `LazyLogits` from the same chunk pass as the two helpers above
+    (the entropy without gradients: TRL asks `entropy_requires_grad=False`) and passes any other call to `original`."""
+
+    def selective_log_softmax_and_entropy(logits: Any, index: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if not isinstance(logits, LazyLogits):
+            return original(logits, index, *args, **kwargs)
+        arguments = _arguments(original, logits, index, *args, **kwargs)
+        row_mask = _plain(arguments, "selective_log_softmax_and_entropy")
+        if arguments.get("entropy_requires_grad", True):
+            raise _unsupported("selective_log_softmax_and_entropy with an entropy that carries gradients")
+        if index.dim() != logits.dim() - 1 or logits.scale != 1.0:
+            raise _unsupported("selective_log_softmax_and_entropy of scaled logits or several indices per position")
+        logprobs = logits.logprobs(index)
+        return _zero_outside(logprobs, row_mask), _zero_outside(logits.entropy(), row_mask)
+
+    return selective_log_softmax_and_entropy
 
 
 def _params(head: Any) -> list[torch.Tensor]:

@@ -156,6 +156,18 @@ class FusedState:
     fused_calls: int = 0
     #: DPO calls that asked for the logits themselves (an evaluation with `prediction_loss_only=False`): run stock
     stock_logits_calls: int = 0
+    #: a DPOTrainer that scores with TRL's own fused LM head (TRL >= 1.15): the plugin left it as it is
+    left_to_trl: bool = False
+
+    def summary(self) -> str:
+        """What ran, for the end-of-run line (`trl-ext dpo`: `[trl-ext]   fused_logprobs: ...`)."""
+        if self.left_to_trl:
+            return (
+                "did nothing: left TRL's own fused LM head in place (this TRL's DPOTrainer already scores without "
+                "the full-vocabulary logits)"
+            )
+        chunks = ", ".join(f"{role} {chunk}" for role, chunk in self.chunks.items())
+        return f"{self.fused_calls} scoring forwards fused (chunk: {chunks or '-'})"
 
 
 def output_head(model: Any, role: str = "model") -> torch.nn.Module:

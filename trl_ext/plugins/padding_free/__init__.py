@@ -42,10 +42,14 @@ with trl_ext.install():
 
 Options (`plugins: {padding_free: {...}}`):
 
-- `attention` (`"auto"`, `"varlen"` or `"dense"`, defaults to `"auto"`): how `sdpa`/`eager` models keep packed
-  sequences apart. `"auto"` and `"varlen"` use the per-segment attention (each sequence runs the model's own attention
-  function, so sliding windows, softcapping and attention sinks apply inside each sequence), `"dense"` transformers'
-  block-diagonal mask. Flash-attention models always use their own varlen kernels.
+- `attention` (`"auto"`, `"varlen"`, `"fused"`, `"segments"` or `"dense"`, defaults to `"auto"`): how `sdpa`/`eager`
+  models keep packed sequences apart. `"auto"` and `"varlen"` use trl-ext's varlen attention: on CUDA in bf16/fp16,
+  one fused varlen kernel per layer (`torch.nn.attention.varlen.varlen_attn`, `_packing/kernels.py`); elsewhere, and
+  for what the kernel lacks (eager attention, softcapping, attention sinks, custom masks, dropout in attention), the
+  per-segment attention (each sequence runs the model's own attention function, so sliding windows, softcapping and
+  attention sinks apply inside each sequence). One log line per trainer says which runs and why. `"fused"` requires
+  the kernel (a `UsageError` before the first step where it cannot run), `"segments"` forces the per-segment loop,
+  `"dense"` uses transformers' block-diagonal mask. Flash-attention models always use their own varlen kernels.
 - `self_check` (`"auto"` or `true`, defaults to `"auto"`): run the self-check (`self_check.py`) for every model, not
   only for those whose `model_type` is not in the verified table (`architecture.VERIFIED_MODEL_TYPES`).
 
@@ -77,9 +81,9 @@ Limits: each row of a batch must hold one sequence whose real tokens are contigu
 right); packed position ids restart at 0, so a user collator that pads on the left gets positions 0..n-1 (what
 generation uses) instead of the shifted ones a padded forward would use. Calls that carry a cache, `inputs_embeds`,
 `output_hidden_states` or `output_attentions` are not packed (they run padded, with a one-time warning). The
-flash-attention path passes transformers' documented varlen arguments but is not exercised by the CPU test suite; on a
-GPU prefer `flash_attention_2/3` (the per-segment varlen attention reads the segment bounds on the host once per
-layer).
+flash-attention path passes transformers' documented varlen arguments but is not exercised by the CPU test suite. The
+fused kernel reads the batch's `cu_seq_lens` on the device and its longest sequence from the host (both built once
+per batch): no host synchronisation per layer.
 """
 
 from __future__ import annotations
@@ -111,16 +115,20 @@ class PaddingFreeOptions:
 
     Args:
         attention (`str`, *optional*, defaults to `"auto"`):
-            How `sdpa`/`eager` models keep packed sequences apart: `"auto"` and `"varlen"` use the per-segment
-            attention, `"dense"` transformers' block-diagonal mask. Flash-attention models always use their own
-            varlen kernels.
+            How `sdpa`/`eager` models keep packed sequences apart: `"auto"` and `"varlen"` use trl-ext's varlen
+            attention, with one fused varlen kernel per layer where it runs (CUDA, bf16/fp16, plain sdpa) and the
+            per-segment loop elsewhere; `"fused"` requires the fused kernel (a `UsageError` where it cannot run);
+            `"segments"` always runs the per-segment loop; `"dense"` transformers' block-diagonal mask.
+            Flash-attention models always use their own varlen kernels.
         self_check (`str` or `bool`, *optional*, defaults to `"auto"`):
             `"auto"`: before the first step, measure on a probe batch whether a model that is not in the verified
             table keeps packed sequences apart and equals its stock padded forward (3 forwards; the longest probe
             sequence is as long as the longest training sequence); `true`: check every model.
     """
 
-    attention: str = dataclasses.field(default="auto", metadata={"parse": one_of("auto", "varlen", "dense")})
+    attention: str = dataclasses.field(
+        default="auto", metadata={"parse": one_of("auto", "varlen", "dense", "fused", "segments")}
+    )
     self_check: str | bool = dataclasses.field(default="auto", metadata={"parse": _SELF_CHECK})
 
 

@@ -27,6 +27,7 @@ from .._packing.glue import (
     repad_outputs,
     scoring_call,
 )
+from .._packing.kernels import Choice, choose_for_model, log_choices
 from .._packing.metadata import (
     PACKING_KEY,
     PackInfo,
@@ -64,6 +65,8 @@ class PaddingFreeState:
     self_checks: dict[str, SelfCheckResult] = dataclasses.field(default_factory=dict)
     #: attention implementation each wrapped model runs, by role (for logs and tests)
     attn_implementations: dict[str, str] = dataclasses.field(default_factory=dict)
+    #: the packed attention of each model switched to the varlen attention, by role (`_packing.kernels.Choice`)
+    kernels: dict[str, Choice] = dataclasses.field(default_factory=dict)
     #: number of packed forward calls, and of calls that could not be packed and ran padded
     packed_calls: int = 0
     unpacked_calls: int = 0
@@ -159,11 +162,22 @@ def trl_ext_trainer_models_ready(trainer: Trainer, context: TrainerContext) -> N
     for role, model in context.models().items():
         if role not in state.attn_implementations:  # a model whose backbone the core could not reach
             state.attn_implementations[role] = _configure_model(context, role, model)
+        _choose_kernel(state, role, model, trainer)
         context.patcher.setattr(model, "forward", _make_causal_lm_forward(model.forward, state))
         _check_row_limit(role, model, trainer)
         if state.self_check is True or not state.inspections[role].verified:
             _run_self_check(state, role, model, trainer)
     logger.info("padding_free: packing %s", state.attn_implementations)
+    log_choices(logger, NAME, state.kernels)
+
+
+def _choose_kernel(state: PaddingFreeState, role: str, model, trainer) -> None:
+    """The kernel of a model switched to the varlen attention (`_packing.kernels`): one fused varlen kernel per layer
+    on CUDA in bf16/fp16, else the per-segment loop; `attention: fused` where it cannot run raises here."""
+    impl = state.attn_implementations[role]
+    base = next((b for b in VARLEN_BASES if impl == varlen_attention_name(b)), None)
+    if base is not None:
+        state.kernels[role] = choose_for_model(model, base, state.attention, trainer, NAME)
 
 
 def _check_row_limit(role: str, model, trainer) -> None:

@@ -64,6 +64,12 @@ Options (`plugins: {prompt_sharing: {...}}`):
 
 - `self_check` (`"auto"`, `true` or `false`, defaults to `"auto"`): `"auto"` checks the models outside the verified
   table, `true` every model, `false` none (model types outside the verified table are then refused).
+- `attention` (`"auto"`, `"fused"` or `"segments"`, defaults to `"auto"`): on CUDA in bf16/fp16, `"auto"` runs the
+  shared attention as one fused varlen kernel per layer (`torch.nn.attention.varlen.varlen_attn`, its causal mask
+  aligned to the bottom right: each response's queries over the prompt's keys followed by its own; a second call for
+  Online DPO's trailing padding), elsewhere and for what the kernel lacks one call per segment; one log line per
+  trainer says which runs and why. `"fused"` requires the kernel (`UsageError` where it cannot run), `"segments"`
+  forces one call per segment.
 
 Architectures: the model types of `setup.VERIFIED_MODEL_TYPES` (padding_free's verified table but StableLM) run without
 a self-check, each checked against the padded forward in float64 by tests/plugins/test_prompt_sharing_architectures.py:
@@ -84,7 +90,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ...spec import Flag, Parser, PluginSpec, boolean
+from ...spec import Flag, Parser, PluginSpec, boolean, one_of
 from .._roles import PACKING
 
 NAME = "prompt_sharing"
@@ -108,9 +114,14 @@ class PromptSharingOptions:
             `"auto"`: before the first step, measure on a probe of prompt-sharing pairs (sized from the training
             lengths) whether a model outside the verified table computes a shared prompt as its stock padded forward
             does; `true`: check every model; `false`: check none, and refuse model types outside the verified table.
+        attention (`str`, *optional*, defaults to `"auto"`):
+            How the shared attention runs: `"auto"`, one fused varlen kernel per layer where it runs (CUDA,
+            bf16/fp16, plain sdpa), else one attention call per segment; `"fused"` requires the kernel (a
+            `UsageError` before the first step where it cannot run); `"segments"` always runs per segment.
     """
 
     self_check: str | bool = dataclasses.field(default="auto", metadata={"parse": _SELF_CHECK})
+    attention: str = dataclasses.field(default="auto", metadata={"parse": one_of("auto", "fused", "segments")})
 
 
 TRL_EXT_PLUGIN = PluginSpec(

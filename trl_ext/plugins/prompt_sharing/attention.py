@@ -13,12 +13,23 @@ causally; a branch's queries run against the prefix's keys/values followed by it
 mask (every prefix key visible, the branch causal), so the cost is `P^2 + sum_b B_b (P + B_b)` per group, the cost
 of the shared layout, not of a dense mask over the row. Sliding windows are applied by position (a key at `j` is
 visible from `i` when `i - window < j <= i`), as transformers' `sliding_window_overlay` does.
+
+CUDA (bf16/fp16, plain sdpa; `_packing/kernels.py` chooses, once per trainer and model): one fused varlen kernel call
+per layer (`shared_segments`, `run_shared`). Its segments are every prefix (its own keys) and every branch (the
+prefix's keys followed by its own), in row order, so the queries are the row itself; the flash kernels align a causal
+mask to the bottom right when a segment has more keys than queries, which is exactly "the whole prefix, then causal",
+windows included (`window_size` counts positions the same way). The keys are gathered once per layer (`kv_index`: a
+prefix's keys once per branch). Online DPO's trailing padding (queries over the real keys only) is a second,
+non-causal call, merged back by position. The segment plan is host work on the layout's groups, built once per batch
+and cached (the reference forward and the recomputed layers reuse it). One kernel call computes each query's whole
+softmax, so no log-sum-exp merge of partial attentions is needed.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import functools
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -27,9 +38,11 @@ import torch
 import torch.nn.functional as F
 
 from ...errors import UsageError
+from .._packing import kernels
 from .._packing.attention import (
     VARLEN_BASES,
     base_attention,
+    fused_kernel,
     packed_or_base_attention,
     packed_or_base_mask,
     register_attention,
@@ -37,6 +50,7 @@ from .._packing.attention import (
     unregister_attention,
     varlen_attention_name,
 )
+from .layout import Groups
 
 __all__ = [
     "GROUPS_KWARG",
@@ -137,6 +151,125 @@ def _attend(
     return out.transpose(1, 2)
 
 
+@dataclasses.dataclass(frozen=True)
+class SharedSegments:
+    """The kernel calls of one shared row, built once per batch from its groups (`layout.Groups`, host ints).
+
+    Attributes:
+        main (`kernels.Segments`): every prefix (its own keys, causal) and every branch's real tokens (the prefix's
+            keys then the branch's own, causal aligned to the bottom right: the whole prefix, the branch causally).
+        tail (`kernels.Segments` or `None`): the trailing padding of branches (Online DPO reads its outputs): the
+            prefix's and the branch's real keys, all visible (not causal), as in the padded forward.
+        inverse (`torch.LongTensor` or `None`): where each row token's output is in `cat(main, tail)` (None: in order).
+    """
+
+    main: kernels.Segments
+    tail: kernels.Segments | None
+    inverse: torch.Tensor | None
+
+
+def shared_segments(groups: Groups, device: torch.device, sliding_window: int | None) -> SharedSegments | None:
+    """The kernel calls of the shared row of `groups` (cached: built once per batch), or None when a branch's
+    trailing padding has no key to attend to, or a sliding window would cut its keys (those run per segment)."""
+    key = ("shared", groups, sliding_window)
+    try:
+        return kernels.cached_segments(key, device, lambda: _build_shared(groups, device, sliding_window))
+    except _PerSegment:
+        return None
+
+
+class _PerSegment(Exception):
+    """A shared row whose trailing padding the kernels cannot attend as the padded forward does."""
+
+
+def _calls(q_ranges: list[range], k_ranges: list[list[range]], device: torch.device) -> kernels.Segments:
+    cu_q, cu_k, kv = [0], [0], list[int]()
+    for q, ks in zip(q_ranges, k_ranges, strict=True):
+        cu_q.append(cu_q[-1] + len(q))
+        for k in ks:
+            kv.extend(k)
+        cu_k.append(len(kv))
+    queries = [i for q in q_ranges for i in q]
+    identity = lambda xs: xs == list(range(len(xs)))  # noqa: E731
+    return kernels.Segments(
+        kernels.to_device(cu_q, device, torch.int32),
+        kernels.to_device(cu_k, device, torch.int32),
+        max((len(q) for q in q_ranges), default=0),
+        max((b - a for a, b in zip(cu_k[:-1], cu_k[1:], strict=True)), default=0),
+        None if identity(kv) else kernels.to_device(kv, device, torch.long),
+        None if identity(queries) else kernels.to_device(queries, device, torch.long),
+    )
+
+
+def _build_shared(groups: Groups, device: torch.device, sliding_window: int | None) -> SharedSegments:
+    main_q: list[range] = []
+    main_k: list[list[range]] = []
+    tail_q: list[range] = []
+    tail_k: list[list[range]] = []
+    for ps, pe, branches in groups:
+        prefix = range(ps, pe)
+        if pe > ps:
+            main_q.append(prefix)
+            main_k.append([prefix])
+        for bs, be, ke in branches:
+            if ke > bs:
+                main_q.append(range(bs, ke))
+                main_k.append([prefix, range(bs, ke)])
+            if be > ke:
+                if pe - ps + ke - bs == 0:
+                    raise _PerSegment
+                if sliding_window is not None and pe - ps + be - bs > sliding_window:
+                    raise _PerSegment
+                tail_q.append(range(ke, be))
+                tail_k.append([prefix, range(bs, ke)])
+    main = _calls(main_q, main_k, device)
+    if not tail_q:
+        return SharedSegments(main, None, None)
+    order = [i for q in main_q + tail_q for i in q]
+    inverse = [0] * len(order)
+    for position, token in enumerate(order):
+        inverse[token] = position
+    return SharedSegments(main, _calls(tail_q, tail_k, device), kernels.to_device(inverse, device, torch.long))
+
+
+def _kernel_call(
+    kernel: kernels.Kernel,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    segments: kernels.Segments,
+    causal: bool,
+    window: int | None,
+    scaling: float | None,
+) -> torch.Tensor:
+    if segments.q_index is not None:
+        q = q.index_select(0, segments.q_index)
+    if segments.kv_index is not None:
+        k, v = k.index_select(0, segments.kv_index), v.index_select(0, segments.kv_index)
+    cu_q, cu_k, max_q, max_k = segments.cu_q, segments.cu_k, segments.max_q, segments.max_k
+    return kernel.call(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, window=window, scale=scaling)
+
+
+def run_shared(
+    kernel: kernels.Kernel,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    plan: SharedSegments,
+    scaling: float | None,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """Shared attention of one shared row in one kernel call (two with trailing padding): `query [1, H, T, D]` ->
+    `[1, T, H, D]`."""
+    q, k, v = kernels.kernel_inputs(kernel, query, key, value)
+    window = None if sliding_window is None else int(sliding_window) - 1
+    out = _kernel_call(kernel, q, k, v, plan.main, True, window, scaling)
+    if plan.tail is not None and plan.inverse is not None:
+        tail = _kernel_call(kernel, q, k, v, plan.tail, False, None, scaling)
+        out = torch.cat([out, tail]).index_select(0, plan.inverse)
+    return out.unsqueeze(0)
+
+
 def _make_shared_attention(base: str) -> Callable:
     def shared_attention_forward(
         module: torch.nn.Module,
@@ -167,6 +300,10 @@ def _make_shared_attention(base: str) -> Callable:
                 f"{tuple(query.shape)}, key {tuple(key.shape)}, mask "
                 f"{None if attention_mask is None else tuple(attention_mask.shape)}"
             )
+        kernel = fused_kernel(module, query, dropout, kwargs)
+        plan = shared_segments(groups, query.device, kwargs.get("sliding_window")) if kernel is not None else None
+        if kernel is not None and plan is not None:
+            return run_shared(kernel, query, key, value, plan, scaling, kwargs.get("sliding_window")), None
         outs = []
         for ps, pe, branches in groups:
             if pe > ps:

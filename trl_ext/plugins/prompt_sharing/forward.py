@@ -34,8 +34,8 @@ from typing import Any
 
 import torch
 
-from ... import _compat
 from ..._logging import get_logger
+from .._online_forward import ScoringCall, verify_against_trl
 from .._packing.glue import positional_input_ids, repad_outputs, scoring_call
 from .._packing.positions import PackedPositions, packed_positions
 from .attention import GROUPS_KWARG, shared_call
@@ -64,13 +64,17 @@ _ONLINE_PROMPT_COLUMNS: contextvars.ContextVar[int | None] = contextvars.Context
 
 @dataclasses.dataclass
 class OnlineScore:
-    """Online DPO's scoring of one model call, done by the shared call from its packed logits.
+    """Online DPO's scoring of one model call, done from the shared call's packed logits.
 
     TRL's `_forward` keeps the logits of the columns `[start, end)` of the padded `[rows, columns, vocab]` logits
-    and returns `log_softmax` of them gathered at `targets` (`[rows, C]`). The shared call takes those positions
-    from its packed logits (`[1, N, vocab]`) instead: the same rows of logits (zeros where the padded logits are
-    zeros, at a position the packed row does not compute), the same `log_softmax` and gather, without the padded
-    logits. `calls` counts the model calls that scored it (the first shared call does; at most one).
+    and returns `log_softmax` of them gathered at `targets` (`[rows, C]`). Here the shared call leaves its packed
+    logits (`[1, N, vocab]`) as its output and records where each padded position sits in the packed row
+    (`capture`); the `_forward` wrapper then takes those positions from the packed logits *as the model call
+    returned them* (`finish`): after whatever the layers around the model did to its outputs, as they would to the
+    padded logits (accelerate's mixed precision casts a 16-bit model output to float32), so the `log_softmax` runs
+    in the dtype stock's runs in. The same rows of logits (zeros where the padded logits are zeros, at a position
+    the packed row does not compute), the same `log_softmax` and gather, without the padded logits. `calls` counts
+    the model calls that captured it (the first shared call does; at most one).
     """
 
     targets: torch.Tensor
@@ -78,6 +82,7 @@ class OnlineScore:
     start: int
     end: int | None
     calls: int = 0
+    positions: PackedPositions | None = None
 
     def accepts(self, outputs: Any, positions: PackedPositions) -> bool:
         """Whether this call is the one to score: the first, of the announced shape, with packed logits."""
@@ -90,29 +95,36 @@ class OnlineScore:
             and logits.size(0) == 1
         )
 
-    def score(self, outputs: Any, positions: PackedPositions) -> None:
-        """Replace the packed `[1, N, vocab]` `outputs.logits` by the `[rows, C]` log-probs of the targets.
+    def capture(self, positions: PackedPositions) -> None:
+        """Record the packed positions of the call whose packed logits `finish` will score."""
+        self.calls += 1
+        self.positions = positions
+
+    def finish(self, logits: torch.Tensor) -> torch.Tensor:
+        """The `[rows, C]` log-probs of the targets from the captured call's packed `[1, N, vocab]` logits.
 
         Each row's scored positions are usually one run of the packed row (its last prompt token and its completion,
         padding after an end included); the runs are then split off as views (`split`, whose backward writes one
         packed gradient) and no scored logits are copied. Otherwise they are gathered (`index_select`), with zero
         logits where the packed row computes no position."""
-        self.calls += 1
+        positions = self.positions
+        if positions is None or logits.dim() != 3 or logits.size(0) != 1:
+            raise RuntimeError(
+                "prompt_sharing: internal error, Online DPO's scoring call returned no packed logits "
+                f"(got {getattr(logits, 'shape', None)}); please report it"
+            )
+        self.positions = None
         index = positions.index()[:, self.start : self.end]
         starts = _row_runs(index)
-        logits = outputs.logits
         if starts is None:
             missing = index < 0
             picked = logits[0].index_select(0, index.clamp(min=0).reshape(-1)).view(*index.shape, logits.size(-1))
-            outputs.logits = picked  # the packed logits are released (a model output keeps the last non-None value)
             del logits
             if bool(missing.any()):
                 picked = picked.masked_fill(missing.unsqueeze(-1), 0.0)
             log_probs = picked.log_softmax(dim=-1)
-            outputs.logits = log_probs
             del picked
-            outputs.logits = torch.take_along_dim(log_probs, self.targets.unsqueeze(-1), dim=2).squeeze(-1)
-            return
+            return torch.take_along_dim(log_probs, self.targets.unsqueeze(-1), dim=2).squeeze(-1)
         width = index.size(1)
         sizes: list[int] = []
         piece: dict[int, int] = {}
@@ -131,7 +143,7 @@ class OnlineScore:
             for row in range(len(starts))
         ]
         del pieces, logits
-        outputs.logits = torch.stack(scored).squeeze(-1)
+        return torch.stack(scored).squeeze(-1)
 
 
 def _row_runs(index: torch.Tensor) -> list[int] | None:
@@ -255,7 +267,7 @@ def make_causal_lm_forward(
             return outputs
         score = _ONLINE_SCORE.get()
         if score is not None and not kwargs.get("fused_lm_head") and score.accepts(outputs, positions):
-            score.score(outputs, positions)  # Online DPO's log-probs from the packed logits (never padded ones)
+            score.capture(positions)  # Online DPO's `_forward` scores the packed logits (never padded ones)
             return outputs
         return _unpack_outputs(outputs, layout, bool(kwargs.get("fused_lm_head")))
 
@@ -315,30 +327,27 @@ def make_online_forward(original: Callable, max_length: Callable[[], int | None]
     does not share (nothing to share, or a model that is not wrapped) returns its padded logits and is finished here
     as TRL does. Another `_forward` (fused_logprobs', a subclass's) is called as it is."""
     own = _is_trl_online_forward(original)
+    if own:  # the steps below are TRL's: refuse a TRL whose `_forward` is not what they reproduce
+        verify_against_trl(getattr(original, "__func__", original), "prompt_sharing")
 
     @functools.wraps(original)
     def _forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask, *args, **kwargs):
         vision_inputs = args[0] if args else kwargs.get("vision_inputs")
         if vision_inputs is not None:
             return original(model, prompt_ids, prompt_mask, completion_ids, completion_mask, *args, **kwargs)
-        columns = _compat.online_dpo_prompt_columns(prompt_ids.size(1), completion_ids.size(1), max_length())
+        call = ScoringCall.build(prompt_ids, prompt_mask, completion_ids, completion_mask, max_length())
         if not own:
-            with online_prompt_columns(columns):
+            with online_prompt_columns(call.prompt_columns):
                 return original(model, prompt_ids, prompt_mask, completion_ids, completion_mask, *args, **kwargs)
-        cut = prompt_ids.size(1) - columns  # TRL's left truncation
-        ids = torch.cat((prompt_ids[:, cut:], completion_ids), dim=1)
-        mask = torch.cat((prompt_mask[:, cut:], completion_mask), dim=1)
-        start, end = (columns - 1, -1) if columns > 0 else (0, None)
-        score = OnlineScore(completion_ids, ids.size(1), start, end)
+        score = OnlineScore(completion_ids, call.ids.size(1), call.start, call.end)
         token = _ONLINE_SCORE.set(score)
         try:
-            with online_prompt_columns(columns):
-                output = model(ids, attention_mask=mask)
+            with online_prompt_columns(call.prompt_columns):
+                output = model(call.ids, attention_mask=call.mask)
         finally:
             _ONLINE_SCORE.reset(token)
         if score.calls:
-            return output.logits
-        logits = output.logits[:, start:end]
-        return torch.take_along_dim(logits.log_softmax(dim=-1), completion_ids.unsqueeze(-1), dim=2).squeeze(-1)
+            return score.finish(output.logits)
+        return call.log_probs(output.logits)
 
     return _forward

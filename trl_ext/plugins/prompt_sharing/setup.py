@@ -13,6 +13,7 @@ from ...errors import UsageError
 from .._architecture import inspect_model, verified_except
 from .._packing.attention import switch_attention
 from .._packing.glue import check_packable_trainer
+from .._packing.kernels import Choice, choose_for_model, log_choices
 from .._probe import model_probe_lengths
 from .._roles import PACKING as PACKING_ROLE
 from .attention import base_of, register_shared_attention, shared_attention_name, unregister_shared_attention
@@ -32,6 +33,9 @@ class PromptSharingState:
     """Per-trainer state of the plugin (`context.state["prompt_sharing"]`)."""
 
     self_check: str | bool = "auto"
+    #: the `attention` option, and the shared attention's kernel of each model, by role (`_packing.kernels.Choice`)
+    attention: str = "auto"
+    kernels: dict[str, Choice] = dataclasses.field(default_factory=dict)
     checked_trainer: bool = False
     #: roles whose self-check passed, and the results
     checked: set[str] = dataclasses.field(default_factory=set)
@@ -83,7 +87,8 @@ class PromptSharingState:
 def state_of(context: Any) -> PromptSharingState:
     state = context.state.get(NAME)
     if state is None:
-        state = context.state[NAME] = PromptSharingState(self_check=context.options(NAME).self_check)
+        options = context.options(NAME)
+        state = context.state[NAME] = PromptSharingState(self_check=options.self_check, attention=options.attention)
     return state
 
 
@@ -252,6 +257,8 @@ def wrap_models(trainer: Any, context: Any) -> None:
             )
         state.attn_implementations[role] = configure_model(context, role, model)
         handle_dropout(context, role, model, trainer)
+        base = base_of(state.attn_implementations[role]) or "sdpa"
+        state.kernels[role] = choose_for_model(model, base, state.attention, trainer, NAME)
         forward = make_causal_lm_forward(model.forward, state, role, None, MoeAuxLoss.of(model))
         context.patcher.setattr(model, "forward", forward)
     if context.trainer_class == "OnlineDPOTrainer":
@@ -268,6 +275,7 @@ def wrap_models(trainer: Any, context: Any) -> None:
         if state.self_check is True or (state.self_check == "auto" and not verified):
             run_self_check(context, state, role, model, trainer)
     logger.info("prompt_sharing: sharing prompts in %s", state.attn_implementations)
+    log_choices(logger, NAME, state.kernels)
 
 
 def _probe_lengths(model, trainer) -> tuple[int, ...]:

@@ -30,7 +30,12 @@ def _say_uneven_batches(state: SyncMetricsState, mode: str) -> None:
         "means over those pairs, while stock TRL averages the per-batch means, so its numbers differ here (by "
         "design; said once per trainer)",
         mode,
-        " / ".join(str(size) for size in sizes),
+        # every batch's pairs, largest first, so that they add up to the total (sizes with a count past 8 batches)
+        " / ".join(
+            [str(size) for size in sorted(pairs, reverse=True)]
+            if len(pairs) <= 8
+            else [f"{size} (x{pairs.count(size)})" for size in sizes]
+        ),
         sum(pairs),
         "eval_" if mode == "eval" else "",
     )

@@ -8,7 +8,8 @@ sampler, same order), but runs them in micro-batches of at most `token_budget` t
 forward/backward, long ones run in small groups. Chosen and rejected sequences of a pair stay together; a pair longer
 than the budget runs alone, and one warning line per step says so.
 
-What the budget counts: alone, padded tokens (`2 x pairs x longest sequence`); with a packing plugin (the plugin
+What the budget counts: alone, padded tokens (`2 x pairs x longest sequence`, the longest rounded up to the collator's
+`pad_to_multiple_of`: the width the model sees); with a packing plugin (the plugin
 that holds the `packing` role for the trainer, which then collates each micro-batch), real tokens, as its collator
 declares (`token_layout`): under padding_free
 both sequences of every pair, under prompt_sharing what its shared row holds: the prompt once and each completion
@@ -38,19 +39,31 @@ not sharded yet when the trainer is built: set a number), and when one step on t
 memory budget.
 
 Exact. The gradient of every optimizer step and every logged metric equal stock TRL's with the same batch size and
-gradient accumulation (tests/plugins/test_token_budget.py, float64, every loss type that is a mean over pairs):
+gradient accumulation (tests/plugins/test_token_budget.py and test_token_budget_settings.py, float64, every accepted
+loss type):
 
 - *Loss weights.* Each micro-batch's mean loss is weighted by the share of the step that stock gives its pairs
   (`pairs / (pairs in their stock micro-batch x stock micro-batches in the step)`), through transformers' own hook
   (`Trainer.loss_is_scaled_for_ga`), so the Trainer does not divide it again. Pairs of the short last batch of an
   epoch weigh more in stock TRL; they are never mixed with others in one micro-batch. `use_weighting`, `ld_alpha`,
   the f-divergences and several `loss_type`s with `loss_weights` are per-pair and covered.
+- *`loss_type` "sft"* (alone or combined, RPO's `["sigmoid", "sft"]`): TRL takes it as one mean over the chosen
+  tokens of the micro-batch; the plugin adds a term that weighs each token by the chosen tokens of the *stock*
+  micro-batch it belongs to, as stock does (`.sft`).
+- *Accepted loss types* are an allow-list (`hooks.ACCEPTED_LOSS_TYPES`), checked in the tests against the list TRL
+  itself holds (DPOConfig's help and `_compute_loss`'s branches): a loss type a new TRL adds is refused until verified.
+- *NaN and inf* metrics are rebuilt as stock logs them (NaN where stock logs NaN). Under transformers'
+  `logging_nan_inf_filter` a step whose micro-batches are all non-finite logs stock's loss; a step with finite and
+  non-finite micro-batches cannot tell which stock micro-steps were non-finite, and one warning says its logged loss
+  may differ from stock's.
 - *Metrics.* Stock TRL logs the mean of per-micro-batch means; the plugin records the per-pair values behind them
   (rewards, log-probs, and per-row token sums for `entropy`, `logits/*`, `mean_token_accuracy`) and appends, at the
   end of each step, what stock would have appended for each of its micro-batches. The logged `loss`, `num_tokens`,
   `total_flos` and the Trainer's epoch/step bookkeeping equal stock's.
 - *The training loop is transformers' own.* The training loader's collator also passes on the examples of each
-  batch; `get_batch_samples` returns one entry per stock micro-batch (equal to it, so FLOs and token counting are
+  batch (with accelerate's batch dispatching, `dispatch_batches=True` or an iterable dataset on several processes, as
+  one tensor whose rows follow the batch's, since accelerate joins batches of tensors only: `.dispatch`);
+  `get_batch_samples` returns one entry per stock micro-batch (equal to it, so FLOs and token counting are
   unchanged); the re-cut micro-batches, collated by the trainer's collator, are spread over those entries and
   `training_step` runs each entry's micro-batches in turn.
 - *Other plugins and options.* With padding_free or prompt_sharing the result equals stock within their own float32
@@ -86,8 +99,10 @@ each engine):
 
 Refused with `trl_ext.UsageError`, when the trainer is built:
 
-- `loss_type` `aot`, `aot_unpaired` (sorted across the micro-batch) and `sft` (a mean over the micro-batch's tokens):
-  their values change with the cut;
+- `loss_type` `aot`, `aot_unpaired` (sorted across the micro-batch): their values change with the cut; any loss type
+  not in the allow-list; `sft` with `use_weighting=True` (a product of two means over the micro-batch);
+- FSDP v1 (FSDP2 is covered);
+- batch dispatching with a packing plugin (its batches are not laid out 2 rows per pair), at the first batch;
 - a MoE model with `router_aux_loss_coef != 0` (the auxiliary loss is computed over all tokens of a micro-batch);
 - `use_liger_kernel=True`;
 - `sync_metrics` on several processes (it would count the zero-weight repeats' pairs);
@@ -102,6 +117,17 @@ from typing import Any
 from ...spec import Flag, PluginSpec, Size, either, one_of, optional, positive_int, size
 
 NAME = "token_budget"
+
+
+class _NoValue(str):
+    """What a bare `--trl-ext-token-budget` (no value) gives the flag's parser, which refuses it: the flag takes a
+    number of tokens or "auto", never a silent default."""
+
+    def __repr__(self) -> str:
+        return 'no value (a bare `--trl-ext-token-budget`: give a number of tokens or "auto")'
+
+
+NO_VALUE = _NoValue("")
 
 
 @dataclass(frozen=True)
@@ -126,8 +152,9 @@ TRL_EXT_PLUGIN = PluginSpec(
             NAME,
             default=None,
             parse=optional(either(positive_int, one_of("auto"))),
-            help='Most tokens per DPO micro-batch (pairs per optimizer step unchanged), or "auto" to measure it.',
-            cli_const="auto",
+            help='Most tokens per DPO micro-batch (pairs per optimizer step unchanged), or "auto" to measure it; '
+            "a value is required.",
+            cli_const=NO_VALUE,
         ),
     ),
     options=TokenBudgetOptions,

@@ -22,7 +22,17 @@ from ..._logging import NOTICE, get_logger
 from ..._shared import Ranks
 from ...errors import UsageError
 from . import NAME
-from .cut import OPTIONAL_FIELDS, TEXT_FIELDS, Layout, Pair, as_layout, check_example, pair_length, tokens
+from .cut import (
+    OPTIONAL_FIELDS,
+    TEXT_FIELDS,
+    Layout,
+    Pair,
+    as_layout,
+    check_example,
+    padded_multiple,
+    pair_length,
+    tokens,
+)
 
 logger = get_logger(__name__)
 
@@ -125,9 +135,11 @@ def heaviest(trainer: Any, kind: Layout) -> tuple[Any, list[int], list[int]]:
         raise UsageError(f'`{NAME}="auto"` has no training pairs to measure.')
     check_example({c: dataset[0][c] for c in columns})
     lengths: list[int] = []
+    multiple = padded_multiple(trainer.data_collator, kind)
     for batch in dataset.select_columns(list(TEXT_FIELDS)).iter(batch_size=1024):
         for values in zip(*(batch[f] for f in TEXT_FIELDS), strict=True):
-            lengths.append(pair_length(dict(zip(TEXT_FIELDS, values, strict=True)), kind, trainer.args.max_length))
+            example = dict(zip(TEXT_FIELDS, values, strict=True))
+            lengths.append(pair_length(example, kind, trainer.args.max_length, multiple))
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     return dataset, order, lengths
 

@@ -67,14 +67,17 @@ def as_layout(packed: bool | Layout) -> Layout:
 
 
 class KeepExamples:
-    """A collator that also returns, under `EXAMPLES_KEY`, the examples it collated."""
+    """A collator that also returns, under `EXAMPLES_KEY`, the examples it collated: as they are, or, for a loader
+    that dispatches batches (`encoder` set, `.dispatch`), encoded in one tensor whose rows follow the batch's."""
 
     def __init__(self, collator: Callable[[list[Any]], Any]) -> None:
         self.collator = collator
+        #: `dispatch.Encoder` when accelerate dispatches this loader's batches (set once the loader is built)
+        self.encoder: Any = None
 
     def __call__(self, examples: list[Any]) -> Any:
         batch = self.collator(examples)
-        batch[EXAMPLES_KEY] = list(examples)
+        batch[EXAMPLES_KEY] = list(examples) if self.encoder is None else self.encoder.encode(examples, batch)
         return batch
 
 
@@ -100,6 +103,9 @@ class MicroBatch:
     weight: float
     #: tokens it holds by the budget's count (`tokens`)
     tokens: int
+    #: with `loss_type` "sft": per pair, the weight stock gives each of its chosen completion tokens
+    #: (`1 / (chosen tokens of the pair's stock micro-batch x stock micro-batches in the step)`; `.sft`)
+    sft_scales: list[float] | None = None
 
 
 def check_example(example: Mapping[str, Any]) -> None:
@@ -113,9 +119,12 @@ def check_example(example: Mapping[str, Any]) -> None:
         )
 
 
-def pair_length(example: Mapping[str, Any], packed: bool | Layout, max_length: int | None) -> int:
-    """The tokens one pair costs in `packed`'s layout (`Layout`): padded, its longer sequence (a micro-batch then costs
-    `2 x pairs x longest`); packed, both sequences; prompt-shared, both sequences less the prompt's second copy.
+def pair_length(
+    example: Mapping[str, Any], packed: bool | Layout, max_length: int | None, multiple: int | None = None
+) -> int:
+    """The tokens one pair costs in `packed`'s layout (`Layout`): padded, its longer sequence rounded up to the
+    collator's `pad_to_multiple_of` (`multiple`; a micro-batch then costs `2 x pairs x longest`, the width the model
+    sees); packed, both sequences; prompt-shared, both sequences less the prompt's second copy.
 
     Sequences are capped at `max_length` as the collator truncates. A truncated pair is counted as packed under
     prompt sharing: with `truncation_mode="keep_end"` its two prompts may differ, and the pair then runs unshared.
@@ -127,11 +136,17 @@ def pair_length(example: Mapping[str, Any], packed: bool | Layout, max_length: i
     if max_length is not None:
         lengths = [min(length, max_length) for length in lengths]
     if kind is Layout.PADDED:
-        return max(lengths)
+        return -(-max(lengths) // multiple) * multiple if multiple else max(lengths)
     if kind is Layout.PROMPT_SHARED and not truncated and prompt > 0:
         # The shared row holds the prompt less its last token once, then each completion after a copy of that token.
         return sum(lengths) - (prompt - 1)
     return sum(lengths)
+
+
+def padded_multiple(collator: Any, packed: bool | Layout) -> int | None:
+    """The `pad_to_multiple_of` the collator pads the padded layout to (`DataCollatorForPreference` has the field; a
+    collator without it pads to the longest sequence); None under a packing collator, whose rows are packed."""
+    return None if packed else getattr(collator, "pad_to_multiple_of", None)
 
 
 def tokens(pairs: Sequence[Pair], packed: bool | Layout) -> int:
@@ -168,15 +183,16 @@ def cut_step(
     collate: Callable[[list[Any]], Any],
     packed: bool | Layout = False,
     max_length: int | None = None,
+    multiple: int | None = None,
 ) -> tuple[list[MicroBatch], int]:
     """Re-cut one step (the examples of each stock micro-batch, in order) by `budget` in `packed`'s layout
     (`Layout`, or a boolean: packed or padded), collating each micro-batch with `collate`. Returns the micro-batches
-    and how many pairs exceed the budget on their own."""
+    and how many pairs exceed the budget on their own. `multiple`: the padded layout's `pad_to_multiple_of`."""
     pairs: list[Pair] = []
     for b, batch in enumerate(examples):
         for r, example in enumerate(batch):
             check_example(example)
-            pairs.append(Pair(b, r, pair_length(example, packed, max_length)))
+            pairs.append(Pair(b, r, pair_length(example, packed, max_length, multiple)))
     sizes = [len(batch) for batch in examples]
     micro_batches = []
     for run in plan(pairs, sizes, budget, packed):

@@ -12,42 +12,92 @@ from . import NAME
 
 logger = get_logger(__name__)
 
-#: DPO loss types whose value for one pair depends on the other pairs of its micro-batch, with the reason
-#: (trl/trainer/dpo_trainer.py `_compute_loss`, 1.12.0 and 1.16.0).
+#: The DPO loss types token_budget accepts, each verified exact against stock (tests/plugins/test_token_budget.py)
+#: on TRL 1.12, 1.14 and 1.16 (trl/trainer/dpo_trainer.py `_compute_loss`): means over pairs, which the loss weights
+#: keep exact ...
+PER_PAIR_LOSS_TYPES = frozenset(
+    {
+        "sigmoid",
+        "hinge",
+        "ipo",
+        "exo_pair",
+        "nca_pair",
+        "robust",
+        "bco_pair",
+        "sppo_hard",
+        "apo_zero",
+        "apo_down",
+        "discopop",
+        "sigmoid_norm",
+    }
+)
+#: ... and means over the micro-batch's chosen completion tokens, which `.sft` re-weights per token by the tokens of
+#: the stock micro-batch each token belongs to.
+TOKEN_MEAN_LOSS_TYPES = frozenset({"sft"})
+#: Loss types whose value for one pair depends on the other pairs of its micro-batch in a way no weighting undoes,
+#: with the reason. Refused; so is any loss type TRL lists that is in none of these sets (not verified yet).
 COUPLED_LOSS_TYPES = {
     "aot": "it sorts the log-ratios across the micro-batch",
     "aot_unpaired": "it sorts the chosen and rejected log-ratios across the micro-batch",
-    "sft": "it is one mean over all chosen completion tokens of the micro-batch, not a mean over pairs",
 }
+ACCEPTED_LOSS_TYPES = PER_PAIR_LOSS_TYPES | TOKEN_MEAN_LOSS_TYPES
+
+
+def trl_loss_types() -> set[str]:
+    """The DPO loss types the installed TRL knows, read from TRL itself: the `'name'` list of `DPOConfig.loss_type`'s
+    help and every `loss_type == "name"` branch of `DPOTrainer._compute_loss` (so a type added to either shows)."""
+    import dataclasses
+    import inspect
+    import re
+
+    from trl import DPOConfig, DPOTrainer
+
+    field = next(f for f in dataclasses.fields(DPOConfig) if f.name == "loss_type")
+    listed = set(re.findall(r"`'(\w+)'`", field.metadata.get("help", "")))
+    branches = set(re.findall(r"loss_type == \"(\w+)\"", inspect.getsource(DPOTrainer._compute_loss)))
+    return listed | branches
 
 
 def _refuse(reason: str) -> UsageError:
     return UsageError(f"`token_budget` {reason}")
 
 
-@hookimpl
-def trl_ext_trainer_init_start(trainer: Any, context: Any, init_kwargs: dict[str, Any]) -> None:
-    args = init_kwargs.get("args")
-    if args is None:
-        raise _refuse("needs an explicit `DPOConfig` (`args=`) to check the loss types before training.")
-    loss_types = args.loss_type if isinstance(args.loss_type, list | tuple) else [args.loss_type]
+def check_loss_types(loss_types: list[str], use_weighting: bool) -> None:
+    """Refuse the loss types token_budget cannot keep exact (`ACCEPTED_LOSS_TYPES` is an allow-list)."""
     for loss_type in loss_types:
         if loss_type in COUPLED_LOSS_TYPES:
             raise _refuse(
                 f"cannot re-cut micro-batches for `loss_type={loss_type!r}`: {COUPLED_LOSS_TYPES[loss_type]}, so its "
                 "value changes with the cut. Use a loss type that is a mean over pairs, or disable `token_budget`."
             )
+        if loss_type not in ACCEPTED_LOSS_TYPES:
+            raise _refuse(
+                f"has not been verified with `loss_type={loss_type!r}` (it accepts {sorted(ACCEPTED_LOSS_TYPES)}): "
+                "re-cutting micro-batches may change its value. Use one of those, or disable `token_budget`."
+            )
+    if use_weighting and TOKEN_MEAN_LOSS_TYPES & set(loss_types):
+        raise _refuse(
+            "cannot re-cut micro-batches for `loss_type='sft'` with `use_weighting=True`: TRL multiplies the token "
+            "mean of the micro-batch by the mean of its pairs' weights, a product over the whole micro-batch. Set "
+            "`use_weighting=False`, drop 'sft', or disable `token_budget`."
+        )
+
+
+def check_trainer(trainer: Any) -> None:
+    """The refusals that read the built trainer: its config (TRL's default `DPOConfig` when none was given), its
+    loss types, Liger, the MoE auxiliary loss, FSDP v1, and `bco_pair` on a TRL that keeps a running mean."""
+    args = trainer.args
+    check_loss_types(list(trainer.loss_types), bool(getattr(args, "use_weighting", False)))
     if getattr(args, "use_liger_kernel", False):
         raise _refuse(
             "does not support `DPOConfig(use_liger_kernel=True)`: the Liger loss logs per-micro-batch means of the "
             "logits that cannot be re-cut. Set `use_liger_kernel=False` or disable `token_budget`."
         )
-
-
-@hookimpl
-def trl_ext_trainer_init_end(trainer: Any, context: Any) -> None:
-    from .step import TokenBudgetState, install
-
+    if getattr(trainer, "is_fsdp_enabled", False) and not getattr(trainer.accelerator, "is_fsdp2", False):
+        raise _refuse(
+            "does not support FSDP v1 (`fsdp_version: 1`): its re-cut micro-batches were verified under FSDP2 only. "
+            "Use `fsdp_version: 2` (accelerate's FSDP plugin / `fsdp_config`) or disable `token_budget`."
+        )
     if getattr(trainer, "aux_loss_enabled", False):
         raise _refuse(
             "cannot re-cut micro-batches of a MoE model with `router_aux_loss_coef != 0`: the router auxiliary loss "
@@ -59,6 +109,14 @@ def trl_ext_trainer_init_end(trainer: Any, context: Any) -> None:
             "cannot re-cut micro-batches for `loss_type='bco_pair'` on this TRL: it keeps a running mean of the "
             "rewards across micro-batches. Disable `token_budget` or upgrade TRL."
         )
+
+
+@hookimpl
+def trl_ext_trainer_init_end(trainer: Any, context: Any) -> None:
+    from .patch import install
+    from .step import TokenBudgetState
+
+    check_trainer(trainer)
     reducers = [name for name in context.plugins_serving(METRICS) if context.is_enabled(name)]
     if trainer.accelerator.num_processes > 1 and reducers:
         raise _refuse(
@@ -75,6 +133,7 @@ def trl_ext_trainer_init_end(trainer: Any, context: Any) -> None:
     packed = layout(trainer.data_collator if packing else None)
     budget = resolve(trainer, context, packed)
     state = TokenBudgetState(trainer, budget, packed)
+    state.peers = context.state
     context.state[NAME] = state
     install(trainer, context.patcher, state)
     processes = trainer.accelerator.num_processes

@@ -11,6 +11,7 @@ TRL's gather), wherever the plugin ran its pairs.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,8 +36,9 @@ ROW_SUMS = ("entropy_c", "entropy_r", "tokens_c", "tokens_r", "logits_c", "logit
 def row_sums(output: Any, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Per-pair sums behind TRL's token metrics, computed as TRL computes them from the policy forward's output.
 
-    TRL >= 1.13 runs the policy with a fused LM head whose output carries per-token `entropy`, `mean_logits` and
-    `is_top1`; older TRL computes them from `logits` (trl/trainer/dpo_trainer.py, 1.12.0:1614-1661).
+    Chosen by what the output carries, not by TRL's version: TRL's fused LM head (1.15+) returns per-token `entropy`,
+    `mean_logits` and `is_top1`; otherwise they come from `logits` as TRL's logits path computes them
+    (trl/trainer/dpo_trainer.py, 1.12.0:1614-1661; 1.14.2 takes the entropy from `selective_log_softmax_and_entropy`).
     """
     mask = inputs["completion_mask"][:, 1:].bool()
     width = mask.size(1)
@@ -45,18 +47,10 @@ def row_sums(output: Any, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Te
         mean_logits = output.mean_logits[:, -width:].detach()
         top1 = output.is_top1[:, -width:]
     else:
-        # TRL < 1.15 (1.15+ returns the fused head's `entropy` above): the entropy helper by the name TRL's DPO module
+        # TRL < 1.15 (1.15+ returns the fused head's `entropy` above): the entropy through the helper TRL's DPO module
         # calls (a plugin may have replaced it there for its own logits type).
-        import importlib
-
-        from ... import _compat
-
-        entropy_from_logits = getattr(
-            importlib.import_module(_compat.DPO_LOGITS_MODULE), _compat.DPO_LOGITS_HELPERS[1]
-        )
-
         shift_logits = output.logits[..., :-1, :].detach()
-        entropy = entropy_from_logits(shift_logits)
+        entropy = logits_entropy(shift_logits, inputs["input_ids"][..., 1:], mask)
         mean_logits = shift_logits.mean(-1)
         top1 = shift_logits.argmax(dim=-1) == inputs["input_ids"][..., 1:]
     zero = torch.zeros((), dtype=entropy.dtype, device=entropy.device)
@@ -74,6 +68,55 @@ def row_sums(output: Any, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Te
         "logits_r": logits[n:],
         "correct_c": correct[:n],
     }
+
+
+#: TRL 1.14's joint log-prob and entropy helper (trl/trainer/utils.py), imported by name into its DPO module and called
+#: there in place of `entropy_from_logits` (which 1.14's DPO module no longer imports); probed by name, absent from
+#: the DPO module on 1.12 and 1.16.
+JOINT_HELPER = "selective_log_softmax_and_entropy"
+
+
+def _dpo_helper(name: str) -> Any:
+    """The helper `name` as TRL's DPO module looks it up (a plugin may have replaced it there), or None."""
+    import importlib
+
+    from ... import _compat
+
+    return getattr(importlib.import_module(_compat.DPO_LOGITS_MODULE), name, None)
+
+
+def logits_entropy(shift_logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-token entropy of `shift_logits` as TRL < 1.15's `_compute_loss` computes it, found by capability: the
+    DPO module's `entropy_from_logits(logits)` (1.10-1.13), else its joint helper `JOINT_HELPER(logits, index,
+    entropy_requires_grad, row_mask=...)` (1.14)."""
+    from ... import _compat
+
+    entropy_from_logits = _dpo_helper(_compat.DPO_LOGITS_HELPERS[1])
+    if entropy_from_logits is not None:
+        return entropy_from_logits(shift_logits)
+    joint = _dpo_helper(JOINT_HELPER)
+    if joint is None:
+        raise RuntimeError(
+            f"token_budget: TRL's DPO module has neither `{_compat.DPO_LOGITS_HELPERS[1]}` nor `{JOINT_HELPER}` to "
+            "compute the entropy metric with; this TRL is not supported."
+        )
+    with torch.no_grad():
+        return joint(shift_logits, labels, entropy_requires_grad=False, row_mask=mask)[1]
+
+
+def token_logps(output: Any, inputs: dict[str, torch.Tensor], rows: int) -> torch.Tensor:
+    """Per-token log-probs of the first `rows` rows (the chosen sequences) of the policy forward, with their graph,
+    aligned with `completion_mask[:, 1:]`: the fused head's `log_probs` (TRL >= 1.15), else TRL's DPO module's
+    `selective_log_softmax(logits, labels)` (1.10-1.14) on the shifted logits."""
+    from ... import _compat
+
+    width = inputs["completion_mask"].size(1) - 1
+    if getattr(output, "log_probs", None) is not None:
+        return output.log_probs[:rows, -width:]
+    helper = _dpo_helper(_compat.DPO_LOGITS_HELPERS[0])
+    if helper is None:
+        raise RuntimeError(f"token_budget: TRL's DPO module has no `{_compat.DPO_LOGITS_HELPERS[0]}`.")
+    return helper(output.logits[:rows, :-1, :], inputs["input_ids"][:rows, 1:])
 
 
 class StepRecord:
@@ -105,7 +148,11 @@ class StepRecord:
                 f"expected {sorted(expected)} and {len(PAIR_METRICS)}. This TRL's metrics are not supported."
             )
         for name, (tensor, result) in zip(PAIR_METRICS, gathered, strict=True):
-            if appended[name] != [result.mean().item()] or tensor.dim() != 1:
+            if (
+                len(appended[name]) != 1
+                or not same_value(appended[name][0], result.mean().item())
+                or tensor.dim() != 1
+            ):
                 raise RuntimeError(f"token_budget: TRL's `{name}` is not the mean of the tensor it gathered.")
             self.values[name].append(tensor.detach())
         for name in ROW_SUMS:
@@ -122,6 +169,11 @@ class StepRecord:
         """For each stock micro-batch (of `sizes` pairs, in order), the values TRL would have appended (none when
         another plugin reduces the metrics)."""
         return stock_values([(list(sizes), self.local())])
+
+
+def same_value(a: float, b: float) -> bool:
+    """Equal, NaN equal to NaN (a NaN metric is what stock logs too)."""
+    return a == b or (math.isnan(a) and math.isnan(b))
 
 
 def stock_values(ranks: Sequence[tuple[Sequence[int], dict[str, torch.Tensor] | None]]) -> list[dict[str, float]]:

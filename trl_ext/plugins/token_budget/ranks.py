@@ -62,7 +62,10 @@ class Ranks:
 
 
 def global_pairs(
-    examples: Sequence[Sequence[Sequence[Mapping[str, Any]]]], packed: bool | Layout, max_length: int | None
+    examples: Sequence[Sequence[Sequence[Mapping[str, Any]]]],
+    packed: bool | Layout,
+    max_length: int | None,
+    multiple: int | None = None,
 ) -> tuple[list[Pair], list[int]]:
     """The pairs of one step on every rank (`examples[rank][slot]`: the examples of that rank's stock micro-batch),
     as `Pair`s whose `batch` is `rank * slots + slot`, and the size of each such stock micro-batch."""
@@ -76,7 +79,7 @@ def global_pairs(
             sizes.append(len(batch))
             for j, example in enumerate(batch):
                 check_example(example)
-                pairs.append(Pair(r * len(rank) + i, j, pair_length(example, packed, max_length)))
+                pairs.append(Pair(r * len(rank) + i, j, pair_length(example, packed, max_length, multiple)))
     return pairs, sizes
 
 

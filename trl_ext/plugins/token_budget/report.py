@@ -18,12 +18,18 @@ def summary(state: Any, first_step: int) -> str | None:
     stock = sum(state.stock_micro_batch_counts[first_step:])
     largest = max(state.max_tokens[first_step:], default=0)
     text = (
-        f"token_budget: {len(counts)} optimizer step(s) ran {sum(counts)} micro-batches (stock: {stock}), the "
-        f"largest {largest} of the {state.budget} {state.packed} tokens allowed"
+        f"token_budget: {len(counts)} optimizer step(s) ran {sum(counts)} micro-batches (stock: {stock}) within the "
+        f"budget of {state.budget} {state.packed} tokens"
     )
     over = sum(state.over_budget[first_step:])
-    if over:
-        text += f"; {over} pair(s) over the budget ran alone"
+    if over == 1 and largest > state.budget:
+        text += f"; a pair of {largest} tokens is over the budget of {state.budget} and ran alone"
+    elif over:
+        # on several processes the pairs over the budget may have run on other ranks than this one
+        text += f"; {over} pairs over the budget ran alone"
+        text += f", the largest of {largest} tokens" if largest > state.budget else ""
+    else:
+        text += f", the largest micro-batch {largest} tokens"
     balance = [most / mean for most, mean in state.rank_tokens[first_step:] if mean > 0]
     if balance:
         text += (

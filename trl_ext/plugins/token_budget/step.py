@@ -26,13 +26,13 @@ from typing import Any
 
 import torch
 
-from ... import _compat
-from ..._logging import NOTICE, get_logger, is_main_process
+from ..._logging import get_logger, is_main_process
 from ...patching import Patcher
-from .cut import EXAMPLES_KEY, KeepExamples, Layout, MicroBatch, cut_step, spread, tokens
+from . import sft
+from .cut import EXAMPLES_KEY, Layout, MicroBatch, cut_step, padded_multiple, spread, tokens
+from .dispatch import examples_of
 from .metrics import StepRecord, row_sums, stock_values, stock_values_of_pairs
 from .ranks import Padding, Ranks, balanced_plan, global_pairs, pad_to
-from .report import summary
 
 logger = get_logger(__name__)
 
@@ -52,6 +52,10 @@ class TokenBudgetState:
         self.budget = budget
         #: whether the collator packs (the budget then counts real tokens, not padded ones)
         self.packed = packed
+        #: the padded layout's `pad_to_multiple_of` (the budget counts the padded width the model sees)
+        self.multiple = padded_multiple(trainer.data_collator, packed)
+        #: the summed loss weight of `loss_type` "sft" (`.sft`; 0.0: none)
+        self.sft_weight = sft.sft_weight(trainer)
         #: the micro-batch `compute_loss` is running, or None
         self.active: MicroBatch | None = None
         #: the stock factor for a `training_step` called outside the loop with a plain batch
@@ -83,6 +87,12 @@ class TokenBudgetState:
         self.max_tokens: list[int] = []
         #: per optimizer step: pairs longer than the budget
         self.over_budget: list[int] = []
+        #: the current step's micro-batch losses and slots without micro-batches (`filter_like_stock`)
+        self.step_losses: list[torch.Tensor] = []
+        self.empty_slots = 0
+        self.warned_nonfinite = False
+        #: the other plugins' per-trainer states (`context.state`), for a metrics reducer's batch sizes
+        self.peers: dict[str, Any] = {}
 
     # -- get_batch_samples --
 
@@ -92,20 +102,22 @@ class TokenBudgetState:
                 "token_budget: this training batch carries no examples; the loader was not built by the trainer's "
                 "`get_train_dataloader`."
             )
-        examples = [batch[EXAMPLES_KEY] for batch in batches]
+        examples = [examples_of(batch[EXAMPLES_KEY]) for batch in batches]
         stock = [{key: value for key, value in batch.items() if key != EXAMPLES_KEY} for batch in batches]
         if self.ranks.size > 1:
             micro_batches, over, count, smallest = self.cut_across_ranks(examples)
         else:
-            micro_batches, over = cut_step(
-                examples, self.budget, self.trainer.data_collator, self.packed, self.trainer.args.max_length
-            )
+            micro_batches, over = self.cut_step(examples)
+            if self.sft_weight:
+                counts = {pair: n for mb in micro_batches for pair, n in sft.chosen_tokens(mb).items()}
+                sft.assign_scales(micro_batches, counts, len(examples))
             count, smallest = len(micro_batches), None
         if over and is_main_process(self.trainer.accelerator):  # on several processes every rank counts all pairs
             logger.warning(
-                "token_budget: %d pair(s) of this step exceed the budget of %d tokens; each runs alone.",
+                "token_budget: %d pair(s) of this step exceed the budget of %d %s tokens; each runs alone.",
                 over,
                 self.budget,
+                self.packed,
             )
         self.record = StepRecord()
         self.padding_tokens = 0
@@ -137,7 +149,7 @@ class TokenBudgetState:
         """
         collate, max_length = self.trainer.data_collator, self.trainer.args.max_length
         everyone = self.ranks.gather(examples)
-        pairs, sizes = global_pairs(everyone, self.packed, max_length)
+        pairs, sizes = global_pairs(everyone, self.packed, max_length, self.multiple)
         runs, owner = balanced_plan(pairs, sizes, self.budget, self.packed, self.ranks.size)
         slots = len(examples)
         self.global_sizes, self.slots = sizes, slots
@@ -147,6 +159,14 @@ class TokenBudgetState:
             return MicroBatch(run, inputs, len(run) / (sizes[run[0].batch] * slots), tokens(run, self.packed))
 
         mine = [micro_batch(run) for run, r in zip(runs, owner, strict=True) if r == self.ranks.rank]
+        if self.sft_weight:  # every rank's chosen tokens per pair, for the token weights of stock's micro-batches
+            counts = {
+                pair: n
+                for part in self.ranks.gather([sft.chosen_tokens(mb) for mb in mine])
+                for d in part
+                for pair, n in d.items()
+            }
+            sft.assign_scales(mine, counts, slots)
         self.moved_pairs.append(sum(1 for mb in mine for p in mb.pairs if p.batch // slots != self.ranks.rank))
         smallest = None
         if not mine:
@@ -168,6 +188,12 @@ class TokenBudgetState:
         over = sum(1 for p in pairs if tokens([p], self.packed) > self.budget)
         return mine, over, count, smallest
 
+    def cut_step(self, examples: list[list[Any]]) -> tuple[list[MicroBatch], int]:
+        trainer = self.trainer
+        return cut_step(
+            examples, self.budget, trainer.data_collator, self.packed, trainer.args.max_length, self.multiple
+        )
+
     # -- training_step --
 
     def run_slot(self, training_step: Any, model: Any, slot: Slot, args: tuple, kwargs: dict) -> torch.Tensor:
@@ -183,11 +209,43 @@ class TokenBudgetState:
             finally:
                 self.active = None
             total = loss if total is None else total + loss
+            if not isinstance(mb, Padding):
+                self.step_losses.append(loss.detach())
+        if not slot.micro_batches:
+            self.empty_slots += 1
         if slot.last:
+            self.filter_like_stock()
             self.finish_step()
         if total is None:
             total = torch.zeros((), device=self.trainer.args.device)
         return total
+
+    def filter_like_stock(self) -> None:
+        """transformers' `logging_nan_inf_filter` (on by default) replaces a non-finite `training_step` loss by the
+        mean of the window so far (`_tr_loss += _tr_loss / steps`, `Trainer._inner_training_loop`). A step whose
+        micro-batches were all non-finite had every stock call non-finite: the slots that ran no micro-batch returned
+        0 (added as it is), so their replacements are applied here. A step with finite and non-finite micro-batches
+        cannot tell which stock calls were non-finite: one warning says that its logged loss may differ from stock's
+        (its gradients are non-finite in both, its metrics equal stock's)."""
+        losses, empty = self.step_losses, self.empty_slots
+        self.step_losses, self.empty_slots = [], 0
+        trainer = self.trainer
+        if not losses or not getattr(trainer.args, "logging_nan_inf_filter", False):
+            return
+        finite = torch.isfinite(torch.stack(losses))
+        if bool(finite.all()):
+            return
+        if bool(finite.any()) or not hasattr(trainer, "_tr_loss"):
+            if not self.warned_nonfinite:
+                self.warned_nonfinite = True
+                logger.warning(
+                    "token_budget: a step's losses were partly non-finite; with `logging_nan_inf_filter` the logged "
+                    "`loss` of this window may differ from stock TRL's (the metrics do not)."
+                )
+            return
+        windows = 1 + trainer.state.global_step - trainer._globalstep_last_logged
+        for _ in range(empty):
+            trainer._tr_loss += trainer._tr_loss / windows
 
     def run_eval_batch(
         self, prediction_step: Any, model: Any, inputs: dict[str, Any], loss_only: bool, args: tuple, kwargs: dict
@@ -196,10 +254,11 @@ class TokenBudgetState:
         batches), its loss the pair-weighted mean of the parts, its metrics those of the whole batch (on several
         processes: every rank runs as many parts as the rank with most, and the metrics are those of the batch
         gathered over the ranks, as stock's)."""
-        examples = inputs.pop(EXAMPLES_KEY)
-        micro_batches, _ = cut_step(
-            [examples], self.budget, self.trainer.data_collator, self.packed, self.trainer.args.max_length
-        )
+        examples = examples_of(inputs.pop(EXAMPLES_KEY))
+        micro_batches, _ = self.cut_step([examples])
+        if self.sft_weight:
+            counts = {pair: n for mb in micro_batches for pair, n in sft.chosen_tokens(mb).items()}
+            sft.assign_scales(micro_batches, counts, 1)
         count = self.ranks.max(len(micro_batches))
         self.eval_micro_batch_counts.append(count)
         if count == 1:
@@ -225,6 +284,7 @@ class TokenBudgetState:
                 # `compute_loss` weighted it already: `mb.weight` is its share of this batch's pairs
                 total = loss if total is None else total + loss
             metrics = self.trainer._metrics["eval"]
+            self.stock_batches_for_reducers("eval", len(micro_batches), [len(examples)])
             ranks = self.ranks.gather(([len(examples)], self.record.local()))
             for values in stock_values(ranks):
                 for name, value in values.items():
@@ -278,11 +338,22 @@ class TokenBudgetState:
                 metrics[name].append(value)
         self.record = StepRecord()
         self.padding_tokens = 0
+        self.stock_batches_for_reducers("train", self.micro_batch_counts[-1], self.sizes)
+
+    def stock_batches_for_reducers(self, mode: str, calls: int, sizes: list[int]) -> None:
+        """A metrics reducer that counts the pairs of each `_compute_loss` call (sync_metrics' `batch_pairs`, behind
+        its notice that stock's mean of per-batch means differs from its pair-weighted one) counted the `calls` re-cut
+        micro-batches: it is told stock's batches (`sizes` pairs each) instead, which stock's means are taken over."""
+        for peer in self.peers.values():
+            pairs = getattr(peer, "batch_pairs", None)
+            if isinstance(pairs, dict) and isinstance(pairs.get(mode), list) and len(pairs[mode]) >= calls:
+                del pairs[mode][len(pairs[mode]) - calls :]
+                pairs[mode].extend(sizes)
 
     # -- compute_loss --
 
     @contextlib.contextmanager
-    def capture(self, model: Any, inputs: dict[str, torch.Tensor]) -> Iterator[None]:
+    def capture(self, model: Any, inputs: dict[str, torch.Tensor]) -> Iterator[list[Any]]:
         """Record, for the micro-batch TRL's `_compute_loss` runs now, what its metrics are made of, and take the
         values TRL appends back out of its buffer.
 
@@ -331,7 +402,7 @@ class TokenBudgetState:
         try:
             scoped.setattr(accelerator, "gather", recording_gather)
             scoped.setattr(accelerator, "gather_for_metrics", counting_gather_for_metrics)
-            yield
+            yield outputs
         finally:
             scoped.undo()
             handle.remove()
@@ -354,88 +425,3 @@ class TokenBudgetState:
 def _local(tensor: Any, *args: Any, **kwargs: Any) -> Any:
     """`accelerator.gather` / `gather_for_metrics` answered by this rank alone."""
     return tensor
-
-
-def install(trainer: Any, patcher: Any, state: TokenBudgetState) -> None:
-    """Wrap the trainer's loaders (`get_train_dataloader`, `get_eval_dataloader`, `get_test_dataloader`),
-    `get_batch_samples`, `training_step`, `compute_loss` and `prediction_step`."""
-
-    def keep_examples(original: Any) -> Any:
-        @functools.wraps(original)
-        def build_loader(*args: Any, **kwargs: Any) -> Any:
-            # The loader captures its collate function when it is built.
-            scoped = Patcher("token_budget (loader)")
-            scoped.setattr(trainer, "data_collator", KeepExamples(trainer.data_collator))
-            try:
-                return original(*args, **kwargs)
-            finally:
-                scoped.undo()
-
-        return build_loader
-
-    original_prediction_step = trainer.prediction_step
-
-    @functools.wraps(original_prediction_step)
-    def prediction_step(model: Any, inputs: Any, prediction_loss_only: bool, *args: Any, **kwargs: Any) -> Any:
-        if EXAMPLES_KEY not in inputs:
-            return original_prediction_step(model, inputs, prediction_loss_only, *args, **kwargs)
-        return state.run_eval_batch(original_prediction_step, model, inputs, prediction_loss_only, args, kwargs)
-
-    original_get_batch_samples = getattr(trainer, _compat.TRAINER_BATCH_SAMPLES_METHOD)
-
-    @functools.wraps(original_get_batch_samples)
-    def get_batch_samples(epoch_iterator: Any, num_batches: int, *args: Any, **kwargs: Any) -> tuple[list, Any]:
-        batches, num_items_in_batch = original_get_batch_samples(epoch_iterator, num_batches, *args, **kwargs)
-        if num_items_in_batch is not None:
-            raise RuntimeError(
-                "token_budget: the Trainer counts items for loss scaling (`num_items_in_batch`), which DPO batches "
-                "do not use; this combination is not supported."
-            )
-        return (state.cut(batches) if batches else batches), None
-
-    original_training_step = trainer.training_step
-
-    @functools.wraps(original_training_step)
-    def training_step(model: Any, inputs: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if isinstance(inputs, Slot):
-            return state.run_slot(original_training_step, model, inputs, args, kwargs)
-        # A plain batch from outside the loop: stock scaling (transformers divides by the accumulation steps).
-        state.plain_scale = 1.0 / trainer.current_gradient_accumulation_steps
-        try:
-            return original_training_step(model, inputs, *args, **kwargs)
-        finally:
-            state.plain_scale = None
-
-    original_compute_loss = trainer.compute_loss
-
-    @functools.wraps(original_compute_loss)
-    def compute_loss(model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
-        mb = state.active
-        if mb is None:
-            result = original_compute_loss(model, inputs, *args, **kwargs)
-            if state.plain_scale is None:
-                return result
-            return result * state.plain_scale
-        with state.capture(model, inputs):
-            loss = original_compute_loss(model, inputs, *args, **kwargs)
-        return loss * mb.weight
-
-    original_train = trainer.train
-
-    @functools.wraps(original_train)
-    def train(*args: Any, **kwargs: Any) -> Any:
-        first_step = len(state.micro_batch_counts)
-        result = original_train(*args, **kwargs)
-        line = summary(state, first_step)
-        if line is not None and is_main_process(trainer.accelerator):
-            logger.log(NOTICE, line)
-        return result
-
-    patcher.setattr(trainer, "train", train)
-    patcher.setattr(trainer, _compat.TRAINER_BATCH_SAMPLES_METHOD, get_batch_samples)
-    patcher.setattr(trainer, "training_step", training_step)
-    patcher.setattr(trainer, "compute_loss", compute_loss)
-    patcher.setattr(trainer, _compat.TRAINER_LOSS_SCALED_ATTR, True)
-    for name in ("get_train_dataloader", "get_eval_dataloader", "get_test_dataloader"):
-        patcher.setattr(trainer, name, keep_examples(getattr(trainer, name)))
-    patcher.setattr(trainer, "prediction_step", prediction_step)

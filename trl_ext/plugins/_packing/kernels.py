@@ -1,0 +1,442 @@
+"""Fused varlen attention kernels for packed rows: which kernel runs a model's packed attention, and the call.
+
+On a GPU the per-segment attention of `attention.py` (one SDPA call per sequence of the packed row) leaves most of the
+device idle: a batch of 8 pairs is 16 small kernels per layer, per forward, recompute and backward. One fused varlen
+kernel per layer does the same work in one launch. Two are known (`KERNELS`):
+
+- `varlen_attn`: PyTorch's `torch.nn.attention.varlen.varlen_attn` (flash-attention kernels, CUDA only; torch >= 2.9);
+  `window_size` and `enable_gqa` are used when the installed signature has them (torch 2.13 does), else GQA repeats
+  the key/value heads and sliding windows run per segment;
+- `flash_attn`: flash-attn's `flash_attn_varlen_func`, preferred when it is installed and the model was loaded with
+  `attn_implementation="flash_attention_2"`.
+
+Both align a causal mask to the bottom right when a segment has more keys than queries (query `i` of `n` sees keys
+`j <= i + k - n`), which is the shared-prompt pattern: a response's queries over the prompt's keys followed by its own.
+
+The choice is made once per trainer and model (`choose`, then `set_choice` on the model's config, read back by the
+attention functions through `choice_for(module)`), and logged once. It falls back to the per-segment loop (exact) on
+CPU, in float32/float64 and for what the kernels lack, each named: eager attention, softcapping, attention sinks,
+ALiBi, custom attention masks, dropout in attention; per call as well (a call with a softcap, sinks, dropout or a
+mask pattern other than causal/window runs per segment). A user who asks for `attention: fused` where it cannot run
+gets a `UsageError` before the first step.
+
+Every kernel call goes through `Kernel.call(q, k, v, cu_q, cu_k, max_q, max_k, causal=, window=, scale=)` (`q`
+`[T_q, H_q, D]`, `k`/`v` `[T_k, H_kv, D]`, `cu_*` int32 on the device, `window` the number of earlier keys a query
+sees besides its own or None): a unit test substitutes a CPU reference there (`KERNELS`) to test the dispatch and
+the metadata on CPU.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import inspect
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import torch
+
+from ... import _compat
+from ...errors import UsageError
+
+__all__ = [
+    "FUSED_DTYPES",
+    "KERNELS",
+    "Choice",
+    "Kernel",
+    "choice_for",
+    "choose",
+    "choose_for_model",
+    "cached_segments",
+    "describe_choice",
+    "installed_kernels",
+    "log_choices",
+    "set_choice",
+    "unsupported_features",
+]
+
+#: The dtypes the flash-attention kernels run in.
+FUSED_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """A fused varlen attention kernel.
+
+    Args:
+        name (`str`): as logged (`"varlen_attn"`, `"flash_attn"`).
+        devices (`tuple[str, ...]`): device types it runs on.
+        dtypes (`tuple[torch.dtype, ...]`): dtypes it runs in.
+        windows (`bool`): whether it applies causal sliding windows itself.
+        call (`Callable`): `(q, k, v, cu_q, cu_k, max_q, max_k, *, causal, window, scale) -> out [T_q, H_q, D]`.
+    """
+
+    name: str
+    devices: tuple[str, ...]
+    dtypes: tuple[torch.dtype, ...]
+    windows: bool
+    call: Callable[..., torch.Tensor]
+
+
+@functools.lru_cache(maxsize=1)
+def _varlen_parameters() -> frozenset[str]:
+    from torch.nn.attention.varlen import varlen_attn
+
+    return frozenset(inspect.signature(varlen_attn).parameters)
+
+
+def _repeat_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    groups = q.shape[1] // k.shape[1]
+    return k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+
+
+def _torch_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, causal: bool, window: int | None, scale: float | None):
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = _varlen_parameters()
+    kwargs: dict[str, Any] = {"scale": scale}
+    if k.shape[1] != q.shape[1]:
+        if "enable_gqa" in params:
+            kwargs["enable_gqa"] = True
+        else:
+            k, v = _repeat_kv(q, k, v)
+    if "window_size" in params:
+        # a tuple: varlen_attn tests `window_size == (-1, 0)` for its causal flag
+        kwargs["window_size"] = (window, 0) if window is not None else (-1, 0) if causal else (-1, -1)
+    else:  # torch <= 2.10: `is_causal`, no windows (`windows=False`, never asked for one)
+        kwargs["is_causal"] = causal
+    return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs)
+
+
+def _flash_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, causal: bool, window: int | None, scale: float | None):
+    from flash_attn import flash_attn_varlen_func
+
+    return flash_attn_varlen_func(
+        q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=scale, causal=causal,
+        window_size=(window, 0) if window is not None else (-1, -1),
+    )  # fmt: skip
+
+
+def installed_kernels() -> dict[str, Kernel]:
+    """The fused kernels this environment has, by name (importable; their signature read once)."""
+    found = {}
+    try:
+        params = _varlen_parameters()
+    except ImportError:
+        params = None
+    if params is not None:
+        found["varlen_attn"] = Kernel("varlen_attn", ("cuda",), FUSED_DTYPES, "window_size" in params, _torch_varlen)
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        found["flash_attn"] = Kernel("flash_attn", ("cuda",), FUSED_DTYPES, True, _flash_attn)
+    return found
+
+
+#: The kernels the choice considers, by name: `installed_kernels()` at import. Unit tests substitute entries here.
+KERNELS: dict[str, Kernel] = installed_kernels()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The choice, once per trainer and model
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """Which attention runs a model's packed calls.
+
+    Args:
+        kernel (`Kernel` or `None`): the fused kernel; None for the per-segment loop.
+        device (`str`), dtype (`torch.dtype`): what the choice was made for.
+        fallbacks (`tuple[str, ...]`): why the loop runs (or, with a kernel, which calls still run per segment).
+    """
+
+    kernel: Kernel | None
+    device: str
+    dtype: torch.dtype
+    fallbacks: tuple[str, ...] = ()
+
+
+def unsupported_features(model: torch.nn.Module, base: str) -> list[str]:
+    """What in `model` (loaded with attention `base`) the fused kernels do not compute: its calls run per segment."""
+    config = model.config
+    found = []
+    if base != "sdpa":
+        found.append(f"{base} attention (the model's own attention function)")
+    if any(getattr(config, name, None) for name in ("attn_logit_softcapping", "softcap")):
+        found.append("softcapping")
+    if any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in model.modules()):
+        found.append("attention sinks")
+    if getattr(config, "alibi", False) or getattr(config, "model_type", None) in _compat.OWN_ATTENTION_MODEL_TYPES:
+        found.append("ALiBi / the model's own attention masks")
+    if getattr(config, "attention_chunk_size", None):
+        found.append("custom attention masks (chunked attention)")
+    if any(isinstance(p := getattr(m, "attention_dropout", None), float) and p > 0 for m in model.modules()):
+        found.append("dropout in attention")
+    head_dim = getattr(config, "head_dim", None) or _head_dim(config)
+    if isinstance(head_dim, int) and (head_dim % 8 or head_dim > 256):
+        found.append(f"head_dim {head_dim} (the flash kernels need a multiple of 8, at most 256)")
+    return found
+
+
+def _head_dim(config: Any) -> int | None:
+    hidden, heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
+    return hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads else None
+
+
+def _capability_ok(device: torch.device) -> bool:
+    """The flash kernels need an Ampere or newer GPU (compute capability 8.0)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return True
+    return torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+def choose(
+    requested: str,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    features: Sequence[str],
+    prefer: str | None = None,
+    windows: bool = False,
+    plugin: str = "packing",
+) -> Choice:
+    """The attention of a model's packed calls: a fused kernel of `KERNELS` where one runs on `device` in `dtype`,
+    else the per-segment loop, with the reasons (`Choice.fallbacks`).
+
+    `requested` is the plugin's `attention` option: `"segments"` forces the loop, `"fused"` the kernel (a
+    `UsageError` naming the reasons where it cannot run), anything else chooses. `prefer` names the kernel to try
+    first (`"flash_attn"` for a model loaded with `flash_attention_2`). `windows`: the model has sliding windows, which
+    a kernel without `window_size` leaves to the loop.
+    """
+    device = torch.device(device)
+    device_type = device.type
+    if requested == "segments":
+        return Choice(None, device_type, dtype, ("attention: segments",))
+    order = [prefer] if prefer in KERNELS else []
+    order += [name for name in KERNELS if name not in order]
+    reasons: list[str] = []
+    kernel = None
+    for name in order:
+        candidate = KERNELS[name]
+        if device_type in candidate.devices and dtype in candidate.dtypes:
+            kernel = candidate
+            break
+    if kernel is not None and not _capability_ok(device):
+        kernel = None
+        reasons.append("a GPU older than compute capability 8.0 (the flash kernels need Ampere or newer)")
+    elif not KERNELS:
+        reasons.append("no fused kernel installed (torch.nn.attention.varlen or flash-attn)")
+    elif kernel is None:
+        reasons += [
+            f"{k.name} runs on {'/'.join(k.devices)} in {'/'.join(map(_short, k.dtypes))}" for k in KERNELS.values()
+        ]
+    reasons += features
+    if kernel is not None and windows and not kernel.windows:
+        reasons.append(f"sliding windows ({kernel.name} of this torch has no window_size)")
+    blocking = kernel is None or bool(features) or (windows and not kernel.windows)
+    if requested == "fused" and blocking:
+        raise UsageError(
+            f"{plugin}: `attention: fused` asks for one fused varlen kernel per layer, which cannot run here "
+            f"({device_type}, {_short(dtype)}): "
+            f"{'; '.join(reasons)}. The fused kernels ({', '.join(KERNELS) or 'none installed'}) run on CUDA in "
+            "bfloat16/float16 for plain sdpa attention. Set `attention: auto` (the per-segment attention where the "
+            "kernel cannot run) or train on a GPU in bf16/fp16."
+        )
+    # features the kernel lacks make every call of the model run per segment (exact), so the kernel is not used
+    return Choice(None if blocking else kernel, device_type, dtype, tuple(reasons))
+
+
+def training_device_dtype(model: torch.nn.Module, trainer: Any) -> tuple[torch.device, torch.dtype]:
+    """Where and in what dtype `model`'s attention runs in training: the trainer's device (the model may be moved
+    there only when accelerate prepares it), the parameters' dtype, or bf16/fp16 under the trainer's autocast."""
+    param = next(model.parameters(), None)
+    args = getattr(trainer, "args", None)
+    device = param.device if param is not None else torch.device("cpu")
+    trainer_device = getattr(args, "device", None)
+    if device.type == "cpu" and isinstance(trainer_device, torch.device):
+        device = trainer_device
+    dtype = param.dtype if param is not None else torch.float32
+    if dtype in (torch.float32, torch.float64):
+        if getattr(args, "bf16", False):
+            dtype = torch.bfloat16
+        elif getattr(args, "fp16", False):
+            dtype = torch.float16
+    return device, dtype
+
+
+def has_windows(config: Any) -> bool:
+    """Whether `config` declares sliding-window layers."""
+    layer_types = getattr(config, "layer_types", None) or ()
+    return bool(getattr(config, "sliding_window", None)) or any("sliding" in str(t) for t in layer_types)
+
+
+def choose_for_model(
+    model: torch.nn.Module, base: str, requested: str, trainer: Any, plugin: str, prefer: str | None = None
+) -> Choice:
+    """`choose` for `model` (loaded with attention `base`) in `trainer`, made its packed attention (`set_choice`)."""
+    device, dtype = training_device_dtype(model, trainer)
+    features = unsupported_features(model, base)
+    choice = choose(requested, device, dtype, features, prefer, has_windows(model.config), plugin)
+    set_choice(model.config, choice)
+    return choice
+
+
+def log_choices(log: Any, plugin: str, choices: dict[str, Choice]) -> None:
+    """One log line per trainer: `<plugin>: packed attention: varlen_attn (CUDA, bf16)` (by role if they differ)."""
+    if not choices:
+        return
+    texts = {role: describe_choice(choice) for role, choice in choices.items()}
+    if len(set(texts.values())) == 1:
+        log.info("%s: packed attention: %s", plugin, next(iter(texts.values())))
+    else:
+        log.info("%s: packed attention: %s", plugin, "; ".join(f"{role}: {text}" for role, text in texts.items()))
+
+
+def _short(dtype: torch.dtype) -> str:
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype).replace("torch.", ""))
+
+
+def describe_choice(choice: Choice) -> str:
+    """The log text of a choice: `varlen_attn (CUDA, bf16)` or `per-segment loop (cpu, float32)`."""
+    where = f"{'CUDA' if choice.device == 'cuda' else choice.device}, {_short(choice.dtype)}"
+    if choice.kernel is not None:
+        return f"{choice.kernel.name} ({where})"
+    return f"per-segment loop ({where}; not fused: {'; '.join(choice.fallbacks)})"
+
+
+# The choice of each model config switched to a trl-ext attention, weakly (a config is unhashable): the attention
+# functions read it through the layer's `config`. A stale entry is harmless: once a trainer is detached the config
+# names its own attention again, and the trl-ext functions no longer run for it.
+_CHOICES: dict[int, tuple[weakref.ref, Choice]] = {}
+
+
+def set_choice(config: Any, choice: Choice) -> None:
+    """Make `choice` the packed attention of the model whose config is `config`."""
+    for key, (ref, _) in list(_CHOICES.items()):
+        if ref() is None:
+            _CHOICES.pop(key, None)
+    _CHOICES[id(config)] = (weakref.ref(config), choice)
+
+
+def choice_for(module: torch.nn.Module) -> Choice | None:
+    """The choice made for the model an attention layer belongs to (via its `config`), or None."""
+    config = getattr(module, "config", None)
+    entry = _CHOICES.get(id(config)) if config is not None else None
+    if entry is None or entry[0]() is not config:
+        return None
+    return entry[1]
+
+
+def call_dtype(kernel: Kernel, query: torch.Tensor) -> torch.dtype | None:
+    """The dtype `kernel` runs this call in: the query's, or under autocast the autocast dtype (float32 queries of a
+    float32 model trained with `bf16=True`: rotary embeddings promote them; SDPA casts them down the same way);
+    None when it runs neither."""
+    if query.dtype in kernel.dtypes:
+        return query.dtype
+    device_type = query.device.type
+    if query.dtype == torch.float32 and torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        return dtype if dtype in kernel.dtypes else None
+    return None
+
+
+def runs_fused(choice: Choice | None, query: torch.Tensor) -> Kernel | None:
+    """The kernel of `choice` when this call's tensors are what it was chosen for (device type and dtype)."""
+    if choice is None or choice.kernel is None:
+        return None
+    kernel = choice.kernel
+    return kernel if query.device.type in kernel.devices and call_dtype(kernel, query) is not None else None
+
+
+def kernel_inputs(kernel: Kernel, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    """Transformers' `[1, H, T, D]` query/key/value as the kernels take them: `[T, H, D]`, contiguous, in the call's
+    dtype (`call_dtype`)."""
+    dtype = call_dtype(kernel, tensors[0])
+    return [t[0].transpose(0, 1).to(dtype).contiguous() for t in tensors]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Per-batch metadata
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Segments:
+    """The kernel arguments of one packed or shared row, built once per batch on the host and copied to the device.
+
+    Attributes:
+        cu_q (`torch.IntTensor` of shape `(S + 1,)`), cu_k (`(S + 1,)`): cumulative query / key lengths.
+        max_q (`int`), max_k (`int`): the longest query / key segment.
+        kv_index (`torch.LongTensor` or `None`): the row positions of the keys, segment after segment (None: the row
+            itself, in order).
+        q_index (`torch.LongTensor` or `None`): the row positions of the queries (None: the row itself).
+    """
+
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    max_q: int
+    max_k: int
+    kv_index: torch.Tensor | None = None
+    q_index: torch.Tensor | None = None
+
+
+#: How many `Segments` were built (a test counts them across the layers of one forward).
+BUILDS = collections.Counter[str]()
+_CACHE: collections.OrderedDict[tuple, Any] = collections.OrderedDict()
+_T = TypeVar("_T")
+_CACHE_SIZE = 8
+
+
+def cached_segments(key: tuple, device: torch.device, build: Callable[[], _T]) -> _T:
+    """The segments of `key` (host ints that describe the row) on `device`: built once, then reused by every layer,
+    by the reference forward of the same batch and by the layers gradient checkpointing recomputes."""
+    full = (key, str(device))
+    if full in _CACHE:
+        _CACHE.move_to_end(full)
+        return _CACHE[full]
+    BUILDS[key[0]] += 1
+    built = _CACHE[full] = build()
+    while len(_CACHE) > _CACHE_SIZE:
+        _CACHE.popitem(last=False)
+    return built
+
+
+def to_device(values: Sequence[int], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A host list as a device tensor (one copy, pinned first on CUDA so that it does not wait for the device)."""
+    tensor = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
+def packed_segments(bounds: Sequence[int], device: torch.device) -> Segments:
+    """The segments of a packed row split at `bounds` (cumulative lengths, host ints)."""
+
+    def build() -> Segments:
+        cu = to_device(list(bounds), device, torch.int32)
+        longest = max((e - s for s, e in zip(bounds[:-1], bounds[1:], strict=True)), default=0)
+        return Segments(cu, cu, longest, longest)
+
+    return cached_segments(("packed", *bounds), device, build)
+
+
+def run_packed(
+    kernel: Kernel,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu: torch.Tensor,
+    max_length: int,
+    scaling: float | None,
+    window: int | None,
+) -> torch.Tensor:
+    """Causal attention of one packed row in one kernel call: `query [1, H, T, D]` (transformers' layout) ->
+    `[1, T, H, D]` (an attention function's output layout)."""
+    q, k, v = kernel_inputs(kernel, query, key, value)
+    out = kernel.call(q, k, v, cu, cu, max_length, max_length, causal=True, window=window, scale=scaling)
+    return out.unsqueeze(0)
