@@ -65,6 +65,7 @@ def test_bench_quick_writes_report_and_plot(tmp_path):
     )
     assert pc["values"]["same"]
     assert report["headline"]["precompute_speedup"] == pc["speedup"]["median"]
+    assert pc["clock"] == "cpu" and not list(tmp_path.glob("trl-ext-bench-precompute-*"))  # caches removed
 
     co = measured["sync_metrics"]
     assert co["stock"]["world_size"] == 2 and co["rounds"] == 3
@@ -150,6 +151,18 @@ def test_summarize_flags_ratios_above_bound_below_one_and_wide():
     assert any("ABOVE BOUND" in f for f in stats.summarize([4.1, 4.2, 4.0], bound=2.2)["flags"])
     assert any("SLOWER" in f for f in stats.summarize([0.8, 0.9, 0.85])["flags"])
     assert any("WIDE SPREAD" in f for f in stats.summarize([1.0, 2.0, 3.0])["flags"])
+
+
+def test_a_ratio_is_flagged_slower_only_when_its_text_says_slower():
+    """A median below 1 whose IQR spans 1 reads "no clear difference", and is not also flagged "SLOWER" (the
+    token_budget row said both)."""
+    for values in ([0.9, 0.95, 1.05, 1.1, 0.97], [0.99, 1.01], [0.7, 1.2, 0.95], [0.8, 0.85, 0.9], [1.2, 1.3, 1.25]):
+        r = stats.against(stats.summarize(values), "padding_free")
+        slower_flag = any("SLOWER than padding_free" in f for f in r["flags"])
+        assert slower_flag == (stats.direction(r) == "slower"), (values, r["flags"], stats.direction(r))
+        text = output.text_table({"sections": {}, "load_average": {}}) + stats.ratio_text(r)
+        assert not ("no clear difference" in text and slower_flag)
+    assert stats.direction(stats.summarize([0.9, 0.95, 1.05, 1.1, 0.97])).startswith("(no clear difference")
 
 
 def test_agreement_flips_when_the_numbers_differ():
@@ -305,3 +318,171 @@ def test_bench_help_states_the_measured_duration(capsys):
     help_text = " ".join(capsys.readouterr().out.split())
     assert f"({bench.QUICK_DURATION} on 2 shared CPU cores)" in help_text
     assert "--seconds" not in help_text  # fixed rounds: no time cap that stops on the spread
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# a user's install: no matplotlib, no DeepSpeed; outputs written as each section finishes (issue 35, items 1 and 5)
+# -------------------------------------------------------------------------------------------------------------------
+
+
+class _CheapSetup:
+    """What `bench.main` reads of a `sections.Setup`, without building a model."""
+
+    def __init__(self, args):
+        self.out = Path(args.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.model_desc = "llama (stand-in)"
+
+
+def _written(out: Path) -> dict:
+    return json.loads((out / "report.json").read_text())
+
+
+def test_bench_without_matplotlib_or_deepspeed_writes_report_and_table_as_sections_finish(
+    tmp_path, monkeypatch, capsys
+):
+    recorded = _recorded()["sections"]
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # not installed: `import matplotlib` fails
+    monkeypatch.setitem(sys.modules, "deepspeed", None)
+    monkeypatch.setattr(sections, "Setup", _CheapSetup)
+    monkeypatch.setattr(sections, "padding_free", lambda setup, rounds: recorded["padding_free"])
+
+    def precompute(setup, rounds):  # runs second: the first section is already on disk
+        written = _written(setup.out)
+        assert "padding_free" in written["sections"] and written["complete"] is False
+        assert "DPO step fwd+bwd" in (setup.out / "table.md").read_text()
+        return recorded["precompute"]
+
+    monkeypatch.setattr(sections, "precompute", precompute)
+    argv = ["--quick", "--out", str(tmp_path), "--only", "padding_free", "--only", "precompute"]
+    assert bench.main([*argv, "--only", "generation"]) == 0
+    captured = capsys.readouterr()
+    missing = 'bench.png not drawn: matplotlib is not installed (pip install "trl-ext[bench]"'
+    assert missing in captured.out and missing in captured.err  # said at the start and in the closing line
+    assert not (tmp_path / "bench.png").exists()
+    report = _written(tmp_path)
+    assert report["complete"] is True and list(report["sections"]) == ["padding_free", "precompute", "generation"]
+    assert "DeepSpeed" in report["sections"]["generation"]["skipped"]
+    table = (tmp_path / "table.md").read_text()
+    assert table == output.markdown_table(report) + "\n"
+    row = next(line for line in table.splitlines() if line.startswith("| generation: skipped |"))
+    assert 'needs DeepSpeed, which is not installed (pip install "trl-ext[deepspeed]"' in row
+    assert "generation: skipped" in captured.out  # the printed table says so too
+
+
+def test_bench_interrupted_keeps_the_sections_that_finished(tmp_path, monkeypatch):
+    recorded = _recorded()["sections"]
+    monkeypatch.setattr(sections, "Setup", _CheapSetup)
+    monkeypatch.setattr(sections, "padding_free", lambda setup, rounds: recorded["padding_free"])
+
+    def interrupted(setup, rounds):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sections, "precompute", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(["--quick", "--out", str(tmp_path), "--only", "padding_free", "--only", "precompute"])
+    report = _written(tmp_path)
+    assert report["complete"] is False and list(report["sections"]) == ["padding_free"]
+    table = (tmp_path / "table.md").read_text()
+    assert "INCOMPLETE: the sections finished so far" in table and "DPO step fwd+bwd" in table
+
+
+def test_plot_legends_cover_nothing_plotted():
+    """Every panel's legend sits clear of its bars, error bars, points, lines and flag notes (a `!! WIDE SPREAD`
+    note was hidden under the legend)."""
+    report = _recorded()
+    fused = report["sections"]["fused_logprobs"]
+    fused["speedup"] = stats.summarize([1.0, 1.2, 1.5, 1.9, 2.3])  # wide and tall: its note sits high
+    from matplotlib.transforms import Bbox
+
+    fig = output.figure(report)
+    renderer = fig.canvas.get_renderer()
+    checked = 0
+    for ax in fig.axes:
+        legend = ax.get_legend()
+        if legend is None:
+            continue
+        box = legend.get_window_extent(renderer)
+        extents = [a.get_window_extent(renderer) for a in [*ax.patches, *ax.lines, *ax.texts]]
+        for collection in ax.collections:  # error bars: their segments, in display coordinates
+            points = [p for segment in collection.get_segments() for p in segment]
+            extents.append(Bbox.null() if not points else Bbox.unit().from_extents(*_bounds(ax, points)))
+        for extent in extents:
+            if all(math.isfinite(v) for v in extent.extents):
+                assert not box.overlaps(extent), (ax.get_title(), extent)
+                checked += 1
+    assert checked > 20 and any("WIDE SPREAD" in t.get_text() for ax in fig.axes for t in ax.texts)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+
+
+def _bounds(ax, points):
+    xy = ax.transData.transform(points)
+    return xy[:, 0].min(), xy[:, 1].min(), xy[:, 0].max(), xy[:, 1].max()
+
+
+@pytest.mark.slow  # about 20 s of CPU: 6 trainer builds with their precompute
+def test_precompute_section_times_cpu_after_a_warmup_round_and_removes_its_caches(tmp_path):
+    import argparse
+
+    setup = sections.Setup(argparse.Namespace(quick=True, model=None, out=str(tmp_path)))
+    setup.size["pairs"] = 8  # 16 pairs: the measurement's shape, not its numbers
+    pc = sections.precompute(setup, rounds=2)
+    assert pc["clock"] == "cpu" and pc["warmup_rounds"] == sections.WARMUP_ROUNDS == 1
+    for arm in ("stock", "trl_ext", "trl_ext_auto"):
+        assert len(pc[arm]["seconds"]) == len(pc[arm]["wall_seconds"]) == 2  # the warm-up round is not kept
+        assert all(
+            0 < cpu <= wall * 1.2 for cpu, wall in zip(pc[arm]["seconds"], pc[arm]["wall_seconds"], strict=True)
+        )
+    assert pc["speedup"]["ratios"] == stats.ratios(
+        {"a": pc["stock"]["seconds"], "b": pc["trl_ext"]["seconds"]}, "a", "b"
+    )
+    assert pc["values"]["same"]
+    assert not list(tmp_path.glob("trl-ext-bench-precompute-*"))  # no cache folder left behind
+    assert len(pc["trl_ext_auto"]["batch_tokens"]) == 2 and all(t > 0 for t in pc["trl_ext_auto"]["batch_tokens"])
+    table = output.text_table({"sections": {"precompute": pc}, "load_average": {}})
+    assert "(CPU s)" in table and "auto chose " in table and " tokens per batch" in table
+
+
+_BLOCKER = """
+import sys
+from importlib.machinery import PathFinder
+
+
+class _NotInstalled(PathFinder):
+    # What a user's `pip install trl-ext` (no extras) lacks is not found, as if it were not in site-packages.
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        if name.split(".")[0] in ("matplotlib", "deepspeed"):
+            return None
+        return PathFinder.find_spec(name, path, target)
+
+
+sys.meta_path[:] = [_NotInstalled if finder is PathFinder else finder for finder in sys.meta_path]
+"""
+
+
+@pytest.mark.slow
+def test_bench_quick_on_a_user_install_without_the_bench_extra(tmp_path):
+    """`trl-ext bench --quick` where matplotlib and DeepSpeed are not installed: no crash; the report, the table and
+    the line that says how to get the plot; the ZeRO-3 generation row says it needs DeepSpeed."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(_BLOCKER)
+    env = dict(os.environ, TQDM_DISABLE="1", PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p)
+    out = tmp_path / "out"
+    cmd = [str(Path(sys.executable).with_name("trl-ext")), "bench", "--quick", "--rounds", "1", "--out", str(out)]
+    proc = subprocess.run(
+        [*cmd, "--only", "padding_free", "--only", "generation"], capture_output=True, text=True, env=env, timeout=900
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert 'bench.png not drawn: matplotlib is not installed (pip install "trl-ext[bench]"' in proc.stdout
+    assert not (out / "bench.png").exists()
+    report = json.loads((out / "report.json").read_text())
+    assert report["complete"] is True and report["sections"]["padding_free"]["losses"]["same"]
+    assert "needs DeepSpeed" in report["sections"]["generation"]["skipped"]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("generation: skipped")]
+    assert len(rows) == 1 and 'pip install "trl-ext[deepspeed]"' in rows[0]
+    assert (out / "table.md").read_text() == output.markdown_table(report) + "\n"

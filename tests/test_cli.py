@@ -1,4 +1,5 @@
-"""The `trl-ext` command line, run as users run it (a subprocess of the installed console script)."""
+"""The `trl-ext` command line, run as users run it: a subprocess of the installed console script (`slow`), or
+`main([...])` in this process where the output is all that is checked."""
 
 from __future__ import annotations
 
@@ -12,8 +13,6 @@ import pytest
 import trl_ext
 from trl_ext.manager import builtin_plugin_modules
 
-pytestmark = pytest.mark.slow  # every test runs the installed console script
-
 
 def _run(*args, check=True, env=None, cwd=None):
     exe = str(__import__("pathlib").Path(sys.executable).with_name("trl-ext"))
@@ -22,6 +21,7 @@ def _run(*args, check=True, env=None, cwd=None):
     return subprocess.run([exe, *args], capture_output=True, text=True, check=check, timeout=300, env=env, cwd=cwd)
 
 
+@pytest.mark.slow
 def test_doctor_prints_versions_support_and_attention_backends():
     out = _run("doctor").stdout
     import trl
@@ -33,6 +33,7 @@ def test_doctor_prints_versions_support_and_attention_backends():
     assert out.strip().endswith("OK")
 
 
+@pytest.mark.slow
 def test_plugins_lists_builtins_with_flags_and_applicability():
     out = _run("plugins").stdout
     builtins = builtin_plugin_modules()
@@ -45,12 +46,14 @@ def test_plugins_lists_builtins_with_flags_and_applicability():
     assert "  option plugins.precompute_ref_batch_size.shard_size: a positive integer; default 4096. " in out
 
 
+@pytest.mark.slow
 def test_plugins_with_unknown_block_name_fails_with_usage_message():
     proc = _run("plugins", "--block", "nope", check=False)
     assert proc.returncode == 2
     assert "trl-ext: error: `block` names unknown plugin" in proc.stderr
 
 
+@pytest.mark.slow
 def test_version():
     assert _run("--version").stdout.strip() == f"trl-ext {trl_ext.__version__}"
 
@@ -71,6 +74,7 @@ def _third_party_plugin(root):
     return env
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", ["dpo", "online-dpo"])
 def test_job_help_shows_trl_ext_flags_first_one_line_each(command, tmp_path):
     proc = _run(command, "--help", env=_third_party_plugin(tmp_path))
@@ -90,11 +94,13 @@ def test_job_help_shows_trl_ext_flags_first_one_line_each(command, tmp_path):
     assert "trl online-dpo" not in proc.stdout  # TRL has no such command
 
 
+@pytest.mark.slow
 def test_top_level_help_points_to_no_missing_trl_command():
     out = " ".join(_run("--help").stdout.split())  # argparse wraps lines
     assert "trl online-dpo" not in out and "trl-ext online-dpo --help" in out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("argv", "expected"),
     [
@@ -111,3 +117,57 @@ def test_bad_flag_is_one_clean_error_line_with_exit_code_2(argv, expected):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr  # no traceback, no warnings, no usage block
     assert lines[0].startswith("trl-ext: error: ") and "the command line" in lines[0] and expected in lines[0]
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# In this process: what `--help` and `trl-ext plugins [NAME]` print (issue 35, item 7)
+# -------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["dpo", "online-dpo"])
+def test_job_help_gives_each_flag_what_it_accepts_and_its_default(command, capsys):
+    from trl_ext.app.cli import main
+    from trl_ext.manager import load_catalog
+    from trl_ext.setting_docs import SettingDoc
+
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--help"])
+    assert exit_info.value.code == 0
+    lines = capsys.readouterr().out.splitlines()
+    catalog = load_catalog()[0]
+    assert catalog.flags
+    for name, (flag, owner) in catalog.flags.items():
+        line = next(line for line in lines if line.startswith(f"  --trl-ext-{name.replace('_', '-')} "))
+        default = SettingDoc("flag", name, flag.parse.expects, flag.default, flag.help).default_text()
+        assert f"Accepts {flag.parse.expects}; default {default} (plugin `{owner}`)." in line, line
+
+
+def test_plugins_name_prints_one_plugin_page(capsys):
+    import inspect
+
+    from trl_ext.app.cli import main
+    from trl_ext.catalog import plugin_info
+    from trl_ext.manager import load_catalog
+
+    catalog = load_catalog()[0]
+    for name in catalog.specs:
+        assert main(["plugins", name]) == 0
+        out = capsys.readouterr().out
+        assert out.startswith(f"{name} (built-in; applies to ")
+        doc = inspect.getdoc(catalog.plugins[name])
+        assert doc and doc.splitlines()[0] in out and doc.splitlines()[-1] in out  # the whole docstring
+        info = plugin_info(catalog, name)
+        for setting in info.settings:
+            key = setting.name if setting.kind == "flag" else f"plugins.{name}.{setting.name}"
+            assert f"  {setting.kind:<6} {key}: {setting.accepts}; default {setting.default_text()}." in out
+        others = [other for other in catalog.specs if other != name]
+        assert not any(f"plugins.{other}." in out for other in others)  # only this plugin's settings
+
+
+def test_plugins_name_that_does_not_exist_is_a_usage_error(capsys):
+    from trl_ext.app.cli import main
+
+    assert main(["plugins", "padding_fre"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("trl-ext: error: No trl-ext plugin `padding_fre`.") and "Did you mean `padding_free`?" in err
+    assert len(err.strip().splitlines()) == 1

@@ -98,7 +98,7 @@ def test_blocked_flag_names_its_plugin():
         (dict(flags={"padding_fre": True}), r"Unknown trl-ext flag `padding_fre`.*Did you mean `padding_free`"),
         (dict(environ={"TRL_EXT_PADING_FREE": "1"}), r"Unknown trl-ext flag `pading_free`.*\$TRL_EXT_PADING_FREE"),
         (dict(flags={"padding_free": "maybe"}), r"`padding_free` must be true or false"),
-        (dict(flags={"sync_metrics": 1}), r"`sync_metrics` must be true or false"),
+        (dict(flags={"sync_metrics": 2}), r"`sync_metrics` must be true or false"),
         (dict(flags={"precompute_ref_batch_size": 0}), r"`precompute_ref_batch_size` must be a positive integer"),
         (dict(flags={"precompute_ref_batch_size": "big"}), r"`precompute_ref_batch_size` must be"),
         (dict(flags={"precompute_ref_batch_size": True}), r"`precompute_ref_batch_size` must be"),
@@ -196,3 +196,84 @@ def test_install_precedence_per_source_pair(high, low, third_party, monkeypatch,
         flags = {flag: values["keyword"]} if "keyword" in values else {}
         config = load_config(path, flags=flags, environ=environ)
         assert getattr(config, flag) is value, (flag, values)
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# One grammar for every source (issue 35, item 9)
+# -------------------------------------------------------------------------------------------------------------------
+
+
+def _from_source(source, flag, value, tmp_path, monkeypatch):
+    """`flag: value` given the way a user gives it in `source`, resolved as trl-ext resolves that source."""
+    import yaml
+
+    from trl_ext.app.job_args import resolve_config
+
+    for key in [k for k in __import__("os").environ if k.startswith("TRL_EXT_")]:
+        monkeypatch.delenv(key)
+    if source == "python":
+        return load_config(flags={flag: value}, environ={})
+    if source == "env":
+        return load_config(environ={f"TRL_EXT_{flag.upper()}": str(value)})
+    if source == "yaml":
+        path = tmp_path / "trl_ext.yaml"
+        path.write_text(yaml.safe_dump({flag: value}))
+        return load_config(path, environ={})
+    argv = [f"--trl-ext-{flag.replace('_', '-')}", str(value)]
+    if source == "recipe":
+        path = tmp_path / "recipe.yaml"
+        path.write_text(yaml.safe_dump({"learning_rate": 0.1, "trl_ext": {flag: value}}))
+        argv = ["--config", str(path)]
+    config, _, stripped = resolve_config(argv)
+    if stripped:
+        __import__("os").unlink(stripped)
+    return config
+
+
+SOURCES = ("python", "env", "yaml", "cli", "recipe")
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_one_value_grammar_for_every_source(source, tmp_path, monkeypatch):
+    """`fused_logprobs=1` and `precompute_ref_batch_size=256.0` mean the same from Python, the environment, a YAML
+    file, the command line and a recipe, as `"yes"` and `"256"` do."""
+    for value, expected in [
+        (True, True), (False, False), (1, True), (0, False), ("yes", True), ("no", False),
+        ("true", True), ("false", False), ("1", True), ("0", False), ("True", True), ("FALSE", False),
+    ]:  # fmt: skip
+        assert _from_source(source, "sync_metrics", value, tmp_path, monkeypatch).sync_metrics is expected, value
+    for value in (256, 256.0, "256", "256.0"):
+        config = _from_source(source, "precompute_ref_batch_size", value, tmp_path, monkeypatch)
+        assert config.precompute_ref_batch_size == 256 and type(config.precompute_ref_batch_size) is int, value
+    with pytest.raises(UsageError, match=r"must be a positive integer.* got '?256\.5'? \(not a whole number\)"):
+        _from_source(source, "precompute_ref_batch_size", 256.5, tmp_path, monkeypatch)
+    with pytest.raises(UsageError, match=r"`sync_metrics` must be true or false, got '?2'?"):
+        _from_source(source, "sync_metrics", 2, tmp_path, monkeypatch)
+
+
+def test_options_and_sizes_take_the_same_grammar():
+    options = {"precompute_ref_batch_size": {"shard_size": 512.0}}
+    config = load_config(flags={"precompute_ref_batch_size": 8, "plugins": options}, environ={})
+    assert config.options("precompute_ref_batch_size").shard_size == 512
+    with pytest.raises(UsageError, match=r"shard_size` must be a positive integer, got 512\.5 \(not a whole number\)"):
+        load_config(flags={"plugins": {"precompute_ref_batch_size": {"shard_size": 512.5}}}, environ={})
+    from trl_ext.spec import Size, parse_size
+
+    assert parse_size(4e9) == parse_size(4_000_000_000) == Size("bytes", 4e9)  # a whole float is bytes, as the int
+    assert parse_size(0.25) == parse_size("0.25") == Size("fraction", 0.25)
+
+
+def test_recipe_errors_name_the_file_and_the_misspelled_section(tmp_path, monkeypatch):
+    from trl_ext.app.job_args import resolve_config
+
+    monkeypatch.delenv("TRL_EXT_SYNC_METRICS", raising=False)
+    recipe = tmp_path / "my_recipe.yaml"
+    recipe.write_text("learning_rate: 0.1\ntrl_ext:\n  sync_metrics: maybe\n")
+    with pytest.raises(UsageError, match=rf"got 'maybe' \(from the `trl_ext:` section of the recipe {recipe}\)"):
+        resolve_config(["--config", str(recipe)])
+    for key in ("trl-ext", "TRL_EXT", "trlext"):
+        recipe.write_text(f"learning_rate: 0.1\n{key}:\n  sync_metrics: true\n")
+        with pytest.raises(UsageError, match=rf"The recipe {recipe} has a key `{key}:`. Did you mean `trl_ext:`\?"):
+            resolve_config(["--config", str(recipe)])
+        with pytest.raises(UsageError, match=rf"{recipe.name}' has a key `{key}:`. Did you mean `trl_ext:`\?"):
+            load_config(recipe, environ={})  # the same file as a trl-ext config file

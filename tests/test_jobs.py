@@ -187,7 +187,8 @@ def test_online_dpo_job_from_console_script_with_reward_module_in_cwd(assets, tm
     ]
     proc = subprocess.run(args, capture_output=True, text=True, env=_env(), timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "[trl-ext] OnlineDPOTrainer ran with plugins:" in proc.stdout
+    line = next(line for line in proc.stdout.splitlines() if "[trl-ext] OnlineDPOTrainer ran with plugins:" in line)
+    assert line.endswith(" MiB resident (CPU)") and "; peak memory of a step: " in line, line
     assert CPU_LINE in proc.stderr and "TRLExperimentalWarning" not in proc.stderr
     assert str(tmp_path) not in sys.path and "my_rewards" not in sys.modules  # this process was not touched
 
@@ -378,5 +379,136 @@ def test_dpo_job_command_line_beats_environment_beats_recipe(assets, tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     line = next(line for line in proc.stdout.splitlines() if line.startswith("[trl-ext] DPOTrainer ran with plugins:"))
-    assert line == "[trl-ext] DPOTrainer ran with plugins: padding_free, sync_metrics", line
+    assert line.startswith(
+        "[trl-ext] DPOTrainer ran with plugins: padding_free, sync_metrics; peak memory of a step: "
+    )
     assert "uninstalled" not in proc.stderr  # the job's trainers are detached at its end
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# Data and path mistakes, a `save_to_disk` folder, the peak memory of a step (issue 35, items 2, 6 and 8)
+# -------------------------------------------------------------------------------------------------------------------
+
+
+def _saved(root: Path, name: str, rows: list[dict], as_dict: bool = False) -> str:
+    import datasets
+
+    dataset = datasets.Dataset.from_list(rows)
+    if not rows:
+        dataset = datasets.Dataset.from_list([{"prompt": "a", "chosen": "b", "rejected": "c"}]).filter(lambda r: False)
+    (datasets.DatasetDict({"train": dataset}) if as_dict else dataset).save_to_disk(str(root / name))
+    return str(root / name)
+
+
+def _job_argv(assets: Path, out: Path, dataset: str, model: str | None = None) -> list[str]:
+    return [
+        *("--model_name_or_path", model or str(assets / "model")),
+        *("--dataset_name", dataset, "--output_dir", str(out)),
+        *("--per_device_train_batch_size", "2", "--max_steps", "1", "--logging_steps", "1", "--max_length", "64"),
+        *("--report_to", "none", "--save_strategy", "no"),
+    ]
+
+
+def _usage_error_line(command: str, argv: list[str], capsys) -> str:
+    from trl_ext.app.cli import main
+
+    assert main([command, *argv]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("trl-ext: error: ")]
+    assert len(err) == 1, err
+    return err[0]
+
+
+@pytest.mark.parametrize("command", ["dpo", "online-dpo"])
+def test_data_and_path_mistakes_are_one_line_before_any_model_loads(command, assets, tmp_path, monkeypatch, capsys):
+    """A missing column, an empty dataset, an output folder that cannot be written, a model folder that does not
+    exist: exit code 2 and one line that names the fix, before trl-ext is installed and a model is loaded."""
+    from trl_ext.app import jobs
+
+    def installed(*args, **kwargs):
+        raise AssertionError("the job went on to install trl-ext and load the model")
+
+    monkeypatch.setattr(jobs, "_installed_for_job", installed)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)  # a model path mistake must not wait for the Hub either
+    monkeypatch.chdir(tmp_path)
+    rows = preference_rows(4, seed=1)
+    extra = (
+        ["--reward_funcs", "trl_ext.testing:length_reward", "--max_new_tokens", "4"] if command == "online-dpo" else []
+    )
+    missing = "rejected" if command == "dpo" else "prompt"
+    no_column = _saved(tmp_path, "no_column", [{k: v for k, v in r.items() if k != missing} for r in rows])
+    line = _usage_error_line(command, [*_job_argv(assets, tmp_path / "o", no_column), *extra], capsys)
+    assert f"has no `{missing}` column (its columns: " in line and "rename the column" in line
+    empty = _saved(tmp_path, "empty", [])
+    line = _usage_error_line(command, [*_job_argv(assets, tmp_path / "o", empty), *extra], capsys)
+    assert "has no rows in its `train` split" in line
+    (tmp_path / "a_file").write_text("")
+    line = _usage_error_line(command, [*_job_argv(assets, tmp_path / "a_file" / "out", no_column), *extra], capsys)
+    assert f"`--output_dir {tmp_path / 'a_file' / 'out'}` cannot be written (" in line
+    if os.geteuid() != 0:  # root writes anywhere
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        line = _usage_error_line(command, [*_job_argv(assets, locked / "out", no_column), *extra], capsys)
+        assert "cannot be written (Permission denied)" in line
+    (tmp_path / "models").mkdir()
+    for model in ("models/tiny", str(tmp_path / "nowhere"), "./tiny"):
+        line = _usage_error_line(command, [*_job_argv(assets, tmp_path / "o", no_column, model), *extra], capsys)
+        assert f"`--model_name_or_path {model}`: the folder " in line and "does not exist" in line
+    split = ["--dataset_train_split", "training"]
+    as_dict = _saved(tmp_path, "as_dict", rows, as_dict=True)
+    line = _usage_error_line(command, [*_job_argv(assets, tmp_path / "o", as_dict), *split, *extra], capsys)
+    assert "has no split `training` (its splits: train). Set `--dataset_train_split`" in line
+
+
+def test_save_to_disk_folders_load_as_the_training_split(tmp_path):
+    from trl_ext.app.job_checks import load_job_dataset
+
+    rows = preference_rows(3, seed=1)
+    for as_dict in (False, True):
+        folder = _saved(tmp_path, f"saved-{as_dict}", rows, as_dict=as_dict)
+        dataset = load_job_dataset(folder, None, "train")
+        assert list(dataset) == ["train"] and dataset["train"].to_list() == rows
+
+
+def test_dpo_job_trains_on_a_save_to_disk_folder_and_reports_the_peak_memory_of_a_step(assets, tmp_path, capsys):
+    import re
+
+    import transformers.trainer
+
+    from trl_ext.app.bench.memory import rss_mib
+    from trl_ext.app.cli import main
+
+    defaults = list(transformers.trainer.DEFAULT_CALLBACKS)
+    folder = _saved(tmp_path, "saved", preference_rows(8, seed=1), as_dict=False)
+    assert main(["dpo", *_job_argv(assets, tmp_path / "out", folder), "--trl-ext-padding-free"]) == 0
+    assert transformers.trainer.DEFAULT_CALLBACKS == defaults  # the measuring callback is gone with the job
+    out = capsys.readouterr().out
+    line = next(line for line in out.splitlines() if line.startswith("[trl-ext] DPOTrainer ran with plugins:"))
+    expected = (
+        r"\[trl-ext\] DPOTrainer ran with plugins: padding_free; peak memory of a step: (\d+) MiB resident \(CPU\)"
+    )
+    match = re.fullmatch(expected, line)
+    assert match, line
+    assert 50 < int(match.group(1)) <= rss_mib("VmPeak")  # the process' resident set: torch and the models at least
+    assert (tmp_path / "out" / "model.safetensors").exists()
+
+
+def test_recipe_mistakes_name_the_recipe(tmp_path, capsys):
+    """A bad value or key in the recipe is reported against the recipe's file, with the command line's own values
+    still reported against the command line; a misspelled `trl_ext:` key gets its right spelling."""
+    recipe = tmp_path / "my_recipe.yaml"
+    recipe.write_text(f"learning_rate: fast\noutput_dir: {tmp_path / 'o'}\n")
+    line = _usage_error_line("dpo", ["--config", str(recipe)], capsys)
+    assert f"invalid float value: 'fast' (from the recipe {recipe})" in line
+    line = _usage_error_line("dpo", ["--config", str(recipe), "--learning_rate", "slow"], capsys)
+    assert "invalid float value: 'slow' (from the command line)" in line
+    recipe.write_text(f"lerning_rate: 0.1\noutput_dir: {tmp_path / 'o'}\n")
+    line = _usage_error_line("dpo", ["--config", str(recipe)], capsys)
+    assert f"The recipe {recipe} sets ['lerning_rate']" in line and "Did you mean `learning_rate`?" in line
+    recipe.write_text(f"learning_rate: 0.1\noutput_dir: {tmp_path / 'o'}\ntrl-ext:\n  padding_free: true\n")
+    line = _usage_error_line("online-dpo", ["--config", str(recipe)], capsys)
+    assert f"The recipe {recipe} has a key `trl-ext:`. Did you mean `trl_ext:`?" in line
+    recipe.write_text(f"output_dir: {tmp_path / 'o'}\ntrl_ext:\n  fused_logprobs: 1\n  padding_free: 256.5\n")
+    line = _usage_error_line("dpo", ["--config", str(recipe)], capsys)
+    assert (
+        f"`padding_free` must be true or false, got 256.5 (from the `trl_ext:` section of the recipe {recipe})" in line
+    )

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .errors import UsageError
+from .setting_docs import refusal_note
 
 if TYPE_CHECKING:  # pragma: no cover
     from .catalog import Catalog
@@ -196,7 +197,8 @@ def _parse_flag(catalog: Catalog, name: str, value: Any, source: str) -> Any:
     try:
         return flag.parse(value)
     except ValueError:
-        raise UsageError(f"`{name}` must be {flag.parse.expects}, got {value!r} (from {source}).") from None
+        note = refusal_note(flag.parse.expects, value)
+        raise UsageError(f"`{name}` must be {flag.parse.expects}, got {value!r}{note} (from {source}).") from None
 
 
 def _parse_block(value: Any, source: str) -> list[str]:
@@ -277,11 +279,24 @@ def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise UsageError(f"trl-ext config file {str(path)!r} is not valid YAML: {exc}") from None
     if not isinstance(data, Mapping):
         raise UsageError(f"trl-ext config file {str(path)!r} must hold a mapping of flags.")
+    check_section_key(data, f"trl-ext config file {str(path)!r}")
     if "trl_ext" in data:
         data = data["trl_ext"] or {}
         if not isinstance(data, Mapping):
             raise UsageError(f"`trl_ext:` in {str(path)!r} must hold a mapping of flags.")
     return dict(data)
+
+
+def check_section_key(data: Mapping[str, Any], where: str) -> None:
+    """A key that is a misspelling of `trl_ext` (`trl-ext:`, `TRL_EXT:`, `trlext:`) is a `UsageError` that names the
+    file and the right spelling: the section would otherwise be passed on (to TRL's parser) or read as a flag."""
+    import difflib
+
+    if "trl_ext" in data:
+        return
+    for key in data:
+        if isinstance(key, str) and difflib.get_close_matches(key.lower().replace("-", "_"), ["trl_ext"], 1, 0.8):
+            raise UsageError(f"{where} has a key `{key}:`. Did you mean `trl_ext:`? (trl-ext reads its flags there.)")
 
 
 def read_env(environ: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
@@ -298,6 +313,7 @@ def load_config(
     flags: Mapping[str, Any] | None = None,
     environ: Mapping[str, str] | None = None,
     sources: Mapping[str, str] | None = None,
+    config_source: str | None = None,
 ) -> TrlExtConfig:
     """Merge the sources in the documented precedence and return a validated `TrlExtConfig`.
 
@@ -306,6 +322,7 @@ def load_config(
         flags: the highest-precedence keys (`install(**flags)`, the command line).
         environ: the environment (defaults to `os.environ`).
         sources: optional `{key: description}` naming where each of `flags` came from (e.g. "the command line").
+        config_source: where a mapping `config` came from, for error messages (e.g. the recipe's path).
     """
     environ = os.environ if environ is None else environ
     sources = sources or {}
@@ -315,7 +332,7 @@ def load_config(
     if isinstance(config, TrlExtConfig):
         layers.append((config.changed(), "the `config` TrlExtConfig"))
     elif isinstance(config, Mapping):
-        layers.append((dict(config), "the `config` mapping"))
+        layers.append((dict(config), config_source or "the `config` mapping"))
     elif isinstance(config, (str, os.PathLike)):
         layers.append((read_yaml(config), f"config file {str(config)!r}"))
     elif config is not None:

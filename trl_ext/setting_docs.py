@@ -3,11 +3,12 @@ option descriptions parsed from the options dataclass' HF-style `Args:` docstrin
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["SettingDoc", "first_sentence", "parse_args_docstring"]
+__all__ = ["SettingDoc", "first_sentence", "parse_args_docstring", "refusal_note"]
 
 
 @dataclass(frozen=True)
@@ -68,3 +69,14 @@ def parse_args_docstring(doc: str) -> dict[str, str]:
         elif current is not None:
             out[current] = (out[current] + " " + line.strip()).strip()
     return out
+
+
+def refusal_note(expects: str, value: Any) -> str:
+    """What to add to "must be <expects>, got <value>" when the value has a fraction where a whole number is
+    expected (`256.5` for "a positive integer")."""
+    try:
+        number = float(value) if isinstance(value, str) else value
+    except ValueError:
+        return ""
+    fractional = isinstance(number, float) and math.isfinite(number) and not number.is_integer()
+    return " (not a whole number)" if fractional and "integer" in expects else ""

@@ -59,7 +59,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import UsageError
-from .setting_docs import SettingDoc, first_sentence, parse_args_docstring
+from .setting_docs import SettingDoc, first_sentence, parse_args_docstring, refusal_note
 
 __all__ = [
     "Flag",
@@ -110,27 +110,31 @@ _NONE = {"none", "null"}
 def _boolean(value: Any) -> bool:
     if isinstance(value, bool):
         return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
     if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
         return value.strip().lower() in _TRUE
     raise ValueError(value)
 
 
-#: `True`/`False`, or `"true"/"false"/"1"/"0"/"yes"/"no"/"on"/"off"` in any case.
+#: `True`/`False`, `1`/`0`, or `"true"/"false"/"1"/"0"/"yes"/"no"/"on"/"off"` in any case.
 boolean = Parser(_boolean, "true or false")
 
 
 def _positive_int(value: Any) -> int:
-    if isinstance(value, str):
-        try:
-            value = int(value.strip())
-        except ValueError:
-            raise ValueError(value) from None
-    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-        return value
+    # An integral float (`256.0` from YAML or a computation, `"256.0"`) is that integer in every source; 256.5 is not.
+    try:
+        number = float(value.strip()) if isinstance(value, str) else value
+    except ValueError:
+        raise ValueError(value) from None
+    if isinstance(number, float) and math.isfinite(number) and number.is_integer() and number < 2**53:
+        number = int(number)  # below 2**53 every whole float is exact: "256" and 256.0 are the int 256
+    if isinstance(number, int) and not isinstance(number, bool) and number > 0:
+        return number
     raise ValueError(value)
 
 
-#: An integer > 0 (`8`, `"8"`).
+#: An integer > 0 (`8`, `8.0`, `"8"`); `8.5` is refused.
 positive_int = Parser(_positive_int, "a positive integer")
 
 
@@ -226,7 +230,7 @@ _UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
 def parse_size(value: Any) -> Size:
     """The one size grammar of trl-ext.
 
-    - bytes: an `int` (`1 << 30`), or a string with an optional unit: `"4GB"`, `"512MiB"`, `"1.5 GiB"`, `"1000"`;
+    - bytes: an `int` or whole `float` > 1 (`1 << 30`, `4e9`), a string with a unit: `"4GB"`, `"512MiB"`, `"1000"`;
     - a fraction: a `float` in (0, 1] (`0.25`), the same as a string (`"0.25"`), or a percentage (`"25%"`).
 
     Raises `ValueError` for anything else (booleans, zero, negative sizes, unknown units).
@@ -238,8 +242,8 @@ def parse_size(value: Any) -> Size:
             return Size("bytes", float(value))
         raise ValueError(value)
     if isinstance(value, float):
-        if 0 < value <= 1:
-            return Size("fraction", value)
+        if 0 < value <= 1 or (math.isfinite(value) and value.is_integer() and value > 1):
+            return Size("fraction" if value <= 1 else "bytes", value)  # 4e9: whole bytes, as the int 4000000000
         raise ValueError(value)
     if isinstance(value, str):
         compact = value.strip().lower().replace(" ", "")
@@ -434,7 +438,8 @@ class PluginSpec:
                     value = parser(value)
                 except ValueError:
                     raise UsageError(
-                        f"`plugins.{self.name}.{key}` must be {parser.expects}, got {value!r} (from {source})."
+                        f"`plugins.{self.name}.{key}` must be {parser.expects}, got {value!r}"
+                        f"{refusal_note(parser.expects, value)} (from {source})."
                     ) from None
             values[key] = value
         try:

@@ -1,4 +1,4 @@
-"""The `trl-ext` command line: `trl-ext plugins`, `trl-ext doctor`."""
+"""The `trl-ext` command line: `trl-ext plugins [NAME]`, `trl-ext doctor`."""
 
 from __future__ import annotations
 
@@ -23,6 +23,8 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
     env_block = _parse_block(os.environ.get("TRL_EXT_BLOCK", ""), "environment variable $TRL_EXT_BLOCK")
     args.block = list(dict.fromkeys([*(args.block or ()), *env_block]))
     catalog = load_catalog(args.block)[0]
+    if args.name:
+        return _plugin_page(catalog, args.name)
     trl_version = _compat.installed_version("trl")
     trl_ok = _compat.is_supported_trl(trl_version)
     rows = []
@@ -55,11 +57,45 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
         print(f"\n{name}: {info.summary}" if info.summary else f"\n{name}:")
         if not info.flags:
             print(f"  enabled by naming it: `plugins: {{{name}: {{...}}}}`")
-        for doc in info.settings:
-            key = doc.name if doc.kind == "flag" else f"plugins.{name}.{doc.name}"
-            print(f"  {doc.kind:<6} {key}: {doc.accepts}; default {doc.default_text()}. {doc.help}".rstrip())
+        _print_settings(info)
     for name, why in sorted(catalog.broken.items()):
         print(f"\n{name}: NOT LOADED ({why})")
+    return 0
+
+
+def _print_settings(info) -> None:
+    for doc in info.settings:
+        key = doc.name if doc.kind == "flag" else f"plugins.{info.name}.{doc.name}"
+        print(f"  {doc.kind:<6} {key}: {doc.accepts}; default {doc.default_text()}. {doc.help}".rstrip())
+
+
+def _plugin_page(catalog, name: str) -> int:
+    """`trl-ext plugins NAME`: the plugin's documentation (its module docstring) and its flags and options."""
+    import difflib
+    import inspect
+
+    from ..catalog import plugin_info
+
+    if name not in catalog.specs:
+        if name in catalog.broken:
+            raise UsageError(catalog.broken_message(name))
+        close = difflib.get_close_matches(name, list(catalog.specs), n=1)
+        hint = f" Did you mean `{close[0]}`?" if close else ""
+        blocked = " It is blocked." if name in catalog.blocked else ""
+        raise UsageError(
+            f"No trl-ext plugin `{name}`.{blocked}{hint} Installed: {', '.join(catalog.specs) or 'none'} "
+            "(`trl-ext plugins` lists them)."
+        )
+    info = plugin_info(catalog, name)
+    kind = "built-in" if info.builtin else f"third-party ({info.source})"
+    trainers = ", ".join(info.trainers) if info.trainers else "every trainer trl-ext attaches to"
+    print(f"{name} ({kind}; applies to {trainers})\n")
+    doc = inspect.getdoc(catalog.plugins[name]) or info.summary or "(no documentation)"
+    print(doc.rstrip() + "\n")
+    print("Flags and options (what each accepts, its default):")
+    if not info.flags:
+        print(f"  enabled by naming it: `plugins: {{{name}: {{...}}}}`")
+    _print_settings(info)
     return 0
 
 
@@ -143,6 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "plugins", help="list built-in and installed third-party plugins, their flags, and whether each applies"
     )
+    p.add_argument("name", nargs="?", help="one plugin: its documentation, flags and options")
     p.add_argument("--block", action="append", metavar="NAME", help="leave plugin NAME out (repeatable)")
     p.set_defaults(func=_cmd_plugins)
     d = sub.add_parser("doctor", help="print versions, whether they are supported, and the attention backends")

@@ -5,13 +5,14 @@ arguments parsed like `trl <command>` does, with CPU defaults on a machine witho
 from __future__ import annotations
 
 import os
+import re
 import sys
 import tempfile
 import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from ..config import TrlExtConfig, load_config
+from ..config import TrlExtConfig, check_section_key, load_config
 from ..errors import UsageError
 
 __all__ = [
@@ -19,6 +20,7 @@ __all__ = [
     "cpu_note",
     "is_main_process",
     "parse_job_args",
+    "recipe_path",
     "resolve_config",
     "split_argv",
     "split_yaml_config",
@@ -89,6 +91,10 @@ def split_yaml_config(argv: list[str]) -> tuple[dict[str, Any] | None, list[str]
             recipe = yaml.safe_load(f) or {}
     except OSError as exc:
         raise UsageError(f"Cannot read the recipe `--config {path}`: {exc}") from None
+    except yaml.YAMLError as exc:
+        raise UsageError(f"The recipe `--config {path}` is not valid YAML: {exc}") from None
+    if isinstance(recipe, dict):
+        check_section_key(recipe, f"The recipe {path}")
     if not isinstance(recipe, dict) or "trl_ext" not in recipe:
         return None, argv, None
     section = recipe.pop("trl_ext") or {}
@@ -99,8 +105,14 @@ def split_yaml_config(argv: list[str]) -> tuple[dict[str, Any] | None, list[str]
     return section, argv, stripped
 
 
+def recipe_path(argv: Sequence[str]) -> str | None:
+    argv = list(argv)
+    return argv[argv.index("--config") + 1] if "--config" in argv[:-1] else None
+
+
 def resolve_config(argv: Sequence[str]) -> tuple[TrlExtConfig, list[str], str | None]:
     flags, rest = split_argv(argv)
+    recipe = recipe_path(rest)
     section, rest, stripped = split_yaml_config(rest)
     own_file = flags.pop("config", None)
     base: Any = section
@@ -111,18 +123,27 @@ def resolve_config(argv: Sequence[str]) -> tuple[TrlExtConfig, list[str], str | 
     sources = {name: f"the command line (--trl_ext_{name})" for name in flags}
     # The one merge of the job's sources: command line > TRL_EXT_* environment > recipe > defaults. The result is
     # installed as it is (`install_config`), so the environment is not applied a second time over the command line.
-    return load_config(base, flags=flags, sources=sources), rest, stripped
+    where = f"the `trl_ext:` section of the recipe {recipe}" if section is not None else None
+    try:
+        return load_config(base, flags=flags, sources=sources, config_source=where), rest, stripped
+    except BaseException:
+        if stripped:
+            os.unlink(stripped)
+        raise
 
 
 def _flag_lines() -> list[tuple[str, str]]:
     """`(option, help)` for every trl-ext flag the installed plugins declare, plus the core keys."""
     from ..manager import load_catalog
+    from ..setting_docs import SettingDoc
 
     catalog = load_catalog(warn=False)[0]
     lines = []
     for name, (flag, owner) in catalog.flags.items():
         value = "[BOOL]" if flag.cli_const is True and flag.default is False else "VALUE"
-        lines.append((f"--trl-ext-{name.replace('_', '-')} {value}", f"{flag.help} (plugin `{owner}`)"))
+        default = SettingDoc("flag", name, flag.parse.expects, flag.default, flag.help).default_text()
+        what = f"{flag.help.rstrip('.')}. Accepts {flag.parse.expects}; default {default} (plugin `{owner}`)."
+        lines.append((f"--trl-ext-{name.replace('_', '-')} {value}", what))
     lines.append(
         ("--trl-ext-plugins JSON", 'Options by plugin name, e.g. \'{"padding_free": {"attention": "dense"}}\'.')
     )
@@ -146,7 +167,7 @@ def add_trl_ext_help(parser: Any, command: str) -> None:
         "trl-ext flags",
         "Also spelled --trl_ext_<flag>; a boolean flag alone means true. The same flags go under `trl_ext:` in the "
         "recipe or in TRL_EXT_<FLAG> variables (command line > environment > recipe). `trl-ext plugins` lists the "
-        "plugins' options.",
+        "plugins' options; `trl-ext plugins NAME` shows one plugin's page.",
     )
     for option, help_text in rows:
         action = group.add_argument(
@@ -232,15 +253,25 @@ def _read_recipe(argv: Sequence[str]) -> dict[str, Any] | None:
     return recipe if isinstance(recipe, dict) else None
 
 
-def parse_job_args(parser: Any, command: str, rest: list[str], deepspeed: bool) -> tuple[Any, ...]:
+def parse_job_args(
+    parser: Any, command: str, rest: list[str], deepspeed: bool, recipe: str | None = None
+) -> tuple[Any, ...]:
     """Parse TRL's arguments like `trl <command>` does, with trl-ext's help group and CPU defaults; bad arguments
-    give one `UsageError` line naming their source instead of a traceback."""
+    give one `UsageError` line naming their source (`recipe`: the user's recipe path) instead of a traceback."""
     import difflib
 
     add_trl_ext_help(parser, command)
 
+    recipe_keys = set(_read_recipe(rest) or ())
+
     def error(message: str) -> None:
-        raise UsageError(f"{message} (from the command line). `trl-ext {command} --help` lists the arguments.")
+        # argparse names the argument ("argument --learning_rate/--learning-rate: invalid float value"); a value the
+        # command line does not give came from the recipe.
+        named = {n.replace("-", "_") for n in re.findall(r"--([\w-]+)", message.split(":", 1)[0])}
+        source = "the command line"
+        if named & recipe_keys and not named & _explicit_keys(rest, None):
+            source = f"the recipe {recipe or recipe_path(rest)}"
+        raise UsageError(f"{message} (from {source}). `trl-ext {command} --help` lists the arguments.")
 
     parser.error = error
     helping = any(token in ("-h", "--help") for token in rest)
@@ -268,8 +299,12 @@ def parse_job_args(parser: Any, command: str, rest: list[str], deepspeed: bool) 
         )
     if from_recipe:
         keys = [token[2:] for token in from_recipe if token.startswith("--")]
+        dests = [action.dest for action in parser._actions]
+        close = difflib.get_close_matches(keys[0], dests, n=1) if keys else []
+        hint = f" Did you mean `{close[0]}`?" if close else ""
         raise UsageError(
-            f"The recipe (--config) sets {keys}, which are no `trl-ext {command}` arguments. (`trl {command}` "
+            f"The recipe {recipe or recipe_path(rest)} sets {keys}, which are no `trl-ext {command}` arguments.{hint} "
+            f"(`trl {command}` "
             "passes such keys to `accelerate launch`; with trl-ext, launch yourself: `accelerate launch ... "
             f"$(which trl-ext) {command} ...`.)"
         )

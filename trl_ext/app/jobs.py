@@ -22,7 +22,8 @@ from typing import Any
 from .._logging import get_logger
 from ..config import TrlExtConfig
 from ..errors import UsageError
-from .job_args import is_main_process, parse_job_args, resolve_config
+from .job_args import is_main_process, parse_job_args, recipe_path, resolve_config
+from .job_checks import check_dataset, check_output_dir, check_path, load_job_dataset
 
 logger = get_logger(__name__)
 
@@ -61,14 +62,22 @@ def _use_configured_state(parser: Any) -> None:
     parser.set_defaults_with_config(accelerator_config={"use_configured_state": True})
 
 
-def _report(installation, trainer_class: str) -> None:
+def _report(installation, trainer_class: str, steps: list[Any]) -> None:
+    """One line per trainer of the job's class: the plugins it ran with and the peak memory of its steps (`steps`:
+    the `StepPeakMemory` of the trainers that trained, in the order they were built), then each plugin's summary."""
     if not is_main_process():
         return
-    if not installation.records:  # no enabled plugin applies to the job's trainer: trl-ext did not attach to it
-        print(f"[trl-ext] {trainer_class} ran with plugins: none", flush=True)
-    for record in installation.records:
+    trained = [m for m in steps if m.peak_bytes is not None]
+    records = installation.records
+    if not any(r["trainer"] == trainer_class for r in records):
+        # no enabled plugin applies to the job's trainer: trl-ext did not attach to it
+        records = [{"trainer": trainer_class, "plugins": [], "summaries": {}}, *records]
+    for record in records:
         plugins = ", ".join(record["plugins"]) or "none"
-        print(f"[trl-ext] {record['trainer']} ran with plugins: {plugins}", flush=True)
+        memory = ""
+        if record["trainer"] == trainer_class and trained:
+            memory = f"; {trained.pop(0).text()}"
+        print(f"[trl-ext] {record['trainer']} ran with plugins: {plugins}{memory}", flush=True)
         for name, summary in record["summaries"].items():
             print(f"[trl-ext]   {name}: {summary}", flush=True)
 
@@ -83,13 +92,56 @@ def run_dpo(argv: Sequence[str]) -> int:
     if cpu_deepspeed:
         _use_configured_state(parser)
     try:
-        script_args, training_args, model_args, dataset_args = parse_job_args(parser, "dpo", rest, _deepspeed())
+        script_args, training_args, model_args, dataset_args = parse_job_args(
+            parser, "dpo", rest, _deepspeed(), recipe_path(argv)
+        )
     finally:
         if stripped:
             os.unlink(stripped)
-    with _installed_for_job(config, cpu_deepspeed, "DPOTrainer"):
+    # Before a model is loaded: a data or path mistake is one line that names the fix.
+    _check_paths(training_args, model_args.model_name_or_path, "dpo")
+    dataset = None
+    if script_args.dataset_name and not dataset_args.datasets:
+        dataset = _job_dataset(script_args, training_args, "dpo", getattr(script_args, "dataset_streaming", False))
+    with _installed_for_job(config, cpu_deepspeed, "DPOTrainer"), _handed_to_trl(dataset, script_args.dataset_name):
         dpo_script.main(script_args, training_args, model_args, dataset_args)
     return 0
+
+
+def _check_paths(training_args: Any, model: str | None, command: str) -> None:
+    if not model:
+        raise UsageError(f"`trl-ext {command}` needs `--model_name_or_path` (a model folder or a Hub id).")
+    check_path(model, "--model_name_or_path", "model")
+    check_output_dir(training_args.output_dir)
+
+
+def _job_dataset(script_args: Any, training_args: Any, command: str, streaming: bool = False) -> Any:
+    """`--dataset_name` loaded (a `save_to_disk` folder included) and checked: splits, rows, columns."""
+    name, train = script_args.dataset_name, script_args.dataset_train_split
+    dataset = load_job_dataset(name, script_args.dataset_config, train, streaming)
+    test = script_args.dataset_test_split if training_args.eval_strategy != "no" else None
+    check_dataset(dataset, command, name, train, test)
+    return dataset
+
+
+@contextlib.contextmanager
+def _handed_to_trl(dataset: Any, name: str | None):
+    """TRL's script calls `datasets.load_dataset(--dataset_name ...)`: it gets the dataset loaded and checked here."""
+    if dataset is None:
+        yield
+        return
+    import datasets
+
+    original = datasets.load_dataset
+
+    def load_dataset(path: Any, *args: Any, **kwargs: Any) -> Any:
+        return dataset if path == name else original(path, *args, **kwargs)
+
+    datasets.load_dataset = load_dataset
+    try:
+        yield
+    finally:
+        datasets.load_dataset = original
 
 
 @dataclasses.dataclass
@@ -97,7 +149,8 @@ class OnlineDPOScriptArguments:
     """Arguments of `trl-ext online-dpo` besides `OnlineDPOConfig` and `ModelConfig`.
 
     Args:
-        dataset_name (`str`): A dataset `datasets.load_dataset` can open (a local path works) with a `prompt` column.
+        dataset_name (`str`): A dataset with a `prompt` column: a Hub id, a local folder `datasets.load_dataset` can
+            open, or a folder written by `save_to_disk`.
         dataset_config (`str`, *optional*): Dataset configuration name.
         dataset_train_split (`str`, *optional*, defaults to `"train"`): Split to train on.
         dataset_test_split (`str`, *optional*, defaults to `"test"`): Split to evaluate on.
@@ -115,6 +168,7 @@ class OnlineDPOScriptArguments:
 
 def _load_reward(spec: str) -> Any:
     """`module:function` (modules in the current directory are found, as with `python -m`), or a model path/id."""
+    check_path(spec if ":" not in spec else None, "--reward_funcs", "reward model")
     if ":" in spec and not os.path.exists(spec):
         module_name, _, attr = spec.partition(":")
         cwd = os.getcwd()
@@ -136,7 +190,6 @@ def _load_reward(spec: str) -> Any:
 
 def run_online_dpo(argv: Sequence[str]) -> int:
     """`trl-ext online-dpo ...`: a minimal Online DPO script (TRL ships none) with trl-ext installed."""
-    from datasets import load_dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import ModelConfig, TrlParser
 
@@ -152,7 +205,9 @@ def run_online_dpo(argv: Sequence[str]) -> int:
     if cpu_deepspeed:
         _use_configured_state(parser)
     try:
-        script_args, training_args, model_args = parse_job_args(parser, "online-dpo", rest, _deepspeed())
+        script_args, training_args, model_args = parse_job_args(
+            parser, "online-dpo", rest, _deepspeed(), recipe_path(argv)
+        )
     finally:
         if stripped:
             os.unlink(stripped)
@@ -160,8 +215,11 @@ def run_online_dpo(argv: Sequence[str]) -> int:
         raise UsageError("`trl-ext online-dpo` needs `--dataset_name` (a dataset with a `prompt` column).")
     if not script_args.reward_funcs:
         raise UsageError("`trl-ext online-dpo` needs `--reward_funcs` (`module:function` or a reward model path).")
-    if not model_args.model_name_or_path:
-        raise UsageError("`trl-ext online-dpo` needs `--model_name_or_path`.")
+    # Before a model is loaded: a data or path mistake is one line that names the fix.
+    _check_paths(training_args, model_args.model_name_or_path, "online-dpo")
+    check_path(script_args.ref_model_name_or_path, "--ref_model_name_or_path", "model")
+    reward_funcs = [_load_reward(spec) for spec in script_args.reward_funcs]
+    dataset = _job_dataset(script_args, training_args, "online-dpo")
     with _installed_for_job(config, cpu_deepspeed, "OnlineDPOTrainer"):
         init_kwargs = dict(dtype=model_args.dtype, attn_implementation=model_args.attn_implementation)
         init_kwargs = {k: v for k, v in init_kwargs.items() if v is not None}
@@ -169,11 +227,10 @@ def run_online_dpo(argv: Sequence[str]) -> int:
         ref_path = script_args.ref_model_name_or_path or model_args.model_name_or_path
         ref_model = AutoModelForCausalLM.from_pretrained(ref_path, **init_kwargs)
         tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path, padding_side="left")
-        dataset = load_dataset(script_args.dataset_name, name=script_args.dataset_config)
         trainer = OnlineDPOTrainer(
             model=model,
             ref_model=ref_model,
-            reward_funcs=[_load_reward(spec) for spec in script_args.reward_funcs],
+            reward_funcs=reward_funcs,
             args=training_args,
             train_dataset=dataset[script_args.dataset_train_split],
             eval_dataset=dataset[script_args.dataset_test_split] if training_args.eval_strategy != "no" else None,
@@ -190,12 +247,14 @@ def _installed_for_job(config: TrlExtConfig, cpu_deepspeed: bool, trainer_class:
     """trl-ext installed for the job (exactly `config`, merged once); afterwards report the plugins each trainer ran
     with, uninstall, and on CPU DeepSpeed end the process the safe way."""
     from ..installation import install_config
+    from .step_memory import measuring_steps
 
     installation = install_config(config)
     installation.keep_records = True
     try:
-        yield installation
-        _report(installation, trainer_class)
+        with measuring_steps() as steps:
+            yield installation
+        _report(installation, trainer_class, steps)
     finally:
         # The job is over: its trainers are detached with the uninstall, so no "trainers keep their plugins" line.
         installation.uninstall(detach=True)

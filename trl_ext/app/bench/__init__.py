@@ -3,10 +3,10 @@
 With no arguments it builds a small Llama from a config and a synthetic preference dataset with realistic skewed
 (lognormal) lengths, so nothing is downloaded. For each plugin that applies it measures stock and trl-ext on the same
 data and weights in a fixed number of interleaved rounds (stock, trl-ext, trl-ext, stock, ...), and prints the
-median of the per-round ratios with its spread, flagging a ratio above its theoretical bound, below 1, or with a wide
-spread. Every verdict is computed from the numbers: results that should agree ("same losses", "same values", "same
-tokens") are compared against a stated tolerance and flagged when they do not, and a speed ratio says "faster" or
-"slower" only when its interquartile range is on one side of 1:
+median of the per-round ratios with its spread, flagging a ratio above its theoretical bound, slower (its whole
+interquartile range below 1), or with a wide spread. Every verdict is computed from the numbers: results that should
+agree ("same losses", "same values", "same tokens") are compared against a stated tolerance and flagged when they do
+not, and a speed ratio says "faster" or "slower" only when its interquartile range is on one side of 1:
 
 - DPO training step throughput (`padding_free`), plus the per-batch losses of both sides (they must agree);
 - reference precompute time (`precompute_ref_batch_size`, same batch size as stock, and `"auto"`);
@@ -17,9 +17,11 @@ tokens") are compared against a stated tolerance and flagged when they do not, a
 - the Online DPO training step without generation, stock against `fused_logprobs`: time, peak memory, log-probs,
   loss and gradients.
 
-It writes `report.json`, `table.md` (the table in Markdown) and `bench.png` (one panel per section, error bars =
-interquartile range) to `--out`. The statistics live in `stats`, the sections in `sections` and `plugin_sections`,
-the table, headline and plot in `report`; this module is the command line.
+It writes `report.json` and `table.md` (the table in Markdown) to `--out` as each section finishes, and at the end
+`bench.png` (one panel per section, error bars = interquartile range) where matplotlib is installed
+(`pip install "trl-ext[bench]"`); a section that needs what is not installed (DeepSpeed, for ZeRO-3 generation) is
+a "skipped" row of the table that says what to install. The statistics live in `stats`, the sections in `sections`
+and `plugin_sections`, the table, headline and plot in `report`; this module is the command line.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from ... import __version__, _compat
 from ...errors import UsageError
 from . import plugin_sections, sections
 from . import report as output
+from .stats import progress
 
 #: Wall time of `trl-ext bench --quick` on 2 shared CPU cores, measured (`report.json`'s `wall_seconds` of the run
 #: recorded in `benchmarks/results/bench_quick.json`); `--help` and the README state it.
@@ -109,6 +112,49 @@ def main(argv: Sequence[str] | None = None) -> int:
         "fused_logprobs": "fused_logprobs",
     }
     available = load_catalog()[0].flags
+    can_plot = output.matplotlib_missing() is None
+    if not can_plot:
+        progress(output.matplotlib_missing() or "")
+    finished = False
+    try:
+        _run_sections(report, wanted, flag_of, available, setup, args, rounds, started, load_start)
+        finished = True
+    finally:
+        # Whatever happens (a crash, Ctrl-C), the sections that finished are in report.json and table.md.
+        _write(report, setup.out, started, load_start, plot=finished and can_plot, complete=finished)
+    load = report["load_average"]
+    print(
+        f"trl-ext bench — trl {report['trl']}, {report['model']}; load average {load['start']} -> {load['end']} "
+        f"on {load['cores']} cores"
+    )
+    print(output.text_table(report))
+    flagged = [name for name, s in report["sections"].items() if output.section_flags(s)]
+    if flagged:
+        print(f"!! flagged (see the ratio column): {', '.join(flagged)}")
+    plot = f"plot: {setup.out / 'bench.png'}" if can_plot else output.matplotlib_missing()
+    print(
+        f"report: {setup.out / 'report.json'}  table: {setup.out / 'table.md'}  {plot}  "
+        f"({report['wall_seconds']:.0f} s)"
+    )
+    failed = [name for name, s in report["sections"].items() if "error" in s]
+    return 1 if failed else 0
+
+
+def _write(report: dict[str, Any], out: Any, started: float, load_start: float | None, plot: bool, complete: bool):
+    """report.json and table.md as they stand (the sections finished so far), and bench.png when asked."""
+    report["complete"] = complete
+    report["load_average"] = {"start": load_start, "end": _load_average(), "cores": os.cpu_count()}
+    report["headline"] = output.headline(report)
+    report["peak_rss_mb"] = sections.peak_rss_mb()
+    if plot:
+        output.plot(report, out / "bench.png")
+    report["wall_seconds"] = time.perf_counter() - started
+    (out / "report.json").write_text(json.dumps(report, indent=2, default=str))
+    (out / "table.md").write_text(output.markdown_table(report) + "\n")
+
+
+def _run_sections(report, wanted, flag_of, available, setup, args, rounds, started, load_start) -> None:
+    """Run the wanted sections in turn, writing report.json and table.md after each."""
     for section in wanted:
         if flag_of[section] not in available:
             report["sections"][section] = {"skipped": f"no installed plugin provides `{flag_of[section]}`"}
@@ -131,28 +177,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 report["sections"][section] = plugin_sections.fused_logprobs(setup, rounds, args.quick)
         except Exception as exc:  # noqa: BLE001 - one failing section must not hide the others
             report["sections"][section] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
-    report["load_average"] = {"start": load_start, "end": _load_average(), "cores": os.cpu_count()}
-    report["headline"] = output.headline(report)
-    report["peak_rss_mb"] = sections.peak_rss_mb()
-    output.plot(report, setup.out / "bench.png")
-    report["wall_seconds"] = time.perf_counter() - started
-    (setup.out / "report.json").write_text(json.dumps(report, indent=2, default=str))
-    (setup.out / "table.md").write_text(output.markdown_table(report) + "\n")
-    load = report["load_average"]
-    print(
-        f"trl-ext bench — trl {report['trl']}, {report['model']}; load average {load['start']} -> {load['end']} "
-        f"on {load['cores']} cores"
-    )
-    print(output.text_table(report))
-    flagged = [name for name, s in report["sections"].items() if output.section_flags(s)]
-    if flagged:
-        print(f"!! flagged (see the ratio column): {', '.join(flagged)}")
-    print(
-        f"report: {setup.out / 'report.json'}  table: {setup.out / 'table.md'}  plot: {setup.out / 'bench.png'}  "
-        f"({report['wall_seconds']:.0f} s)"
-    )
-    failed = [name for name, s in report["sections"].items() if "error" in s]
-    return 1 if failed else 0
+        _write(report, setup.out, started, load_start, plot=False, complete=False)
+        progress(f"{section}: done; {setup.out / 'report.json'} and {setup.out / 'table.md'} written")
 
 
 def _load_average() -> float | None:

@@ -51,21 +51,24 @@ def _rows(report: dict[str, Any]) -> list[tuple[str, str, str, str, list[str]]]:
         )
     pc = sections.get("precompute")
     if pc and "error" not in pc and "skipped" not in pc:
+        cpu = pc.get("clock") == "cpu"  # process CPU time (recorded runs before it: wall time)
+        unit = "CPU s" if cpu else "s"
+        wall = f"; wall time {pc['wall_speedup']:.2f}x (shared machine: for reference)" if cpu else ""
         rows.append(
             (
-                f"ref precompute, {pc['pairs']} pairs, batch {pc['batch_size']} (s)",
+                f"ref precompute, {pc['pairs']} pairs, batch {pc['batch_size']} ({unit})",
                 f"{statistics.median(pc['stock']['seconds']):.2f}",
                 f"{statistics.median(pc['trl_ext']['seconds']):.2f}",
-                ratio_text(pc["speedup"]),
+                ratio_text(pc["speedup"]) + wall,
                 pc["speedup"]["flags"],
             )
         )
         rows.append(
             (
-                'ref precompute, "auto" (s)',
+                f'ref precompute, "auto" ({unit})',
                 "",
                 f"{statistics.median(pc['trl_ext_auto']['seconds']):.2f}",
-                ratio_text(pc["speedup_auto"]),
+                ratio_text(pc["speedup_auto"]) + _auto_choice(pc["trl_ext_auto"].get("batch_tokens")),
                 pc["speedup_auto"]["flags"],
             )
         )
@@ -122,9 +125,32 @@ def _rows(report: dict[str, Any]) -> list[tuple[str, str, str, str, list[str]]]:
         rows.append(("ZeRO-3 generation: greedy tokens", "", "", ge["tokens"]["text"], []))
     rows.extend(_plugin_rows(sections))
     for name, section in sections.items():
-        if "error" in section or "skipped" in section:
-            rows.append((name, "", "", section.get("error") or section["skipped"], []))
+        if "skipped" in section:
+            rows.append((f"{name}: skipped", "", "", section["skipped"], []))
+        elif "error" in section:
+            rows.append((f"{name}: FAILED", "", "", section["error"], ["SECTION FAILED: the error is on this row"]))
     return rows
+
+
+#: How to get what the bench needs beyond trl-ext itself (the `bench` and `deepspeed` extras).
+BENCH_EXTRA = 'pip install "trl-ext[bench]"; from a clone: pip install -c constraints.txt -e ".[bench]"'
+
+
+def matplotlib_missing() -> str | None:
+    """The one line that says `bench.png` is not drawn and how to get matplotlib; None when it is installed."""
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is not None:
+        return None
+    return f"bench.png not drawn: matplotlib is not installed ({BENCH_EXTRA})"
+
+
+def _auto_choice(tokens: list[Any] | None) -> str:
+    """What "auto" chose in the rounds (tokens per batch, from a probe of the free memory, so it can vary)."""
+    kept = sorted({int(t) for t in tokens or () if t})
+    if not kept:
+        return ""
+    return f"; auto chose {kept[0]}" + (f"-{kept[-1]}" if len(kept) > 1 else "") + " tokens per batch"
 
 
 def _peak(values: list[float | None]) -> str:
@@ -224,10 +250,11 @@ def markdown_table(report: dict[str, Any]) -> str:
         return text.replace("|", "\\|")
 
     load = report["load_average"]
+    incomplete = "" if report.get("complete", True) else "; INCOMPLETE: the sections finished so far"
     caption = (
         f"`trl-ext bench{' --quick' if report['quick'] else ''}` on trl {report['trl']}, torch {report['torch']} "
         f"({load['cores']} CPU cores, load average {load['start']} -> {load['end']}; {report['model']}; "
-        f"{report['rounds']} rounds; {report['wall_seconds']:.0f} s wall):"
+        f"{report['rounds']} rounds; {report['wall_seconds']:.0f} s wall{incomplete}):"
     )
     lines = [caption, "", "| " + " | ".join(_HEADER) + " |", "|---|---|---|---|"]
     for measure, stock, ext, text, flags in _rows(report):
@@ -276,6 +303,15 @@ COLOURS = {"stock": "#7f7f7f", "trl_ext": "#d62728", "auto": "#ff7f0e", "bound":
 
 def plot(report: dict[str, Any], path: Path) -> None:
     """`bench.png`: one panel per section, error bars = interquartile range of the per-round ratios."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(report)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def figure(report: dict[str, Any]) -> Any:
+    """The figure of `bench.png` (needs matplotlib)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -390,9 +426,12 @@ def plot(report: dict[str, Any], path: Path) -> None:
         ax.set_ylabel(f"vs {baseline}")
     for ax in axes:
         handles, labels = ax.get_legend_handles_labels()
+        top = ax.dataLim.y1 if handles else 1.0
+        # Headroom above the bars, their error bars and flag notes for the legend (one text line per entry), so that
+        # the legend never covers what is plotted.
+        ax.set_ylim(0, max(top, 1e-9) * (1.3 + 0.1 * len(handles)))
         if handles:
             ax.legend(fontsize=7, loc="upper left")
-        ax.set_ylim(bottom=0)
     load = report.get("load_average", {})
     fig.suptitle(
         f"trl-ext bench — trl {report['trl']}, {report['model']}; error bars: interquartile range of per-round "
@@ -401,5 +440,4 @@ def plot(report: dict[str, Any], path: Path) -> None:
         fontsize=9,
     )
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return fig

@@ -33,7 +33,7 @@ def summarize(ratios: Sequence[float], bound: float | None = None) -> dict[str, 
     flags = []
     if bound is not None and median > bound * 1.02:
         flags.append(f"ABOVE BOUND {bound:.2f}x: a measuring error")
-    if median < 1:
+    if q3 < 1:  # as `direction`: slower only when the whole interquartile range is below 1
         flags.append("SLOWER than stock")
     if spread > WIDE_SPREAD:
         flags.append(f"WIDE SPREAD ({spread:.0%}): rerun on a quieter machine or with more --rounds")
