@@ -474,7 +474,7 @@ def test_dpo_job_trains_on_a_save_to_disk_folder_and_reports_the_peak_memory_of_
 
     import transformers.trainer
 
-    from trl_ext.app.bench.memory import rss_mib
+    from trl_ext._peak_memory import rss_mib
     from trl_ext.app.cli import main
 
     defaults = list(transformers.trainer.DEFAULT_CALLBACKS)

@@ -11,6 +11,7 @@ import importlib
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -445,3 +446,22 @@ def test_enabled_plugins_accepts_classes_and_instances(tokenizer, dpo_args):
         for bad in ("SFTTrainer", "DPOTrainr", dict):
             with pytest.raises(UsageError, match="not a trainer trl-ext attaches to"):
                 installation.enabled_plugins(bad)
+
+
+def test_train_ends_with_one_line_giving_the_peak_memory(tokenizer, dpo_args, trl_ext_log):
+    """When `train()` returns, one line per trainer names its plugins and the peak memory of the work in `train()`
+    (the resident set on CPU; what `trl_ext._peak_memory.PeakMemory` reads), from the main process."""
+    with trl_ext.install(padding_free=True):
+        trainer = _dpo(tokenizer, dpo_args)
+    trl_ext_log.clear()
+    trainer.train()
+    lines = [r.getMessage() for r in trl_ext_log.records if "during train()" in r.getMessage()]
+    assert len(lines) == 1
+    match = re.fullmatch(
+        r"trl-ext: DPOTrainer trained with plugins padding_free; peak memory (\d+) MiB resident \(CPU\) during "
+        r"train\(\)",
+        lines[0],
+    )
+    assert match and int(match.group(1)) > 0, lines[0]
+    trainer.evaluate()  # evaluation alone logs no such line
+    assert len([r for r in trl_ext_log.records if "during train()" in r.getMessage()]) == 1

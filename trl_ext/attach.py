@@ -14,7 +14,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from . import _compat
-from ._logging import get_logger
+from ._logging import NOTICE, get_logger, is_main_process
+from ._peak_memory import PeakMemory
 from .context import TrainerContext, live_contexts
 from .errors import UsageError
 from .patching import resolve
@@ -123,14 +124,26 @@ def attach_after_init(ctx: TrainerContext) -> None:
     trainer = ctx.trainer
     ctx.patcher.setattr(trainer, "log", _log_wrapper(ctx, trainer.log))
     for entry in ("train", "evaluate", "predict"):
-        ctx.patcher.setattr(trainer, entry, _running_wrapper(ctx, getattr(trainer, entry)))
+        ctx.patcher.setattr(trainer, entry, _running_wrapper(ctx, getattr(trainer, entry), entry == "train"))
 
 
-def _running_wrapper(ctx: TrainerContext, original):
+def _running_wrapper(ctx: TrainerContext, original, training: bool = False):
     @functools.wraps(original)
     def entry_point(*args, **kwargs):
-        with ctx.running():
-            return original(*args, **kwargs)
+        if not training:
+            with ctx.running():
+                return original(*args, **kwargs)
+        with ctx.running(), PeakMemory(ctx.trainer.args.device) as peak:
+            result = original(*args, **kwargs)
+        if is_main_process():
+            logger.log(
+                NOTICE,
+                "trl-ext: %s trained with plugins %s; %s during train()",
+                ctx.trainer_class,
+                ", ".join(ctx.enabled) or "none",
+                peak.text(),
+            )
+        return result
 
     return entry_point
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from .bench.memory import reset_peak_rss, rss_mib
+from .._peak_memory import reset_peak_rss, rss_mib
 
 __all__ = ["StepPeakMemory", "measuring_steps"]
 

@@ -19,7 +19,7 @@ import time
 import types
 from typing import Any
 
-from .memory import reset_peak_rss, rss_mib
+from ..._peak_memory import reset_peak_rss, rss_mib
 from .sections import Setup
 from .stats import against, agreement, interleave, progress, ratios, summarize
 

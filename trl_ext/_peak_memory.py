@@ -1,0 +1,69 @@
+"""Peak memory of this process: the resident set on Linux (reset the high-water mark, read it back) and the CUDA
+allocator's peak. The line each trainer logs when `train()` returns, the bench and `benchmarks/` measure memory this
+way."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def rss_mib(field: str = "VmHWM") -> float | None:
+    """`VmHWM` (peak RSS since the last reset) or `VmRSS` (current RSS) of this process in MiB; None where
+    `/proc/self/status` does not say."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(f"{field}:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+def reset_peak_rss() -> float | None:
+    """Reset the peak-RSS counter (`clear_refs` 5, Linux >= 4.0); the current RSS in MiB, or None where this cannot
+    be measured."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return None
+    return rss_mib("VmRSS")
+
+
+class PeakMemory:
+    """The peak memory of a span of work on `device`: allocated by the CUDA allocator on a CUDA device (its peak
+    reset when the span starts), the process's resident set on CPU (its high-water mark reset). `text()` is the
+    phrase the log line uses."""
+
+    def __init__(self, device: Any) -> None:
+        import torch
+
+        self.cuda = getattr(device, "type", None) == "cuda" and torch.cuda.is_available()
+        self.device = device
+        self.peak_bytes: float | None = None
+
+    def __enter__(self) -> PeakMemory:
+        if self.cuda:
+            import torch
+
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            reset_peak_rss()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.cuda:
+            import torch
+
+            self.peak_bytes = float(torch.cuda.max_memory_allocated(self.device))
+        else:
+            mib = rss_mib("VmHWM")
+            self.peak_bytes = None if mib is None else mib * 2**20
+
+    def text(self) -> str:
+        if self.peak_bytes is None:
+            return "peak memory not measured on this platform"
+        size = self.peak_bytes
+        amount = f"{size / 2**30:.2f} GiB" if size >= 2**30 else f"{size / 2**20:.0f} MiB"
+        return f"peak memory {amount} " + (f"allocated on {self.device}" if self.cuda else "resident (CPU)")
