@@ -129,8 +129,17 @@ def dpo_run(dpo_args, tokenizer, dpo_dataset):
     return run
 
 
-@pytest.mark.parametrize("dtype", sorted(DTYPES))
-@pytest.mark.parametrize("plugin", sorted(DPO_PLUGINS))
+def _cases(plugins: dict, fast: tuple[str, str]) -> list:
+    """(plugin, dtype) pairs; all but `fast` are marked slow (the fast loop keeps one case per trainer; CI runs all,
+    on every TRL release of the version matrix too)."""
+    return [
+        pytest.param(plugin, dtype, marks=() if (plugin, dtype) == fast else pytest.mark.slow)
+        for plugin in sorted(plugins)
+        for dtype in sorted(DTYPES)
+    ]
+
+
+@pytest.mark.parametrize(("plugin", "dtype"), _cases(DPO_PLUGINS, ("padding_free", "bf16")))
 def test_dpo_first_step_equals_stock_in_16_bits(dpo_run, plugin, dtype):
     from trl_ext import UsageError, _compat
 
@@ -213,8 +222,7 @@ def online_run(online_dpo_args, tokenizer, monkeypatch):
     return run
 
 
-@pytest.mark.parametrize("dtype", sorted(DTYPES))
-@pytest.mark.parametrize("plugin", sorted(ONLINE_PLUGINS))
+@pytest.mark.parametrize(("plugin", "dtype"), _cases(ONLINE_PLUGINS, ("prompt_sharing", "bf16")))
 def test_online_dpo_first_step_equals_stock_in_16_bits(online_run, plugin, dtype):
     stock32, logps32 = online_run(None)
     stock16, logps16 = online_run(dtype)
