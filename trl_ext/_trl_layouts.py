@@ -124,7 +124,7 @@ DPO_UNKNOWN_LOGITS_HELPERS = TrlFact(
     "a DPO layout outside those of trl 1.10-1.16",
     f"this TRL's DPOTrainer neither scores with the fused LM head (`{DPO_FUSED_HEAD_HELPER}`) nor reads its logits "
     f"through `{DPO_LOGPROBS_HELPER}` and one of {list(DPO_ENTROPY_HELPERS)} (the layouts of TRL 1.10-1.14); train "
-    "without fused_logprobs, or use a TRL in trl-ext's range",
+    "without the plugin named above, or use a TRL in trl-ext's range",
 )
 #: Every fact above, by name (the version matrix checks that each refusal names one of these).
 TRL_FACTS = {fact.name: fact for fact in (DPO_FUSED_HEAD_WITHOUT_KERNEL, DPO_UNKNOWN_LOGITS_HELPERS)}
