@@ -190,7 +190,7 @@ def _assert_fused(c, record: dict) -> None:
     recomputation, under FSDP2 unsharded by the root's pre-backward hook); DPO on TRL >= 1.15: left to TRL."""
     fused, head = record["fused_logprobs"], record["head"]
     if c.trainer == "dpo" and TRL_DPO_FUSED_HEAD:
-        assert fused["describe"] == "TRL's own fused LM head", fused
+        assert fused["describe"] == "left TRL's own fused LM head in place", fused
         assert fused["fused_calls"] == 0 and fused["chunks"] == {} and fused["self_checks"] == [], fused
         return
     assert fused["chunks"] == {"policy": FUSED_CHUNK, "ref": FUSED_CHUNK}, fused
