@@ -102,9 +102,9 @@ per batch): no host synchronisation per layer.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from typing import Any
 
+from ..._lazy import lazy_getattr
 from ...spec import Flag, Parser, PluginSpec, boolean, one_of
 from .._roles import PACKING
 
@@ -157,10 +157,4 @@ TRL_EXT_PLUGIN = PluginSpec(
 )
 
 
-def __getattr__(name: str) -> Any:
-    """The implementation's names (`padding_free.PaddingFreeState`, ...): `.hooks` is imported on first use only,
-    so that reading the declaration above imports no torch."""
-    if name.startswith("__"):
-        raise AttributeError(name)
-    hooks = importlib.import_module(f"{__name__}.hooks")
-    return hooks if name == "hooks" else getattr(hooks, name)
+__getattr__ = lazy_getattr(__name__, rest="hooks")  # the implementation's names, imported on first use only
