@@ -90,7 +90,7 @@ def test_self_check_sees_a_window_that_lives_only_in_the_mask():
     """Driven directly: the sized probe (one sequence as long as training's) finds the window the packed call loses;
     the old fixed probe of 9/6/11 tokens, shorter than the window, passed it."""
     from trl_ext.plugins._probe import declared_localities, probe_lengths
-    from trl_ext.plugins.padding_free.self_check import self_check
+    from trl_ext.plugins.padding_free.selfcheck import self_check
 
     model = _mask_window_model(16).eval()
     lengths = probe_lengths(40, declared_localities(model.config), 2048)

@@ -50,7 +50,7 @@ Options (`plugins: {padding_free: {...}}`):
   attention sinks apply inside each sequence). One log line per trainer says which runs and why. `"fused"` requires
   the kernel (a `UsageError` before the first step where it cannot run), `"segments"` forces the per-segment loop,
   `"dense"` uses transformers' block-diagonal mask. Flash-attention models always use their own varlen kernels.
-- `self_check` (`"auto"` or `true`, defaults to `"auto"`): run the self-check (`self_check.py`) for every model, not
+- `self_check` (`"auto"` or `true`, defaults to `"auto"`): run the self-check (`selfcheck.py`) for every model, not
   only for those whose `model_type` is not in the verified table (`architecture.VERIFIED_MODEL_TYPES`).
 
 Which models pack exactly is decided by mechanism (`architecture.py`), not by name: attention decoders with
