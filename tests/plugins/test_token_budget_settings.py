@@ -230,7 +230,7 @@ def test_dispatched_examples_survive_concatenation_and_slicing(dpo_args, tokeniz
             again = trainer.data_collator(decoded)
             for key in ("input_ids", "attention_mask", "completion_mask"):
                 assert torch.equal(again[key], batches[rank][key]), (mode, key)
-        with pytest.raises(RuntimeError, match="not one whole batch"):
+        with pytest.raises(UsageError, match="not one whole batch"):
             examples_of(slice_tensors(both, slice(2, 6))[EXAMPLES_KEY])
 
 

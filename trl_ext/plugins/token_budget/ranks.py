@@ -13,6 +13,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ...errors import InternalError
 from .cut import Layout, MicroBatch, Pair, check_example, pair_length, plan, tokens
 
 
@@ -44,7 +45,7 @@ def global_pairs(
     as `Pair`s whose `batch` is `rank * slots + slot`, and the size of each such stock micro-batch."""
     slots = {len(part) for part in examples}
     if len(slots) != 1:
-        raise RuntimeError(f"token_budget: ranks fetched different numbers of stock micro-batches for a step: {slots}")
+        raise InternalError(f"token_budget: ranks fetched different numbers of stock micro-batches in a step: {slots}")
     pairs = []
     sizes = []
     for r, rank in enumerate(examples):

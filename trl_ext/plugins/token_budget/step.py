@@ -28,6 +28,7 @@ import torch
 
 from ..._logging import get_logger, is_main_process
 from ..._shared import Ranks
+from ...errors import InternalError, UsageError
 from ...patching import Patcher
 from . import sft
 from .cut import EXAMPLES_KEY, Layout, MicroBatch, cut_step, padded_multiple, spread, tokens
@@ -99,9 +100,10 @@ class TokenBudgetState:
 
     def cut(self, batches: list[dict[str, Any]]) -> list[Slot]:
         if any(EXAMPLES_KEY not in batch for batch in batches):
-            raise RuntimeError(
-                "token_budget: this training batch carries no examples; the loader was not built by the trainer's "
-                "`get_train_dataloader`."
+            raise UsageError(
+                "token_budget: this training batch carries no examples, so its loader was not built by the trainer's "
+                "own `get_train_dataloader` (which token_budget wraps). Build the training loader with the trainer's "
+                "`get_train_dataloader` (do not override it or pass batches of your own), or disable token_budget."
             )
         examples = [examples_of(batch[EXAMPLES_KEY]) for batch in batches]
         stock = [{key: value for key, value in batch.items() if key != EXAMPLES_KEY} for batch in batches]
@@ -413,7 +415,7 @@ class TokenBudgetState:
                 appended[name] = values[before.get(name, 0) :]
                 del values[before.get(name, 0) :]
         if not outputs:
-            raise RuntimeError("token_budget: the policy forward of DPOTrainer._compute_loss was not seen.")
+            raise InternalError("token_budget: the policy forward of DPOTrainer._compute_loss was not seen")
         if isinstance(self.active, Padding):
             # run to keep the ranks in step: its pairs and tokens are counted by the micro-batch it repeats
             self.padding_tokens += getattr(trainer, "_total_train_tokens", 0) - tokens_before
