@@ -239,6 +239,30 @@ def test_dispatched_examples_survive_concatenation_and_slicing(dpo_args, tokeniz
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+def test_batches_the_trainers_loader_did_not_build_or_that_count_labels_are_usage_errors(dpo_args, tokenizer):
+    """Two settings of the user's own that token_budget cannot cut by, each refused with its fix: a training batch
+    that does not come from the trainer's `get_train_dataloader` (no examples), and batches with `labels` that the
+    Trainer counts for loss scaling (`num_items_in_batch`)."""
+    from trl import DPOTrainer
+
+    from trl_ext.plugins.token_budget.step import TokenBudgetState
+
+    with pytest.raises(UsageError, match="get_train_dataloader"):
+        TokenBudgetState.cut(None, [{"input_ids": torch.ones(2, 3, dtype=torch.long)}])  # refused before `self`
+    with trl_ext.install(**{PLUGIN: BUDGET}):
+        trainer = DPOTrainer(
+            make_model(dtype=torch.float64, hidden_size=32),
+            ref_model=make_model(dtype=torch.float64, hidden_size=32, seed=1),
+            args=dpo_args(),
+            train_dataset=make_preference_dataset(8),
+            processing_class=tokenizer,
+        )
+        trainer.model_accepts_loss_kwargs = True  # as a model whose forward takes `num_items_in_batch`
+        batch = {"input_ids": torch.ones(2, 3, dtype=torch.long), "labels": torch.ones(2, 3, dtype=torch.long)}
+        with pytest.raises(UsageError, match="no `labels` key, or disable token_budget"):
+            trainer.get_batch_samples(iter([batch]), 1, trainer.args.device)
+
+
 def test_flag_needs_a_value():
     from trl_ext.app.job_args import split_argv
     from trl_ext.config import load_config

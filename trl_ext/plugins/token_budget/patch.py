@@ -61,9 +61,10 @@ def install(trainer: Any, patcher: Any, state: TokenBudgetState) -> None:
         batches, num_items_in_batch = original_get_batch_samples(epoch_iterator, num_batches, *args, **kwargs)
         if num_items_in_batch is not None:
             raise UsageError(
-                "token_budget: the training batches carry `labels`, so the Trainer counts their items for loss "
-                "scaling (`num_items_in_batch`), which DPO does not use and token_budget cannot keep for the "
-                "micro-batches it cuts. Use a data collator that returns no `labels` key, or disable token_budget."
+                "token_budget: the training batches carry `labels` and the model takes loss kwargs (or a "
+                "`compute_loss_func` is set), so the Trainer counts their items for loss scaling "
+                "(`num_items_in_batch`), which DPO does not use and token_budget cannot keep for the micro-batches it "
+                "cuts. Use a data collator that returns no `labels` key, or disable token_budget."
             )
         return (state.cut(batches) if batches else batches), None
 
