@@ -27,7 +27,7 @@ PLUGIN_SOURCE = '''
 from dataclasses import dataclass, field
 
 import trl_ext
-from trl_ext.spec import Flag, PluginSpec, boolean, positive_int
+from trl_ext.api import Flag, PluginSpec, boolean, positive_int
 
 
 @dataclass(frozen=True)

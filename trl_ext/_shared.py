@@ -80,6 +80,17 @@ class Ranks:
         (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, vec)
         return out.view(self.world, vec.numel())
 
+    def max(self, value: int, device: Any) -> int:
+        """The largest integer `value` over the ranks (one `all_reduce(MAX)` of a one-element tensor on `device`)."""
+        if self.world == 1:
+            return int(value)
+        import torch
+        import torch.distributed as dist
+
+        tensor = torch.tensor([int(value)], dtype=torch.int64, device=device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return int(tensor.item())
+
     def all_true(self, flag: bool, device: Any) -> bool:
         """True only if `flag` is True on every rank (one `all_reduce(MIN)` of a one-element tensor on `device`)."""
         return self._reduce_flag(flag, device, "MIN")

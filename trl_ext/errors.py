@@ -1,8 +1,11 @@
-"""The one exception type users of trl-ext see for their own mistakes."""
+"""trl-ext's two exception types: `UsageError` for the user's own settings, `InternalError` for trl-ext's bugs."""
 
 from __future__ import annotations
 
-__all__ = ["UsageError"]
+__all__ = ["REPORT", "InternalError", "UsageError"]
+
+#: How every `InternalError` message ends.
+REPORT = "this is a trl-ext bug; please report it"
 
 
 class UsageError(ValueError):
@@ -11,3 +14,16 @@ class UsageError(ValueError):
     The message always names the flag (or plugin) and says what to do instead. It subclasses `ValueError` so code
     that already catches TRL's own configuration errors keeps working.
     """
+
+
+class InternalError(RuntimeError):
+    """An invariant of trl-ext's own that does not hold: nothing the user set can cause it, so nothing the user sets
+    fixes it. The message says what broke and ends with `REPORT` (a message on several lines gets it on a line of its
+    own). A `RuntimeError`, as Python's own errors of this kind are.
+    """
+
+    def __init__(self, message: str) -> None:
+        message = message.rstrip()
+        if message.endswith(".") and not message.endswith(".."):  # one sentence, continued by REPORT
+            message = message[:-1]
+        super().__init__(f"{message}\n{REPORT}" if "\n" in message else f"{message}; {REPORT}")

@@ -19,7 +19,7 @@ def _measure_reused_hole(monkeypatch, trim: bool) -> float:
     earlier = [torch.ones(16 * 1024) for _ in range(600)]  # 64 KiB each: from the C heap, not mmap
     pin = torch.ones(16 * 1024)  # above them, so that freeing them leaves a hole the heap cannot give back itself
     del earlier
-    with _memory.PeakMemory(torch.device("cpu")) as peak:
+    with _memory.ExtraMemory(torch.device("cpu")) as peak:
         again = [torch.ones(16 * 1024) for _ in range(600)]
     del again, pin
     return peak.used / 2**20

@@ -90,7 +90,7 @@ def test_self_check_sees_a_window_that_lives_only_in_the_mask():
     """Driven directly: the sized probe (one sequence as long as training's) finds the window the packed call loses;
     the old fixed probe of 9/6/11 tokens, shorter than the window, passed it."""
     from trl_ext.plugins._probe import declared_localities, probe_lengths
-    from trl_ext.plugins.padding_free.self_check import self_check
+    from trl_ext.plugins.padding_free.selfcheck import self_check
 
     model = _mask_window_model(16).eval()
     lengths = probe_lengths(40, declared_localities(model.config), 2048)
@@ -184,3 +184,18 @@ def test_a_batch_longer_than_mpts_alibi_table_trains_in_several_packed_rows(toke
     assert state.packed_calls - calls >= 2 * 2  # reference and policy forwards, each in at least two packed rows
     losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
     assert len(losses) == 1 and losses[0] == losses[0] and abs(losses[0]) < 1e3  # a finite loss was logged
+
+
+class _AttentionWithoutModule(torch.nn.Module):
+    """An attention layer whose modeling module (this test file) defines no `eager_attention_forward`."""
+
+
+def test_eager_attention_without_its_module_function_is_a_usage_error():
+    from transformers.models.llama import modeling_llama
+
+    from trl_ext.plugins._packing.attention import base_attention
+
+    layer = modeling_llama.LlamaAttention(make_model().config, layer_idx=0)
+    assert base_attention("eager", layer) is modeling_llama.eager_attention_forward
+    with pytest.raises(UsageError, match='_AttentionWithoutModule runs `eager`.*attn_implementation="sdpa"'):
+        base_attention("eager", _AttentionWithoutModule())

@@ -274,7 +274,7 @@ class _TokenShift(torch.nn.Module):
 def test_self_check_catches_a_leak(build, dtype, caplog):
     """A deliberately leaking model (a token shift hidden in an MLP, which no inspection recognises) fails the
     self-check, in float32 and in bfloat16, naming the layer; the same model without the shift passes."""
-    from trl_ext.plugins.padding_free.self_check import self_check
+    from trl_ext.plugins.padding_free.selfcheck import self_check
 
     with trl_ext.install(padding_free=True, plugins={"padding_free": {"self_check": True}}):
         with caplog.at_level(logging.INFO, logger="trl_ext"):

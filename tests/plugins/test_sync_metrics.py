@@ -642,3 +642,17 @@ def test_float64_per_pair_metrics_keep_float64(dpo_args, tokenizer):
     plugin, stock = run(True), run(False)
     for key in ("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected"):
         assert plugin[key] == pytest.approx(stock[key], rel=rel, abs=1e-15), key
+
+
+def test_a_batch_entry_laid_out_neither_per_sequence_nor_per_pair_is_a_usage_error():
+    """The real pairs of an epoch's uneven last batch are sliced from each entry by its layout; an entry of a custom
+    collator laid out otherwise is the user's setting, refused with its fix."""
+    from trl_ext import UsageError
+    from trl_ext.plugins.sync_metrics.dpo import _slice_pairs
+
+    batch = {"input_ids": torch.arange(8).view(4, 2), "ref_chosen_logps": torch.zeros(2), "trl_ext_index": None}
+    sliced = _slice_pairs(batch, 1)  # 2 pairs -> the first: rows 0 and 2, one per-pair value, metadata dropped
+    assert sliced["input_ids"].tolist() == [[0, 1], [4, 5]] and sliced["ref_chosen_logps"].shape == (1,)
+    assert "trl_ext_index" not in sliced
+    with pytest.raises(UsageError, match="'weights' is not laid out per sequence.*or disable sync_metrics"):
+        _slice_pairs({**batch, "weights": torch.zeros(3)}, 1)

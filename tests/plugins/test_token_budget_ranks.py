@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from trl_ext._shared import Ranks
 from trl_ext.plugins.token_budget.cut import MicroBatch, Pair, tokens
 from trl_ext.plugins.token_budget.metrics import PAIR_METRICS, ROW_SUMS, stock_values, stock_values_of_pairs
-from trl_ext.plugins.token_budget.ranks import Padding, Ranks, balanced_plan, global_pairs, pad_to
+from trl_ext.plugins.token_budget.ranks import Padding, balanced_plan, global_pairs, pad_to
 from trl_ext.testing import make_model
 
 
@@ -91,9 +92,16 @@ def test_balanced_plan_keeps_weights_apart_and_balances_tokens():
     assert all(len({[2, 1][p.batch] for p in run}) == 1 for run in runs)
 
 
-def test_ranks_of_one_process_need_no_collective():
-    ranks = Ranks(1, 0, "cpu")
-    assert ranks.max(3) == 3 and ranks.gather({"a": 1}) == [{"a": 1}]
+def test_ranks_of_one_process_need_no_collective(monkeypatch):
+    """token_budget's collectives are the shared `Ranks`'; with one process they call no `torch.distributed`."""
+
+    def no_collective(*args, **kwargs):
+        raise AssertionError("a collective ran with one process")
+
+    for name in ("all_reduce", "all_gather_object"):
+        monkeypatch.setattr(torch.distributed, name, no_collective)
+    ranks = Ranks(1, 0)
+    assert ranks.max(3, "cpu") == 3 and ranks.all_gather({"a": 1}) == [{"a": 1}]
 
 
 def _values(n: int, seed: int) -> dict[str, torch.Tensor]:
@@ -285,7 +293,7 @@ def test_train_summary_reports_the_rank_balance():
         rank_tokens=[(600, 500.0), (300, 200.0), (100, 100.0)],
         budget=128,
         packed=Layout.PACKED,
-        ranks=SimpleNamespace(size=2),
+        ranks=SimpleNamespace(world=2),
     )
     assert summary(state, 3) is None
     assert summary(state, 1) == (

@@ -230,13 +230,37 @@ def test_dispatched_examples_survive_concatenation_and_slicing(dpo_args, tokeniz
             again = trainer.data_collator(decoded)
             for key in ("input_ids", "attention_mask", "completion_mask"):
                 assert torch.equal(again[key], batches[rank][key]), (mode, key)
-        with pytest.raises(RuntimeError, match="not one whole batch"):
+        with pytest.raises(UsageError, match="not one whole batch"):
             examples_of(slice_tensors(both, slice(2, 6))[EXAMPLES_KEY])
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # What the plugin says (issue 35)
 # ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_batches_the_trainers_loader_did_not_build_or_that_count_labels_are_usage_errors(dpo_args, tokenizer):
+    """Two settings of the user's own that token_budget cannot cut by, each refused with its fix: a training batch
+    that does not come from the trainer's `get_train_dataloader` (no examples), and batches with `labels` that the
+    Trainer counts for loss scaling (`num_items_in_batch`)."""
+    from trl import DPOTrainer
+
+    from trl_ext.plugins.token_budget.step import TokenBudgetState
+
+    with pytest.raises(UsageError, match="get_train_dataloader"):
+        TokenBudgetState.cut(None, [{"input_ids": torch.ones(2, 3, dtype=torch.long)}])  # refused before `self`
+    with trl_ext.install(**{PLUGIN: BUDGET}):
+        trainer = DPOTrainer(
+            make_model(dtype=torch.float64, hidden_size=32),
+            ref_model=make_model(dtype=torch.float64, hidden_size=32, seed=1),
+            args=dpo_args(),
+            train_dataset=make_preference_dataset(8),
+            processing_class=tokenizer,
+        )
+        trainer.model_accepts_loss_kwargs = True  # as a model whose forward takes `num_items_in_batch`
+        batch = {"input_ids": torch.ones(2, 3, dtype=torch.long), "labels": torch.ones(2, 3, dtype=torch.long)}
+        with pytest.raises(UsageError, match="no `labels` key, or disable token_budget"):
+            trainer.get_batch_samples(iter([batch]), 1, trainer.args.device)
 
 
 def test_flag_needs_a_value():

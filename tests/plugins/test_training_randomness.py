@@ -167,7 +167,7 @@ def test_padding_free_self_check_in_training_mode_sees_a_training_only_leak():
     """A layer that mixes the row only in training mode (here: a hook that adds the row's mean in training) is
     invisible to an eval-mode self-check; run in training mode, as the policy trains, the self-check names it."""
     from trl_ext.plugins import padding_free as pf
-    from trl_ext.plugins.padding_free.self_check import self_check
+    from trl_ext.plugins.padding_free.selfcheck import self_check
 
     model = _llama()
     mlp = model.model.layers[0].mlp

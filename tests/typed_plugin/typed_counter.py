@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import trl_ext
 from trl_ext import Flag, Installation, PluginSpec, TrainerContext, TrlExtConfig, UsageError
-from trl_ext.spec import boolean, positive_int
+from trl_ext.api import PACKING, boolean, positive_int
 
 if TYPE_CHECKING:
     from transformers import Trainer
@@ -68,7 +68,7 @@ def trl_ext_trainer_init_end(trainer: Trainer, context: TrainerContext) -> None:
 
 @trl_ext.hookimpl
 def trl_ext_describe(trainer: Trainer, context: TrainerContext) -> str | None:
-    roles: tuple[str, ...] = context.plugins_serving("packing")  # WRONG: list[str]
+    roles: tuple[str, ...] = context.plugins_serving(PACKING)  # WRONG: list[str]
     return f"every {_options(context.config).every} logging steps; packing by {', '.join(roles) or 'none'}"
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from .._shared import free_memory_bytes
 
-__all__ = ["GPU_MEMORY_FRACTION", "PeakMemory", "budget_bytes", "over_budget"]
+__all__ = ["GPU_MEMORY_FRACTION", "ExtraMemory", "budget_bytes", "over_budget"]
 
 #: Share of the free GPU memory a probe may fill.
 GPU_MEMORY_FRACTION = 0.9
@@ -50,9 +50,10 @@ def _release_free_heap() -> None:
 _MALLOC_TRIM: Any = None
 
 
-class PeakMemory:
+class ExtraMemory:
     """Extra memory one forward needs beyond what the process holds before it (GPU: allocator; CPU: peak RSS, the
-    allocator's free memory released first)."""
+    allocator's free memory released first). Not `trl_ext._peak_memory.PeakMemory`, the peak of a whole span (the
+    line `train()` ends with)."""
 
     def __init__(self, device) -> None:
         self.device = device

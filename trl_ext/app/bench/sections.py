@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ...errors import InternalError
 from .stats import agreement, interleave, padding_bounds, progress, ratios, summarize
 
 _WORKER = "trl_ext.app._bench_worker"
@@ -305,7 +306,7 @@ def generation(setup: Setup, quick: bool) -> dict[str, Any]:
     env = dict(os.environ, OMP_NUM_THREADS="1", TQDM_DISABLE="1", ACCELERATE_USE_DEEPSPEED="true")
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1200)
     if proc.returncode != 0 or not out.exists():
-        raise RuntimeError(f"ZeRO-3 generation run failed:\n{proc.stderr[-3000:]}")
+        raise InternalError(f"ZeRO-3 generation run failed:\n{proc.stderr[-3000:]}")
     report = json.loads(out.read_text())
     base = report["modes"][0]
     for mode in report["modes"]:
@@ -327,7 +328,7 @@ def run_collectives(out: Path, extra: Sequence[str] = ()) -> dict[str, Any]:
     env = dict(os.environ, OMP_NUM_THREADS="1", TQDM_DISABLE="1")
     proc = subprocess.run([*cmd, *extra], capture_output=True, text=True, env=env, timeout=1800)
     if proc.returncode != 0 or not out.exists():
-        raise RuntimeError(f"2-process run failed:\n{proc.stderr[-3000:]}")
+        raise InternalError(f"2-process run failed:\n{proc.stderr[-3000:]}")
     return json.loads(out.read_text())
 
 

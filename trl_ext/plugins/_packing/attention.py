@@ -39,7 +39,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ... import _compat
-from ...errors import UsageError
+from ...errors import InternalError, UsageError
 from . import kernels
 from .kernels import packed_segments, run_packed
 from .metadata import PACKED_BOUNDS, PACKED_CALL, PACKED_CU
@@ -77,7 +77,11 @@ def base_attention(base: str, module: torch.nn.Module) -> Callable:
         # the one of its own module, exactly as `ALL_ATTENTION_FUNCTIONS.get_interface(name, eager_attention_forward)`.
         fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
         if fn is None:
-            raise RuntimeError(f"trl-ext: no eager attention found for {type(module).__name__}")
+            raise UsageError(
+                f"packing: {type(module).__name__} runs `eager` attention but its modeling module defines no "
+                "`eager_attention_forward` for the packed call to run; load the model with "
+                '`attn_implementation="sdpa"`, or disable padding_free / prompt_sharing.'
+            )
         return fn
     return ALL_ATTENTION_FUNCTIONS[base]
 
@@ -227,7 +231,7 @@ def _make_varlen_attention(base: str) -> Callable:
                 module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
             )
         if query.shape[0] != 1 or query.shape[2] != key.shape[2] or query.shape[2] != bounds[-1]:
-            raise RuntimeError(
+            raise InternalError(
                 f"packing: varlen attention expects one packed row of {bounds[-1]} tokens and no cache, got "
                 f"query {tuple(query.shape)} and key {tuple(key.shape)} in {type(module).__name__}"
             )
@@ -290,7 +294,7 @@ def _mask_pattern(kwargs: dict[str, Any], start: int, end: int) -> torch.Tensor:
         device=kwargs.get("device", "cpu"),
     )
     if pattern is None:  # not returned with allow_is_causal_skip=False; kept for the type checker
-        raise RuntimeError("transformers' sdpa_mask returned no mask with allow_is_causal_skip=False")
+        raise InternalError("transformers' sdpa_mask returned no mask with allow_is_causal_skip=False")
     return pattern.bool()
 
 
@@ -304,7 +308,7 @@ def _packed_mask(kwargs: dict[str, Any], bounds: list[int] | None, base: str) ->
     own = getattr(config, "model_type", None) in _compat.OWN_ATTENTION_MODEL_TYPES
     n, kv = kwargs.get("q_length"), kwargs.get("kv_length")
     if bounds is None or n != bounds[-1] or kv != n or kwargs.get("q_offset", 0) or kwargs.get("kv_offset", 0):
-        raise RuntimeError(
+        raise InternalError(
             f"packing: a packed forward of {type(config).__name__} builds a mask for {n} x {kv} tokens, not for "
             f"the packed row of {None if bounds is None else bounds[-1]} tokens"
         )

@@ -67,8 +67,8 @@ DeepSpeed 0.19.8).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
+from ..._lazy import lazy_getattr
 from ..._shared import free_memory_bytes
 from ...spec import Flag, PluginSpec, Size, boolean, either, non_negative_float, one_of, optional, size
 from .budget import BudgetPlan, decoder_layers, external_params, param_bytes
@@ -126,12 +126,4 @@ TRL_EXT_PLUGIN = PluginSpec(
 )
 
 
-def __getattr__(name: str) -> Any:
-    """The implementation's names: `.hooks` is imported on first use only, so that reading the declaration above
-    stays cheap."""
-    if name.startswith("__"):
-        raise AttributeError(name)
-    import importlib
-
-    hooks = importlib.import_module(f"{__name__}.hooks")
-    return hooks if name == "hooks" else getattr(hooks, name)
+__getattr__ = lazy_getattr(__name__, rest="hooks")  # the implementation's names, imported on first use only

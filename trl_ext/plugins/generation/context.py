@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from ... import _compat
 from ..._shared import Ranks, free_memory_bytes
 from ...context import unwrap_causal_lm
+from ...errors import InternalError
 from .budget import BudgetPlan, fmt, param_bytes
 from .deepspeed import gather_all, is_zero3_engine, stream, zero3_offload
 
@@ -36,7 +37,7 @@ class GenerationContext:
 
     def __enter__(self) -> Any:
         if self._stack is not None:
-            raise RuntimeError("trl-ext generation context entered twice; create a new one per generation")
+            raise InternalError("generation: a generation context was entered twice (trl-ext makes one per call)")
         self._stack = ExitStack()
         try:
             unwrapped = self._enter(self._stack)

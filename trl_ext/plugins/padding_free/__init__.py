@@ -50,7 +50,7 @@ Options (`plugins: {padding_free: {...}}`):
   attention sinks apply inside each sequence). One log line per trainer says which runs and why. `"fused"` requires
   the kernel (a `UsageError` before the first step where it cannot run), `"segments"` forces the per-segment loop,
   `"dense"` uses transformers' block-diagonal mask. Flash-attention models always use their own varlen kernels.
-- `self_check` (`"auto"` or `true`, defaults to `"auto"`): run the self-check (`self_check.py`) for every model, not
+- `self_check` (`"auto"` or `true`, defaults to `"auto"`): run the self-check (`selfcheck.py`) for every model, not
   only for those whose `model_type` is not in the verified table (`architecture.VERIFIED_MODEL_TYPES`).
 
 Which models pack exactly is decided by mechanism (`architecture.py`), not by name: attention decoders with
@@ -102,9 +102,9 @@ per batch): no host synchronisation per layer.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from typing import Any
 
+from ..._lazy import lazy_getattr
 from ...spec import Flag, Parser, PluginSpec, boolean, one_of
 from .._roles import PACKING
 
@@ -157,10 +157,4 @@ TRL_EXT_PLUGIN = PluginSpec(
 )
 
 
-def __getattr__(name: str) -> Any:
-    """The implementation's names (`padding_free.PaddingFreeState`, ...): `.hooks` is imported on first use only,
-    so that reading the declaration above imports no torch."""
-    if name.startswith("__"):
-        raise AttributeError(name)
-    hooks = importlib.import_module(f"{__name__}.hooks")
-    return hooks if name == "hooks" else getattr(hooks, name)
+__getattr__ = lazy_getattr(__name__, rest="hooks")  # the implementation's names, imported on first use only

@@ -42,7 +42,7 @@ from .._probe import STOCK_CALL, model_probe_lengths
 from .._randomness import RandomDraw, training_draws
 from . import NAME, PaddingFreeOptions
 from .architecture import Inspection, inspect_model
-from .self_check import SelfCheckResult, random_draws_notice, self_check
+from .selfcheck import SelfCheckResult, random_draws_notice, self_check
 
 if TYPE_CHECKING:  # pragma: no cover
     from transformers import Trainer

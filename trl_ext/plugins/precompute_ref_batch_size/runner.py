@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from ... import _compat
 from ..._logging import get_logger
 from ..._shared import Ranks
+from ...errors import InternalError
 from .._roles import PACKING
 from .cache import REF_COLUMNS, CacheEntry, cache_key, scan_dataset
 from .plan import BatchPlan, concat_results
@@ -310,7 +311,7 @@ class Precompute:
             if progress is not None:
                 progress.close()
         if not done.all():  # pragma: no cover - a planning bug; never hand out NaNs
-            raise RuntimeError(f"trl-ext `{NAME}`: {int((~done).sum())} pairs were not computed")
+            raise InternalError(f"trl-ext `{NAME}`: {int((~done).sum())} pairs were not computed")
         return chosen, rejected
 
     def _progress(self, total: int, initial: int):

@@ -8,7 +8,7 @@ import time
 
 from ... import _compat
 from ..._logging import NOTICE, get_logger
-from .._memory import PeakMemory, budget_bytes, over_budget
+from .._memory import ExtraMemory, budget_bytes, over_budget
 from .plan import concat_results
 
 NAME = "precompute_ref_batch_size"
@@ -190,7 +190,7 @@ def measured_forward(run, model, batch, device, strict: bool):
     import torch
 
     try:
-        with PeakMemory(device) as peak:
+        with ExtraMemory(device) as peak:
             result = run.forward(model, batch)
     except torch.OutOfMemoryError as exc:
         if strict:

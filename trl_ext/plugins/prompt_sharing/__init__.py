@@ -94,6 +94,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from ..._lazy import lazy_getattr
 from ...spec import Flag, Parser, PluginSpec, boolean, one_of
 from .._roles import PACKING
 
@@ -141,12 +142,4 @@ TRL_EXT_PLUGIN = PluginSpec(
 )
 
 
-def __getattr__(name: str) -> Any:
-    """The implementation's names: `.hooks` is imported on first use only, so that reading the declaration above
-    stays cheap."""
-    if name.startswith("__"):
-        raise AttributeError(name)
-    import importlib
-
-    hooks = importlib.import_module(f"{__name__}.hooks")
-    return hooks if name == "hooks" else getattr(hooks, name)
+__getattr__ = lazy_getattr(__name__, rest="hooks")  # the implementation's names, imported on first use only

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ...errors import UsageError
+from ...errors import InternalError, UsageError
 from .._packing import kernels
 from .._packing.attention import (
     VARLEN_BASES,
@@ -295,7 +295,7 @@ def _make_shared_attention(base: str) -> Callable:
                 module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
             )
         if attention_mask is not None or query.shape[0] != 1 or query.shape[2] != key.shape[2]:
-            raise RuntimeError(
+            raise InternalError(
                 "prompt_sharing: the shared attention expects one shared row, no mask and no cache, got query "
                 f"{tuple(query.shape)}, key {tuple(key.shape)}, mask "
                 f"{None if attention_mask is None else tuple(attention_mask.shape)}"

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from ..._logging import get_logger
+from ...errors import InternalError
 from .._online_forward import ScoringCall, verify_against_trl
 from .._packing.glue import positional_input_ids, repad_outputs, scoring_call
 from .._packing.positions import PackedPositions, packed_positions
@@ -109,9 +110,9 @@ class OnlineScore:
         logits where the packed row computes no position."""
         positions = self.positions
         if positions is None or logits.dim() != 3 or logits.size(0) != 1:
-            raise RuntimeError(
-                "prompt_sharing: internal error, Online DPO's scoring call returned no packed logits "
-                f"(got {getattr(logits, 'shape', None)}); please report it"
+            raise InternalError(
+                "prompt_sharing: Online DPO's scoring call returned no packed logits "
+                f"(got {getattr(logits, 'shape', None)})"
             )
         self.positions = None
         index = positions.index()[:, self.start : self.end]

@@ -93,7 +93,7 @@ class MoeAuxLoss:
         if shared_aux is None:
             return  # the call asked for no router logits: no auxiliary loss to reproduce
         if not isinstance(router_logits, tuple) or not router_logits:
-            raise RuntimeError(
+            raise UsageError(
                 f"prompt_sharing: {type(self.lm).__name__} returned an auxiliary loss but its backbone returned no "
                 "router logits to recompute it in the padded layout; disable prompt_sharing for this model."
             )

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from ... import _compat
+from ...errors import InternalError
 from .schema import Schema, Window
 
 
@@ -121,9 +122,9 @@ class SyncMetricsState:
 
     def record(self, data: Any) -> torch.Tensor:
         if not isinstance(data, torch.Tensor):
-            raise RuntimeError(
+            raise InternalError(
                 f"sync_metrics: TRL gathered a {type(data).__name__} during a metric capture; only tensors are "
-                f"supported (trl=={_compat.installed_version('trl')}). Disable sync_metrics and report this."
+                f"supported (trl=={_compat.installed_version('trl')}; disable sync_metrics to train meanwhile)"
             )
         assert self.captured is not None  # set by the capture that is running
         self.captured.append(data.detach())

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from ... import _compat
+from ...errors import InternalError, UsageError
 from .capture import SyncMetricsState, _Capture
 from .schema import Metric, Schema
 
@@ -33,11 +34,11 @@ def _items(state: SyncMetricsState, trainer: Any, captured: list[torch.Tensor], 
         or any(t.dim() != 0 for t in captured[:-6])
     ):
         shapes = [tuple(t.shape) for t in captured]
-        raise RuntimeError(
+        raise InternalError(
             f"sync_metrics: TRL's DPO `_compute_loss` gathered {len(captured)} tensors of shapes {shapes}; expected "
             f"{expected} ({expected - 6} scalars, then 6 per-pair vectors). The installed "
             f"trl=={_compat.installed_version('trl')} computes its metrics differently from the versions trl-ext "
-            f"was checked on; disable sync_metrics and report this."
+            f"was checked on (disable sync_metrics to train meanwhile)"
         )
     s = state.schema
     it = iter(captured)
@@ -73,9 +74,10 @@ def _slice_pairs(inputs: dict[str, Any], k: int) -> dict[str, Any]:
         elif isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == n:
             out[key] = value[:k]
         else:
-            raise RuntimeError(
+            raise UsageError(
                 f"sync_metrics: cannot take the real pairs of the last batch of the epoch: batch entry {key!r} is not "
-                f"laid out per sequence ([2B, ...]) or per pair ([B]). Disable sync_metrics for this collator."
+                "laid out per sequence ([2B, ...]) or per pair ([B]). Use a collator whose batch entries are laid "
+                "out so, or disable sync_metrics."
             )
     return out
 
@@ -120,9 +122,9 @@ def _check_and_clear_trl_buffer(trainer: Any, mode: str) -> None:
     known = {name for name, _ in _compat.DPO_METRIC_GATHERS}
     unknown = set(buffer) - known
     if unknown:
-        raise RuntimeError(
+        raise InternalError(
             f"sync_metrics: TRL logged metrics {sorted(unknown)} that sync_metrics does not reduce "
-            f"(trl=={_compat.installed_version('trl')}). Disable sync_metrics and report this."
+            f"(trl=={_compat.installed_version('trl')}; disable sync_metrics to train meanwhile)"
         )
     buffer.clear()
 

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from ... import _compat
-from ...errors import UsageError
+from ...errors import InternalError, UsageError
 from .capture import SyncMetricsState, _Capture
 from .schema import Metric, Schema
 
@@ -40,9 +40,10 @@ def _items(state: SyncMetricsState, trainer: Any, batch_size: int, k: int) -> li
     cap = state.online
     assert cap is not None  # set when the training step started
     if len(cap["forward"]) != 2 or cap["completion"] is None or cap["rewards"] is None:
-        raise RuntimeError(
+        raise InternalError(
             "sync_metrics: OnlineDPO's training step did not run one generation, two forwards (policy, reference) "
-            f"and one reward computation (trl=={_compat.installed_version('trl')}). Disable sync_metrics and report."
+            f"and one reward computation (trl=={_compat.installed_version('trl')}; disable sync_metrics to train "
+            "meanwhile)"
         )
     s = state.schema
     beta = float(trainer.beta)
@@ -127,7 +128,7 @@ def _real_loss_sum(state: SyncMetricsState, trainer: Any, batch_size: int, k: in
     elif loss_type == "ipo":
         losses = (logits - 1 / (2 * beta)) ** 2
     else:  # TRL itself raises NotImplementedError for any other type before this runs
-        raise RuntimeError(f"sync_metrics: unknown OnlineDPO loss_type {loss_type!r}")
+        raise InternalError(f"sync_metrics: unknown OnlineDPO loss_type {loss_type!r}")
     return losses[:k].sum()
 
 

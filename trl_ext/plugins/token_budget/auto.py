@@ -191,7 +191,7 @@ def measure(trainer: Any, kind: Layout, options: Any) -> AutoBudget:
     """Probe training steps on the heaviest pairs and choose the budget (`choose`)."""
     import torch
 
-    from .._memory import PeakMemory, budget_bytes, over_budget
+    from .._memory import ExtraMemory, budget_bytes, over_budget
 
     if any(getattr(trainer, flag, False) for flag in _compat.TRAINER_SHARDING_FLAGS):
         raise UsageError(
@@ -231,7 +231,7 @@ def measure(trainer: Any, kind: Layout, options: Any) -> AutoBudget:
                 break
             used: float | None
             try:
-                with PeakMemory(device) as peak:
+                with ExtraMemory(device) as peak:
                     _train_step(trainer, trainer.data_collator(batch))
                 used = float(peak.used)
             except torch.OutOfMemoryError:

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ...errors import UsageError
+from ...errors import InternalError, UsageError
 
 HEADER = 3
 PROMPT, COMPLETION = 1, 2
@@ -84,7 +84,7 @@ def decode(encoded: Mapping[str, torch.Tensor]) -> list[dict[str, Any]]:
     header = rows[:, :HEADER]
     n = rows.size(0)
     if n == 0 or n % 2 or header[:, 0].unique().numel() != 1 or not torch.equal(header[:, 1], torch.arange(n)):
-        raise RuntimeError(
+        raise UsageError(
             "token_budget: accelerate's batch dispatching gave this process rows that are not one whole batch (rows "
             f"{header[:, 1].tolist()} of batches {header[:, 0].unique().tolist()}): an uneven last batch? Set "
             "`dataloader_drop_last=True` or turn dispatching off."
@@ -102,7 +102,7 @@ def decode(encoded: Mapping[str, torch.Tensor]) -> list[dict[str, Any]]:
         prompt = max(prompt_c, prompt_r, key=len)
         shorter = min(prompt_c, prompt_r, key=len)
         if shorter and prompt[-len(shorter) :] != shorter and prompt[: len(shorter)] != shorter:
-            raise RuntimeError("token_budget: a dispatched pair's two rows hold different prompts.")
+            raise InternalError("token_budget: a dispatched pair's two rows hold different prompts")
         example: dict[str, Any] = {"prompt_ids": prompt, "chosen_ids": chosen, "rejected_ids": rejected}
         if refs is not None:
             example.update(ref_chosen_logps=refs[i], ref_rejected_logps=refs[pairs + i])

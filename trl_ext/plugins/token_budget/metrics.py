@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from ...errors import InternalError
+
 #: What `DPOTrainer._compute_loss` passes to `accelerator.gather`, in order: one value per pair each
 #: (trl/trainer/dpo_trainer.py, 1.16.0:1582-1601, 1.12.0:1662-1683).
 PAIR_METRICS = (
@@ -96,9 +98,9 @@ def logits_entropy(shift_logits: torch.Tensor, labels: torch.Tensor, mask: torch
         return entropy_from_logits(shift_logits)
     joint = _dpo_helper(JOINT_HELPER)
     if joint is None:
-        raise RuntimeError(
+        raise InternalError(
             f"token_budget: TRL's DPO module has neither `{_compat.DPO_LOGITS_HELPERS[1]}` nor `{JOINT_HELPER}` to "
-            "compute the entropy metric with; this TRL is not supported."
+            "compute the entropy metric with"
         )
     with torch.no_grad():
         return joint(shift_logits, labels, entropy_requires_grad=False, row_mask=mask)[1]
@@ -115,7 +117,7 @@ def token_logps(output: Any, inputs: dict[str, torch.Tensor], rows: int) -> torc
         return output.log_probs[:rows, -width:]
     helper = _dpo_helper(_compat.DPO_LOGITS_HELPERS[0])
     if helper is None:
-        raise RuntimeError(f"token_budget: TRL's DPO module has no `{_compat.DPO_LOGITS_HELPERS[0]}`.")
+        raise InternalError(f"token_budget: TRL's DPO module has no `{_compat.DPO_LOGITS_HELPERS[0]}`.")
     return helper(output.logits[:rows, :-1, :], inputs["input_ids"][:rows, 1:])
 
 
@@ -140,12 +142,13 @@ class StepRecord:
             self.count = None
             return
         if self.count is None:
-            raise RuntimeError("token_budget: TRL's metric buffer was emptied for some micro-batches of a step only.")
+            raise InternalError("token_budget: TRL's metric buffer was emptied for some micro-batches of a step only.")
         self.count += 1
         if set(appended) != expected or len(gathered) != len(PAIR_METRICS):
-            raise RuntimeError(
+            raise InternalError(
                 f"token_budget: DPOTrainer logged {sorted(appended)} and gathered {len(gathered)} per-pair tensors; "
-                f"expected {sorted(expected)} and {len(PAIR_METRICS)}. This TRL's metrics are not supported."
+                f"expected {sorted(expected)} and {len(PAIR_METRICS)} (this TRL computes its metrics differently from "
+                "the versions trl-ext was checked on)"
             )
         for name, (tensor, result) in zip(PAIR_METRICS, gathered, strict=True):
             if (
@@ -153,7 +156,7 @@ class StepRecord:
                 or not same_value(appended[name][0], result.mean().item())
                 or tensor.dim() != 1
             ):
-                raise RuntimeError(f"token_budget: TRL's `{name}` is not the mean of the tensor it gathered.")
+                raise InternalError(f"token_budget: TRL's `{name}` is not the mean of the tensor it gathered.")
             self.values[name].append(tensor.detach())
         for name in ROW_SUMS:
             self.values[name].append(sums[name])
@@ -183,11 +186,11 @@ def stock_values(ranks: Sequence[tuple[Sequence[int], dict[str, torch.Tensor] | 
     (on every rank)."""
     if any(values is None for _, values in ranks):
         if not all(values is None for _, values in ranks):
-            raise RuntimeError("token_budget: TRL's metric buffer was emptied on some ranks only.")
+            raise InternalError("token_budget: TRL's metric buffer was emptied on some ranks only.")
         return []
     counts = {len(sizes) for sizes, _ in ranks}
     if len(counts) != 1:
-        raise RuntimeError(f"token_budget: ranks ran different numbers of stock micro-batches in a step: {counts}.")
+        raise InternalError(f"token_budget: ranks ran different numbers of stock micro-batches in a step: {counts}.")
     starts = [0] * len(ranks)
     out = []
     for i in range(counts.pop()):
@@ -227,13 +230,13 @@ def stock_values_of_pairs(
     """
     if any(values is None for _, values in ranks):
         if not all(values is None for _, values in ranks):
-            raise RuntimeError("token_budget: TRL's metric buffer was emptied on some ranks only.")
+            raise InternalError("token_budget: TRL's metric buffer was emptied on some ranks only.")
         return []
     ids = [pair for pair_ids, _ in ranks for pair in pair_ids]
     flat = {name: torch.cat([values[name] for _, values in ranks if values is not None]) for name in ranks[0][1] or {}}
     where = {pair: k for k, pair in enumerate(ids)}
     if len(where) != len(ids) or len(ids) != sum(sizes):
-        raise RuntimeError(f"token_budget: {len(ids)} pairs recorded for a step of {sum(sizes)}.")
+        raise InternalError(f"token_budget: {len(ids)} pairs recorded for a step of {sum(sizes)}.")
     out = []
     for i in range(slots):
         rows = [where[(b, j)] for b in range(i, len(sizes), slots) for j in range(sizes[b])]

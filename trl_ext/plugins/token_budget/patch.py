@@ -10,6 +10,7 @@ import torch
 
 from ... import _compat
 from ..._logging import NOTICE, get_logger, is_main_process
+from ...errors import UsageError
 from ...patching import Patcher
 from . import sft
 from .cut import EXAMPLES_KEY, KeepExamples
@@ -59,9 +60,11 @@ def install(trainer: Any, patcher: Any, state: TokenBudgetState) -> None:
     def get_batch_samples(epoch_iterator: Any, num_batches: int, *args: Any, **kwargs: Any) -> tuple[list, Any]:
         batches, num_items_in_batch = original_get_batch_samples(epoch_iterator, num_batches, *args, **kwargs)
         if num_items_in_batch is not None:
-            raise RuntimeError(
-                "token_budget: the Trainer counts items for loss scaling (`num_items_in_batch`), which DPO batches "
-                "do not use; this combination is not supported."
+            raise UsageError(
+                "token_budget: the training batches carry `labels` and the model takes loss kwargs (or a "
+                "`compute_loss_func` is set), so the Trainer counts their items for loss scaling "
+                "(`num_items_in_batch`), which DPO does not use and token_budget cannot keep for the micro-batches it "
+                "cuts. Use a data collator that returns no `labels` key, or disable token_budget."
             )
         return (state.cut(batches) if batches else batches), None
 

@@ -3,7 +3,8 @@
 TRL's `_compute_loss` gathers its metrics across ranks on every call, DDP reduces gradients on the synchronised
 backward, and ZeRO-3 and FSDP2 gather parameters on every forward: every rank must run the same number of forwards and
 backwards per step, in the same slots. A rank whose pairs cut into fewer micro-batches than another's runs extra ones:
-its smallest micro-batch again with loss weight 0 (no gradient, its metrics not recorded).
+its smallest micro-batch again with loss weight 0 (no gradient, its metrics not recorded). The collectives themselves
+are `trl_ext._shared.Ranks`, shared with the other plugins.
 """
 
 from __future__ import annotations
@@ -12,8 +13,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import torch
-
+from ...errors import InternalError
 from .cut import Layout, MicroBatch, Pair, check_example, pair_length, plan, tokens
 
 
@@ -35,32 +35,6 @@ def pad_to(micro_batches: Sequence[MicroBatch], count: int, smallest: MicroBatch
     return [*micro_batches, *extra]
 
 
-class Ranks:
-    """The `size` processes of a run, this one of index `rank`, over `torch.distributed`'s default group (`device`:
-    where the backend takes tensors)."""
-
-    def __init__(self, size: int, rank: int, device: torch.device | str) -> None:
-        self.size = size
-        self.rank = rank
-        self.device = torch.device(device)
-
-    def max(self, value: int) -> int:
-        """The largest `value` over the ranks (one all-reduce)."""
-        if self.size == 1:
-            return value
-        tensor = torch.tensor([value], dtype=torch.int64, device=self.device)
-        torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
-        return int(tensor.item())
-
-    def gather(self, obj: Any) -> list[Any]:
-        """`obj` of every rank, in rank order (one all-gather)."""
-        if self.size == 1:
-            return [obj]
-        out: list[Any] = [None] * self.size
-        torch.distributed.all_gather_object(out, obj)
-        return out
-
-
 def global_pairs(
     examples: Sequence[Sequence[Sequence[Mapping[str, Any]]]],
     packed: bool | Layout,
@@ -71,7 +45,7 @@ def global_pairs(
     as `Pair`s whose `batch` is `rank * slots + slot`, and the size of each such stock micro-batch."""
     slots = {len(part) for part in examples}
     if len(slots) != 1:
-        raise RuntimeError(f"token_budget: ranks fetched different numbers of stock micro-batches for a step: {slots}")
+        raise InternalError(f"token_budget: ranks fetched different numbers of stock micro-batches in a step: {slots}")
     pairs = []
     sizes = []
     for r, rank in enumerate(examples):

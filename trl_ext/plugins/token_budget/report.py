@@ -34,6 +34,6 @@ def summary(state: Any, first_step: int) -> str | None:
     if balance:
         text += (
             f"; tokens per rank, most / mean: median {statistics.median(balance):.2f}, worst {max(balance):.2f} "
-            f"over {state.ranks.size} ranks"
+            f"over {state.ranks.world} ranks"
         )
     return text

@@ -27,12 +27,14 @@ from typing import Any
 import torch
 
 from ..._logging import get_logger, is_main_process
+from ..._shared import Ranks
+from ...errors import InternalError, UsageError
 from ...patching import Patcher
 from . import sft
 from .cut import EXAMPLES_KEY, Layout, MicroBatch, cut_step, padded_multiple, spread, tokens
 from .dispatch import examples_of
 from .metrics import StepRecord, row_sums, stock_values, stock_values_of_pairs
-from .ranks import Padding, Ranks, balanced_plan, global_pairs, pad_to
+from .ranks import Padding, balanced_plan, global_pairs, pad_to
 
 logger = get_logger(__name__)
 
@@ -62,7 +64,7 @@ class TokenBudgetState:
         self.plain_scale: float | None = None
         self.record = StepRecord()
         self.sizes: list[int] = []
-        self.ranks = Ranks(trainer.accelerator.num_processes, trainer.accelerator.process_index, trainer.args.device)
+        self.ranks = Ranks.of(trainer.accelerator)
         #: several processes: the step's stock micro-batch sizes (`rank * slots + slot`), slots, and the ids
         #: `(batch, row)` of the pairs this rank recorded, in order
         self.global_sizes: list[int] = []
@@ -98,13 +100,14 @@ class TokenBudgetState:
 
     def cut(self, batches: list[dict[str, Any]]) -> list[Slot]:
         if any(EXAMPLES_KEY not in batch for batch in batches):
-            raise RuntimeError(
-                "token_budget: this training batch carries no examples; the loader was not built by the trainer's "
-                "`get_train_dataloader`."
+            raise UsageError(
+                "token_budget: this training batch carries no examples, so its loader was not built by the trainer's "
+                "own `get_train_dataloader` (which token_budget wraps). Build the training loader with the trainer's "
+                "`get_train_dataloader` (do not override it or pass batches of your own), or disable token_budget."
             )
         examples = [examples_of(batch[EXAMPLES_KEY]) for batch in batches]
         stock = [{key: value for key, value in batch.items() if key != EXAMPLES_KEY} for batch in batches]
-        if self.ranks.size > 1:
+        if self.ranks.world > 1:
             micro_batches, over, count, smallest = self.cut_across_ranks(examples)
         else:
             micro_batches, over = self.cut_step(examples)
@@ -148,9 +151,9 @@ class TokenBudgetState:
         the step's smallest micro-batch, to repeat with weight 0.
         """
         collate, max_length = self.trainer.data_collator, self.trainer.args.max_length
-        everyone = self.ranks.gather(examples)
+        everyone = self.ranks.all_gather(examples)
         pairs, sizes = global_pairs(everyone, self.packed, max_length, self.multiple)
-        runs, owner = balanced_plan(pairs, sizes, self.budget, self.packed, self.ranks.size)
+        runs, owner = balanced_plan(pairs, sizes, self.budget, self.packed, self.ranks.world)
         slots = len(examples)
         self.global_sizes, self.slots = sizes, slots
 
@@ -162,7 +165,7 @@ class TokenBudgetState:
         if self.sft_weight:  # every rank's chosen tokens per pair, for the token weights of stock's micro-batches
             counts = {
                 pair: n
-                for part in self.ranks.gather([sft.chosen_tokens(mb) for mb in mine])
+                for part in self.ranks.all_gather([sft.chosen_tokens(mb) for mb in mine])
                 for d in part
                 for pair, n in d.items()
             }
@@ -171,16 +174,16 @@ class TokenBudgetState:
         smallest = None
         if not mine:
             smallest = micro_batch(min(runs, key=lambda run: tokens(run, self.packed)))
-        per_rank = [0] * self.ranks.size
+        per_rank = [0] * self.ranks.world
         for run, r in zip(runs, owner, strict=True):
             per_rank[r] += tokens(run, self.packed)
         self.rank_tokens.append((max(per_rank), sum(per_rank) / len(per_rank)))
-        count = max(owner.count(r) for r in range(self.ranks.size))
+        count = max(owner.count(r) for r in range(self.ranks.world))
         logger.debug(
             "token_budget: step cut into %d micro-batches over %d ranks (%d per rank, this rank's own: %d); tokens "
             "per rank max %d, mean %.1f",
             len(runs),
-            self.ranks.size,
+            self.ranks.world,
             count,
             len(mine),
             *self.rank_tokens[-1],
@@ -259,7 +262,7 @@ class TokenBudgetState:
         if self.sft_weight:
             counts = {pair: n for mb in micro_batches for pair, n in sft.chosen_tokens(mb).items()}
             sft.assign_scales(micro_batches, counts, 1)
-        count = self.ranks.max(len(micro_batches))
+        count = self.ranks.max(len(micro_batches), self.trainer.args.device)
         self.eval_micro_batch_counts.append(count)
         if count == 1:
             return prediction_step(model, inputs, loss_only, *args, **kwargs)
@@ -285,7 +288,7 @@ class TokenBudgetState:
                 total = loss if total is None else total + loss
             metrics = self.trainer._metrics["eval"]
             self.stock_batches_for_reducers("eval", len(micro_batches), [len(examples)])
-            ranks = self.ranks.gather(([len(examples)], self.record.local()))
+            ranks = self.ranks.all_gather(([len(examples)], self.record.local()))
             for values in stock_values(ranks):
                 for name, value in values.items():
                     metrics[name].append(value)
@@ -323,11 +326,11 @@ class TokenBudgetState:
         back out of TRL's `num_tokens`."""
         trainer = self.trainer
         metrics = trainer._metrics["train"]
-        if self.ranks.size == 1:
+        if self.ranks.world == 1:
             step_values = self.record.stock_values(self.sizes)
         else:
             counted = getattr(trainer, "_total_train_tokens", 0) - self.tokens_before - self.padding_tokens
-            ranks = self.ranks.gather((self.recorded, self.record.local(), counted))
+            ranks = self.ranks.all_gather((self.recorded, self.record.local(), counted))
             if hasattr(trainer, "_total_train_tokens"):
                 # TRL counted this rank's tokens only (its gathers answered locally): the step's count is every rank's
                 trainer._total_train_tokens = self.tokens_before + sum(r[2] for r in ranks)
@@ -373,7 +376,7 @@ class TokenBudgetState:
         gathered: list[tuple[torch.Tensor, Any]] = []
         accelerator = trainer.accelerator
         gather, gather_for_metrics = accelerator.gather, accelerator.gather_for_metrics
-        if self.ranks.size > 1:
+        if self.ranks.world > 1:
             gather = gather_for_metrics = _local
         inside_for_metrics = [0]
 
@@ -412,7 +415,7 @@ class TokenBudgetState:
                 appended[name] = values[before.get(name, 0) :]
                 del values[before.get(name, 0) :]
         if not outputs:
-            raise RuntimeError("token_budget: the policy forward of DPOTrainer._compute_loss was not seen.")
+            raise InternalError("token_budget: the policy forward of DPOTrainer._compute_loss was not seen")
         if isinstance(self.active, Padding):
             # run to keep the ranks in step: its pairs and tokens are counted by the micro-batch it repeats
             self.padding_tokens += getattr(trainer, "_total_train_tokens", 0) - tokens_before
