@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["accumulation_dtype", "auto_chunk", "token_logprobs"]
+__all__ = ["accumulation_dtype", "auto_chunk", "chunk_for_memory", "target_logprobs", "token_logprobs"]
 
 #: Bytes of logits (in the accumulation dtype) one chunk may hold when `chunk` is chosen automatically.
 AUTO_CHUNK_BYTES = 64 * 2**20
@@ -38,18 +38,96 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def auto_chunk(vocab_size: int, dtype: torch.dtype = torch.float32) -> int:
-    """Positions per chunk so that one chunk of logits holds about `AUTO_CHUNK_BYTES`."""
-    itemsize = torch.empty((), dtype=accumulation_dtype(dtype)).element_size()
+#: On CUDA: the share of the free device memory (at attach) one chunk's transient tensors may take, at most
+#: `AUTO_CHUNK_CUDA_BYTES`, and the bounds of the chunk (positions).
+AUTO_CHUNK_CUDA_FRACTION = 1 / 8
+AUTO_CHUNK_CUDA_BYTES = 2**30
+AUTO_CHUNK_CUDA_RANGE = (16, 8192)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def auto_chunk(
+    vocab_size: int,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,
+    hidden_size: int = 0,
+) -> int:
+    """Positions per chunk. On CPU (and without `device`): one chunk of logits holds about `AUTO_CHUNK_BYTES`. On
+    CUDA: `chunk_for_memory` of the device's free memory now (the driver's free memory plus what PyTorch's allocator
+    holds unused), so a larger GPU runs fewer, larger head matmuls."""
+    if device is not None and torch.device(device).type == "cuda":
+        return chunk_for_memory(cuda_free_bytes(torch.device(device)), vocab_size, dtype, hidden_size)
     low, high = AUTO_CHUNK_RANGE
-    return int(min(high, max(low, AUTO_CHUNK_BYTES // max(1, vocab_size * itemsize))))
+    return int(min(high, max(low, AUTO_CHUNK_BYTES // max(1, vocab_size * _itemsize(accumulation_dtype(dtype))))))
+
+
+def chunk_for_memory(free_bytes: int, vocab_size: int, dtype: torch.dtype, hidden_size: int) -> int:
+    """Positions per chunk whose transient tensors take at most `AUTO_CHUNK_CUDA_FRACTION` of `free_bytes` and
+    `AUTO_CHUNK_CUDA_BYTES`, within `AUTO_CHUNK_CUDA_RANGE`.
+
+    Per position the backward of a chunk holds at once: the recomputed logits and their gradient in the model's
+    `dtype`, their upcast and the gradient buffer in the accumulation dtype (`_TargetLogprobs.backward`), and the
+    chunk's hidden states with their gradient (`hidden_size`, twice for slack).
+    """
+    model, wide = _itemsize(dtype), _itemsize(accumulation_dtype(dtype))
+    per_position = vocab_size * 2 * (model + wide) + 4 * hidden_size * model
+    budget = min(int(free_bytes * AUTO_CHUNK_CUDA_FRACTION), AUTO_CHUNK_CUDA_BYTES)
+    low, high = AUTO_CHUNK_CUDA_RANGE
+    return int(min(high, max(low, budget // max(1, per_position))))
+
+
+def cuda_free_bytes(device: torch.device) -> int:
+    """Bytes a new allocation on `device` can take: free in the driver plus reserved but unallocated by PyTorch."""
+    free, _total = torch.cuda.mem_get_info(device)
+    return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+
+
+class _TargetLogprobs(torch.autograd.Function):
+    """`(logits.gather(targets) - logsumexp(logits), logsumexp(logits))` of `[n, V]` logits in the accumulation dtype,
+    the logits upcast inside (not kept as a second `[n, V]` copy) and its gradient written in one `[n, V]` buffer.
+
+    Autograd's own graph of the same expression (cast, gather, logsumexp, subtraction) allocates in its backward the
+    softmax, its product with the gradient, a zero tensor for the gather, their sum and the cast back: five `[n, V]`
+    tensors per chunk. This backward computes `exp(logits - lse) * -g`, adds `g` at the targets in place and casts
+    once. The operations and their order per element are autograd's (`logsumexp_backward`, then the sum of the two
+    gradients), so the gradient is bitwise the same (`test_target_logprobs_gradient_bitwise`). The log-sum-exp is
+    returned without gradient (the statistics `lazy.py` stores read it)."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor):  # type: ignore[override]
+        wide = logits.to(accumulation_dtype(logits.dtype))
+        lse = torch.logsumexp(wide, dim=-1)
+        values = wide.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+        ctx.save_for_backward(logits, targets, lse)
+        ctx.mark_non_differentiable(lse)
+        return values, lse
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor, _grad_lse: torch.Tensor):  # type: ignore[override]
+        logits, targets, lse = ctx.saved_tensors
+        wide = logits.to(lse.dtype)
+        out = (wide - lse.unsqueeze(-1)).exp_() if wide is logits else wide.sub_(lse.unsqueeze(-1)).exp_()
+        out.mul_(grad.neg().unsqueeze(-1))
+        out.scatter_add_(-1, targets.unsqueeze(-1), grad.unsqueeze(-1))
+        return out.to(logits.dtype), None
+
+
+def target_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(log_softmax(logits)[targets], logsumexp(logits))` over the last dimension, in the accumulation dtype; the
+    log-probs carry gradients to `logits` (`_TargetLogprobs`), the log-sum-exp does not."""
+    if not (torch.is_grad_enabled() and logits.requires_grad):
+        wide = logits.to(accumulation_dtype(logits.dtype))
+        lse = torch.logsumexp(wide, dim=-1)
+        return wide.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse, lse
+    values, lse = _TargetLogprobs.apply(logits, targets)
+    return values, lse
 
 
 def _chunk_logprobs(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, targets: torch.Tensor):
-    logits = head(hidden)
-    logits = logits.to(accumulation_dtype(logits.dtype))
-    target = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    return target - torch.logsumexp(logits, dim=-1)
+    return target_logprobs(head(hidden), targets)[0]
 
 
 def _chunked(head, hidden: torch.Tensor, targets: torch.Tensor, chunk: int, recompute: bool) -> torch.Tensor:

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ...errors import UsageError
-from .chunked import accumulation_dtype
+from .chunked import accumulation_dtype, target_logprobs
 
 __all__ = ["STATS", "LazyLogits", "Root", "entropy", "logprobs_and_entropy", "selective_logprobs"]
 
@@ -252,12 +252,14 @@ class LazyLogits:
         collected: dict[int, dict[str, torch.Tensor]] = {}
 
         def one(index: int, h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-            logits = self._logits(h)
-            lse = torch.logsumexp(logits, dim=-1)
+            with self.root.autocast():
+                logits = self.root.head(h)
+            values, lse = target_logprobs(logits, t)
             if stats and index not in collected:  # the first run, not the backward's recompute
                 with torch.no_grad():
-                    collected[index] = {s: STATS[s](logits.detach(), lse.detach()) for s in stats}
-            return logits.gather(-1, t.unsqueeze(-1)).squeeze(-1) - lse
+                    wide = logits.detach().to(accumulation_dtype(logits.dtype))
+                    collected[index] = {s: STATS[s](wide, lse) for s in stats}
+            return values
 
         parts = []
         for index, s in enumerate(starts):
