@@ -166,7 +166,8 @@ def test_chunk_for_memory_bound():
     """Pure function of (free bytes, vocab, dtype, hidden): the largest chunk whose per-position bytes fit the share
     of free memory (capped), within the bounds; more free memory never gives a smaller chunk."""
     low, high = AUTO_CHUNK_CUDA_RANGE
-    for vocab, dtype, hidden in [(32_000, torch.bfloat16, 1024), (151_936, torch.float32, 896), (50, torch.float64, 8)]:
+    cases = [(32_000, torch.bfloat16, 1024), (151_936, torch.float32, 896), (50, torch.float64, 8)]
+    for vocab, dtype, hidden in cases:
         model = torch.empty((), dtype=dtype).element_size()
         wide = torch.empty((), dtype=accumulation_dtype(dtype)).element_size()
         per_position = vocab * 2 * (model + wide) + 4 * hidden * model

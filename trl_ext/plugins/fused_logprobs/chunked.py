@@ -97,10 +97,11 @@ class _TargetLogprobs(torch.autograd.Function):
     returned without gradient (the statistics `lazy.py` stores read it)."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor):  # type: ignore[override]
-        wide = logits.to(accumulation_dtype(logits.dtype))
-        lse = torch.logsumexp(wide, dim=-1)
-        values = wide.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, known: torch.Tensor | None):  # type: ignore[override]
+        wide_dtype = accumulation_dtype(logits.dtype)
+        lse = torch.logsumexp(logits.to(wide_dtype), dim=-1) if known is None else known
+        target = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        values = target.to(wide_dtype) - lse
         ctx.save_for_backward(logits, targets, lse)
         ctx.mark_non_differentiable(lse)
         return values, lse
@@ -112,32 +113,50 @@ class _TargetLogprobs(torch.autograd.Function):
         out = (wide - lse.unsqueeze(-1)).exp_() if wide is logits else wide.sub_(lse.unsqueeze(-1)).exp_()
         out.mul_(grad.neg().unsqueeze(-1))
         out.scatter_add_(-1, targets.unsqueeze(-1), grad.unsqueeze(-1))
-        return out.to(logits.dtype), None
+        return out.to(logits.dtype), None, None
 
 
-def target_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def target_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, known: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`(log_softmax(logits)[targets], logsumexp(logits))` over the last dimension, in the accumulation dtype; the
-    log-probs carry gradients to `logits` (`_TargetLogprobs`), the log-sum-exp does not."""
+    log-probs carry gradients to `logits` (`_TargetLogprobs`), the log-sum-exp does not.
+
+    `known`: the log-sum-exp of these very logits, computed before. A checkpointed chunk passes the one its forward
+    computed when the backward recomputes it (the recomputed logits are the forward's, which the checkpoint
+    requires): the recompute then runs the head and no log-sum-exp pass over `[n, V]`.
+    """
     if not (torch.is_grad_enabled() and logits.requires_grad):
         wide = logits.to(accumulation_dtype(logits.dtype))
-        lse = torch.logsumexp(wide, dim=-1)
+        lse = torch.logsumexp(wide, dim=-1) if known is None else known
         return wide.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse, lse
-    values, lse = _TargetLogprobs.apply(logits, targets)
+    values, lse = _TargetLogprobs.apply(logits, targets, known)
     return values, lse
 
 
-def _chunk_logprobs(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, targets: torch.Tensor):
-    return target_logprobs(head(hidden), targets)[0]
+class _ChunkLogprobs:
+    """The function each chunk runs (checkpointed with gradients): the head, then `target_logprobs`; the
+    log-sum-exp of chunk `index` kept from its forward for the backward's recompute."""
+
+    def __init__(self, head: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.head = head
+        self.lse: dict[int, torch.Tensor] = {}
+
+    def __call__(self, index: int, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        values, lse = target_logprobs(self.head(hidden), targets, self.lse.get(index))
+        self.lse.setdefault(index, lse.detach())
+        return values
 
 
 def _chunked(head, hidden: torch.Tensor, targets: torch.Tensor, chunk: int, recompute: bool) -> torch.Tensor:
     parts = []
-    for start in range(0, hidden.size(0), chunk):
+    one = _ChunkLogprobs(head)
+    for index, start in enumerate(range(0, hidden.size(0), chunk)):
         h, t = hidden[start : start + chunk], targets[start : start + chunk]
         if recompute:
-            parts.append(checkpoint(_chunk_logprobs, head, h, t, use_reentrant=False))
+            parts.append(checkpoint(one, index, h, t, use_reentrant=False))
         else:
-            parts.append(_chunk_logprobs(head, h, t))
+            parts.append(one(index, h, t))
     if not parts:
         return hidden.new_zeros(0, dtype=accumulation_dtype(hidden.dtype))
     return torch.cat(parts) if len(parts) > 1 else parts[0]

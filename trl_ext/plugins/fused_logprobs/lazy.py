@@ -250,11 +250,13 @@ class LazyLogits:
         chunk = self.root.chunk
         starts = range(0, len(rows), chunk)
         collected: dict[int, dict[str, torch.Tensor]] = {}
+        lses: dict[int, torch.Tensor] = {}
 
         def one(index: int, h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
             with self.root.autocast():
                 logits = self.root.head(h)
-            values, lse = target_logprobs(logits, t)
+            values, lse = target_logprobs(logits, t, lses.get(index))  # the recompute reuses the forward's
+            lses.setdefault(index, lse)
             if stats and index not in collected:  # the first run, not the backward's recompute
                 with torch.no_grad():
                     wide = logits.detach().to(accumulation_dtype(logits.dtype))
