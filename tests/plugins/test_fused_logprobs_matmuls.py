@@ -38,9 +38,13 @@ class HeadMatmuls(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.counts = {"logits": 0, "grad_hidden": 0, "grad_weight": 0}
+        #: passes of a log-sum-exp over `[n, V]` (its max over the vocabulary, whichever way it is dispatched)
+        self.lse = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if func in (torch.ops.aten.logsumexp.default, torch.ops.aten.amax.default) and args[0].size(-1) == VOCAB:
+            self.lse += 1
         if func in _MATMULS:
             shape = tuple(out.shape[-2:])
             operands = [a for a in args if isinstance(a, torch.Tensor)]
@@ -130,6 +134,7 @@ def test_backward_matmuls(head_grad):
     with HeadMatmuls() as backward:
         (got * weights).sum().backward()
     assert backward.counts == {"logits": CHUNKS, "grad_hidden": CHUNKS, "grad_weight": CHUNKS if head_grad else 0}
+    assert forward.lse >= CHUNKS and backward.lse == 0  # the recompute reuses the forward's log-sum-exp
     got_grads = [hidden.grad] + [p.grad for p in head.parameters() if p.requires_grad]
     head.zero_grad(set_to_none=True)
     hidden.grad = None
@@ -201,3 +206,22 @@ def test_auto_chunk_device(monkeypatch):
     monkeypatch.setattr(chunked, "cuda_free_bytes", free_bytes)
     got = auto_chunk(150_000, torch.bfloat16, "cuda:0", 2048)
     assert got == chunk_for_memory(40 * 2**30, 150_000, torch.bfloat16, 2048) and seen == [torch.device("cuda:0")]
+
+
+def test_lazy_backward_reuses_logsumexp():
+    """The DPO path's chunk pass with gradients: the backward recomputes each chunk's logits once, runs no
+    log-sum-exp over them, and its gradients equal the full-logit `log_softmax`'s (float64, 1e-12)."""
+    head, hidden, targets = _problem()
+    scored = torch.ones(ROWS * LENGTH, dtype=torch.bool)
+    root = Root(head, contextlib.nullcontext, CHUNK, scored, ("entropy",), parameters=head.parameters())
+    got = LazyLogits(hidden, root).logprobs(targets)
+    with HeadMatmuls() as backward:
+        got.sum().backward()
+    assert backward.counts == {"logits": CHUNKS, "grad_hidden": CHUNKS, "grad_weight": CHUNKS} and backward.lse == 0
+    got_grads = [hidden.grad, head.weight.grad, head.bias.grad]
+    head.zero_grad(set_to_none=True)
+    hidden.grad = None
+    want = head(hidden).log_softmax(-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    want.sum().backward()
+    for a, b in zip([got, *got_grads], [want, hidden.grad, head.weight.grad, head.bias.grad], strict=True):
+        assert (a - b).abs().max().item() <= 1e-12 * b.abs().max().item()

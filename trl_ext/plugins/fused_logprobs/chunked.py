@@ -10,7 +10,13 @@ only the chunk's hidden states; its backward recomputes the chunk's logits, so o
 is alive at a time. Calling the head's own code, rather than a hand-written gradient of `hidden @ weight.T`, keeps
 whatever it does on the way: a bias, a PEFT adapter or `modules_to_save` copy on the head. `head` is either the head
 module or (Online DPO, `online.py`) its original `forward`, called from inside the module's own call so that the
-parameters DeepSpeed ZeRO-3 or FSDP2 gather for that call are in place, in forward and in the recomputation.
+parameters DeepSpeed ZeRO-3 or FSDP2 gather for that call are in place, in forward and in the recomputation. After the
+head, `_TargetLogprobs` takes the chunk's logits to the target log-probs with a hand-written gradient (one `[n, V]`
+buffer instead of autograd's five, bitwise the same values), and the recomputation reuses the log-sum-exp the forward
+computed. Per chunk: one head matmul in the forward; in the backward the recomputed logits, d(hidden), and d(weight)
+only where the head's weight needs a gradient (a frozen head runs none, by autograd's own rule). Nothing that needs a
+gradient (the reference model's forward under `no_grad`, a frozen head on inputs without gradients): plain chunks,
+one head matmul each, no checkpoint and nothing saved (`tests/plugins/test_fused_logprobs_matmuls.py` counts them).
 
 Positions: `scored` (a bool mask shaped like `targets`) names the positions whose log-probs take part in the loss. With
 gradients on, only they go through the checkpointed chunks; the other positions are computed without gradients
