@@ -33,7 +33,7 @@ Options (`plugins: {fused_logprobs: {...}}`):
 - `chunk` (`"auto"` or a positive integer, defaults to `"auto"`): positions per chunk; `"auto"` on CPU holds about
   64 MiB of float32 logits per chunk (`chunked.auto_chunk`, 16 to 4096 positions); on CUDA it is chosen at attach
   from the free device memory: one chunk's logits, their float32 upcast and gradients take at most 1/8 of it and
-  1 GiB (`chunked.chunk_for_memory`, 16 to 8192 positions).
+  512 MiB (`chunked.chunk_for_memory`, 16 to 8192 positions).
 
 Exact or refused. Before the first step every model runs a self-check (`selfcheck.py`): on a probe batch the model's
 own stock logits must equal its output head's output on the hidden states it receives, and the fused log-probs the

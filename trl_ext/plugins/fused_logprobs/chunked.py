@@ -45,9 +45,11 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 #: On CUDA: the share of the free device memory (at attach) one chunk's transient tensors may take, at most
-#: `AUTO_CHUNK_CUDA_BYTES`, and the bounds of the chunk (positions).
+#: `AUTO_CHUNK_CUDA_BYTES`, and the bounds of the chunk (positions). The cap keeps the step's peak near the fixed
+#: 64 MiB chunk's (whose backward held about as much in autograd's five `[n, V]` gradient tensors) while doubling the
+#: rows of each head matmul; more free memory alone is no reason for larger chunks (the peak is what the plugin saves).
 AUTO_CHUNK_CUDA_FRACTION = 1 / 8
-AUTO_CHUNK_CUDA_BYTES = 2**30
+AUTO_CHUNK_CUDA_BYTES = 512 * 2**20
 AUTO_CHUNK_CUDA_RANGE = (16, 8192)
 
 
