@@ -121,11 +121,10 @@ def test_reference_scoring_lazy_one_matmul_per_chunk():
         assert torch.equal(got, _previous(head, hidden, targets, CHUNK))
 
 
-@pytest.mark.parametrize("head_grad", [False, True], ids=["frozen_head", "trainable_head"])
-def test_backward_matmuls(head_grad):
-    """Backward: each chunk's logits recomputed once and d(hidden) computed once; d(weight) only for a trainable
-    head (a frozen head with a trainable backbone runs no grad-weight matmul). Gradients bitwise the previous
-    path's."""
+def test_backward_matmuls():
+    """A trainable head: one head matmul per chunk in the forward; in the backward each chunk's logits recomputed
+    once, d(hidden) and d(weight) once, no log-sum-exp. Values and gradients bitwise the previous path's."""
+    head_grad = True
     head, hidden, targets = _problem(head_grad=head_grad)
     weights = torch.randn(targets.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     with HeadMatmuls() as forward:
@@ -225,3 +224,53 @@ def test_lazy_backward_reuses_logsumexp():
     want.sum().backward()
     for a, b in zip([got, *got_grads], [want, hidden.grad, head.weight.grad, head.bias.grad], strict=True):
         assert (a - b).abs().max().item() <= 1e-12 * b.abs().max().item()
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_frozen_head_no_backward_matmul(bias):
+    """A frozen head (no parameter needs a gradient) on hidden states that need one (a trainable backbone): the
+    logits and d(hidden) in the forward, no grad-weight matmul anywhere and no head matmul in the backward. Values
+    and d(hidden) equal to the previous path's and to the full-logit `log_softmax`'s (float64, 1e-14)."""
+    head, hidden, targets = _problem(head_grad=False, bias=bias)
+    scored = torch.rand(targets.shape, generator=torch.Generator().manual_seed(3)) > 0.3
+    weights = torch.randn(targets.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    live = int(scored.sum())
+    with HeadMatmuls() as forward:
+        got = token_logprobs(hidden, targets, head, chunk=CHUNK, scored=scored)
+    chunks = math.ceil(live / CHUNK) + math.ceil((scored.numel() - live) / CHUNK)  # scored, then the rest
+    assert forward.counts == {"logits": chunks, "grad_hidden": math.ceil(live / CHUNK), "grad_weight": 0}
+    with HeadMatmuls() as backward:
+        (got * weights).sum().backward()
+    assert backward.counts == {"logits": 0, "grad_hidden": 0, "grad_weight": 0}
+    got_grad, hidden.grad = hidden.grad, None
+    with torch.no_grad():  # (the scored positions form other chunks than `_previous`'s: equal to round-off)
+        previous = _previous(head, hidden, targets, CHUNK)
+    assert (got - previous).abs().max().item() <= 1e-14 * previous.abs().max().item()
+    want = head(hidden).log_softmax(-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    (want * weights * scored).sum().backward()
+    assert (got_grad - hidden.grad).abs().max().item() <= 1e-14 * hidden.grad.abs().max().item()
+    hidden.grad = None
+    (_previous(head, hidden, targets, CHUNK) * weights * scored).sum().backward()
+    assert (got_grad - hidden.grad).abs().max().item() <= 1e-14 * hidden.grad.abs().max().item()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_frozen_head_16bit(dtype):
+    """The frozen-head path in 16-bit: values bitwise the previous path's; d(hidden) (it scales `d(value_i)/d(h_i)`
+    by `g_i` after the head's backward, the previous path before it) within 2 ulps of the largest element of the
+    previous path's and of the float64 truth, the bound the previous path meets against the truth too."""
+    head, hidden, targets = _problem(dtype=dtype, head_grad=False)
+    weights = torch.randn(targets.shape, generator=torch.Generator().manual_seed(1))
+    got = token_logprobs(hidden, targets, head, chunk=CHUNK)
+    (got * weights).sum().backward()
+    got_grad, hidden.grad = hidden.grad.double(), None
+    want = _previous(head, hidden, targets, CHUNK)
+    (want * weights).sum().backward()
+    previous = hidden.grad.double()
+    assert torch.equal(got.detach(), want.detach()) and hidden.grad.dtype == dtype
+    exact = hidden.detach().double().requires_grad_()
+    logits = torch.nn.functional.linear(exact, head.weight.double(), head.bias.double())
+    (logits.log_softmax(-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1) * weights.double()).sum().backward()
+    bound = 2 * torch.finfo(dtype).eps * exact.grad.abs().max().item()
+    assert (got_grad - previous).abs().max().item() <= bound
+    assert (got_grad - exact.grad).abs().max().item() <= bound and (previous - exact.grad).abs().max().item() <= bound

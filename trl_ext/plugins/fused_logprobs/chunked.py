@@ -13,10 +13,13 @@ module or (Online DPO, `online.py`) its original `forward`, called from inside t
 parameters DeepSpeed ZeRO-3 or FSDP2 gather for that call are in place, in forward and in the recomputation. After the
 head, `_TargetLogprobs` takes the chunk's logits to the target log-probs with a hand-written gradient (one `[n, V]`
 buffer instead of autograd's five, bitwise the same values), and the recomputation reuses the log-sum-exp the forward
-computed. Per chunk: one head matmul in the forward; in the backward the recomputed logits, d(hidden), and d(weight)
-only where the head's weight needs a gradient (a frozen head runs none, by autograd's own rule). Nothing that needs a
-gradient (the reference model's forward under `no_grad`, a frozen head on inputs without gradients): plain chunks,
-one head matmul each, no checkpoint and nothing saved (`tests/plugins/test_fused_logprobs_matmuls.py` counts them).
+computed. Head matmuls per chunk (`tests/plugins/test_fused_logprobs_matmuls.py` counts them):
+- a trainable head: one in the forward; the recomputed logits, d(hidden) and d(weight) in the backward (stock: 3);
+- a frozen head (no parameter needs a gradient) on hidden states that need one: the logits and d(hidden) for a unit
+  gradient, both in the forward, and no checkpoint: the backward scales that d(hidden) per row (`_frozen_head_chunk`;
+  stock: 2);
+- nothing needs a gradient (the reference model's forward under `no_grad`, a frozen head on inputs without
+  gradients): plain chunks, one each, nothing saved.
 
 Positions: `scored` (a bool mask shaped like `targets`) names the positions whose log-probs take part in the loss. With
 gradients on, only they go through the checkpointed chunks; the other positions are computed without gradients
@@ -142,6 +145,38 @@ def target_logprobs(
     return values, lse
 
 
+class _ScaledGradient(torch.autograd.Function):
+    """`values`, whose gradient to `hidden` is `grad[:, None] * unit` (`unit`: the gradient of `values.sum()`)."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, values: torch.Tensor, unit: torch.Tensor):  # type: ignore[override]
+        ctx.save_for_backward(unit)
+        return values.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        (unit,) = ctx.saved_tensors
+        return (unit * grad.unsqueeze(-1)).to(unit.dtype), None, None
+
+
+def _frozen_head_chunk(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, targets: torch.Tensor):
+    """A chunk through a head none of whose parameters needs a gradient, the hidden states needing one.
+
+    Each log-prob depends on its own row of hidden states only, so its gradient is `g_i * d(value_i)/d(hidden_i)`:
+    the forward computes `d(value_i)/d(hidden_i)` for every row at once (the head's own backward of the logits'
+    gradient for `g = 1`, `[n, H]`, as large as the hidden states a checkpoint keeps) and the backward scales it by
+    the incoming gradient. Two head matmuls per chunk, both in the forward, none in the backward (no recompute): a
+    frozen head (a LoRA backbone, a frozen output layer) costs what stock's logits and d(hidden) cost. Equal to the
+    checkpointed path up to the order of one multiplication by `g_i` (float64: 1e-15 relative;
+    `test_frozen_head_no_backward_matmul`).
+    """
+    with torch.enable_grad():
+        leaf = hidden.detach().requires_grad_()
+        values, _lse = target_logprobs(head(leaf), targets)
+        (unit,) = torch.autograd.grad(values, leaf, torch.ones_like(values))
+    return _ScaledGradient.apply(hidden, values.detach(), unit)
+
+
 class _ChunkLogprobs:
     """The function each chunk runs (checkpointed with gradients): the head, then `target_logprobs`; the
     log-sum-exp of chunk `index` kept from its forward for the backward's recompute."""
@@ -156,12 +191,16 @@ class _ChunkLogprobs:
         return values
 
 
-def _chunked(head, hidden: torch.Tensor, targets: torch.Tensor, chunk: int, recompute: bool) -> torch.Tensor:
+def _chunked(
+    head, hidden: torch.Tensor, targets: torch.Tensor, chunk: int, recompute: bool, frozen: bool = False
+) -> torch.Tensor:
     parts = []
     one = _ChunkLogprobs(head)
     for index, start in enumerate(range(0, hidden.size(0), chunk)):
         h, t = hidden[start : start + chunk], targets[start : start + chunk]
-        if recompute:
+        if recompute and frozen:
+            parts.append(_frozen_head_chunk(head, h, t))
+        elif recompute:
             parts.append(checkpoint(one, index, h, t, use_reentrant=False))
         else:
             parts.append(one(index, h, t))
@@ -192,8 +231,9 @@ def token_logprobs(
             gradients. `None`: every position.
         rest (`str`, *optional*, defaults to `"detach"`): the positions outside `scored`: `"detach"` computes them
             without gradients, `"skip"` fills them with 0 without computing them.
-        parameters (`Iterable[torch.Tensor]`, *optional*): the head's parameters (whether any needs a gradient);
-            `None`: `head.parameters()` where `head` is a module.
+        parameters (`Iterable[torch.Tensor]`, *optional*): the head's parameters (whether any needs a gradient:
+            none does, the chunks take the frozen-head path, `_frozen_head_chunk`); `None`: `head.parameters()`
+            where `head` is a module. The head must read no other tensor that needs a gradient.
 
     Returns:
         `torch.Tensor`: `[...]` log-probs, float32 (float64 for float64 logits).
@@ -206,14 +246,17 @@ def token_logprobs(
     flat_hidden = hidden.reshape(-1, hidden.size(-1))
     flat_targets = targets.reshape(-1)
     params = _params(head) if parameters is None else list(parameters)
-    grad = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in params))
+    trainable = any(p.requires_grad for p in params)
+    grad = torch.is_grad_enabled() and (hidden.requires_grad or trainable)
+    frozen = not trainable  # with `grad`: only the hidden states need a gradient
     if scored is None:
-        return _chunked(head, flat_hidden, flat_targets, chunk, grad).reshape(shape)
+        return _chunked(head, flat_hidden, flat_targets, chunk, grad, frozen).reshape(shape)
     flat_scored = scored.reshape(-1).bool()
     dtype = accumulation_dtype(hidden.dtype)
     out = torch.zeros(flat_targets.numel(), dtype=dtype, device=hidden.device)
     live = flat_scored.nonzero().squeeze(1)
-    values = _chunked(head, flat_hidden.index_select(0, live), flat_targets.index_select(0, live), chunk, grad)
+    live_hidden, live_targets = flat_hidden.index_select(0, live), flat_targets.index_select(0, live)
+    values = _chunked(head, live_hidden, live_targets, chunk, grad, frozen)
     out = out.index_copy(0, live, values.to(dtype))
     if rest == "detach" and bool((~flat_scored).any()):
         idle = (~flat_scored).nonzero().squeeze(1)
