@@ -274,3 +274,24 @@ def test_frozen_head_16bit(dtype):
     bound = 2 * torch.finfo(dtype).eps * exact.grad.abs().max().item()
     assert (got_grad - previous).abs().max().item() <= bound
     assert (got_grad - exact.grad).abs().max().item() <= bound and (previous - exact.grad).abs().max().item() <= bound
+
+
+def test_lazy_frozen_head():
+    """The DPO path with a frozen head: no head matmul in the backward, the statistics stored from the forward's
+    logits, log-probs and d(hidden) equal to the full-logit `log_softmax`'s (float64, 1e-12)."""
+    head, hidden, targets = _problem(head_grad=False)
+    scored = torch.ones(ROWS * LENGTH, dtype=torch.bool)
+    root = Root(head, contextlib.nullcontext, CHUNK, scored, ("entropy", "lse"), parameters=head.parameters())
+    with HeadMatmuls() as forward:
+        got = LazyLogits(hidden, root).logprobs(targets)
+        lse = LazyLogits(hidden, root).logsumexp()  # stored by the pass: no further matmul
+    assert forward.counts == {"logits": CHUNKS, "grad_hidden": CHUNKS, "grad_weight": 0}
+    with HeadMatmuls() as backward:
+        got.sum().backward()
+    assert backward.counts == {"logits": 0, "grad_hidden": 0, "grad_weight": 0}
+    got_grad, hidden.grad = hidden.grad, None
+    logits = head(hidden)
+    want = logits.log_softmax(-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    want.sum().backward()
+    for a, b in [(got, want), (got_grad, hidden.grad), (lse, torch.logsumexp(logits, -1))]:
+        assert (a - b).abs().max().item() <= 1e-12 * b.abs().max().item()

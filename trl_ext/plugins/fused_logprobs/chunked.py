@@ -16,7 +16,7 @@ buffer instead of autograd's five, bitwise the same values), and the recomputati
 computed. Head matmuls per chunk (`tests/plugins/test_fused_logprobs_matmuls.py` counts them):
 - a trainable head: one in the forward; the recomputed logits, d(hidden) and d(weight) in the backward (stock: 3);
 - a frozen head (no parameter needs a gradient) on hidden states that need one: the logits and d(hidden) for a unit
-  gradient, both in the forward, and no checkpoint: the backward scales that d(hidden) per row (`_frozen_head_chunk`;
+  gradient, both in the forward, and no checkpoint: the backward scales that d(hidden) per row (`frozen_head_chunk`;
   stock: 2);
 - nothing needs a gradient (the reference model's forward under `no_grad`, a frozen head on inputs without
   gradients): plain chunks, one each, nothing saved.
@@ -34,7 +34,14 @@ from collections.abc import Callable, Iterable
 import torch
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["accumulation_dtype", "auto_chunk", "chunk_for_memory", "target_logprobs", "token_logprobs"]
+__all__ = [
+    "accumulation_dtype",
+    "auto_chunk",
+    "chunk_for_memory",
+    "frozen_head_chunk",
+    "target_logprobs",
+    "token_logprobs",
+]
 
 #: Bytes of logits (in the accumulation dtype) one chunk may hold when `chunk` is chosen automatically.
 AUTO_CHUNK_BYTES = 64 * 2**20
@@ -159,7 +166,12 @@ class _ScaledGradient(torch.autograd.Function):
         return (unit * grad.unsqueeze(-1)).to(unit.dtype), None, None
 
 
-def _frozen_head_chunk(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, targets: torch.Tensor):
+def frozen_head_chunk(
+    head: Callable[[torch.Tensor], torch.Tensor],
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    observe: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+) -> torch.Tensor:
     """A chunk through a head none of whose parameters needs a gradient, the hidden states needing one.
 
     Each log-prob depends on its own row of hidden states only, so its gradient is `g_i * d(value_i)/d(hidden_i)`:
@@ -168,11 +180,16 @@ def _frozen_head_chunk(head: Callable[[torch.Tensor], torch.Tensor], hidden: tor
     the incoming gradient. Two head matmuls per chunk, both in the forward, none in the backward (no recompute): a
     frozen head (a LoRA backbone, a frozen output layer) costs what stock's logits and d(hidden) cost. Equal to the
     checkpointed path up to the order of one multiplication by `g_i` (float64: 1e-15 relative;
-    `test_frozen_head_no_backward_matmul`).
+    `test_frozen_head_no_backward_matmul`). `observe(logits, lse)` sees the chunk's logits (detached) and
+    log-sum-exp, without gradients (`lazy.py` stores its statistics from them).
     """
     with torch.enable_grad():
         leaf = hidden.detach().requires_grad_()
-        values, _lse = target_logprobs(head(leaf), targets)
+        logits = head(leaf)
+        values, lse = target_logprobs(logits, targets)
+        if observe is not None:
+            with torch.no_grad():
+                observe(logits.detach(), lse)
         (unit,) = torch.autograd.grad(values, leaf, torch.ones_like(values))
     return _ScaledGradient.apply(hidden, values.detach(), unit)
 
@@ -199,7 +216,7 @@ def _chunked(
     for index, start in enumerate(range(0, hidden.size(0), chunk)):
         h, t = hidden[start : start + chunk], targets[start : start + chunk]
         if recompute and frozen:
-            parts.append(_frozen_head_chunk(head, h, t))
+            parts.append(frozen_head_chunk(head, h, t))
         elif recompute:
             parts.append(checkpoint(one, index, h, t, use_reentrant=False))
         else:
@@ -232,7 +249,7 @@ def token_logprobs(
         rest (`str`, *optional*, defaults to `"detach"`): the positions outside `scored`: `"detach"` computes them
             without gradients, `"skip"` fills them with 0 without computing them.
         parameters (`Iterable[torch.Tensor]`, *optional*): the head's parameters (whether any needs a gradient:
-            none does, the chunks take the frozen-head path, `_frozen_head_chunk`); `None`: `head.parameters()`
+            none does, the chunks take the frozen-head path, `frozen_head_chunk`); `None`: `head.parameters()`
             where `head` is a module. The head must read no other tensor that needs a gradient.
 
     Returns:
