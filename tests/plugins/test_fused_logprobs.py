@@ -401,3 +401,26 @@ def test_head_scores_from_announced_packed_positions():
     with packed_positions(PackedPositions(rows, length + 1, padded, packed)):
         with pytest.raises(trl_ext.UsageError, match=r"packed call for 2 rows of 6 positions"):
             ScoreCall("policy", targets, scored, length, 0, 3, chunk=2).run(head, head.forward, packed_hidden, (), {})
+
+
+@pytest.mark.slow
+def test_frozen_head_bf16_equals_stock(build):
+    """LoRA on the backbone, the output head frozen: the fused path computes each chunk's d(hidden) in the forward
+    (`chunked._frozen_head_chunk`, no recompute). Under bf16 autocast, loss and LoRA gradients equal stock's in bf16
+    up to a few bf16 ulps (the float32 step is the yardstick of what bf16 round-off moves)."""
+    pytest.importorskip("peft")
+    from peft import LoraConfig
+
+    def lora():
+        return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+
+    stock = build(ref=False, peft_config=lora(), bf16=True)
+    with trl_ext.install(fused_logprobs=True, plugins={"fused_logprobs": {"chunk": 3}}):
+        fused = build(ref=False, peft_config=lora(), bf16=True)
+    assert not any(p.requires_grad for p in fused.model.get_output_embeddings().parameters())
+    stock_loss, stock_grads, _ = _step(stock)
+    fused_loss, fused_grads, _ = _step(fused)
+    assert fused_grads and all("lora_" in name for name in fused_grads)
+    rel = 4 * 2.0**-8
+    assert fused_loss.item() == pytest.approx(stock_loss.item(), rel=rel)
+    eq.assert_same_grads(stock_grads, fused_grads, rel)

@@ -30,8 +30,10 @@ with trl_ext.install(fused_logprobs=True):
 
 Options (`plugins: {fused_logprobs: {...}}`):
 
-- `chunk` (`"auto"` or a positive integer, defaults to `"auto"`): positions per chunk; `"auto"` holds about 64 MiB of
-  float32 logits per chunk (`chunked.auto_chunk`, 16 to 4096 positions).
+- `chunk` (`"auto"` or a positive integer, defaults to `"auto"`): positions per chunk; `"auto"` on CPU holds about
+  64 MiB of float32 logits per chunk (`chunked.auto_chunk`, 16 to 4096 positions); on CUDA it is chosen at attach
+  from the free device memory: one chunk's logits, their float32 upcast and gradients take at most 1/8 of it and
+  512 MiB (`chunked.chunk_for_memory`, 16 to 8192 positions).
 
 Exact or refused. Before the first step every model runs a self-check (`selfcheck.py`): on a probe batch the model's
 own stock logits must equal its output head's output on the hidden states it receives, and the fused log-probs the
@@ -81,7 +83,8 @@ class FusedLogprobsOptions:
 
     Args:
         chunk (`str` or `int`, *optional*, defaults to `"auto"`):
-            Positions whose logits are computed at once. `"auto"`: about 64 MiB of float32 logits per chunk.
+            Positions whose logits are computed at once. `"auto"`: about 64 MiB of float32 logits per chunk on
+            CPU; on CUDA sized from the free device memory (`chunked.chunk_for_memory`).
     """
 
     chunk: str | int = dataclasses.field(default="auto", metadata={"parse": _CHUNK})

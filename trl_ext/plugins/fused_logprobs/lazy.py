@@ -26,6 +26,7 @@ refused.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -35,7 +36,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ...errors import UsageError
-from .chunked import accumulation_dtype
+from .chunked import accumulation_dtype, frozen_head_chunk, target_logprobs
 
 __all__ = ["STATS", "LazyLogits", "Root", "entropy", "logprobs_and_entropy", "selective_logprobs"]
 
@@ -245,24 +246,37 @@ class LazyLogits:
         flat, flat_ids, live = self._live()
         rows, goals = flat.index_select(0, live), targets.reshape(-1).index_select(0, live)
         grad = self.root.grad and torch.is_grad_enabled()
-        grad = grad and (rows.requires_grad or any(p.requires_grad for p in self.root.parameters))
+        trainable = any(p.requires_grad for p in self.root.parameters)
+        grad = grad and (rows.requires_grad or trainable)
         stats = [s for s in self.root.stats if s not in self.root.cache]
         chunk = self.root.chunk
         starts = range(0, len(rows), chunk)
         collected: dict[int, dict[str, torch.Tensor]] = {}
+        lses: dict[int, torch.Tensor] = {}
 
-        def one(index: int, h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-            logits = self._logits(h)
-            lse = torch.logsumexp(logits, dim=-1)
+        def head(h: torch.Tensor) -> torch.Tensor:
+            with self.root.autocast():
+                return self.root.head(h)
+
+        def observe(index: int, logits: torch.Tensor, lse: torch.Tensor) -> None:
             if stats and index not in collected:  # the first run, not the backward's recompute
                 with torch.no_grad():
-                    collected[index] = {s: STATS[s](logits.detach(), lse.detach()) for s in stats}
-            return logits.gather(-1, t.unsqueeze(-1)).squeeze(-1) - lse
+                    wide = logits.detach().to(accumulation_dtype(logits.dtype))
+                    collected[index] = {s: STATS[s](wide, lse) for s in stats}
+
+        def one(index: int, h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+            logits = head(h)
+            values, lse = target_logprobs(logits, t, lses.get(index))  # the recompute reuses the forward's
+            lses.setdefault(index, lse)
+            observe(index, logits, lse)
+            return values
 
         parts = []
         for index, s in enumerate(starts):
             h, t = rows[s : s + chunk], goals[s : s + chunk]
-            if grad:
+            if grad and not trainable:  # a frozen head: d(hidden) in the forward, no recompute
+                parts.append(frozen_head_chunk(head, h, t, functools.partial(observe, index)))
+            elif grad:
                 parts.append(checkpoint(one, index, h, t, use_reentrant=False))
             else:
                 with torch.no_grad():

@@ -227,8 +227,11 @@ def run_scoring(model: Any, request: ScoreCall, *args: Any, **kwargs: Any) -> An
 def resolve_chunk(state: FusedState, head: torch.nn.Module, dtype: torch.dtype) -> int:
     if state.chunk != "auto":
         return int(state.chunk)
-    vocab = getattr(head, "out_features", None) or getattr(getattr(head, "weight", None), "shape", (0,))[0]
-    return auto_chunk(int(vocab), dtype)
+    weight = getattr(head, "weight", None)
+    vocab = getattr(head, "out_features", None) or getattr(weight, "shape", (0,))[0]
+    hidden = getattr(head, "in_features", None) or getattr(weight, "shape", (0, 0))[-1]
+    device = weight.device if isinstance(weight, torch.Tensor) else None
+    return auto_chunk(int(vocab), dtype, device, int(hidden))
 
 
 def make_fused_forward(trainer: Any, state: FusedState, roles: Callable[[Any], str]) -> Callable:
