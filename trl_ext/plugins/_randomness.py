@@ -154,7 +154,9 @@ def training_draws(model: torch.nn.Module) -> list[RandomDraw]:
     vocab = int(lm.get_input_embeddings().num_embeddings)
     weight = getattr(lm.get_output_embeddings(), "weight", None) if hasattr(lm, "get_output_embeddings") else None
     if isinstance(weight, torch.Tensor):
-        vocab = min(vocab, int(weight.shape[0]))  # ids both embedded and scored (CPM-Ant embeds extra ids)
+        # ids both embedded and scored (CPM-Ant embeds extra ids); a ZeRO-3 partitioned weight keeps its full shape in
+        # `ds_shape` (its own shape is empty until gathered)
+        vocab = min(vocab, int(getattr(weight, "ds_shape", weight.shape)[0]))
     low = min(3, vocab - 1)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(low, vocab, (2, 8), generator=g)
