@@ -60,9 +60,9 @@ gathers the scored positions from the packed row. An evaluation that asks for th
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from typing import Any
 
+from ..._lazy import lazy_getattr
 from ...spec import Flag, Parser, PluginSpec, boolean, positive_int
 
 NAME = "fused_logprobs"
@@ -101,10 +101,4 @@ TRL_EXT_PLUGIN = PluginSpec(
 )
 
 
-def __getattr__(name: str) -> Any:
-    """The implementation's names: `.hooks` is imported on first use only, so that reading the declaration above
-    imports no torch."""
-    if name.startswith("__"):
-        raise AttributeError(name)
-    hooks = importlib.import_module(f"{__name__}.hooks")
-    return hooks if name == "hooks" else getattr(hooks, name)
+__getattr__ = lazy_getattr(__name__, rest="hooks")  # the implementation's names, imported on first use only
