@@ -227,6 +227,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow  # seconds each: kept out of the fast loop's 90 s
 @pytest.mark.parametrize("case", list(CASES))
 def test_matches_trl_native(case, build, tmp_path):
     spec = CASES[case]
@@ -262,6 +263,7 @@ def test_with_padding_free(build, tmp_path):
         assert_same_precompute(native_train, plugin.train_dataset)
 
 
+@pytest.mark.slow  # seconds each: kept out of the fast loop's 90 s
 def test_evaluate_with_a_new_dataset(build, tmp_path):
     """`DPOTrainer.evaluate(new_dataset)` precomputes through the plugin too, and gives TRL's metrics."""
     train, held_out = _data(12, seed=5), _data(10, seed=8)
@@ -281,6 +283,7 @@ def test_evaluate_with_a_new_dataset(build, tmp_path):
 # -------------------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # seconds each: kept out of the fast loop's 90 s
 def test_auto_backs_off_on_out_of_memory(build, logs, tmp_path):
     """A forward over 400 padded tokens raises OutOfMemoryError: "auto" stays under it and still gets every pair."""
     limit = 400
@@ -307,6 +310,7 @@ def test_auto_backs_off_on_out_of_memory(build, logs, tmp_path):
     assert all(r.levelno == logging.INFO for r in logs if "auto probe" in r.getMessage())
 
 
+@pytest.mark.slow  # seconds each: kept out of the fast loop's 90 s
 def test_fixed_batch_splits_on_out_of_memory(build, logs, tmp_path):
     """With a fixed batch size that does not fit, a batch that runs out of memory is halved, not fatal."""
 
@@ -384,6 +388,7 @@ def _touch_fresh_pages(size: int) -> None:
         pages.close()
 
 
+@pytest.mark.slow  # seconds each: kept out of the fast loop's 90 s
 def test_lockstep_auto_stops_at_the_budget_check(build, lockstep_ranks, logs, tmp_path):
     """Under lockstep no probe runs whose memory, extrapolated from the largest probe that fit, exceeds the budget.
 
@@ -414,6 +419,7 @@ def test_lockstep_auto_stops_at_the_budget_check(build, lockstep_ranks, logs, tm
 # -------------------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # seconds each: kept out of the fast loop's 90 s
 def test_cache_reuse_invalidation_and_corruption(build, logs, tmp_path):
     cache = tmp_path / "cache"
     native, _ = build(_data(20, seed=9))
@@ -482,6 +488,7 @@ def test_read_only_cache_dir_warns_once_before_the_forwards(build, logs):
     assert_same_precompute(native_train, plugin.train_dataset)
 
 
+@pytest.mark.slow  # seconds each: kept out of the fast loop's 90 s
 def test_interrupted_precompute_resumes(build, logs, tmp_path):
     cache = tmp_path / "cache"
     native, _ = build(_data(24, seed=11))
@@ -509,6 +516,7 @@ def test_interrupted_precompute_resumes(build, logs, tmp_path):
     assert not list(cache.glob("*/parts/*.npz"))
 
 
+@pytest.mark.slow  # seconds each: kept out of the fast loop's 90 s
 def test_interrupted_auto_precompute_resumes_with_its_plan(build, tmp_path):
     """An "auto" precompute interrupted after its probes resumes with the saved budget and batch plan (no new probe),
     and its values are bit-identical to an uninterrupted run's (the out-of-memory limit is simulated, so "auto"
