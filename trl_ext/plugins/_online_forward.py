@@ -119,14 +119,29 @@ def _probe(prompt: int, completion: int, seed: int) -> tuple[torch.Tensor, torch
     return prompt_ids, prompt_mask, completion_ids, completion_mask
 
 
-def verify_against_trl(forward: Callable, plugin: str) -> None:
+class _TrainerView:
+    """The trainer as TRL's `_forward` sees it in the probe: `max_length` set by the probe, every other attribute the
+    trainer's own (a TRL whose `_forward` reads more settings reads the trainer's)."""
+
+    def __init__(self, trainer: Any, max_length: int) -> None:
+        self._trainer = trainer
+        setattr(self, _compat.ONLINE_DPO_MAX_LENGTH_ATTR, max_length)
+
+    def __getattr__(self, name: str) -> Any:
+        if self._trainer is None:
+            raise AttributeError(name)
+        return getattr(self._trainer, name)
+
+
+def verify_against_trl(forward: Callable, plugin: str, trainer: Any = None) -> None:
     """Raise `UsageError` unless `ScoringCall` reproduces `forward` (TRL's own `OnlineDPOTrainer._forward` function,
-    as installed) exactly, on probes with the left cut, without it, and without a prompt."""
+    as installed) exactly, on probes with the left cut, without it, and without a prompt. `trainer`: the trainer
+    whose settings `forward` may read besides `max_length`."""
     model = _StandInModel()
     cases = ((5, 4, None), (5, 4, 6), (5, 4, 4), (0, 4, None))  # (prompt, completion, max_length)
     for seed, (prompt, completion, max_length) in enumerate(cases):
         batch = _probe(prompt, completion, seed)
-        stand_in_trainer = types.SimpleNamespace(**{_compat.ONLINE_DPO_MAX_LENGTH_ATTR: max_length or 10**6})
+        stand_in_trainer = _TrainerView(trainer, max_length or 10**6)
         try:
             expected = forward(stand_in_trainer, model, *batch)
         except Exception as exc:  # noqa: BLE001 - any failure means this TRL's _forward is not the one we reproduce

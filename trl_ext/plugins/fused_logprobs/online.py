@@ -237,7 +237,7 @@ def resolve_chunk(state: FusedState, head: torch.nn.Module, dtype: torch.dtype) 
 def make_fused_forward(trainer: Any, state: FusedState, roles: Callable[[Any], str]) -> Callable:
     """The replacement of `trainer._forward`: same arguments, same `[rows, C]` log-probs, no full logits. TRL's steps
     around the model call are `_online_forward.ScoringCall`'s, verified against the trainer's own `_forward` here."""
-    verify_against_trl(getattr(type(trainer), _compat.ONLINE_DPO_FORWARD_METHOD), "fused_logprobs")
+    verify_against_trl(getattr(type(trainer), _compat.ONLINE_DPO_FORWARD_METHOD), "fused_logprobs", trainer)
 
     def _forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask, vision_inputs=None):
         role = roles(model)

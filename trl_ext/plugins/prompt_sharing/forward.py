@@ -329,7 +329,9 @@ def make_online_forward(original: Callable, max_length: Callable[[], int | None]
     as TRL does. Another `_forward` (fused_logprobs', a subclass's) is called as it is."""
     own = _is_trl_online_forward(original)
     if own:  # the steps below are TRL's: refuse a TRL whose `_forward` is not what they reproduce
-        verify_against_trl(getattr(original, "__func__", original), "prompt_sharing")
+        verify_against_trl(
+            getattr(original, "__func__", original), "prompt_sharing", getattr(original, "__self__", None)
+        )
 
     @functools.wraps(original)
     def _forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask, *args, **kwargs):
