@@ -458,10 +458,10 @@ def test_train_ends_with_one_line_giving_the_peak_memory(tokenizer, dpo_args, tr
     lines = [r.getMessage() for r in trl_ext_log.records if "during train()" in r.getMessage()]
     assert len(lines) == 1
     match = re.fullmatch(
-        r"trl-ext: DPOTrainer trained with plugins padding_free; peak memory (\d+) MiB resident \(CPU\) during "
-        r"train\(\)",
+        r"trl-ext: DPOTrainer trained with plugins padding_free; peak memory ([\d.]+) (MiB|GiB) resident \(CPU\) "
+        r"during train\(\)",
         lines[0],
     )
-    assert match and int(match.group(1)) > 0, lines[0]
+    assert match and float(match.group(1)) > 0, lines[0]  # GiB past 1024 MiB (a long test session's process)
     trainer.evaluate()  # evaluation alone logs no such line
     assert len([r for r in trl_ext_log.records if "during train()" in r.getMessage()]) == 1
