@@ -16,24 +16,39 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from trl_ext.testing import make_model
 
-#: Every DPO loss type of TRL 1.16.0 (`DPOConfig.loss_type`).
-TRL_LOSS_TYPES = [
-    "sigmoid",
-    "hinge",
-    "ipo",
-    "exo_pair",
-    "nca_pair",
-    "robust",
-    "bco_pair",
-    "sppo_hard",
-    "aot",
-    "aot_unpaired",
-    "apo_zero",
-    "apo_down",
-    "discopop",
-    "sft",
-    "sigmoid_norm",
-]
+
+def _trl_loss_types() -> list[str]:
+    # read from the installed TRL (its `loss_type` help and `_compute_loss` branches), not kept by hand: a loss type a
+    # TRL adds is parametrized, and must pass, in every equivalence test that covers "every loss type"
+    from trl_ext.plugins.token_budget.hooks import trl_loss_types
+
+    return sorted(trl_loss_types())
+
+
+#: Every DPO loss type of the installed TRL.
+TRL_LOSS_TYPES = _trl_loss_types()
+
+
+def online_generation(
+    prompt_lens: tuple[int, ...] = (5, 9, 2),
+    completion_lens: tuple[int, ...] = (6, 3, 1, 4, 6, 2),
+    width: int = 6,
+    seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One stored Online DPO generation, to stand in for `_generate` so that every trainer scores the same tokens:
+    left-padded prompts repeated twice (as TRL does), completions of different lengths padded after their end.
+    Returns `prompt_ids, prompt_mask, completion_ids, completion_mask`."""
+    g = torch.Generator().manual_seed(seed)
+    p = max(prompt_lens)
+    prompt_ids = torch.zeros(len(prompt_lens), p, dtype=torch.long)
+    prompt_mask = torch.zeros_like(prompt_ids)
+    for i, n in enumerate(prompt_lens):
+        prompt_ids[i, p - n :] = torch.randint(4, 250, (n,), generator=g)
+        prompt_mask[i, p - n :] = 1
+    prompt_ids, prompt_mask = prompt_ids.repeat(2, 1), prompt_mask.repeat(2, 1)
+    completion_ids = torch.randint(4, 250, (len(completion_lens), width), generator=g)
+    completion_mask = (torch.arange(width)[None] < torch.tensor(completion_lens)[:, None]).long()
+    return prompt_ids, prompt_mask, completion_ids.masked_fill(completion_mask == 0, 0), completion_mask
 
 
 def one_thread() -> Iterator[None]:

@@ -18,26 +18,11 @@ from trl_ext.testing import length_reward, make_model, make_prompt_dataset
 RTOL = 1e-6
 
 
-def _generation():
-    g = torch.Generator().manual_seed(0)
-    prompt_lens, completion_lens, width = (5, 9, 2), (6, 3, 1, 4, 6, 2), 6
-    p = max(prompt_lens)
-    prompt_ids = torch.zeros(len(prompt_lens), p, dtype=torch.long)
-    prompt_mask = torch.zeros_like(prompt_ids)
-    for i, n in enumerate(prompt_lens):
-        prompt_ids[i, p - n :] = torch.randint(4, 250, (n,), generator=g)
-        prompt_mask[i, p - n :] = 1
-    prompt_ids, prompt_mask = prompt_ids.repeat(2, 1), prompt_mask.repeat(2, 1)
-    completion_ids = torch.randint(4, 250, (len(completion_lens), width), generator=g)
-    completion_mask = (torch.arange(width)[None] < torch.tensor(completion_lens)[:, None]).long()
-    return prompt_ids, prompt_mask, completion_ids.masked_fill(completion_mask == 0, 0), completion_mask
-
-
 @pytest.fixture
 def build(online_dpo_args, tokenizer, monkeypatch):
     from trl.experimental.online_dpo import OnlineDPOTrainer
 
-    batch = (*_generation(), None)
+    batch = (*eq.online_generation(), None)
     monkeypatch.setattr(OnlineDPOTrainer, "_generate", lambda self, model, prompts, images=None: batch)
 
     def make(**overrides):
@@ -55,7 +40,7 @@ def build(online_dpo_args, tokenizer, monkeypatch):
 
 
 def _scores(trainer):
-    logps = [trainer._forward(m, *_generation()) for m in (trainer.model, trainer.ref_model)]
+    logps = [trainer._forward(m, *eq.online_generation()) for m in (trainer.model, trainer.ref_model)]
     for values in trainer.stats.values():
         values.clear()
     trainer.model.zero_grad(set_to_none=True)

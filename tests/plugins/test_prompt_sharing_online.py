@@ -19,21 +19,6 @@ GRAD_RTOL = 1e-6
 LOGPS_RTOL = 1e-9
 
 
-def _fixed_generation(prompt_lens=(5, 9, 2), completion_lens=(6, 3, 1, 4, 6, 2), width=6, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    p = max(prompt_lens)
-    prompt_ids = torch.zeros(len(prompt_lens), p, dtype=torch.long)
-    prompt_mask = torch.zeros_like(prompt_ids)
-    for i, n in enumerate(prompt_lens):
-        prompt_ids[i, p - n :] = torch.randint(4, 250, (n,), generator=g)
-        prompt_mask[i, p - n :] = 1
-    prompt_ids, prompt_mask = prompt_ids.repeat(2, 1), prompt_mask.repeat(2, 1)
-    completion_ids = torch.randint(4, 250, (len(completion_lens), width), generator=g)
-    completion_mask = (torch.arange(width)[None] < torch.tensor(completion_lens)[:, None]).long()
-    completion_ids = completion_ids.masked_fill(completion_mask == 0, 0)
-    return prompt_ids, prompt_mask, completion_ids, completion_mask
-
-
 def _generate_arity() -> int:
     """`OnlineDPOTrainer._generate` returns 4 tensors on TRL 1.12 and those plus `vision_inputs` on 1.16."""
     import inspect
@@ -68,7 +53,7 @@ def build(online_dpo_args, tokenizer):
             processing_class=tokenizer,
             peft_config=peft_config,
         )
-        batch = (*(generation or _fixed_generation()), None)[: _generate_arity()]
+        batch = (*(generation or eq.online_generation()), None)[: _generate_arity()]
         trainer._generate = lambda model, prompts, images=None: batch  # the same completions for both
 
         return trainer
@@ -99,7 +84,7 @@ def test_training_step_equals_stock(build, max_length, monkeypatch):
         unpacked = []
         original_unpack = forward._unpack_outputs
         monkeypatch.setattr(forward, "_unpack_outputs", lambda *a: unpacked.append(1) or original_unpack(*a))
-        prompt_ids, prompt_mask, completion_ids, completion_mask = _fixed_generation()
+        prompt_ids, prompt_mask, completion_ids, completion_mask = eq.online_generation()
         # TRL's own per-token log-probs of the completions, from the wrapped `_forward`
         a = stock._forward(stock.model, prompt_ids, prompt_mask, completion_ids, completion_mask)
         b = shared._forward(shared.model, prompt_ids, prompt_mask, completion_ids, completion_mask)
@@ -261,7 +246,7 @@ def test_online_score_equals_unpacked_logits(trailing_padding):
     from trl_ext.plugins.prompt_sharing.forward import OnlineScore, _row_runs
     from trl_ext.plugins.prompt_sharing.layout import build_layout, unpack
 
-    prompt_ids, prompt_mask, completion_ids, completion_mask = _fixed_generation()
+    prompt_ids, prompt_mask, completion_ids, completion_mask = eq.online_generation()
     ids, mask = torch.cat((prompt_ids, completion_ids), 1), torch.cat((prompt_mask, completion_mask), 1)
     p, vocab = prompt_ids.size(1), 11
     layout = build_layout(ids, mask, [p] * ids.size(0), trailing_padding=trailing_padding)

@@ -76,13 +76,19 @@ def _stock_once(key: tuple, run: Any) -> Any:
 
 
 def _first_log(trainer: Any) -> dict[str, float]:
+    """The first training log of `trainer`, with `"plugins"` holding the plugins that attached to it (compared
+    separately: a plugin that silently did not attach would compare stock with stock)."""
+    plugins = tuple(sorted(getattr(getattr(trainer, "_trl_ext", None), "enabled", ())))
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert logs, "no training log"
-    return {k: float(v) for k, v in logs[0].items() if not any(k.endswith(s) for s in NOT_COMPARED)}
+    first = {k: float(v) for k, v in logs[0].items() if not any(k.endswith(s) for s in NOT_COMPARED)}
+    return {**first, "plugins": plugins}  # type: ignore[dict-item]
 
 
-def _assert_within_stock_round_off(plugin: dict, stock16: dict, stock32: dict, dtype: str) -> None:
+def _assert_within_stock_round_off(plugin: dict, stock16: dict, stock32: dict, dtype: str, attached: set[str]) -> None:
+    assert stock16.pop("plugins") == stock32.pop("plugins") == ()  # stock is stock
+    assert attached <= set(plugin.pop("plugins")), attached  # every plugin asked for attached to the trainer
     assert plugin.keys() == stock16.keys()
     for key, expected in stock16.items():
         got = plugin[key]
@@ -151,31 +157,15 @@ def test_dpo_first_step_equals_stock_in_16_bits(dpo_run, plugin, dtype):
             with trl_ext.install(**flags):
                 dpo_run(dtype, precompute)
         return
-    stock32 = dpo_run(None, precompute)
-    stock16 = dpo_run(dtype, precompute)
-    with trl_ext.install(**flags) as installation:
+    stock32 = dict(dpo_run(None, precompute))
+    stock16 = dict(dpo_run(dtype, precompute))
+    with trl_ext.install(**flags):
         got = dpo_run(dtype, precompute)
-    assert installation  # the plugin was installed (each plugin's own tests prove it attached and acted)
-    _assert_within_stock_round_off(got, stock16, stock32, dtype)
+    _assert_within_stock_round_off(got, stock16, stock32, dtype, {plugin})
 
 
 # --------------------------------------------------------------------------------------------------------------------
 # Online DPO
-
-
-def _fixed_generation(seed=0):
-    prompt_lens, completion_lens, width = (5, 9, 2), (6, 3, 1, 4, 6, 2), 6
-    g = torch.Generator().manual_seed(seed)
-    p = max(prompt_lens)
-    prompt_ids = torch.zeros(len(prompt_lens), p, dtype=torch.long)
-    prompt_mask = torch.zeros_like(prompt_ids)
-    for i, n in enumerate(prompt_lens):
-        prompt_ids[i, p - n :] = torch.randint(4, 250, (n,), generator=g)
-        prompt_mask[i, p - n :] = 1
-    prompt_ids, prompt_mask = prompt_ids.repeat(2, 1), prompt_mask.repeat(2, 1)
-    completion_ids = torch.randint(4, 250, (len(completion_lens), width), generator=g)
-    completion_mask = (torch.arange(width)[None] < torch.tensor(completion_lens)[:, None]).long()
-    return prompt_ids, prompt_mask, completion_ids.masked_fill(completion_mask == 0, 0), completion_mask
 
 
 @pytest.fixture
@@ -194,7 +184,7 @@ def online_run(online_dpo_args, tokenizer, monkeypatch):
             max_steps=1, per_device_train_batch_size=3, optim="sgd", learning_rate=0.1, max_length=64
         )
         args[precision or "bf16"] = precision is not None
-        batch = (*_fixed_generation(), None)[:arity]
+        batch = (*eq.online_generation(), None)[:arity]
         # the same completions for every run; set on the class before the trainer is built, so that plugins which
         # wrap the trainer's `_generate` (sync_metrics counts the step's calls) wrap this one
         monkeypatch.setattr(OnlineDPOTrainer, "_generate", lambda self, model, prompts, images=None: batch)
@@ -226,13 +216,14 @@ def online_run(online_dpo_args, tokenizer, monkeypatch):
 def test_online_dpo_first_step_equals_stock_in_16_bits(online_run, plugin, dtype):
     stock32, logps32 = online_run(None)
     stock16, logps16 = online_run(dtype)
+    stock32, stock16 = dict(stock32), dict(stock16)  # the cached runs stay whole
     with trl_ext.install(**ONLINE_PLUGINS[plugin]):
         got, logps = online_run(dtype)
-    real = _fixed_generation()[3].bool()
+    real = eq.online_generation()[3].bool()
     for want32, want, have in zip(logps32, logps16, logps, strict=True):
         assert have.dtype == want.dtype  # what TRL reduces: stock's dtype (float32 out of accelerate's autocast)
         own = (want - want32)[real].abs().mean().item()  # stock's own 16-bit round-off, per token
         off = (have - want)[real].abs().mean().item()
         floor = FLOAT32_ROUND_OFF * want[real].abs().mean().item()
         assert off <= max(PER_TOKEN * own, floor), (off, own, floor)
-    _assert_within_stock_round_off(got, stock16, stock32, dtype)
+    _assert_within_stock_round_off(got, stock16, stock32, dtype, set(plugin.split("+")))
