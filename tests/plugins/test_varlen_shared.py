@@ -119,7 +119,7 @@ def test_online_dpo_step_with_the_reference_kernel_equals_stock(build, monkeypat
     ran as the second, non-causal kernel call in every layer."""
     import trl_ext
     from tests import equivalence as eq
-    from tests.plugins.test_prompt_sharing_online import GRAD_RTOL, LOGPS_RTOL, _fixed_generation, _step
+    from tests.plugins.test_prompt_sharing_online import GRAD_RTOL, LOGPS_RTOL, _step
 
     ref = ReferenceVarlen()
     kernel = kernels.Kernel("varlen_attn", ("cpu",), (torch.float64,), True, ref)
@@ -129,7 +129,7 @@ def test_online_dpo_step_with_the_reference_kernel_equals_stock(build, monkeypat
     with trl_ext.install(prompt_sharing=True, plugins={"prompt_sharing": {"attention": "fused"}}):
         shared = build()
     assert shared._trl_ext.state["prompt_sharing"].kernels["policy"].kernel is kernel
-    generation = _fixed_generation()
+    generation = eq.online_generation()
     a = stock._forward(stock.model, *generation)
     b = shared._forward(shared.model, *generation)
     real = generation[3].bool()
