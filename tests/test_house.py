@@ -295,3 +295,43 @@ def test_one_module_name_and_one_class_per_shared_concern():
         if isinstance(node, ast.ClassDef) and node.name == "Ranks"
     ]
     assert ranks == ["trl_ext/_shared.py"]
+
+
+def _imported_names(root: Path, prefixes: tuple[str, ...]) -> list[tuple[Path, int, str, str]]:
+    """`(file, line, module, name)` of every `from MODULE import NAME` under `root` (inside functions too) whose module
+    starts with one of `prefixes`."""
+    out = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                if node.module.split(".")[0] in prefixes:
+                    out.extend((path, node.lineno, node.module, alias.name) for alias in node.names)
+    return out
+
+
+def test_every_name_a_test_or_benchmark_imports_exists():
+    """Imports inside test functions run only when the test does (a slow test may be the first to notice a helper was
+    renamed): every `from tests... / trl_ext... import NAME` in tests/ and benchmarks/ names something that exists."""
+    missing = []
+    seen = _imported_names(ROOT / "tests", ("tests", "trl_ext")) + _imported_names(
+        ROOT / "benchmarks", ("tests", "trl_ext")
+    )
+    assert len(seen) > 100  # the walk sees the imports inside functions
+    for path, line, module, name in seen:
+        if name == "*":
+            continue
+        try:
+            mod = importlib.import_module(module)
+        except ImportError as exc:
+            missing.append(f"{path.relative_to(ROOT)}:{line}: {module} ({exc})")
+            continue
+        if not hasattr(mod, name) and importlib.util.find_spec(f"{module}.{name}") is None:
+            missing.append(f"{path.relative_to(ROOT)}:{line}: {module}.{name}")
+    assert not missing, "\n".join(missing)
+
+
+def test_the_import_check_finds_a_missing_name(tmp_path):
+    (tmp_path / "t.py").write_text("def f():\n    from tests.equivalence import no_such_helper\n")
+    [(_, line, module, name)] = _imported_names(tmp_path, ("tests",))
+    assert (line, module, name) == (2, "tests.equivalence", "no_such_helper")
+    assert not hasattr(importlib.import_module(module), name)
