@@ -1,0 +1,188 @@
+"""Everything a plugin changes is undone: each built-in plugin (and a combination) trains a step on a real trainer,
+then `uninstall()` and `detach()` leave TRL, transformers and the trainer as a stock build of the same trainer.
+
+What is walked, before the install and after the undo:
+- every attribute of the modules and classes trl-ext or a plugin may patch (TRL's trainer modules and classes,
+  transformers' `Trainer` and modeling utilities, the attention registry), compared by identity;
+- the trainer's own attributes: no callable left that a stock trainer does not have, the same data collator type;
+- every sub-module of the policy and reference models: the same own attributes as a stock model's (no `forward`, no
+  hook left behind), the same forward / backward hooks, the same config.
+"""
+
+from __future__ import annotations
+
+import importlib
+import types
+
+import pytest
+import torch
+
+import trl_ext
+from trl_ext import _compat
+from trl_ext.testing import length_reward, make_model, make_preference_dataset, make_prompt_dataset
+
+DPO_CASES = {
+    "padding_free": dict(padding_free=True),
+    "prompt_sharing": dict(prompt_sharing=True),
+    "precompute_ref_batch_size": dict(precompute_ref_batch_size=2),
+    "sync_metrics": dict(sync_metrics=True),
+    "token_budget": dict(token_budget=400),
+    "fused_logprobs": dict(fused_logprobs=True),
+    "packing+token_budget+fused_logprobs": dict(padding_free=True, token_budget=400, fused_logprobs=True),
+}
+ONLINE_CASES = {
+    "prompt_sharing": dict(prompt_sharing=True),
+    "fused_logprobs": dict(fused_logprobs=True),
+    "sync_metrics": dict(sync_metrics=True),
+    "prompt_sharing+fused_logprobs": dict(prompt_sharing=True, fused_logprobs=True),
+}
+
+
+def _process_wide() -> list[object]:
+    """The modules and classes whose attributes a plugin may replace (TRL's, transformers', accelerate's)."""
+    import accelerate
+    import transformers
+    from transformers import modeling_utils
+
+    objects: list[object] = []
+    for module_name, class_name in _compat.TRAINERS.values():
+        module = importlib.import_module(module_name)
+        objects += [module, getattr(module, class_name)]
+    objects += [importlib.import_module(m) for m in _compat.GENERATION_HELPER_MODULES.values()]
+    for name in ("trl.trainer.utils", "trl.models.utils", "transformers.trainer", "transformers.modeling_utils"):
+        objects.append(importlib.import_module(name))
+    objects += [transformers.Trainer, accelerate.Accelerator, modeling_utils.PreTrainedModel]
+    return objects
+
+
+def _snapshot() -> dict[int, tuple[object, dict[str, object]]]:
+    from transformers.modeling_utils import AttentionInterface
+
+    # `__warningregistry__` and other dunders are Python's own bookkeeping (a warning issued from the module)
+    out = {id(obj): (obj, {k: v for k, v in vars(obj).items() if not k.startswith("__")}) for obj in _process_wide()}
+    out[id(AttentionInterface._global_mapping)] = ("attention registry", dict(AttentionInterface._global_mapping))
+    return out
+
+
+def _changed(before: dict, after: dict) -> list[str]:
+    changes = []
+    for key, (obj, attrs) in before.items():
+        now = after[key][1]
+        name = getattr(obj, "__name__", obj)
+        changes += [f"{name}.{a} added" for a in now.keys() - attrs.keys()]
+        changes += [f"{name}.{a} removed" for a in attrs.keys() - now.keys()]
+        changes += [f"{name}.{a} replaced" for a in attrs.keys() & now.keys() if now[a] is not attrs[a]]
+    return changes
+
+
+def _callables(trainer: object) -> set[str]:
+    """The trainer's own attributes that are functions or bound methods (a wrapper left behind would be one)."""
+    kinds = (types.FunctionType, types.MethodType, types.BuiltinFunctionType)
+    return {name for name, value in vars(trainer).items() if isinstance(value, kinds)}
+
+
+def _modules_state(model: torch.nn.Module) -> dict[str, tuple]:
+    return {
+        name: (
+            sorted(k for k in vars(module) if not k.startswith("_") or k in ("_forward_hooks", "_backward_hooks")),
+            "forward" in vars(module),
+            len(module._forward_hooks),
+            len(module._forward_pre_hooks),
+            len(module._backward_hooks),
+        )
+        for name, module in model.named_modules()
+    }
+
+
+def _assert_stock(trainer, stock) -> None:
+    assert "_trl_ext" not in vars(trainer)
+    left = _callables(trainer) - _callables(stock)
+    assert not left, f"trainer methods still wrapped after detach: {sorted(left)}"
+    assert type(trainer.data_collator) is type(stock.data_collator)
+    for attr in ("model", "ref_model"):
+        ours, theirs = getattr(trainer, attr, None), getattr(stock, attr, None)
+        assert (ours is None) == (theirs is None)
+        if ours is None:
+            continue
+        assert _modules_state(ours) == _modules_state(theirs), attr
+        assert ours.config.to_dict() == theirs.config.to_dict(), attr
+
+
+def _dpo(tokenizer, dpo_args, flags):
+    from trl import DPOTrainer
+
+    overrides = {"precompute_ref_log_probs": True} if "precompute_ref_batch_size" in flags else {}
+    return DPOTrainer(
+        make_model(hidden_size=32),
+        ref_model=make_model(hidden_size=32, seed=1),
+        args=dpo_args(max_steps=1, bf16=False, **overrides),
+        train_dataset=make_preference_dataset(8),
+        processing_class=tokenizer,
+    )
+
+
+def _online(tokenizer, online_dpo_args, flags):
+    from trl.experimental.online_dpo import OnlineDPOTrainer
+
+    return OnlineDPOTrainer(
+        model=make_model(hidden_size=32),
+        ref_model=make_model(hidden_size=32, seed=1),
+        reward_funcs=length_reward,
+        args=online_dpo_args(max_steps=1, bf16=False, max_length=64),
+        train_dataset=make_prompt_dataset(4),
+        processing_class=tokenizer,
+    )
+
+
+def _check(build, flags) -> None:
+    """`build()` makes the same trainer (the same TRL config) for stock and for the plugins."""
+    before = _snapshot()
+    stock = build()
+    stock.train()
+    installation = trl_ext.install(**flags)
+    trainer = build()
+    assert set(trainer._trl_ext.enabled) >= set(flags)  # every requested plugin attached
+    trainer.train()
+    installation.uninstall(detach=True)
+    assert not _changed(before, _snapshot())
+    _assert_stock(trainer, stock)
+    trainer.train()  # stock TRL again
+
+
+#: in the fast loop: one combination (the other cases are `slow`, ~5 s each)
+FAST = {"packing+token_budget+fused_logprobs"}
+
+
+def _cases(cases: dict) -> list:
+    return [pytest.param(c, marks=() if c in FAST else pytest.mark.slow) for c in cases]
+
+
+@pytest.mark.parametrize("case", _cases(DPO_CASES))
+def test_dpo_plugins_are_undone(case, tokenizer, dpo_args):
+    flags = DPO_CASES[case]
+    _check(lambda: _dpo(tokenizer, dpo_args, flags), flags)
+
+
+@pytest.mark.parametrize("case", _cases(ONLINE_CASES))
+def test_online_dpo_plugins_are_undone(case, tokenizer, online_dpo_args):
+    flags = ONLINE_CASES[case]
+    _check(lambda: _online(tokenizer, online_dpo_args, flags), flags)
+
+
+def test_the_walk_sees_a_change_left_behind():
+    """The process-wide walk and the trainer walk each notice one replaced attribute."""
+    from trl import DPOTrainer
+
+    before = _snapshot()
+    module = importlib.import_module(DPOTrainer.__module__)
+    name = next(n for n, v in vars(module).items() if callable(v) and not n.startswith("__"))
+    original = vars(module)[name]
+    setattr(module, name, lambda *a, **k: None)
+    try:
+        assert _changed(before, _snapshot()) == [f"{module.__name__}.{name} replaced"]
+    finally:
+        setattr(module, name, original)
+    assert not _changed(before, _snapshot())
+    stock, patched = types.SimpleNamespace(), types.SimpleNamespace()
+    patched.training_step = lambda *a: None
+    assert _callables(patched) - _callables(stock) == {"training_step"}
