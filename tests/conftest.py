@@ -102,6 +102,17 @@ def _no_leftover_installation(monkeypatch):
         pytest.fail("test left trl-ext installed")
 
 
+@pytest.fixture
+def recorder(monkeypatch):
+    """The `recorder` test plugin (tests/helpers.py), discoverable as a third-party plugin for this test."""
+    from tests._fakes import install_fake_plugin
+    from tests.helpers import Recorder
+
+    plugin = Recorder()
+    install_fake_plugin(monkeypatch, "recorder", plugin)
+    return plugin
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     from trl_ext.testing import make_tokenizer

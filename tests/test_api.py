@@ -99,14 +99,14 @@ def _package_sources() -> dict[str, tuple[str, bool]]:
 
 
 def _third_party_sources() -> dict[str, str]:
-    from tests.test_third_party import PLUGIN_SOURCE
+    from tests.helpers import PLUGIN_SOURCE
 
     docs = (ROOT / "docs" / "writing-plugins.md").read_text()
     blocks = [b for b in re.findall(r"```python\n(.*?)```", docs, flags=re.S) if "trl_ext" in b]
     assert blocks, "docs/writing-plugins.md has no python example that uses trl_ext"
     return {
         "tests/typed_plugin/typed_counter.py": (ROOT / "tests" / "typed_plugin" / "typed_counter.py").read_text(),
-        "tests/test_third_party.py::PLUGIN_SOURCE": PLUGIN_SOURCE,
+        "tests/helpers.py::PLUGIN_SOURCE": PLUGIN_SOURCE,
         **{f"docs/writing-plugins.md block {i}": block for i, block in enumerate(blocks)},
     }
 

@@ -335,3 +335,41 @@ def test_the_import_check_finds_a_missing_name(tmp_path):
     [(_, line, module, name)] = _imported_names(tmp_path, ("tests",))
     assert (line, module, name) == (2, "tests.equivalence", "no_such_helper")
     assert not hasattr(importlib.import_module(module), name)
+
+
+def _test_module_imports(root: Path) -> list[str]:
+    """`file:line: module` for every import, in a test module or helper under `root`, of a test module (`test_*`) or
+    a conftest: shared helpers belong in tests/helpers.py, fixtures in a conftest.py."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        package = list(path.relative_to(root.parent).parent.parts)
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom):
+                base = package[: len(package) - node.level + 1] if node.level else []
+                modules = [".".join([*base, *(node.module or "").split(".")]).strip(".")]
+                if not node.module:
+                    modules = [f"{'.'.join(base)}.{alias.name}" for alias in node.names]
+            elif isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names]
+            else:
+                continue
+            for module in modules:
+                last = module.rsplit(".", 1)[-1]
+                if module.split(".")[0] == root.name and (last.startswith("test_") or last == "conftest"):
+                    found.append(f"{path.relative_to(root.parent)}:{node.lineno}: {module}")
+    return found
+
+
+def test_no_test_module_imports_another():
+    assert not _test_module_imports(ROOT / "tests")
+
+
+def test_the_test_import_rule_finds_one(tmp_path):
+    (tmp_path / "tests" / "plugins").mkdir(parents=True)
+    (tmp_path / "tests" / "plugins" / "test_a.py").write_text(
+        "from .test_b import x\nfrom tests.plugins.conftest import y\nfrom tests import helpers\n"
+    )
+    assert _test_module_imports(tmp_path / "tests") == [
+        "tests/plugins/test_a.py:1: tests.plugins.test_b",
+        "tests/plugins/test_a.py:2: tests.plugins.conftest",
+    ]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import subprocess
 import sys
 
@@ -17,100 +16,6 @@ from trl_ext.testing import length_reward, make_model, make_preference_dataset, 
 from ._fakes import install_fake_plugin
 
 
-class CountingCollator:
-    def __init__(self, inner):
-        self.inner = inner
-        self.calls = 0
-
-    def __call__(self, examples):
-        self.calls += 1
-        return self.inner(examples)
-
-
-@dataclasses.dataclass(frozen=True)
-class RecorderOptions:
-    """Options of the `recorder` test plugin.
-
-    Args:
-        note (`str`, *optional*, defaults to `""`):
-            Any text.
-    """
-
-    note: str = ""
-
-
-class Recorder:
-    """A third-party test plugin: records every hook, and answers the exclusive ones with pass-through wrappers."""
-
-    TRL_EXT_PLUGIN = PluginSpec(name="recorder", summary="Records every hook.", options=RecorderOptions)
-
-    def __init__(self):
-        self.events = []
-        self.forward_calls = {}
-        self.collators = []
-        self.generation_calls = 0
-
-    @trl_ext.hookimpl
-    def trl_ext_validate_config(self, config, trl_version):
-        self.events.append(("validate", dataclasses.asdict(config.options("recorder"))))
-
-    @trl_ext.hookimpl
-    def trl_ext_trainer_init_start(self, trainer, context, init_kwargs):
-        # TRL's __init__ has not run yet: the trainer has no model, and the constructor arguments are visible.
-        self.events.append(("init_start", type(trainer).__name__, hasattr(trainer, "model"), "args" in init_kwargs))
-        context.state["recorder"] = {"trainer_class": context.trainer_class}
-
-    @trl_ext.hookimpl
-    def trl_ext_make_collator(self, trainer, context, collator):
-        self.events.append(("make_collator", type(collator).__name__))
-        wrapped = CountingCollator(collator)
-        self.collators.append(wrapped)
-        return wrapped
-
-    @trl_ext.hookimpl
-    def trl_ext_make_packed_forward(self, trainer, context, role, backbone):
-        self.events.append(("make_packed_forward", role))
-        original = backbone.forward
-
-        def forward(*args, **kwargs):
-            self.forward_calls[role] = self.forward_calls.get(role, 0) + 1
-            return original(*args, **kwargs)
-
-        return forward
-
-    @trl_ext.hookimpl
-    def trl_ext_trainer_models_ready(self, trainer, context):
-        self.events.append(("models_ready", hasattr(trainer, "ref_model")))
-
-    @trl_ext.hookimpl
-    def trl_ext_make_ref_precompute(self, trainer, context, dataset, name, batch_size):
-        # Models are ready, and no forward has run yet.
-        self.events.append(("make_ref_precompute", name, batch_size, sum(self.forward_calls.values())))
-
-    @trl_ext.hookimpl
-    def trl_ext_trainer_init_end(self, trainer, context):
-        self.events.append(("init_end", context.state["recorder"]["trainer_class"]))
-
-    @trl_ext.hookimpl
-    def trl_ext_reduce_metrics(self, trainer, context, logs):
-        self.events.append(("reduce_metrics", "loss" in logs or "train_loss" in logs))
-
-    @trl_ext.hookimpl
-    def trl_ext_make_generation_context(self, trainer, context, model, call_kwargs):
-        from trl.models.utils import unwrap_model_for_generation  # TRL's own, unpatched definition
-
-        self.generation_calls += 1
-        self.events.append(("make_generation_context", sorted(call_kwargs)))
-        return unwrap_model_for_generation(model, **call_kwargs)
-
-    @trl_ext.hookimpl
-    def trl_ext_uninstall(self, installation):
-        self.events.append(("uninstall",))
-
-    def names(self):
-        return [e[0] for e in self.events]
-
-
 def _train_dpo(tokenizer, dpo_args, arch="llama", **arg_overrides):
     from trl import DPOTrainer
 
@@ -123,13 +28,6 @@ def _train_dpo(tokenizer, dpo_args, arch="llama", **arg_overrides):
     )
     trainer.train()
     return trainer, [log["loss"] for log in trainer.state.log_history if "loss" in log]
-
-
-@pytest.fixture
-def recorder(monkeypatch):
-    plugin = Recorder()
-    install_fake_plugin(monkeypatch, "recorder", plugin)
-    return plugin
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

@@ -1,7 +1,7 @@
 """No silent surprises (issue 15): a trainer keeps its plugins for its whole life, TRL's errors stay TRL's, a
 multi-process launch that runs single-process is refused, and what trl-ext does is visible at the default log level.
 
-Real TRL trainers throughout; the only stand-in is the `recorder` test plugin of tests/test_install.py.
+Real TRL trainers throughout; the only stand-in is the `recorder` test plugin (tests/helpers.py).
 """
 
 from __future__ import annotations
@@ -23,17 +23,7 @@ import trl_ext
 from trl_ext import UsageError, _compat
 from trl_ext.testing import length_reward, make_model, make_preference_dataset, make_prompt_dataset
 
-from ._fakes import install_fake_plugin
-from .test_install import Recorder
-
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture
-def recorder(monkeypatch):
-    plugin = Recorder()
-    install_fake_plugin(monkeypatch, "recorder", plugin)
-    return plugin
 
 
 @pytest.fixture

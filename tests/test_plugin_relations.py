@@ -14,7 +14,7 @@ from trl_ext.plugins import _architecture
 from trl_ext.plugins.prompt_sharing import setup as sharing_setup
 from trl_ext.spec import PluginSpec
 
-from .test_core_names_no_plugin import _code_tokens
+from .helpers import code_tokens
 
 PLUGINS = Path(__file__).resolve().parents[1] / "trl_ext" / "plugins"
 
@@ -26,7 +26,7 @@ def _names(catalog, plugin: str) -> set[str]:
 def _named(path: Path, names: set[str]) -> list[str]:
     """The plugin names a module's code uses: identifiers and string tokens; a name that is an ordinary word
     (`generation`) counts in a string only as the whole string (`is_enabled("generation")`)."""
-    tokens = _code_tokens(path)
+    tokens = code_tokens(path)
     strings = {node.value for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Constant)}
     return sorted(n for n in names if (n in tokens and "_" in n) or n in strings)
 

@@ -18,51 +18,16 @@ import pytest
 import yaml
 
 import trl_ext
+from tests import helpers
 from trl_ext import UsageError
 from trl_ext.testing import make_model, make_preference_dataset, make_tokenizer, preference_rows
-
-PLUGIN_SOURCE = '''
-"""Chunked fused DPO loss (a third-party trl-ext plugin used by trl-ext's tests)."""
-
-from dataclasses import dataclass, field
-
-import trl_ext
-from trl_ext.api import Flag, PluginSpec, boolean, positive_int
-
-
-@dataclass(frozen=True)
-class FusedLossOptions:
-    """Options of the `fused_loss` plugin.
-
-    Args:
-        chunk (`int`, *optional*, defaults to `1024`):
-            Tokens per chunk.
-    """
-
-    chunk: int = field(default=1024, metadata={"parse": positive_int})
-
-
-TRL_EXT_PLUGIN = PluginSpec(
-    name="fused_loss",
-    summary="Chunked fused DPO loss (test plugin).",
-    flags=(Flag("fused_loss", default=False, parse=boolean, help="Compute the DPO loss in chunks."),),
-    options=FusedLossOptions,
-    trainers=("DPOTrainer",),
-)
-
-
-@trl_ext.hookimpl
-def trl_ext_trainer_init_end(trainer, context):
-    trainer.fused_loss_chunk = context.options("fused_loss").chunk
-    print(f"[fused_loss] chunk={trainer.fused_loss_chunk}", flush=True)
-'''
 
 
 @pytest.fixture(scope="module")
 def plugin_site(tmp_path_factory) -> Path:
     """`pip install` the package into its own directory (not into the test environment) and return that directory."""
     src = tmp_path_factory.mktemp("trl_ext_fused_src")
-    (src / "trl_ext_fused.py").write_text(PLUGIN_SOURCE)
+    (src / "trl_ext_fused.py").write_text(helpers.PLUGIN_SOURCE)
     (src / "pyproject.toml").write_text(
         textwrap.dedent(
             """

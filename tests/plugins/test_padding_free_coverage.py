@@ -15,8 +15,9 @@ import torch
 
 import trl_ext
 from tests import equivalence as eq
+from tests.helpers import tiny
 from trl_ext import UsageError
-from trl_ext.testing import make_model, make_preference_dataset
+from trl_ext.testing import make_preference_dataset
 
 REL = 1e-6  # fp64 weights; TRL 1.16's fused LM head computes log-probs in fp32 (measured deviations <= 2e-7)
 
@@ -27,51 +28,6 @@ _one_thread = pytest.fixture(scope="module", autouse=True)(eq.one_thread)
 @pytest.fixture(scope="module")
 def dataset():
     return make_preference_dataset(16, seed=0)
-
-
-def tiny(kind: str = "llama", seed: int = 0):
-    """Tiny float64 models: a dense Llama, a sliding-window Mistral (window 4), a Mixtral (4 experts, top-2, aux loss
-    coefficient 0.5 so that the auxiliary loss weighs in the comparison), a StableLM (partial rotary)."""
-    from transformers import (
-        MistralConfig,
-        MistralForCausalLM,
-        MixtralConfig,
-        MixtralForCausalLM,
-        StableLmConfig,
-        StableLmForCausalLM,
-    )
-
-    common = dict(
-        vocab_size=256,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=2,
-    )
-    torch.manual_seed(seed)
-    if kind == "llama":
-        model = make_model(dtype=torch.float64, seed=seed)
-    elif kind == "mistral":
-        model = MistralForCausalLM(MistralConfig(sliding_window=4, **common)).to(torch.float64)
-    elif kind == "mixtral":
-        config = MixtralConfig(num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.5, **common)
-        config._experts_implementation = "eager"  # grouped-mm experts have no fp64 CPU kernel
-        model = MixtralForCausalLM(config).to(torch.float64)
-    elif kind == "stablelm":
-        # its decoder layer drops `cu_seq_lens_q` on the way to the attention: under gradient checkpointing the
-        # recomputed layer finds the sequence bounds in the packed position_ids only
-        model = StableLmForCausalLM(StableLmConfig(**common)).to(torch.float64)
-    else:
-        raise ValueError(kind)
-    with torch.no_grad():
-        model.get_output_embeddings().weight.mul_(8)  # far from uniform, so misplaced tokens move log-probs a lot
-    model.config._attn_implementation_internal = "sdpa"
-    return model
 
 
 @pytest.fixture

@@ -18,9 +18,9 @@ import torch
 
 import trl_ext
 from tests import equivalence as eq
+from tests.helpers import tiny
 from tests.plugins import sweep
-from tests.plugins.test_padding_free_coverage import tiny
-from tests.plugins.test_padding_free_sweep import build_tiny
+from tests.plugins.sweep import build_tiny
 from trl_ext import UsageError
 from trl_ext.plugins.prompt_sharing.setup import VERIFIED_MODEL_TYPES
 from trl_ext.testing import make_preference_dataset

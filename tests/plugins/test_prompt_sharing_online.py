@@ -13,59 +13,15 @@ import torch
 
 import trl_ext
 from tests import equivalence as eq
+from tests.helpers import ONLINE_GRAD_RTOL as GRAD_RTOL
+from tests.helpers import ONLINE_LOGPS_RTOL as LOGPS_RTOL
+from tests.helpers import online_step as _step
 from trl_ext.testing import length_reward, make_model, make_prompt_dataset
-
-GRAD_RTOL = 1e-6
-LOGPS_RTOL = 1e-9
-
-
-def _generate_arity() -> int:
-    """`OnlineDPOTrainer._generate` returns 4 tensors on TRL 1.12 and those plus `vision_inputs` on 1.16."""
-    import inspect
-
-    from trl.experimental.online_dpo import OnlineDPOTrainer
-
-    return 5 if "vision_inputs = self._generate(" in inspect.getsource(OnlineDPOTrainer.training_step) else 4
 
 
 @pytest.fixture
-def build(online_dpo_args, tokenizer):
-    def make(*, generation=None, ref=True, peft_config=None, model_type=None, **overrides):
-        from trl.experimental.online_dpo import OnlineDPOTrainer
-
-        overrides.setdefault("bf16", False)
-        overrides.setdefault("max_length", 64)  # longer than every sequence here; sizes the self-check's probe
-        args = online_dpo_args(per_device_train_batch_size=3, optim="sgd", learning_rate=0.1, **overrides)
-        if peft_config is not None:
-            torch.manual_seed(123)
-        model = eq.sharpen(make_model(dtype=torch.float64))
-        ref_model = eq.sharpen(make_model(seed=1, dtype=torch.float64)) if ref else None
-        if model_type is not None:  # a model type outside every table, as a `trust_remote_code` model would be
-            for m in (model, ref_model):
-                if m is not None:
-                    m.config.model_type = model_type
-        trainer = OnlineDPOTrainer(
-            model=model,
-            ref_model=ref_model,
-            reward_funcs=length_reward,
-            args=args,
-            train_dataset=make_prompt_dataset(6),
-            processing_class=tokenizer,
-            peft_config=peft_config,
-        )
-        batch = (*(generation or eq.online_generation()), None)[: _generate_arity()]
-        trainer._generate = lambda model, prompts, images=None: batch  # the same completions for both
-
-        return trainer
-
-    return make
-
-
-def _step(trainer):
-    trainer.model.zero_grad(set_to_none=True)
-    loss = trainer.training_step(trainer.model, {"prompt": ["w1 w2"] * 3})
-    grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
-    return loss, grads
+def build(online_build):
+    return online_build
 
 
 @pytest.mark.parametrize("max_length", [None, 12])

@@ -15,153 +15,34 @@ token_budget moves 1.7e-7 and 1.5e-7; 5e-9 for `sigmoid`.
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import math
 
 import pytest
 import torch
-from transformers import TrainerCallback
 
 import trl_ext
 from trl_ext import UsageError
 from trl_ext.plugins.token_budget.cut import Pair, cut_step, pair_length, plan, spread
 from trl_ext.plugins.token_budget.hooks import COUPLED_LOSS_TYPES
-from trl_ext.testing import make_model, make_preference_dataset
+from trl_ext.testing import make_model
 
 from ..equivalence import one_thread, sharpen
-
-PLUGIN = "token_budget"
-#: `LOG_ATOL` for metrics near zero: `logits/*` (a mean over the vocabulary, ~1e-3 here) moves by 1.5e-9 between
-#: layouts through the float32 LM head; a wrong partition moves it by ~1e-4.
-PARAM_RTOL, LOG_RTOL, LOG_ATOL = 1e-6, 1e-6, 1e-8
-PAIRS, BATCH, ACCUMULATION = 7, 2, 2
-#: On this data (seed 15) the first step's first two pairs share a micro-batch and one pair of 47 tokens is over it.
-BUDGET = 56
-#: Loss types whose value is a mean over pairs (TRL 1.12 and 1.16), with the config they need.
-MEAN_OVER_PAIRS = {
-    "sigmoid": {},
-    "hinge": {},
-    "ipo": {"learning_rate": 0.002},  # a squared loss of scale 1 / (2 beta)^2: large gradients
-    "exo_pair": {"label_smoothing": 0.1},
-    "nca_pair": {},
-    "robust": {"label_smoothing": 0.1},
-    "bco_pair": {},
-    "sppo_hard": {"learning_rate": 0.005},  # squared distances to 1 / (2 beta): large gradients
-    "apo_zero": {},
-    "apo_down": {},
-    "discopop": {},
-    "sigmoid_norm": {},
-}
-#: Keys of the Trainer's log that are timings, not results.
-TIMINGS = {"train_runtime", "train_samples_per_second", "train_steps_per_second"}
+from .token_budget_harness import (
+    ACCUMULATION,
+    BUDGET,
+    LOG_ATOL,
+    LOG_RTOL,
+    MEAN_OVER_PAIRS,
+    PAIRS,
+    PLUGIN,
+    _assert_same_run,
+    _dataset,
+    _records,
+    _state,
+    _train,
+)
 
 _one_thread = pytest.fixture(scope="module", autouse=True)(one_thread)
-
-
-class _Params(TrainerCallback):
-    """Copies of the trainable parameters after each optimizer step."""
-
-    def __init__(self) -> None:
-        self.initial: dict[str, torch.Tensor] = {}
-        self.steps: list[dict[str, torch.Tensor]] = []
-
-    def on_train_begin(self, args, state, control, model=None, **kwargs):
-        self.initial = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-
-    def on_step_end(self, args, state, control, model=None, **kwargs):
-        self.steps.append({n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad})
-
-
-def _dataset():
-    return make_preference_dataset(PAIRS, seed=15, prompt_median=6, completion_median=5, max_prompt=24)
-
-
-def _train(dpo_args, tokenizer, install: dict | None, peft: bool = False, dataset=None, dtype=torch.float64, **args):
-    from trl import DPOTrainer
-
-    model = sharpen(make_model(dtype=dtype, hidden_size=32))
-    ref = None if peft else sharpen(make_model(dtype=dtype, hidden_size=32, seed=1))
-    peft_config = None
-    if peft:
-        from peft import LoraConfig
-
-        torch.manual_seed(123)  # the same LoRA init in both trainers
-        peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
-    config = dict(
-        per_device_train_batch_size=BATCH,
-        gradient_accumulation_steps=ACCUMULATION,
-        max_steps=-1,
-        num_train_epochs=1,
-        optim="sgd",
-        learning_rate=0.05,
-        bf16=False,
-        max_grad_norm=0.0,
-    )
-    config.update(args)
-    params = _Params()
-    with trl_ext.install(**(install or {})):
-        trainer = DPOTrainer(
-            model,
-            ref_model=ref,
-            args=dpo_args(**config),
-            train_dataset=_dataset() if dataset is None else dataset,
-            processing_class=tokenizer,
-            callbacks=[params],
-            peft_config=peft_config,
-        )
-        trainer.train()
-    return trainer, params.initial, params.steps
-
-
-def _assert_same_run(stock, plugin) -> None:
-    (s_trainer, before, s_steps), (p_trainer, _, p_steps) = stock, plugin
-    assert len(s_steps) == len(p_steps) >= 2
-    for step, (s_params, p_params) in enumerate(zip(s_steps, p_steps, strict=True)):
-        previous = before if step == 0 else s_steps[step - 1]
-        change = max((s_params[n] - previous[n]).abs().max().item() for n in s_params)
-        assert change > 1e-4, "the step must move the parameters for the comparison to mean anything"
-        worst = max((s_params[n] - p_params[n]).abs().max().item() for n in s_params)
-        assert worst <= PARAM_RTOL * change, (
-            f"step {step}: parameters differ by {worst:.3e} (step change {change:.3e})"
-        )
-    s_logs, p_logs = s_trainer.state.log_history, p_trainer.state.log_history
-    assert len(s_logs) == len(p_logs)
-    for s_log, p_log in zip(s_logs, p_logs, strict=True):
-        assert set(s_log) == set(p_log)
-        for key, value in s_log.items():
-            if key not in TIMINGS:
-                assert math.isclose(p_log[key], value, rel_tol=LOG_RTOL, abs_tol=LOG_ATOL), (key, value, p_log[key])
-    assert any("rewards/margins" in log for log in s_logs)
-
-
-@contextlib.contextmanager
-def _records():
-    """Records of the trl_ext loggers (they do not propagate to the root logger, so caplog cannot see them)."""
-    records: list[logging.LogRecord] = []
-
-    class _Keep(logging.Handler):
-        def emit(self, record):
-            records.append(record)
-
-    root = logging.getLogger("trl_ext")
-    handler, level = _Keep(level=logging.DEBUG), root.level
-    root.addHandler(handler)
-    root.setLevel(logging.INFO)
-    try:
-        yield records
-    finally:
-        root.removeHandler(handler)
-        root.setLevel(level)
-
-
-def _state(trainer):
-    return trainer._trl_ext.state[PLUGIN]
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# The cut itself (pure functions)
-# ---------------------------------------------------------------------------------------------------------------------
 
 
 def test_plan_cuts_by_tokens_in_order():

@@ -1,7 +1,7 @@
 """`token_budget="auto"` (the budget measured from memory before the first step) and the prompt counted once under
 prompt_sharing.
 
-The real-trainer tests reuse the equality harness of tests/plugins/test_token_budget.py (the same float64 models,
+The real-trainer tests reuse the equality harness of tests/plugins/token_budget_harness.py (the same float64 models,
 data, SGD steps and tolerances).
 """
 
@@ -17,16 +17,16 @@ from trl_ext import UsageError
 from trl_ext.plugins.token_budget.auto import HEADROOM, STATE_KEY, AutoBudget, Probe, choose
 from trl_ext.plugins.token_budget.cut import Layout, Pair, as_layout, cut_step, layout, pair_length, tokens
 
-from .test_token_budget import (
+from ..equivalence import one_thread
+from .token_budget_harness import (
     PLUGIN,
     _assert_same_run,
     _records,
     _state,
     _train,
 )
-from .test_token_budget import (
-    _one_thread as _one_thread,  # noqa: F401  (the module-wide single-thread fixture)
-)
+
+_one_thread = pytest.fixture(scope="module", autouse=True)(one_thread)
 
 # ---------------------------------------------------------------------------------------------------------------------
 # The flag and options

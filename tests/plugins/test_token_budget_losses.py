@@ -2,7 +2,7 @@
 allow-list of loss types read against TRL's own list, and `loss_type` "sft" (RPO and every combination with it), exact
 by per-token weights (`trl_ext.plugins.token_budget.sft`).
 
-The comparisons use the harness of tests/plugins/test_token_budget.py (float64 models, SGD, two optimizer steps of 2 x
+The comparisons use tests/plugins/token_budget_harness.py (float64 models, SGD, two optimizer steps of 2 x
 2 pairs, the second the epoch's uneven last one, parameters to 1e-6 of a step's change, logs to 1e-6).
 """
 
@@ -25,7 +25,7 @@ from trl_ext.plugins.token_budget.hooks import (
 from trl_ext.testing import make_model, make_preference_dataset
 
 from ..equivalence import one_thread, sharpen
-from .test_token_budget import (
+from .token_budget_harness import (
     BUDGET,
     LOG_ATOL,
     LOG_RTOL,

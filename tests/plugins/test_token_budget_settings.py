@@ -2,7 +2,7 @@
 FSDP v1, batch dispatching (one and two processes), TRL's helpers found by capability (1.14), the flag without a
 value, and the lines the plugin logs. Loss settings (NaN, sft, the allow-list): test_token_budget_losses.py.
 
-The comparisons use the harness of tests/plugins/test_token_budget.py (float64 models, SGD, two optimizer steps of 2 x
+The comparisons use tests/plugins/token_budget_harness.py (float64 models, SGD, two optimizer steps of 2 x
 2 pairs, the second the epoch's uneven last one, parameters to 1e-6 of a step's change, logs to 1e-6).
 """
 
@@ -27,7 +27,7 @@ from trl_ext.plugins.token_budget.hooks import (
 from trl_ext.testing import make_model, make_preference_dataset
 
 from ..equivalence import one_thread, sharpen
-from .test_token_budget import (
+from .token_budget_harness import (
     BUDGET,
     LOG_ATOL,
     LOG_RTOL,

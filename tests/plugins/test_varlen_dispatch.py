@@ -17,50 +17,13 @@ import torch
 
 import trl_ext
 from tests import equivalence as eq
+from tests.helpers import ReferenceVarlen
 from tests.plugins import sweep
 from trl_ext import UsageError
 from trl_ext.plugins._packing import kernels
 from trl_ext.testing import make_preference_dataset
 
 _one_thread = pytest.fixture(scope="module", autouse=True)(eq.one_thread)
-
-
-class ReferenceVarlen:
-    """Varlen attention on CPU, as the flash kernels define it: per segment, query `i` of `n` over `m` keys is
-    aligned at `i + m - n`; causal: keys `j <= i + m - n`; a window `w`: also `j >= i + m - n - w`. Records each
-    call's metadata (the metadata tests count them)."""
-
-    def __init__(self) -> None:
-        self.calls: list[dict] = []
-
-    def __call__(self, q, k, v, cu_q, cu_k, max_q, max_k, *, causal, window, scale):
-        assert q.dim() == 3 and k.dim() == 3 and cu_q.dtype == torch.int32 and cu_k.dtype == torch.int32
-        assert q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
-        bq, bk = cu_q.tolist(), cu_k.tolist()
-        assert bq[-1] == q.shape[0] and bk[-1] == k.shape[0] and len(bq) == len(bk)
-        lengths_q = [b - a for a, b in zip(bq[:-1], bq[1:], strict=True)]
-        lengths_k = [b - a for a, b in zip(bk[:-1], bk[1:], strict=True)]
-        assert max_q == max(lengths_q) and max_k == max(lengths_k)
-        self.calls.append({"cu_q": cu_q, "causal": causal, "window": window, "segments": len(lengths_q)})
-        if k.shape[1] != q.shape[1]:
-            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-        scale = q.shape[-1] ** -0.5 if scale is None else scale
-        outs = []
-        spans_q = zip(bq[:-1], bq[1:], strict=True)
-        for (qs, qe), (ks, ke) in zip(spans_q, zip(bk[:-1], bk[1:], strict=True), strict=True):
-            n, m = qe - qs, ke - ks
-            scores = torch.einsum("qhd,khd->hqk", q[qs:qe], k[ks:ke]) * scale
-            aligned = torch.arange(n)[:, None] + (m - n)
-            j = torch.arange(m)[None, :]
-            visible = torch.ones(n, m, dtype=torch.bool)
-            if causal or window is not None:
-                visible = j <= aligned
-            if window is not None:
-                visible = visible & (j >= aligned - window)
-            weights = scores.masked_fill(~visible, float("-inf")).softmax(-1)
-            outs.append(torch.einsum("hqk,khd->qhd", weights, v[ks:ke]))
-        return torch.cat(outs)
 
 
 @pytest.fixture

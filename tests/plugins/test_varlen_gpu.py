@@ -18,8 +18,8 @@ import torch
 
 import trl_ext
 from tests import equivalence as eq
+from tests.helpers import ReferenceVarlen
 from tests.plugins import sweep
-from tests.plugins.test_varlen_dispatch import ReferenceVarlen
 from trl_ext.plugins._packing import kernels
 from trl_ext.testing import make_preference_dataset
 

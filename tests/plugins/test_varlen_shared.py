@@ -9,8 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.plugins.test_prompt_sharing_online import build  # noqa: F401 - the Online DPO trainer fixture
-from tests.plugins.test_varlen_dispatch import ReferenceVarlen
+from tests.helpers import ReferenceVarlen
 from trl_ext.plugins._packing import kernels
 from trl_ext.plugins.prompt_sharing import attention as shared
 from trl_ext.plugins.prompt_sharing.layout import build_layout
@@ -113,30 +112,30 @@ def test_plan_is_built_once_per_layout(monkeypatch):
 
 
 @pytest.mark.slow  # ~40 s on a shared 2-core machine: two Online DPO trainers
-def test_online_dpo_step_with_the_reference_kernel_equals_stock(build, monkeypatch):  # noqa: F811
+def test_online_dpo_step_with_the_reference_kernel_equals_stock(online_build, monkeypatch):
     """prompt_sharing with `attention: fused` on a real OnlineDPOTrainer (float64; the reference kernel "installed"
     for CPU): the completions' log-probs, the loss and the gradients equal stock's; the completions' trailing padding
     ran as the second, non-causal kernel call in every layer."""
     import trl_ext
     from tests import equivalence as eq
-    from tests.plugins.test_prompt_sharing_online import GRAD_RTOL, LOGPS_RTOL, _step
+    from tests.helpers import ONLINE_GRAD_RTOL, ONLINE_LOGPS_RTOL, online_step
 
     ref = ReferenceVarlen()
     kernel = kernels.Kernel("varlen_attn", ("cpu",), (torch.float64,), True, ref)
     monkeypatch.setattr(kernels, "KERNELS", {"varlen_attn": kernel})
     monkeypatch.setattr(kernels, "_CACHE", type(kernels._CACHE)())
-    stock = build()
+    stock = online_build()
     with trl_ext.install(prompt_sharing=True, plugins={"prompt_sharing": {"attention": "fused"}}):
-        shared = build()
+        shared = online_build()
     assert shared._trl_ext.state["prompt_sharing"].kernels["policy"].kernel is kernel
     generation = eq.online_generation()
     a = stock._forward(stock.model, *generation)
     b = shared._forward(shared.model, *generation)
     real = generation[3].bool()
-    assert (a[real] - b[real]).abs().max().item() <= LOGPS_RTOL * a[real].abs().max().item()
-    stock_loss, stock_grads = _step(stock)
-    shared_loss, shared_grads = _step(shared)
+    assert (a[real] - b[real]).abs().max().item() <= ONLINE_LOGPS_RTOL * a[real].abs().max().item()
+    stock_loss, stock_grads = online_step(stock)
+    shared_loss, shared_grads = online_step(shared)
     assert shared_loss.item() == pytest.approx(stock_loss.item(), rel=1e-9)
-    eq.assert_same_grads(stock_grads, shared_grads, GRAD_RTOL)
+    eq.assert_same_grads(stock_grads, shared_grads, ONLINE_GRAD_RTOL)
     causal = [c["causal"] for c in ref.calls]
     assert causal.count(False) == causal.count(True) > 0  # every layer: the main call and the padding's call

@@ -61,7 +61,7 @@ else:
 
     STATE = PartialState(cpu=True, backend="gloo")
 if ENGINE == "fsdp2":
-    from tests.scale.conftest import enable_fsdp2_on_cpu, is_fsdp2_model
+    from tests.scale.fsdp2_shim import enable_fsdp2_on_cpu, is_fsdp2_model
 
     enable_fsdp2_on_cpu()
 

@@ -1,0 +1,305 @@
+"""Helpers that several test modules share, in one place (no test module imports another): the `recorder` test
+plugin, a third-party plugin's source, the code-names reader, a reference varlen kernel, tiny float64 models.
+
+Comparison helpers and builders of the equivalence tests are in `tests/equivalence.py`; fake package metadata in
+`tests/_fakes.py`; the architecture sweep's table in `tests/plugins/sweep.py`.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import re
+from pathlib import Path
+
+import torch
+
+import trl_ext
+from trl_ext.spec import PluginSpec
+from trl_ext.testing import make_model
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The `recorder` test plugin: records every hook, answers the exclusive ones with pass-through wrappers
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+class CountingCollator:
+    def __init__(self, inner):
+        self.inner = inner
+        self.calls = 0
+
+    def __call__(self, examples):
+        self.calls += 1
+        return self.inner(examples)
+
+
+@dataclasses.dataclass(frozen=True)
+class RecorderOptions:
+    """Options of the `recorder` test plugin.
+
+    Args:
+        note (`str`, *optional*, defaults to `""`):
+            Any text.
+    """
+
+    note: str = ""
+
+
+class Recorder:
+    """A third-party test plugin: records every hook, and answers the exclusive ones with pass-through wrappers."""
+
+    TRL_EXT_PLUGIN = PluginSpec(name="recorder", summary="Records every hook.", options=RecorderOptions)
+
+    def __init__(self):
+        self.events = []
+        self.forward_calls = {}
+        self.collators = []
+        self.generation_calls = 0
+
+    @trl_ext.hookimpl
+    def trl_ext_validate_config(self, config, trl_version):
+        self.events.append(("validate", dataclasses.asdict(config.options("recorder"))))
+
+    @trl_ext.hookimpl
+    def trl_ext_trainer_init_start(self, trainer, context, init_kwargs):
+        # TRL's __init__ has not run yet: the trainer has no model, and the constructor arguments are visible.
+        self.events.append(("init_start", type(trainer).__name__, hasattr(trainer, "model"), "args" in init_kwargs))
+        context.state["recorder"] = {"trainer_class": context.trainer_class}
+
+    @trl_ext.hookimpl
+    def trl_ext_make_collator(self, trainer, context, collator):
+        self.events.append(("make_collator", type(collator).__name__))
+        wrapped = CountingCollator(collator)
+        self.collators.append(wrapped)
+        return wrapped
+
+    @trl_ext.hookimpl
+    def trl_ext_make_packed_forward(self, trainer, context, role, backbone):
+        self.events.append(("make_packed_forward", role))
+        original = backbone.forward
+
+        def forward(*args, **kwargs):
+            self.forward_calls[role] = self.forward_calls.get(role, 0) + 1
+            return original(*args, **kwargs)
+
+        return forward
+
+    @trl_ext.hookimpl
+    def trl_ext_trainer_models_ready(self, trainer, context):
+        self.events.append(("models_ready", hasattr(trainer, "ref_model")))
+
+    @trl_ext.hookimpl
+    def trl_ext_make_ref_precompute(self, trainer, context, dataset, name, batch_size):
+        # Models are ready, and no forward has run yet.
+        self.events.append(("make_ref_precompute", name, batch_size, sum(self.forward_calls.values())))
+
+    @trl_ext.hookimpl
+    def trl_ext_trainer_init_end(self, trainer, context):
+        self.events.append(("init_end", context.state["recorder"]["trainer_class"]))
+
+    @trl_ext.hookimpl
+    def trl_ext_reduce_metrics(self, trainer, context, logs):
+        self.events.append(("reduce_metrics", "loss" in logs or "train_loss" in logs))
+
+    @trl_ext.hookimpl
+    def trl_ext_make_generation_context(self, trainer, context, model, call_kwargs):
+        from trl.models.utils import unwrap_model_for_generation  # TRL's own, unpatched definition
+
+        self.generation_calls += 1
+        self.events.append(("make_generation_context", sorted(call_kwargs)))
+        return unwrap_model_for_generation(model, **call_kwargs)
+
+    @trl_ext.hookimpl
+    def trl_ext_uninstall(self, installation):
+        self.events.append(("uninstall",))
+
+    def names(self):
+        return [e[0] for e in self.events]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# A third-party plugin's source (tests/test_third_party.py installs it; tests/test_api.py reads its imports)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+PLUGIN_SOURCE = '''
+"""Chunked fused DPO loss (a third-party trl-ext plugin used by trl-ext's tests)."""
+
+from dataclasses import dataclass, field
+
+import trl_ext
+from trl_ext.api import Flag, PluginSpec, boolean, positive_int
+
+
+@dataclass(frozen=True)
+class FusedLossOptions:
+    """Options of the `fused_loss` plugin.
+
+    Args:
+        chunk (`int`, *optional*, defaults to `1024`):
+            Tokens per chunk.
+    """
+
+    chunk: int = field(default=1024, metadata={"parse": positive_int})
+
+
+TRL_EXT_PLUGIN = PluginSpec(
+    name="fused_loss",
+    summary="Chunked fused DPO loss (test plugin).",
+    flags=(Flag("fused_loss", default=False, parse=boolean, help="Compute the DPO loss in chunks."),),
+    options=FusedLossOptions,
+    trainers=("DPOTrainer",),
+)
+
+
+@trl_ext.hookimpl
+def trl_ext_trainer_init_end(trainer, context):
+    trainer.fused_loss_chunk = context.options("fused_loss").chunk
+    print(f"[fused_loss] chunk={trainer.fused_loss_chunk}", flush=True)
+'''
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The names a module's code uses (docstrings left out): the core-names and plugin-relations rules
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def code_tokens(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    docstrings = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = getattr(node, "body", [])
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                docstrings.add(id(body[0].value))
+    tokens: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            tokens.update(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", node.value))
+        elif isinstance(node, ast.Name):
+            tokens.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            tokens.add(node.attr)
+        elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            tokens.add(node.name)
+    return tokens
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# A reference varlen attention kernel for CPU (the dispatch, shared-prompt and GPU tests)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+class ReferenceVarlen:
+    """Varlen attention on CPU, as the flash kernels define it: per segment, query `i` of `n` over `m` keys is
+    aligned at `i + m - n`; causal: keys `j <= i + m - n`; a window `w`: also `j >= i + m - n - w`. Records each
+    call's metadata (the metadata tests count them)."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict] = []
+
+    def __call__(self, q, k, v, cu_q, cu_k, max_q, max_k, *, causal, window, scale):
+        assert q.dim() == 3 and k.dim() == 3 and cu_q.dtype == torch.int32 and cu_k.dtype == torch.int32
+        assert q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
+        bq, bk = cu_q.tolist(), cu_k.tolist()
+        assert bq[-1] == q.shape[0] and bk[-1] == k.shape[0] and len(bq) == len(bk)
+        lengths_q = [b - a for a, b in zip(bq[:-1], bq[1:], strict=True)]
+        lengths_k = [b - a for a, b in zip(bk[:-1], bk[1:], strict=True)]
+        assert max_q == max(lengths_q) and max_k == max(lengths_k)
+        self.calls.append({"cu_q": cu_q, "causal": causal, "window": window, "segments": len(lengths_q)})
+        if k.shape[1] != q.shape[1]:
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        outs = []
+        spans_q = zip(bq[:-1], bq[1:], strict=True)
+        for (qs, qe), (ks, ke) in zip(spans_q, zip(bk[:-1], bk[1:], strict=True), strict=True):
+            n, m = qe - qs, ke - ks
+            scores = torch.einsum("qhd,khd->hqk", q[qs:qe], k[ks:ke]) * scale
+            aligned = torch.arange(n)[:, None] + (m - n)
+            j = torch.arange(m)[None, :]
+            visible = torch.ones(n, m, dtype=torch.bool)
+            if causal or window is not None:
+                visible = j <= aligned
+            if window is not None:
+                visible = visible & (j >= aligned - window)
+            weights = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+            outs.append(torch.einsum("hqk,khd->qhd", weights, v[ks:ke]))
+        return torch.cat(outs)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Tiny float64 models of the padding_free coverage and prompt_sharing architecture tests
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def tiny(kind: str = "llama", seed: int = 0):
+    """Tiny float64 models: a dense Llama, a sliding-window Mistral (window 4), a Mixtral (4 experts, top-2, aux loss
+    coefficient 0.5 so that the auxiliary loss weighs in the comparison), a StableLM (partial rotary)."""
+    from transformers import (
+        MistralConfig,
+        MistralForCausalLM,
+        MixtralConfig,
+        MixtralForCausalLM,
+        StableLmConfig,
+        StableLmForCausalLM,
+    )
+
+    common = dict(
+        vocab_size=256,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+    )
+    torch.manual_seed(seed)
+    if kind == "llama":
+        model = make_model(dtype=torch.float64, seed=seed)
+    elif kind == "mistral":
+        model = MistralForCausalLM(MistralConfig(sliding_window=4, **common)).to(torch.float64)
+    elif kind == "mixtral":
+        config = MixtralConfig(num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.5, **common)
+        config._experts_implementation = "eager"  # grouped-mm experts have no fp64 CPU kernel
+        model = MixtralForCausalLM(config).to(torch.float64)
+    elif kind == "stablelm":
+        # its decoder layer drops `cu_seq_lens_q` on the way to the attention: under gradient checkpointing the
+        # recomputed layer finds the sequence bounds in the packed position_ids only
+        model = StableLmForCausalLM(StableLmConfig(**common)).to(torch.float64)
+    else:
+        raise ValueError(kind)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8)  # far from uniform, so misplaced tokens move log-probs a lot
+    model.config._attn_implementation_internal = "sdpa"
+    return model
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Online DPO over a stored generation (the `online_build` fixture is in tests/plugins/conftest.py)
+# ---------------------------------------------------------------------------------------------------------------------
+
+#: Tolerances of the float64 Online DPO comparisons (Llama's RMSNorm runs in float32; see
+#: tests/plugins/test_prompt_sharing.py)
+ONLINE_GRAD_RTOL = 1e-6
+ONLINE_LOGPS_RTOL = 1e-9
+
+
+def generate_arity() -> int:
+    """`OnlineDPOTrainer._generate` returns 4 tensors on TRL 1.12 and those plus `vision_inputs` on 1.16."""
+    import inspect
+
+    from trl.experimental.online_dpo import OnlineDPOTrainer
+
+    return 5 if "vision_inputs = self._generate(" in inspect.getsource(OnlineDPOTrainer.training_step) else 4
+
+
+def online_step(trainer):
+    """One Online DPO training step from zero gradients: the loss and every gradient."""
+    trainer.model.zero_grad(set_to_none=True)
+    loss = trainer.training_step(trainer.model, {"prompt": ["w1 w2"] * 3})
+    grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+    return loss, grads
