@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -303,3 +306,21 @@ def online_step(trainer):
     loss = trainer.training_step(trainer.model, {"prompt": ["w1 w2"] * 3})
     grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
     return loss, grads
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Launching a script under torchrun (several CPU processes, gloo); the scripts share tests/plugins/scripts/_launched.py
+# ---------------------------------------------------------------------------------------------------------------------
+
+REPO = Path(__file__).resolve().parents[1]
+PLUGIN_SCRIPTS = REPO / "tests" / "plugins" / "scripts"
+
+
+def launch(script: Path | str, *args: str, nproc: int = 2, timeout: float = 900) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc_per_node NPROC SCRIPT ARGS...` with this checkout first on `PYTHONPATH`, one
+    intra-op thread per process, no progress bars, offline, warnings off; the finished process (output captured)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    env.update(OMP_NUM_THREADS="1", TQDM_DISABLE="1", HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore")
+    torchrun = Path(sys.executable).with_name("torchrun")
+    command = [str(torchrun), "--standalone", f"--nproc_per_node={nproc}", str(script), *map(str, args)]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)

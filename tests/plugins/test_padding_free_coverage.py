@@ -5,16 +5,13 @@ same float64 weights and data, and compares losses, gradients and logged metrics
 from __future__ import annotations
 
 import logging
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 import trl_ext
 from tests import equivalence as eq
+from tests import helpers
 from tests.helpers import tiny
 from trl_ext import UsageError
 from trl_ext.testing import make_preference_dataset
@@ -146,20 +143,9 @@ def test_dispatch_batches_train_evaluate_predict(build, dataset, kind):
 @pytest.mark.distributed
 def test_dispatch_batches_two_processes(tmp_path):
     """torchrun, 2 CPU processes (gloo), `dispatch_batches=True`: the packed run logs what the stock run logs."""
-    script = Path(__file__).parent / "scripts" / "padding_free_dispatch.py"
-    repo = str(Path(trl_ext.__file__).parents[1])
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]))
-    env.update(OMP_NUM_THREADS="1", TQDM_DISABLE="1", HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore")
-    torchrun = Path(sys.executable).with_name("torchrun")
-    out = subprocess.run(
-        [str(torchrun), "--standalone", "--nproc_per_node=2", str(script), str(tmp_path)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    out = helpers.launch(helpers.PLUGIN_SCRIPTS / "packing_dispatch.py", "padding_free", tmp_path, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "DISPATCH OK" in out.stdout, out.stdout[-3000:]
+    assert out.stdout.count("DISPATCH OK") == 2, out.stdout[-3000:]
 
 
 # -------------------------------------------------------------------------------------------------------------------

@@ -327,23 +327,9 @@ def test_dispatch_batches_train_evaluate_predict(build):
 def test_dispatch_batches_two_processes(tmp_path):
     """torchrun, 2 CPU processes (gloo), `dispatch_batches=True`: train, evaluate and predict with prompt_sharing log
     what the stock run logs, on every rank."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+    from tests import helpers
 
-    script = Path(__file__).parent / "scripts" / "prompt_sharing_dispatch.py"
-    repo = str(Path(trl_ext.__file__).parents[1])
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]))
-    env.update(OMP_NUM_THREADS="1", TQDM_DISABLE="1", HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore")
-    torchrun = Path(sys.executable).with_name("torchrun")
-    out = subprocess.run(
-        [str(torchrun), "--standalone", "--nproc_per_node=2", str(script), str(tmp_path)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    out = helpers.launch(helpers.PLUGIN_SCRIPTS / "packing_dispatch.py", "prompt_sharing", tmp_path, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert out.stdout.count("DISPATCH OK") == 2, out.stdout[-3000:]
 

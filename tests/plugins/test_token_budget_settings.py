@@ -9,10 +9,7 @@ The comparisons use tests/plugins/token_budget_harness.py (float64 models, SGD, 
 from __future__ import annotations
 
 import math
-import os
-import subprocess
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -26,6 +23,7 @@ from trl_ext.plugins.token_budget.hooks import (
 )
 from trl_ext.testing import make_model, make_preference_dataset
 
+from .. import helpers
 from ..equivalence import one_thread, sharpen
 from .token_budget_harness import (
     BUDGET,
@@ -162,7 +160,7 @@ def test_fsdp_v1_trainer_is_refused_when_built(tmp_path):
         "except trl_ext.UsageError as error:\n"
         "    print('REFUSED', error)\n"
     )
-    out = _launch([str(script)], nproc=1)
+    out = helpers.launch(script, nproc=1)
     assert "REFUSED `token_budget` does not support FSDP v1" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
 
 
@@ -171,23 +169,13 @@ def test_fsdp_v1_trainer_is_refused_when_built(tmp_path):
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def _launch(argv: list[str], nproc: int = 2) -> subprocess.CompletedProcess:
-    repo = str(Path(trl_ext.__file__).parents[1])
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]))
-    env.update(OMP_NUM_THREADS="1", TQDM_DISABLE="1", HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore")
-    torchrun = Path(sys.executable).with_name("torchrun")
-    command = [str(torchrun), "--standalone", f"--nproc_per_node={nproc}", *argv]
-    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
-
-
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("loss", ["sigmoid", "sft"])
 def test_dispatch_batches_two_processes(tmp_path, loss):
     """torchrun, 2 CPU processes (gloo), `dispatch_batches=True`: training and evaluation on an IterableDataset with
     token_budget log what stock logs and end with stock's parameters, on every rank."""
-    script = Path(__file__).parent / "scripts" / "token_budget_dispatch.py"
-    out = _launch([str(script), str(tmp_path), loss])
+    out = helpers.launch(helpers.PLUGIN_SCRIPTS / "token_budget_dispatch.py", tmp_path, loss)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert out.stdout.count("DISPATCH OK") == 2, out.stdout[-3000:]
 

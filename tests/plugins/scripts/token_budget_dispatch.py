@@ -10,26 +10,21 @@ same parameters, that micro-batches were re-cut, and prints `DISPATCH OK`.
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 
+from _launched import differing, finish, sharpened_models, start
+
 OUT = sys.argv[1]
 SFT = "sft" in sys.argv[2:]
-os.environ.setdefault("TQDM_DISABLE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-
-from accelerate import PartialState  # noqa: E402
-
-state = PartialState(cpu=True, backend="gloo")
+state = start()
 
 import torch  # noqa: E402
 from trl import DPOConfig, DPOTrainer  # noqa: E402
 
 import trl_ext  # noqa: E402
-from trl_ext.testing import make_model, make_preference_dataset, make_tokenizer  # noqa: E402
+from trl_ext.testing import make_preference_dataset, make_tokenizer  # noqa: E402
 
-torch.set_num_threads(1)
 tok = make_tokenizer()
 #: 16 pairs, 2 per process and micro-batch, gradient accumulation 2: two steps of 8 pairs
 data = make_preference_dataset(16, seed=1, max_prompt=24, max_completion=24)
@@ -59,11 +54,7 @@ def trainer(run: str) -> DPOTrainer:
         accelerator_config={"dispatch_batches": True},
         loss_type=["sigmoid", "sft"] if SFT else ["sigmoid"],
     )
-    policy = make_model(dtype=torch.float64, seed=0)
-    ref = make_model(dtype=torch.float64, seed=1)
-    with torch.no_grad():
-        policy.get_output_embeddings().weight.mul_(8)
-        ref.get_output_embeddings().weight.mul_(8)
+    policy, ref = sharpened_models()
     return DPOTrainer(policy, ref_model=ref, args=args, train_dataset=data, processing_class=tok)
 
 
@@ -82,18 +73,17 @@ with trl_ext.install(token_budget=BUDGET):
     cut_logs, cut_params = run(cut)
     budget_state = cut._trl_ext.state["token_budget"]
 
-bad = []
 assert len(stock_logs) == len(cut_logs) == 3, (stock_logs, cut_logs)
-for s, p in zip(stock_logs, cut_logs, strict=True):
-    # rewards are differences of log-probs (~100 here) scored in float32 by TRL >= 1.15's fused head: their floor is
-    # beta x 1e-6 x |logps| (tests/plugins/test_token_budget_losses.py `_assert_same_run_sft`)
-    logps = max(abs(s.get(k, 0.0)) for k in ("logps/chosen", "logps/rejected", "eval_logps/chosen"))
-    for key in s:
-        if key.endswith(("runtime", "per_second")):
-            continue
-        atol = max(1e-8, 0.1 * 1e-6 * logps if "rewards/" in key else 0.0)
-        if not math.isclose(p[key], s[key], rel_tol=1e-6, abs_tol=atol):
-            bad.append((key, s[key], p[key]))
+
+
+def rewards_floor(key: str, log: dict) -> float:
+    """Rewards are differences of log-probs (~100 here) scored in float32 by TRL >= 1.15's fused head: their floor is
+    beta x 1e-6 x |logps| (tests/plugins/test_token_budget_losses.py `_assert_same_run_sft`)."""
+    logps = max(abs(log.get(k, 0.0)) for k in ("logps/chosen", "logps/rejected", "eval_logps/chosen"))
+    return max(1e-8, 0.1 * 1e-6 * logps if "rewards/" in key else 0.0)
+
+
+bad = differing(stock_logs, cut_logs, rel=1e-6, abs_tol=rewards_floor)
 # the float32 floor of a float64 run with float32 RMSNorm (tests/plugins/test_token_budget.py): 1e-6 of the change
 change = max((stock_params[n] - initial[n]).abs().max().item() for n in stock_params)
 worst = max((cut_params[n] - stock_params[n]).abs().max().item() for n in stock_params)
@@ -102,13 +92,4 @@ if not change > 1e-4 or worst > 1e-6 * change:
 # 8 pairs per step over 2 ranks, one per micro-batch: 4 per rank, where stock runs 2
 if budget_state.micro_batch_counts != [4, 4] or max(budget_state.eval_micro_batch_counts) < 2:
     bad.append(("counts", budget_state.micro_batch_counts, budget_state.eval_micro_batch_counts))
-if bad:
-    raise SystemExit(f"rank {state.process_index}: token_budget != stock: {bad}")
-print(f"rank {state.process_index}: {len(stock_logs)} logs equal; DISPATCH OK", flush=True)
-state.wait_for_everyone()
-torch.distributed.destroy_process_group()
-
-# gloo's threads can outlive the interpreter's teardown and abort a rank that succeeded.
-sys.stdout.flush()
-sys.stderr.flush()
-os._exit(0)
+finish(state, bad, "token_budget != stock", f"{len(stock_logs)} logs equal; DISPATCH OK")
