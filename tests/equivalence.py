@@ -28,6 +28,33 @@ def _trl_loss_types() -> list[str]:
 #: Every DPO loss type of the installed TRL.
 TRL_LOSS_TYPES = _trl_loss_types()
 
+#: Every DPO loss type the installed TRL has, and the loss options, as cases for the packing and fused-scoring tests.
+#: Each case sets the attributes `DPOTrainer.__init__` stores from `DPOConfig` (`loss_types`, `loss_weights`,
+#: `label_smoothing`, `ld_alpha`, `use_weighting`; the same in TRL 1.12 and 1.16) on a trainer built once with
+#: `use_weighting=True` (so TRL 1.16's fused head also returns `log_sum_sq_probs`), which runs TRL's real
+#: `_compute_loss` for every case at a fraction of the cost of a trainer per case. exo_pair takes log(label_smoothing).
+LOSS_CASES: list[dict] = [
+    {"loss_types": [t], **({"label_smoothing": 1e-3} if t == "exo_pair" else {})} for t in TRL_LOSS_TYPES
+]
+LOSS_CASES += [
+    {"loss_types": ["robust"], "label_smoothing": 0.1},
+    {"loss_types": ["aot", "aot_unpaired"], "label_smoothing": 0.1},
+    {"loss_types": ["sigmoid", "bco_pair", "sft"], "loss_weights": [0.8, 0.2, 1.0]},
+    {"loss_types": ["sigmoid"], "ld_alpha": 0.5},
+    {"loss_types": ["sigmoid_norm", "ipo"], "ld_alpha": 0.3, "loss_weights": [1.0, 0.5]},
+    # not with "sft": TRL's `per_sequence_loss *= weights` fails on its expanded sft loss (stock TRL 1.12 and 1.16)
+    {"loss_types": ["sigmoid", "ipo", "apo_down"], "use_weighting": True},
+]
+
+
+def set_loss(trainer, case: dict) -> None:
+    """Give `trainer` the loss of `case` (one of `LOSS_CASES`)."""
+    trainer.loss_types = case["loss_types"]
+    trainer.loss_weights = case.get("loss_weights", [1.0] * len(case["loss_types"]))
+    trainer.label_smoothing = case.get("label_smoothing", 0.0)
+    trainer.ld_alpha = case.get("ld_alpha")
+    trainer.use_weighting = case.get("use_weighting", False)
+
 
 def online_generation(
     prompt_lens: tuple[int, ...] = (5, 9, 2),

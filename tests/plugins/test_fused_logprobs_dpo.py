@@ -28,15 +28,7 @@ pytestmark = pytest.mark.skipif(
 LOGPS_RTOL = 1e-10
 RTOL = 1e-8
 
-LOSS_CASES = [{"loss_types": [t], **({"label_smoothing": 1e-3} if t == "exo_pair" else {})} for t in TRL_LOSS_TYPES]
-LOSS_CASES += [
-    {"loss_types": ["robust"], "label_smoothing": 0.1},
-    {"loss_types": ["aot", "aot_unpaired"], "label_smoothing": 0.1},
-    {"loss_types": ["sigmoid", "bco_pair", "sft"], "loss_weights": [0.8, 0.2, 1.0]},
-    {"loss_types": ["sigmoid"], "ld_alpha": 0.5},
-    {"loss_types": ["sigmoid_norm", "ipo"], "ld_alpha": 0.3, "loss_weights": [1.0, 0.5]},
-    {"loss_types": ["sigmoid", "ipo", "apo_down"], "use_weighting": True},
-]
+LOSS_CASES = eq.LOSS_CASES
 
 
 @pytest.fixture(scope="module")
@@ -47,14 +39,6 @@ def dataset():
 @pytest.fixture
 def build(dpo_args, tokenizer, dataset):
     return eq.dpo_builder(dpo_args, tokenizer, dataset, dtype=torch.float64)
-
-
-def _set_loss(trainer, case):
-    trainer.loss_types = case["loss_types"]
-    trainer.loss_weights = case.get("loss_weights", [1.0] * len(case["loss_types"]))
-    trainer.label_smoothing = case.get("label_smoothing", 0.0)
-    trainer.ld_alpha = case.get("ld_alpha")
-    trainer.use_weighting = case.get("use_weighting", False)
 
 
 def _loss_grads_metrics(trainer, batch):
@@ -93,8 +77,8 @@ def test_every_loss_type_and_option(build):
     _compare(stock, fused, batch)
     failures = []
     for case in LOSS_CASES:
-        _set_loss(stock, case)
-        _set_loss(fused, case)
+        eq.set_loss(stock, case)
+        eq.set_loss(fused, case)
         try:
             _compare(stock, fused, batch, logps=False)
         except AssertionError as exc:
@@ -113,13 +97,13 @@ def test_never_allocates_full_logits(build):
     batch = stock.data_collator(eq.examples(stock))
     full = batch["input_ids"].numel() * stock.model.config.vocab_size
     for trainer in (stock, fused):
-        _set_loss(trainer, case)
+        eq.set_loss(trainer, case)
     with eq.LargestTensor() as sizes:
         eq.loss_and_grads(stock, batch)
     assert sizes.largest >= full
     with eq.LargestTensor() as sizes:
         eq.loss_and_grads(fused, batch)
-        _set_loss(fused, {"loss_types": ["sft"]})
+        eq.set_loss(fused, {"loss_types": ["sft"]})
         eq.loss_and_grads(fused, batch)
     assert sizes.largest < full
 
@@ -192,7 +176,7 @@ def test_head_runs_once_per_chunk(build, monkeypatch):
     chunks = -(-int(batch["completion_mask"][:, 1:].sum()) // chunk)
     # (TRL 1.12's `sft` loss with `use_weighting` fails in stock TRL: an in-place product on an expanded tensor.)
     for case in ({"loss_types": ["sigmoid", "ipo"], "use_weighting": True}, {"loss_types": ["sigmoid", "sft"]}):
-        _set_loss(fused, case)
+        eq.set_loss(fused, case)
         policy, ref = _HeadCalls(fused.model), _HeadCalls(fused.ref_model)
         chunks_seen = _HeadChunks(monkeypatch, policy=fused.model, ref=fused.ref_model)
         eq.loss_and_grads(fused, batch)
@@ -252,7 +236,7 @@ def test_with_packing_equals_stock(build, packing, monkeypatch):
     failures = []
     for case in PACKING_CASES:
         for trainer in (stock, packed, fused):
-            _set_loss(trainer, case)
+            eq.set_loss(trainer, case)
         try:
             _compare(stock, fused, batch, logps=False, fused_batch=fused_batch, grad_rtol=PACKING_GRAD_RTOL[packing])
             _compare(packed, fused, fused_batch, logps=False)
@@ -262,7 +246,7 @@ def test_with_packing_equals_stock(build, packing, monkeypatch):
     full = batch["input_ids"].numel() * stock.model.config.vocab_size
     with eq.LargestTensor() as sizes:
         for case in ({"loss_types": ["sigmoid", "ipo"], "use_weighting": True}, {"loss_types": ["sft"]}):
-            _set_loss(fused, case)
+            eq.set_loss(fused, case)
             eq.loss_and_grads(fused, fused_batch)
     assert sizes.largest < full
 

@@ -60,29 +60,7 @@ def _compare(stock, packed, examples, logps=True):
 # Equivalence: every loss type and loss option, through TRL's real `compute_loss`
 # -------------------------------------------------------------------------------------------------------------------
 
-# Loss options as `DPOTrainer.__init__` stores them from `DPOConfig` (checked identical in 1.12.0 and 1.16.0):
-# `loss_types`, `loss_weights`, `label_smoothing`, `ld_alpha`, `use_weighting`. Both trainers are built once with
-# `use_weighting=True` (so TRL 1.16's fused head also returns `log_sum_sq_probs`) and each case sets these attributes
-# on both, which runs TRL's real `_compute_loss` for every case at a fraction of the cost of one trainer per case.
-# exo_pair takes log(label_smoothing), so it needs label_smoothing > 0.
-LOSS_CASES = [{"loss_types": [t], **({"label_smoothing": 1e-3} if t == "exo_pair" else {})} for t in TRL_LOSS_TYPES]
-LOSS_CASES += [
-    {"loss_types": ["robust"], "label_smoothing": 0.1},
-    {"loss_types": ["aot", "aot_unpaired"], "label_smoothing": 0.1},
-    {"loss_types": ["sigmoid", "bco_pair", "sft"], "loss_weights": [0.8, 0.2, 1.0]},
-    {"loss_types": ["sigmoid"], "ld_alpha": 0.5},
-    {"loss_types": ["sigmoid_norm", "ipo"], "ld_alpha": 0.3, "loss_weights": [1.0, 0.5]},
-    # not with "sft": TRL's `per_sequence_loss *= weights` fails on its expanded sft loss (stock TRL 1.12 and 1.16)
-    {"loss_types": ["sigmoid", "ipo", "apo_down"], "use_weighting": True},
-]
-
-
-def _set_loss(trainer, case):
-    trainer.loss_types = case["loss_types"]
-    trainer.loss_weights = case.get("loss_weights", [1.0] * len(case["loss_types"]))
-    trainer.label_smoothing = case.get("label_smoothing", 0.0)
-    trainer.ld_alpha = case.get("ld_alpha")
-    trainer.use_weighting = case.get("use_weighting", False)
+LOSS_CASES = eq.LOSS_CASES
 
 
 @pytest.mark.slow  # a few seconds: kept out of the fast loop's 90 s
@@ -96,8 +74,8 @@ def test_every_loss_type_and_option(build):
         _compare(stock, packed, examples)  # per-sequence logps, and the loss/grads of exo_pair with WPO weights
         failures = []
         for case in LOSS_CASES:
-            _set_loss(stock, case)
-            _set_loss(packed, case)
+            eq.set_loss(stock, case)
+            eq.set_loss(packed, case)
             try:
                 _compare(stock, packed, examples, logps=False)
             except AssertionError as exc:

@@ -108,26 +108,7 @@ def test_layout_shares_each_prompt_once(build):
 # Equivalence: every loss type and loss option, through TRL's real `compute_loss`
 # -------------------------------------------------------------------------------------------------------------------
 
-# As in test_padding_free.py: both trainers are built once with `use_weighting=True` (so TRL 1.16's fused head also
-# returns `log_sum_sq_probs`) and each case sets the loss attributes `DPOTrainer.__init__` stores from `DPOConfig`
-# (checked identical in 1.12.0 and 1.16.0) on both. exo_pair needs label_smoothing > 0.
-LOSS_CASES = [{"loss_types": [t], **({"label_smoothing": 1e-3} if t == "exo_pair" else {})} for t in TRL_LOSS_TYPES]
-LOSS_CASES += [
-    {"loss_types": ["robust"], "label_smoothing": 0.1},
-    {"loss_types": ["aot", "aot_unpaired"], "label_smoothing": 0.1},
-    {"loss_types": ["sigmoid", "bco_pair", "sft"], "loss_weights": [0.8, 0.2, 1.0]},
-    {"loss_types": ["sigmoid"], "ld_alpha": 0.5},
-    {"loss_types": ["sigmoid_norm", "ipo"], "ld_alpha": 0.3, "loss_weights": [1.0, 0.5]},
-    {"loss_types": ["sigmoid", "ipo", "apo_down"], "use_weighting": True},
-]
-
-
-def _set_loss(trainer, case):
-    trainer.loss_types = case["loss_types"]
-    trainer.loss_weights = case.get("loss_weights", [1.0] * len(case["loss_types"]))
-    trainer.label_smoothing = case.get("label_smoothing", 0.0)
-    trainer.ld_alpha = case.get("ld_alpha")
-    trainer.use_weighting = case.get("use_weighting", False)
+LOSS_CASES = eq.LOSS_CASES
 
 
 @pytest.mark.parametrize("case", LOSS_CASES, ids=lambda c: "+".join(c["loss_types"]) + ("-opt" if len(c) > 1 else ""))
@@ -135,8 +116,8 @@ def test_every_loss_type_and_option(build, case):
     stock = build(use_weighting=True, label_smoothing=1e-3, loss_type=["exo_pair"])
     with trl_ext.install(prompt_sharing=True):
         shared = build(use_weighting=True, label_smoothing=1e-3, loss_type=["exo_pair"])
-        _set_loss(stock, case)
-        _set_loss(shared, case)
+        eq.set_loss(stock, case)
+        eq.set_loss(shared, case)
         _compare(stock, shared, eq.examples(stock), logps=case is LOSS_CASES[0])
 
 
