@@ -281,6 +281,40 @@ def tiny(kind: str = "llama", seed: int = 0):
     return model
 
 
+#: The dense architectures whose packed / shared forward test_padding_free.py and test_prompt_sharing.py check alone
+#: (`windowed_model`): sliding windows shorter than the sequences where the architecture has them.
+DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma3_text", "phi3", "olmo2")
+WINDOWED_KWARGS = dict(
+    vocab_size=128,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=256,
+    pad_token_id=0,
+    bos_token_id=2,
+    eos_token_id=1,
+)
+WINDOWED_EXTRA = {
+    "mistral": {"sliding_window": 6},
+    "qwen2": {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1},
+    "gemma3_text": {"sliding_window": 6, "layer_types": ["sliding_attention", "full_attention"]},
+    "phi3": {"sliding_window": 6},
+}
+
+
+def windowed_model(model_type: str, attn: str):
+    """A tiny float64 model of `model_type` (vocabulary 128, window 6 where it has one) with attention `attn`, in eval
+    mode, seeded 0."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(model_type, **WINDOWED_KWARGS, **WINDOWED_EXTRA.get(model_type, {}))
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float64).eval()
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Online DPO over a stored generation (the `online_build` fixture is in tests/plugins/conftest.py)
 # ---------------------------------------------------------------------------------------------------------------------

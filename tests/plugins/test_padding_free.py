@@ -11,6 +11,7 @@ import torch
 
 import trl_ext
 from tests import equivalence as eq
+from tests import helpers
 from tests.equivalence import TRL_LOSS_TYPES
 from trl_ext import UsageError
 from trl_ext.context import live_contexts
@@ -248,35 +249,6 @@ def test_isolation(build, attention, monkeypatch):
 # Architectures (the allowlist), attention modes, non-packed calls
 # -------------------------------------------------------------------------------------------------------------------
 
-_ARCH_KWARGS = dict(
-    vocab_size=128,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    max_position_embeddings=256,
-    pad_token_id=0,
-    bos_token_id=2,
-    eos_token_id=1,
-)
-_ARCH_EXTRA = {
-    "mistral": {"sliding_window": 6},
-    "qwen2": {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1},
-    "gemma3_text": {"sliding_window": 6, "layer_types": ["sliding_attention", "full_attention"]},
-    "phi3": {"sliding_window": 6},
-}
-
-
-def _tiny(model_type: str, attn: str):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.for_model(model_type, **_ARCH_KWARGS, **_ARCH_EXTRA.get(model_type, {}))
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float64).eval()
-    return model
-
 
 def _padded_batch(lengths, vocab=128, seed=0):
     g = torch.Generator().manual_seed(seed)
@@ -296,7 +268,7 @@ def _seq_logps(logits, ids, mask):
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma3_text", "phi3", "olmo2"])
+@pytest.mark.parametrize("model_type", helpers.DENSE_MODEL_TYPES)
 def test_architectures(model_type, attn):
     """fp64: the packed forward of every allowlisted architecture equals running each sequence alone (varlen and dense
     attention, sliding windows shorter than the sequences), through the causal-LM wrapper and the backbone wrapper."""
@@ -310,7 +282,7 @@ def test_architectures(model_type, attn):
     from trl_ext.plugins.padding_free.architecture import VERIFIED_MODEL_TYPES
 
     assert model_type in VERIFIED_MODEL_TYPES
-    model = _tiny(model_type, attn)
+    model = helpers.windowed_model(model_type, attn)
     ids, mask = _padded_batch([13, 5, 9, 1, 11])
     # Reference: each sequence alone (no padding at all). A padded eager reference is not usable here: with a sliding
     # window in fp64, transformers' eager path turns fully masked padded rows into NaN, which then reaches real tokens.

@@ -15,6 +15,7 @@ import torch
 
 import trl_ext
 from tests import equivalence as eq
+from tests import helpers
 from tests.equivalence import TRL_LOSS_TYPES
 from trl_ext import UsageError, _compat
 from trl_ext.testing import make_model, make_preference_dataset
@@ -550,37 +551,13 @@ def test_self_check_names_dropout_it_cannot_turn_off(dpo_args, tokenizer, datase
 # Architectures: sliding windows, both attention bases
 # -------------------------------------------------------------------------------------------------------------------
 
-_ARCH_KWARGS = dict(
-    vocab_size=128,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    max_position_embeddings=256,
-    pad_token_id=0,
-    bos_token_id=2,
-    eos_token_id=1,
-)
-_ARCH_EXTRA = {
-    "mistral": {"sliding_window": 6},
-    "qwen2": {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1},
-    "gemma3_text": {"sliding_window": 6, "layer_types": ["sliding_attention", "full_attention"]},
-    "phi3": {"sliding_window": 6},
-}
-
-
-DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma3_text", "phi3", "olmo2")
-
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-@pytest.mark.parametrize("model_type", DENSE_MODEL_TYPES)
+@pytest.mark.parametrize("model_type", helpers.DENSE_MODEL_TYPES)
 def test_architectures(model_type, attn):
     """fp64: the shared forward of dense architectures (sliding windows shorter than prompt + response) equals running
     each sequence alone, through the causal-LM wrapper and the backbone wrapper, with both attention bases (the other
     verified architectures, MoE included: tests/plugins/test_prompt_sharing_architectures.py)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
 
     from trl_ext.patching import Patcher
     from trl_ext.plugins.prompt_sharing import forward as fw
@@ -588,9 +565,7 @@ def test_architectures(model_type, attn):
     from trl_ext.plugins.prompt_sharing.layout import build_layout
     from trl_ext.plugins.prompt_sharing.setup import PromptSharingState, configure_model
 
-    config = AutoConfig.for_model(model_type, **_ARCH_KWARGS, **_ARCH_EXTRA.get(model_type, {}))
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float64).eval()
+    model = helpers.windowed_model(model_type, attn)
     # Three pairs: prompts of 9, 4 and 1 tokens (the last one: nothing to share), responses of various lengths.
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 128, (n,), generator=g) for n in (9, 4, 1)]
