@@ -97,11 +97,18 @@ def sharpen(model: Any) -> Any:
 
 
 def dpo_builder(
-    dpo_args: Callable, tokenizer: Any, dataset: Any, *, dtype: torch.dtype | None = None, sharpened: bool = True
+    dpo_args: Callable,
+    tokenizer: Any,
+    dataset: Any,
+    *,
+    dtype: torch.dtype | None = None,
+    sharpened: bool = True,
+    factory: Callable[..., Any] = make_model,
 ) -> Callable[..., Any]:
     """A `make(**kwargs)` that builds a `DPOTrainer`: policy seed 0, reference seed 1 (`ref=False`: none, for PEFT or
-    precompute), both from `make_model` (in `dtype` if given, sharpened unless `sharpened=False`); the other keyword
-    arguments go to the `DPOConfig` (bf16 off unless asked: equivalence is checked in full precision)."""
+    precompute), both from `factory(**model_kwargs, seed=...)` (`make_model` by default; in `dtype` if given, sharpened
+    unless `sharpened=False`); the other keyword arguments go to the `DPOConfig` (bf16 off unless asked: equivalence
+    is checked in full precision)."""
 
     def make(
         *,
@@ -120,8 +127,8 @@ def dpo_builder(
         # TRL 1.x defaults to bf16 autocast where supported (CPU included)
         args.setdefault("bf16", False)
         shape = sharpen if sharpened else (lambda m: m)
-        model = shape(make_model(**model_kwargs))
-        ref_model = shape(make_model(**{**model_kwargs, "seed": 1})) if ref else None
+        model = shape(factory(**model_kwargs))
+        ref_model = shape(factory(**{**model_kwargs, "seed": 1})) if ref else None
         if peft_config is not None:
             torch.manual_seed(123)  # the same LoRA init in every trainer
         return DPOTrainer(

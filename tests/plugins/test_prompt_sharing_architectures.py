@@ -82,23 +82,12 @@ def dataset():
 
 @pytest.fixture
 def build(dpo_args, tokenizer, dataset):
-    def make(kind, *, ref=True, peft_config=None, **args):
-        from trl import DPOTrainer
+    """`build(kind, ...)`: a DPOTrainer of two tiny float64 models of `kind` (tests/helpers.py `tiny`), SGD."""
+    builder = eq.dpo_builder(dpo_args, tokenizer, dataset, sharpened=False, factory=tiny)
 
-        args.setdefault("bf16", False)
-        args.setdefault("optim", "sgd")
-        model = tiny(kind)
-        ref_model = tiny(kind, seed=1) if ref else None
-        if peft_config is not None:
-            torch.manual_seed(123)
-        return DPOTrainer(
-            model,
-            ref_model=ref_model,
-            args=dpo_args(**args),
-            train_dataset=dataset,
-            processing_class=tokenizer,
-            peft_config=peft_config,
-        )
+    def make(kind, **kwargs):
+        kwargs.setdefault("optim", "sgd")
+        return builder(model_kwargs={"kind": kind}, **kwargs)
 
     return make
 
