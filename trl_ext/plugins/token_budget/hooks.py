@@ -112,8 +112,10 @@ def check_trainer(trainer: Any) -> None:
 
 
 @hookimpl
-def trl_ext_trainer_init_end(trainer: Any, context: Any) -> None:
-    from .patch import install
+def trl_ext_make_micro_batcher(trainer: Any, context: Any) -> Any:
+    """The refusals that read the built trainer, the budget ("auto" measured now), and the micro-batcher the core
+    wraps the trainer's methods around (`.batcher`)."""
+    from .batcher import TokenBudgetBatcher
     from .step import TokenBudgetState
 
     check_trainer(trainer)
@@ -133,9 +135,7 @@ def trl_ext_trainer_init_end(trainer: Any, context: Any) -> None:
     packed = layout(trainer.data_collator if packing else None)
     budget = resolve(trainer, context, packed)
     state = TokenBudgetState(trainer, budget, packed)
-    state.peers = context.state
     context.state[NAME] = state
-    install(trainer, context.patcher, state)
     processes = trainer.accelerator.num_processes
     logger.info(
         "token_budget: each optimizer step's %d x %d pairs run in micro-batches of at most %d %s tokens%s",
@@ -145,6 +145,7 @@ def trl_ext_trainer_init_end(trainer: Any, context: Any) -> None:
         "packed" if packed else "padded",
         f"; the {processes} ranks' pairs are cut together, tokens balanced, in lockstep" if processes > 1 else "",
     )
+    return TokenBudgetBatcher(state)
 
 
 @hookimpl
