@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..._logging import get_logger
 from ...errors import UsageError
 from ...hookspecs import hookimpl
 from .._roles import METRICS, PACKING
 from . import NAME
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ...micro_batching import MicroBatcher
 
 logger = get_logger(__name__)
 
@@ -112,7 +115,7 @@ def check_trainer(trainer: Any) -> None:
 
 
 @hookimpl
-def trl_ext_make_micro_batcher(trainer: Any, context: Any) -> Any:
+def trl_ext_make_micro_batcher(trainer: Any, context: Any) -> MicroBatcher:
     """The refusals that read the built trainer, the budget ("auto" measured now), and the micro-batcher the core
     wraps the trainer's methods around (`.batcher`)."""
     from .batcher import TokenBudgetBatcher
