@@ -140,9 +140,10 @@ class HalvingBatcher:
 class Halves:
     """A third-party plugin answering `trl_ext_make_micro_batcher` (`answer`: what it returns)."""
 
-    def __init__(self, name: str = "halves", answer=None) -> None:
+    def __init__(self, name: str = "halves", answer=None, report: bool = True) -> None:
         self.TRL_EXT_PLUGIN = PluginSpec(name=name, summary="Each batch in two halves.", trainers=("DPOTrainer",))
         self.answer = answer
+        self.report = report
         self.batchers: list[HalvingBatcher] = []
         self.told: list[tuple[str, int, list[int]]] = []
 
@@ -151,6 +152,8 @@ class Halves:
         if self.answer is not None:
             return self.answer
         self.batchers.append(HalvingBatcher())
+        if not self.report:
+            self.batchers[-1].stock_batches = list  # tells nothing
         return self.batchers[-1]
 
     @trl_ext.hookimpl
@@ -240,6 +243,21 @@ def test_a_third_party_micro_batcher_runs_halves_equal_to_stock(dpo_args, tokeni
     for loss, stock_loss in zip(losses, stock_losses, strict=True):
         assert math.isclose(loss, stock_loss, rel_tol=RTOL), (loss, stock_loss)
     assert math.isclose(evaluation["eval_loss"], stock_eval["eval_loss"], rel_tol=RTOL)
+
+
+@pytest.mark.parametrize("report", [True, False])
+def test_a_metrics_reducer_counts_the_stock_batches_it_is_told(dpo_args, tokenizer, monkeypatch, report):
+    """sync_metrics counts the pairs of each `compute_loss` call and says when a window's batches were uneven: told
+    the stock batches (`trl_ext_stock_batches`), it sees stock's 3 + 3 pairs, not the halves' 2 + 1 + 2 + 1."""
+    install_fake_plugin(monkeypatch, "halves", Halves(report=report))
+    with trl_ext.install(plugins={"halves": {}}, sync_metrics=True), _records() as records:
+        trainer = _build(dpo_args, tokenizer)
+        trainer.train()
+    uneven = [r.getMessage() for r in records if "the train batches since the last log held" in r.getMessage()]
+    if report:
+        assert not uneven
+    else:  # the halves' own calls, untold
+        assert len(uneven) == 1 and "held 2 / 2 / 1 / 1 pairs (6 in all)" in uneven[0], uneven
 
 
 def test_detach_restores_every_wrapped_trainer_attribute(dpo_args, tokenizer, monkeypatch):
