@@ -28,9 +28,9 @@ from .._fakes import install_fake_plugin
 from ..equivalence import dpo_builder, one_thread
 
 #: Parameters after each step (relative to the step's change) and logged losses. Every batch is padded to one width
-#: (`pad_to_multiple_of`), so a half runs rows stock runs, in a batch of another size: what is left is the float32
-#: floor of the float64 model (Llama's RMSNorm and TRL >= 1.15's fused LM head compute in float32), measured 1.2e-8
-#: of the step's change on TRL 1.16; a loss weight wrong by 0.1 % moves the parameters by ~1e-3 of it.
+#: (`pad_to_multiple_of`), so a half runs rows stock runs, in a batch of another size. Measured: 1.5e-15 of the step's
+#: change on TRL 1.12, 1.2e-8 on TRL 1.16 (its fused LM head computes in float32 inside the float64 model); a loss
+#: weight wrong by 0.1 % moves the parameters by 1e-3 of it.
 RTOL = 1e-7
 KEY = "_halves_examples"
 #: 7 pairs in batches of 3, 2 per step: the second step's last batch has 1 pair (one half, weighed as stock does).
