@@ -89,3 +89,14 @@ def trl_ext_reduce_metrics(
     from .reduction import reduce_logs
 
     return reduce_logs(trainer, state, logs)
+
+
+@hookimpl
+def trl_ext_stock_batches(trainer: Trainer, context: TrainerContext, mode: str, calls: int, sizes: list[int]) -> None:
+    # The pairs of each `_compute_loss` call are counted (`batch_pairs`, behind the notice that stock's mean of
+    # per-batch means differs from the pair-weighted one): a micro-batcher's re-cut calls count as stock's batches.
+    state = context.state.get(NAME)
+    pairs = None if state is None else state.batch_pairs.get(mode)
+    if pairs is not None and len(pairs) >= calls:
+        del pairs[len(pairs) - calls :]
+        pairs.extend(sizes)

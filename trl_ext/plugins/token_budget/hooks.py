@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..._logging import get_logger
 from ...errors import UsageError
 from ...hookspecs import hookimpl
 from .._roles import METRICS, PACKING
 from . import NAME
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ...micro_batching import MicroBatcher
 
 logger = get_logger(__name__)
 
@@ -112,8 +115,10 @@ def check_trainer(trainer: Any) -> None:
 
 
 @hookimpl
-def trl_ext_trainer_init_end(trainer: Any, context: Any) -> None:
-    from .patch import install
+def trl_ext_make_micro_batcher(trainer: Any, context: Any) -> MicroBatcher:
+    """The refusals that read the built trainer, the budget ("auto" measured now), and the micro-batcher the core
+    wraps the trainer's methods around (`.batcher`)."""
+    from .batcher import TokenBudgetBatcher
     from .step import TokenBudgetState
 
     check_trainer(trainer)
@@ -133,9 +138,7 @@ def trl_ext_trainer_init_end(trainer: Any, context: Any) -> None:
     packed = layout(trainer.data_collator if packing else None)
     budget = resolve(trainer, context, packed)
     state = TokenBudgetState(trainer, budget, packed)
-    state.peers = context.state
     context.state[NAME] = state
-    install(trainer, context.patcher, state)
     processes = trainer.accelerator.num_processes
     logger.info(
         "token_budget: each optimizer step's %d x %d pairs run in micro-batches of at most %d %s tokens%s",
@@ -145,6 +148,7 @@ def trl_ext_trainer_init_end(trainer: Any, context: Any) -> None:
         "packed" if packed else "padded",
         f"; the {processes} ranks' pairs are cut together, tokens balanced, in lockstep" if processes > 1 else "",
     )
+    return TokenBudgetBatcher(state)
 
 
 @hookimpl

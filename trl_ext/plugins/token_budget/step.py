@@ -93,8 +93,8 @@ class TokenBudgetState:
         self.step_losses: list[torch.Tensor] = []
         self.empty_slots = 0
         self.warned_nonfinite = False
-        #: the other plugins' per-trainer states (`context.state`), for a metrics reducer's batch sizes
-        self.peers: dict[str, Any] = {}
+        #: `(mode, calls, sizes)` not yet told to the other plugins (`trl_ext_stock_batches`, through the core)
+        self.stock_batches: list[tuple[str, int, list[int]]] = []
 
     # -- get_batch_samples --
 
@@ -344,14 +344,10 @@ class TokenBudgetState:
         self.stock_batches_for_reducers("train", self.micro_batch_counts[-1], self.sizes)
 
     def stock_batches_for_reducers(self, mode: str, calls: int, sizes: list[int]) -> None:
-        """A metrics reducer that counts the pairs of each `_compute_loss` call (sync_metrics' `batch_pairs`, behind
-        its notice that stock's mean of per-batch means differs from its pair-weighted one) counted the `calls` re-cut
-        micro-batches: it is told stock's batches (`sizes` pairs each) instead, which stock's means are taken over."""
-        for peer in self.peers.values():
-            pairs = getattr(peer, "batch_pairs", None)
-            if isinstance(pairs, dict) and isinstance(pairs.get(mode), list) and len(pairs[mode]) >= calls:
-                del pairs[mode][len(pairs[mode]) - calls :]
-                pairs[mode].extend(sizes)
+        """The `calls` re-cut micro-batches just run stand for stock's batches of `sizes` pairs: said to the other
+        plugins (`trl_ext_stock_batches`; a metrics reducer counting the pairs of each `_compute_loss` call, such as
+        sync_metrics, counts stock's batches instead, which stock's means are taken over)."""
+        self.stock_batches.append((mode, calls, list(sizes)))
 
     # -- compute_loss --
 
