@@ -318,7 +318,8 @@ ONLINE_DPO_FORWARD_METHOD = "_forward"
 ONLINE_DPO_MAX_LENGTH_ATTR = "max_length"
 #: The methods in which each stock trainer runs its models and turns their logits into the completion tokens'
 #: log-probs: the points of the `trl_ext_make_scoring_method` hook (`context.TrainerContext.prepare_models`).
-#: Consumer: fused_logprobs (DPO's only on TRL < 1.15). Checked on 1.10.0-1.16.0 (all exist on every supported TRL).
+#: Consumer: fused_logprobs (DPO's only on TRL < 1.15). Checked on 1.10.0-1.16.0 (all exist on every supported TRL);
+#: none for GRPO and RLOO (no plugin scores them).
 TRAINER_SCORING_METHODS = {"DPOTrainer": DPO_SCORING_METHODS, "OnlineDPOTrainer": (ONLINE_DPO_FORWARD_METHOD,)}
 #: transformers' `Trainer`: the attribute saying that `compute_loss` already scaled the loss for gradient accumulation
 #: (`training_step` then does not divide it), and the method that fetches one optimizer step's batches. Consumer:
