@@ -146,8 +146,11 @@ class TrainerContext:
             if forward is not None:
                 self.patcher.setattr(head, "forward", forward)
         for name in _compat.TRAINER_SCORING_METHODS.get(self.trainer_class, ()):
+            method = getattr(trainer, name, None)
+            if method is None:
+                continue  # a TRL without it (outside the supported range): a plugin that needs it refuses
             method = self.call_exclusive(
-                "trl_ext_make_scoring_method", trainer=trainer, context=self, name=name, method=getattr(trainer, name)
+                "trl_ext_make_scoring_method", trainer=trainer, context=self, name=name, method=method
             )
             if method is not None:
                 self.patcher.setattr(trainer, name, method)

@@ -66,6 +66,16 @@ def test_online_dpo_head_and_forward_are_installed_by_the_core_and_undone_by_det
     assert getattr(trainer, method).__func__ is getattr(OnlineDPOTrainer, method)
 
 
+def test_a_scoring_method_the_core_did_not_offer_is_refused(online, monkeypatch):
+    """A TRL without the scoring method (the core then asks no plugin for it) is refused, not run half-fused."""
+    monkeypatch.setitem(_compat.TRAINER_SCORING_METHODS, "OnlineDPOTrainer", ())
+    with trl_ext.install(fused_logprobs=True):
+        with pytest.raises(
+            trl_ext.UsageError, match=r"fused_logprobs cannot score this OnlineDPOTrainer: .* no \['_forward'\]"
+        ):
+            online()
+
+
 class Rival:
     """A third-party plugin answering one of fused_logprobs' extension points with a pass-through."""
 

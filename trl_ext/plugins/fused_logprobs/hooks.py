@@ -109,6 +109,10 @@ def _scores(context: Any) -> bool:
     return not (context.trainer_class == "DPOTrainer" and _dpo_has_fused_head())
 
 
+def _scoring_methods(context: Any) -> tuple[str, ...]:
+    return SCORING_METHODS if context.trainer_class == "DPOTrainer" else (_compat.ONLINE_DPO_FORWARD_METHOD,)
+
+
 @hookimpl
 def trl_ext_make_head_forward(trainer: Any, context: Any, role: str, head: Any) -> Any:
     import torch
@@ -123,10 +127,11 @@ def trl_ext_make_scoring_method(trainer: Any, context: Any, name: str, method: A
     if not _scores(context):
         return None
     state = _state(context)
-    if context.trainer_class == "DPOTrainer":
-        return scoring_method(method, name, trainer, state, context) if name in SCORING_METHODS else None
-    if name != _compat.ONLINE_DPO_FORWARD_METHOD:
+    if name not in _scoring_methods(context):
         return None
+    state.methods.add(name)
+    if context.trainer_class == "DPOTrainer":
+        return scoring_method(method, name, trainer, state, context)
     policy = context.models().get("policy")
 
     def role_of(model: Any) -> str:
@@ -144,6 +149,13 @@ def trl_ext_trainer_models_ready(trainer: Any, context: Any) -> None:
     # packed row through the positions the plugin announces around its packed call). The head's forward and the
     # trainer's scoring methods are this plugin's answers to `trl_ext_make_head_forward` and
     # `trl_ext_make_scoring_method`, installed by the core; here the trainer and its models are checked.
+    missing = [name for name in _scoring_methods(context) if name not in state.methods]
+    if missing:
+        raise UsageError(
+            f"fused_logprobs cannot score this {context.trainer_class}: trl=={_compat.installed_version('trl')} has "
+            f"no {missing} (TRL renamed it). Install a TRL that trl-ext supports ({_compat.SUPPORTED_TRL_SPEC}) or "
+            "train without fused_logprobs."
+        )
     _check_engine(trainer, context, state)
     models = context.models()
     packing = tuple(n for n in context.plugins_serving(PACKING) if context.is_enabled(n))

@@ -160,6 +160,8 @@ class FusedState:
     stock_logits_calls: int = 0
     #: a DPOTrainer that scores with TRL's own fused LM head (TRL >= 1.15): the plugin left it as it is
     left_to_trl: bool = False
+    #: the trainer's scoring methods this plugin replaced (its answers to `trl_ext_make_scoring_method`)
+    methods: set[str] = dataclasses.field(default_factory=set)
 
     def summary(self) -> str:
         """What ran, for the end-of-run line (`trl-ext dpo`: `[trl-ext]   fused_logprobs: ...`)."""
