@@ -557,6 +557,16 @@ def test_dpo_layout_probes_and_refusal_facts():
     )
 
 
+def test_trainer_scoring_methods_exist_on_every_trainer():
+    classes = {"DPOTrainer": _dpo(), "OnlineDPOTrainer": _online()}
+    assert set(_compat.TRAINER_SCORING_METHODS) == set(classes)  # GRPO and RLOO: no plugin scores them
+    for trainer_class, names in _compat.TRAINER_SCORING_METHODS.items():
+        for name in names:
+            assert callable(getattr(classes[trainer_class], name, None)), _fail(
+                "TRAINER_SCORING_METHODS", f"{trainer_class} has no `{name}`"
+            )
+
+
 def test_online_dpo_forward_truncates_the_prompt_on_the_left():
     forward = getattr(_online(), _compat.ONLINE_DPO_FORWARD_METHOD)
     assert _params(forward)[1:6] == ["model", "prompt_ids", "prompt_mask", "completion_ids", "completion_mask"], _fail(

@@ -14,7 +14,7 @@ import re
 from collections.abc import Iterable
 
 from ._trl_layouts import *  # noqa: F403 - the TRL layouts found by probes are part of `_compat`
-from ._trl_layouts import dpo_has_fused_head
+from ._trl_layouts import DPO_SCORING_METHODS, dpo_has_fused_head
 from .errors import UsageError
 
 #: The private config field behind transformers' `config._attn_implementation` property (transformers 5: the property
@@ -316,6 +316,11 @@ TRL_VISION_ATTRS = ("_is_vlm", "_is_vision_dataset")
 #: that against it), prompt_sharing and fused_logprobs. Checked on 1.10.0-1.16.0.
 ONLINE_DPO_FORWARD_METHOD = "_forward"
 ONLINE_DPO_MAX_LENGTH_ATTR = "max_length"
+#: The methods in which each stock trainer runs its models and turns their logits into the completion tokens'
+#: log-probs: the points of the `trl_ext_make_scoring_method` hook (`context.TrainerContext.prepare_models`).
+#: Consumer: fused_logprobs (DPO's only on TRL < 1.15). Checked on 1.10.0-1.16.0 (all exist on every supported TRL);
+#: none for GRPO and RLOO (no plugin scores them).
+TRAINER_SCORING_METHODS = {"DPOTrainer": DPO_SCORING_METHODS, "OnlineDPOTrainer": (ONLINE_DPO_FORWARD_METHOD,)}
 #: transformers' `Trainer`: the attribute saying that `compute_loss` already scaled the loss for gradient accumulation
 #: (`training_step` then does not divide it), and the method that fetches one optimizer step's batches. Consumer:
 #: `plugins.token_budget.step`. Checked on transformers 5.24.0.

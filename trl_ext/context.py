@@ -7,6 +7,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from . import _compat
 from .manager import call_exclusive
 from .patching import Patcher
 
@@ -16,13 +17,15 @@ if TYPE_CHECKING:  # pragma: no cover
     from .config import TrlExtConfig
     from .installation import Installation
 
-__all__ = ["TrainerContext", "live_contexts", "unwrap_causal_lm"]
+__all__ = ["TrainerContext", "live_contexts", "output_head_module", "unwrap_causal_lm"]
 
 #: Every trainer that trl-ext attached to and that is still alive, whatever installation it was built under (an
 #: uninstalled installation's trainers keep their plugins, see `Installation.uninstall`).
 _LIVE: weakref.WeakSet = weakref.WeakSet()
 #: `{key: release}` of the process-wide resources that attached trainers hold (`TrainerContext.hold`).
 _RELEASE: dict[str, Callable[[], None]] = {}
+#: `{key: undo stack}` of the process-wide patches that attached trainers hold (`TrainerContext.hold_patches`).
+_HELD_PATCHERS: dict[str, Patcher] = {}
 
 
 def live_contexts() -> list[TrainerContext]:
@@ -109,7 +112,8 @@ class TrainerContext:
         return call_exclusive(getattr(self.hook, hook_name), **kwargs)
 
     def prepare_models(self) -> None:
-        """Apply the collator and packed-forward extension points, then announce `trl_ext_trainer_models_ready`.
+        """Apply the collator, packed-forward, head-forward and scoring-method extension points, then announce
+        `trl_ext_trainer_models_ready`.
 
         Idempotent: runs once, at the first point where TRL is about to run a model (the DPO precompute) or at the
         end of `__init__`.
@@ -132,6 +136,24 @@ class TrainerContext:
             )
             if forward is not None:
                 self.patcher.setattr(backbone, "forward", forward)
+        for role, model in self.models().items():
+            head = output_head_module(model)
+            if head is None:
+                continue
+            forward = self.call_exclusive(
+                "trl_ext_make_head_forward", trainer=trainer, context=self, role=role, head=head
+            )
+            if forward is not None:
+                self.patcher.setattr(head, "forward", forward)
+        for name in _compat.TRAINER_SCORING_METHODS.get(self.trainer_class, ()):
+            method = getattr(trainer, name, None)
+            if method is None:
+                continue  # a TRL without it (outside the supported range): a plugin that needs it refuses
+            method = self.call_exclusive(
+                "trl_ext_make_scoring_method", trainer=trainer, context=self, name=name, method=method
+            )
+            if method is not None:
+                self.patcher.setattr(trainer, name, method)
         self.hook.trl_ext_trainer_models_ready(trainer=trainer, context=self)
 
     # ------------------------------------------------------------------------------------------------------------
@@ -179,6 +201,32 @@ class TrainerContext:
         self.held.add(key)
         _RELEASE[key] = release
 
+    def hold_patches(self, key: str, apply: Callable[[Patcher], None]) -> None:
+        """Patch process-wide objects (names in a TRL module) for this trainer, through an undo stack of their own.
+
+        Held like `hold`: `apply(patcher)` runs when the first trainer takes `key` and makes its changes with
+        `patcher.setattr` / `patcher.wrap`; they are undone, restoring each original object, when the last attached
+        trainer holding `key` is detached (so they outlive `Installation.uninstall()` while such a trainer lives).
+        """
+
+        def acquire() -> None:
+            if key in _HELD_PATCHERS:
+                return
+            patcher = Patcher(f"trl-ext[{key}]")
+            try:
+                apply(patcher)
+            except BaseException:
+                patcher.undo()
+                raise
+            _HELD_PATCHERS[key] = patcher
+
+        def release() -> None:
+            patcher = _HELD_PATCHERS.pop(key, None)
+            if patcher is not None:
+                patcher.undo()
+
+        self.hold(key, acquire, release)
+
     def detach(self) -> None:
         """Undo every change made for this trainer (its own attributes, its models, its collator) and forget it."""
         if not self.attached:
@@ -208,6 +256,16 @@ class TrainerContext:
         if ref is not None and ref is not policy:
             out["ref"] = ref
         return out
+
+
+def output_head_module(model: Any) -> Any:
+    """The output head of a causal LM (`get_output_embeddings()`, the module that turns hidden states into logits),
+    or None when the model has none, or one that is not a module with a `forward`."""
+    getter = getattr(model, "get_output_embeddings", None)
+    head = getter() if callable(getter) else None
+    if head is None or not callable(getattr(head, "forward", None)) or not hasattr(head, "__dict__"):
+        return None
+    return head
 
 
 def unwrap_causal_lm(model: Any) -> Any:

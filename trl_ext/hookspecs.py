@@ -95,7 +95,8 @@ def trl_ext_trainer_models_ready(trainer: Trainer, context: TrainerContext) -> N
 
     For `DPOTrainer` this is right before the reference precompute (when `precompute_ref_log_probs=True`) or at the
     end of `__init__`; for `OnlineDPOTrainer` at the end of `__init__`. Called once per trainer, on every rank,
-    after `trl_ext_make_collator` and `trl_ext_make_packed_forward` were applied.
+    after `trl_ext_make_collator`, `trl_ext_make_packed_forward`, `trl_ext_make_head_forward` and
+    `trl_ext_make_scoring_method` were applied.
     """
 
 
@@ -223,6 +224,46 @@ def trl_ext_make_generation_context(
     `gradient_checkpointing_kwargs`). The context manager must yield exactly once and restore the model on every
     path. Exclusive: two enabled plugins answering is a `UsageError`.
     """
+
+
+# --- Scoring log-probs from hidden states (the output head, and the trainer methods that read it) ------------------
+
+
+@hookspec
+def trl_ext_make_head_forward(
+    trainer: Trainer, context: TrainerContext, role: str, head: torch.nn.Module
+) -> Callable | None:
+    """Return a replacement `forward` for a model's output head (`get_output_embeddings()`), or None to keep it.
+
+    The output head is the module that turns the hidden states into logits; a replacement may score there what the
+    trainer's scoring method asks for (e.g. the completion tokens' log-probs, chunk by chunk, without the
+    full-vocabulary logits), and must run as the original does otherwise. Called once per model the trainer runs
+    (`role` is `"policy"` or `"ref"`, as for `trl_ext_make_packed_forward`, and after it), at the
+    `trl_ext_trainer_models_ready` point, for a model whose `get_output_embeddings()` returns a module. The result is
+    installed as an instance attribute `head.forward` through the trainer's undo stack: it stays for the trainer's
+    life and is removed by `Installation.detach(trainer)`.
+    Exclusive: two enabled plugins answering is a `UsageError`.
+    """
+
+
+@hookspec
+def trl_ext_make_scoring_method(
+    trainer: Trainer, context: TrainerContext, name: str, method: Callable
+) -> Callable | None:
+    """Return a replacement for one of the trainer's scoring methods, or None to keep it.
+
+    The scoring methods are those in which the trainer runs its models and turns their logits into the log-probs of
+    the completion tokens (`_compat.TRAINER_SCORING_METHODS`: `OnlineDPOTrainer._forward`; `DPOTrainer._compute_loss`
+    and `compute_ref_log_probs`). Called once per method, after `trl_ext_make_head_forward` and before
+    `trl_ext_trainer_models_ready` (so a plugin that wraps the method in `trl_ext_trainer_models_ready` wraps this
+    result), with `name` and the bound `method` the trainer holds. The result is installed as an instance attribute
+    `trainer.<name>` through the trainer's undo stack (removed by `Installation.detach(trainer)`); it is called with
+    the method's arguments (without `self`) and must return what TRL's method returns.
+    Exclusive: two enabled plugins answering is a `UsageError`.
+    """
+
+
+# --- end: scoring log-probs from hidden states -----------------------------------------------------------------------
 
 
 # -------------------------------------------------------------------------------------------------------------------

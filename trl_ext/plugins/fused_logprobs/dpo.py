@@ -45,13 +45,14 @@ import torch
 from ... import _compat
 from ..._logging import get_logger
 from ...errors import UsageError
+from ...patching import Patcher
 from .._packing.positions import current_packed_positions
 from . import online
 from .lazy import LazyLogits, Root, entropy, logprobs_and_entropy, selective_logprobs
 from .online import FusedState, ScoreCall, output_head
 from .online import scoring as scoring_head
 
-__all__ = ["install_dpo"]
+__all__ = ["install_dpo", "scoring_method"]
 
 logger = get_logger(__name__)
 
@@ -88,28 +89,23 @@ WPO_STATS = ("lse", "lse2")
 @contextlib.contextmanager
 def _scoring(scoring: _Scoring, models: dict[str, tuple[Any, torch.nn.Module]], state: FusedState) -> Iterator[None]:
     """Set the scoring call, and wrap each model's forward (as it is now, every plugin's wrapper included) with the
-    fused one for the duration of the call: outermost, so that a packing plugin's wrapper inside it has put the
-    hidden states back into the padded layout before they become `LazyLogits`."""
+    fused one for the duration of the call, through an undo stack of its own: outermost, so that a packing plugin's
+    wrapper inside it has put the hidden states back into the padded layout before they become `LazyLogits`."""
     token = _SCORING.set(scoring)
-    replaced = []
+    patcher = Patcher("fused_logprobs: one DPO scoring call")
     try:
         for role, (model, head) in models.items():
-            had = "forward" in vars(model)
-            previous = vars(model).get("forward")
-            model.forward = _fused_forward(model.forward, role, head, state)
-            replaced.append((model, had, previous))
+            patcher.setattr(model, "forward", _fused_forward(model.forward, role, head, state))
         yield
     finally:
-        for model, had, previous in reversed(replaced):
-            if had:
-                model.forward = previous
-            else:
-                del model.forward
+        patcher.undo()
         _SCORING.reset(token)
 
 
-def _wrap_method(original: Callable, name: str, trainer: Any, state: FusedState, context: Any) -> Callable:
-    models = {role: (model, output_head(model, role)) for role, model in context.models().items()}
+def scoring_method(original: Callable, name: str, trainer: Any, state: FusedState, context: Any) -> Callable:
+    """The replacement of one of `SCORING_METHODS` (`trl_ext_make_scoring_method`): TRL's method, run with each
+    model's forward returning `LazyLogits`."""
+    models: dict[str, tuple[Any, torch.nn.Module]] = {}
 
     @functools.wraps(original)
     def method(model: Any, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
@@ -125,6 +121,8 @@ def _wrap_method(original: Callable, name: str, trainer: Any, state: FusedState,
         stats: tuple[str, ...] = ()
         if name == "_compute_loss":
             stats = METRIC_STATS + (WPO_STATS if getattr(trainer, "use_weighting", False) else ())
+        if not models:  # the trainer's models, found once (after `trl_ext_trainer_models_ready` checked them)
+            models.update({role: (m, output_head(m, role)) for role, m in context.models().items()})
         with _scoring(_Scoring(inputs["completion_mask"], stats), models, state):
             return original(model, inputs, *args, **kwargs)
 
@@ -239,28 +237,20 @@ def _fused_forward(original: Callable, role: str, head: torch.nn.Module, state: 
 _HELD = "fused_logprobs_dpo_helpers"
 #: `context.state` key: this trainer is patched.
 _INSTALLED = "fused_logprobs_dpo"
-_ORIGINALS: dict[str, Callable] = {}
 
 
-def _replace_helpers() -> None:
-    if _ORIGINALS:
-        return
+def _replace_helpers(patcher: Patcher) -> None:
+    """Wrap the helpers this TRL imports into its DPO module (`context.hold_patches`: undone, each original restored,
+    when the last trainer holding them is detached)."""
     module = importlib.import_module(DPO_MODULE)
     for name in _compat.dpo_logits_helpers():
-        _ORIGINALS[name] = getattr(module, name)
-        setattr(module, name, HELPERS[name](_ORIGINALS[name]))
-
-
-def _restore_helpers() -> None:
-    module = importlib.import_module(DPO_MODULE)
-    for name, original in _ORIGINALS.items():
-        setattr(module, name, original)
-    _ORIGINALS.clear()
+        patcher.wrap(module, name, HELPERS[name])
 
 
 def install_dpo(trainer: Any, context: Any, state: FusedState, packing: tuple[str, ...]) -> None:
-    """Patch a DPOTrainer (TRL < 1.15) for `LazyLogits` scoring, through `context.patcher`. Idempotent: a second call
-    (after the self-checks, which set the chunks) only logs."""
+    """Refuse what a DPOTrainer (TRL < 1.15) cannot score with `LazyLogits`, and hold the helper replacements (its
+    scoring methods are `scoring_method`, installed by the core). Idempotent: a second call (after the self-checks,
+    which set the chunks) only logs."""
     if not context.state.get(_INSTALLED):
         args = getattr(trainer, "args", None)
         if getattr(args, "use_liger_kernel", False):
@@ -271,10 +261,7 @@ def install_dpo(trainer: Any, context: Any, state: FusedState, packing: tuple[st
         if not _compat.dpo_logits_helpers():
             raise UsageError(_compat.DPO_UNKNOWN_LOGITS_HELPERS.refusal("fused_logprobs cannot score this DPOTrainer"))
         # Module-wide, held while any trainer needs them (they pass every argument but `LazyLogits` to TRL's own).
-        context.hold(_HELD, _replace_helpers, _restore_helpers)
-        for name in SCORING_METHODS:
-            wrapped = _wrap_method(getattr(trainer, name), name, trainer, state, context)
-            context.patcher.setattr(trainer, name, wrapped)
+        context.hold_patches(_HELD, _replace_helpers)
         context.state[_INSTALLED] = True
     if state.chunks:
         logger.info(

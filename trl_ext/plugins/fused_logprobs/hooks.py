@@ -11,8 +11,8 @@ from ...errors import UsageError
 from ...hookspecs import hookimpl
 from .._roles import PACKING
 from . import NAME, FusedLogprobsOptions
-from .dpo import install_dpo
-from .online import FusedState, make_fused_forward, output_head, patch_head, resolve_chunk
+from .dpo import SCORING_METHODS, install_dpo, scoring_method
+from .online import FusedState, head_forward, make_fused_forward, output_head, resolve_chunk, verify_online_forward
 from .selfcheck import head_mechanism, self_check
 
 logger = get_logger(__name__)
@@ -53,8 +53,7 @@ def _check_model(context: Any, role: str, model: Any, trainer: Any) -> None:
             f"fused_logprobs cannot reproduce the logits of the {name}: its config sets {mechanism}, which changes "
             "the logits after the output head. Train this model without fused_logprobs."
         )
-    head = output_head(causal_lm, role)
-    patch_head(context.patcher, head)
+    head = output_head(causal_lm, role)  # its forward is `head_forward` (`trl_ext_make_head_forward`)
     chunk = state.chunks[role] = resolve_chunk(state, head, next(causal_lm.parameters()).dtype)
     result = state.self_checks[role] = self_check(causal_lm, trainer, role, min(chunk, 7))
     if result.failure is not None:
@@ -105,13 +104,58 @@ def _check_engine(trainer: Any, context: Any, state: FusedState) -> None:
                 )
 
 
+def _scores(context: Any) -> bool:
+    """Whether the plugin scores this trainer (not a DPOTrainer that TRL's own fused LM head scores already)."""
+    return not (context.trainer_class == "DPOTrainer" and _dpo_has_fused_head())
+
+
+def _scoring_methods(context: Any) -> tuple[str, ...]:
+    return SCORING_METHODS if context.trainer_class == "DPOTrainer" else (_compat.ONLINE_DPO_FORWARD_METHOD,)
+
+
+@hookimpl
+def trl_ext_make_head_forward(trainer: Any, context: Any, role: str, head: Any) -> Any:
+    import torch
+
+    if not _scores(context) or not isinstance(head, torch.nn.Module):
+        return None  # a head that is not a module is refused with its reason in `trl_ext_trainer_models_ready`
+    return head_forward(head)
+
+
+@hookimpl
+def trl_ext_make_scoring_method(trainer: Any, context: Any, name: str, method: Any) -> Any:
+    if not _scores(context):
+        return None
+    state = _state(context)
+    if name not in _scoring_methods(context):
+        return None
+    state.methods.add(name)
+    if context.trainer_class == "DPOTrainer":
+        return scoring_method(method, name, trainer, state, context)
+    policy = context.models().get("policy")
+
+    def role_of(model: Any) -> str:
+        return "policy" if unwrap_causal_lm(model) is policy else "ref"
+
+    return make_fused_forward(trainer, state, role_of)
+
+
 @hookimpl
 def trl_ext_trainer_models_ready(trainer: Any, context: Any) -> None:
-    if context.trainer_class == "DPOTrainer" and _dpo_has_fused_head():
+    if not _scores(context):
         return
     state = _state(context)
     # Both trainers score inside the head's call (with a packing plugin too: the head reads its positions from the
-    # packed row through the positions the plugin announces around its packed call).
+    # packed row through the positions the plugin announces around its packed call). The head's forward and the
+    # trainer's scoring methods are this plugin's answers to `trl_ext_make_head_forward` and
+    # `trl_ext_make_scoring_method`, installed by the core; here the trainer and its models are checked.
+    missing = [name for name in _scoring_methods(context) if name not in state.methods]
+    if missing:
+        raise UsageError(
+            f"fused_logprobs cannot score this {context.trainer_class}: trl=={_compat.installed_version('trl')} has "
+            f"no {missing} (TRL renamed it). Install a TRL that trl-ext supports ({_compat.SUPPORTED_TRL_SPEC}) or "
+            "train without fused_logprobs."
+        )
     _check_engine(trainer, context, state)
     models = context.models()
     packing = tuple(n for n in context.plugins_serving(PACKING) if context.is_enabled(n))
@@ -122,13 +166,7 @@ def trl_ext_trainer_models_ready(trainer: Any, context: Any) -> None:
     if context.trainer_class == "DPOTrainer":
         install_dpo(trainer, context, state, packing)
         return
-    policy = models.get("policy")
-
-    def role_of(model: Any) -> str:
-        return "policy" if unwrap_causal_lm(model) is policy else "ref"
-
-    method = _compat.ONLINE_DPO_FORWARD_METHOD
-    context.patcher.setattr(trainer, method, make_fused_forward(trainer, state, role_of))
+    verify_online_forward(trainer)
     logger.info(
         "fused_logprobs: Online DPO scores completions in chunks of %s positions inside the output head's call",
         state.chunks,

@@ -346,6 +346,7 @@ def selective_logprobs(original: Callable) -> Callable:
     """A `selective_log_softmax(logits, index[, temperature, row_mask])` that scores `LazyLogits` chunk by chunk (only
     their scored positions, the others 0, as TRL masks them next) and passes any other call to `original`."""
 
+    @functools.wraps(original)
     def selective_log_softmax(logits: Any, index: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if not isinstance(logits, LazyLogits):
             return original(logits, index, *args, **kwargs)
@@ -361,6 +362,7 @@ def entropy(original: Callable) -> Callable:
     """An `entropy_from_logits(logits, chunk_size=...)` that reduces `LazyLogits` chunk by chunk (the entropy of
     `softmax(logits)` in nats, on the scored positions, 0 elsewhere) and passes any other call to `original`."""
 
+    @functools.wraps(original)
     def entropy_from_logits(logits: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         if not isinstance(logits, LazyLogits):
             return original(logits, *args, **kwargs)
@@ -376,6 +378,7 @@ def logprobs_and_entropy(original: Callable) -> Callable:
     `(log-probs, entropy)` in one pass) that answers `LazyLogits` from the same chunk pass as the two helpers above
     (the entropy without gradients: TRL asks `entropy_requires_grad=False`) and passes any other call to `original`."""
 
+    @functools.wraps(original)
     def selective_log_softmax_and_entropy(logits: Any, index: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         if not isinstance(logits, LazyLogits):
             return original(logits, index, *args, **kwargs)

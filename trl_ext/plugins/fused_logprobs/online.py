@@ -7,8 +7,8 @@
 tokens, `[rows, C]`. No temperature is applied there. `fused_forward` returns the same tensor from the same model call
 (through every wrapper: DDP, DeepSpeed, FSDP2, PEFT, another plugin's forward).
 
-The output head is patched once per model; what its `forward` does depends on a context variable set around one model
-call:
+The output head's `forward` is replaced once per model (`trl_ext_make_head_forward`, installed by the core through the
+trainer's undo stack); what it does depends on a context variable set around one model call:
 
 - scoring (`scoring()`, the default): the head receives the hidden states of every position, takes the completion
   columns and returns their log-probs, `[rows, C]`, computed chunk by chunk (`chunked.token_logprobs`) with the head's
@@ -47,11 +47,12 @@ __all__ = [
     "FusedState",
     "ScoreCall",
     "head_chunk",
+    "head_forward",
     "make_fused_forward",
     "output_head",
-    "patch_head",
     "run_scoring",
     "scoring",
+    "verify_online_forward",
 ]
 
 
@@ -159,6 +160,8 @@ class FusedState:
     stock_logits_calls: int = 0
     #: a DPOTrainer that scores with TRL's own fused LM head (TRL >= 1.15): the plugin left it as it is
     left_to_trl: bool = False
+    #: the trainer's scoring methods this plugin replaced (its answers to `trl_ext_make_scoring_method`)
+    methods: set[str] = dataclasses.field(default_factory=set)
 
     def summary(self) -> str:
         """What ran, for the end-of-run line (`trl-ext dpo`: `[trl-ext]   fused_logprobs: ...`)."""
@@ -185,10 +188,10 @@ def output_head(model: Any, role: str = "model") -> torch.nn.Module:
     return head
 
 
-def patch_head(patcher: Any, head: torch.nn.Module) -> None:
-    """Make `head` run the scoring request (`scoring()`) on its first call in such a block; otherwise it runs as
-    before. Patching a head twice (a model shared by two trainers) is harmless: the
-    outer patch consumes the request."""
+def head_forward(head: torch.nn.Module) -> Callable:
+    """The output head's `forward` for `trl_ext_make_head_forward`: it runs the scoring request (`scoring()`) on its
+    first call in such a block, and otherwise runs as before. A head patched twice (a model shared by two trainers)
+    is harmless: the outer patch consumes the request."""
     original = head.forward
 
     @functools.wraps(original)
@@ -199,7 +202,7 @@ def patch_head(patcher: Any, head: torch.nn.Module) -> None:
             return score.run(head, original, hidden_states, args, kwargs)
         return original(hidden_states, *args, **kwargs)
 
-    patcher.setattr(head, "forward", forward)
+    return forward
 
 
 @contextlib.contextmanager
@@ -234,10 +237,15 @@ def resolve_chunk(state: FusedState, head: torch.nn.Module, dtype: torch.dtype) 
     return auto_chunk(int(vocab), dtype, device, int(hidden))
 
 
-def make_fused_forward(trainer: Any, state: FusedState, roles: Callable[[Any], str]) -> Callable:
-    """The replacement of `trainer._forward`: same arguments, same `[rows, C]` log-probs, no full logits. TRL's steps
-    around the model call are `_online_forward.ScoringCall`'s, verified against the trainer's own `_forward` here."""
+def verify_online_forward(trainer: Any) -> None:
+    """Refuse a TRL whose `OnlineDPOTrainer._forward` is not what `make_fused_forward` reproduces."""
     verify_against_trl(getattr(type(trainer), _compat.ONLINE_DPO_FORWARD_METHOD), "fused_logprobs", trainer)
+
+
+def make_fused_forward(trainer: Any, state: FusedState, roles: Callable[[Any], str]) -> Callable:
+    """The replacement of `trainer._forward` (`trl_ext_make_scoring_method`): same arguments, same `[rows, C]`
+    log-probs, no full logits. TRL's steps around the model call are `_online_forward.ScoringCall`'s, verified against
+    the trainer's own `_forward` (`verify_online_forward`) before the first step."""
 
     def _forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask, vision_inputs=None):
         role = roles(model)
