@@ -8,7 +8,9 @@ Comparison helpers and builders of the equivalence tests are in `tests/equivalen
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
+import logging
 import os
 import re
 import subprocess
@@ -358,3 +360,24 @@ def launch(script: Path | str, *args: str, nproc: int = 2, timeout: float = 900)
     torchrun = Path(sys.executable).with_name("torchrun")
     command = [str(torchrun), "--standalone", f"--nproc_per_node={nproc}", str(script), *map(str, args)]
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@contextlib.contextmanager
+def trl_ext_records():
+    """Records of the trl_ext loggers at INFO and above (they do not propagate to the root logger, so caplog cannot
+    see them)."""
+    records: list[logging.LogRecord] = []
+
+    class _Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record)
+
+    root = logging.getLogger("trl_ext")
+    handler, level = _Keep(level=logging.DEBUG), root.level
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    try:
+        yield records
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)

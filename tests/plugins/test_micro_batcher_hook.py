@@ -9,8 +9,6 @@ Trained in float64 with SGD against stock, the parameters after every step and t
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import math
 from collections import Counter
 from pathlib import Path
@@ -20,6 +18,7 @@ import torch
 from transformers import TrainerCallback
 
 import trl_ext
+from tests import helpers
 from trl_ext import UsageError
 from trl_ext.api import MicroBatcher, PluginSpec
 from trl_ext.testing import make_preference_dataset
@@ -172,23 +171,7 @@ class _Params(TrainerCallback):
         self.steps.append({n: p.detach().clone() for n, p in model.named_parameters()})
 
 
-@contextlib.contextmanager
-def _records():
-    records: list[logging.LogRecord] = []
-
-    class _Keep(logging.Handler):
-        def emit(self, record):
-            records.append(record)
-
-    root = logging.getLogger("trl_ext")
-    handler, level = _Keep(level=logging.DEBUG), root.level
-    root.addHandler(handler)
-    root.setLevel(logging.INFO)
-    try:
-        yield records
-    finally:
-        root.removeHandler(handler)
-        root.setLevel(level)
+_records = helpers.trl_ext_records
 
 
 def _build(dpo_args, tokenizer, **args):

@@ -4,14 +4,13 @@ their reasons are in tests/plugins/test_token_budget.py's docstring."""
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import math
 
 import torch
 from transformers import TrainerCallback
 
 import trl_ext
+from tests import helpers
 from trl_ext.testing import make_model, make_preference_dataset
 
 from ..equivalence import sharpen
@@ -118,24 +117,7 @@ def _assert_same_run(stock, plugin) -> None:
     assert any("rewards/margins" in log for log in s_logs)
 
 
-@contextlib.contextmanager
-def _records():
-    """Records of the trl_ext loggers (they do not propagate to the root logger, so caplog cannot see them)."""
-    records: list[logging.LogRecord] = []
-
-    class _Keep(logging.Handler):
-        def emit(self, record):
-            records.append(record)
-
-    root = logging.getLogger("trl_ext")
-    handler, level = _Keep(level=logging.DEBUG), root.level
-    root.addHandler(handler)
-    root.setLevel(logging.INFO)
-    try:
-        yield records
-    finally:
-        root.removeHandler(handler)
-        root.setLevel(level)
+_records = helpers.trl_ext_records
 
 
 def _state(trainer):
