@@ -112,8 +112,8 @@ class TrainerContext:
         return call_exclusive(getattr(self.hook, hook_name), **kwargs)
 
     def prepare_models(self) -> None:
-        """Apply the collator, packed-forward, head-forward and scoring-method extension points, then announce
-        `trl_ext_trainer_models_ready`.
+        """Apply the collator, packed-forward, head-forward, model-forward and scoring-method extension points, then
+        announce `trl_ext_trainer_models_ready`.
 
         Idempotent: runs once, at the first point where TRL is about to run a model (the DPO precompute) or at the
         end of `__init__`.
@@ -145,6 +145,12 @@ class TrainerContext:
             )
             if forward is not None:
                 self.patcher.setattr(head, "forward", forward)
+        for role, model in self.models().items():
+            forward = self.call_exclusive(
+                "trl_ext_make_model_forward", trainer=trainer, context=self, role=role, model=model
+            )
+            if forward is not None:
+                self.patcher.setattr(model, "forward", forward)
         for name in _compat.TRAINER_SCORING_METHODS.get(self.trainer_class, ()):
             method = getattr(trainer, name, None)
             if method is None:

@@ -649,9 +649,10 @@ def _trainer(max_length: int = MAX_LENGTH) -> Any:
 
 
 def shared_model(context, state, model) -> None:
-    """prompt_sharing's setup of `model` as `setup.wrap_models` runs it for a DPOTrainer's policy: configure (may
-    refuse), wrap the forward, and the self-check where the plugin runs it by default (model types outside its
-    verified table); raises `UsageError` when it refuses. The sweep's one call into prompt_sharing's setup."""
+    """prompt_sharing's setup of `model` as `setup.model_forward` and `setup.check_models` run it for a DPOTrainer's
+    policy: configure (may refuse), wrap the forward, and the self-check where the plugin runs it by default (model
+    types outside its verified table); raises `UsageError` when it refuses. The sweep's one call into prompt_sharing's
+    setup."""
     from trl.trainer.utils import disable_dropout_in_model
 
     from trl_ext.plugins.prompt_sharing import setup

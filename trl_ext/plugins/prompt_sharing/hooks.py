@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any
 
 from ..._logging import get_logger
@@ -48,16 +48,41 @@ def trl_ext_make_packed_forward(
     from .setup import check_trainer
 
     state = check_trainer(trainer, context)
-    # The model's attention is switched in `trl_ext_trainer_models_ready`.
+    # The model's attention is switched in `trl_ext_make_model_forward`.
     return make_backbone_forward(backbone.forward, state)
+
+
+@hookimpl
+def trl_ext_make_model_forward(
+    trainer: Trainer, context: TrainerContext, role: str, model: torch.nn.Module
+) -> Callable:
+    from .setup import model_forward
+
+    return model_forward(trainer, context, role, model)
+
+
+@hookimpl(wrapper=True)
+def trl_ext_make_scoring_method(
+    trainer: Trainer, context: TrainerContext, name: str, method: Callable
+) -> Generator[None, list[Callable], list[Callable]]:
+    # A wrapper, not an answer: Online DPO's `_forward` as the other plugins leave it (fused_logprobs' or TRL's own)
+    # is wrapped, so prompt_sharing's is the outermost.
+    from ... import _compat
+    from .setup import wrap_online_forward
+
+    answers = yield
+    if name != _compat.ONLINE_DPO_FORWARD_METHOD:
+        return answers
+    return wrap_online_forward(trainer, context, answers, method)
 
 
 @hookimpl(trylast=True)
 def trl_ext_trainer_models_ready(trainer: Trainer, context: TrainerContext) -> None:
-    # trylast: the causal-LM wrapper is installed outermost, over any other plugin's wrapper.
-    from .setup import wrap_models
+    # The shared forwards are installed (`trl_ext_make_model_forward`). trylast: the self-checks (a few forwards each)
+    # run after the other plugins' checks, so that a refusal comes before them, as it did.
+    from .setup import check_models
 
-    wrap_models(trainer, context)
+    check_models(trainer, context)
 
 
 @hookimpl

@@ -38,6 +38,8 @@ class PromptSharingState:
     attention: str = "auto"
     kernels: dict[str, Choice] = dataclasses.field(default_factory=dict)
     checked_trainer: bool = False
+    #: whether Online DPO's `_forward` was wrapped (`wrap_online_forward`)
+    online_forward_wrapped: bool = False
     #: roles whose self-check passed, and the results
     checked: set[str] = dataclasses.field(default_factory=set)
     self_checks: dict[str, SelfCheckResult] = dataclasses.field(default_factory=dict)
@@ -131,7 +133,7 @@ def configure_model(context: Any, role: str, model: Any) -> str:
     """Check one causal LM and switch its attention to the shared attention; returns the implementation it runs.
 
     A model type outside `VERIFIED_MODEL_TYPES` is admitted here and measured by the self-check before the first step
-    (`wrap_models`)."""
+    (`check_models`)."""
     config = model.config
     model_type = getattr(config, "model_type", None)
     inspection = inspect_model(model, NAME, VERIFIED_MODEL_TYPES)
@@ -286,35 +288,54 @@ def refuse_random_draws(context: Any, role: str, model: Any) -> None:
     )
 
 
-def wrap_models(trainer: Any, context: Any) -> None:
+def model_forward(trainer: Any, context: Any, role: str, model: Any) -> Any:
+    """prompt_sharing's answer to `trl_ext_make_model_forward`: check `model`, switch its attention to the shared
+    attention, handle its dropout, choose its kernel, then return its shared causal-LM forward (the core installs it,
+    outermost). Refuses (`UsageError`) what sharing cannot reproduce."""
     state = check_trainer(trainer, context)
+    model_type = getattr(model.config, "model_type", None)
+    if state.self_check is False and model_type not in VERIFIED_MODEL_TYPES:
+        raise UsageError(
+            f"prompt_sharing is not verified on `{model_type}` models ({role} model {type(model).__name__}) and "
+            "`self_check` is false. Set `plugins: {prompt_sharing: {self_check: auto}}` (the default) to admit it "
+            f"through the self-check before the first step. Or: {_disable_advice(context)}."
+        )
+    state.attn_implementations[role] = configure_model(context, role, model)
+    handle_dropout(context, role, model, trainer)
+    refuse_acting_chunks(context, role, model, trainer)
+    refuse_random_draws(context, role, model)
+    base = base_of(state.attn_implementations[role]) or "sdpa"
+    state.kernels[role] = choose_for_model(model, base, state.attention, trainer, NAME)
+    return make_causal_lm_forward(model.forward, state, role, None, MoeAuxLoss.of(model))
+
+
+def wrap_online_forward(trainer: Any, context: Any, answers: list[Any], method: Any) -> list[Any]:
+    """prompt_sharing's `wrapper=True` implementation of `trl_ext_make_scoring_method`, after the answers: Online
+    DPO's `_forward` (another plugin's single answer, else the trainer's own `method`) wrapped so that the model call
+    inside learns its prompt columns (`forward.make_online_forward`). Two or more answers are returned unchanged (the
+    core refuses them); other methods and trainers are not touched."""
+    if context.trainer_class != "OnlineDPOTrainer" or len(answers) > 1:
+        return answers
+    state = check_trainer(trainer, context)
+    state.online_forward_wrapped = True
+    inner = answers[0] if answers else method
+    return [make_online_forward(inner, lambda: getattr(trainer, _compat.ONLINE_DPO_MAX_LENGTH_ATTR, None))]
+
+
+def check_models(trainer: Any, context: Any) -> None:
+    """With every model's shared forward installed: run the self-checks (`run_self_check`) where they run, and refuse
+    an Online DPO trainer whose `_forward` the core did not offer (a TRL that renamed it)."""
+    state = check_trainer(trainer, context)
+    if context.trainer_class == "OnlineDPOTrainer" and not state.online_forward_wrapped:
+        raise UsageError(
+            f"prompt_sharing cannot share prompts in this OnlineDPOTrainer: trl=={_compat.installed_version('trl')} "
+            f"has no `{_compat.ONLINE_DPO_FORWARD_METHOD}` (TRL renamed it). Install a TRL that trl-ext supports "
+            f"({_compat.SUPPORTED_TRL_SPEC}) or disable prompt_sharing."
+        )
     models = context.models()
     for role, model in models.items():
-        model_type = getattr(model.config, "model_type", None)
-        if state.self_check is False and model_type not in VERIFIED_MODEL_TYPES:
-            raise UsageError(
-                f"prompt_sharing is not verified on `{model_type}` models ({role} model {type(model).__name__}) and "
-                "`self_check` is false. Set `plugins: {prompt_sharing: {self_check: auto}}` (the default) to admit it "
-                f"through the self-check before the first step. Or: {_disable_advice(context)}."
-            )
-        state.attn_implementations[role] = configure_model(context, role, model)
-        handle_dropout(context, role, model, trainer)
-        refuse_acting_chunks(context, role, model, trainer)
-        refuse_random_draws(context, role, model)
-        base = base_of(state.attn_implementations[role]) or "sdpa"
-        state.kernels[role] = choose_for_model(model, base, state.attention, trainer, NAME)
-        forward = make_causal_lm_forward(model.forward, state, role, None, MoeAuxLoss.of(model))
-        context.patcher.setattr(model, "forward", forward)
-    if context.trainer_class == "OnlineDPOTrainer":
-        context.patcher.setattr(
-            trainer,
-            _compat.ONLINE_DPO_FORWARD_METHOD,
-            make_online_forward(
-                getattr(trainer, _compat.ONLINE_DPO_FORWARD_METHOD),
-                lambda: getattr(trainer, _compat.ONLINE_DPO_MAX_LENGTH_ATTR, None),
-            ),
-        )
-    for role, model in models.items():
+        if role not in state.attn_implementations:
+            continue  # never offered to the plugin (`trl_ext_make_model_forward`): not shared
         verified = getattr(model.config, "model_type", None) in VERIFIED_MODEL_TYPES
         if state.self_check is True or (state.self_check == "auto" and not verified):
             run_self_check(context, state, role, model, trainer)

@@ -1,0 +1,208 @@
+"""prompt_sharing acts only through hook specs: each causal LM's shared `forward` is its answer to
+`trl_ext_make_model_forward`, and Online DPO's `_forward` is wrapped by its `wrapper=True` implementation of
+`trl_ext_make_scoring_method` (around fused_logprobs' answer when both are enabled, else around TRL's own method); the
+core installs both through the trainer's undo stack (exclusive: a rival answer is refused), and detaching restores
+every original object, by identity.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+
+import trl_ext
+from tests import equivalence as eq
+from trl_ext import _compat
+from trl_ext.spec import PluginSpec
+from trl_ext.testing import length_reward, make_model, make_preference_dataset, make_prompt_dataset
+
+from .._fakes import install_fake_plugin
+
+PACKAGE = Path(trl_ext.__file__).parent / "plugins" / "prompt_sharing"
+METHOD = _compat.ONLINE_DPO_FORWARD_METHOD
+
+
+@pytest.fixture
+def online(online_dpo_args, tokenizer):
+    from trl.experimental.online_dpo import OnlineDPOTrainer
+
+    def make():
+        return OnlineDPOTrainer(
+            model=make_model(),
+            ref_model=make_model(seed=1),
+            reward_funcs=length_reward,
+            args=online_dpo_args(bf16=False, max_length=64),
+            train_dataset=make_prompt_dataset(4),
+            processing_class=tokenizer,
+        )
+
+    return make
+
+
+def _defined_in(function, module_file: str) -> bool:
+    """Whether `function` is one of trl-ext's own functions in `module_file` (`functools.wraps` copies the names)."""
+    code = getattr(function, "__code__", None)
+    return code is not None and Path(code.co_filename).as_posix().endswith(module_file)
+
+
+def _models_and_attention(trainer):
+    models = trainer._trl_ext.models()
+    return models, {role: model.config._attn_implementation for role, model in models.items()}
+
+
+def test_online_dpo_forwards_are_installed_by_the_core_and_undone_by_detach(online):
+    from trl.experimental.online_dpo import OnlineDPOTrainer
+
+    with trl_ext.install(prompt_sharing=True) as installation:
+        trainer = online()
+    models, attention = _models_and_attention(trainer)
+    assert set(models) == {"policy", "ref"}
+    for model in models.values():
+        installed = vars(model)["forward"]  # an instance attribute over the class's `forward`
+        assert _defined_in(installed, "prompt_sharing/forward.py")
+        assert installed.__wrapped__.__func__ is type(model).forward
+        assert model.config._attn_implementation.startswith("trl_ext")
+    method = vars(trainer)[METHOD]
+    assert _defined_in(method, "prompt_sharing/forward.py")
+    assert method.__wrapped__.__func__ is getattr(OnlineDPOTrainer, METHOD)  # no other plugin answered: TRL's own
+    assert trainer._trl_ext.state["prompt_sharing"].online_forward_wrapped
+    installation.detach(trainer)
+    for role, model in models.items():
+        assert "forward" not in vars(model)
+        assert model.config._attn_implementation != attention[role]
+    assert METHOD not in vars(trainer)
+    assert getattr(trainer, METHOD).__func__ is getattr(OnlineDPOTrainer, METHOD)
+
+
+def test_dpo_model_forwards_are_installed_by_the_core_and_undone_by_detach(dpo_args, tokenizer):
+    from trl import DPOTrainer
+
+    build = eq.dpo_builder(dpo_args, tokenizer, make_preference_dataset(2), dtype=torch.float64)
+    with trl_ext.install(prompt_sharing=True) as installation:
+        trainer = build()
+    models, _ = _models_and_attention(trainer)
+    assert set(models) == {"policy", "ref"}
+    before = {}
+    for role, model in models.items():
+        installed = vars(model)["forward"]
+        assert _defined_in(installed, "prompt_sharing/forward.py")
+        before[role] = installed.__wrapped__  # the forward the model had (the sharpened test model's)
+    for name in _compat.DPO_SCORING_METHODS:  # the wrapper wraps Online DPO's `_forward` only
+        assert getattr(trainer, name).__func__ is getattr(DPOTrainer, name)
+    installation.detach(trainer)
+    for role, model in models.items():
+        assert model.forward == before[role]
+        assert not _defined_in(model.forward, "prompt_sharing/forward.py")
+
+
+def test_with_fused_logprobs_prompt_sharing_wraps_its_online_forward(online):
+    """Both enabled on Online DPO: the core installs fused_logprobs' `_forward` wrapped by prompt_sharing's (outside),
+    the head's fused `forward` inside prompt_sharing's model `forward`; detaching restores TRL's."""
+    from trl.experimental.online_dpo import OnlineDPOTrainer
+
+    with trl_ext.install(prompt_sharing=True, fused_logprobs=True) as installation:
+        trainer = online()
+    method = vars(trainer)[METHOD]
+    assert _defined_in(method, "prompt_sharing/forward.py")
+    assert _defined_in(method.__wrapped__, "fused_logprobs/online.py")
+    models, _ = _models_and_attention(trainer)
+    for model in models.values():
+        assert _defined_in(vars(model)["forward"], "prompt_sharing/forward.py")
+        assert "forward" in vars(model.get_output_embeddings())  # fused_logprobs' head, called inside
+    installation.detach(trainer)
+    assert METHOD not in vars(trainer)
+    assert getattr(trainer, METHOD).__func__ is getattr(OnlineDPOTrainer, METHOD)
+    for model in models.values():
+        assert "forward" not in vars(model) and "forward" not in vars(model.get_output_embeddings())
+
+
+class Rival:
+    """A third-party plugin answering one of prompt_sharing's extension points with a pass-through."""
+
+    TRL_EXT_PLUGIN = PluginSpec(name="rival", summary="Answers one extension point.")
+
+    def __init__(self, hook):
+        self.hook = hook
+        self.calls = 0
+        self.answers: list = []
+
+    @trl_ext.hookimpl
+    def trl_ext_make_model_forward(self, trainer, context, role, model):
+        self.calls += 1
+        return model.forward if self.hook == "model" else None
+
+    @trl_ext.hookimpl
+    def trl_ext_make_scoring_method(self, trainer, context, name, method):
+        self.calls += 1
+        if self.hook != "scoring":
+            return None
+
+        def rival_forward(*args, **kwargs):
+            return method(*args, **kwargs)
+
+        self.answers.append(rival_forward)
+        return rival_forward
+
+
+@pytest.mark.parametrize(
+    "hook, name, plugins",
+    [
+        ("model", "trl_ext_make_model_forward", {"prompt_sharing": True}),
+        # prompt_sharing's wrapper is no answer: fused_logprobs' and the rival's are two, refused through it
+        ("scoring", "trl_ext_make_scoring_method", {"prompt_sharing": True, "fused_logprobs": True}),
+    ],
+)
+def test_a_second_plugin_answering_an_extension_point_is_refused(online, monkeypatch, hook, name, plugins):
+    rival = Rival(hook)
+    install_fake_plugin(monkeypatch, "rival", rival)
+    with trl_ext.install(**plugins, plugins={"rival": {}}):
+        with pytest.raises(trl_ext.UsageError, match=rf"2 enabled plugins \(.*`rival`.*\) answered `{name}`"):
+            online()
+    assert rival.calls
+
+
+def test_prompt_sharing_wraps_a_third_party_scoring_method(online, monkeypatch):
+    """The wrapper wraps whichever single answer the other plugins give (none names a plugin)."""
+    rival = Rival("scoring")
+    install_fake_plugin(monkeypatch, "rival", rival)
+    with trl_ext.install(prompt_sharing=True, plugins={"rival": {}}) as installation:
+        trainer = online()
+    method = vars(trainer)[METHOD]
+    assert _defined_in(method, "prompt_sharing/forward.py")
+    assert rival.answers and method.__wrapped__ is rival.answers[-1]
+    installation.detach(trainer)
+    assert METHOD not in vars(trainer)
+
+
+def test_an_online_forward_the_core_did_not_offer_is_refused(online, monkeypatch):
+    """A TRL without Online DPO's `_forward` (the core then offers it to no plugin) is refused, not run unshared."""
+    monkeypatch.setitem(_compat.TRAINER_SCORING_METHODS, "OnlineDPOTrainer", ())
+    with trl_ext.install(prompt_sharing=True):
+        with pytest.raises(trl_ext.UsageError, match=r"prompt_sharing cannot share prompts in this OnlineDPOTrainer"):
+            online()
+
+
+def test_the_plugin_sets_no_forward_itself():
+    """No `setattr` of a `forward`/`_forward` and no attribute assignment of one in the plugin's code: the models'
+    and the trainer's forwards are answers to hook specs, installed by the core."""
+    found = []
+    for path in sorted(PACKAGE.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and len(node.args) >= 2:
+                func = node.func
+                called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+                attr = node.args[1]
+                names_forward = (isinstance(attr, ast.Constant) and attr.value in ("forward", "_forward")) or (
+                    isinstance(attr, ast.Attribute) and attr.attr == "ONLINE_DPO_FORWARD_METHOD"
+                )
+                if called in ("setattr", "wrap") and names_forward:
+                    found.append(f"{path.name}:{node.lineno} {called}")
+            elif isinstance(node, (ast.Assign, ast.AugAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                for target in targets:
+                    if isinstance(target, ast.Attribute) and target.attr in ("forward", "_forward"):
+                        found.append(f"{path.name}:{node.lineno} .{target.attr} =")
+    assert found == []
