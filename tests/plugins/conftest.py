@@ -45,3 +45,23 @@ def online_build(online_dpo_args, tokenizer):
         return trainer
 
     return make
+
+
+@pytest.fixture
+def online_trainer(online_dpo_args, tokenizer):
+    """`online_trainer()`: a plain `OnlineDPOTrainer` (tiny float32 Llamas, policy seed 0, reference seed 1, bf16 off)
+    that generates for itself: the hook tests check what is installed and undone, not values."""
+
+    def make():
+        from trl.experimental.online_dpo import OnlineDPOTrainer
+
+        return OnlineDPOTrainer(
+            model=make_model(),
+            ref_model=make_model(seed=1),
+            reward_funcs=length_reward,
+            args=online_dpo_args(bf16=False, max_length=64),
+            train_dataset=make_prompt_dataset(4),
+            processing_class=tokenizer,
+        )
+
+    return make

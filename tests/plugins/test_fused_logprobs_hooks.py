@@ -19,7 +19,7 @@ import trl_ext
 from tests import equivalence as eq
 from trl_ext import _compat
 from trl_ext.spec import PluginSpec
-from trl_ext.testing import length_reward, make_model, make_preference_dataset, make_prompt_dataset
+from trl_ext.testing import make_preference_dataset
 
 from .._fakes import install_fake_plugin
 
@@ -27,20 +27,8 @@ PACKAGE = Path(trl_ext.__file__).parent / "plugins" / "fused_logprobs"
 
 
 @pytest.fixture
-def online(online_dpo_args, tokenizer):
-    from trl.experimental.online_dpo import OnlineDPOTrainer
-
-    def make():
-        return OnlineDPOTrainer(
-            model=make_model(),
-            ref_model=make_model(seed=1),
-            reward_funcs=length_reward,
-            args=online_dpo_args(bf16=False, max_length=64),
-            train_dataset=make_prompt_dataset(4),
-            processing_class=tokenizer,
-        )
-
-    return make
+def online(online_trainer):
+    return online_trainer
 
 
 def _heads(trainer):
