@@ -198,10 +198,11 @@ def code_tokens(path: Path) -> set[str]:
 class ReferenceVarlen:
     """Varlen attention on CPU, as the flash kernels define it: per segment, query `i` of `n` over `m` keys is
     aligned at `i + m - n`; causal: keys `j <= i + m - n`; a window `w`: also `j >= i + m - n - w`. Records each
-    call's metadata (the metadata tests count them)."""
+    call's metadata (the metadata tests count them; the kernel probe's calls apart, in `probe_calls`)."""
 
     def __init__(self) -> None:
         self.calls: list[dict] = []
+        self.probe_calls: list[dict] = []
 
     def __call__(self, q, k, v, cu_q, cu_k, max_q, max_k, *, causal, window, scale):
         assert q.dim() == 3 and k.dim() == 3 and cu_q.dtype == torch.int32 and cu_k.dtype == torch.int32
@@ -211,7 +212,10 @@ class ReferenceVarlen:
         lengths_q = [b - a for a, b in zip(bq[:-1], bq[1:], strict=True)]
         lengths_k = [b - a for a, b in zip(bk[:-1], bk[1:], strict=True)]
         assert max_q == max(lengths_q) and max_k == max(lengths_k)
-        self.calls.append({"cu_q": cu_q, "causal": causal, "window": window, "segments": len(lengths_q)})
+        from trl_ext.plugins._packing.probe import PROBING
+
+        call = {"cu_q": cu_q, "causal": causal, "window": window, "segments": len(lengths_q)}
+        (self.probe_calls if PROBING.get() else self.calls).append(call)
         if k.shape[1] != q.shape[1]:
             k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
             v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)

@@ -20,7 +20,7 @@ from tests import equivalence as eq
 from tests.helpers import ReferenceVarlen
 from tests.plugins import sweep
 from trl_ext import UsageError
-from trl_ext.plugins._packing import kernels
+from trl_ext.plugins._packing import kernels, segments
 from trl_ext.testing import make_preference_dataset
 
 _one_thread = pytest.fixture(scope="module", autouse=True)(eq.one_thread)
@@ -32,7 +32,7 @@ def reference(monkeypatch):
     ref = ReferenceVarlen()
     kernel = kernels.Kernel("varlen_attn", ("cpu",), (torch.float64, torch.float32), True, ref)
     monkeypatch.setattr(kernels, "KERNELS", {"varlen_attn": kernel})
-    monkeypatch.setattr(kernels, "_CACHE", type(kernels._CACHE)())  # no segments built by an earlier test
+    monkeypatch.setattr(segments, "_CACHE", type(segments._CACHE)())  # no segments built by an earlier test
     ref.kernel = kernel
     return ref
 
@@ -179,7 +179,7 @@ def test_dpo_step_with_the_reference_kernel_equals_stock(
         for model in (stock.model, fused.model):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.train()
-    builds = dict(kernels.BUILDS)
+    builds = dict(segments.BUILDS)
     # 1e-6 as the sweep: the per-segment loop is 1.5e-8 (gradients, relative) from stock here as well (TRL scores
     # parts of the float64 model in float32); a segment that sees another one moves them by > 1e-3
     eq.compare(
@@ -196,7 +196,7 @@ def test_dpo_step_with_the_reference_kernel_equals_stock(
     ids = [id(c["cu_q"]) for c in reference.calls]
     assert len(set(ids)) == (forwards if plugin == "padding_free" else 1)
     assert all(len(set(ids[i : i + layers])) == 1 for i in range(0, forwards * layers, layers))
-    new_builds = {k: v - builds.get(k, 0) for k, v in kernels.BUILDS.items()}
+    new_builds = {k: v - builds.get(k, 0) for k, v in segments.BUILDS.items()}
     if plugin == "prompt_sharing":
         assert new_builds.get("shared") == 1  # one build for the batch, reused by every layer and forward
     else:

@@ -20,7 +20,7 @@ import trl_ext
 from tests import equivalence as eq
 from tests.helpers import ReferenceVarlen
 from tests.plugins import sweep
-from trl_ext.plugins._packing import kernels
+from trl_ext.plugins._packing import kernels, segments
 from trl_ext.testing import make_preference_dataset
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -43,7 +43,7 @@ def _spy(monkeypatch) -> list[str]:
 
         wrapped[name] = kernels.Kernel(kernel.name, kernel.devices, kernel.dtypes, kernel.windows, call)
     monkeypatch.setattr(kernels, "KERNELS", wrapped)
-    monkeypatch.setattr(kernels, "_CACHE", type(kernels._CACHE)())
+    monkeypatch.setattr(segments, "_CACHE", type(segments._CACHE)())
     return calls
 
 

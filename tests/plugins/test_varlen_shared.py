@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.helpers import ReferenceVarlen
-from trl_ext.plugins._packing import kernels
+from trl_ext.plugins._packing import kernels, segments
 from trl_ext.plugins.prompt_sharing import attention as shared
 from trl_ext.plugins.prompt_sharing.layout import build_layout
 
@@ -72,7 +72,7 @@ def _attend(layout, choice, window, heads=4, kv_heads=2, dim=8):
 def test_fused_plan_equals_the_loop(trailing, window, monkeypatch):
     ref = ReferenceVarlen()
     kernel = kernels.Kernel("varlen_attn", ("cpu",), (torch.float64,), True, ref)
-    monkeypatch.setattr(kernels, "_CACHE", type(kernels._CACHE)())
+    monkeypatch.setattr(segments, "_CACHE", type(segments._CACHE)())
     layout = _batch(trailing)
     assert layout.shared_rows == 4 and layout.unshared_rows == 2
     tails = any(be > ke for _, _, branches in layout.groups for _, be, ke in branches)
@@ -93,11 +93,11 @@ def test_fused_plan_equals_the_loop(trailing, window, monkeypatch):
 
 
 def test_plan_is_built_once_per_layout(monkeypatch):
-    monkeypatch.setattr(kernels, "_CACHE", type(kernels._CACHE)())
+    monkeypatch.setattr(segments, "_CACHE", type(segments._CACHE)())
     layout = _batch(True)
-    before = kernels.BUILDS["shared"]
+    before = segments.BUILDS["shared"]
     plans = {id(shared.shared_segments(layout.groups, torch.device("cpu"), None)) for _ in range(5)}
-    assert len(plans) == 1 and kernels.BUILDS["shared"] == before + 1
+    assert len(plans) == 1 and segments.BUILDS["shared"] == before + 1
     plan = shared.shared_segments(layout.groups, torch.device("cpu"), None)
     # every query once: the prefixes and real branch tokens in the main call, the padding in the tail call
     assert plan.main.cu_q[-1].item() + plan.tail.cu_q[-1].item() == layout.num_tokens
@@ -123,7 +123,7 @@ def test_online_dpo_step_with_the_reference_kernel_equals_stock(online_build, mo
     ref = ReferenceVarlen()
     kernel = kernels.Kernel("varlen_attn", ("cpu",), (torch.float64,), True, ref)
     monkeypatch.setattr(kernels, "KERNELS", {"varlen_attn": kernel})
-    monkeypatch.setattr(kernels, "_CACHE", type(kernels._CACHE)())
+    monkeypatch.setattr(segments, "_CACHE", type(segments._CACHE)())
     stock = online_build()
     with trl_ext.install(prompt_sharing=True, plugins={"prompt_sharing": {"attention": "fused"}}):
         shared = online_build()

@@ -7,7 +7,8 @@
   (`register_attention`, `switch_attention`, `attention_users`, `unregister_attention`, `packed_or_base_attention`,
   `packed_or_base_mask`).
 - `kernels`: the fused varlen kernels (`varlen_attn`, `flash_attn`), the choice of one per trainer and model
-  (`choose`, `choose_for_model`, `log_choices`), and the per-batch kernel metadata (`Segments`, `cached_segments`).
+  (`choose`, `choose_for_model`, `log_choices`); `probe`: each call pattern measured on the device before it
+  trains (`checked_kernel`); `segments`: the per-batch kernel metadata (`Segments`, `cached_segments`).
 - `glue`: what a packing plugin needs around the model: `check_packable_trainer`, `AnnotatingCollator`,
   `scoring_call`, `positional_input_ids`, `repad_outputs`, `VISION_KEYS`.
 - `positions`: the packed position of each padded position, announced around a packed call to the modules inside it

@@ -41,8 +41,10 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from ... import _compat
 from ...errors import InternalError, UsageError
 from . import kernels
-from .kernels import packed_segments, run_packed
+from .kernels import run_packed
 from .metadata import PACKED_BOUNDS, PACKED_CALL, PACKED_CU
+from .probe import checked_kernel
+from .segments import packed_segments
 
 __all__ = [
     "VARLEN_BASES",
@@ -168,17 +170,24 @@ def _window(kwargs: dict[str, Any]) -> int | None:
 
 
 def fused_kernel(
-    module: torch.nn.Module, query: torch.Tensor, dropout: float, kwargs: dict[str, Any]
+    module: torch.nn.Module,
+    qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    dropout: float,
+    scaling: float | None,
+    kwargs: dict[str, Any],
+    shared: bool = False,
 ) -> kernels.Kernel | None:
     """The fused kernel chosen for this layer's model (`kernels.choice_for`) when this call can run it: the tensors it
-    was chosen for, and nothing the kernel does not compute (softcapping, sinks, dropout, a window it lacks); None:
-    the call runs per segment, exactly."""
-    kernel = kernels.runs_fused(kernels.choice_for(module), query)
-    if kernel is None or dropout or kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
+    was chosen for, nothing the kernel does not compute (softcapping, sinks, dropout, a window it lacks), and a call
+    pattern the kernel passed its probe on, on this device (`probe.checked_kernel`); None: the call runs per segment,
+    exactly."""
+    choice = kernels.choice_for(module)
+    kernel = kernels.runs_fused(choice, qkv[0])
+    if kernel is None or choice is None or dropout or kwargs.get("softcap") is not None:
         return None
-    if kwargs.get("sliding_window") is not None and not kernel.windows:
+    if kwargs.get("s_aux") is not None or (kwargs.get("sliding_window") is not None and not kernel.windows):
         return None
-    return kernel
+    return checked_kernel(choice, kernel, *qkv, _window(kwargs), scaling, shared)
 
 
 def _make_varlen_attention(base: str) -> Callable:
@@ -197,7 +206,7 @@ def _make_varlen_attention(base: str) -> Callable:
         mask_window = getattr(attention_mask, _WINDOW, None)
         fused_kwargs = kwargs if mask_window is None else {**kwargs, "sliding_window": mask_window}
         no_mask = attention_mask is None or mask_window is not None
-        kernel = fused_kernel(module, query, dropout, fused_kwargs) if no_mask else None
+        kernel = fused_kernel(module, (query, key, value), dropout, scaling, fused_kwargs) if no_mask else None
         max_length, window = kwargs.get("max_length_q"), _window(fused_kwargs)
         if kernel is not None and cu_seq_lens is not None and isinstance(max_length, int) and query.shape[0] == 1:
             # One kernel call with the batch's device `cu_seq_lens` (built once per batch): no host work per layer.

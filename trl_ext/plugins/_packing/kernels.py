@@ -4,21 +4,24 @@ On a GPU the per-segment attention of `attention.py` (one SDPA call per sequence
 device idle: a batch of 8 pairs is 16 small kernels per layer, per forward, recompute and backward. One fused varlen
 kernel per layer does the same work in one launch. Two are known (`KERNELS`):
 
-- `varlen_attn`: PyTorch's `torch.nn.attention.varlen.varlen_attn` (flash-attention kernels, CUDA only; torch >= 2.9);
-  `window_size` and `enable_gqa` are used when the installed signature has them (torch 2.13 does), else GQA repeats
-  the key/value heads and sliding windows run per segment;
-- `flash_attn`: flash-attn's `flash_attn_varlen_func`, preferred when it is installed and the model was loaded with
-  `attn_implementation="flash_attention_2"`.
+- `varlen_attn`: PyTorch's `torch.nn.attention.varlen.varlen_attn` (flash-attention kernels, CUDA only; torch >= 2.10);
+  `scale` (2.11+), `window_size` (2.11+) and `enable_gqa` (2.12+) are used when the installed signature has them: on
+  2.10 a layer with its own scale runs per segment, before 2.12 GQA repeats the key/value heads, before 2.11 sliding
+  windows run per segment;
+- `flash_attn`: flash-attn >= 2.3's `flash_attn_varlen_func` (an older one has no `window_size` and is not used),
+  preferred when the model was loaded with `attn_implementation="flash_attention_2"`.
 
 Both align a causal mask to the bottom right when a segment has more keys than queries (query `i` of `n` sees keys
 `j <= i + k - n`), which is the shared-prompt pattern: a response's queries over the prompt's keys followed by its own.
 
 The choice is made once per trainer and model (`choose`, then `set_choice` on the model's config, read back by the
 attention functions through `choice_for(module)`), and logged once. It falls back to the per-segment loop (exact) on
-CPU, in float32/float64 and for what the kernels lack, each named: eager attention, softcapping, attention sinks,
-ALiBi, custom attention masks, dropout in attention; per call as well (a call with a softcap, sinks, dropout or a
+CPU, in float32/float64, on ROCm (not measured there) and for what the kernels lack, each named: eager attention,
+softcapping, attention sinks, ALiBi, custom attention masks, dropout in attention, unequal q/k/v head dims; per call
+as well (a call with a softcap, sinks, dropout or a
 mask pattern other than causal/window runs per segment). A user who asks for `attention: fused` where it cannot run
-gets a `UsageError` before the first step.
+gets a `UsageError` before the first step. Before a kernel computes anything that trains, each of its call
+patterns is measured on the device against a float64 reference (`probe.py`); a pattern that fails runs per segment.
 
 Every kernel call goes through `Kernel.call(q, k, v, cu_q, cu_k, max_q, max_k, causal=, window=, scale=)` (`q`
 `[T_q, H_q, D]`, `k`/`v` `[T_k, H_kv, D]`, `cu_*` int32 on the device, `window` the number of earlier keys a query
@@ -28,13 +31,14 @@ the metadata on CPU.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 import inspect
+import itertools
+import math
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
@@ -49,10 +53,11 @@ __all__ = [
     "choice_for",
     "choose",
     "choose_for_model",
-    "cached_segments",
     "describe_choice",
     "installed_kernels",
+    "run_packed",
     "log_choices",
+    "own_scales",
     "set_choice",
     "unsupported_features",
 ]
@@ -71,6 +76,7 @@ class Kernel:
         dtypes (`tuple[torch.dtype, ...]`): dtypes it runs in.
         windows (`bool`): whether it applies causal sliding windows itself.
         call (`Callable`): `(q, k, v, cu_q, cu_k, max_q, max_k, *, causal, window, scale) -> out [T_q, H_q, D]`.
+        scales (`bool`): whether it takes a scale other than `head_dim ** -0.5`.
     """
 
     name: str
@@ -78,6 +84,7 @@ class Kernel:
     dtypes: tuple[torch.dtype, ...]
     windows: bool
     call: Callable[..., torch.Tensor]
+    scales: bool = True
 
 
 @functools.lru_cache(maxsize=1)
@@ -96,7 +103,12 @@ def _torch_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, causal: bool, window: in
     from torch.nn.attention.varlen import varlen_attn
 
     params = _varlen_parameters()
-    kwargs: dict[str, Any] = {"scale": scale}
+    kwargs: dict[str, Any] = {}
+    if "scale" in params:
+        kwargs["scale"] = scale
+    elif scale is not None and not math.isclose(scale, q.shape[-1] ** -0.5, rel_tol=1e-6):
+        # torch 2.10: no `scale`; `choose` leaves such models to the loop, the probe refuses such calls
+        raise ValueError(f"varlen_attn of torch {torch.__version__} has no `scale` (torch >= 2.11 has); scale {scale}")
     if k.shape[1] != q.shape[1]:
         if "enable_gqa" in params:
             kwargs["enable_gqa"] = True
@@ -105,7 +117,9 @@ def _torch_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, causal: bool, window: in
     if "window_size" in params:
         # a tuple: varlen_attn tests `window_size == (-1, 0)` for its causal flag
         kwargs["window_size"] = (window, 0) if window is not None else (-1, 0) if causal else (-1, -1)
-    else:  # torch <= 2.10: `is_causal`, no windows (`windows=False`, never asked for one)
+    elif window is not None:  # torch 2.10: `windows=False`, never asked for one
+        raise ValueError(f"varlen_attn of torch {torch.__version__} has no `window_size`")
+    else:
         kwargs["is_causal"] = causal
     return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs)
 
@@ -127,14 +141,24 @@ def installed_kernels() -> dict[str, Kernel]:
     except ImportError:
         params = None
     if params is not None:
-        found["varlen_attn"] = Kernel("varlen_attn", ("cuda",), FUSED_DTYPES, "window_size" in params, _torch_varlen)
+        windows, scales = "window_size" in params, "scale" in params
+        found["varlen_attn"] = Kernel("varlen_attn", ("cuda",), FUSED_DTYPES, windows, _torch_varlen, scales)
     try:
-        import flash_attn  # noqa: F401
+        import flash_attn
     except ImportError:
         pass
     else:
-        found["flash_attn"] = Kernel("flash_attn", ("cuda",), FUSED_DTYPES, True, _flash_attn)
+        if _version_tuple(getattr(flash_attn, "__version__", "0")) >= (2, 3):  # `window_size` since 2.3
+            found["flash_attn"] = Kernel("flash_attn", ("cuda",), FUSED_DTYPES, True, _flash_attn)
     return found
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    parts = []
+    for part in version.split(".")[:2]:
+        digits = "".join(itertools.takewhile(str.isdigit, part))
+        parts.append(int(digits or 0))
+    return tuple(parts)
 
 
 #: The kernels the choice considers, by name: `installed_kernels()` at import. Unit tests substitute entries here.
@@ -160,6 +184,10 @@ class Choice:
     device: str
     dtype: torch.dtype
     fallbacks: tuple[str, ...] = ()
+    plugin: str = "packing"
+    requested: str = "auto"
+    #: the kernel probe's verdict per call pattern (`probe.checked_kernel`), filled on first use
+    verdicts: dict[Any, Any] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
 
 def unsupported_features(model: torch.nn.Module, base: str) -> list[str]:
@@ -181,6 +209,27 @@ def unsupported_features(model: torch.nn.Module, base: str) -> list[str]:
     head_dim = getattr(config, "head_dim", None) or _head_dim(config)
     if isinstance(head_dim, int) and (head_dim % 8 or head_dim > 256):
         found.append(f"head_dim {head_dim} (the flash kernels need a multiple of 8, at most 256)")
+    qk_dim = getattr(config, "qk_head_dim", None) or _sum(config, "qk_nope_head_dim", "qk_rope_head_dim")
+    value_dim = getattr(config, "v_head_dim", None)
+    if isinstance(qk_dim, int) and isinstance(value_dim, int) and qk_dim != value_dim:
+        found.append(f"query/key head dim {qk_dim} and value head dim {value_dim} (the kernels take one head dim)")
+    return found
+
+
+def _sum(config: Any, *names: str) -> int | None:
+    values = [getattr(config, name, None) for name in names]
+    ints = [v for v in values if isinstance(v, int)]
+    return sum(ints) if len(ints) == len(values) else None
+
+
+def own_scales(model: torch.nn.Module) -> set[float]:
+    """The attention scales of `model`'s layers (their `scaling`) that differ from `head_dim ** -0.5`."""
+    found = set()
+    for module in model.modules():
+        scaling, head_dim = getattr(module, "scaling", None), getattr(module, "head_dim", None)
+        if isinstance(scaling, float) and isinstance(head_dim, int) and head_dim > 0:
+            if not math.isclose(scaling, head_dim**-0.5, rel_tol=1e-6):
+                found.add(scaling)
     return found
 
 
@@ -189,11 +238,15 @@ def _head_dim(config: Any) -> int | None:
     return hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads else None
 
 
-def _capability_ok(device: torch.device) -> bool:
-    """The flash kernels need an Ampere or newer GPU (compute capability 8.0)."""
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return True
-    return torch.cuda.get_device_capability(device) >= (8, 0)
+def _device_problem(device: torch.device) -> str | None:
+    """Why the flash kernels are not used on this CUDA device: ROCm, or a GPU older than Ampere."""
+    if device.type != "cuda":
+        return None
+    if getattr(torch.version, "hip", None):
+        return "ROCm (HIP): trl-ext has not measured the fused kernels' causal alignment there"
+    if torch.cuda.is_available() and torch.cuda.get_device_capability(device) < (8, 0):
+        return "a GPU older than compute capability 8.0 (the flash kernels need Ampere or newer)"
+    return None
 
 
 def choose(
@@ -204,6 +257,7 @@ def choose(
     prefer: str | None = None,
     windows: bool = False,
     plugin: str = "packing",
+    scales: set[float] | None = None,
 ) -> Choice:
     """The attention of a model's packed calls: a fused kernel of `KERNELS` where one runs on `device` in `dtype`,
     else the per-segment loop, with the reasons (`Choice.fallbacks`).
@@ -211,12 +265,13 @@ def choose(
     `requested` is the plugin's `attention` option: `"segments"` forces the loop, `"fused"` the kernel (a
     `UsageError` naming the reasons where it cannot run), anything else chooses. `prefer` names the kernel to try
     first (`"flash_attn"` for a model loaded with `flash_attention_2`). `windows`: the model has sliding windows, which
-    a kernel without `window_size` leaves to the loop.
+    a kernel without `window_size` leaves to the loop; `scales`: its layers' own attention scales, likewise for a
+    kernel without `scale`.
     """
     device = torch.device(device)
     device_type = device.type
     if requested == "segments":
-        return Choice(None, device_type, dtype, ("attention: segments",))
+        return Choice(None, device_type, dtype, ("attention: segments",), plugin, requested)
     order = [prefer] if prefer in KERNELS else []
     order += [name for name in KERNELS if name not in order]
     reasons: list[str] = []
@@ -226,9 +281,10 @@ def choose(
         if device_type in candidate.devices and dtype in candidate.dtypes:
             kernel = candidate
             break
-    if kernel is not None and not _capability_ok(device):
+    problem = _device_problem(device) if kernel is not None else None
+    if problem is not None:
         kernel = None
-        reasons.append("a GPU older than compute capability 8.0 (the flash kernels need Ampere or newer)")
+        reasons.append(problem)
     elif not KERNELS:
         reasons.append("no fused kernel installed (torch.nn.attention.varlen or flash-attn)")
     elif kernel is None:
@@ -238,7 +294,12 @@ def choose(
     reasons += features
     if kernel is not None and windows and not kernel.windows:
         reasons.append(f"sliding windows ({kernel.name} of this torch has no window_size)")
-    blocking = kernel is None or bool(features) or (windows and not kernel.windows)
+    unscaled = kernel is not None and bool(scales) and not kernel.scales
+    if kernel is not None and unscaled:
+        reasons.append(
+            f"attention scale {min(scales or ())} ({kernel.name} of this torch has no scale: torch >= 2.11)"
+        )
+    blocking = kernel is None or bool(features) or (windows and not kernel.windows) or unscaled
     if requested == "fused" and blocking:
         raise UsageError(
             f"{plugin}: `attention: fused` asks for one fused varlen kernel per layer, which cannot run here "
@@ -248,7 +309,7 @@ def choose(
             "kernel cannot run) or train on a GPU in bf16/fp16."
         )
     # features the kernel lacks make every call of the model run per segment (exact), so the kernel is not used
-    return Choice(None if blocking else kernel, device_type, dtype, tuple(reasons))
+    return Choice(None if blocking else kernel, device_type, dtype, tuple(reasons), plugin, requested)
 
 
 def training_device_dtype(model: torch.nn.Module, trainer: Any) -> tuple[torch.device, torch.dtype]:
@@ -281,7 +342,7 @@ def choose_for_model(
     """`choose` for `model` (loaded with attention `base`) in `trainer`, made its packed attention (`set_choice`)."""
     device, dtype = training_device_dtype(model, trainer)
     features = unsupported_features(model, base)
-    choice = choose(requested, device, dtype, features, prefer, has_windows(model.config), plugin)
+    choice = choose(requested, device, dtype, features, prefer, has_windows(model.config), plugin, own_scales(model))
     set_choice(model.config, choice)
     return choice
 
@@ -361,68 +422,8 @@ def kernel_inputs(kernel: Kernel, *tensors: torch.Tensor) -> list[torch.Tensor]:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Per-batch metadata
+# One packed row in one call
 # ---------------------------------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Segments:
-    """The kernel arguments of one packed or shared row, built once per batch on the host and copied to the device.
-
-    Attributes:
-        cu_q (`torch.IntTensor` of shape `(S + 1,)`), cu_k (`(S + 1,)`): cumulative query / key lengths.
-        max_q (`int`), max_k (`int`): the longest query / key segment.
-        kv_index (`torch.LongTensor` or `None`): the row positions of the keys, segment after segment (None: the row
-            itself, in order).
-        q_index (`torch.LongTensor` or `None`): the row positions of the queries (None: the row itself).
-    """
-
-    cu_q: torch.Tensor
-    cu_k: torch.Tensor
-    max_q: int
-    max_k: int
-    kv_index: torch.Tensor | None = None
-    q_index: torch.Tensor | None = None
-
-
-#: How many `Segments` were built (a test counts them across the layers of one forward).
-BUILDS = collections.Counter[str]()
-_CACHE: collections.OrderedDict[tuple, Any] = collections.OrderedDict()
-_T = TypeVar("_T")
-_CACHE_SIZE = 8
-
-
-def cached_segments(key: tuple, device: torch.device, build: Callable[[], _T]) -> _T:
-    """The segments of `key` (host ints that describe the row) on `device`: built once, then reused by every layer,
-    by the reference forward of the same batch and by the layers gradient checkpointing recomputes."""
-    full = (key, str(device))
-    if full in _CACHE:
-        _CACHE.move_to_end(full)
-        return _CACHE[full]
-    BUILDS[key[0]] += 1
-    built = _CACHE[full] = build()
-    while len(_CACHE) > _CACHE_SIZE:
-        _CACHE.popitem(last=False)
-    return built
-
-
-def to_device(values: Sequence[int], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """A host list as a device tensor (one copy, pinned first on CUDA so that it does not wait for the device)."""
-    tensor = torch.tensor(values, dtype=dtype)
-    if device.type == "cuda":
-        return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor.to(device)
-
-
-def packed_segments(bounds: Sequence[int], device: torch.device) -> Segments:
-    """The segments of a packed row split at `bounds` (cumulative lengths, host ints)."""
-
-    def build() -> Segments:
-        cu = to_device(list(bounds), device, torch.int32)
-        longest = max((e - s for s, e in zip(bounds[:-1], bounds[1:], strict=True)), default=0)
-        return Segments(cu, cu, longest, longest)
-
-    return cached_segments(("packed", *bounds), device, build)
 
 
 def run_packed(

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from ...errors import InternalError, UsageError
-from .._packing import kernels
+from .._packing import kernels, segments
 from .._packing.attention import (
     VARLEN_BASES,
     base_attention,
@@ -156,15 +156,15 @@ class SharedSegments:
     """The kernel calls of one shared row, built once per batch from its groups (`layout.Groups`, host ints).
 
     Attributes:
-        main (`kernels.Segments`): every prefix (its own keys, causal) and every branch's real tokens (the prefix's
+        main (`segments.Segments`): every prefix (its own keys, causal) and every branch's real tokens (the prefix's
             keys then the branch's own, causal aligned to the bottom right: the whole prefix, the branch causally).
-        tail (`kernels.Segments` or `None`): the trailing padding of branches (Online DPO reads its outputs): the
+        tail (`segments.Segments` or `None`): the trailing padding of branches (Online DPO reads its outputs): the
             prefix's and the branch's real keys, all visible (not causal), as in the padded forward.
         inverse (`torch.LongTensor` or `None`): where each row token's output is in `cat(main, tail)` (None: in order).
     """
 
-    main: kernels.Segments
-    tail: kernels.Segments | None
+    main: segments.Segments
+    tail: segments.Segments | None
     inverse: torch.Tensor | None
 
 
@@ -173,7 +173,7 @@ def shared_segments(groups: Groups, device: torch.device, sliding_window: int | 
     trailing padding has no key to attend to, or a sliding window would cut its keys (those run per segment)."""
     key = ("shared", groups, sliding_window)
     try:
-        return kernels.cached_segments(key, device, lambda: _build_shared(groups, device, sliding_window))
+        return segments.cached_segments(key, device, lambda: _build_shared(groups, device, sliding_window))
     except _PerSegment:
         return None
 
@@ -182,7 +182,7 @@ class _PerSegment(Exception):
     """A shared row whose trailing padding the kernels cannot attend as the padded forward does."""
 
 
-def _calls(q_ranges: list[range], k_ranges: list[list[range]], device: torch.device) -> kernels.Segments:
+def _calls(q_ranges: list[range], k_ranges: list[list[range]], device: torch.device) -> segments.Segments:
     cu_q, cu_k, kv = [0], [0], list[int]()
     for q, ks in zip(q_ranges, k_ranges, strict=True):
         cu_q.append(cu_q[-1] + len(q))
@@ -191,13 +191,13 @@ def _calls(q_ranges: list[range], k_ranges: list[list[range]], device: torch.dev
         cu_k.append(len(kv))
     queries = [i for q in q_ranges for i in q]
     identity = lambda xs: xs == list(range(len(xs)))  # noqa: E731
-    return kernels.Segments(
-        kernels.to_device(cu_q, device, torch.int32),
-        kernels.to_device(cu_k, device, torch.int32),
+    return segments.Segments(
+        segments.to_device(cu_q, device, torch.int32),
+        segments.to_device(cu_k, device, torch.int32),
         max((len(q) for q in q_ranges), default=0),
         max((b - a for a, b in zip(cu_k[:-1], cu_k[1:], strict=True)), default=0),
-        None if identity(kv) else kernels.to_device(kv, device, torch.long),
-        None if identity(queries) else kernels.to_device(queries, device, torch.long),
+        None if identity(kv) else segments.to_device(kv, device, torch.long),
+        None if identity(queries) else segments.to_device(queries, device, torch.long),
     )
 
 
@@ -229,7 +229,7 @@ def _build_shared(groups: Groups, device: torch.device, sliding_window: int | No
     inverse = [0] * len(order)
     for position, token in enumerate(order):
         inverse[token] = position
-    return SharedSegments(main, _calls(tail_q, tail_k, device), kernels.to_device(inverse, device, torch.long))
+    return SharedSegments(main, _calls(tail_q, tail_k, device), segments.to_device(inverse, device, torch.long))
 
 
 def _kernel_call(
@@ -237,7 +237,7 @@ def _kernel_call(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    segments: kernels.Segments,
+    segments: segments.Segments,
     causal: bool,
     window: int | None,
     scaling: float | None,
@@ -300,7 +300,7 @@ def _make_shared_attention(base: str) -> Callable:
                 f"{tuple(query.shape)}, key {tuple(key.shape)}, mask "
                 f"{None if attention_mask is None else tuple(attention_mask.shape)}"
             )
-        kernel = fused_kernel(module, query, dropout, kwargs)
+        kernel = fused_kernel(module, (query, key, value), dropout, scaling, kwargs, shared=True)
         plan = shared_segments(groups, query.device, kwargs.get("sliding_window")) if kernel is not None else None
         if kernel is not None and plan is not None:
             return run_shared(kernel, query, key, value, plan, scaling, kwargs.get("sliding_window")), None
