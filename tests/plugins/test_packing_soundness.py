@@ -199,3 +199,37 @@ def test_eager_attention_without_its_module_function_is_a_usage_error():
     assert base_attention("eager", layer) is modeling_llama.eager_attention_forward
     with pytest.raises(UsageError, match='_AttentionWithoutModule runs `eager`.*attn_implementation="sdpa"'):
         base_attention("eager", _AttentionWithoutModule())
+
+
+def test_a_float64_model_computing_in_float32_is_judged_at_float32_round_off(tokenizer, dpo_args):
+    """MPT computes its attention softmax in float32 inside a float64 model, so its packed and padded rows differ by
+    float32 round-off (measured 1.6e-7 at 256 wide over a 128-token probe, 6.2e-7 at 512 wide over 256 tokens: above
+    the 1e-7 a float64 forward allows). The self-check observes the lowest precision the stock forward computes in
+    and judges at that precision's tolerance (1e-4), so a real DPOTrainer with padding_free attaches; GPT-2, float64
+    throughout, keeps float64's 1e-7."""
+    from transformers import GPT2Config, GPT2LMHeadModel, MptConfig, MptForCausalLM
+    from trl import DPOTrainer
+
+    from trl_ext.plugins.padding_free.selfcheck import _LowestFloat
+
+    torch.manual_seed(0)
+    mpt = MptForCausalLM(
+        MptConfig(vocab_size=256, d_model=256, n_heads=16, n_layers=2, expansion_ratio=2, max_seq_len=512)
+    ).to(torch.float64)
+    dataset = make_preference_dataset(6, seed=0, prompt_median=60, completion_median=40)
+    with trl_ext.install(padding_free=True, plugins={"padding_free": {"self_check": True}}):
+        trainer = DPOTrainer(
+            mpt,
+            ref_model=copy.deepcopy(mpt),
+            args=dpo_args(bf16=False, max_length=128),
+            train_dataset=dataset,
+            processing_class=tokenizer,
+        )
+    result = trainer._trl_ext.state["padding_free"].self_checks["policy"]
+    assert result.leak is None and result.tolerance == 1e-4 and result.max_position_error < 1e-5, result
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=4)).to(torch.float64).eval()
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
+    for model, lowest in ((gpt2, torch.float64), (mpt.eval(), torch.float32)):
+        with torch.no_grad(), _LowestFloat() as observed:
+            model(input_ids=ids)
+        assert observed.lowest == lowest
