@@ -20,8 +20,9 @@ can be compared, and the plugin says so in a notice):
    sequence, so a locality that acts in training acts in the probe. What a float64 model computes in is observed on
    its stock forward (`_LowestFloat`): MPT's float32 attention softmax, Llama-family float32 RMSNorm and float32 MoE
    routers make a float64 forward a float32 one where they act, and their packed and padded rows round differently
-   there (MPT, 512 wide, 256-token probe: 6.2e-7); a position or window bug is order 1e-1. Where the padded forward itself is degenerate on a row (eager attention over a query whose window holds only
-   padding gives NaN in some models, stock TRL included), that row's reference is the sequence run alone.
+   there (MPT, 512 wide, 256-token probe: 6.2e-7); a position or window bug is order 1e-1. Where the padded forward
+   itself is degenerate on a row (eager attention over a query whose window holds only padding gives NaN in some
+   models, stock TRL included), that row's reference is the sequence run alone.
 
 Cost: two packed forwards of the probe's total length and one padded forward of three rows (timed and logged).
 """
@@ -215,7 +216,8 @@ def self_check(
             if not worst <= tolerance:
                 return result(
                     f"the packed logits differ from the stock padded forward by {worst:.3g} (relative to the largest "
-                    f"logit; {str(dtype).replace('torch.', '')} round-off allows {tolerance:g}) on probe sequences of {list(lengths)} tokens: "
+                    f"logit; {str(dtype).replace('torch.', '')} round-off allows {tolerance:g}) on probe sequences of "
+                    f"{list(lengths)} tokens: "
                     "positions do not restart per sequence, or a window, chunk or mask that the padded forward "
                     "applies is lost in the packed row",
                     worst,
