@@ -201,3 +201,13 @@ def test_sft_evaluation_batches_split_equal_stock(dpo_args, tokenizer):
     trainer, cut = evaluate({PLUGIN: BUDGET})
     assert max(_state(trainer).eval_micro_batch_counts) > 1
     assert all(_same(v, cut[k]) for k, v in stock.items() if not k.endswith(("_runtime", "_per_second"))), (stock, cut)
+
+
+def test_sft_with_fused_logprobs_equals_stock(dpo_args, tokenizer):
+    """token_budget's per-token sft weights read the chosen tokens' log-probs of the policy forward; with
+    fused_logprobs on (TRL < 1.15: the logits are never built) they come from the fused pass. RPO with both plugins:
+    weights, loss and every logged metric equal stock's, as token_budget alone."""
+    args = {"loss_type": ["sigmoid", "sft"]}
+    plugin = _train(dpo_args, tokenizer, {PLUGIN: BUDGET, "fused_logprobs": True}, **args)
+    _assert_same_run_sft(_train(dpo_args, tokenizer, None, **args), plugin)
+    assert _state(plugin[0]).sft_weight > 0

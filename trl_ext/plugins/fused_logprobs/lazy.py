@@ -147,6 +147,13 @@ class LazyLogits:
     def __getitem__(self, index: Any) -> LazyLogits:
         if isinstance(index, tuple) and index and index[-1] == slice(None) and Ellipsis in index:
             return self._like(self.hidden[index], self.ids[index[:-1]])  # `[..., a:b, :]`: vocabulary kept whole
+        if (
+            isinstance(index, tuple)
+            and len(index) == self.dim()
+            and index[-1] == slice(None)
+            and all(isinstance(i, (slice, int)) and not isinstance(i, bool) for i in index)
+        ):  # `[:n, :-1, :]`: positions sliced, vocabulary kept whole
+            return self._like(self.hidden[index], self.ids[index[:-1]])
         if isinstance(index, torch.Tensor) and index.dtype == torch.bool and index.dim() == self.hidden.dim() - 1:
             return self._like(self.hidden[index], self.ids[index])  # boolean selection of positions
         raise _unsupported(f"logits[{index!r}]")
