@@ -25,6 +25,7 @@ import torch
 import trl_ext
 from trl_ext import UsageError, _compat
 from trl_ext._logging import DEFAULT_LEVEL, LEVELS, NOTICE
+from trl_ext.plugins.precompute_ref_batch_size import cache as cache_mod
 from trl_ext.testing import make_model, make_preference_dataset
 
 PLUGIN = "precompute_ref_batch_size"
@@ -450,6 +451,18 @@ def test_cache_reuse_invalidation_and_corruption(build, logs, tmp_path):
         assert any("unusable" in r.getMessage() and r.levelno == logging.WARNING for r in logs)
         assert_same_precompute(native.train_dataset, third.train_dataset)
 
+        # A well-formed entry whose values are not finite (a NaN sealed under a matching checksum): same.
+        values = np.load(data)
+        chosen = values["chosen"].copy()
+        chosen[3] = np.nan
+        np.savez(data, chosen=chosen, rejected=values["rejected"])
+        meta = json.loads((entry / "meta.json").read_text())
+        (entry / "meta.json").write_text(json.dumps({**meta, "sha256": cache_mod.sha256_file(data)}))
+        nan, calls = build(_data(20, seed=9))
+        assert _runs(nan)[0]["source"] == "computed" and calls["n"] > 0
+        assert any("1 reference log-probs are not finite" in r.getMessage() for r in logs)
+        assert_same_precompute(native.train_dataset, nan.train_dataset)
+
         # Garbage metadata: same.
         (entry / "meta.json").write_text("{not json")
         fourth, calls = build(_data(20, seed=9))
@@ -494,24 +507,31 @@ def test_interrupted_precompute_resumes(build, logs, tmp_path):
     native, _ = build(_data(24, seed=11))
 
     def interrupt(n, kwargs):
-        if n == 5:
+        if n == 9:
             raise KeyboardInterrupt("test: interrupted")
 
     options = {"cache_dir": str(cache), "shard_size": 4}
     with trl_ext.install(precompute_ref_batch_size=2, plugins={PLUGIN: options}):
         with pytest.raises(KeyboardInterrupt):
             build(_data(24, seed=11), fail=interrupt)
-        # Shards are saved every 4 pairs (2 batches): 4 finished batches -> 8 pairs on disk.
-        parts = list(cache.glob("*/parts/part-*.npz"))
-        assert len(parts) == 2
-        # A damaged shard is dropped with a warning (its pairs are simply computed again).
+        # Shards are saved every 4 pairs (2 batches): 8 finished batches -> 16 pairs on disk, each with its checksum.
+        parts = sorted(cache.glob("*/parts/part-*.npz"))
+        assert len(parts) == 4 and all(p.with_suffix(".sha256").is_file() for p in parts)
+        # A damaged shard, a well-formed one rewritten with other values, one with a NaN under a recomputed file
+        # checksum (not bound to the entry's key: foreign) are each dropped with a warning (their pairs are computed
+        # again); the fourth is used.
         parts[0].write_bytes(b"garbage")
+        shard = dict(np.load(parts[1]))
+        np.savez(parts[1], **{**shard, "chosen": shard["chosen"] + 1.0})
+        shard = dict(np.load(parts[2]))
+        np.savez(parts[2], **{**shard, "chosen": np.full_like(shard["chosen"], np.nan)})
+        parts[2].with_suffix(".sha256").write_text(cache_mod.sha256_file(parts[2]))
         resumed, calls = build(_data(24, seed=11))
         run = _runs(resumed)[0]
     assert run["resumed_pairs"] == 4
     n_pairs = len(resumed.train_dataset)
     assert calls["n"] == run["forward_batches"] == math.ceil((n_pairs - 4) / 2)
-    assert any("discarding damaged resume shard" in r.getMessage() for r in logs)
+    assert len([r for r in logs if "discarding damaged resume shard" in r.getMessage()]) == 3
     assert_same_precompute(native.train_dataset, resumed.train_dataset)
     assert not list(cache.glob("*/parts/*.npz"))
 

@@ -118,6 +118,7 @@ class CacheEntry:
                 chosen, rejected = npz["chosen"], npz["rejected"]
             if chosen.shape != (self.n_rows,) or rejected.shape != (self.n_rows,):
                 raise ValueError("array shapes do not match the row count")
+            _check_finite(chosen, rejected)
             return chosen, rejected
         except Exception as exc:  # noqa: BLE001 - any damage means: recompute, never crash
             logger.warning(
@@ -141,17 +142,22 @@ class CacheEntry:
             return None
         idx, chosen, rejected = [], [], []
         for path in sorted(self.parts.glob("part-*.npz")):
+            seal = path.with_suffix(".sha256")
             try:
+                if not seal.exists() or seal.read_text().strip() != self._seal(path):
+                    raise ValueError("no matching checksum (a partial, rewritten or foreign file)")
                 with np.load(path) as npz:
                     i, c, r = npz["indices"], npz["chosen"], npz["rejected"]
                 if not (i.shape == c.shape == r.shape and i.ndim == 1) or (
                     i.size and (i.min() < 0 or i.max() >= self.n_rows)
                 ):
                     raise ValueError("inconsistent arrays")
+                _check_finite(c, r)
             except Exception as exc:  # noqa: BLE001
                 logger.warning("trl-ext `%s`: discarding damaged resume shard %s (%s).", NAME, path, exc)
-                with contextlib.suppress(OSError):
-                    path.unlink()
+                for stale in (path, seal):
+                    with contextlib.suppress(OSError):
+                        stale.unlink()
                 continue
             idx.append(i)
             chosen.append(c)
@@ -179,11 +185,16 @@ class CacheEntry:
             logger.warning("trl-ext `%s`: discarding damaged resume plan %s (%s).", NAME, path, exc)
             return None
 
+    def _seal(self, path: Path) -> str:
+        """A shard's checksum, bound to this entry's key (a shard of another entry does not match)."""
+        return hashlib.sha256(f"{self.key}:{sha256_file(path)}".encode()).hexdigest()
+
     def write_part(self, number: int, indices, chosen, rejected) -> None:
+        """One resume shard, then its checksum (`part-*.sha256`, written last: a shard without one is not used)."""
         self.parts.mkdir(parents=True, exist_ok=True)
-        atomic_write_npz(
-            self.parts / f"part-{number:06d}-{os.getpid()}.npz", indices=indices, chosen=chosen, rejected=rejected
-        )
+        path = self.parts / f"part-{number:06d}-{os.getpid()}.npz"
+        atomic_write_npz(path, indices=indices, chosen=chosen, rejected=rejected)
+        atomic_write_text(path.with_suffix(".sha256"), self._seal(path))
 
     def write(self, chosen, rejected) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -204,6 +215,14 @@ class CacheEntry:
 # -------------------------------------------------------------------------------------------------------------------
 # The key
 # -------------------------------------------------------------------------------------------------------------------
+
+
+def _check_finite(*arrays) -> None:
+    import numpy as np
+
+    for array in arrays:
+        if not np.isfinite(array).all():
+            raise ValueError(f"{int((~np.isfinite(array)).sum())} reference log-probs are not finite")
 
 
 def tokenizer_digest(tokenizer) -> str:
