@@ -455,3 +455,75 @@ def test_train_ends_with_one_line_giving_the_peak_memory(tokenizer, dpo_args, tr
     assert match and float(match.group(1)) > 0, lines[0]  # GiB past 1024 MiB (a long test session's process)
     trainer.evaluate()  # evaluation alone logs no such line
     assert len([r for r in trl_ext_log.records if "during train()" in r.getMessage()]) == 1
+
+
+@pytest.mark.slow  # about a minute: five trainers, two of them in threads
+def test_overlapping_runs_and_uninstall_during_a_run_leave_trl_stock(tokenizer, dpo_args, online_dpo_args):
+    """Two sync_metrics trainers whose `train()` calls overlap in threads, the first one finishing while the second
+    still trains, and `uninstall()` called while an Online DPO trainer trains: each run-time wrapper is undone in
+    whatever order the runs end, and TRL's and transformers' modules are stock again afterwards (each object
+    itself)."""
+    import threading
+
+    from transformers import TrainerCallback
+    from trl.experimental.online_dpo import OnlineDPOTrainer
+    from trl.experimental.online_dpo import online_dpo_trainer as odt
+
+    modules = [importlib.import_module(m) for m in _compat.LOSS_GATHER_MODULES] + [odt]
+    before = {id(m): (m, dict(vars(m))) for m in modules}
+    first_running, second_running, first_done = threading.Event(), threading.Event(), threading.Event()
+
+    class Hold(TrainerCallback):
+        def __init__(self, signal, wait):
+            self.signal, self.wait = signal, wait
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == 0:
+                self.signal.set()
+                assert self.wait.wait(60)
+
+    with trl_ext.install(sync_metrics=True):
+        first = _dpo(tokenizer, dpo_args, max_steps=2, logging_steps=1)
+        second = _dpo(tokenizer, dpo_args, max_steps=2, logging_steps=1)
+    first.add_callback(Hold(first_running, second_running))
+    second.add_callback(Hold(second_running, first_done))
+    errors = []
+
+    def run(trainer, done=None):
+        try:
+            trainer.train()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+        finally:
+            if done is not None:
+                done.set()
+
+    threads = [threading.Thread(target=run, args=(first, first_done))]
+    threads[0].start()
+    assert first_running.wait(60)
+    threads.append(threading.Thread(target=run, args=(second,)))
+    threads[1].start()
+    for thread in threads:
+        thread.join(120)
+    assert not errors and all(not t.is_alive() for t in threads), errors
+    _assert_trl_stock(before)
+
+    installation = trl_ext.install(sync_metrics=True)
+    online = OnlineDPOTrainer(
+        make_model(seed=0),
+        ref_model=make_model(seed=0),
+        reward_funcs=length_reward,
+        args=online_dpo_args(max_steps=2),
+        train_dataset=make_prompt_dataset(4),
+        processing_class=tokenizer,
+    )
+
+    class Uninstall(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if installation._installed:
+                installation.uninstall()
+
+    online.add_callback(Uninstall())
+    online.train()
+    assert not installation._installed
+    _assert_trl_stock(before)

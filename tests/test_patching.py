@@ -72,3 +72,58 @@ def test_resolve_imports_dotted_names_and_reports_renames():
     assert resolve("trl_ext.patching.Patcher") is Patcher
     with pytest.raises(UsageError, match="cannot find `trl_ext.patching.Nope`"):
         resolve("trl_ext.patching.Nope")
+
+
+def _tagging(tag):
+    def make(original):
+        @functools.wraps(original)
+        def wrapper():
+            return f"{tag}({original()})"
+
+        return wrapper
+
+    return make
+
+
+def test_undo_out_of_order_removes_only_its_own_layer():
+    """Two patchers wrap one attribute; the first is undone while the second's wrapper is in place (two trainers'
+    overlapping runs, or a process-wide patch released while a trainer runs): the second's wrapper stays, over the
+    original, and undoing it restores the original object itself."""
+    module = types.ModuleType("m")
+    module.f = original = lambda: "f"
+    first, second = Patcher("first"), Patcher("second")
+    first.wrap(module, "f", _tagging("A"))
+    second.wrap(module, "f", _tagging("B"))
+    assert module.f() == "B(A(f))"
+    first.undo()
+    assert module.f() == "B(f)"
+    second.undo()
+    assert module.f is original
+    # a value set in the middle: the wrapper above it keeps wrapping it; in order, the stack as before
+    first.wrap(module, "f", _tagging("A"))
+    second.setattr(module, "f", lambda: "set")
+    third = Patcher("third")
+    third.wrap(module, "f", _tagging("C"))
+    assert module.f() == "C(set)"
+    first.undo()
+    assert module.f() == "C(set)"
+    third.undo()
+    assert module.f() == "set"
+    second.undo()
+    assert module.f is original
+
+
+def test_a_change_made_outside_the_patchers_starts_a_new_stack():
+    """Something else replaced the attribute after a patch: a later patch layers over that value, and undoing the
+    older patch restores what it recorded, as a plain undo stack does."""
+    module = types.ModuleType("m")
+    module.f = original = lambda: "f"
+    first, second = Patcher("first"), Patcher("second")
+    first.wrap(module, "f", _tagging("A"))
+    module.f = foreign = lambda: "foreign"
+    second.wrap(module, "f", _tagging("B"))
+    assert module.f() == "B(foreign)"
+    second.undo()
+    assert module.f is foreign
+    first.undo()
+    assert module.f is original

@@ -3,11 +3,20 @@
 Modelled on pytest's `MonkeyPatch`: a patch records the target's *own* `__dict__` entry (or its absence), so undoing
 restores exactly the object that was there, and a class that inherited the attribute gets the inheritance back.
 Undo runs in reverse order, and undoing twice is a no-op.
+
+Several patchers may change the same attribute of a module or class (two trainers whose `train()` calls overlap in
+threads, a trainer's run-time wrapper over a process-wide one that `uninstall()` releases while the trainer trains).
+Every such change is a layer of that attribute, process-wide (`_LAYERS`), in the order applied; undoing one removes its
+layer wherever it is: the attribute becomes what the remaining layers make of the original (the wrappers above it re-
+applied in order), and the original object itself once none is left. Undone in reverse order, that is exactly the stack
+above. An object's own attributes (a trainer's methods, a model's `forward`) have one owner and are not registered: a
+garbage-collected trainer is not kept alive by its patches.
 """
 
 from __future__ import annotations
 
 import importlib
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -46,6 +55,72 @@ def _renamed_message(dotted: str) -> str:
     )
 
 
+class _Layer:
+    """One change of an attribute: a value set, or a wrapper of what is below (`make_wrapper`)."""
+
+    __slots__ = ("make_wrapper", "value")
+
+    def __init__(self, value: Any, make_wrapper: Callable[[Any], Any] | None) -> None:
+        self.value, self.make_wrapper = value, make_wrapper
+
+
+class _Stack:
+    """The layers of one attribute: the target (held, so that its id stays its own), the original own entry."""
+
+    def __init__(self, target: Any, own: Any) -> None:
+        self.target, self.own, self.layers = target, own, list[_Layer]()
+
+
+#: (id(target), attr) -> its layers, while any patcher has a change of it in place
+_LAYERS: dict[tuple[int, str], _Stack] = {}
+
+
+def _assign(target: Any, attr: str, value: Any) -> None:
+    if isinstance(target, type):
+        type.__setattr__(target, attr, value)
+    else:
+        setattr(target, attr, value)
+
+
+def _restore_own(target: Any, attr: str, own: Any) -> None:
+    if own is _ABSENT:
+        try:
+            delattr(target, attr)
+        except AttributeError:
+            pass
+    else:
+        _assign(target, attr, own)
+
+
+def _remove(target: Any, attr: str, layer: _Layer | None, own: Any) -> None:
+    """Undo `layer` of `target.attr` (`own`: the entry before it, used when no layer registry knows it)."""
+    stack = _LAYERS.get((id(target), attr))
+    if stack is None or layer not in stack.layers:
+        _restore_own(target, attr, own)
+        return
+    index = stack.layers.index(layer)
+    del stack.layers[index]
+    if not stack.layers:
+        del _LAYERS[(id(target), attr)]
+        _restore_own(target, attr, stack.own)
+        return
+    if index == len(stack.layers):  # the newest layer: what was below it comes back as it was
+        _assign(target, attr, stack.layers[-1].value)
+        return
+    # a layer below others: re-apply the wrappers above it on what is now below them (a value set stops there)
+    if index:
+        below = stack.layers[index - 1].value
+    else:
+        _restore_own(target, attr, stack.own)  # what attribute access gave the first wrapper
+        below = getattr(target, attr, None)
+    for upper in stack.layers[index:]:
+        if upper.make_wrapper is None:
+            break
+        upper.value = upper.make_wrapper(below)
+        below = upper.value
+    _assign(target, attr, stack.layers[-1].value)
+
+
 class Patcher:
     """Records `setattr` changes and undoes them in reverse order.
 
@@ -56,7 +131,7 @@ class Patcher:
 
     def __init__(self, name: str = "trl-ext") -> None:
         self.name = name
-        self._undo: list[tuple[Any, str, Any]] = []
+        self._undo: list[tuple[Any, str, Any, _Layer | None]] = []
 
     def __len__(self) -> int:
         return len(self._undo)
@@ -69,13 +144,25 @@ class Patcher:
         if raising and not hasattr(target, attr):
             where = getattr(target, "__qualname__", None) or getattr(target, "__name__", type(target).__name__)
             raise UsageError(_renamed_message(f"{getattr(target, '__module__', '?')}.{where}.{attr}"))
+        return self._apply(target, attr, value, None)
+
+    def _apply(self, target: Any, attr: str, value: Any, make_wrapper: Callable[[Any], Any] | None) -> Any:
         previous = getattr(target, attr, None)
         own = target.__dict__.get(attr, _ABSENT) if hasattr(target, "__dict__") else _ABSENT
-        if isinstance(target, type):
-            type.__setattr__(target, attr, value)
-        else:
-            setattr(target, attr, value)
-        self._undo.append((target, attr, own))
+        if not isinstance(target, (type, types.ModuleType)):  # an object's own attribute: one owner, a plain stack
+            _assign(target, attr, value)
+            self._undo.append((target, attr, own, None))
+            return previous
+        key = (id(target), attr)
+        stack = _LAYERS.get(key)
+        if stack is not None and stack.layers and _own(target, attr) is not stack.layers[-1].value:
+            stack = None  # changed by something else since: layered from here on
+        if stack is None:
+            stack = _LAYERS[key] = _Stack(target, own)
+        layer = _Layer(value, make_wrapper)
+        stack.layers.append(layer)
+        _assign(target, attr, value)
+        self._undo.append((target, attr, own, layer))
         return previous
 
     def wrap(self, target: Any, attr: str, make_wrapper: Callable[[Any], Any]) -> Any:
@@ -84,18 +171,15 @@ class Patcher:
         if original is None:
             self.setattr(target, attr, None)  # raises the clear "renamed" error
         # A class's own entry may be a staticmethod/classmethod object; wrap what attribute access returns.
-        return self.setattr(target, attr, make_wrapper(original))
+        return self._apply(target, attr, make_wrapper(original), make_wrapper)
 
     def undo(self) -> None:
-        """Undo every recorded change, newest first. Calling it again does nothing."""
+        """Undo every recorded change, newest first (each removes its own layer: see the module docstring). Calling it
+        again does nothing."""
         while self._undo:
-            target, attr, own = self._undo.pop()
-            if own is _ABSENT:
-                try:
-                    delattr(target, attr)
-                except AttributeError:
-                    pass
-            elif isinstance(target, type):
-                type.__setattr__(target, attr, own)
-            else:
-                setattr(target, attr, own)
+            target, attr, own, layer = self._undo.pop()
+            _remove(target, attr, layer, own)
+
+
+def _own(target: Any, attr: str) -> Any:
+    return target.__dict__.get(attr, _ABSENT) if hasattr(target, "__dict__") else getattr(target, attr, _ABSENT)
