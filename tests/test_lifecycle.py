@@ -527,3 +527,18 @@ def test_overlapping_runs_and_uninstall_during_a_run_leave_trl_stock(tokenizer, 
     online.train()
     assert not installation._installed
     _assert_trl_stock(before)
+
+
+def test_deepcopy_of_a_trainer_with_plugins_is_a_clear_refusal_and_of_a_detached_one_works(tokenizer, dpo_args):
+    """`copy.deepcopy(trainer)`: the plugins' wrappers belong to the trainer they were attached to, so a copy would
+    train the original's models; it is refused with a `UsageError` saying what to do (it was a `TypeError` from deep
+    inside the copy). Detached, the trainer is stock and copies as stock does."""
+    import copy
+
+    with trl_ext.install(sync_metrics=True, padding_free=True):
+        trainer = _dpo(tokenizer, dpo_args, n=4)
+    with pytest.raises(UsageError, match=r"copy.deepcopy of a DPOTrainer with trl-ext plugins \(.*padding_free"):
+        copy.deepcopy(trainer)
+    trainer._trl_ext.installation.detach(trainer)
+    twin = copy.deepcopy(trainer)
+    assert twin.model is not trainer.model and getattr(twin, "_trl_ext", None) is None

@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from . import _compat
+from .errors import UsageError
 from .manager import call_exclusive
 from .patching import Patcher
 
@@ -63,6 +64,18 @@ class TrainerContext:
     """
 
     _serial = 0
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        # `copy.deepcopy(trainer)` reaches here: the plugins' wrappers on the trainer and its models are bound to this
+        # trainer, its models and their state, so a copy would train the original's models or half of its plugins.
+        if not self.attached:
+            return self  # a detached trainer is stock: its inert record is shared, the rest copies as stock does
+        raise UsageError(
+            f"copy.deepcopy of a {self.trainer_class} with trl-ext plugins ({', '.join(self.enabled) or 'none'}) is "
+            "not supported: their wrappers belong to this trainer and its models. Build the second trainer inside "
+            "`trl_ext.install(...)` (it gets its own plugins), or `installation.detach(trainer)` first to copy a "
+            "stock trainer."
+        )
 
     def __init__(
         self, installation: Installation, trainer: Any, trainer_class: str, enabled: list[str], trl_args: Any

@@ -7,10 +7,10 @@ Undo runs in reverse order, and undoing twice is a no-op.
 Several patchers may change the same attribute of a module or class (two trainers whose `train()` calls overlap in
 threads, a trainer's run-time wrapper over a process-wide one that `uninstall()` releases while the trainer trains).
 Every such change is a layer of that attribute, process-wide (`_LAYERS`), in the order applied; undoing one removes its
-layer wherever it is: the attribute becomes what the remaining layers make of the original (the wrappers above it re-
-applied in order), and the original object itself once none is left. Undone in reverse order, that is exactly the stack
-above. An object's own attributes (a trainer's methods, a model's `forward`) have one owner and are not registered: a
-garbage-collected trainer is not kept alive by its patches.
+layer wherever it is: the attribute becomes what the remaining layers make of the original (the wrappers above it
+applied again in order), and the original object itself once none is left. Undone in reverse order, that is exactly the
+stack above. An object's own attributes (a trainer's methods, a model's `forward`) have one owner and are not
+registered: a garbage-collected trainer is not kept alive by its patches.
 """
 
 from __future__ import annotations
