@@ -131,7 +131,7 @@ class Patcher:
 
     def __init__(self, name: str = "trl-ext") -> None:
         self.name = name
-        self._undo: list[tuple[Any, str, Any, _Layer | None]] = []
+        self._undo: list[tuple[Any, str, Any, Any]] = []
 
     def __len__(self) -> int:
         return len(self._undo)
@@ -173,12 +173,20 @@ class Patcher:
         # A class's own entry may be a staticmethod/classmethod object; wrap what attribute access returns.
         return self._apply(target, attr, make_wrapper(original), make_wrapper)
 
+    def defer(self, fn: Callable[[], None]) -> None:
+        """Run `fn()` when this point of the stack is undone: after every change recorded later is undone, before the
+        earlier ones (a plugin hands back what it held for TRL while its wrappers were in place)."""
+        self._undo.append((None, "", _ABSENT, fn))
+
     def undo(self) -> None:
         """Undo every recorded change, newest first (each removes its own layer: see the module docstring). Calling it
         again does nothing."""
         while self._undo:
             target, attr, own, layer = self._undo.pop()
-            _remove(target, attr, layer, own)
+            if target is None:
+                layer()
+            else:
+                _remove(target, attr, layer, own)
 
 
 def _own(target: Any, attr: str) -> Any:

@@ -656,3 +656,41 @@ def test_a_batch_entry_laid_out_neither_per_sequence_nor_per_pair_is_a_usage_err
     assert "trl_ext_index" not in sliced
     with pytest.raises(UsageError, match="'weights' is not laid out per sequence.*or disable sync_metrics"):
         _slice_pairs({**batch, "weights": torch.zeros(3)}, 1)
+
+
+@pytest.mark.parametrize("how", ["detach", "uninstall_detach"])
+def test_detach_in_the_middle_of_a_logging_window_keeps_its_metrics(dpo_args, tokenizer, how):
+    """One logging window of 4 steps, the plugin detached after the second (`installation.detach(trainer)` or
+    `uninstall(detach=True)`): the window's log equals stock's, every metric (it lost the batches before the detach,
+    and `num_tokens` counted half the tokens)."""
+    from transformers import TrainerCallback
+    from trl import DPOTrainer
+
+    def build():
+        return DPOTrainer(
+            model=make_model(seed=0),
+            ref_model=make_model(seed=0),
+            args=dpo_args(max_steps=4, logging_steps=4, per_device_train_batch_size=2),
+            train_dataset=make_preference_dataset(8, seed=2),
+            processing_class=tokenizer,
+        )
+
+    stock = build()
+    stock.train()
+    installation = trl_ext.install(sync_metrics=True)
+    with installation:
+        trainer = build()
+
+    class Detach(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 2:
+                installation.detach(trainer) if how == "detach" else installation.uninstall(detach=True)
+
+    trainer.add_callback(Detach())
+    trainer.train()
+    assert getattr(trainer, "_trl_ext", None) is None
+    (s_log,) = [log for log in stock.state.log_history if "loss" in log]
+    (p_log,) = [log for log in trainer.state.log_history if "loss" in log]
+    assert set(p_log) == set(s_log)
+    for key, value in s_log.items():
+        assert _close(p_log[key], value), (key, value, p_log[key])

@@ -58,6 +58,8 @@ def trl_ext_trainer_init_end(trainer: Trainer, context: TrainerContext) -> None:
     state = SyncMetricsState(trainer, context.trainer_class, schema)
     context.state[NAME] = state
     patcher = context.patcher
+    # first on the undo stack, so last undone: once every wrapper is gone, the window in progress goes back to TRL
+    patcher.defer(lambda: _hand_back(state))
     accelerator = trainer.accelerator
     for attr in ("gather", "gather_for_metrics"):
         patcher.setattr(accelerator, attr, _make_local_gather(state, getattr(accelerator, attr)))
@@ -77,6 +79,14 @@ def trl_ext_trainer_init_end(trainer: Trainer, context: TrainerContext) -> None:
     adapter.install(trainer, patcher, state)
     trainer_gathers.install(trainer, context, state)
     logger.info("sync_metrics: %s metrics %s", context.trainer_class, [m.name for m in schema.metrics])
+
+
+def _hand_back(state: SyncMetricsState) -> None:
+    from .reduction import hand_back
+
+    trainer = state.trainer_ref()
+    if trainer is not None:
+        hand_back(trainer, state)
 
 
 @hookimpl

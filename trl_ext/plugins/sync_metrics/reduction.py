@@ -97,3 +97,41 @@ def reduce_logs(trainer: Any, state: SyncMetricsState, logs: dict[str, Any]) -> 
     prefix = "eval_" if mode == "eval" else ""  # TRL's `log` prefixes eval metrics with "eval_" (dpo_trainer.py)
     out.update({f"{prefix}{key}": value for key, value in metrics.items()})
     return out
+
+
+def hand_back(trainer: Any, state: SyncMetricsState) -> None:
+    """Detached in the middle of a logging window (`installation.detach`, `uninstall(detach=True)`): what the windows
+    hold goes back to TRL's own buffers as stock would have filled them, so the stock log at the end of the window
+    covers its whole span: each batch's metrics (from that batch's sums and counts, as TRL computes them), the
+    window's training tokens added to TRL's running count, the held-back FLOs to the Trainer's. On several processes
+    the batches before the detach are this process's (no collective here: a detach need not run on every rank at
+    once), and a warning says so."""
+    schema = state.schema
+    dpo = state.trainer_class == "DPOTrainer"
+    buffers = getattr(trainer, _compat.DPO_METRICS_BUFFER) if dpo else None
+    for mode, window in state.windows.items():
+        tokens = window.pack(torch.device("cpu"))[schema.tokens].item()
+        calls, _ = window.calls, window.reset()
+        target = buffers[mode] if buffers is not None else getattr(trainer, _compat.ONLINE_DPO_STATS)
+        if not dpo and mode != "train":
+            continue
+        for items in calls:
+            vec = torch.zeros(schema.size, dtype=torch.float64)
+            for slot, value in items:
+                vec[slot] += float(value)
+            metrics, _ = schema.reduce(vec.unsqueeze(0))
+            for key, value in metrics.items():
+                if key != "num_tokens":
+                    target[key].append(value)
+        if dpo and mode == "train" and tokens:
+            total = getattr(trainer, _compat.DPO_TOTAL_TRAIN_TOKENS) + int(round(tokens))
+            setattr(trainer, _compat.DPO_TOTAL_TRAIN_TOKENS, total)
+            target["num_tokens"] = [total]
+    setattr(trainer, _compat.TRAINER_FLOS_ATTR, getattr(trainer, _compat.TRAINER_FLOS_ATTR) + state.pending_flos)
+    state.pending_flos = 0.0
+    if state.world > 1 and any(state.batch_pairs.values()):
+        get_logger(__name__).warning(
+            "sync_metrics: detached in the middle of a logging window on %d processes: the metrics TRL logs for that "
+            "window count this process's batches before the detach, and every process's after it.",
+            state.world,
+        )

@@ -73,8 +73,11 @@ class Window:
         self.device_sums: torch.Tensor | None = None
         self.host = [0.0] * schema.size
         self._index_cache: dict[tuple[int, ...], torch.Tensor] = {}
+        #: each call's additions since the last log (read only if the trainer is detached mid-window: `hand_back`)
+        self.calls: list[list[tuple[int, Any]]] = []
 
     def add(self, items: list[tuple[int, Any]]) -> None:
+        self.calls.append([(s, v.detach() if isinstance(v, torch.Tensor) else v) for s, v in items])
         slots, values = [], []
         for slot, value in items:
             if isinstance(value, torch.Tensor):
@@ -103,3 +106,4 @@ class Window:
         if self.device_sums is not None:
             self.device_sums.zero_()
         self.host = [0.0] * self.schema.size
+        self.calls = []
