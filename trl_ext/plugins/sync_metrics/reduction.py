@@ -111,7 +111,8 @@ def hand_back(trainer: Any, state: SyncMetricsState) -> None:
     buffers = getattr(trainer, _compat.DPO_METRICS_BUFFER) if dpo else None
     for mode, window in state.windows.items():
         tokens = window.pack(torch.device("cpu"))[schema.tokens].item()
-        calls, _ = window.calls, window.reset()
+        calls = window.calls
+        window.reset()
         target = buffers[mode] if buffers is not None else getattr(trainer, _compat.ONLINE_DPO_STATS)
         if not dpo and mode != "train":
             continue
