@@ -124,7 +124,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     labels, speeds, lows, highs, peaks = [], [], [], [], []
-    for name, part in report["parts"].items():
+    for part in report["parts"].values():
         for setting, variants in (part.get("settings") or {}).items():
             for variant, e in variants.items():
                 r = e.get("speedup")
