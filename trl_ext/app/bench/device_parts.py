@@ -111,11 +111,12 @@ class Stepper:
         start = time.perf_counter()
         batches = self.steps[index % len(self.steps)]
         samples, items = trainer.get_batch_samples(iter(batches), len(batches), trainer.args.device)
-        loss = sum(float(trainer.training_step(trainer.model, inputs, items).detach()) for inputs in samples)
+        losses = [trainer.training_step(trainer.model, inputs, items).detach() for inputs in samples]
         if self.optimizer is not None:
             self.optimizer.step()
         _sync(self.device)
         seconds = time.perf_counter() - start
+        loss = float(sum(losses))  # read after the step: no host synchronisation inside it
         if keep:
             if cuda:
                 self.peaks.append((torch.cuda.max_memory_allocated() - before) / 2**30)
