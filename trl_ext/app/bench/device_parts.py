@@ -296,7 +296,7 @@ def kernel_probe(opts: argparse.Namespace, record: dict[str, Any]) -> dict[str, 
     """Every installed fused kernel and call pattern probed on the device (another module's API; absent from a build
     without it)."""
     try:
-        from ...plugins._packing.probe import probe_installed_kernels  # type: ignore[import-not-found]
+        from ...plugins._packing.probe import probe_installed_kernels
     except ImportError:
         record["kernel_probe"] = "not available in this build"
         return record
