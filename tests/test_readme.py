@@ -36,6 +36,8 @@ NOT_RUN = {
     "accelerate launch --use_deepspeed --deepspeed_config_file ds_z3.json --num_processes 8": "8 processes: GPUs",
     "python benchmarks/": "a benchmark of several minutes; test_benchmark_commands_name_existing_options checks it",
     "bash patches/check.sh": "downloads the trl sdist and installs into a fresh environment (network)",
+    "echo /.whl/ >> .git/info/exclude": "prepares a checkout's wheels for the GPU machine (docs/benchmarks.md)",
+    "python3 -m pip download": "the package registry (network): the GPU machine's wheels",
 }
 
 #: Extra arguments so the runnable training commands stay short here (2 steps of a tiny model).

@@ -315,9 +315,13 @@ def test_mixed_precision_train(build):
     with trl_ext.install(fused_logprobs=True):
         fused = build(max_steps=1, bf16=True, model_hook=float32)
         fused.train()
-    assert {r.self_checks[role].tolerance for r in [fused._trl_ext.state["fused_logprobs"]] for role in r.chunks} == {
-        1e-5
-    }  # float32 models: checked at the float32 tolerance
+    # float32 models: checked at the float32 tolerance, except where a model's forward already runs under bf16
+    # autocast at attach (TRL 1.16 prepares the reference model in `__init__`): its head computes in bf16, and the
+    # tolerance comes from that head's measured bf16-vs-float32 round-off (issue 39)
+    checks = fused._trl_ext.state["fused_logprobs"].self_checks
+    assert checks["policy"].tolerance == 1e-5 and checks["policy"].basis == ""
+    for check in checks.values():
+        assert check.tolerance == 1e-5 or (check.roundoff and "bfloat16-vs-float32 round-off" in check.basis)
     s, f = ([h for h in t.state.log_history if "loss" in h][0] for t in (stock, fused))
     for key in ("logps/chosen", "logps/rejected", "objective/kl", "objective/entropy"):
         assert f[key] == pytest.approx(s[key], rel=2e-2, abs=2e-2), key

@@ -52,14 +52,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help=f"a smaller model and fewer steps ({QUICK_DURATION} on 2 shared CPU cores)",
     )
-    parser.add_argument("--model", help="path of a local model (and its tokenizer) to use instead of the built-in one")
+    parser.add_argument(
+        "--model", help="path of a local model directory (and its tokenizer) to use instead of the built-in one"
+    )
     parser.add_argument("--out", default="bench-out", help="directory for report.json, table.md and bench.png")
     parser.add_argument(
         "--rounds",
         type=int,
-        default=5,
+        default=None,
         help="interleaved rounds per comparison, a fixed count (default 5; the 2-process step time: at most 3 with "
-        "--quick)",
+        "--quick; with --device, the preset's: 10 for 1b)",
     )
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: steadiest when shared)")
     parser.add_argument(
@@ -68,11 +70,42 @@ def main(argv: Sequence[str] | None = None) -> int:
         choices=sections.SECTIONS,
         help="sections",
     )
+    parser.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        help="the device proof instead of the CPU sections: every plugin against stock on this device in interleaved "
+        "rounds (gradient checkpointing off and on), the fused-kernel probe and the `gpu` tests, each part under its "
+        "own timeout (docs/benchmarks.md)",
+    )
+    parser.add_argument(
+        "--preset",
+        choices=("1b", "tiny"),
+        help="with --device: `1b` (an 853M Llama from a config, bf16; the default on cuda) or `tiny` (a CPU)",
+    )
+    parser.add_argument(
+        "--time-limit",
+        type=float,
+        default=None,
+        help="with --device: seconds for the whole run, every part's timeout within it (default 440)",
+    )
     args = parser.parse_args(argv)
     started = time.perf_counter()
     rounds = args.rounds
-    if rounds < 1:
+    if rounds is not None and rounds < 1:
         raise UsageError(f"`--rounds` must be at least 1, got {rounds}.")
+    if args.model and not os.path.isdir(args.model):
+        what = "a file" if os.path.exists(args.model) else "not found"
+        raise UsageError(f"`--model {args.model}`: {what}; give the directory of a saved model and its tokenizer.")
+    if args.device is not None:
+        from pathlib import Path
+
+        from . import device
+
+        preset = device.check(args.device, args.preset, args.model)
+        return device.run(args.device, preset, Path(args.out), rounds, args.time_limit or device.TIME_LIMIT)
+    if args.preset is not None or args.time_limit is not None:
+        raise UsageError("`--preset` and `--time-limit` go with `--device`.")
+    rounds = 5 if rounds is None else rounds
 
     import datasets
     import torch

@@ -63,11 +63,12 @@ def _check_model(context: Any, role: str, model: Any, trainer: Any) -> None:
         )
     logger.info(
         "fused_logprobs: self-check passed for the %s: stock logits = output head of the hidden states (max relative "
-        "difference %.2g), fused log-probs = stock log_softmax (%.2g <= %g) on probe rows of %s tokens; %.2f s",
+        "difference %.2g), fused log-probs = stock log_softmax (%.2g <= %.2g%s) on probe rows of %s tokens; %.2f s",
         name,
         result.head_error,
         result.logprob_error,
         result.tolerance,
+        f": {result.basis}" if result.basis else "",
         list(result.lengths),
         result.seconds,
     )

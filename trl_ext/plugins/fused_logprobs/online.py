@@ -78,10 +78,16 @@ class ScoreCall:
     chunk: int = 1
     calls: int = 0
     output: torch.Tensor | None = None
+    #: recording only: `reference(head, hidden)` runs inside the head's call too (its parameters in place under
+    #: ZeRO-3/FSDP2) and its result is kept in `referenced` (the self-check's float32 head, `selfcheck.float32_head`)
+    reference: Callable[[torch.nn.Module, torch.Tensor], Any] | None = None
+    referenced: Any = None
 
     def run(self, head: torch.nn.Module, forward: Callable, hidden: torch.Tensor, args: tuple, kwargs: dict) -> Any:
         if self.targets is None:
             self.output = forward(hidden, *args, **kwargs)
+            if self.reference is not None and not args and not kwargs:
+                self.referenced = self.reference(head, hidden)
             return self.output
         if args or kwargs:
             raise UsageError(

@@ -26,7 +26,14 @@ from .._probe import model_probe_lengths, stock_forward
 from .chunked import accumulation_dtype
 from .online import ScoreCall, run_scoring
 
-__all__ = ["HEAD_MECHANISMS", "SelfCheckResult", "head_mechanism", "self_check"]
+__all__ = [
+    "HEAD_MECHANISMS",
+    "SelfCheckResult",
+    "float32_head",
+    "head_mechanism",
+    "self_check",
+    "sixteen_bit_tolerance",
+]
 
 #: Config attributes of transformers models that change the logits after the output head, and the value at which
 #: they do nothing: final logit softcapping (Gemma 2/3), logit scaling (Cohere `logit_scale`, Granite
@@ -37,8 +44,24 @@ HEAD_MECHANISMS = {
     "logits_scaling": (None, 1, 1.0),
 }
 PROBE_CAP = 32
-#: Relative tolerance of the log-prob comparison, by accumulation dtype.
+#: Relative tolerance of the log-prob comparison, by accumulation dtype (heads computing in float32 or float64).
 LOGPROB_RTOL = {torch.float64: 1e-10, torch.float32: 1e-5}
+#: A 16-bit head (bf16/fp16 logits): the chunked head matmuls may round a logit one ulp away from the full matmul's
+#: (another kernel, another accumulation order), about 1e-3 on a bf16 logit, far above `LOGPROB_RTOL`. The tolerance
+#: is then derived from the probe itself: `ROUNDOFF_MARGIN` times stock's own round-off (the largest difference between
+#: the log-probs of the head's 16-bit logits and of the same head computed in float32 from the same hidden states,
+#: `float32_head`), and at least `ROUNDOFF_FLOOR_UNITS` unit round-offs of the dtype times the largest logit (two ulps
+#: of it: a correct chunked path differs by at most one ulp on the target's logit and one through the log-sum-exp, 4
+#: unit round-offs). Relative, like the other tolerances, to the largest stock log-prob. Measured on the tests' tiny
+#: sharpened Llama (tests/plugins/test_fused_logprobs_16bit.py): stock's round-off 2.0e-3 (bf16) / 2.1e-4 (fp16),
+#: tolerance 2.7e-2 / 3.3e-3 (the floor), every logit of the chunks one ulp off 4.9e-3 / 6.0e-4; a wrong head row, a
+#: shifted target, a 0.9 logit scale on the chunks: 0.38, 0.62, 0.08 in both. Below the floor a systematic change
+#: cannot be told from round-off (bf16: a logit scale within about 3 %).
+ROUNDOFF_MARGIN = 4.0
+ROUNDOFF_FLOOR_UNITS = 8.0
+SIXTEEN_BIT = (torch.bfloat16, torch.float16)
+#: `float32_head` computes this many vocabulary rows at a time (a float32 copy of the whole head is not made)
+FLOAT32_HEAD_ROWS = 8192
 
 
 @dataclasses.dataclass
@@ -49,6 +72,10 @@ class SelfCheckResult:
     tolerance: float
     seconds: float
     failure: str | None = None
+    #: 16-bit heads: stock's own round-off on the probe (relative, like `tolerance`; None where not measured) and how
+    #: the tolerance was derived, for the log line
+    roundoff: float | None = None
+    basis: str = ""
 
 
 def head_mechanism(model: Any) -> str | None:
@@ -66,6 +93,50 @@ def head_mechanism(model: Any) -> str | None:
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     scale = b.abs().max().item() or 1.0
     return (a - b).abs().max().item() / scale
+
+
+def float32_head(head: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor | None:
+    """The logits of a plain `torch.nn.Linear` head computed in float32 (autocast off) from the hidden states it
+    received (run inside the head's call: `ScoreCall.reference`), `FLOAT32_HEAD_ROWS` vocabulary rows at a time, where
+    the head computes in 16 bits (16-bit weights, or autocast); None otherwise, and for any other head (a subclass, an
+    adapter, a quantised layer: its float32 computation is not known here)."""
+    if type(head) is not torch.nn.Linear:
+        return None
+    weight, bias = head.weight, head.bias
+    device = hidden.device.type
+    if weight.dtype not in SIXTEEN_BIT and not torch.is_autocast_enabled(device):
+        return None
+    h = hidden.detach().float()
+    parts = []
+    with torch.autocast(device, enabled=False):
+        for start in range(0, weight.size(0), FLOAT32_HEAD_ROWS):
+            rows = slice(start, start + FLOAT32_HEAD_ROWS)
+            b = None if bias is None else bias[rows].float()
+            parts.append(torch.nn.functional.linear(h, weight[rows].float(), b))
+    return torch.cat(parts, dim=-1)
+
+
+def _target_logprobs(logits: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.take_along_dim(logits.to(dtype).log_softmax(-1), targets.unsqueeze(-1), dim=2).squeeze(-1)
+
+
+def sixteen_bit_tolerance(
+    applied: torch.Tensor, float32_logits: torch.Tensor | None, targets: torch.Tensor, want: torch.Tensor
+) -> tuple[float, float | None, str]:
+    """The relative log-prob tolerance for a head whose logits `applied` are 16-bit: (tolerance, stock's round-off or
+    None, how it was derived). See `ROUNDOFF_MARGIN`."""
+    unit = torch.finfo(applied.dtype).eps / 2
+    scale = want.abs().max().item() or 1.0
+    floor = ROUNDOFF_FLOOR_UNITS * unit * applied.float().abs().max().item() / scale
+    name = str(applied.dtype).removeprefix("torch.")
+    floor_text = f"at least {ROUNDOFF_FLOOR_UNITS:g} {name} unit round-offs of the largest logit"
+    if float32_logits is None or float32_logits.shape != applied.shape:
+        return floor, None, f"{floor_text} (the head is not a plain Linear: its float32 round-off is not measured)"
+    stock16 = _target_logprobs(applied, targets, torch.float32)
+    stock32 = _target_logprobs(float32_logits, targets, torch.float32)
+    roundoff = (stock16 - stock32).abs().max().item() / scale
+    basis = f"{ROUNDOFF_MARGIN:g}x stock's own {name}-vs-float32 round-off {roundoff:.2g}, {floor_text}"
+    return max(ROUNDOFF_MARGIN * roundoff, floor), roundoff, basis
 
 
 def self_check(model: Any, trainer: Any, role: str, chunk: int) -> SelfCheckResult:
@@ -88,7 +159,8 @@ def self_check(model: Any, trainer: Any, role: str, chunk: int) -> SelfCheckResu
         with torch.no_grad():
             with stock_forward(causal_lm):
                 stock = causal_lm(**kwargs).logits
-            record = ScoreCall(role)  # the head runs as stock and keeps its output
+            # the head runs as stock and keeps its output (and, for a 16-bit head, the same head in float32)
+            record = ScoreCall(role, reference=float32_head)
             with stock_forward(causal_lm):  # a packing plugin's wrapper passes the probe through as well
                 run_scoring(causal_lm, record, **kwargs)
             applied = record.output
@@ -98,7 +170,7 @@ def self_check(model: Any, trainer: Any, role: str, chunk: int) -> SelfCheckResu
     finally:
         causal_lm.train(was_training)
     acc = accumulation_dtype(stock.dtype)
-    want = torch.take_along_dim(stock.to(acc).log_softmax(-1), targets.unsqueeze(-1), dim=2).squeeze(-1)
+    want = _target_logprobs(stock, targets, acc)
     result = SelfCheckResult(lengths, 0.0, 0.0, LOGPROB_RTOL[acc], 0.0)
     head_tol = 0.0 if stock.dtype == torch.float64 else 4 * torch.finfo(stock.dtype).eps
     if applied is None:
@@ -114,6 +186,10 @@ def self_check(model: Any, trainer: Any, role: str, chunk: int) -> SelfCheckResu
             "output head's result on the way out"
         )
     else:
+        if applied.dtype in SIXTEEN_BIT:  # whatever the model does with the logits after its head
+            result.tolerance, result.roundoff, result.basis = sixteen_bit_tolerance(
+                applied, record.referenced, targets, want
+            )
         result.head_error = _relative(applied.to(acc), stock.to(acc))
         result.logprob_error = _relative(fused, want)
         if result.head_error > head_tol:
@@ -125,7 +201,7 @@ def self_check(model: Any, trainer: Any, role: str, chunk: int) -> SelfCheckResu
         elif result.logprob_error > result.tolerance:
             result.failure = (
                 f"the fused log-probs differ from the stock log_softmax by {result.logprob_error:.2g} (relative) > "
-                f"{result.tolerance:g}"
+                f"{result.tolerance:.2g}" + (f" ({result.basis})" if result.basis else "")
             )
     result.seconds = time.perf_counter() - started
     return result

@@ -1,0 +1,161 @@
+"""The workload of `trl-ext bench --device` (`device_parts`): the presets (a ~1B Llama from a config for the GPU, a
+tiny one for the CPU tests), preference pairs with long-tailed lengths, models initialised on the device, and the
+Online DPO trainer whose generation returns one stored batch."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import random
+from typing import Any
+
+#: `1b`: the model and lengths of the H200 measurement (/work/shared/research/gpu.md; 853M parameters, bf16, sdpa);
+#: `tiny`: the same pipeline in seconds on a CPU (float32), for the tests.
+PRESETS: dict[str, dict[str, Any]] = {
+    "1b": dict(
+        model=dict(hidden_size=2048, num_layers=16, num_heads=16, num_kv_heads=4, intermediate_size=5632, vocab=32000),
+        prompt=(32, 512, 128),  # (min, max, median) tokens, log-normal with `sigma`
+        completion=(16, 1024, 192),
+        sigma=0.8,
+        pairs=8,
+        micro_pairs=4,
+        batches=6,
+        max_length=2048,
+        online_prompts=4,
+        online_completion=1024,
+        dtype="bfloat16",
+        rounds=10,
+        warmup=2,
+    ),
+    "tiny": dict(
+        model=dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, vocab=256),
+        prompt=(4, 16, 8),
+        completion=(2, 24, 8),
+        sigma=0.8,
+        pairs=4,
+        micro_pairs=2,
+        batches=2,
+        max_length=128,
+        online_prompts=2,
+        online_completion=16,
+        dtype="float32",
+        rounds=1,
+        warmup=0,
+    ),
+}
+SETTINGS = (("checkpointing_off", False), ("checkpointing_on", True))
+
+
+def cuda(device: str) -> bool:
+    return device.startswith("cuda")
+
+
+def rows(n: int, preset: dict[str, Any], seed: int = 0) -> list[dict[str, str]]:
+    """Preference pairs of the tokenizer's words with log-normal (long-tailed) lengths clipped to the preset's."""
+    from .workload import SPECIAL_TOKENS
+
+    rng = random.Random(seed)
+    words = preset["model"]["vocab"] - len(SPECIAL_TOKENS)
+
+    def text(low: int, high: int, median: int) -> str:
+        n = int(min(high, max(low, round(math.exp(rng.gauss(math.log(median), preset["sigma"]))))))
+        return " ".join(f"w{rng.randrange(words)}" for _ in range(n))
+
+    return [
+        {
+            "prompt": text(*preset["prompt"]),
+            "chosen": " " + text(*preset["completion"]),
+            "rejected": " " + text(*preset["completion"]),
+        }
+        for _ in range(n)
+    ]
+
+
+def make_model(preset: dict[str, Any], device: str, seed: int) -> Any:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    m = preset["model"]
+    config = LlamaConfig(
+        vocab_size=m["vocab"],
+        hidden_size=m["hidden_size"],
+        intermediate_size=m["intermediate_size"],
+        num_hidden_layers=m["num_layers"],
+        num_attention_heads=m["num_heads"],
+        num_key_value_heads=m["num_kv_heads"],
+        max_position_embeddings=4096,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+        tie_word_embeddings=False,
+    )
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    with torch.device(device):  # initialised on the device: seconds for the 1b preset there
+        model = LlamaForCausalLM(config)
+    return model.to(getattr(torch, preset["dtype"]))
+
+
+def online_trainer(opts: Any, name: str) -> Any:
+    """An `OnlineDPOTrainer` on the preset's models whose generation returns one stored batch (prompts of 80 to 120
+    tokens, 2 completions each of a third of the width to the width, padded after their end)."""
+    import inspect
+    import types
+
+    import torch
+    from datasets import Dataset
+    from trl.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
+
+    import trl_ext
+
+    from .workload import length_reward, make_tokenizer
+
+    preset = PRESETS[opts.preset]
+    prompts, width, vocab = preset["online_prompts"], preset["online_completion"], preset["model"]["vocab"]
+    args = OnlineDPOConfig(
+        output_dir=opts.tmp,
+        per_device_train_batch_size=prompts,
+        max_new_tokens=width,
+        max_length=8192,
+        report_to=[],
+        use_cpu=not cuda(opts.device),
+        bf16=False,
+        save_strategy="no",
+        seed=0,
+    )
+    flags = {"fused_logprobs": True} if name == "fused_logprobs" else {}
+    reward: Any = length_reward
+    with trl_ext.install(flags) if flags else contextlib.nullcontext():
+        trainer: Any = OnlineDPOTrainer(
+            model=make_model(preset, opts.device, 0),
+            ref_model=make_model(preset, opts.device, 1),
+            reward_funcs=reward,
+            args=args,
+            train_dataset=Dataset.from_list([{"prompt": "w1"}] * prompts),
+            processing_class=make_tokenizer(vocab),
+        )
+    g = torch.Generator().manual_seed(0)
+    lengths = [random.Random(i).randint(min(80, width), min(120, 8 * width)) for i in range(prompts)]
+    prompt_ids = torch.zeros(prompts, max(lengths), dtype=torch.long)
+    prompt_mask = torch.zeros_like(prompt_ids)
+    for row, n in enumerate(lengths):  # left padded, as TRL's generation returns them
+        prompt_ids[row, -n:] = torch.randint(4, vocab, (n,), generator=g)
+        prompt_mask[row, -n:] = 1
+    completion_ids = torch.randint(4, vocab, (2 * prompts, width), generator=g)
+    ends = torch.randint(max(1, width // 3), width + 1, (2 * prompts,), generator=g)
+    completion_mask = (torch.arange(width)[None] < ends[:, None]).long()
+    device = trainer.accelerator.device
+    batch: tuple[Any, ...] = tuple(
+        t.to(device)
+        for t in (
+            prompt_ids.repeat(2, 1),
+            prompt_mask.repeat(2, 1),
+            completion_ids.masked_fill(completion_mask == 0, 0),
+            completion_mask,
+        )
+    ) + (None,)
+    if "vision_inputs = self._generate(" not in inspect.getsource(OnlineDPOTrainer.training_step):
+        batch = batch[:4]  # TRL < 1.16 generates no vision inputs
+    trainer._generate = types.MethodType(lambda self, model, prompts, images=None: batch, trainer)
+    trainer._bench_tokens = 2 * int(prompt_mask.sum()) + int(completion_mask.sum())
+    return trainer
