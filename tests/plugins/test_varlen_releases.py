@@ -249,6 +249,9 @@ def test_the_probe_leaves_training_state_alone(monkeypatch):
 def test_probe_installed_kernels_reports_each_pattern(monkeypatch):
     """The report `trl-ext bench --device cuda` records: one entry per kernel, dtype and pattern."""
     releases.install_release(monkeypatch, "2.13")
+    assert probe.probe_installed_kernels("cpu") == []  # varlen_attn runs on CUDA only
+    cpu = dataclasses.replace(kernels.installed_kernels()["varlen_attn"], devices=("cpu",))
+    monkeypatch.setattr(probe, "installed_kernels", lambda: {"varlen_attn": cpu})
     rows = probe.probe_installed_kernels("cpu")
     assert len(rows) == 2 * 2 * 3 and {r["kernel"] for r in rows} == {"varlen_attn"}
     assert all(r["passed"] and r["error"] <= r["tolerance"] / 3 for r in rows), rows

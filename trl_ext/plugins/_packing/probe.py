@@ -290,10 +290,13 @@ def _report(choice: Choice, kernel: Kernel, result: ProbeResult) -> None:
 
 def probe_installed_kernels(device: str = "cuda") -> list[dict[str, Any]]:
     """Every installed fused kernel on `device`, in bf16 and fp16, on the patterns the plugins use (packed causal, a
-    window, grouped-query heads, shared prompts, a non-default scale): one JSON-able dict per kernel and pattern
+    window, grouped-query heads, shared prompts, a non-default scale; kernels that run on `device`'s type): one
+    JSON-able dict per kernel and pattern
     (`kernel`, `dtype`, `pattern`, `error`, `tolerance`, `passed`, `exception`), for the GPU proof's record."""
     found = []
     for name, kernel in installed_kernels().items():
+        if torch.device(device).type not in kernel.devices:
+            continue
         for dtype in FUSED_DTYPES:
             for shared in (False, True):
                 for heads, kv_heads, window, scale in ((16, 16, None, None), (32, 8, 63, 0.0625), (8, 2, None, 0.1)):
