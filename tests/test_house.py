@@ -418,15 +418,21 @@ def _tolerance_values(node: ast.expr) -> list[ast.Constant]:
 
 
 def _tolerances_in(node: ast.AST, where: str) -> list[tuple[str, int, float]]:
-    """`(where, line, value)` of the relative tolerance literals in `node`: a `rel=` / `rel_tol=` / `rtol=` keyword
-    (`where`: the enclosing function) or a constant named `*RTOL` / `*REL` (`where`: its name)."""
+    """`(where, line, value)` of the relative tolerance literals in `node`: a `rel=` / `rel_tol=` / `rtol=` keyword or
+    a bound `x <= 1e-7 * y` (`where`: the enclosing function), or a constant or field named `*RTOL` / `*REL`
+    (`where`: its name)."""
     if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
         where = node.name
     found = []
     if isinstance(node, ast.keyword) and node.arg in _TOLERANCE_KEYWORDS:
         found = [(where, c.lineno, c.value) for c in _tolerance_values(node.value)]
-    elif isinstance(node, ast.Assign) and len(node.targets) == 1:
-        target, value = node.targets[0], node.value
+    elif isinstance(node, ast.Compare) and isinstance(node.ops[0], (ast.Lt, ast.LtE)):
+        bound = node.comparators[0]  # `worst <= 1e-7 * change`
+        if isinstance(bound, ast.BinOp) and isinstance(bound.op, ast.Mult):
+            found = [(where, c.lineno, c.value) for c in _tolerance_values(bound.left)]
+    elif isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+        target = node.targets[0] if isinstance(node, ast.Assign) else node.target
+        value = node.value
         pairs = [(target, value)]
         if isinstance(target, ast.Tuple) and isinstance(value, ast.Tuple):
             pairs = list(zip(target.elts, value.elts, strict=False))
@@ -475,9 +481,14 @@ def test_the_tolerance_rule_finds_a_planted_case(tmp_path):
         "    assert math.isclose(a, b, rel_tol=1e-7)\n"
         "    assert pytest.approx(a, rel=2e-7, abs=1e-9) == b\n"
         "    torch.testing.assert_close(a, b, rtol=1e-12, atol=0)\n"
+        "    assert (a - b).abs().max() <= 1e-8 * b.abs().max()\n"
+        "class Engine:\n"
+        "    rtol: float = 3e-7\n"
     )
     assert _floor_tolerances(tmp_path / "tests") == [
         ("tests/test_a.py", "LOGPS_RTOL", 2, 1e-7),
         ("tests/test_a.py", "test_x", 5, 1e-7),
         ("tests/test_a.py", "test_x", 6, 2e-7),
+        ("tests/test_a.py", "test_x", 8, 1e-8),
+        ("tests/test_a.py", "rtol", 10, 3e-7),
     ]
