@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from trl_ext import TrlExtConfig, UsageError
@@ -277,3 +279,39 @@ def test_recipe_errors_name_the_file_and_the_misspelled_section(tmp_path, monkey
             resolve_config(["--config", str(recipe)])
         with pytest.raises(UsageError, match=rf"{recipe.name}' has a key `{key}:`. Did you mean `trl_ext:`\?"):
             load_config(recipe, environ={})  # the same file as a trl-ext config file
+
+
+@pytest.mark.parametrize("where", ["plugins", "block"])
+def test_a_plugin_typo_gets_a_did_you_mean(where, tmp_path):
+    """Issue 41: a misspelled plugin under `plugins:` or `block` is answered as a misspelled flag is."""
+    path = tmp_path / "trl_ext.yaml"
+    path.write_text(f"{where}: [prompt_sharng]\n")
+    with pytest.raises(UsageError, match="Did you mean `prompt_sharing`?"):
+        load_config(path, environ={})
+
+
+@pytest.mark.parametrize(
+    ("flags", "environ", "source"),
+    [
+        ({"padding_free": False}, {}, "keyword flags of install()"),
+        ({}, {"TRL_EXT_PADDING_FREE": "0"}, "environment variable $TRL_EXT_PADDING_FREE"),
+    ],
+)
+def test_an_explicit_false_against_the_trl_flag_it_serves_is_refused(flags, environ, source, tmp_path):
+    """Issue 41: `padding_free=False` given explicitly, with `DPOConfig(padding_free=True)` (which TRL ignores and
+    trl-ext serves): one would silently override the other, so the pair is refused, naming both; left unset, the TRL
+    flag turns the plugin on."""
+    from trl import DPOConfig
+
+    from trl_ext import _compat
+    from trl_ext.installation import check_trainer_settings
+
+    if "padding_free" not in _compat.trl_ignored_flags("DPOTrainer"):
+        pytest.skip("this TRL packs DPO itself")
+    args = DPOConfig(output_dir=str(tmp_path), padding_free=True, use_cpu=True, report_to="none")
+    message = f"`padding_free=false` (from {source}) contradicts `padding_free=True` in the DPOConfig"
+    with pytest.raises(UsageError, match=re.escape(message)):
+        check_trainer_settings(load_config(flags=flags, environ=environ), "DPOTrainer", args)
+    assert "padding_free" in check_trainer_settings(load_config(environ={}), "DPOTrainer", args)
+    args.padding_free = False
+    assert "padding_free" not in check_trainer_settings(load_config(flags=flags, environ=environ), "DPOTrainer", args)

@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .errors import UsageError
+from .errors import UsageError, did_you_mean
 from .setting_docs import refusal_note
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -72,6 +72,7 @@ class TrlExtConfig:
         block: list[str] | str | None = None,
         _source: str = "TrlExtConfig",
         _catalog_: Catalog | None = None,
+        _sources: Mapping[str, str] | None = None,
         **flags: Any,
     ) -> None:
         self.block: list[str] = _parse_block(block if block is not None else [], _source)
@@ -79,8 +80,10 @@ class TrlExtConfig:
         self.catalog = catalog
         values = catalog.defaults()
         for name, value in flags.items():
-            values[name] = _parse_flag(catalog, name, value, _source)
+            values[name] = _parse_flag(catalog, name, value, (_sources or {}).get(name, _source))
         self.flags: dict[str, Any] = values
+        #: `{flag: where it came from}` for the flags given explicitly (a `false` included), for error messages.
+        self.given: dict[str, str] = {name: (_sources or {}).get(name, _source) for name in flags}
         self.plugins: dict[str, dict[str, Any]] = _parse_plugins(plugins if plugins is not None else {}, _source)
         self._options: dict[str, Any] = {}
         for name, raw in self.plugins.items():
@@ -89,8 +92,9 @@ class TrlExtConfig:
                 if name in catalog.broken:
                     raise UsageError(f"`plugins` names `{name}` (from {_source}). {catalog.broken_message(name)}")
                 why = "is blocked" if name in catalog.blocked else "is not installed"
+                hint = "" if name in catalog.blocked else did_you_mean(name, catalog.specs)
                 raise UsageError(
-                    f"`plugins` names `{name}` (from {_source}), which {why}. Available plugins: "
+                    f"`plugins` names `{name}` (from {_source}), which {why}.{hint} Available plugins: "
                     f"{', '.join(catalog.specs) or 'none'}."
                 )
             self._options[name] = spec.make_options(raw, _source)
@@ -165,6 +169,31 @@ class TrlExtConfig:
             if spec.flags and not self.flag_is_set(name) and not spec.trl_flag:
                 raise UsageError(self.unused_options_message(name))
 
+    def check_trl_flags(self, trainer_class: str, trl_args: Any) -> None:
+        """Refuse a plugin flag given explicitly off (`--trl-ext-padding-free false`) for a trainer whose TRL config
+        sets the TRL flag that plugin serves (`--padding_free true`, which the installed TRL ignores): that TRL flag
+        alone turns the plugin on, so one of the two would be silently overridden. The user says which one they mean.
+        """
+        from . import _compat
+
+        ignored = _compat.trl_ignored_flags(trainer_class)
+        for name, spec in self.catalog.specs.items():
+            trl_flag = spec.trl_flag
+            if trl_flag is None or trl_flag not in ignored or not spec.applies_to(trainer_class):
+                continue
+            off = [f.name for f in spec.flags if f.name in self.given and self.flags[f.name] == f.default]
+            if not off or self.flag_is_set(name) or not getattr(trl_args, trl_flag, False):
+                continue
+            flag = off[0]
+            value = str(self.flags[flag]).lower() if isinstance(self.flags[flag], bool) else repr(self.flags[flag])
+            config = type(trl_args).__name__
+            raise UsageError(
+                f"`{flag}={value}` (from {self.given[flag]}) contradicts `{trl_flag}=True` in the {config}: the "
+                f"installed TRL ignores that flag for {trainer_class} and trl-ext serves it with the plugin `{name}`, "
+                f"so one of the two would silently win. To train with `{name}`, remove `{flag}={value}`; to train "
+                f"without it, set `{trl_flag}=False` in the {config} (`--{trl_flag} false`)."
+            )
+
     def unused_options_message(
         self, plugin: str, trainer_class: str | None = None, trl_config: str | None = None
     ) -> str:
@@ -237,8 +266,6 @@ def _parse_plugins(value: Any, source: str) -> dict[str, dict[str, Any]]:
 
 
 def unknown_flag_message(catalog: Catalog, name: str, source: str) -> str:
-    import difflib
-
     broken = catalog.broken_flags.get(name)
     if broken is not None:
         return f"`{name}` is set (from {source}), but its plugin cannot be loaded. {catalog.broken_message(broken)}"
@@ -249,8 +276,7 @@ def unknown_flag_message(catalog: Catalog, name: str, source: str) -> str:
             f"or remove `{owner}` from `block`."
         )
     known = [*catalog.flag_names(), "plugins", "block"]
-    close = difflib.get_close_matches(name, known, n=1)
-    hint = f" Did you mean `{close[0]}`?" if close else ""
+    hint = did_you_mean(name, known)
     note = ""
     if catalog.broken:
         names = ", ".join(f"`{b}`" for b in sorted(catalog.broken))
@@ -330,7 +356,8 @@ def load_config(
     if config is None and environ.get(ENV_CONFIG_FILE):
         config = environ[ENV_CONFIG_FILE]
     if isinstance(config, TrlExtConfig):
-        layers.append((config.changed(), "the `config` TrlExtConfig"))
+        given = {k: config.flags[k] for k in config.given}  # an explicit `false` stays explicit
+        layers.append(({**config.changed(), **given}, "the `config` TrlExtConfig"))
     elif isinstance(config, Mapping):
         layers.append((dict(config), config_source or "the `config` mapping"))
     elif isinstance(config, (str, os.PathLike)):
@@ -353,6 +380,7 @@ def load_config(
             block = _parse_block(raw["block"], source_of(label, "block"))
     catalog = _catalog(block)
     merged: dict[str, Any] = {}
+    merged_sources: dict[str, str] = {}
     plugins: dict[str, dict[str, Any]] = {}
     for raw, label in layers:
         for key, value in raw.items():
@@ -365,4 +393,5 @@ def load_config(
                     TrlExtConfig(plugins={name: options}, block=block, _source=source, _catalog_=catalog)
                 continue
             merged[key] = _parse_flag(catalog, key, value, source)
-    return TrlExtConfig(plugins=plugins, block=block, _catalog_=catalog, **merged)
+            merged_sources[key] = source
+    return TrlExtConfig(plugins=plugins, block=block, _catalog_=catalog, _sources=merged_sources, **merged)

@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
-__all__ = ["REPORT", "InternalError", "UsageError"]
+from collections.abc import Iterable
+
+__all__ = ["REPORT", "InternalError", "UsageError", "did_you_mean"]
 
 #: How every `InternalError` message ends.
 REPORT = "this is a trl-ext bug; please report it"
+
+
+def did_you_mean(name: str, known: Iterable[str]) -> str:
+    """` Did you mean `X`?` for the entry of `known` closest to a misspelled `name` (a flag, a plugin, a loss type),
+    or "" when none is close: the one hint every unknown name of the user's gets."""
+    import difflib
+
+    close = difflib.get_close_matches(name, list(known), n=1)
+    return f" Did you mean `{close[0]}`?" if close else ""
 
 
 class UsageError(ValueError):

@@ -17,7 +17,7 @@ from .errors import UsageError
 from .manager import TrlExtPluginManager, make_plugin_manager, resolve_roles
 from .patching import Patcher, resolve
 
-__all__ = ["Installation", "current", "install", "install_config"]
+__all__ = ["Installation", "check_trainer_settings", "current", "install", "install_config"]
 
 logger = get_logger(__name__)
 
@@ -94,17 +94,7 @@ class Installation:
 
     def _enabled(self, trainer_class: str, trl_args: Any) -> tuple[list[str], dict[str, str]]:
         """The plugins a `trainer_class` built with `trl_args` gets, and `{left out: kept instead}` by role."""
-        ignored = _compat.trl_ignored_flags(trainer_class)
-        enabled = []
-        for name, spec in self.plugin_manager.catalog.specs.items():
-            if not spec.applies_to(trainer_class):
-                continue
-            on = self.config.flag_is_set(name) if spec.flags else name in self.config.plugins
-            trl_flag = spec.trl_flag
-            on = on or (trl_flag is not None and trl_flag in ignored and bool(getattr(trl_args, trl_flag, False)))
-            if on:
-                enabled.append(name)
-        return resolve_roles(self.plugin_manager.catalog.specs, enabled)
+        return _enabled(self.config, trainer_class, trl_args)
 
     def _wrapped_trainers(self) -> list[str]:
         """The stock trainer classes to attach to: those that a registered plugin applies to and that the
@@ -234,8 +224,7 @@ class Installation:
             init_kwargs = dict(bound.arguments)
             init_kwargs.pop(next(iter(signature.parameters)))  # self
             trl_args = init_kwargs.get("args")
-            enabled = installation.enabled_plugins(trainer_class, trl_args)
-            installation._check_options_used(trainer_class, trl_args, enabled)
+            enabled = check_trainer_settings(installation.config, trainer_class, trl_args)
             if enabled:
                 attach.check_world(trainer_class, trl_args, enabled)
             ctx = TrainerContext(installation, trainer, trainer_class, enabled, trl_args)
@@ -252,16 +241,6 @@ class Installation:
             installation._announce(ctx, left)
 
         return __init__
-
-    def _check_options_used(self, trainer_class: str, trl_args: Any, enabled: list[str]) -> None:
-        """Options given for a plugin that a TRL flag could enable (checked at install time for the others) must not
-        be silently unused by a trainer it applies to."""
-        catalog = self.plugin_manager.catalog
-        for name in self.config.plugins:
-            spec = catalog.specs[name]
-            if spec.flags and spec.trl_flag and spec.applies_to(trainer_class) and name not in enabled:
-                config = type(trl_args).__name__ if trl_args is not None else None
-                raise UsageError(self.config.unused_options_message(name, trainer_class, config))
 
     def _build(self, ctx: TrainerContext, original, init_kwargs: dict[str, Any]) -> list[str]:
         trainer, enabled = ctx.trainer, ctx.enabled
@@ -412,6 +391,42 @@ def install_config(config: TrlExtConfig) -> Installation:
     Installation._active = installation
     logger.info("trl-ext installed on trl %s with %s", trl_version, config)
     return installation
+
+
+def _enabled(config: TrlExtConfig, trainer_class: str, trl_args: Any) -> tuple[list[str], dict[str, str]]:
+    """The plugins a `trainer_class` built with `trl_args` gets under `config`, and `{left out: kept instead}` by role
+    (`Installation.enabled_plugins`)."""
+    ignored = _compat.trl_ignored_flags(trainer_class)
+    enabled = []
+    for name, spec in config.catalog.specs.items():
+        if not spec.applies_to(trainer_class):
+            continue
+        on = config.flag_is_set(name) if spec.flags else name in config.plugins
+        trl_flag = spec.trl_flag
+        on = on or (trl_flag is not None and trl_flag in ignored and bool(getattr(trl_args, trl_flag, False)))
+        if on:
+            enabled.append(name)
+    return resolve_roles(config.catalog.specs, enabled)
+
+
+def check_trainer_settings(config: TrlExtConfig, trainer_class: str, trl_args: Any) -> list[str]:
+    """The plugins a `trainer_class` built with `trl_args` (its TRL config) gets under `config`, once what would
+    otherwise be silently ignored is refused: a plugin flag given off while the TRL config sets the TRL flag that
+    plugin serves (`TrlExtConfig.check_trl_flags`), and options for a plugin that a TRL flag could enable but that
+    this trainer does not get (checked at install time for the others). `trl-ext dpo` / `online-dpo` call it
+    before any model loads, every trainer built while installed when it is built.
+
+    Raises:
+        `trl_ext.UsageError`: naming the setting and what to do.
+    """
+    config.check_trl_flags(trainer_class, trl_args)
+    enabled = _enabled(config, trainer_class, trl_args)[0]
+    for name in config.plugins:
+        spec = config.catalog.specs[name]
+        if spec.flags and spec.trl_flag and spec.applies_to(trainer_class) and name not in enabled:
+            trl_config = type(trl_args).__name__ if trl_args is not None else None
+            raise UsageError(config.unused_options_message(name, trainer_class, trl_config))
+    return enabled
 
 
 def current() -> Installation | None:

@@ -20,7 +20,7 @@ import pluggy
 from . import hookspecs
 from ._logging import get_logger
 from .catalog import Catalog, block_advice, flag_clash
-from .errors import UsageError
+from .errors import UsageError, did_you_mean
 from .spec import Flag, PluginSpec
 
 __all__ = [
@@ -208,8 +208,10 @@ def load_catalog(block: Iterable[str] = (), *, warn: bool = True) -> tuple[Catal
     known = list(dict.fromkeys(s.name for s in sources))
     unknown = sorted(block - set(known) - set(clashes))
     if unknown:
+        hint = did_you_mean(unknown[0], known)
         raise UsageError(
-            f"`block` names unknown plugin(s) {unknown}; known plugins: {known}. Run `trl-ext plugins` to list them."
+            f"`block` names unknown plugin(s) {unknown}.{hint} Known plugins: {known}. Run `trl-ext plugins` to list "
+            "them."
         )
     specs: dict[str, PluginSpec] = {}
     plugins: dict[str, Any] = {}

@@ -90,12 +90,27 @@ def test_every_trl_loss_type_is_classified():
     assert not ACCEPTED_LOSS_TYPES & set(COUPLED_LOSS_TYPES)
 
 
-def test_unverified_loss_types_are_refused():
+def test_unverified_loss_types_are_refused(monkeypatch):
+    from trl_ext.plugins.token_budget import hooks
+
+    # a loss type a newer TRL adds, which token_budget has not verified
+    monkeypatch.setattr(hooks, "trl_loss_types", lambda: {*trl_loss_types(), "brand_new"})
     with pytest.raises(UsageError, match="has not been verified with `loss_type='brand_new'`"):
         check_loss_types(["sigmoid", "brand_new"], False)
     with pytest.raises(UsageError, match="use_weighting=True"):
         check_loss_types(["sigmoid", "sft"], True)
     check_loss_types(sorted(ACCEPTED_LOSS_TYPES), False)
+
+
+def test_a_loss_type_trl_does_not_know_is_named_as_trl_names_it():
+    """Issue 41: a misspelled loss type is TRL's "Unknown loss type" (which stock TRL raises at the first step), with
+    a "did you mean", not token_budget's "not verified"."""
+    with pytest.raises(UsageError) as info:
+        check_loss_types(["sigmod"], False)
+    message = str(info.value)
+    assert "`loss_type='sigmod'` is no loss type of the installed TRL" in message
+    assert "`ValueError: Unknown loss type: sigmod`" in message and "Did you mean `sigmoid`?" in message
+    assert "not been verified" not in message
 
 
 def test_sft_with_use_weighting_is_refused_when_built(dpo_args, tokenizer):

@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from .. import __version__, _compat
-from ..errors import UsageError
+from ..errors import UsageError, did_you_mean
 
 _VERSIONED = ("trl", "transformers", "torch", "accelerate", "deepspeed", "peft", "pluggy")
 
@@ -71,7 +71,6 @@ def _print_settings(info) -> None:
 
 def _plugin_page(catalog, name: str) -> int:
     """`trl-ext plugins NAME`: the plugin's documentation (its module docstring) and its flags and options."""
-    import difflib
     import inspect
 
     from ..catalog import plugin_info
@@ -79,8 +78,7 @@ def _plugin_page(catalog, name: str) -> int:
     if name not in catalog.specs:
         if name in catalog.broken:
             raise UsageError(catalog.broken_message(name))
-        close = difflib.get_close_matches(name, list(catalog.specs), n=1)
-        hint = f" Did you mean `{close[0]}`?" if close else ""
+        hint = did_you_mean(name, catalog.specs)
         blocked = " It is blocked." if name in catalog.blocked else ""
         raise UsageError(
             f"No trl-ext plugin `{name}`.{blocked}{hint} Installed: {', '.join(catalog.specs) or 'none'} "

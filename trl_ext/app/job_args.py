@@ -28,6 +28,13 @@ __all__ = [
 
 _PREFIX = "--trl_ext_"
 _EXTRA_KEYS = ("config",)  # --trl_ext_config PATH: a trl-ext YAML of its own
+#: What the core keys take: given without a value, they are refused (they are no booleans).
+_VALUE_OF = {
+    "plugins": 'options by plugin name as JSON (`--trl-ext-plugins \'{"padding_free": {"attention": "dense"}}\'`), '
+    "or a comma list of plugin names",
+    "block": "a comma list of plugin names never to load (`--trl-ext-block name,other`)",
+    "config": "the path of a trl-ext YAML file",
+}
 
 
 def _cli_name(token: str) -> str | None:
@@ -65,8 +72,10 @@ def split_argv(argv: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
                 i += 1
             elif name in catalog.flags:
                 value = catalog.flags[name][0].cli_const
+            elif name in _VALUE_OF:
+                raise UsageError(f"`{token}` needs a value: {_VALUE_OF[name]}.")
             else:
-                value = "true"
+                value = "true"  # an unknown flag: refused below, with a "did you mean"
         if name not in catalog.flags and name not in (*_EXTRA_KEYS, "plugins", "block"):
             from ..config import unknown_flag_message
 

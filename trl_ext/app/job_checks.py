@@ -3,11 +3,11 @@ one `UsageError` line naming the fix instead of a traceback (or, for a model fol
 Hub retries when offline):
 
 - the output folder can be created and written;
-- a model or dataset that looks like a local path exists (a Hub id is left to the Hub, except when offline, where it
-  must be in the local cache);
+- a model or dataset that looks like a local path exists, and a model path is a folder, not a file; a Hub model id
+  must be in the local cache or the Hub reachable (offline, or with no connection, that is said at once);
 - the dataset: a folder written by `Dataset.save_to_disk` / `DatasetDict.save_to_disk` is read with
-  `load_from_disk` (`load_dataset` cannot read it); the training split exists, has rows, and has the columns the
-  trainer needs.
+  `load_from_disk` (`load_dataset` cannot read it); the training split exists, has rows (an empty data file
+  included), and has the columns the trainer needs.
 """
 
 from __future__ import annotations
@@ -61,10 +61,44 @@ def _looks_local(value: str) -> str | None:
     return None
 
 
+#: Seconds to wait for a connection to the Hub before calling it unreachable.
+_HUB_TIMEOUT_S = 5.0
+
+
+def _hub_unreachable() -> str | None:
+    """Why the Hub cannot be reached from here (`HF_HUB_OFFLINE`, or no connection to its endpoint within a few
+    seconds), or None. Behind a proxy the Hub is left to answer for itself: a direct connection says nothing there."""
+    if _offline():
+        return "HF_HUB_OFFLINE is set"
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return None
+    import socket
+    from urllib.parse import urlsplit
+
+    from huggingface_hub import constants
+
+    url = urlsplit(constants.ENDPOINT)
+    host = url.hostname or "huggingface.co"
+    port = url.port or (80 if url.scheme == "http" else 443)
+    try:
+        socket.create_connection((host, port), timeout=_HUB_TIMEOUT_S).close()
+    except OSError as exc:
+        # Without this check the Hub client retries for about 40 s, then raises `OSError`.
+        return f"{host} cannot be reached from here: {exc.strerror or exc}"
+    return None
+
+
 def check_path(value: str | None, flag: str, kind: str, repo_type: str = "model") -> None:
     """A model (`kind` "model") or dataset given as `flag value` exists: a local path that does not exist is refused
-    at once; a Hub id, when offline (`HF_HUB_OFFLINE`), must be in the local cache."""
-    if not value or os.path.exists(os.path.expanduser(value)):
+    at once, and so is a file where a model folder is needed; a Hub model id that is not in the local cache needs
+    the Hub (offline, or with no connection to it, that is said at once)."""
+    path = os.path.expanduser(value) if value else None
+    if path is not None and repo_type == "model" and os.path.isfile(path):
+        raise UsageError(
+            f"`{flag} {value}` is a file; a {kind} is a folder (with its `config.json` and weights, as "
+            "`save_pretrained` writes it) or a Hub id. Give the folder."
+        )
+    if not value or os.path.exists(path or value):
         return
     why = _looks_local(value)
     if why is not None:
@@ -72,13 +106,16 @@ def check_path(value: str | None, flag: str, kind: str, repo_type: str = "model"
             f"`{flag} {value}`: the folder {os.path.abspath(os.path.expanduser(value))} does not exist ({why}, so it "
             f"is not read as a Hub id). Give the folder of a saved {kind}, or a Hub id."
         )
-    if _offline() and repo_type == "model":
+    if repo_type == "model":
         from huggingface_hub import try_to_load_from_cache
 
-        if not isinstance(try_to_load_from_cache(value, "config.json"), str):
+        if isinstance(try_to_load_from_cache(value, "config.json"), str):
+            return
+        unreachable = _hub_unreachable()
+        if unreachable is not None:
             raise UsageError(
-                f"`{flag} {value}`: no such folder, and the Hub model `{value}` is not in the local cache while "
-                "HF_HUB_OFFLINE is set. Give the folder of a saved model, or download it first (online)."
+                f"`{flag} {value}`: no such folder, the Hub model `{value}` is not in the local cache, and the Hub "
+                f"cannot be used ({unreachable}). Give the folder of a saved {kind}, or download it first (online)."
             )
 
 
@@ -106,7 +143,19 @@ def load_job_dataset(name: str, config: str | None, train_split: str, streaming:
             loaded = datasets.IterableDatasetDict({k: v.to_iterable_dataset() for k, v in loaded.items()})
         return loaded
     check_path(name, "--dataset_name", "dataset", repo_type="dataset")
-    return datasets.load_dataset(name, name=config, streaming=streaming)
+    try:
+        return datasets.load_dataset(name, name=config, streaming=streaming)
+    except StopIteration:
+        # datasets infers the features from a first row, and an empty data file has none.
+        empty = []
+        if os.path.isdir(os.path.expanduser(name)):
+            root = Path(os.path.expanduser(name))
+            empty = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and p.stat().st_size == 0)
+        files = f" ({', '.join(empty)} {'is' if len(empty) == 1 else 'are'} empty)" if empty else ""
+        raise UsageError(
+            f"The dataset `{name}` has no rows{files}: `datasets` cannot read a split without one. Give a dataset "
+            "with data."
+        ) from None
 
 
 def check_dataset(dataset: Any, command: str, name: str, train_split: str, test_split: str | None) -> None:

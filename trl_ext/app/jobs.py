@@ -98,8 +98,9 @@ def run_dpo(argv: Sequence[str]) -> int:
     finally:
         if stripped:
             os.unlink(stripped)
-    # Before a model is loaded: a data or path mistake is one line that names the fix.
+    # Before a model is loaded: a data, path or settings mistake is one line that names the fix.
     _check_paths(training_args, model_args.model_name_or_path, "dpo")
+    _check_settings(config, "DPOTrainer", training_args)
     dataset = None
     if script_args.dataset_name and not dataset_args.datasets:
         dataset = _job_dataset(script_args, training_args, "dpo", getattr(script_args, "dataset_streaming", False))
@@ -113,6 +114,14 @@ def _check_paths(training_args: Any, model: str | None, command: str) -> None:
         raise UsageError(f"`trl-ext {command}` needs `--model_name_or_path` (a model folder or a Hub id).")
     check_path(model, "--model_name_or_path", "model")
     check_output_dir(training_args.output_dir)
+
+
+def _check_settings(config: TrlExtConfig, trainer_class: str, training_args: Any) -> None:
+    """What the job's trainer would refuse for its settings when built (options of a plugin that stays off, a plugin
+    flag given off against the TRL flag it serves), refused now, before a model loads."""
+    from ..installation import check_trainer_settings
+
+    check_trainer_settings(config, trainer_class, training_args)
 
 
 def _job_dataset(script_args: Any, training_args: Any, command: str, streaming: bool = False) -> Any:
@@ -217,6 +226,7 @@ def run_online_dpo(argv: Sequence[str]) -> int:
         raise UsageError("`trl-ext online-dpo` needs `--reward_funcs` (`module:function` or a reward model path).")
     # Before a model is loaded: a data or path mistake is one line that names the fix.
     _check_paths(training_args, model_args.model_name_or_path, "online-dpo")
+    _check_settings(config, "OnlineDPOTrainer", training_args)
     check_path(script_args.ref_model_name_or_path, "--ref_model_name_or_path", "model")
     reward_funcs = [_load_reward(spec) for spec in script_args.reward_funcs]
     dataset = _job_dataset(script_args, training_args, "online-dpo")

@@ -32,7 +32,8 @@ checkpoint function, so the same `gradient_checkpointing_kwargs`). It is a class
 exactly once on every path (TRL #2639, "generator didn't stop").
 
 Without DeepSpeed ZeRO-3 (one process, DDP, ZeRO-1/2) there is nothing to gather or stream: the context only does the
-state restoration above, and says so at info level once per trainer.
+state restoration above, says so at info level once per trainer, and the end-of-run line of `trl-ext online-dpo`
+says it did nothing.
 
 Enable:
 

@@ -45,6 +45,7 @@ class GenerationContext:
             self._stack.close()
             raise
         self.state.generations += 1
+        self.state.modes[self.mode or "passthrough"] += 1
         return unwrapped
 
     def __exit__(self, exc_type, exc, tb) -> Literal[False]:

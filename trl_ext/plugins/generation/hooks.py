@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
@@ -61,6 +62,7 @@ class GenerationState:
         plan: the latest budget plan (which decoder layers stay gathered).
         logged: one-time log lines already written.
         generations: number of generation contexts entered (for tests and reports).
+        modes: how many generations ran in each mode ("gather", "stream", "budget", "passthrough").
     """
 
     def __init__(self, flag: Any, options: GenerationOptions | dict[str, Any]) -> None:
@@ -74,6 +76,21 @@ class GenerationState:
         self.plan: BudgetPlan | None = None
         self.logged: set[str] = set()
         self.generations = 0
+        self.modes: Counter[str] = Counter()
+
+    def summary(self) -> str:
+        """What ran, for the end-of-run line (`trl-ext online-dpo`: `[trl-ext]   generation: ...`)."""
+        if not self.generations:
+            return "did nothing: no generation ran"
+        if set(self.modes) == {"passthrough"}:
+            return (
+                "did nothing: the model is not a DeepSpeed ZeRO-3 engine (single process, DDP, ZeRO-1/2 or FSDP), so "
+                f"there was nothing to gather or stream; its {self.generations} generation(s) only got the "
+                "exception-safe restore of modes, gradient checkpointing and generation_config"
+            )
+        return f"{self.generations} generation(s): " + ", ".join(
+            f"{n} {mode}" for mode, n in sorted(self.modes.items())
+        )
 
     def log_once(self, key: str, message: str, *args: Any) -> None:
         if key not in self.logged:

@@ -67,7 +67,7 @@ Options, under `plugins: {precompute_ref_batch_size: {...}}`:
 Refuses (`trl_ext.UsageError`): unknown options or bad values. An `IterableDataset` is left to TRL, which refuses it
 with its own `ValueError` (the same message as without trl-ext, so code that matches TRL's message keeps working).
 It only applies to `DPOTrainer` with `precompute_ref_log_probs=True`; with that off it logs a warning that it has
-nothing to do.
+nothing to do, and the end-of-run line of `trl-ext dpo` says it did nothing.
 """
 
 from __future__ import annotations

@@ -26,9 +26,13 @@ logger = get_logger(__name__)
 
 @hookimpl
 def trl_ext_trainer_init_start(trainer: Trainer, context: TrainerContext, init_kwargs: dict[str, Any]) -> None:
-    context.state[NAME] = PrecomputeState(options=context.options(NAME))
+    state = context.state[NAME] = PrecomputeState(options=context.options(NAME))
     args = init_kwargs.get("args")
     if not getattr(args, "precompute_ref_log_probs", False):
+        state.idle = (
+            "this DPOTrainer has `precompute_ref_log_probs=False`, so there was no reference precompute to run "
+            "(set `precompute_ref_log_probs=True` in the DPOConfig)"
+        )
         logger.warning(
             "trl-ext: `precompute_ref_batch_size` is set, but this DPOTrainer has `precompute_ref_log_probs=False`, "
             "so there is no reference precompute to run. Set `precompute_ref_log_probs=True` in the DPOConfig."
@@ -60,7 +64,9 @@ def trl_ext_describe(trainer: Trainer, context: TrainerContext) -> str | None:
     if state is None:
         return None
     parts = [f"batch size {context.config.precompute_ref_batch_size}"]
-    if state.options.cache_dir is not None:
+    if state.cache_problem is not None:  # the cache named in the options is not the one in use
+        parts.append(state.cache_problem)
+    elif state.options.cache_dir is not None:
         parts.append(f"cache {state.options.cache_dir}")
     # TRL precomputes in `__init__` on the versions that do it eagerly: say what already ran.
     how = {"cache": "from the cache", "computed": "computed"}
@@ -94,9 +100,27 @@ class PrecomputeState:
             tests and benchmarks.
         batch_tokens: the per-batch token budget `"auto"` chose (kept for later `evaluate()` precomputes).
         model_hash: the hash of the reference weights, taken at the first precompute.
+        idle: why the plugin has nothing to do for this trainer (no `precompute_ref_log_probs`), or None.
+        cache_problem: what became of a cache directory that cannot be used (created, written), or None.
     """
 
     options: PrecomputeOptions
     runs: list[dict[str, Any]] = field(default_factory=list)
     batch_tokens: float | None = None
     model_hash: str | None = None
+    idle: str | None = None
+    cache_problem: str | None = None
+
+    def summary(self) -> str:
+        """What ran, for the end-of-run line (`trl-ext dpo`: `[trl-ext]   precompute_ref_batch_size: ...`)."""
+        if self.idle is not None:
+            return f"did nothing: {self.idle}"
+        if not self.runs:
+            return "did nothing: TRL asked for no reference precompute"
+        how = {"cache": "from the cache", "computed": "computed"}
+        runs = [
+            f"{run['name']}: {run['n_pairs']} pairs {how.get(run.get('source', ''), 'computed')}" for run in self.runs
+        ]
+        caches = sorted({run["cache_dir"] for run in self.runs if "cache_dir" in run})
+        cache = self.cache_problem or (f"cache {', '.join(caches)}" if caches else "no cache")
+        return f"{', '.join(runs)}; {cache}"

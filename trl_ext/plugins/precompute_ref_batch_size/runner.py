@@ -123,6 +123,7 @@ class Precompute:
         try:
             root.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
+            self.state.cache_problem = f"no cache: {root} cannot be created ({exc.strerror or exc})"
             logger.warning(
                 "trl-ext `%s`: cannot create the cache directory %s (%s); computing without a cache. Set "
                 "`plugins.%s.cache_dir` to a writable directory.",
@@ -137,6 +138,7 @@ class Precompute:
                 pass
         except OSError as exc:
             self.cache_writable = False
+            self.state.cache_problem = f"cache {root} read-only, nothing saved ({exc.strerror or exc})"
             logger.warning(
                 "trl-ext `%s`: the cache directory %s is not writable (%s); an entry already there is used, but "
                 "nothing is saved (no cache entry, no resume shards). Set `plugins.%s.cache_dir` to a writable "
@@ -159,6 +161,7 @@ class Precompute:
             write(*args)
         except OSError as exc:
             self.cache_writable = False
+            self.state.cache_problem = f"cache not saved: a write failed ({exc.strerror or exc})"
             logger.warning(
                 "trl-ext `%s`: could not write the reference log-prob cache (%s); continuing without saving it.",
                 NAME,

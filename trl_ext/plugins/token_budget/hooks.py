@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ..._logging import get_logger
-from ...errors import UsageError
+from ...errors import UsageError, did_you_mean
 from ...hookspecs import hookimpl
 from .._roles import METRICS, PACKING
 from . import NAME
@@ -72,6 +72,15 @@ def check_loss_types(loss_types: list[str], use_weighting: bool) -> None:
             raise _refuse(
                 f"cannot re-cut micro-batches for `loss_type={loss_type!r}`: {COUPLED_LOSS_TYPES[loss_type]}, so its "
                 "value changes with the cut. Use a loss type that is a mean over pairs, or disable `token_budget`."
+            )
+        known = trl_loss_types()
+        if loss_type not in known:
+            # Not a trl-ext limit: stock TRL itself fails on it, at the first step (`_compute_loss`). Say that now,
+            # in TRL's words, rather than "not verified".
+            raise UsageError(
+                f"`loss_type={loss_type!r}` is no loss type of the installed TRL (stock TRL raises `ValueError: "
+                f"Unknown loss type: {loss_type}` at the first step).{did_you_mean(loss_type, sorted(known))} TRL's "
+                f"loss types: {', '.join(sorted(known))}."
             )
         if loss_type not in ACCEPTED_LOSS_TYPES:
             raise _refuse(
