@@ -343,3 +343,17 @@ def test_attention_fused_with_a_wrong_kernel_stops_before_any_step(monkeypatch, 
     ):
         trainer.train()
     assert all(torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())
+
+
+def test_doctor_names_each_kernel_and_what_it_lacks(monkeypatch):
+    """`trl-ext doctor` says which fused kernel is installed and what its release lacks."""
+    from trl_ext.app.cli import _fused_kernels
+
+    releases.install_release(monkeypatch, "2.10")
+    assert _fused_kernels().startswith("varlen_attn (no window_size, no scale: such models run per segment): CUDA")
+    kernels._varlen_parameters.cache_clear()
+    releases.install_release(monkeypatch, "2.13")
+    monkeypatch.setitem(sys.modules, "flash_attn", releases.flash_attn_module("2.6.3"))
+    monkeypatch.setattr(torch.version, "hip", "6.2")
+    line = _fused_kernels()
+    assert line.startswith("varlen_attn, flash_attn: CUDA bf16/fp16 only; not used on ROCm"), line

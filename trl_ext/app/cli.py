@@ -120,6 +120,28 @@ def _attention_backends() -> list[str]:
     return out
 
 
+def _fused_kernels() -> str:
+    """The fused varlen kernels the packing plugins may choose here, what each takes, and where they are not used."""
+    try:
+        import torch
+
+        from ..plugins._packing import kernels
+    except Exception as exc:  # noqa: BLE001 - said, not raised
+        return f"unknown ({exc})"
+    found = kernels.installed_kernels()
+    if not found:
+        return "none (torch.nn.attention.varlen needs torch >= 2.10; flash-attn >= 2.3 not installed)"
+    parts = []
+    for name, kernel in found.items():
+        lacks = [what for what, has in (("window_size", kernel.windows), ("scale", kernel.scales)) if not has]
+        missing = " (no " + ", no ".join(lacks) + ": such models run per segment)" if lacks else ""
+        parts.append(name + missing)
+    where = "CUDA bf16/fp16 only"
+    if getattr(torch.version, "hip", None):
+        where += "; not used on ROCm (not measured there)"
+    return f"{', '.join(parts)}: {where}; each call pattern probed on the device before it trains"
+
+
 def _dpo_scoring() -> str:
     """How the installed DPOTrainer scores (the probed layout, docs/versions.md)."""
     try:
@@ -166,6 +188,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         print(f"  devices       unknown ({exc})")
     backends = _attention_backends()
     print(f"  attention     {', '.join(backends) if backends else 'unknown (transformers not importable)'}")
+    print(f"  fused varlen  {_fused_kernels()}")
     print("OK" if ok else "PROBLEMS FOUND (see above)")
     return 0 if ok else 1
 
