@@ -182,6 +182,17 @@ def test_direction_says_faster_or_slower_only_when_the_spread_does():
     assert stats.direction(ratio(1.5, 1.7, 1.9)) == "faster"
     assert stats.direction(ratio(0.5, 0.6, 0.9)) == "slower"
     assert stats.direction(ratio(0.9, 1.1, 1.3)).startswith("(no clear difference")
+    # within 5 % of 1 the rounds do not say which is faster: the verdict that flipped between three runs
+    assert stats.direction(ratio(1.03, 1.18, 1.3)).startswith("(no clear difference")
+    assert stats.direction(ratio(0.9, 0.93, 0.96)).startswith("(no clear difference")
+
+
+def test_one_run_says_no_direction_within_five_percent():
+    """A single measurement (the ZeRO-3 generation rows) has no spread: 0.98x is not "faster"."""
+    assert output._times_text(0.98, "TRL gather") == "0.98x TRL gather's (no clear difference)"
+    assert output._times_text(1.03, "TRL gather") == "1.03x TRL gather's (no clear difference)"
+    assert output._times_text(1.16, "TRL gather") == "1.16x TRL gather's (slower)"
+    assert output._times_text(0.5, "TRL gather") == "0.50x TRL gather's (faster)"
 
 
 def test_collectives_verdict_compares_the_count_with_one_per_logging_step():
@@ -247,7 +258,7 @@ def test_table_puts_flags_on_their_own_lines_and_reports_what_it_measured():
     assert any("WIDE SPREAD" in line for line in flagged) and any("ABOVE BOUND" in line for line in flagged)
     assert "(one run)" not in table and "(best of 2 runs)" in table
     assert "time" in table and all(
-        ("(slower)" in line) or ("(faster)" in line) or ("(the same)" in line)
+        ("(slower)" in line) or ("(faster)" in line) or ("(no clear difference)" in line)
         for line in rows
         if "TRL gather's" in line and "time" in line
     )

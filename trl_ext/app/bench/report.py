@@ -11,16 +11,17 @@ from typing import Any
 
 from .plugin_sections import BUDGET_RTOL, FUSED_RTOL
 from .sections import REF_LOGP_RTOL
-from .stats import ratio_text
+from .stats import NO_CLEAR_DIFFERENCE, ratio_text
 
 
 def _times_text(ratio: float, baseline: str) -> str:
-    """A time ratio `this / baseline` from single measurements, with what it says."""
-    if ratio > 1:
+    """A time ratio `this / baseline` from single measurements: a direction only beyond `NO_CLEAR_DIFFERENCE` (one
+    run has no spread to tell a few percent from noise)."""
+    if ratio > 1 + NO_CLEAR_DIFFERENCE:
         return f"{ratio:.2f}x {baseline}'s (slower)"
-    if ratio < 1:
+    if ratio < 1 - NO_CLEAR_DIFFERENCE:
         return f"{ratio:.2f}x {baseline}'s (faster)"
-    return f"1.00x {baseline}'s (the same)"
+    return f"{ratio:.2f}x {baseline}'s (no clear difference)"
 
 
 def _rows(report: dict[str, Any]) -> list[tuple[str, str, str, str, list[str]]]:
@@ -168,21 +169,21 @@ def _plugin_rows(sections: dict[str, Any]) -> list[tuple[str, str, str, str, lis
             (
                 f"DPO train(), {tb['pairs_per_step']} pairs/step: padding_free {tb['pair_batch']} pairs/micro-batch "
                 f"vs token_budget={tb['token_bound']} (s)",
-                f"{statistics.median(tb['padding_free']['train_seconds']):.3f}",
+                f"padding_free: {statistics.median(tb['padding_free']['train_seconds']):.3f}",
                 f"{statistics.median(tb['trl_ext']['train_seconds']):.3f}",
                 f"{ratio_text(tb['speedup'])} (vs padding_free)",
                 tb["speedup"]["flags"],
             ),
             (
                 "token_budget: peak RSS growth of train(), vs padding_free",
-                _peak(tb["padding_free"]["peak_mb"]),
+                f"padding_free: {_peak(tb['padding_free']['peak_mb'])}",
                 _peak(tb["trl_ext"]["peak_mb"]),
                 tb["memory"]["text"],
                 tb["memory"]["flags"],
             ),
             (
                 "token_budget: micro-batches per step; largest micro-batch (tokens)",
-                f"{counts['padding_free']}",
+                f"padding_free: {counts['padding_free']}",
                 f"{', '.join(str(c) for c in counts['token_budget'])}",
                 tb["bound"]["text"],
                 tb["bound"]["flags"],
@@ -226,7 +227,12 @@ def _plugin_rows(sections: dict[str, Any]) -> list[tuple[str, str, str, str, lis
     return rows
 
 
-_HEADER = ("measure", "stock TRL", "trl-ext", "ratio: median of per-round stock/trl-ext [spread], or verdict")
+_HEADER = (
+    "measure",
+    "baseline (stock TRL unless named)",
+    "trl-ext",
+    "ratio: median of per-round baseline/trl-ext [spread], or verdict",
+)
 
 
 def text_table(report: dict[str, Any]) -> str:
