@@ -165,7 +165,8 @@ def test_fused_path_equals_stock_in_bf16(plugin, model_type, checkpointing, monk
             sweep.shared_model(context, PromptSharingState(), model)
             extra = {LAYOUT_KEY: build_layout(ids, mask, prompt_end).to_batch()}
         trainer = sweep._trainer()
-        choice = kernels.choose_for_model(model, "sdpa", "fused", trainer, plugin)  # refuses if it cannot run
+        # `attention: fused`: refuses if the kernel cannot run
+        choice = kernels.choose_for_model(model, "sdpa", "fused", trainer, plugin, patcher=None)
         assert choice.kernel is not None
         fused = _measure(model, model.forward, ids, mask, moe, **extra)
     finally:

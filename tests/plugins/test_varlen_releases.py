@@ -357,3 +357,18 @@ def test_doctor_names_each_kernel_and_what_it_lacks(monkeypatch):
     monkeypatch.setattr(torch.version, "hip", "6.2")
     line = _fused_kernels()
     assert line.startswith("varlen_attn, flash_attn: CUDA bf16/fp16 only; not used on ROCm"), line
+
+
+def test_detach_forgets_the_models_kernel_choice(monkeypatch, dpo_args, tokenizer, dataset):
+    """A trainer's kernel choices (and their probe verdicts) are kept per model config while it is attached, and
+    forgotten when it is detached."""
+    kernel = _kernel(monkeypatch, "2.13", dtypes=F64)
+    monkeypatch.setattr(kernels, "KERNELS", {"varlen_attn": kernel})
+    build = eq.dpo_builder(dpo_args, tokenizer, dataset, sharpened=False, factory=_scaled_mistral)
+    installation = trl_ext.install(padding_free=True)
+    with installation:
+        trainer = build()
+    layer = trainer.model.model.layers[0].self_attn
+    assert kernels.choice_for(layer) is not None
+    installation.detach(trainer)
+    assert kernels.choice_for(layer) is None and id(trainer.model.config) not in kernels._CHOICES

@@ -154,11 +154,7 @@ def installed_kernels() -> dict[str, Kernel]:
 
 
 def _version_tuple(version: str) -> tuple[int, ...]:
-    parts = []
-    for part in version.split(".")[:2]:
-        digits = "".join(itertools.takewhile(str.isdigit, part))
-        parts.append(int(digits or 0))
-    return tuple(parts)
+    return tuple(int("".join(itertools.takewhile(str.isdigit, part)) or 0) for part in version.split(".")[:2])
 
 
 #: The kernels the choice considers, by name: `installed_kernels()` at import. Unit tests substitute entries here.
@@ -337,13 +333,17 @@ def has_windows(config: Any) -> bool:
 
 
 def choose_for_model(
-    model: torch.nn.Module, base: str, requested: str, trainer: Any, plugin: str, prefer: str | None = None
+    model: torch.nn.Module, base: str, requested: str, trainer: Any, plugin: str, prefer: str | None = None, *, patcher
 ) -> Choice:
-    """`choose` for `model` (loaded with attention `base`) in `trainer`, made its packed attention (`set_choice`)."""
+    """`choose` for `model` (loaded with attention `base`) in `trainer`, made its packed attention (`set_choice`);
+    forgotten when `patcher` (the trainer's undo stack) is undone."""
     device, dtype = training_device_dtype(model, trainer)
     features = unsupported_features(model, base)
     choice = choose(requested, device, dtype, features, prefer, has_windows(model.config), plugin, own_scales(model))
     set_choice(model.config, choice)
+    if patcher is not None:  # None: a caller without a trainer (a test, the GPU bench)
+        config = model.config
+        patcher.defer(lambda: _CHOICES.pop(id(config), None))
     return choice
 
 

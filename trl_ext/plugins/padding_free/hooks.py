@@ -165,7 +165,7 @@ def trl_ext_trainer_models_ready(trainer: Trainer, context: TrainerContext) -> N
     for role, model in context.models().items():
         if role not in state.attn_implementations:  # a model whose backbone the core could not reach
             state.attn_implementations[role] = _configure_model(context, role, model)
-        _choose_kernel(state, role, model, trainer)
+        _choose_kernel(state, role, model, trainer, context)
         limit = row_limit(model)
         context.patcher.setattr(model, "forward", _make_causal_lm_forward(model.forward, state, limit))
         check_model(state, role, model, trainer)
@@ -173,13 +173,13 @@ def trl_ext_trainer_models_ready(trainer: Trainer, context: TrainerContext) -> N
     log_choices(logger, NAME, state.kernels)
 
 
-def _choose_kernel(state: PaddingFreeState, role: str, model, trainer) -> None:
+def _choose_kernel(state: PaddingFreeState, role: str, model, trainer, context: TrainerContext) -> None:
     """The kernel of a model switched to the varlen attention (`_packing.kernels`): one fused varlen kernel per layer
     on CUDA in bf16/fp16, else the per-segment loop; `attention: fused` where it cannot run raises here."""
     impl = state.attn_implementations[role]
     base = next((b for b in VARLEN_BASES if impl == varlen_attention_name(b)), None)
     if base is not None:
-        state.kernels[role] = choose_for_model(model, base, state.attention, trainer, NAME)
+        state.kernels[role] = choose_for_model(model, base, state.attention, trainer, NAME, patcher=context.patcher)
 
 
 def row_limit(model) -> int | None:
