@@ -202,3 +202,19 @@ def test_device_tiny_runs_every_part_end_to_end(tmp_path):
     assert (out / "table.md").read_text().startswith("# trl-ext bench --device: cpu, preset tiny")
     if device_report.matplotlib_missing() is None:
         assert (out / "bench.png").stat().st_size > 0
+
+
+def test_the_docs_quote_a_recorded_gpu_run_or_say_not_measured(tmp_path):
+    """docs/benchmarks.md's `gpu` part: "not measured" while no run is recorded; the recorded report's table once
+    `benchmarks/results/gpu_bench.json` exists."""
+    from trl_ext.app import docs
+
+    assert docs.gpu_table(tmp_path, "").startswith("**Not measured:** no `trl-ext bench --device cuda` run")
+    report = _header({"parts": {"packing": {"status": "done", "token_bound": 2.0,
+                                            "settings": {"checkpointing_off": {"stock": _entry(0.3)}}}}})  # fmt: skip
+    report["targets"] = device_report.targets(report)
+    (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+    (tmp_path / "benchmarks" / "results" / docs.GPU_RESULT).write_text(json.dumps(report))
+    table = docs.gpu_table(tmp_path, "")
+    assert table.startswith("trl-ext ") and "| packing | off | stock | 0.300 s |" in table
+    assert "Token bound of the packing step: 2.00" in table and not table.startswith("#")

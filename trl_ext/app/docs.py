@@ -10,6 +10,7 @@ fills it (`GENERATORS`):
 - `flags`: every built-in flag with its plugin (docs/configuration.md);
 - `hooks`: every hook of `trl_ext.hookspecs` with its first sentence (docs/writing-plugins.md);
 - `bench`: the recorded `trl-ext bench --quick` run, `benchmarks/results/bench_quick.json` (docs/benchmarks.md);
+- `gpu`: the recorded `trl-ext bench --device cuda` run, `benchmarks/results/gpu_bench.json`, or "not measured";
 - `fused_logprobs`: the recorded `benchmarks/fused_logprobs.py` run, `benchmarks/results/fused_logprobs.json`;
 - `fused_dpo_packing`: the recorded `benchmarks/fused_dpo_packing.py` run, `benchmarks/results/fused_dpo_packing.json`.
 
@@ -123,6 +124,25 @@ def bench_table(root: Path, argument: str) -> str:
     return markdown_table(_results(root, "bench_quick.json"))
 
 
+#: Where the GPU proof command's `report.json` is recorded (docs/benchmarks.md, "Running it on the GPU machine").
+GPU_RESULT = "gpu_bench.json"
+
+
+def gpu_table(root: Path, argument: str) -> str:
+    """The recorded `trl-ext bench --device cuda` run (`benchmarks/results/gpu_bench.json`), or that there is none: a
+    GPU figure is measured or said to be not measured, never estimated."""
+    from .bench.device_report import markdown
+
+    path = root / "benchmarks" / "results" / GPU_RESULT
+    if not path.exists():
+        return _wrap(
+            f"**Not measured:** no `trl-ext bench --device cuda` run is recorded (`benchmarks/results/{GPU_RESULT}`). "
+            "The fused varlen kernels, the kernel probe and every plugin's step time and memory with them have not "
+            "run on a GPU."
+        )
+    return markdown(json.loads(path.read_text())).split("\n", 2)[2]  # without its title: the page has one
+
+
 def fused_logprobs_table(root: Path, argument: str) -> str:
     """The recorded Online DPO step comparison of `benchmarks/fused_logprobs.py`."""
 
@@ -169,6 +189,7 @@ GENERATORS: dict[str, Callable[[Path, str], str]] = {
     "flags": flags_table,
     "hooks": hooks_table,
     "bench": bench_table,
+    "gpu": gpu_table,
     "fused_logprobs": fused_logprobs_table,
     "fused_dpo_packing": fused_dpo_packing_sentence,
 }
