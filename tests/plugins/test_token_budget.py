@@ -99,7 +99,8 @@ def test_equals_stock_sigmoid(dpo_args, tokenizer):
         plugin = _train(dpo_args, tokenizer, {PLUGIN: BUDGET})
     _assert_same_run(stock, plugin)
     lines = [r.getMessage() for r in records if "exceed the budget" in r.getMessage()]
-    assert len(lines) == 1 and f"budget of {BUDGET} padded tokens" in lines[0], "one line for the long pair's step"
+    assert len(lines) == 1 and f"budget of {BUDGET} padded tokens" in lines[0], "one line per run"
+    assert "said once" in lines[0]
     state = _state(plugin[0])
     assert len(state.micro_batch_counts) == 2
     assert sum(state.over_budget) > 0, "the data must hold a pair longer than the budget"

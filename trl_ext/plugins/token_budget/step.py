@@ -93,6 +93,7 @@ class TokenBudgetState:
         self.step_losses: list[torch.Tensor] = []
         self.empty_slots = 0
         self.warned_nonfinite = False
+        self.warned_over = False
         #: `(mode, calls, sizes)` not yet told to the other plugins (`trl_ext_stock_batches`, through the core)
         self.stock_batches: list[tuple[str, int, list[int]]] = []
 
@@ -115,9 +116,12 @@ class TokenBudgetState:
                 counts = {pair: n for mb in micro_batches for pair, n in sft.chosen_tokens(mb).items()}
                 sft.assign_scales(micro_batches, counts, len(examples))
             count, smallest = len(micro_batches), None
-        if over and is_main_process(self.trainer.accelerator):  # on several processes every rank counts all pairs
+        if over and not self.warned_over and is_main_process(self.trainer.accelerator):
+            # once per run (on several processes every rank counts all pairs): the end line gives the run's count
+            self.warned_over = True
             logger.warning(
-                "token_budget: %d pair(s) of this step exceed the budget of %d %s tokens; each runs alone.",
+                "token_budget: %d pair(s) of this step exceed the budget of %d %s tokens; each runs alone (said once: "
+                "the line at the end of train() counts them all).",
                 over,
                 self.budget,
                 self.packed,
