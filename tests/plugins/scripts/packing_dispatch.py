@@ -69,7 +69,7 @@ with trl_ext.install(**{PLUGIN: True}):
     plugin = trainer(PLUGIN)
     plugin_logs = run(plugin)
     if SHARING:
-        summary = plugin._trl_ext.state["prompt_sharing"].summary()
+        summary = plugin._trl_ext.state["prompt_sharing"].counts()
         assert summary["shared_calls"] >= 3 * 2 + 2 * 2, summary
         assert summary["unshared_calls"] == 0 and summary["unshared_sequences"] == 0, summary
     else:

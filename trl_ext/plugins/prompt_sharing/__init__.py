@@ -23,7 +23,7 @@ What runs shared:
 Rows share a prompt when their prompt tokens are identical and start at the same column (so at the same positions).
 Where TRL's truncation leaves two different prompt prefixes for a pair (`truncation_mode="keep_end"`), that pair runs
 unshared (packed, one segment per sequence); the share of sequences that ran unshared is logged (a warning the first
-time, and in `context.state["prompt_sharing"].summary()`).
+time, and in `context.state["prompt_sharing"].counts()`).
 
 Dropout (`dropout.py`). A shared prompt is computed once, so in training both responses would see one dropout mask
 on it where padded training draws two. With `disable_dropout=True` (TRL's default) every dropout site of the models

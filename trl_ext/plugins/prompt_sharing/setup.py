@@ -64,7 +64,7 @@ class PromptSharingState:
             logger.warning(
                 "prompt_sharing: %d of %d sequences in a batch share no prompt prefix with another sequence (a "
                 "single-token prompt, or a pair whose prompts differ after truncation) and run unshared; running total"
-                " in `trainer._trl_ext.state['prompt_sharing'].summary()`",
+                " in `trainer._trl_ext.state['prompt_sharing'].counts()`",
                 layout.unshared_rows,
                 layout.rows,
             )
@@ -73,7 +73,24 @@ class PromptSharingState:
     def unshared_fraction(self) -> float:
         return self.unshared_rows / self.rows if self.rows else 0.0
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> str:
+        """The end-of-run line of `trl-ext dpo` / `online-dpo`, in words (the numbers: `counts()`)."""
+        if not self.shared_calls:
+            unshared = f" ({self.unshared_calls} scoring calls ran unshared)" if self.unshared_calls else ""
+            return f"did nothing: no scoring call was shared{unshared}"
+        saved = 1 - self.shared_tokens / self.padded_tokens if self.padded_tokens else 0.0
+        text = (
+            f"{self.shared_calls} scoring calls shared their prompts: {self.rows} sequences, {self.padded_tokens} "
+            f"padded tokens computed as {self.shared_tokens} ({saved:.0%} fewer)"
+        )
+        if self.unshared_rows:
+            text += f"; {self.unshared_rows} sequences shared no prompt and ran unshared"
+        if self.unshared_calls:
+            text += f"; {self.unshared_calls} scoring calls ran unshared"
+        return text
+
+    def counts(self) -> dict[str, Any]:
+        """What `summary()` says, as numbers."""
         return {
             "shared_calls": self.shared_calls,
             "unshared_calls": self.unshared_calls,
