@@ -416,3 +416,20 @@ def test_collator_refusals(build):
         with pytest.raises(UsageError, match="attention_mask"):
             collator(examples)
         collator.collator = inner
+
+
+def test_the_end_line_says_how_much_padding_was_not_computed(build):
+    """`summary()` (the end line of `trl-ext dpo`): the packed calls, the padded batch's tokens and the packed row's,
+    counted from the batches the model was called with; "did nothing" before any packed call."""
+    with trl_ext.install(padding_free=True):
+        packed = build()
+    state = _state(packed)
+    assert state.summary() == "did nothing: no scoring call was packed"
+    batch = packed.data_collator(eq.examples(packed))
+    packed.compute_ref_log_probs(packed.model, batch)
+    assert state.packed_calls == 1 and 0 < state.packed_tokens < state.padded_tokens
+    saved = 1 - state.packed_tokens / state.padded_tokens
+    assert state.summary() == (
+        f"1 scoring calls packed: {state.padded_tokens} padded tokens computed as {state.packed_tokens} "
+        f"({saved:.0%} padding not computed)"
+    )

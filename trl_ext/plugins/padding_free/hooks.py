@@ -71,8 +71,29 @@ class PaddingFreeState:
     #: number of packed forward calls, and of calls that could not be packed and ran padded
     packed_calls: int = 0
     unpacked_calls: int = 0
+    #: tokens of the packed calls' padded batches, and of their packed rows (the padding not computed)
+    padded_tokens: int = 0
+    packed_tokens: int = 0
     #: the layers of each model that draw random numbers in training mode (`_randomness.training_draws`), by role
     random_draws: dict[str, list[RandomDraw]] = dataclasses.field(default_factory=dict)
+
+    def count(self, info: Any) -> None:
+        """One packed call of the padded `[rows, length]` batch `info` describes."""
+        self.packed_calls, self.padded_tokens = self.packed_calls + 1, self.padded_tokens + info.rows * info.length
+        self.packed_tokens += info.num_tokens
+
+    def summary(self) -> str:
+        """The end-of-run line of `trl-ext dpo`: what packing left out."""
+        if not self.packed_calls:
+            return "did nothing: no scoring call was packed" + (
+                f" ({self.unpacked_calls} ran padded)" if self.unpacked_calls else ""
+            )
+        saved = 1 - self.packed_tokens / self.padded_tokens if self.padded_tokens else 0.0
+        text = (
+            f"{self.packed_calls} scoring calls packed: {self.padded_tokens} padded tokens computed as "
+            f"{self.packed_tokens} ({saved:.0%} padding not computed)"
+        )
+        return text + (f"; {self.unpacked_calls} calls ran padded" if self.unpacked_calls else "")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -361,7 +382,7 @@ def _make_backbone_forward(original: Callable, state: PaddingFreeState, limit: i
         packed, info = _pack_kwargs(kwargs, meta)
         with packed_call(info):
             outputs = original(**packed)
-        state.packed_calls += 1
+        state.count(info)
         outputs.last_hidden_state = unpack_rows(outputs.last_hidden_state, info)
         return outputs
 
@@ -397,7 +418,7 @@ def _make_causal_lm_forward(original: Callable, state: PaddingFreeState, limit: 
         positions = PackedPositions(info.rows, info.length, info.indices, packed_ids)
         with packed_call(info), packed_positions(positions):
             outputs = original(**packed)
-        state.packed_calls += 1
+        state.count(info)
         if positions.padded_output:  # a module inside returned the padded layout already
             return outputs
         fused = bool(kwargs.get("fused_lm_head"))
