@@ -7,8 +7,9 @@ Undo runs in reverse order, and undoing twice is a no-op.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from .errors import UsageError
@@ -57,6 +58,7 @@ class Patcher:
     def __init__(self, name: str = "trl-ext") -> None:
         self.name = name
         self._undo: list[tuple[Any, str, Any]] = []
+        self._set: list[Any] = []  # the value each entry of `_undo` set
 
     def __len__(self) -> int:
         return len(self._undo)
@@ -76,6 +78,7 @@ class Patcher:
         else:
             setattr(target, attr, value)
         self._undo.append((target, attr, own))
+        self._set.append(value)
         return previous
 
     def wrap(self, target: Any, attr: str, make_wrapper: Callable[[Any], Any]) -> Any:
@@ -90,6 +93,7 @@ class Patcher:
         """Undo every recorded change, newest first. Calling it again does nothing."""
         while self._undo:
             target, attr, own = self._undo.pop()
+            self._set.pop()
             if own is _ABSENT:
                 try:
                     delattr(target, attr)
@@ -99,3 +103,38 @@ class Patcher:
                 type.__setattr__(target, attr, own)
             else:
                 setattr(target, attr, own)
+
+    @contextlib.contextmanager
+    def suspended(self, select: Callable[[Any, str], bool]) -> Iterator[None]:
+        """For the duration of the block, put back the original of every attribute this stack changed on a target
+        that `select(target, attr)` accepts, then set again what was there. An attribute that something else has
+        replaced since this stack last set it (accelerate's autocast wrapper around a model's `forward`) is left
+        as it is: what replaced it may call the value set here."""
+        first: dict[tuple[int, str], tuple[Any, str, Any]] = {}
+        last: dict[tuple[int, str], Any] = {}
+        for (target, attr, own), value in zip(self._undo, self._set, strict=True):
+            first.setdefault((id(target), attr), (target, attr, own))
+            last[(id(target), attr)] = value
+        restore: list[tuple[Any, str, Any]] = []
+        try:
+            for key, (target, attr, own) in first.items():
+                current = target.__dict__.get(attr, _ABSENT) if hasattr(target, "__dict__") else _ABSENT
+                if not select(target, attr) or current is not last[key]:
+                    continue
+                restore.append((target, attr, current))
+                _put(target, attr, own)
+            yield
+        finally:
+            for target, attr, current in reversed(restore):
+                _put(target, attr, current)
+
+
+def _put(target: Any, attr: str, own: Any) -> None:
+    """Make `own` the target's own `attr` (`_ABSENT`: remove the own entry)."""
+    if own is _ABSENT:
+        with contextlib.suppress(AttributeError):
+            delattr(target, attr)
+    elif isinstance(target, type):
+        type.__setattr__(target, attr, own)
+    else:
+        setattr(target, attr, own)
