@@ -29,14 +29,12 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from . import _compat
+from . import _verify_state as state
 from ._logging import NOTICE, get_logger, is_main_process
-from ._peak_memory import rss_mib
 from .errors import UsageError
 from .patching import Patcher
 
 if TYPE_CHECKING:  # pragma: no cover
-    import torch
-
     from .context import TrainerContext
 
 __all__ = ["FLOOR_ULPS", "MARGIN", "STOCK_CALL", "Verify", "attach"]
@@ -49,7 +47,7 @@ STOCK_CALL: contextvars.ContextVar[bool] = contextvars.ContextVar("trl_ext_stock
 
 #: The tolerance under 16-bit autocast: this many times stock's own largest 16-bit-vs-float32 difference on the batch
 #: (the plugin's 16-bit rounding is another draw of the same size), plus the float32 floor.
-MARGIN = 4.0
+MARGIN = 2.0
 #: The floor: this many units of float32 round-off (float32 and float64 training: TRL's fused head and the Llama norms
 #: compute in float32) per unit of a sequence's sum of |log-prob| and tokens.
 FLOOR_ULPS = 64.0
@@ -127,52 +125,90 @@ class Verify:
         import torch
 
         trainer = self.ctx.trainer
-        start = _rng_states()
+        start = state.rng_states()
         grad = torch.is_grad_enabled()
         with self._capture() as plugin:
             result = current(*args, **kwargs)
-        after = _rng_states()
+        after = state.rng_states()
         plugin_seqs = self._sequences(plugin, result, args, kwargs, grad)
-        began, peak0 = time.perf_counter(), _peak_bytes(trainer)
-        saved = _snapshot(trainer)
+        began, peak0 = time.perf_counter(), state.peak_bytes(trainer)
+        saved = state.snapshot(trainer)
+        # A forward that drew random numbers (dropout, a sampling router) is compared in eval mode, both paths again:
+        # a plugin need not draw stock's samples (padding_free says so when it attaches).
+        drew = not state.same_rng(start, after)
         try:
-            stock = self._stock_call(args, kwargs, start, grad, float32=False)
-            reference = "float32 floor"
-            wide = None
-            if self._autocast_modules():
-                wide = self._stock_call(args, kwargs, start, grad, float32=True)
-                reference = f"stock {_mixed_precision(trainer)} vs float32"
+            with self._eval_mode() if drew else contextlib.nullcontext():
+                if drew:
+                    plugin_seqs = self._extra_call(current, args, kwargs, start, grad, stock=False)
+                stock = self._extra_call(self.ctx.stock_methods[self.name], args, kwargs, start, grad)
+                reference = "float32 floor"
+                wide = None
+                if self._autocast_modules():
+                    wide = self._extra_call(self.ctx.stock_methods[self.name], args, kwargs, start, grad, float32=True)
+                    reference = f"stock {state.mixed_precision(trainer)} vs float32"
+            if drew:
+                reference += ", eval mode: the forward draws random numbers in training"
         finally:
-            _restore(trainer, saved)
-            _set_rng_states(after)
+            state.restore(trainer, saved)
+            state.set_rng_states(after)
         self.seconds += time.perf_counter() - began
-        self.peak_rise = max(self.peak_rise, _peak_bytes(trainer) - peak0)
+        self.peak_rise = max(self.peak_rise, state.peak_bytes(trainer) - peak0)
         self._compare(step, plugin_seqs, stock, wide, reference)
         return result
 
-    def _stock_call(self, args: tuple, kwargs: dict[str, Any], start: Any, grad: bool, float32: bool) -> list:
+    def _extra_call(
+        self,
+        method: Callable,
+        args: tuple,
+        kwargs: dict[str, Any],
+        start: Any,
+        grad: bool,
+        stock: bool = True,
+        float32: bool = False,
+    ) -> list:
+        """`method` once more on the same arguments, without gradients, from the random state `start`: as stock
+        (`stock`: the plugins' forwards and attention put back, `STOCK_CALL` set), in float32 (`float32`: outside
+        accelerate's autocast); its gathers answered by this rank; its captured per-sequence log-probs."""
         import torch
 
-        _set_rng_states(start)
+        state.set_rng_states(start)
         ctx = self.ctx
-        token = STOCK_CALL.set(True)
-        local = Patcher("trl-ext verify: the stock call's gathers")
+        token = STOCK_CALL.set(stock)
+        local = Patcher("trl-ext verify: an extra call's gathers")
         accelerator = getattr(ctx.trainer, "accelerator", None)
         for name in _compat.VERIFY_LOCAL_GATHERS if accelerator is not None else ():
-            local.setattr(accelerator, name, _local)
+            local.setattr(accelerator, name, state.local)
         try:
             with (
                 torch.no_grad(),
-                ctx.patcher.suspended(_stock_attribute),
+                ctx.patcher.suspended(state.stock_attribute) if stock else contextlib.nullcontext(),
                 self._without_autocast() if float32 else contextlib.nullcontext(),
                 self._capture() as captured,
             ):
-                result = ctx.stock_methods[self.name](*args, **kwargs)
+                result = method(*args, **kwargs)
         finally:
             local.undo()
             STOCK_CALL.reset(token)
         self.forwards += max(len(captured), 1)
         return self._sequences(captured, result, args, kwargs, grad)
+
+    @contextlib.contextmanager
+    def _eval_mode(self) -> Iterator[None]:
+        """Every module of the trainer's models in eval mode for the block, each put back as it was."""
+        trainer = self.ctx.trainer
+        modules = {
+            module: module.training
+            for model in (getattr(trainer, "model_wrapped", None), trainer.model, getattr(trainer, "ref_model", None))
+            if model is not None
+            for module in model.modules()
+        }
+        try:
+            for module in modules:
+                module.training = False
+            yield
+        finally:
+            for module, training in modules.items():
+                module.training = training
 
     # -- capture -----------------------------------------------------------------------------------------------------
 
@@ -187,12 +223,12 @@ class Verify:
         try:
             if _compat.dpo_has_fused_head():
                 for model in self.ctx.models().values():
-                    patcher.setattr(model, "forward", _capture_output(model.forward, captured))
+                    patcher.setattr(model, "forward", state.capture_output(model.forward, captured))
             else:
                 module = importlib.import_module(_compat.DPO_LOGITS_MODULE)
                 for helper in _compat.dpo_logits_helpers():
                     if helper != _compat.DPO_ENTROPY_HELPERS[0]:
-                        patcher.wrap(module, helper, functools.partial(_capture_result, captured=captured))
+                        patcher.wrap(module, helper, functools.partial(state.capture_result, captured=captured))
             yield captured
         finally:
             patcher.undo()
@@ -201,12 +237,12 @@ class Verify:
         """`[(role, per-sequence log-probs, per-sequence scale)]` of one call: DPO's captured model calls (policy
         first), or Online DPO's `_forward` result (its role from the grad mode of the real call)."""
         if self.ctx.trainer_class == "DPOTrainer":
-            inputs = kwargs.get("inputs", args[1] if len(args) > 1 else None)
+            inputs: Any = kwargs.get("inputs", args[1] if len(args) > 1 else None)
             mask = inputs["completion_mask"][..., 1:]
-            roles = ["policy", *(["reference"] * (len(captured) - 1))]
-            return [(role, *_per_sequence(values, mask)) for role, values in zip(roles, captured, strict=True)]
+            roles = ["policy", *(["reference"] * len(captured))][: len(captured)]
+            return [(role, *state.per_sequence(values, mask)) for role, values in zip(roles, captured, strict=True)]
         mask = kwargs.get("completion_mask", args[4] if len(args) > 4 else None)
-        return [("policy" if grad else "reference", *_per_sequence(result, mask))]
+        return [("policy" if grad else "reference", *state.per_sequence(result, mask))]
 
     # -- float32 reference under autocast ----------------------------------------------------------------------------
 
@@ -214,11 +250,11 @@ class Verify:
         """The trainer's modules whose `forward` accelerate wrapped in 16-bit autocast (their own forward kept as
         `_original_forward`)."""
         trainer = self.ctx.trainer
-        if _mixed_precision(trainer) not in ("bf16", "fp16"):
+        if state.mixed_precision(trainer) not in ("bf16", "fp16"):
             return []
         out: list = []
         for model in (getattr(trainer, "model_wrapped", None), trainer.model, getattr(trainer, "ref_model", None)):
-            for module in _unwrapped_chain(model):
+            for module in state.unwrapped_chain(model):
                 if _compat.ACCELERATE_ORIGINAL_FORWARD in module.__dict__ and module not in out:
                     out.append(module)
         return out
@@ -245,7 +281,7 @@ class Verify:
                 f"{[r for r, *_ in stock]}); train without them."
             )
         f32 = torch.finfo(torch.float32).eps
-        dtype = _compute_dtype(self.ctx.trainer, bool(self._autocast_modules()))
+        dtype = state.compute_dtype(self.ctx.trainer, bool(self._autocast_modules()))
         for index, ((role, values, _), (_, expected, scale)) in enumerate(zip(plugin, stock, strict=True)):
             if wide is not None:
                 tolerance = MARGIN * (expected - wide[index][1]).abs().max() + FLOOR_ULPS * f32 * scale
@@ -266,7 +302,7 @@ class Verify:
             )
             if self._worst is None or float(ratio[worst]) > self._worst[0]:
                 self._worst = (float(ratio[worst]), text)
-        if not _distributed() and self._worst is not None and self._worst[0] > 1.0:
+        if not state.distributed() and self._worst is not None and self._worst[0] > 1.0:
             self._refuse(step, self._worst[1])  # at once: the backward has not run
 
     def _refuse(self, step: int, text: str) -> None:
@@ -286,7 +322,7 @@ class Verify:
 
         ratio, text = self._worst if self._worst is not None else (0.0, "")
         self._worst = None
-        if _distributed():
+        if state.distributed():
             value = torch.tensor([ratio], dtype=torch.float64, device=self.ctx.trainer.args.device)
             torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
             if float(value.item()) > 1.0 and ratio <= 1.0:
@@ -295,10 +331,15 @@ class Verify:
             ratio = max(ratio, float(value.item()))
         if ratio > 1.0:
             self._refuse(step, text)
-        if step == self._logged_step or not self.results or not is_main_process(self.ctx.trainer.accelerator):
-            return
+        accelerator = self.ctx.trainer.accelerator
+        if not getattr(accelerator, "sync_gradients", True) or step == self._logged_step or not self.results:
+            return  # the line comes with the step's last `training_step` (gradient accumulation)
         self._logged_step = step
+        seconds, forwards, rise = self.seconds, self.forwards, self.peak_rise
+        self.seconds, self.forwards, self.peak_rise = 0.0, 0, 0.0
         checked = [r for r in self.results if r[0] == step + 1]
+        if not checked or not is_main_process(accelerator):
+            return
         worst = max(checked, key=lambda r: r[2] / r[3] if r[3] else 0.0)
         logger.log(
             NOTICE,
@@ -313,144 +354,7 @@ class Verify:
             worst[2],
             worst[3],
             worst[4],
-            self.seconds,
-            self.forwards,
-            self.peak_rise / 2**20,
+            seconds,
+            forwards,
+            rise / 2**20,
         )
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# helpers
-# ---------------------------------------------------------------------------------------------------------------------
-
-
-def _stock_attribute(target: Any, attr: str) -> bool:
-    """What the stock call puts back: the `forward`s and attention implementations the plugins replaced."""
-    return attr in ("forward", _compat.ATTN_IMPLEMENTATION_FIELD)
-
-
-def _local(value: Any, *args: Any, **kwargs: Any) -> Any:
-    """`accelerator.gather` answered by this rank alone."""
-    return value
-
-
-def _capture_output(original: Callable, captured: list) -> Callable:
-    @functools.wraps(original)
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        outputs = original(*args, **kwargs)
-        values = getattr(outputs, "log_probs", None)
-        if kwargs.get(_compat.FUSED_LM_HEAD_KWARG) and values is not None:
-            captured.append(values.detach())
-        return outputs
-
-    return forward
-
-
-def _capture_result(original: Callable, captured: list) -> Callable:
-    @functools.wraps(original)
-    def helper(*args: Any, **kwargs: Any) -> Any:
-        result = original(*args, **kwargs)
-        values = result[0] if isinstance(result, tuple) else result
-        captured.append(values.detach())
-        return result
-
-    return helper
-
-
-def _per_sequence(values: Any, mask: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-sequence sums of the masked per-token log-probs (float64), and the scale of their round-off: the sum of
-    |log-prob| and the number of tokens."""
-    import torch
-
-    mask = mask.to(torch.float64)
-    values = values[:, -mask.size(1) :].detach().to(torch.float64) * mask
-    return values.sum(-1), values.abs().sum(-1) + mask.sum(-1)
-
-
-def _snapshot(trainer: Any) -> dict[str, Any]:
-    """What the stock call may change on the trainer (`_compat.VERIFY_SIDE_EFFECTS`): each value, and for a metric
-    buffer (`{mode: {key: list}}`) each list object with its items, so that `_restore` puts back the same objects."""
-    saved: dict[str, Any] = {}
-    for name in _compat.VERIFY_SIDE_EFFECTS:
-        value = trainer.__dict__.get(name)
-        if isinstance(value, dict):
-            saved[name] = {m: {k: (v, list(v)) for k, v in d.items()} for m, d in value.items()}
-        elif name in trainer.__dict__:
-            saved[name] = value
-    return saved
-
-
-def _restore(trainer: Any, saved: dict[str, Any]) -> None:
-    for name, old in saved.items():
-        value = trainer.__dict__.get(name)
-        if not isinstance(value, dict):
-            trainer.__dict__[name] = old
-            continue
-        for mode in [m for m in value if m not in old]:
-            del value[mode]
-        for mode, keys in old.items():
-            buffer = value[mode]
-            for key in [k for k in buffer if k not in keys]:
-                del buffer[key]
-            for key, (items, contents) in keys.items():
-                items[:] = contents
-                buffer[key] = items
-
-
-def _rng_states() -> tuple[Any, Any]:
-    import torch
-
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    return torch.get_rng_state(), cuda
-
-
-def _set_rng_states(states: tuple[Any, Any]) -> None:
-    import torch
-
-    cpu, cuda = states
-    torch.set_rng_state(cpu)
-    if cuda is not None:
-        torch.cuda.set_rng_state_all(cuda)
-
-
-def _peak_bytes(trainer: Any) -> float:
-    import torch
-
-    device = getattr(getattr(trainer, "args", None), "device", None)
-    if getattr(device, "type", None) == "cuda":
-        return float(torch.cuda.max_memory_allocated(device))
-    mib = rss_mib("VmHWM")
-    return 0.0 if mib is None else mib * 2**20
-
-
-def _mixed_precision(trainer: Any) -> str:
-    return str(getattr(getattr(trainer, "accelerator", None), "mixed_precision", "no"))
-
-
-def _compute_dtype(trainer: Any, autocast: bool) -> torch.dtype:
-    """The dtype the trainer's policy computes in: the 16-bit dtype of its autocast, else its parameters' (16-bit
-    under DeepSpeed's bf16; float32 with `fp16=True` on CPU, where accelerate does not autocast)."""
-    import torch
-
-    if autocast:
-        return torch.bfloat16 if _mixed_precision(trainer) == "bf16" else torch.float16
-    parameter = next(iter(trainer.model.parameters()), None)
-    return parameter.dtype if parameter is not None and parameter.is_floating_point() else torch.float32
-
-
-def _unwrapped_chain(model: Any) -> Iterator[Any]:
-    """`model` and each module it wraps (`.module` of DDP / DeepSpeed, PEFT's base model)."""
-    seen = 0
-    while model is not None and seen < 8 and hasattr(model, "__dict__"):
-        seen += 1
-        yield model
-        inner = model.__dict__.get("_modules", {}).get("module")
-        if inner is None and hasattr(model, "peft_config") and callable(getattr(model, "get_base_model", None)):
-            inner = model.get_base_model()
-        model = inner
-
-
-def _distributed() -> bool:
-    import torch
-
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
