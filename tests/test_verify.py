@@ -221,3 +221,20 @@ def test_the_option_is_documented(capsys):
     assert cli.main(["plugins"]) == 0
     out = capsys.readouterr().out
     assert "verify: true, false or a number of steps; default true." in out
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# Several processes
+# -------------------------------------------------------------------------------------------------------------------
+
+
+@needs_dpo
+@pytest.mark.distributed
+def test_ddp_two_processes(tmp_path):
+    """torchrun, 2 CPU processes (gloo), DDP: a wrong path on one rank stops both before the optimizer step; the right
+    path trains with verify as without it, bit for bit, on every rank (`scripts/verify_ddp.py`)."""
+    from tests import helpers
+
+    out = helpers.launch(helpers.PLUGIN_SCRIPTS / "verify_ddp.py", tmp_path, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert out.stdout.count("VERIFY DDP OK") == 2, out.stdout[-3000:]
