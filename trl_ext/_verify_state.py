@@ -18,6 +18,8 @@ __all__ = [
     "capture_result",
     "compute_dtype",
     "distributed",
+    "drop_new_hooks",
+    "hooks",
     "local",
     "mixed_precision",
     "peak_bytes",
@@ -103,6 +105,28 @@ def restore(trainer: Any, saved: dict[str, Any]) -> None:
             for key, (items, contents) in keys.items():
                 items[:] = contents
                 buffer[key] = items
+
+
+#: The per-module hook registries of `torch.nn.Module` (each `{handle id: hook}`).
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+
+
+def hooks(modules: Any) -> list[tuple[dict, set]]:
+    """Each hook registry of `modules` with the handles it holds now (`drop_new_hooks` removes those added since:
+    a stock call may register hooks, e.g. TRL re-enabling gradient checkpointing registers its input hook again)."""
+    out = []
+    for module in modules:
+        for name in _HOOK_DICTS:
+            registry = module.__dict__.get(name)
+            if isinstance(registry, dict):
+                out.append((registry, set(registry)))
+    return out
+
+
+def drop_new_hooks(saved: list[tuple[dict, set]]) -> None:
+    for registry, keys in saved:
+        for key in [k for k in registry if k not in keys]:
+            del registry[key]
 
 
 def rng_states() -> tuple[Any, Any]:

@@ -133,6 +133,7 @@ class Verify:
         plugin_seqs = self._sequences(plugin, result, args, kwargs, grad)
         began, peak0 = time.perf_counter(), state.peak_bytes(trainer)
         saved = state.snapshot(trainer)
+        hooks = state.hooks(self._modules())
         # A forward that drew random numbers (dropout, a sampling router) is compared in eval mode, both paths again:
         # a plugin need not draw stock's samples (padding_free says so when it attaches).
         drew = not state.same_rng(start, after)
@@ -150,6 +151,7 @@ class Verify:
                 reference += ", eval mode: the forward draws random numbers in training"
         finally:
             state.restore(trainer, saved)
+            state.drop_new_hooks(hooks)
             state.set_rng_states(after)
         self.seconds += time.perf_counter() - began
         self.peak_rise = max(self.peak_rise, state.peak_bytes(trainer) - peak0)
@@ -192,16 +194,16 @@ class Verify:
         self.forwards += max(len(captured), 1)
         return self._sequences(captured, result, args, kwargs, grad)
 
+    def _modules(self) -> list:
+        """Every module of the trainer's models (wrapped and unwrapped), each once."""
+        trainer = self.ctx.trainer
+        models = (getattr(trainer, "model_wrapped", None), trainer.model, getattr(trainer, "ref_model", None))
+        return list(dict.fromkeys(m for model in models if model is not None for m in model.modules()))
+
     @contextlib.contextmanager
     def _eval_mode(self) -> Iterator[None]:
         """Every module of the trainer's models in eval mode for the block, each put back as it was."""
-        trainer = self.ctx.trainer
-        modules = {
-            module: module.training
-            for model in (getattr(trainer, "model_wrapped", None), trainer.model, getattr(trainer, "ref_model", None))
-            if model is not None
-            for module in model.modules()
-        }
+        modules = {module: module.training for module in self._modules()}
         try:
             for module in modules:
                 module.training = False
