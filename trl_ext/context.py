@@ -88,6 +88,8 @@ class TrainerContext:
         #: plugin answered: what `trl_ext.verify` checks and runs as stock.
         self.math_plugins: list[str] = []
         self.stock_methods: dict[str, Callable[..., Any]] = {}
+        #: `trl_ext.verify.Verify` when verify checks this trainer (its `results`), else None.
+        self.verified: Any = None
         pm = installation.plugin_manager
         disabled = {plugin for name, plugin in pm.list_name_plugin() if name not in self.enabled}
         self.hook = _SubsetHooks(pm, disabled)

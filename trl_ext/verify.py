@@ -64,7 +64,7 @@ def attach(ctx: TrainerContext) -> Verify | None:
     if not steps or not ctx.math_plugins or name is None or name not in ctx.stock_methods:
         return None
     trainer = ctx.trainer
-    check = Verify(ctx, name, steps)
+    check = ctx.verified = Verify(ctx, name, steps)
     ctx.patcher.setattr(trainer, name, check.wrap_scoring(getattr(trainer, name)))
     ctx.patcher.setattr(trainer, "training_step", check.wrap_training_step(trainer.training_step))
     return check
