@@ -277,11 +277,9 @@ class Verify:
         import torch
 
         if [r for r, *_ in plugin] != [r for r, *_ in stock]:
-            raise UsageError(
-                f"trl-ext verify: the plugins {', '.join(self.ctx.math_plugins)} made other model calls than stock "
-                f"TRL in this {self.ctx.trainer_class}'s scoring call ({[r for r, *_ in plugin]} vs "
-                f"{[r for r, *_ in stock]}); train without them."
-            )
+            text = f"model calls ({[r for r, *_ in plugin]}) are not stock's ({[r for r, *_ in stock]})"
+            self._worst = (float("inf"), text)  # settled like an error: every rank stops together
+            plugin = stock = []
         f32 = torch.finfo(torch.float32).eps
         dtype = state.compute_dtype(self.ctx.trainer, bool(self._autocast_modules()))
         for index, ((role, values, _), (_, expected, scale)) in enumerate(zip(plugin, stock, strict=True)):
