@@ -620,3 +620,31 @@ def test_every_fact_is_checked_here(report):
         f"_compat facts checked against the installed versions: {len(facts) - len(unchecked)} of {len(facts)}",
     )
     assert unchecked == []
+
+
+def test_verify_scoring_methods_side_effects_gathers_and_accelerate_autocast():
+    """What `trl_ext.verify` relies on: the scoring method it checks in each trainer and its arguments, what DPO's
+    `_compute_loss` changes besides its result and gathers, and accelerate keeping a model's own `forward` under its
+    autocast wrapper."""
+    from accelerate import Accelerator
+
+    classes = {"DPOTrainer": _dpo(), "OnlineDPOTrainer": _online()}
+    assert set(_compat.VERIFIED_SCORING_METHODS) == set(classes)
+    for trainer_class, name in _compat.VERIFIED_SCORING_METHODS.items():
+        assert name in _compat.TRAINER_SCORING_METHODS[trainer_class], _fail("VERIFIED_SCORING_METHODS", name)
+    dpo_loss = getattr(classes["DPOTrainer"], _compat.VERIFIED_SCORING_METHODS["DPOTrainer"])
+    assert _params(dpo_loss)[1:3] == ["model", "inputs"], _fail("VERIFIED_SCORING_METHODS", _params(dpo_loss))
+    online = getattr(classes["OnlineDPOTrainer"], _compat.VERIFIED_SCORING_METHODS["OnlineDPOTrainer"])
+    assert _params(online)[5] == "completion_mask", _fail("VERIFIED_SCORING_METHODS", _params(online))
+    source = _source(dpo_loss)
+    assert 'inputs["completion_mask"]' in source, _fail("VERIFIED_SCORING_METHODS", "no completion_mask")
+    for name in _compat.VERIFY_SIDE_EFFECTS:
+        assert f"self.{name}" in source, _fail("VERIFY_SIDE_EFFECTS", f"_compute_loss no longer changes {name}")
+    gathers = set(re.findall(r"self\.accelerator\.(\w*gather\w*)\(", source))
+    assert gathers == set(_compat.VERIFY_LOCAL_GATHERS), _fail("VERIFY_LOCAL_GATHERS", sorted(gathers))
+    assert all(callable(getattr(Accelerator, name, None)) for name in _compat.VERIFY_LOCAL_GATHERS)
+    assert "self._metrics" not in _source(online) and "gather" not in _source(online)  # Online DPO: no side effects
+    prepare = _source(Accelerator.prepare_model)
+    assert f"model.{_compat.ACCELERATE_ORIGINAL_FORWARD} = model.forward" in prepare, _fail(
+        "ACCELERATE_ORIGINAL_FORWARD", "accelerate no longer keeps the model's forward under its autocast wrapper"
+    )

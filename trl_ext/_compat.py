@@ -20,6 +20,9 @@ from .errors import UsageError
 #: The private config field behind transformers' `config._attn_implementation` property (transformers 5: the property
 #: reads it, `_remove_keys_not_serialized` keeps it out of saved configs). Checked on transformers 5.24.0.
 ATTN_IMPLEMENTATION_FIELD = "_attn_implementation_internal"
+#: accelerate's `prepare_model` under native mixed precision keeps a model's `forward` as `_original_forward` and
+#: installs its autocast wrapper over it (accelerator.py). Consumer: `verify` (its float32 reference). Checked 1.15.0.
+ACCELERATE_ORIGINAL_FORWARD = "_original_forward"
 
 #: The columns of a DPO dataset after `DPOTrainer` tokenized it (prompt, chosen, rejected token ids): what the
 #: packing self-checks read to find the longest pair training will feed. Checked on 1.12.0 and 1.16.0.

@@ -31,6 +31,9 @@ __all__ = [
     "FUSED_LM_HEAD_OUTPUT",
     "TRL_FACTS",
     "TrlFact",
+    "VERIFIED_SCORING_METHODS",
+    "VERIFY_LOCAL_GATHERS",
+    "VERIFY_SIDE_EFFECTS",
     "dpo_has_fused_head",
     "dpo_logits_helpers",
     "dpo_training_refusal",
@@ -75,6 +78,22 @@ DPO_LOGPROBS_HELPER = "selective_log_softmax"
 #: 1.13.0) or `selective_log_softmax_and_entropy(logits, index, entropy_requires_grad, temperature, row_mask)`
 #: returning `(log-probs, entropy)` (1.14.0-1.14.2, where the DPO module no longer imports `entropy_from_logits`).
 DPO_ENTROPY_HELPERS = ("entropy_from_logits", "selective_log_softmax_and_entropy")
+
+
+#: The scoring method `trl_ext.verify` checks in each trainer's training steps: DPO's `_compute_loss(model, inputs,
+#: return_outputs)` (its model calls give the per-token log-probs: the fused head's `log_probs` on 1.15-1.16, the
+#: `DPO_LOGPROBS_HELPER` / `selective_log_softmax_and_entropy` results on 1.10-1.14, masked by
+#: `inputs["completion_mask"][:, 1:]`), and Online DPO's `_forward(model, prompt_ids, prompt_mask, completion_ids,
+#: completion_mask, ...)`, which returns the completion tokens' log-probs `[rows, C]`. Checked on 1.10.0-1.16.0.
+VERIFIED_SCORING_METHODS = {"DPOTrainer": "_compute_loss", "OnlineDPOTrainer": "_forward"}
+#: What those methods change on the trainer besides their result, put back after verify's extra stock call: DPO's
+#: metric buffer and token count (`_compute_loss` appends to `_metrics[mode]` and adds to `_total_train_tokens`).
+#: Checked on 1.10.0-1.16.0; Online DPO's `_forward` changes nothing.
+VERIFY_SIDE_EFFECTS = ("_metrics", "_total_train_tokens")
+#: The accelerator methods through which those methods gather their metrics over the ranks (DPO `_compute_loss`,
+#: Online DPO none): answered by the rank itself in verify's stock call, whose metrics are discarded, so that it
+#: makes no collective of its own (and none that a plugin recording TRL's gathers would see). Checked 1.10.0-1.16.0.
+VERIFY_LOCAL_GATHERS = ("gather", "gather_for_metrics")
 
 
 def _module(name: str):

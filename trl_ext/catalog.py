@@ -13,8 +13,8 @@ from .spec import Flag, PluginSpec
 
 __all__ = ["CORE_KEYS", "Catalog", "PluginInfo", "block_advice", "flag_clash", "plugin_info"]
 
-#: Top-level configuration keys that are not plugin flags.
-CORE_KEYS = ("plugins", "block")
+#: Top-level configuration keys that are not plugin flags (`verify`: `trl_ext.config.parse_verify`).
+CORE_KEYS = ("plugins", "block", "verify")
 
 
 def block_advice(name: str, block: Iterable[str] = ()) -> str:

@@ -27,8 +27,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .catalog import CORE_KEYS
 from .errors import UsageError, did_you_mean
 from .setting_docs import refusal_note
+from .spec import Parser, boolean, either, positive_int
 
 if TYPE_CHECKING:  # pragma: no cover
     from .catalog import Catalog
@@ -40,6 +42,14 @@ ENV_PREFIX = "TRL_EXT_"
 ENV_CONFIG_FILE = "TRL_EXT_CONFIG"
 ENV_LOG_LEVEL = "TRL_EXT_LOG_LEVEL"
 _ENV_NON_FLAGS = {ENV_CONFIG_FILE, ENV_LOG_LEVEL}
+#: `verify`: the first N optimizer steps of a trainer whose plugins change the math are checked against stock
+#: (`trl_ext.verify`); true is 1, false (or 0) turns it off.
+VERIFY_DEFAULT = 1
+VERIFY_PARSER = Parser(lambda v: int(either(boolean, positive_int)(v)), "true, false or a number of steps")
+VERIFY_HELP = (
+    "Check the first N training steps of a plugin that changes the math against stock TRL on the same batch "
+    "(true: 1, false: off)."
+)
 
 
 def _catalog(block: list[str]) -> Catalog:
@@ -61,6 +71,9 @@ class TrlExtConfig:
             flags enables it (use `{}` for no options); for a plugin with flags, its flag enables it.
         block (`list[str]`, *optional*, defaults to `[]`):
             Plugin names never to load, built-in or third-party (like pytest's `-p no:NAME`).
+        verify (`bool` or `int`, *optional*, defaults to `1`):
+            How many optimizer steps, from the first, compare the plugins' per-sequence log-probs with stock TRL's on
+            the same batch (`trl_ext.verify`); `False` or `0` turns it off, `True` is 1.
         **flags:
             Plugin flags, each parsed by its plugin's declared parser.
     """
@@ -70,12 +83,14 @@ class TrlExtConfig:
         *,
         plugins: Mapping[str, Any] | list[str] | str | None = None,
         block: list[str] | str | None = None,
+        verify: bool | int | str = VERIFY_DEFAULT,
         _source: str = "TrlExtConfig",
         _catalog_: Catalog | None = None,
         _sources: Mapping[str, str] | None = None,
         **flags: Any,
     ) -> None:
         self.block: list[str] = _parse_block(block if block is not None else [], _source)
+        self.verify: int = parse_verify(verify, _source)
         catalog = _catalog_ if _catalog_ is not None else _catalog(self.block)
         self.catalog = catalog
         values = catalog.defaults()
@@ -110,7 +125,8 @@ class TrlExtConfig:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, TrlExtConfig):
             return NotImplemented
-        return (self.flags, self.plugins, sorted(self.block)) == (other.flags, other.plugins, sorted(other.block))
+        mine = (self.flags, self.plugins, sorted(self.block), self.verify)
+        return mine == (other.flags, other.plugins, sorted(other.block), other.verify)
 
     def __repr__(self) -> str:
         changed = {k: v for k, v in self.flags.items() if v != self.catalog.defaults().get(k)}
@@ -119,15 +135,18 @@ class TrlExtConfig:
             parts.append(f"plugins={self.plugins!r}")
         if self.block:
             parts.append(f"block={self.block!r}")
+        if self.verify != VERIFY_DEFAULT:
+            parts.append(f"verify={self.verify!r}")
         return f"TrlExtConfig({', '.join(parts)})"
 
     @classmethod
     def flag_names(cls) -> tuple[str, ...]:
-        """The flags of every available plugin, and the core keys `plugins` and `block`."""
-        return (*_catalog([]).flag_names(), "plugins", "block")
+        """The flags of every available plugin, and the core keys `plugins`, `block` and `verify`."""
+        return (*_catalog([]).flag_names(), *CORE_KEYS)
 
     def to_dict(self) -> dict[str, Any]:
-        return {**self.flags, "plugins": {k: dict(v) for k, v in self.plugins.items()}, "block": list(self.block)}
+        plugins = {k: dict(v) for k, v in self.plugins.items()}
+        return {**self.flags, "plugins": plugins, "block": list(self.block), "verify": self.verify}
 
     def changed(self) -> dict[str, Any]:
         """The keys that differ from the defaults (what a user set), as accepted by `TrlExtConfig(**...)`."""
@@ -137,6 +156,8 @@ class TrlExtConfig:
             out["plugins"] = {k: dict(v) for k, v in self.plugins.items()}
         if self.block:
             out["block"] = list(self.block)
+        if self.verify != VERIFY_DEFAULT:
+            out["verify"] = self.verify
         return out
 
     def options(self, plugin: str) -> Any:
@@ -230,6 +251,15 @@ def _parse_flag(catalog: Catalog, name: str, value: Any, source: str) -> Any:
         raise UsageError(f"`{name}` must be {flag.parse.expects}, got {value!r}{note} (from {source}).") from None
 
 
+def parse_verify(value: Any, source: str) -> int:
+    """`verify` from any source: the number of optimizer steps to check (0: off)."""
+    try:
+        return VERIFY_PARSER(value)
+    except ValueError:
+        note = refusal_note(VERIFY_PARSER.expects, value)
+        raise UsageError(f"`verify` must be {VERIFY_PARSER.expects}, got {value!r}{note} (from {source}).") from None
+
+
 def _parse_block(value: Any, source: str) -> list[str]:
     if isinstance(value, str):
         value = [v for v in (p.strip() for p in value.split(",")) if v]
@@ -275,7 +305,7 @@ def unknown_flag_message(catalog: Catalog, name: str, source: str) -> str:
             f"`{name}` is set (from {source}), but the plugin `{owner}` that implements it is blocked. Unset `{name}` "
             f"or remove `{owner}` from `block`."
         )
-    known = [*catalog.flag_names(), "plugins", "block"]
+    known = [*catalog.flag_names(), *CORE_KEYS]
     hint = did_you_mean(name, known)
     note = ""
     if catalog.broken:
@@ -382,10 +412,14 @@ def load_config(
     merged: dict[str, Any] = {}
     merged_sources: dict[str, str] = {}
     plugins: dict[str, dict[str, Any]] = {}
+    verify = VERIFY_DEFAULT
     for raw, label in layers:
         for key, value in raw.items():
             source = source_of(label, key)
             if key == "block":
+                continue
+            if key == "verify":
+                verify = parse_verify(value, source)
                 continue
             if key == "plugins":
                 for name, options in _parse_plugins(value, source).items():
@@ -394,4 +428,6 @@ def load_config(
                 continue
             merged[key] = _parse_flag(catalog, key, value, source)
             merged_sources[key] = source
-    return TrlExtConfig(plugins=plugins, block=block, _catalog_=catalog, _sources=merged_sources, **merged)
+    return TrlExtConfig(
+        plugins=plugins, block=block, verify=verify, _catalog_=catalog, _sources=merged_sources, **merged
+    )

@@ -96,6 +96,13 @@ class TrainerContext:
         self._run_patcher = Patcher(f"trl-ext[{trainer_class}] while running")
         self._run_depth = 0
         self.held: set[str] = set()
+        #: The enabled plugins whose answers change how this trainer computes its log-probs (packed, head, model
+        #: forwards, scoring methods, a micro-batcher), and the scoring methods as the trainer held them before any
+        #: plugin answered: what `trl_ext.verify` checks and runs as stock.
+        self.math_plugins: list[str] = []
+        self.stock_methods: dict[str, Callable[..., Any]] = {}
+        #: `trl_ext.verify.Verify` when verify checks this trainer (its `results`), else None.
+        self.verified: Any = None
         pm = installation.plugin_manager
         disabled = {plugin for name, plugin in pm.list_name_plugin() if name not in self.enabled}
         self.hook = _SubsetHooks(pm, disabled)
@@ -124,6 +131,17 @@ class TrainerContext:
     def call_exclusive(self, hook_name: str, **kwargs: Any) -> Any:
         return call_exclusive(getattr(self.hook, hook_name), **kwargs)
 
+    def call_math(self, hook_name: str, **kwargs: Any) -> Any:
+        """`call_exclusive` for a hook whose answer changes the math; the plugins implementing it (wrappers
+        included) are recorded in `math_plugins` when it is answered."""
+        caller = getattr(self.hook, hook_name)
+        result = call_exclusive(caller, **kwargs)
+        if result is not None:
+            for impl in caller.get_hookimpls():
+                if impl.plugin_name not in self.math_plugins:
+                    self.math_plugins.append(impl.plugin_name)
+        return result
+
     def prepare_models(self) -> None:
         """Apply the collator, packed-forward, head-forward, model-forward and scoring-method extension points, then
         announce `trl_ext_trainer_models_ready`.
@@ -144,7 +162,7 @@ class TrainerContext:
             backbone = getattr(model, "base_model", None)
             if backbone is None or backbone is model:
                 continue
-            forward = self.call_exclusive(
+            forward = self.call_math(
                 "trl_ext_make_packed_forward", trainer=trainer, context=self, role=role, backbone=backbone
             )
             if forward is not None:
@@ -153,13 +171,11 @@ class TrainerContext:
             head = output_head_module(model)
             if head is None:
                 continue
-            forward = self.call_exclusive(
-                "trl_ext_make_head_forward", trainer=trainer, context=self, role=role, head=head
-            )
+            forward = self.call_math("trl_ext_make_head_forward", trainer=trainer, context=self, role=role, head=head)
             if forward is not None:
                 self.patcher.setattr(head, "forward", forward)
         for role, model in self.models().items():
-            forward = self.call_exclusive(
+            forward = self.call_math(
                 "trl_ext_make_model_forward", trainer=trainer, context=self, role=role, model=model
             )
             if forward is not None:
@@ -168,7 +184,8 @@ class TrainerContext:
             method = getattr(trainer, name, None)
             if method is None:
                 continue  # a TRL without it (outside the supported range): a plugin that needs it refuses
-            method = self.call_exclusive(
+            self.stock_methods[name] = method
+            method = self.call_math(
                 "trl_ext_make_scoring_method", trainer=trainer, context=self, name=name, method=method
             )
             if method is not None:

@@ -124,7 +124,7 @@ def attach(ctx: TrainerContext) -> MicroBatcher | None:
     """Ask the enabled plugins for the trainer's micro-batcher (`trl_ext_make_micro_batcher`, exclusive) and, when one
     answers, wrap the trainer's methods to delegate to it, every change through `ctx.patcher`."""
     trainer = ctx.trainer
-    batcher = ctx.call_exclusive("trl_ext_make_micro_batcher", trainer=trainer, context=ctx)
+    batcher = ctx.call_math("trl_ext_make_micro_batcher", trainer=trainer, context=ctx)
     if batcher is None:
         return None
     if not isinstance(batcher, MicroBatcher):

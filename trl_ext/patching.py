@@ -15,9 +15,10 @@ registered: a garbage-collected trainer is not kept alive by its patches.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from .errors import UsageError
@@ -132,6 +133,7 @@ class Patcher:
     def __init__(self, name: str = "trl-ext") -> None:
         self.name = name
         self._undo: list[tuple[Any, str, Any, Any]] = []
+        self._set: list[Any] = []  # the value each entry of `_undo` set (None: a deferred call)
 
     def __len__(self) -> int:
         return len(self._undo)
@@ -152,6 +154,7 @@ class Patcher:
         if not isinstance(target, (type, types.ModuleType)):  # an object's own attribute: one owner, a plain stack
             _assign(target, attr, value)
             self._undo.append((target, attr, own, None))
+            self._set.append(value)
             return previous
         key = (id(target), attr)
         stack = _LAYERS.get(key)
@@ -163,6 +166,7 @@ class Patcher:
         stack.layers.append(layer)
         _assign(target, attr, value)
         self._undo.append((target, attr, own, layer))
+        self._set.append(value)
         return previous
 
     def wrap(self, target: Any, attr: str, make_wrapper: Callable[[Any], Any]) -> Any:
@@ -177,16 +181,44 @@ class Patcher:
         """Run `fn()` when this point of the stack is undone: after every change recorded later is undone, before the
         earlier ones (a plugin hands back what it held for TRL while its wrappers were in place)."""
         self._undo.append((None, "", _ABSENT, fn))
+        self._set.append(None)
 
     def undo(self) -> None:
         """Undo every recorded change, newest first (each removes its own layer: see the module docstring). Calling it
         again does nothing."""
         while self._undo:
             target, attr, own, layer = self._undo.pop()
+            self._set.pop()
             if target is None:
                 layer()
             else:
                 _remove(target, attr, layer, own)
+
+    @contextlib.contextmanager
+    def suspended(self, select: Callable[[Any, str], bool]) -> Iterator[None]:
+        """For the duration of the block, put back the original of every attribute this stack changed on a target
+        that `select(target, attr)` accepts, then set again what was there. An attribute that something else has
+        replaced since this stack last set it (accelerate's autocast wrapper around a model's `forward`) is left
+        as it is: what replaced it may call the value set here."""
+        first: dict[tuple[int, str], tuple[Any, str, Any]] = {}
+        last: dict[tuple[int, str], Any] = {}
+        for (target, attr, own, _), value in zip(self._undo, self._set, strict=True):
+            if target is None:  # a deferred call
+                continue
+            first.setdefault((id(target), attr), (target, attr, own))
+            last[(id(target), attr)] = value
+        restore: list[tuple[Any, str, Any]] = []
+        try:
+            for key, (target, attr, own) in first.items():
+                current = _own(target, attr)
+                if not select(target, attr) or current is not last[key]:
+                    continue
+                restore.append((target, attr, current))
+                _restore_own(target, attr, own)
+            yield
+        finally:
+            for target, attr, current in reversed(restore):
+                _restore_own(target, attr, current)
 
 
 def _own(target: Any, attr: str) -> Any:

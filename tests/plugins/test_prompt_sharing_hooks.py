@@ -2,7 +2,8 @@
 `trl_ext_make_model_forward`, and Online DPO's `_forward` is wrapped by its `wrapper=True` implementation of
 `trl_ext_make_scoring_method` (around fused_logprobs' answer when both are enabled, else around TRL's own method); the
 core installs both through the trainer's undo stack (exclusive: a rival answer is refused), and detaching restores
-every original object, by identity.
+every original object, by identity. (`verify=False` where a test reads the installed scoring method itself: verify
+wraps it outermost, `tests/test_verify.py`.)
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def _models_and_attention(trainer):
 def test_online_dpo_forwards_are_installed_by_the_core_and_undone_by_detach(online):
     from trl.experimental.online_dpo import OnlineDPOTrainer
 
-    with trl_ext.install(prompt_sharing=True) as installation:
+    with trl_ext.install(verify=False, prompt_sharing=True) as installation:
         trainer = online()
     models, attention = _models_and_attention(trainer)
     assert set(models) == {"policy", "ref"}
@@ -69,7 +70,7 @@ def test_dpo_model_forwards_are_installed_by_the_core_and_undone_by_detach(dpo_a
     from trl import DPOTrainer
 
     build = eq.dpo_builder(dpo_args, tokenizer, make_preference_dataset(2), dtype=torch.float64)
-    with trl_ext.install(prompt_sharing=True) as installation:
+    with trl_ext.install(verify=False, prompt_sharing=True) as installation:
         trainer = build()
     models, _ = _models_and_attention(trainer)
     assert set(models) == {"policy", "ref"}
@@ -91,7 +92,7 @@ def test_with_fused_logprobs_prompt_sharing_wraps_its_online_forward(online):
     the head's fused `forward` inside prompt_sharing's model `forward`; detaching restores TRL's."""
     from trl.experimental.online_dpo import OnlineDPOTrainer
 
-    with trl_ext.install(prompt_sharing=True, fused_logprobs=True) as installation:
+    with trl_ext.install(verify=False, prompt_sharing=True, fused_logprobs=True) as installation:
         trainer = online()
     method = vars(trainer)[METHOD]
     assert _defined_in(method, "prompt_sharing/forward.py")
@@ -156,7 +157,7 @@ def test_prompt_sharing_wraps_a_third_party_scoring_method(online, monkeypatch):
     """The wrapper wraps whichever single answer the other plugins give (none names a plugin)."""
     rival = Rival("scoring")
     install_fake_plugin(monkeypatch, "rival", rival)
-    with trl_ext.install(prompt_sharing=True, plugins={"rival": {}}) as installation:
+    with trl_ext.install(verify=False, prompt_sharing=True, plugins={"rival": {}}) as installation:
         trainer = online()
     method = vars(trainer)[METHOD]
     assert _defined_in(method, "prompt_sharing/forward.py")

@@ -159,6 +159,17 @@ MATRIX = [_params(e, c) for e in ENGINES for c in CELLS if c.runs_on(e) and c.ba
 STOCK = [_params(e, c) for e in ENGINES for c in CELLS if c.runs_on(e) and not c.baseline]
 
 
+def _assert_verified(record: dict) -> None:
+    """`verify` (on by default) checked the first step of every cell whose plugins change the math against stock, on
+    every rank, under the engine, within its tolerance; it checked nothing where no plugin changes the math."""
+    if not record["math_plugins"]:
+        assert record["verify"] == [], record["verify"]
+        return
+    assert record["verify"], f"verify did not check {record['math_plugins']} on rank {record['rank']}"
+    assert {step for step, *_ in record["verify"]} == {1}, record["verify"]
+    assert all(error <= tolerance for _, _, error, tolerance, _ in record["verify"]), record["verify"]
+
+
 @pytest.mark.parametrize("engine,name", STOCK)
 def test_stock_runs_under_engine(engine_run, engine, name):
     """The stock baseline really trained under the engine (no silent fallback to another engine)."""
@@ -246,6 +257,7 @@ def test_cell_matches_stock(engine_run, engine, name):
             # the plugin really precomputed: no reference forward while training
             assert record["precompute_runs"], record
             assert record["ref_forwards"] == 0, record["ref_forwards"]
+        _assert_verified(record)
     if "token_budget" in c.flags:
         _assert_token_budget(records)
     stock = _records(run, c.baseline)

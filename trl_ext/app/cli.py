@@ -60,6 +60,9 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
         _print_settings(info)
     for name, why in sorted(catalog.broken.items()):
         print(f"\n{name}: NOT LOADED ({why})")
+    from ..config import VERIFY_HELP, VERIFY_PARSER
+
+    print(f"\ncore settings:\n  flag   verify: {VERIFY_PARSER.expects}; default true. {VERIFY_HELP}")
     return 0
 
 

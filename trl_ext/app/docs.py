@@ -27,6 +27,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from ..config import VERIFY_HELP, VERIFY_PARSER
+
 __all__ = ["GENERATORS", "Part", "generated_parts", "main", "render", "stale"]
 
 #: The checkout this module belongs to (README.md, docs/, benchmarks/results/).
@@ -86,7 +88,7 @@ def settings_table(root: Path, argument: str) -> str:
 
 
 def flags_table(root: Path, argument: str) -> str:
-    """Every built-in flag, what it accepts and its plugin, then the two core keys."""
+    """Every built-in flag, what it accepts and its plugin, then the core keys."""
     rows = ["| flag | accepts | plugin | meaning |", "|---|---|---|---|"]
     docs = [(doc, name) for name, spec in _builtin_specs().items() for doc in spec.docs() if doc.kind == "flag"]
     for doc, name in sorted(docs, key=lambda item: item[0].name):
@@ -96,6 +98,10 @@ def flags_table(root: Path, argument: str) -> str:
         "flag (options of a plugin whose flag is off are a `UsageError`) |"
     )
     rows.append("| `block` | `[name, ...]` | any | plugin names never to load (like pytest's `-p no:NAME`) |")
+    rows.append(
+        f"| `verify` | {VERIFY_PARSER.expects} (default true: 1) | core ([verify](lifecycle.md#verify-the-first-steps-"
+        f"checked-against-stock)) | {_cell(VERIFY_HELP)} |"
+    )
     return "\n".join(rows)
 
 

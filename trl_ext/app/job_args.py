@@ -12,7 +12,8 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from ..config import TrlExtConfig, check_section_key, load_config
+from ..catalog import CORE_KEYS
+from ..config import VERIFY_HELP, TrlExtConfig, check_section_key, load_config
 from ..errors import UsageError
 
 __all__ = [
@@ -48,8 +49,9 @@ def _cli_name(token: str) -> str | None:
 def split_argv(argv: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
     """Take `--trl_ext_<flag> VALUE` / `--trl_ext_<flag>=VALUE` (dashes or underscores) out of `argv`.
 
-    The flags are those the installed plugins declare, plus `--trl_ext_plugins JSON`, `--trl_ext_block A,B` and
-    `--trl_ext_config PATH`. A flag given without a value takes its declared `cli_const` (usually `true`).
+    The flags are those the installed plugins declare, plus `--trl_ext_plugins JSON`, `--trl_ext_block A,B`,
+    `--trl_ext_verify N` and `--trl_ext_config PATH`. A flag given without a value takes its declared `cli_const`
+    (usually `true`).
     """
     from ..manager import load_catalog
 
@@ -76,7 +78,7 @@ def split_argv(argv: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
                 raise UsageError(f"`{token}` needs a value: {_VALUE_OF[name]}.")
             else:
                 value = "true"  # an unknown flag: refused below, with a "did you mean"
-        if name not in catalog.flags and name not in (*_EXTRA_KEYS, "plugins", "block"):
+        if name not in catalog.flags and name not in (*_EXTRA_KEYS, *CORE_KEYS):
             from ..config import unknown_flag_message
 
             raise UsageError(unknown_flag_message(catalog, name, f"the command line ({token.split('=', 1)[0]})"))
@@ -157,6 +159,7 @@ def _flag_lines() -> list[tuple[str, str]]:
         ("--trl-ext-plugins JSON", 'Options by plugin name, e.g. \'{"padding_free": {"attention": "dense"}}\'.')
     )
     lines.append(("--trl-ext-block A,B", "Plugins never to load."))
+    lines.append(("--trl-ext-verify VALUE", f"{VERIFY_HELP} Default true."))
     lines.append(("--trl-ext-config PATH", "A trl-ext YAML of its own (instead of the recipe's `trl_ext:` section)."))
     return lines
 

@@ -16,11 +16,11 @@ path.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from collections.abc import Iterator
 from typing import Any
 
 from .. import _compat
+from ..verify import STOCK_CALL
 
 __all__ = [
     "STOCK_CALL",
@@ -33,9 +33,8 @@ __all__ = [
     "training_max_length",
 ]
 
-#: True while a self-check runs the stock reference forward: the packing wrappers then pass every call through as it
-#: is (no packing, no prompt sharing). A dynamic-scope flag like torch's grad mode.
-STOCK_CALL: contextvars.ContextVar[bool] = contextvars.ContextVar("trl_ext_stock_call", default=False)
+# `STOCK_CALL` (defined by the core, `trl_ext.verify`): true while a self-check or verify runs the stock reference
+# forward; the packing wrappers then pass every call through as it is (no packing, no prompt sharing).
 
 #: The shortest probe sequences when the config declares no locality (long enough for every mechanism the checks
 #: compare: positions, per-token layers, attention over several keys).

@@ -302,6 +302,10 @@ def run(cell) -> dict:
             trainer.accelerator.unwrap_model(trainer.ref_model).register_forward_pre_hook(count)
         trainer.train()
         record["logs"] = [dict(entry) for entry in trainer.state.log_history]
+        # `verify` (on by default): what this rank checked against stock, `(step, role, error, tolerance, reference)`
+        record["math_plugins"] = list(context.math_plugins) if context is not None else []
+        checked = getattr(context, "verified", None)
+        record["verify"] = [list(r) for r in checked.results] if checked is not None else []
         if context is not None and context.is_enabled("prompt_sharing"):
             shared = context.state["prompt_sharing"]
             record["prompt_sharing"] = {

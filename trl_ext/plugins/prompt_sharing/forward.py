@@ -39,6 +39,7 @@ from ...errors import InternalError
 from .._online_forward import ScoringCall, verify_against_trl
 from .._packing.glue import positional_input_ids, repad_outputs, scoring_call
 from .._packing.positions import PackedPositions, packed_positions
+from .._probe import STOCK_CALL
 from .attention import GROUPS_KWARG, shared_call
 from .layout import (
     LAYOUT_KEY,
@@ -276,9 +277,9 @@ def make_causal_lm_forward(
     def forward(*args: Any, **kwargs: Any) -> Any:
         args, meta, online, layout = _call_layout(args, kwargs)
         if layout is None:
-            if meta is not None or online is not None or kwargs.get("labels") is not None:
+            if not STOCK_CALL.get() and (meta is not None or online is not None or kwargs.get("labels") is not None):
                 # A TRL scoring call that sharing cannot reproduce (e.g. `output_hidden_states`): it runs as it
-                # came, which is correct; say so once instead of hiding it.
+                # came, which is correct; say so once instead of hiding it. (A stock reference is not one.)
                 state.unshared_calls += 1
                 if state.unshared_calls == 1:
                     logger.warning("prompt_sharing: a forward with %s ran unshared (not shareable)", sorted(kwargs))

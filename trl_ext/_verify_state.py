@@ -1,0 +1,196 @@
+"""What `trl_ext.verify` keeps of a trainer around its extra calls, and reads from them: the random generators, the
+metric buffers the stock call appends to, the per-token log-probs a call's models return, the dtype it computes in."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from . import _compat
+from ._peak_memory import rss_mib
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+__all__ = [
+    "capture_output",
+    "capture_result",
+    "compute_dtype",
+    "distributed",
+    "drop_new_hooks",
+    "hooks",
+    "local",
+    "mixed_precision",
+    "peak_bytes",
+    "per_sequence",
+    "restore",
+    "rng_states",
+    "same_rng",
+    "set_rng_states",
+    "snapshot",
+    "stock_attribute",
+    "unwrapped_chain",
+]
+
+
+def stock_attribute(target: Any, attr: str) -> bool:
+    """What the stock call puts back: the `forward`s and attention implementations the plugins replaced."""
+    return attr in ("forward", _compat.ATTN_IMPLEMENTATION_FIELD)
+
+
+def local(value: Any, *args: Any, **kwargs: Any) -> Any:
+    """`accelerator.gather` answered by this rank alone."""
+    return value
+
+
+def capture_output(original: Callable, captured: list) -> Callable:
+    @functools.wraps(original)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        outputs = original(*args, **kwargs)
+        values = getattr(outputs, "log_probs", None)
+        if kwargs.get(_compat.FUSED_LM_HEAD_KWARG) and values is not None:
+            captured.append(values.detach())
+        return outputs
+
+    return forward
+
+
+def capture_result(original: Callable, captured: list) -> Callable:
+    @functools.wraps(original)
+    def helper(*args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        values = result[0] if isinstance(result, tuple) else result
+        captured.append(values.detach())
+        return result
+
+    return helper
+
+
+def per_sequence(values: Any, mask: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sequence sums of the masked per-token log-probs (float64), and the scale of their round-off: the sum of
+    |log-prob| and the number of tokens."""
+    import torch
+
+    mask = mask.to(torch.float64)
+    values = values[:, -mask.size(1) :].detach().to(torch.float64) * mask
+    return values.sum(-1), values.abs().sum(-1) + mask.sum(-1)
+
+
+def snapshot(trainer: Any) -> dict[str, Any]:
+    """What the stock call may change on the trainer (`_compat.VERIFY_SIDE_EFFECTS`): each value, and for a metric
+    buffer (`{mode: {key: list}}`) each list object with its items, so that `restore` puts back the same objects."""
+    saved: dict[str, Any] = {}
+    for name in _compat.VERIFY_SIDE_EFFECTS:
+        value = trainer.__dict__.get(name)
+        if isinstance(value, dict):
+            saved[name] = {m: {k: (v, list(v)) for k, v in d.items()} for m, d in value.items()}
+        elif name in trainer.__dict__:
+            saved[name] = value
+    return saved
+
+
+def restore(trainer: Any, saved: dict[str, Any]) -> None:
+    for name, old in saved.items():
+        value = trainer.__dict__.get(name)
+        if not isinstance(value, dict):
+            trainer.__dict__[name] = old
+            continue
+        for mode in [m for m in value if m not in old]:
+            del value[mode]
+        for mode, keys in old.items():
+            buffer = value[mode]
+            for key in [k for k in buffer if k not in keys]:
+                del buffer[key]
+            for key, (items, contents) in keys.items():
+                items[:] = contents
+                buffer[key] = items
+
+
+#: The per-module hook registries of `torch.nn.Module` (each `{handle id: hook}`).
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+
+
+def hooks(modules: Any) -> list[tuple[dict, set]]:
+    """Each hook registry of `modules` with the handles it holds now (`drop_new_hooks` removes those added since:
+    a stock call may register hooks, e.g. TRL re-enabling gradient checkpointing registers its input hook again)."""
+    out = []
+    for module in modules:
+        for name in _HOOK_DICTS:
+            registry = module.__dict__.get(name)
+            if isinstance(registry, dict):
+                out.append((registry, set(registry)))
+    return out
+
+
+def drop_new_hooks(saved: list[tuple[dict, set]]) -> None:
+    for registry, keys in saved:
+        for key in [k for k in registry if k not in keys]:
+            del registry[key]
+
+
+def rng_states() -> tuple[Any, Any]:
+    import torch
+
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda
+
+
+def same_rng(a: tuple[Any, Any], b: tuple[Any, Any]) -> bool:
+    import torch
+
+    if not torch.equal(a[0], b[0]):
+        return False
+    return a[1] is None or b[1] is None or all(torch.equal(x, y) for x, y in zip(a[1], b[1], strict=True))
+
+
+def set_rng_states(states: tuple[Any, Any]) -> None:
+    import torch
+
+    cpu, cuda = states
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
+
+
+def peak_bytes(trainer: Any) -> float:
+    import torch
+
+    device = getattr(getattr(trainer, "args", None), "device", None)
+    if getattr(device, "type", None) == "cuda":
+        return float(torch.cuda.max_memory_allocated(device))
+    mib = rss_mib("VmHWM")
+    return 0.0 if mib is None else mib * 2**20
+
+
+def mixed_precision(trainer: Any) -> str:
+    return str(getattr(getattr(trainer, "accelerator", None), "mixed_precision", "no"))
+
+
+def compute_dtype(trainer: Any, autocast: bool) -> torch.dtype:
+    """The dtype the trainer's policy computes in: the 16-bit dtype of its autocast, else its parameters' (16-bit
+    under DeepSpeed's bf16; float32 with `fp16=True` on CPU, where accelerate does not autocast)."""
+    import torch
+
+    if autocast:
+        return torch.bfloat16 if mixed_precision(trainer) == "bf16" else torch.float16
+    parameter = next(iter(trainer.model.parameters()), None)
+    return parameter.dtype if parameter is not None and parameter.is_floating_point() else torch.float32
+
+
+def unwrapped_chain(model: Any) -> Iterator[Any]:
+    """`model` and each module it wraps (`.module` of DDP / DeepSpeed, PEFT's base model)."""
+    seen = 0
+    while model is not None and seen < 8 and hasattr(model, "__dict__"):
+        seen += 1
+        yield model
+        inner = model.__dict__.get("_modules", {}).get("module")
+        if inner is None and hasattr(model, "peft_config") and callable(getattr(model, "get_base_model", None)):
+            inner = model.get_base_model()
+        model = inner
+
+
+def distributed() -> bool:
+    import torch
+
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
