@@ -144,6 +144,7 @@ def test_targets_are_verdicts_computed_from_the_numbers(tmp_path):
         assert (tmp_path / "bench.png").stat().st_size > 0
 
 
+@pytest.mark.slow  # launches a process and waits for its timeout
 def test_a_part_past_its_timeout_is_killed_and_keeps_its_json(tmp_path, monkeypatch):
     """The part's process group is killed at its timeout; what it wrote before stays in the report."""
     script = tmp_path / "part.py"

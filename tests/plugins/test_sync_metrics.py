@@ -658,7 +658,7 @@ def test_a_batch_entry_laid_out_neither_per_sequence_nor_per_pair_is_a_usage_err
         _slice_pairs({**batch, "weights": torch.zeros(3)}, 1)
 
 
-@pytest.mark.parametrize("how", ["detach", "uninstall_detach"])
+@pytest.mark.parametrize("how", ["detach", pytest.param("uninstall_detach", marks=pytest.mark.slow)])
 def test_detach_in_the_middle_of_a_logging_window_keeps_its_metrics(dpo_args, tokenizer, how):
     """One logging window of 4 steps, the plugin detached after the second (`installation.detach(trainer)` or
     `uninstall(detach=True)`): the window's log equals stock's, every metric (it lost the batches before the detach,

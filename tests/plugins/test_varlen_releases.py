@@ -246,6 +246,7 @@ def test_the_probe_leaves_training_state_alone(monkeypatch):
     assert not packed and torch.equal(torch.get_rng_state(), state)
 
 
+@pytest.mark.slow  # seconds: twelve probes of 32 heads x 128 dims on the CPU
 def test_probe_installed_kernels_reports_each_pattern(monkeypatch):
     """The report `trl-ext bench --device cuda` records: one entry per kernel, dtype and pattern."""
     releases.install_release(monkeypatch, "2.13")
@@ -286,14 +287,15 @@ def _counting(kernel: kernels.Kernel) -> tuple[kernels.Kernel, list]:
     return dataclasses.replace(kernel, call=call), calls
 
 
+_SLOW = pytest.mark.slow  # the fast loop keeps one right and one wrong kernel per plugin
 CASES_TRAINER = [
     ("padding_free", None),
     ("padding_free", "window+1"),
-    ("padding_free", "default-scale"),
-    ("padding_free", "gqa-drop"),
-    ("prompt_sharing", None),
+    pytest.param("padding_free", "default-scale", marks=_SLOW),
+    pytest.param("padding_free", "gqa-drop", marks=_SLOW),
+    pytest.param("prompt_sharing", None, marks=_SLOW),
     ("prompt_sharing", "top-left"),
-    ("prompt_sharing", "window-1"),
+    pytest.param("prompt_sharing", "window-1", marks=_SLOW),
 ]
 
 
