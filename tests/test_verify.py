@@ -102,6 +102,7 @@ def test_a_planted_wrong_path_stops_before_any_parameter_changes(build, monkeypa
     assert all(torch.equal(before[n], after[n]) for n in before)
 
 
+@pytest.mark.slow  # the control of the test above: a second trainer and step
 @needs_dpo
 def test_the_same_fault_passes_with_verify_off(build, monkeypatch):
     """The control: without verify, the planted fault trains (what verify exists to stop)."""

@@ -218,6 +218,7 @@ def test_sft_evaluation_batches_split_equal_stock(dpo_args, tokenizer):
     assert all(_same(v, cut[k]) for k, v in stock.items() if not k.endswith(("_runtime", "_per_second"))), (stock, cut)
 
 
+@pytest.mark.slow  # two runs; on TRL >= 1.15 fused_logprobs leaves DPO to TRL's own fused head
 def test_sft_with_fused_logprobs_equals_stock(dpo_args, tokenizer):
     """token_budget's per-token sft weights read the chosen tokens' log-probs of the policy forward; with
     fused_logprobs on (TRL < 1.15: the logits are never built) they come from the fused pass. RPO with both plugins:
