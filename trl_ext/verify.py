@@ -83,11 +83,15 @@ class Verify:
         self.peak_rise = 0.0
         self._worst: tuple[float, str] | None = None  # this rank's worst error / tolerance and its text, pending
         self._logged_step = -1
+        self._in_training_step = 0  # scoring calls are checked inside the trainer's `training_step` only
 
     # -- when --------------------------------------------------------------------------------------------------------
 
     def _step(self) -> int | None:
-        """The optimizer step in progress when it is one to check (training mode, within the first `steps`)."""
+        """The optimizer step in progress when it is one to check (inside a `training_step`, training mode, within
+        the first `steps`): a scoring call of the user's own (`trainer._forward(...)` before training) is not."""
+        if not self._in_training_step:
+            return None
         trainer = self.ctx.trainer
         state = getattr(trainer, "state", None)
         step = getattr(state, "global_step", None)
@@ -111,8 +115,12 @@ class Verify:
     def wrap_training_step(self, current: Callable) -> Callable:
         @functools.wraps(current)
         def training_step(*args: Any, **kwargs: Any) -> Any:
-            step = self._step()
-            loss = current(*args, **kwargs)
+            self._in_training_step += 1
+            try:
+                step = self._step()
+                loss = current(*args, **kwargs)
+            finally:
+                self._in_training_step -= 1
             if step is not None:
                 self._settle(step)  # every rank, once per `training_step` of a checked step: before any optimizer step
             return loss
