@@ -15,6 +15,7 @@ import torch
 import trl_ext
 from tests import equivalence as eq
 from trl_ext import UsageError, _compat
+from trl_ext import verify as verify_module
 from trl_ext.config import TrlExtConfig, load_config
 from trl_ext.testing import make_model, make_preference_dataset
 
@@ -248,3 +249,27 @@ def test_ddp_two_processes(tmp_path):
     out = helpers.launch(helpers.PLUGIN_SCRIPTS / "verify_ddp.py", tmp_path, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert out.stdout.count("VERIFY DDP OK") == 2, out.stdout[-3000:]
+
+
+@pytest.mark.slow  # two training steps
+@needs_dpo
+def test_a_stock_call_that_does_not_fit_in_memory_is_not_checked_and_said(build, monkeypatch, caplog):
+    """The stock call may not fit where the plugin's does (fused_logprobs saves the full logits): out of memory there,
+    the step trains unchecked and one warning says so, instead of the run dying on step 1."""
+    with trl_ext.install(padding_free=True):
+        trainer = build(max_steps=2)
+    ctx = trainer._trl_ext
+    name = next(iter(ctx.stock_methods))
+    stock = ctx.stock_methods[name]
+
+    def out_of_memory(*args, **kwargs):
+        if verify_module.STOCK_CALL.get():
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.77 GiB")
+        return stock(*args, **kwargs)
+
+    monkeypatch.setitem(ctx.stock_methods, name, out_of_memory)
+    with caplog.at_level(logging.WARNING, logger="trl_ext"):
+        trainer.train()
+    assert trainer.state.global_step == 2
+    warnings = [r.getMessage() for r in caplog.records if "does not fit in memory" in r.getMessage()]
+    assert len(warnings) == 1 and "Tried to allocate 9.77 GiB" in warnings[0]

@@ -83,6 +83,7 @@ class Verify:
         self.peak_rise = 0.0
         self._worst: tuple[float, str] | None = None  # this rank's worst error / tolerance and its text, pending
         self._logged_step = -1
+        self.no_room = 0  # scoring calls whose stock call ran out of memory (not checked)
         self._in_training_step = 0  # scoring calls are checked inside the trainer's `training_step` only
 
     # -- when --------------------------------------------------------------------------------------------------------
@@ -129,6 +130,27 @@ class Verify:
 
     # -- one checked call --------------------------------------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def _fits(self) -> Iterator[None]:
+        """The stock call of a plugin that saves memory may not fit where the plugin's does (fused_logprobs' full
+        logits): out of memory there, this call is not checked, and one warning says so."""
+        import torch
+
+        try:
+            yield
+        except torch.OutOfMemoryError as exc:
+            self.no_room += 1
+            if self.no_room == 1:
+                logger.warning(
+                    "trl-ext verify: %s: stock TRL's own scoring call does not fit in memory beside the plugins' "
+                    "(%s), so the first steps are not checked against it; the plugins' self-checks and the kernel "
+                    "probe still ran. `verify: false` skips the attempt.",
+                    self.ctx.trainer_class,
+                    str(exc).splitlines()[0][:200],
+                )
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+
     def _checked_call(self, step: int, current: Callable, args: tuple, kwargs: dict[str, Any]) -> Any:
         import torch
 
@@ -145,8 +167,9 @@ class Verify:
         # A forward that drew random numbers (dropout, a sampling router) is compared in eval mode, both paths again:
         # a plugin need not draw stock's samples (padding_free says so when it attaches).
         drew = not state.same_rng(start, after)
+        no_room = self.no_room
         try:
-            with self._eval_mode() if drew else contextlib.nullcontext():
+            with self._eval_mode() if drew else contextlib.nullcontext(), self._fits():
                 if drew:
                     plugin_seqs = self._extra_call(current, args, kwargs, start, grad, stock=False)
                 stock = self._extra_call(self.ctx.stock_methods[self.name], args, kwargs, start, grad)
@@ -155,6 +178,8 @@ class Verify:
                 if self._autocast_modules():
                     wide = self._extra_call(self.ctx.stock_methods[self.name], args, kwargs, start, grad, float32=True)
                     reference = f"stock {state.mixed_precision(trainer)} vs float32"
+            if self.no_room > no_room:
+                return result
             if drew:
                 reference += ", eval mode: the forward draws random numbers in training"
         finally:
