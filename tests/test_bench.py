@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from trl_ext.app import bench
 from trl_ext.app.bench import plugin_sections, sections, stats
@@ -443,8 +444,11 @@ def test_precompute_section_times_cpu_after_a_warmup_round_and_removes_its_cache
     assert pc["clock"] == "cpu" and pc["warmup_rounds"] == sections.WARMUP_ROUNDS == 1
     for arm in ("stock", "trl_ext", "trl_ext_auto"):
         assert len(pc[arm]["seconds"]) == len(pc[arm]["wall_seconds"]) == 2  # the warm-up round is not kept
+        # CPU time is at most the wall time of every intra-op thread torch runs (2 on an idle 2-core machine)
+        threads = torch.get_num_threads()
         assert all(
-            0 < cpu <= wall * 1.2 for cpu, wall in zip(pc[arm]["seconds"], pc[arm]["wall_seconds"], strict=True)
+            0 < cpu <= wall * threads * 1.2
+            for cpu, wall in zip(pc[arm]["seconds"], pc[arm]["wall_seconds"], strict=True)
         )
     assert pc["speedup"]["ratios"] == stats.ratios(
         {"a": pc["stock"]["seconds"], "b": pc["trl_ext"]["seconds"]}, "a", "b"
