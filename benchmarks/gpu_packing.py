@@ -116,27 +116,11 @@ def make_rows(n: int, vocab: int, data: dict, seed: int) -> list[dict[str, str]]
 
 
 def make_model(size: dict, device, dtype, seed: int):
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """The Llama of `trl-ext bench --device`'s presets (`trl_ext.app.bench.device_workload.make_model`), in `dtype`."""
+    from trl_ext.app.bench.device_workload import make_model as preset_model
 
-    config = LlamaConfig(
-        vocab_size=size["vocab_size"],
-        hidden_size=size["hidden_size"],
-        intermediate_size=size["intermediate_size"],
-        num_hidden_layers=size["num_layers"],
-        num_attention_heads=size["num_heads"],
-        num_key_value_heads=size["num_kv_heads"],
-        max_position_embeddings=4096,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=2,
-        tie_word_embeddings=False,
-    )
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(seed)
-    with torch.device(device):  # initialised on the device: an 853M model inits in seconds there
-        model = LlamaForCausalLM(config)
-    return model.to(dtype)
+    model = {**size, "vocab": size["vocab_size"]}
+    return preset_model({"model": model, "dtype": str(dtype).replace("torch.", "")}, device, seed)
 
 
 def make_trainer(policy, ref, tokenizer, dataset, args, output_dir):
