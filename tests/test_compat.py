@@ -638,8 +638,6 @@ def test_verify_scoring_methods_side_effects_gathers_and_accelerate_autocast():
     assert _params(online)[5] == "completion_mask", _fail("VERIFIED_SCORING_METHODS", _params(online))
     source = _source(dpo_loss)
     assert 'inputs["completion_mask"]' in source, _fail("VERIFIED_SCORING_METHODS", "no completion_mask")
-    for name in _compat.VERIFY_SIDE_EFFECTS:
-        assert f"self.{name}" in source, _fail("VERIFY_SIDE_EFFECTS", f"_compute_loss no longer changes {name}")
     gathers = set(re.findall(r"self\.accelerator\.(\w*gather\w*)\(", source))
     assert gathers == set(_compat.VERIFY_LOCAL_GATHERS), _fail("VERIFY_LOCAL_GATHERS", sorted(gathers))
     assert all(callable(getattr(Accelerator, name, None)) for name in _compat.VERIFY_LOCAL_GATHERS)

@@ -35,8 +35,10 @@ def build(dpo_args, tokenizer, pairs):
     """A DPOTrainer on tiny sharpened models (float64 unless a 16-bit `precision` is asked: then float32 weights
     under autocast), SGD, batches of 4 pairs; `attention_dropout` in the policy's attention."""
 
-    def make(precision: str | None = None, attention_dropout: float = 0.0, **args: Any):
+    def make(precision: str | None = None, attention_dropout: float = 0.0, trainer_class: Any = None, **args: Any):
         from trl import DPOTrainer
+
+        trainer_class = trainer_class or DPOTrainer
 
         kwargs: dict[str, Any] = {} if precision is not None else {"dtype": torch.float64}
         config = dict(optim="sgd", learning_rate=0.1, max_grad_norm=0.0, max_length=64, bf16=False)
@@ -49,7 +51,7 @@ def build(dpo_args, tokenizer, pairs):
             for module in policy.modules():
                 if hasattr(module, "attention_dropout"):
                     module.attention_dropout = attention_dropout
-        return DPOTrainer(
+        return trainer_class(
             policy,
             ref_model=eq.sharpen(make_model(**kwargs, seed=1)),
             args=dpo_args(**config),
@@ -145,6 +147,43 @@ def test_verify_on_trains_bit_for_bit_as_verify_off(build, flags, caplog):
     assert "step 1:" in lines[0] and "extra stock forward(s)" in lines[0] and " s, " in lines[0]
     if dropout:
         assert "eval mode: the forward draws random numbers in training" in lines[0]
+
+
+def _tallying_trainer():
+    """A user's DPOTrainer subclass that counts in the scoring method verify calls again, as a TRL release may (the
+    patched TRL of patches/0004 sums its metrics in on-device tensors): an in-place tensor sum, an int, a list."""
+    from trl import DPOTrainer
+
+    name = _compat.VERIFIED_SCORING_METHODS["DPOTrainer"]
+
+    def scoring(self, model, inputs, *args, **kwargs):
+        if not hasattr(self, "tally"):
+            self.tally, self.calls, self.lengths = torch.zeros(2, dtype=torch.float64), 0, []
+        ids = inputs["input_ids"]
+        self.tally.add_(torch.tensor([float(ids.sum()), float(ids.numel())], dtype=torch.float64))
+        self.calls += 1
+        self.lengths.append(inputs["input_ids"].shape[-1])
+        return getattr(DPOTrainer, name)(self, model, inputs, *args, **kwargs)
+
+    return type("TallyingDPOTrainer", (DPOTrainer,), {name: scoring})
+
+
+@needs_dpo
+def test_what_the_scoring_method_counts_on_the_trainer_is_put_back(build):
+    """verify's extra stock call leaves no count behind: the subclass's tensor sum, int and list, and TRL's own
+    `num_tokens`, equal the run without verify (the failure CI caught on the patched TRL: `num_tokens` counted twice in
+    the first step)."""
+    runs = []
+    for verify in (False, 1):
+        with trl_ext.install(padding_free=True, verify=verify):
+            trainer = build(max_steps=2, trainer_class=_tallying_trainer(), logging_steps=1)
+        trainer.train()
+        logs = [h for h in trainer.state.log_history if "loss" in h]
+        runs.append((trainer.tally.clone(), trainer.calls, list(trainer.lengths), [h["num_tokens"] for h in logs]))
+    (tally_off, calls_off, lengths_off, tokens_off), (tally_on, calls_on, lengths_on, tokens_on) = runs
+    assert calls_off == calls_on == 2 and lengths_off == lengths_on
+    assert torch.equal(tally_off, tally_on)
+    assert tokens_off == tokens_on and len(tokens_on) == 2 and tokens_on[0] > 0
 
 
 @needs_dpo

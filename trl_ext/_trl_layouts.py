@@ -33,7 +33,6 @@ __all__ = [
     "TrlFact",
     "VERIFIED_SCORING_METHODS",
     "VERIFY_LOCAL_GATHERS",
-    "VERIFY_SIDE_EFFECTS",
     "dpo_has_fused_head",
     "dpo_logits_helpers",
     "dpo_training_refusal",
@@ -86,10 +85,6 @@ DPO_ENTROPY_HELPERS = ("entropy_from_logits", "selective_log_softmax_and_entropy
 #: `inputs["completion_mask"][:, 1:]`), and Online DPO's `_forward(model, prompt_ids, prompt_mask, completion_ids,
 #: completion_mask, ...)`, which returns the completion tokens' log-probs `[rows, C]`. Checked on 1.10.0-1.16.0.
 VERIFIED_SCORING_METHODS = {"DPOTrainer": "_compute_loss", "OnlineDPOTrainer": "_forward"}
-#: What those methods change on the trainer besides their result, put back after verify's extra stock call: DPO's
-#: metric buffer and token count (`_compute_loss` appends to `_metrics[mode]` and adds to `_total_train_tokens`).
-#: Checked on 1.10.0-1.16.0; Online DPO's `_forward` changes nothing.
-VERIFY_SIDE_EFFECTS = ("_metrics", "_total_train_tokens")
 #: The accelerator methods through which those methods gather their metrics over the ranks (DPO `_compute_loss`,
 #: Online DPO none): answered by the rank itself in verify's stock call, whose metrics are discarded, so that it
 #: makes no collective of its own (and none that a plugin recording TRL's gathers would see). Checked 1.10.0-1.16.0.

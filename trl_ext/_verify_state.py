@@ -14,6 +14,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
 __all__ = [
+    "PLAIN_LIMIT",
     "capture_output",
     "capture_result",
     "compute_dtype",
@@ -77,34 +78,87 @@ def per_sequence(values: Any, mask: Any) -> tuple[torch.Tensor, torch.Tensor]:
     return values.sum(-1), values.abs().sum(-1) + mask.sum(-1)
 
 
-def snapshot(trainer: Any) -> dict[str, Any]:
-    """What the stock call may change on the trainer (`_compat.VERIFY_SIDE_EFFECTS`): each value, and for a metric
-    buffer (`{mode: {key: list}}`) each list object with its items, so that `restore` puts back the same objects."""
-    saved: dict[str, Any] = {}
-    for name in _compat.VERIFY_SIDE_EFFECTS:
-        value = trainer.__dict__.get(name)
+#: A trainer attribute is plain data when it is built of numbers, strings, tensors that need no gradient, and lists,
+#: tuples and dicts of those, with at most this many tensor elements and container items in all.
+PLAIN_LIMIT = 1 << 20
+
+
+class _NotPlain(Exception):
+    pass
+
+
+def _save(value: Any, budget: list[int]) -> Any:
+    """A memento of plain `value` that `_put_back` turns into the same objects with the same contents."""
+    import torch
+
+    if value is None or isinstance(value, (bool, int, float, complex, str, bytes)):
+        budget[0] -= 1
+        return ("value", value)
+    if isinstance(value, torch.Tensor):
+        budget[0] -= value.numel()
+        if value.requires_grad or budget[0] < 0:
+            raise _NotPlain
+        return ("tensor", value, value.detach().clone())
+    if isinstance(value, (list, tuple, dict)):
+        budget[0] -= len(value)
+        if budget[0] < 0:
+            raise _NotPlain
         if isinstance(value, dict):
-            saved[name] = {m: {k: (v, list(v)) for k, v in d.items()} for m, d in value.items()}
-        elif name in trainer.__dict__:
-            saved[name] = value
+            return ("dict", value, [(_save(k, budget), _save(v, budget)) for k, v in value.items()])
+        return ("list" if isinstance(value, list) else "tuple", value, [_save(v, budget) for v in value])
+    raise _NotPlain
+
+
+def _put_back(memento: tuple) -> Any:
+    import torch
+
+    kind, value = memento[0], memento[1]
+    if kind == "value":
+        return value
+    if kind == "tensor":
+        saved = memento[2]
+        if value.shape != saved.shape or value.dtype != saved.dtype:
+            return saved
+        with torch.no_grad():
+            value.copy_(saved)
+        return value
+    if kind == "dict":
+        items = [(_put_back(k), _put_back(v)) for k, v in memento[2]]
+        value.clear()
+        value.update(items)
+        return value
+    items = [_put_back(v) for v in memento[2]]
+    if kind == "tuple":
+        return type(value)(items) if type(value) is tuple else value
+    value[:] = items
+    return value
+
+
+def _plain(value: Any) -> Any:
+    try:
+        return _save(value, [PLAIN_LIMIT])
+    except _NotPlain:
+        return None
+
+
+def snapshot(trainer: Any) -> dict[str, Any]:
+    """What the stock call may change on the trainer: every attribute that is plain data (`PLAIN_LIMIT`), e.g. stock
+    DPO's metric buffer `_metrics` and token count `_total_train_tokens`, a TRL's or a subclass's own on-device metric
+    sums, each list, dict and tensor object with its contents, so that `restore` puts back the same objects as they
+    were. Not a list of TRL's names: whatever a release or a user's subclass counts in its scoring method is put back."""
+    saved: dict[str, Any] = {}
+    for name, value in trainer.__dict__.items():
+        memento = _plain(value)
+        if memento is not None:
+            saved[name] = memento
     return saved
 
 
 def restore(trainer: Any, saved: dict[str, Any]) -> None:
-    for name, old in saved.items():
-        value = trainer.__dict__.get(name)
-        if not isinstance(value, dict):
-            trainer.__dict__[name] = old
-            continue
-        for mode in [m for m in value if m not in old]:
-            del value[mode]
-        for mode, keys in old.items():
-            buffer = value[mode]
-            for key in [k for k in buffer if k not in keys]:
-                del buffer[key]
-            for key, (items, contents) in keys.items():
-                items[:] = contents
-                buffer[key] = items
+    for name in [n for n, v in trainer.__dict__.items() if n not in saved and _plain(v) is not None]:
+        del trainer.__dict__[name]  # plain data the stock call added
+    for name, memento in saved.items():
+        trainer.__dict__[name] = _put_back(memento)
 
 
 #: The per-module hook registries of `torch.nn.Module` (each `{handle id: hook}`).
