@@ -145,7 +145,7 @@ def snapshot(trainer: Any) -> dict[str, Any]:
     """What the stock call may change on the trainer: every attribute that is plain data (`PLAIN_LIMIT`), e.g. stock
     DPO's metric buffer `_metrics` and token count `_total_train_tokens`, a TRL's or a subclass's own on-device metric
     sums, each list, dict and tensor object with its contents, so that `restore` puts back the same objects as they
-    were. Not a list of TRL's names: whatever a release or a user's subclass counts in its scoring method is put back."""
+    were. Not a list of TRL's names: whatever a release or a user's subclass counts in its scoring method goes back."""
     saved: dict[str, Any] = {}
     for name, value in trainer.__dict__.items():
         memento = _plain(value)
