@@ -11,7 +11,10 @@
 # Needs python3 (with venv), git and the package registry; nothing else (no Hub access, no GPU).
 #
 # Environment: PYTHON (default python3), TRL_PATCH_CHECK_DIR (work directory, default a new temporary directory; it is
-# emptied first), TRL_PATCH_CHECK_KEEP=1 to keep the work directory afterwards.
+# emptied first), TRL_PATCH_CHECK_KEEP=1 to keep the work directory afterwards, TRL_PATCH_CHECK_BASE_ENV=DIR to reuse
+# the packages of an existing trl-ext[test] environment (torch, trl-ext and the test extras: .ci/run passes its first
+# fresh one) instead of installing torch again: the work environment then holds only the patched TRL, which shadows
+# that environment's own.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
@@ -57,10 +60,29 @@ for test_file in tests/patches/test_*.py; do
 done
 
 echo "=== (${SECONDS}s) [1/4] trl==$TRL_VERSION sdist from the package registry, and a virtual environment ==="
-"$PYTHON" -m venv "$WORK/venv"
-PIP="$WORK/venv/bin/pip"
+BASE_ENV=${TRL_PATCH_CHECK_BASE_ENV:-}
 VENV_PYTHON="$WORK/venv/bin/python"
-"$PIP" download -q --no-deps --no-binary :all: "trl==$TRL_VERSION" -d "$WORK/sdist"
+if [[ -n "$BASE_ENV" ]]; then
+  [[ -x "$BASE_ENV/bin/python" ]] || fail "TRL_PATCH_CHECK_BASE_ENV=$BASE_ENV is not a virtual environment"
+  "$PYTHON" -m venv --without-pip "$WORK/venv"
+  base_site=$("$BASE_ENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+  site=$("$VENV_PYTHON" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+  echo "import site; site.addsitedir('$base_site')" >"$site/zz_trl_ext_patch_check_base.pth"
+  # The base environment's console scripts (torchrun, accelerate, trl-ext, ...), run by this environment's python so
+  # that the processes they launch import the patched TRL too.
+  for script in "$BASE_ENV"/bin/*; do
+    name=${script##*/}
+    [[ -f "$script" && ! -e "$WORK/venv/bin/$name" ]] || continue
+    head -n 1 "$script" | grep -q "^#!$BASE_ENV/bin/python" || continue
+    { echo "#!$VENV_PYTHON"; tail -n +2 "$script"; } >"$WORK/venv/bin/$name"
+    chmod +x "$WORK/venv/bin/$name"
+  done
+  PIP=("$VENV_PYTHON" -m pip)
+else
+  "$PYTHON" -m venv "$WORK/venv"
+  PIP=("$WORK/venv/bin/pip")
+fi
+"${PIP[@]}" download -q --no-deps --no-binary :all: "trl==$TRL_VERSION" -d "$WORK/sdist"
 tar -xzf "$WORK/sdist/trl-$TRL_VERSION.tar.gz" -C "$WORK"
 SRC="$WORK/trl-$TRL_VERSION"
 [[ -f "$SRC/trl/trainer/dpo_trainer.py" ]] || fail "unexpected sdist layout in $SRC"
@@ -74,13 +96,22 @@ for patch in "${PATCHES[@]}"; do
   echo "applied $patch"
 done
 
-echo "=== (${SECONDS}s) [3/4] install torch (constraints.txt), the patched TRL and trl-ext[test] ==="
-"$PIP" install -q -c constraints.txt torch==2.13.0
-# One resolver run, so the local patched TRL satisfies trl-ext's `trl` requirement instead of a registry release.
-"$PIP" install -q -c constraints.txt "$SRC" -e ".[test]"
+if [[ -n "$BASE_ENV" ]]; then
+  echo "=== (${SECONDS}s) [3/4] install the patched TRL over $BASE_ENV (its torch and trl-ext[test]) ==="
+else
+  echo "=== (${SECONDS}s) [3/4] install torch (constraints.txt), the patched TRL and trl-ext[test] ==="
+fi
+if [[ -n "$BASE_ENV" ]]; then
+  "${PIP[@]}" install -q --no-deps --ignore-installed "$SRC"
+else
+  "${PIP[@]}" install -q -c constraints.txt torch==2.13.0
+  # One resolver run, so the local patched TRL satisfies trl-ext's `trl` requirement instead of a registry release.
+  "${PIP[@]}" install -q -c constraints.txt "$SRC" -e ".[test]"
+fi
 "$VENV_PYTHON" - <<EOF || fail "the patched TRL is not the one installed in $WORK/venv"
 import importlib.metadata, torch, trl
 assert trl.__version__ == "$TRL_VERSION", trl.__version__
+assert trl.__file__.startswith("$WORK/venv/"), trl.__file__
 print("trl", trl.__version__, "from", trl.__file__, "| torch", torch.__version__)
 EOF
 
