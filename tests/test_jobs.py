@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests import helpers
 from trl_ext import UsageError
 from trl_ext.app.job_args import split_argv, split_yaml_config
 from trl_ext.manager import builtin_plugin_modules
@@ -189,7 +190,7 @@ def test_online_dpo_job_from_console_script_with_reward_module_in_cwd(assets, tm
     proc = subprocess.run(args, capture_output=True, text=True, env=_env(), timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     line = next(line for line in proc.stdout.splitlines() if "[trl-ext] OnlineDPOTrainer ran with plugins:" in line)
-    assert re.search(r"; peak memory of a step: [\d.]+ (MiB|GiB) resident \(CPU\)$", line), line
+    assert "peak memory" not in line, line  # the peak is said once, in the line `train()` logs (`attach`)
     assert CPU_LINE in proc.stderr and "TRLExperimentalWarning" not in proc.stderr
     assert str(tmp_path) not in sys.path and "my_rewards" not in sys.modules  # this process was not touched
 
@@ -380,14 +381,14 @@ def test_dpo_job_command_line_beats_environment_beats_recipe(assets, tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     line = next(line for line in proc.stdout.splitlines() if line.startswith("[trl-ext] DPOTrainer ran with plugins:"))
-    assert line.startswith(
-        "[trl-ext] DPOTrainer ran with plugins: padding_free, sync_metrics; peak memory of a step: "
-    )
+    assert line == "[trl-ext] DPOTrainer ran with plugins: padding_free, sync_metrics", line
+    # the peak memory, once: in the line the trainer logs when `train()` returns
+    assert proc.stderr.count("peak memory") == 1 and proc.stderr.count(" during train()") == 1, proc.stderr[-3000:]
     assert "uninstalled" not in proc.stderr  # the job's trainers are detached at its end
 
 
 # -------------------------------------------------------------------------------------------------------------------
-# Data and path mistakes, a `save_to_disk` folder, the peak memory of a step (issue 35, items 2, 6 and 8)
+# Data and path mistakes, a `save_to_disk` folder, the peak memory said once (issue 35, items 2, 6 and 8; issue 41)
 # -------------------------------------------------------------------------------------------------------------------
 
 
@@ -470,25 +471,28 @@ def test_save_to_disk_folders_load_as_the_training_split(tmp_path):
         assert list(dataset) == ["train"] and dataset["train"].to_list() == rows
 
 
-def test_dpo_job_trains_on_a_save_to_disk_folder_and_reports_the_peak_memory_of_a_step(assets, tmp_path, capsys):
-
-    import transformers.trainer
-
+def test_dpo_job_trains_on_a_save_to_disk_folder_and_says_its_peak_memory_once(assets, tmp_path, capsys):
+    """The job's end lines name the plugins; the peak memory is said once per `train()`, in the line the trainer logs
+    when it returns (`trl_ext.attach`), not again in the job's lines (issue 41, point 5)."""
     from trl_ext._peak_memory import rss_mib
     from trl_ext.app.cli import main
 
-    defaults = list(transformers.trainer.DEFAULT_CALLBACKS)
     folder = _saved(tmp_path, "saved", preference_rows(8, seed=1), as_dict=False)
-    assert main(["dpo", *_job_argv(assets, tmp_path / "out", folder), "--trl-ext-padding-free"]) == 0
-    assert transformers.trainer.DEFAULT_CALLBACKS == defaults  # the measuring callback is gone with the job
+    with helpers.trl_ext_records() as records:
+        assert main(["dpo", *_job_argv(assets, tmp_path / "out", folder), "--trl-ext-padding-free"]) == 0
     out = capsys.readouterr().out
-    line = next(line for line in out.splitlines() if line.startswith("[trl-ext] DPOTrainer ran with plugins:"))
+    assert "peak memory" not in out, out
+    assert [line for line in out.splitlines() if " ran with plugins: " in line] == [
+        "[trl-ext] DPOTrainer ran with plugins: padding_free"
+    ]
+    peaks = [r.getMessage() for r in records if "peak memory" in r.getMessage()]
+    assert len(peaks) == 1, peaks
     expected = (
-        r"\[trl-ext\] DPOTrainer ran with plugins: padding_free; peak memory of a step: ([\d.]+) (MiB|GiB) resident "
-        r"\(CPU\)"
+        r"trl-ext: DPOTrainer trained with plugins padding_free; peak memory ([\d.]+) (MiB|GiB) resident \(CPU\) "
+        r"during train\(\)"
     )
-    match = re.fullmatch(expected, line)
-    assert match, line
+    match = re.fullmatch(expected, peaks[0])
+    assert match, peaks[0]
     mib = float(match.group(1)) * (1024 if match.group(2) == "GiB" else 1)
     # the process' resident set: torch and the models at least (a GiB figure is rounded to 0.01 GiB)
     assert 50 < mib <= rss_mib("VmPeak") + 10

@@ -7,6 +7,16 @@ from __future__ import annotations
 from typing import Any
 
 
+def size_text(size: float) -> str:
+    """A number of bytes as a user reads it: `1.23 GiB`, `510 MiB`, `3.5 MiB`, `24 KiB`, `512 bytes`."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if size >= scale:
+            value = size / scale
+            digits = 2 if unit == "GiB" else 0 if value >= 10 else 1
+            return f"{value:.{digits}f} {unit}"
+    return f"{size:.0f} bytes"
+
+
 def rss_mib(field: str = "VmHWM") -> float | None:
     """`VmHWM` (peak RSS since the last reset) or `VmRSS` (current RSS) of this process in MiB; None where
     `/proc/self/status` does not say."""
@@ -64,6 +74,6 @@ class PeakMemory:
     def text(self) -> str:
         if self.peak_bytes is None:
             return "peak memory not measured on this platform"
-        size = self.peak_bytes
-        amount = f"{size / 2**30:.2f} GiB" if size >= 2**30 else f"{size / 2**20:.0f} MiB"
-        return f"peak memory {amount} " + (f"allocated on {self.device}" if self.cuda else "resident (CPU)")
+        return f"peak memory {size_text(self.peak_bytes)} " + (
+            f"allocated on {self.device}" if self.cuda else "resident (CPU)"
+        )

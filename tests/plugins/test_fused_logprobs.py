@@ -299,7 +299,10 @@ def test_dpo_trainer(dpo_args, tokenizer, caplog):
     else:
         chunks = trainer._trl_ext.state["fused_logprobs"].chunks
         # one step: the policy's forward and the reference's
-        assert summary == f"2 scoring forwards fused (chunk: policy {chunks['policy']}, ref {chunks['ref']})"
+        assert summary.startswith(
+            f"2 scoring forwards fused (chunk: policy {chunks['policy']}, ref {chunks['ref']}); largest logits tensor "
+            "not built (one scoring forward): "
+        ), summary
 
 
 @pytest.mark.slow
@@ -429,3 +432,44 @@ def test_frozen_head_bf16_equals_stock(build):
     rel = 4 * 2.0**-8
     assert fused_loss.item() == pytest.approx(stock_loss.item(), rel=rel)
     eq.assert_same_grads(stock_grads, fused_grads, rel)
+
+
+def test_end_line_says_the_largest_logits_not_built(build, monkeypatch):
+    """Issue 41, point 5, as a user meets it: after `train()` the end line says the largest logits tensor stock's
+    scoring forward would have built, `rows x positions x vocab` in its dtype: measured here by running stock's own
+    `_forward` on the inputs of every fused call and reading the `logits` its model call returned."""
+    from trl.experimental.online_dpo import OnlineDPOTrainer
+
+    from trl_ext._peak_memory import size_text
+
+    with trl_ext.install(fused_logprobs=True):
+        fused = build(max_steps=1)
+        calls = []
+        plugin_forward = fused._forward
+
+        def recording(model, *inputs, **kwargs):
+            calls.append((model, inputs, kwargs))
+            return plugin_forward(model, *inputs, **kwargs)
+
+        monkeypatch.setattr(fused, "_forward", recording)
+        fused.train()
+        state = fused._trl_ext.state["fused_logprobs"]
+        assert len(calls) == state.fused_calls == 2  # the policy's and the reference's
+        stock_logits = []
+        for model, inputs, kwargs in calls:
+            hook = model.register_forward_hook(lambda m, i, o: stock_logits.append(o.logits))
+            try:
+                with torch.no_grad():
+                    OnlineDPOTrainer._forward(fused, model, *inputs, **kwargs)  # stock's, full logits
+            finally:
+                hook.remove()
+    largest = max(stock_logits, key=lambda t: t.numel() * t.element_size())
+    rows, positions, vocab = largest.shape
+    assert vocab == VOCAB and largest.dtype == torch.float64
+    size = rows * positions * vocab * largest.element_size()
+    assert size == largest.numel() * largest.element_size()
+    chunks = ", ".join(f"{role} {chunk}" for role, chunk in state.chunks.items())
+    assert state.summary() == (
+        f"2 scoring forwards fused (chunk: {chunks}); largest logits tensor not built (one scoring forward): "
+        f"{size_text(size)} ({rows} x {positions} x {vocab} float64)"
+    )

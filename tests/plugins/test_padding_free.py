@@ -433,3 +433,36 @@ def test_the_end_line_says_how_much_padding_was_not_computed(build):
         f"1 scoring calls packed: {state.padded_tokens} padded tokens computed as {state.packed_tokens} "
         f"({saved:.0%} padding not computed)"
     )
+
+
+def test_a_run_ends_saying_the_padding_not_computed(build):
+    """Issue 41, point 5, as a user meets it: after `train()` the end line gives the padded tokens of the scoring
+    calls, the tokens packed, and the fraction of padding not computed, counted from the batches the collator built
+    (each scored by the policy and by the reference)."""
+    batches = []
+    with trl_ext.install(padding_free=True):
+        packed = build(max_steps=2)
+        collator = packed.data_collator
+        inner = collator.collator
+
+        def recording(examples):
+            batch = inner(examples)
+            batches.append(batch)
+            return batch
+
+        collator.collator = recording
+        try:
+            packed.train()
+        finally:
+            collator.collator = inner
+    state = _state(packed)
+    # accelerate's loader collates one batch ahead of the one it yields: the first two are those the steps ran
+    assert len(batches) >= 2 and state.packed_calls == 4 and not state.unpacked_calls
+    batches = batches[:2]
+    padded = 2 * sum(b["input_ids"].numel() for b in batches)
+    real = 2 * sum(int(b["attention_mask"].sum()) for b in batches)
+    assert (state.padded_tokens, state.packed_tokens) == (padded, real) and real < padded
+    assert state.summary() == (
+        f"4 scoring calls packed: {padded} padded tokens computed as {real} ({1 - real / padded:.0%} padding not "
+        "computed)"
+    )

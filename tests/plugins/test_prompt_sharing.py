@@ -688,3 +688,22 @@ def test_refusals(build, dpo_args, tokenizer, dataset, case):
 
             with pytest.raises(UsageError, match="prompt-learning"):
                 build(ref=False, peft_config=PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=2))
+
+
+def test_the_end_line_is_words_and_says_when_nothing_was_shared(build):
+    """Issue 41, point 5, as a user meets it: after `train()` the end line says in words what sharing computed
+    (the figures those of `counts()`); a trainer that shared no scoring call says it did nothing."""
+    with trl_ext.install(prompt_sharing=True):
+        idle = build()
+        assert _state(idle).summary() == "did nothing: no scoring call was shared"
+        shared = build(max_steps=1)
+        shared.train()
+    counts = _state(shared).counts()
+    line = _state(shared).summary()
+    assert "{" not in line and "'" not in line, line
+    saved = 1 - counts["shared_tokens"] / counts["padded_tokens"]
+    assert line.startswith(
+        f"{counts['shared_calls']} scoring calls shared their prompts: {counts['sequences']} sequences, "
+        f"{counts['padded_tokens']} padded tokens computed as {counts['shared_tokens']} ({saved:.0%} fewer)"
+    ), line
+    assert counts["shared_calls"] == 2 and 0 < counts["shared_tokens"] < counts["padded_tokens"]

@@ -190,9 +190,11 @@ def test_micro_batch_counts_follow_the_budget(dpo_args, tokenizer):
     lines = [r.getMessage() for r in records if r.getMessage().startswith("token_budget: 2 optimizer step(s)")]
     assert len(lines) == 1, [r.getMessage() for r in records]
     assert state.stock_micro_batch_counts == [ACCUMULATION, ACCUMULATION]
+    rows, width = max(state.stock_largest, key=lambda s: s[0] * s[1])
     expected = (
         f"token_budget: 2 optimizer step(s) ran 7 micro-batches (stock: {2 * ACCUMULATION}) within the budget of 1 "
-        f"padded tokens; 7 pairs over the budget ran alone, the largest of {max(state.max_tokens)} tokens"
+        f"padded tokens; 7 pairs over the budget ran alone, the largest of {max(state.max_tokens)} tokens; stock "
+        f"TRL's largest micro-batch from the same batches: {rows * width} padded tokens ({rows} rows x {width})"
     )
     assert lines[0] == expected
 
@@ -282,3 +284,39 @@ def test_detach_restores_the_trainer(dpo_args, tokenizer):
         assert all(name in trainer.__dict__ for name in names)
         installation.detach(trainer)
     assert not any(name in trainer.__dict__ for name in names)
+
+
+def test_end_line_sets_the_largest_micro_batch_against_stocks(dpo_args, tokenizer, monkeypatch):
+    """Issue 41, point 5, as a user meets it: when `train()` returns, one line says the budget, the largest micro-batch
+    token_budget built, and the largest micro-batch stock TRL builds from the same batches, `rows x padded width`,
+    here measured on a stock run of the same data and seeds; the over-budget warning is said once, with its count."""
+    from trl.trainer.dpo_trainer import DataCollatorForPreference
+
+    shapes: list[tuple[int, int]] = []
+    collate = DataCollatorForPreference.torch_call
+
+    def recording(self, examples):
+        batch = collate(self, examples)
+        shapes.append(tuple(batch["input_ids"].shape))
+        return batch
+
+    with monkeypatch.context() as patch:
+        patch.setattr(DataCollatorForPreference, "torch_call", recording)
+        _train(dpo_args, tokenizer, None)  # stock: every batch its collator built is one of its micro-batches
+    assert len(shapes) == 2 * ACCUMULATION
+    rows, width = max(shapes, key=lambda s: s[0] * s[1])
+    with _records() as records:
+        trainer, _, _ = _train(dpo_args, tokenizer, {PLUGIN: BUDGET})
+    state = _state(trainer)
+    assert state.stock_largest and all(s == (rows, width) or s[0] * s[1] <= rows * width for s in state.stock_largest)
+    ends = [r.getMessage() for r in records if r.getMessage().startswith("token_budget: 2 optimizer step(s)")]
+    assert len(ends) == 1, [r.getMessage() for r in records]
+    largest = max(state.max_tokens)
+    assert f"within the budget of {BUDGET} padded tokens" in ends[0]
+    assert f"; a pair of {largest} tokens is over the budget of {BUDGET} and ran alone" in ends[0]
+    stock = f"{rows * width} padded tokens ({rows} rows x {width})"
+    assert ends[0].endswith(f"; stock TRL's largest micro-batch from the same batches: {stock}"), ends[0]
+    assert largest < rows * width  # what the plugin is for: a smaller largest micro-batch than stock's
+    warnings = [r.getMessage() for r in records if "exceed the budget" in r.getMessage()]
+    over = sum(state.over_budget)
+    assert len(warnings) == 1 and warnings[0].startswith(f"token_budget: {over} pair(s) of this step"), warnings

@@ -291,6 +291,7 @@ def test_train_summary_reports_the_rank_balance():
         max_tokens=[500, 120, 90],
         over_budget=[1, 0, 0],
         rank_tokens=[(600, 500.0), (300, 200.0), (100, 100.0)],
+        stock_largest=[(8, 40), (8, 30), (6, 20)],
         budget=128,
         packed=Layout.PACKED,
         ranks=SimpleNamespace(world=2),
@@ -298,6 +299,10 @@ def test_train_summary_reports_the_rank_balance():
     assert summary(state, 3) is None
     assert summary(state, 1) == (
         "token_budget: 2 optimizer step(s) ran 5 micro-batches (stock: 8) within the budget of 128 packed tokens, the "
-        "largest micro-batch 120 tokens; tokens per rank, most / mean: median 1.25, worst 1.50 over 2 ranks"
+        "largest micro-batch 120 tokens; stock TRL's largest micro-batch from the same batches on this rank: 240 "
+        "padded tokens (8 rows x 30); tokens per rank, most / mean: median 1.25, worst 1.50 over 2 ranks"
     )
     assert "; a pair of 500 tokens is over the budget of 128 and ran alone;" in summary(state, 0)
+    state.stock_largest[2] = None  # a batch without a 2D `input_ids`: nothing is said about stock but that
+    unmeasured = "stock TRL's micro-batches on this rank not measured (a batch of the collator has no 2D `input_ids`)"
+    assert f"; {unmeasured};" in summary(state, 1)

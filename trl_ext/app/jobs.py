@@ -62,22 +62,18 @@ def _use_configured_state(parser: Any) -> None:
     parser.set_defaults_with_config(accelerator_config={"use_configured_state": True})
 
 
-def _report(installation, trainer_class: str, steps: list[Any]) -> None:
-    """One line per trainer of the job's class: the plugins it ran with and the peak memory of its steps (`steps`:
-    the `StepPeakMemory` of the trainers that trained, in the order they were built), then each plugin's summary."""
+def _report(installation, trainer_class: str) -> None:
+    """One line per trainer of the job's class: the plugins it ran with, then each plugin's summary. The peak memory
+    is said once, in the line each trainer logs when `train()` returns (`trl_ext.attach`), not here again."""
     if not is_main_process():
         return
-    trained = [m for m in steps if m.peak_bytes is not None]
     records = installation.records
     if not any(r["trainer"] == trainer_class for r in records):
         # no enabled plugin applies to the job's trainer: trl-ext did not attach to it
         records = [{"trainer": trainer_class, "plugins": [], "summaries": {}}, *records]
     for record in records:
         plugins = ", ".join(record["plugins"]) or "none"
-        memory = ""
-        if record["trainer"] == trainer_class and trained:
-            memory = f"; {trained.pop(0).text()}"
-        print(f"[trl-ext] {record['trainer']} ran with plugins: {plugins}{memory}", flush=True)
+        print(f"[trl-ext] {record['trainer']} ran with plugins: {plugins}", flush=True)
         for name, summary in record["summaries"].items():
             print(f"[trl-ext]   {name}: {summary}", flush=True)
 
@@ -257,14 +253,12 @@ def _installed_for_job(config: TrlExtConfig, cpu_deepspeed: bool, trainer_class:
     """trl-ext installed for the job (exactly `config`, merged once); afterwards report the plugins each trainer ran
     with, uninstall, and on CPU DeepSpeed end the process the safe way."""
     from ..installation import install_config
-    from .step_memory import measuring_steps
 
     installation = install_config(config)
     installation.keep_records = True
     try:
-        with measuring_steps() as steps:
-            yield installation
-        _report(installation, trainer_class, steps)
+        yield installation
+        _report(installation, trainer_class)
     finally:
         # The job is over: its trainers are detached with the uninstall, so no "trainers keep their plugins" line.
         installation.uninstall(detach=True)

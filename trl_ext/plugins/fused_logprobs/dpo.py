@@ -47,7 +47,6 @@ from ..._logging import get_logger
 from ...errors import UsageError
 from ...patching import Patcher
 from .._packing.positions import current_packed_positions
-from . import online
 from .lazy import LazyLogits, Root, entropy, logprobs_and_entropy, selective_logprobs
 from .online import FusedState, ScoreCall, output_head
 from .online import scoring as scoring_head
@@ -174,7 +173,7 @@ class DpoScoreCall(ScoreCall):
                 "positions it holds. Train it without fused_logprobs."
             )
         root = Root(
-            functools.partial(online.head_chunk, forward),  # looked up per call (the scale matrix counts it)
+            self.head_of(forward),  # `online.head_chunk` looked up per chunk (the scale matrix counts it)
             contextlib.nullcontext,  # inside the head's call: the model's autocast state is the current one
             self.chunk,
             self.scored.reshape(-1),
@@ -184,7 +183,9 @@ class DpoScoreCall(ScoreCall):
             parameters=head.parameters(),
         )
         self.root = root
-        return LazyLogits(hidden, root).logprobs(self.targets)
+        values = LazyLogits(hidden, root).logprobs(self.targets)
+        self.note_stock_logits(forward, hidden, rows, length)
+        return values
 
 
 def _fused_forward(original: Callable, role: str, head: torch.nn.Module, state: FusedState) -> Callable:
@@ -215,7 +216,7 @@ def _fused_forward(original: Callable, role: str, head: torch.nn.Module, state: 
                 f"fused_logprobs: the {role} model did not call its output head module in its forward; it computes "
                 "its logits another way. Train it without fused_logprobs."
             )
-        state.fused_calls += 1
+        state.count_call(request)
         values, root = outputs.logits, request.root
         if root is None or not isinstance(values, torch.Tensor) or tuple(values.shape) != tuple(mask.shape):
             raise UsageError(

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from ... import _compat
+from ..._peak_memory import size_text
 from ...context import unwrap_causal_lm
 from ...errors import UsageError
 from .._online_forward import ScoringCall, verify_against_trl
@@ -82,6 +83,32 @@ class ScoreCall:
     #: ZeRO-3/FSDP2) and its result is kept in `referenced` (the self-check's float32 head, `selfcheck.float32_head`)
     reference: Callable[[torch.nn.Module, torch.Tensor], Any] | None = None
     referenced: Any = None
+    #: scoring: `(rows, positions, vocab, dtype)` of the logits stock's model call returns for this request (its head
+    #: on every position), vocab and dtype read from the chunks the head computed (`head_of`)
+    stock_logits: tuple[int, int, int, torch.dtype] | None = None
+    _chunk_out: tuple[int, torch.dtype] | None = None
+
+    def head_of(self, forward: Callable) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The head's original `forward` as the chunked passes call it (`head_chunk`), noting the vocabulary and the
+        dtype of the logits it returns: those of the full logits stock's call of the same head builds."""
+
+        def chunk(hidden: torch.Tensor) -> torch.Tensor:
+            out = head_chunk(forward, hidden)
+            self._chunk_out = (out.size(-1), out.dtype)
+            return out
+
+        return chunk
+
+    def note_stock_logits(self, forward: Callable, hidden: torch.Tensor, rows: int, positions: int) -> None:
+        """Set `stock_logits` for stock's `[rows, positions, vocab]` logits; a call whose chunks computed nothing
+        (no position scored) runs the head on one row, without gradients, to read them."""
+        if self._chunk_out is None and hidden.numel():
+            with torch.no_grad():
+                out = head_chunk(forward, hidden.reshape(-1, hidden.size(-1))[:1])
+            self._chunk_out = (out.size(-1), out.dtype)
+        if self._chunk_out is not None:
+            vocab, dtype = self._chunk_out
+            self.stock_logits = (rows, positions, vocab, dtype)
 
     def run(self, head: torch.nn.Module, forward: Callable, hidden: torch.Tensor, args: tuple, kwargs: dict) -> Any:
         if self.targets is None:
@@ -104,14 +131,16 @@ class ScoreCall:
                 f"the hidden states of its {rows} rows of {self.columns} positions; the fused path cannot tell which "
                 "positions it holds. Train it without fused_logprobs."
             )
-        return token_logprobs(
+        values = token_logprobs(
             hidden[:, self.start : self.end],
             self.targets,
-            lambda h: head_chunk(forward, h),
+            self.head_of(forward),
             chunk=self.chunk,
             scored=self.scored,
             parameters=head.parameters(),
         )
+        self.note_stock_logits(forward, hidden, rows, self.columns)
+        return values
 
     def _run_packed(
         self, head: torch.nn.Module, forward: Callable, hidden: torch.Tensor, packed: PackedPositions
@@ -132,11 +161,12 @@ class ScoreCall:
         values = token_logprobs(
             gathered,
             self.targets,
-            lambda h: head_chunk(forward, h),
+            self.head_of(forward),
             chunk=self.chunk,
             scored=scored,
             parameters=head.parameters(),
         )
+        self.note_stock_logits(forward, gathered, rows, self.columns)
         if bool(missing.any()):
             # a column the packed row does not compute (a row without tokens there): the packing plugin gives it zero
             # logits, whose log_softmax is -log(vocab)
@@ -168,6 +198,17 @@ class FusedState:
     left_to_trl: bool = False
     #: the trainer's scoring methods this plugin replaced (its answers to `trl_ext_make_scoring_method`)
     methods: set[str] = dataclasses.field(default_factory=set)
+    #: `(rows, positions, vocab, dtype)` of the largest logits tensor stock would have built in one scoring call
+    largest_logits: tuple[int, int, int, torch.dtype] | None = None
+
+    def count_call(self, request: ScoreCall) -> None:
+        """One fused scoring call, and the logits stock's model call would have returned for it."""
+        self.fused_calls += 1
+        shape = request.stock_logits
+        if shape is not None and (
+            self.largest_logits is None or logits_bytes(shape) > logits_bytes(self.largest_logits)
+        ):
+            self.largest_logits = shape
 
     def summary(self) -> str:
         """What ran, for the end-of-run line (`trl-ext dpo`: `[trl-ext]   fused_logprobs: ...`)."""
@@ -177,7 +218,21 @@ class FusedState:
                 "the full-vocabulary logits)"
             )
         chunks = ", ".join(f"{role} {chunk}" for role, chunk in self.chunks.items())
-        return f"{self.fused_calls} scoring forwards fused (chunk: {chunks or '-'})"
+        text = f"{self.fused_calls} scoring forwards fused (chunk: {chunks or '-'})"
+        if self.largest_logits is not None:
+            rows, positions, vocab, dtype = self.largest_logits
+            size = size_text(logits_bytes(self.largest_logits))
+            text += (
+                f"; largest logits tensor not built (one scoring forward): {size} ({rows} x {positions} x {vocab} "
+                f"{str(dtype).removeprefix('torch.')})"
+            )
+        return text
+
+
+def logits_bytes(shape: tuple[int, int, int, torch.dtype]) -> int:
+    """Bytes of a `[rows, positions, vocab]` logits tensor of `dtype`."""
+    rows, positions, vocab, dtype = shape
+    return rows * positions * vocab * dtype.itemsize
 
 
 def output_head(model: Any, role: str = "model") -> torch.nn.Module:
@@ -269,11 +324,12 @@ def make_fused_forward(trainer: Any, state: FusedState, roles: Callable[[Any], s
         )
         head = output_head(model, role)
         chunk = state.chunks.get(role) or resolve_chunk(state, head, next(unwrap_causal_lm(model).parameters()).dtype)
-        state.fused_calls += 1
         # The completion tokens carry gradients; the positions after an end are computed without (TRL masks them in
         # the loss and sums them into its KL and entropy metrics).
         scored = completion_mask.bool()
         request = ScoreCall(role, completion_ids, scored, call.ids.size(1), call.start, call.end, chunk)
-        return run_scoring(model, request, call.ids, attention_mask=call.mask).logits
+        logprobs = run_scoring(model, request, call.ids, attention_mask=call.mask).logits
+        state.count_call(request)
+        return logprobs
 
     return _forward

@@ -35,6 +35,7 @@ from .cut import EXAMPLES_KEY, Layout, MicroBatch, cut_step, padded_multiple, sp
 from .dispatch import examples_of
 from .metrics import StepRecord, row_sums, stock_values, stock_values_of_pairs
 from .ranks import Padding, balanced_plan, global_pairs, pad_to
+from .report import largest_stock_batch
 
 logger = get_logger(__name__)
 
@@ -87,6 +88,8 @@ class TokenBudgetState:
         self.rank_tokens: list[tuple[int, float]] = []
         self.warned_logits = False
         self.max_tokens: list[int] = []
+        #: per optimizer step: `(rows, width)` of stock's largest batch (`report.largest_stock_batch`)
+        self.stock_largest: list[tuple[int, int] | None] = []
         #: per optimizer step: pairs longer than the budget
         self.over_budget: list[int] = []
         #: the current step's micro-batch losses and slots without micro-batches (`filter_like_stock`)
@@ -137,6 +140,7 @@ class TokenBudgetState:
         self.stock_micro_batch_counts.append(len(batches))
         self.over_budget.append(over)
         self.max_tokens.append(max((mb.tokens for mb in micro_batches), default=0))
+        self.stock_largest.append(largest_stock_batch(stock))
         slots = []
         for i, indices in enumerate(spread(len(micro_batches), len(batches))):
             slot = Slot(stock[i])
