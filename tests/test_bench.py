@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from trl_ext.app import bench
+from trl_ext.app.bench import plot as drawing
 from trl_ext.app.bench import plugin_sections, sections, stats
 from trl_ext.app.bench import report as output
 
@@ -407,7 +408,7 @@ def test_plot_legends_cover_nothing_plotted():
     fused["speedup"] = stats.summarize([1.0, 1.2, 1.5, 1.9, 2.3])  # wide and tall: its note sits high
     from matplotlib.transforms import Bbox
 
-    fig = output.figure(report)
+    fig = drawing.figure(report)
     renderer = fig.canvas.get_renderer()
     checked = 0
     for ax in fig.axes:
@@ -427,6 +428,73 @@ def test_plot_legends_cover_nothing_plotted():
     import matplotlib.pyplot as plt
 
     plt.close(fig)
+
+
+@pytest.mark.parametrize(
+    ("generation", "complete", "note"),
+    [
+        (None, True, "ZeRO-3 generation: not run (not among --only)"),
+        (None, False, "ZeRO-3 generation: not run (the bench stopped before it)"),
+        ("skipped", True, "ZeRO-3 generation: not run (needs DeepSpeed, which is not installed)"),
+        ({"error": "InternalError: ZeRO-3 generation run failed:\nTraceback"}, True, "ZeRO-3 generation: FAILED ("),
+        ({"modes": [], "tokens": {"text": "", "flags": []}}, True, "ZeRO-3 generation: no rows ("),
+    ],
+)
+def test_a_panel_with_nothing_to_draw_says_why_in_one_line(generation, complete, note):
+    """The ZeRO-3 panel of `bench.png` when its section was not run, skipped (no DeepSpeed), failed or has no rows:
+    one line that says why, no empty axes; the other panels keep their data."""
+    report = _recorded()
+    report["complete"] = complete
+    if generation is None:
+        del report["sections"]["generation"]
+    elif generation == "skipped":
+        report["sections"]["generation"] = _skipped_generation()
+    else:
+        report["sections"]["generation"] = generation
+    fig = drawing.figure(report)
+    try:
+        panel = fig.axes[list(drawing.PANELS).index("generation")]
+        texts = [t.get_text() for t in panel.texts]
+        assert len(texts) == 1 and texts[0].startswith(note) and "\n" not in texts[0]
+        assert texts[0] == drawing.panel_note(report, "generation")
+        assert not panel.has_data() and not panel.get_xticks().size and not panel.get_yticks().size
+        assert panel.get_legend() is None
+        others = [ax for ax in fig.axes[:6] if ax is not panel]
+        assert len(others) == 5 and all(ax.has_data() for ax in others)
+    finally:
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)
+
+
+def _skipped_generation():
+    """The section as `sections.generation` returns it without DeepSpeed."""
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_deepspeed(name, *args, **kwargs):
+        if name == "deepspeed":
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    builtins.__import__ = no_deepspeed
+    try:
+        return sections.generation(None, quick=True)
+    finally:
+        builtins.__import__ = real_import
+
+
+def test_a_zero3_part_without_rows_is_one_flagged_row_not_an_empty_table():
+    report = _recorded()
+    report["sections"]["generation"] = {"modes": [], "tokens": {"text": "greedy tokens identical", "flags": []}}
+    table = output.text_table(report)
+    rows = [line for line in table.splitlines() if line.startswith("ZeRO-3")]
+    assert len(rows) == 1 and rows[0].startswith("ZeRO-3 generation: nothing measured") and "no rows" in rows[0]
+    after = table.splitlines()[table.splitlines().index(rows[0]) + 1]
+    assert after.strip() == f"!! {rows[0].split('  ')[-1].strip()}"  # flagged: the run should have measured every mode
+    assert "greedy tokens identical" not in table
+    assert "ZeRO-3 generation: nothing measured" in output.markdown_table(report)
 
 
 def _bounds(ax, points):

@@ -21,7 +21,7 @@ It writes `report.json` and `table.md` (the table in Markdown) to `--out` as eac
 `bench.png` (one panel per section, error bars = interquartile range) where matplotlib is installed
 (`pip install "trl-ext[bench]"`); a section that needs what is not installed (DeepSpeed, for ZeRO-3 generation) is
 a "skipped" row of the table that says what to install. The statistics live in `stats`, the sections in `sections`
-and `plugin_sections`, the table, headline and plot in `report`; this module is the command line.
+and `plugin_sections`, the table and headline in `report`, the plot in `plot`; this module is the command line.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from typing import Any
 
 from ... import __version__, _compat
 from ...errors import UsageError
+from . import plot as drawing
 from . import plugin_sections, sections
 from . import report as output
 from .stats import progress
@@ -180,7 +181,7 @@ def _write(report: dict[str, Any], out: Any, started: float, load_start: float |
     report["headline"] = output.headline(report)
     report["peak_rss_mb"] = sections.peak_rss_mb()
     if plot:
-        output.plot(report, out / "bench.png")
+        drawing.plot(report, out / "bench.png")
     report["wall_seconds"] = time.perf_counter() - started
     (out / "report.json").write_text(json.dumps(report, indent=2, default=str))
     (out / "table.md").write_text(output.markdown_table(report) + "\n")
