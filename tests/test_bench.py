@@ -7,17 +7,19 @@ import json
 import math
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
 from trl_ext.app import bench
+from trl_ext.app.bench import housekeeping, plugin_sections, sections, stats
 from trl_ext.app.bench import plot as drawing
-from trl_ext.app.bench import plugin_sections, sections, stats
 from trl_ext.app.bench import report as output
 
 REPO = Path(__file__).resolve().parents[1]
@@ -549,13 +551,17 @@ sys.meta_path[:] = [_NotInstalled if finder is PathFinder else finder for finder
 @pytest.mark.slow
 def test_bench_quick_on_a_user_install_without_the_bench_extra(tmp_path):
     """`trl-ext bench --quick` where matplotlib and DeepSpeed are not installed: no crash; the report, the table and
-    the line that says how to get the plot; the ZeRO-3 generation row says it needs DeepSpeed."""
+    the line that says how to get the plot; the ZeRO-3 generation row says it needs DeepSpeed. No empty folder is
+    left behind and fewer than 20 lines come before the table."""
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(_BLOCKER)
     env = dict(os.environ, TQDM_DISABLE="1", PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p)
     out = tmp_path / "out"
+    (out / "mine").mkdir(parents=True)  # the user's empty folder, there before: kept
+    (tmp_path / "tmp").mkdir()
+    env["TMPDIR"] = str(tmp_path / "tmp")  # what the run leaves in the temporary folder shows here
     cmd = [str(Path(sys.executable).with_name("trl-ext")), "bench", "--quick", "--rounds", "1", "--out", str(out)]
     proc = subprocess.run(
         [*cmd, "--only", "padding_free", "--only", "generation"], capture_output=True, text=True, env=env, timeout=900
@@ -569,3 +575,85 @@ def test_bench_quick_on_a_user_install_without_the_bench_extra(tmp_path):
     rows = [line for line in proc.stdout.splitlines() if line.startswith("generation: skipped")]
     assert len(rows) == 1 and 'pip install "trl-ext[deepspeed]"' in rows[0]
     assert (out / "table.md").read_text() == output.markdown_table(report) + "\n"
+    _check_tidy_and_short(proc, out, tmp_path / "tmp", kept=out / "mine")
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# housekeeping: quiet logs, no empty folders left behind
+# -------------------------------------------------------------------------------------------------------------------
+
+
+def _empty_folders(*roots: Path) -> list[Path]:
+    return [Path(d) for root in roots for d, subdirs, files in os.walk(root) if not subdirs and not files]
+
+
+def _check_tidy_and_short(proc, out: Path, tmp: Path, kept: Path | None) -> None:
+    """What a `trl-ext bench` run left: no empty folder in `--out` or its temporary folder (but a folder the user had
+    there before), and fewer than 20 lines before the table (stderr's progress lines and stdout's lines above it)."""
+    assert _empty_folders(out, tmp) == ([kept] if kept else []), _empty_folders(out, tmp)
+    assert not list(tmp.iterdir())
+    stdout = proc.stdout.splitlines()
+    header = next(i for i, line in enumerate(stdout) if line.startswith("measure "))
+    before = proc.stderr.splitlines() + stdout[:header]
+    assert len(before) < 20, "\n".join(before)
+    assert not [line for line in before if "|NOTICE]" in line or "[WARNING]" in line], "\n".join(before)
+
+
+def test_no_empty_folders_removes_the_empty_folders_the_run_made_and_keeps_the_users(tmp_path, monkeypatch):
+    registered = []
+    monkeypatch.setattr(housekeeping.atexit, "register", lambda *a, **k: registered.append(a))
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    out = tmp_path / "out"
+    (out / "mine" / "empty").mkdir(parents=True)  # the user's, before the run: kept, empty or not
+    with housekeeping.no_empty_folders(out) as scratch:
+        assert os.environ["TMPDIR"] == str(scratch) == tempfile.gettempdir() and scratch.parent == tmp_path
+        (out / "runs" / "stock").mkdir(parents=True)  # a trainer's output_dir that nothing was written to
+        (out / "runs" / "kept").mkdir()
+        (out / "runs" / "kept" / "file").write_text("x")
+        (out / "report.json").write_text("{}")
+        (scratch / "torchelastic_x" / "attempt_0" / "0").mkdir(parents=True)
+    assert os.environ["TMPDIR"] == str(tmp_path) == tempfile.gettempdir()
+    assert not scratch.exists() and not registered  # nothing was left in it: removed at once
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == [
+        "mine",
+        "mine/empty",
+        "report.json",
+        "runs",
+        "runs/kept",
+        "runs/kept/file",
+    ]
+
+    fresh = tmp_path / "fresh"
+    with pytest.raises(RuntimeError), housekeeping.no_empty_folders(fresh) as scratch:
+        (fresh / "runs" / "a").mkdir(parents=True)
+        (scratch / "hf_datasets-x").mkdir()
+        (scratch / "hf_datasets-x" / "cache.arrow").write_text("x")  # held by `datasets` until the process ends
+        raise RuntimeError("a section failed")
+    assert not fresh.exists()  # made by the run and left empty
+    assert (scratch / "hf_datasets-x" / "cache.arrow").exists() and registered[0][:2] == (shutil.rmtree, scratch)
+
+
+def test_quiet_logs_hides_the_bench_trainers_notices_and_puts_the_levels_back(monkeypatch, caplog):
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    from trl_ext._logging import get_logger
+
+    monkeypatch.delenv(housekeeping.LOG_LEVEL_ENV, raising=False)
+    root = get_logger("trl_ext")
+    level, verbosity = root.level, hf_logging.get_verbosity()
+    deepspeed = logging.getLogger(housekeeping.DEEPSPEED_LOGGER)
+
+    def record(levelno):
+        return logging.LogRecord(housekeeping.DEEPSPEED_LOGGER, levelno, __file__, 1, "Setting accelerator", (), None)
+
+    with housekeeping.quiet_logs():
+        assert root.getEffectiveLevel() == logging.WARNING and hf_logging.get_verbosity() == logging.ERROR
+        assert not root.isEnabledFor(25) and root.isEnabledFor(logging.WARNING)  # NOTICE hidden, warnings shown
+        assert not deepspeed.filter(record(logging.WARNING)) and deepspeed.filter(record(logging.ERROR))
+    assert root.level == level and hf_logging.get_verbosity() == verbosity and deepspeed.filter(record(logging.INFO))
+    monkeypatch.setenv(housekeeping.LOG_LEVEL_ENV, "info")  # the user's choice wins
+    with housekeeping.quiet_logs():
+        assert root.level == level
