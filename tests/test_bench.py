@@ -30,15 +30,18 @@ RECORDED = REPO / "benchmarks" / "results" / "bench_quick.json"
 def test_bench_quick_writes_report_and_plot(tmp_path):
     exe = Path(sys.executable).with_name("trl-ext")
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", TQDM_DISABLE="1")
+    tmp, out = tmp_path / "tmp", tmp_path / "out"
+    tmp.mkdir()
+    env["TMPDIR"] = str(tmp)  # what the run leaves in the temporary folder (torchrun's, torch's, datasets') shows here
     proc = subprocess.run(
-        [str(exe), "bench", "--quick", "--rounds", "3", "--out", str(tmp_path)],
+        [str(exe), "bench", "--quick", "--rounds", "3", "--out", str(out)],
         capture_output=True,
         text=True,
         env=env,
         timeout=1200,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    report = json.loads((tmp_path / "report.json").read_text())
+    report = json.loads((out / "report.json").read_text())
     assert report["quick"] is True and report["trl"] and report["model"].startswith("llama")
     assert report["rounds"] == 3 and report["load_average"]["cores"] == os.cpu_count()
     assert report["wall_seconds"] > 0
@@ -69,7 +72,7 @@ def test_bench_quick_writes_report_and_plot(tmp_path):
     )
     assert pc["values"]["same"]
     assert report["headline"]["precompute_speedup"] == pc["speedup"]["median"]
-    assert pc["clock"] == "cpu" and not list(tmp_path.glob("trl-ext-bench-precompute-*"))  # caches removed
+    assert pc["clock"] == "cpu" and not list(out.glob("trl-ext-bench-precompute-*"))  # caches removed
 
     co = measured["sync_metrics"]
     assert co["stock"]["world_size"] == 2 and co["rounds"] == 3
@@ -127,13 +130,14 @@ def test_bench_quick_writes_report_and_plot(tmp_path):
     assert "trl-ext bench" in proc.stdout and "median of per-round" in proc.stdout and "load average" in proc.stdout
     assert all(line.lstrip().startswith("!! ") for line in lines if "!!" in line)
     assert sum("(one run)" in line for line in lines) == len(ge["modes"])
-    assert (tmp_path / "table.md").read_text() == output.markdown_table(report) + "\n"
-    png = (tmp_path / "bench.png").read_bytes()
+    assert (out / "table.md").read_text() == output.markdown_table(report) + "\n"
+    png = (out / "bench.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     import matplotlib.image
 
-    image = matplotlib.image.imread(tmp_path / "bench.png")
+    image = matplotlib.image.imread(out / "bench.png")
     assert image.shape[0] > 200 and image.shape[1] > 600
+    _check_tidy_and_short(proc, out, tmp, kept=None)
 
 
 def _check_ratio(r, bound, rounds):
@@ -583,15 +587,15 @@ def test_bench_quick_on_a_user_install_without_the_bench_extra(tmp_path):
 # -------------------------------------------------------------------------------------------------------------------
 
 
-def _empty_folders(*roots: Path) -> list[Path]:
-    return [Path(d) for root in roots for d, subdirs, files in os.walk(root) if not subdirs and not files]
+def _empty_folders(root: Path) -> list[Path]:
+    return [Path(d) for d, subdirs, files in os.walk(root) if not subdirs and not files]
 
 
 def _check_tidy_and_short(proc, out: Path, tmp: Path, kept: Path | None) -> None:
     """What a `trl-ext bench` run left: no empty folder in `--out` or its temporary folder (but a folder the user had
     there before), and fewer than 20 lines before the table (stderr's progress lines and stdout's lines above it)."""
-    assert _empty_folders(out, tmp) == ([kept] if kept else []), _empty_folders(out, tmp)
-    assert not list(tmp.iterdir())
+    assert _empty_folders(out) == ([kept] if kept else []), _empty_folders(out)
+    assert not list(tmp.iterdir()), list(tmp.rglob("*"))  # the temporary folder is as it was: empty
     stdout = proc.stdout.splitlines()
     header = next(i for i, line in enumerate(stdout) if line.startswith("measure "))
     before = proc.stderr.splitlines() + stdout[:header]
