@@ -7,16 +7,19 @@ import json
 import math
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
 from trl_ext.app import bench
-from trl_ext.app.bench import plugin_sections, sections, stats
+from trl_ext.app.bench import housekeeping, plugin_sections, sections, stats
+from trl_ext.app.bench import plot as drawing
 from trl_ext.app.bench import report as output
 
 REPO = Path(__file__).resolve().parents[1]
@@ -27,15 +30,18 @@ RECORDED = REPO / "benchmarks" / "results" / "bench_quick.json"
 def test_bench_quick_writes_report_and_plot(tmp_path):
     exe = Path(sys.executable).with_name("trl-ext")
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", TQDM_DISABLE="1")
+    tmp, out = tmp_path / "tmp", tmp_path / "out"
+    tmp.mkdir()
+    env["TMPDIR"] = str(tmp)  # what the run leaves in the temporary folder (torchrun's, torch's, datasets') shows here
     proc = subprocess.run(
-        [str(exe), "bench", "--quick", "--rounds", "3", "--out", str(tmp_path)],
+        [str(exe), "bench", "--quick", "--rounds", "3", "--out", str(out)],
         capture_output=True,
         text=True,
         env=env,
         timeout=1200,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    report = json.loads((tmp_path / "report.json").read_text())
+    report = json.loads((out / "report.json").read_text())
     assert report["quick"] is True and report["trl"] and report["model"].startswith("llama")
     assert report["rounds"] == 3 and report["load_average"]["cores"] == os.cpu_count()
     assert report["wall_seconds"] > 0
@@ -66,7 +72,7 @@ def test_bench_quick_writes_report_and_plot(tmp_path):
     )
     assert pc["values"]["same"]
     assert report["headline"]["precompute_speedup"] == pc["speedup"]["median"]
-    assert pc["clock"] == "cpu" and not list(tmp_path.glob("trl-ext-bench-precompute-*"))  # caches removed
+    assert pc["clock"] == "cpu" and not list(out.glob("trl-ext-bench-precompute-*"))  # caches removed
 
     co = measured["sync_metrics"]
     assert co["stock"]["world_size"] == 2 and co["rounds"] == 3
@@ -124,13 +130,14 @@ def test_bench_quick_writes_report_and_plot(tmp_path):
     assert "trl-ext bench" in proc.stdout and "median of per-round" in proc.stdout and "load average" in proc.stdout
     assert all(line.lstrip().startswith("!! ") for line in lines if "!!" in line)
     assert sum("(one run)" in line for line in lines) == len(ge["modes"])
-    assert (tmp_path / "table.md").read_text() == output.markdown_table(report) + "\n"
-    png = (tmp_path / "bench.png").read_bytes()
+    assert (out / "table.md").read_text() == output.markdown_table(report) + "\n"
+    png = (out / "bench.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     import matplotlib.image
 
-    image = matplotlib.image.imread(tmp_path / "bench.png")
+    image = matplotlib.image.imread(out / "bench.png")
     assert image.shape[0] > 200 and image.shape[1] > 600
+    _check_tidy_and_short(proc, out, tmp, kept=None)
 
 
 def _check_ratio(r, bound, rounds):
@@ -407,7 +414,7 @@ def test_plot_legends_cover_nothing_plotted():
     fused["speedup"] = stats.summarize([1.0, 1.2, 1.5, 1.9, 2.3])  # wide and tall: its note sits high
     from matplotlib.transforms import Bbox
 
-    fig = output.figure(report)
+    fig = drawing.figure(report)
     renderer = fig.canvas.get_renderer()
     checked = 0
     for ax in fig.axes:
@@ -427,6 +434,73 @@ def test_plot_legends_cover_nothing_plotted():
     import matplotlib.pyplot as plt
 
     plt.close(fig)
+
+
+@pytest.mark.parametrize(
+    ("generation", "complete", "note"),
+    [
+        (None, True, "ZeRO-3 generation: not run (not among --only)"),
+        (None, False, "ZeRO-3 generation: not run (the bench stopped before it)"),
+        ("skipped", True, "ZeRO-3 generation: not run (needs DeepSpeed, which is not installed)"),
+        ({"error": "InternalError: ZeRO-3 generation run failed:\nTraceback"}, True, "ZeRO-3 generation: FAILED ("),
+        ({"modes": [], "tokens": {"text": "", "flags": []}}, True, "ZeRO-3 generation: no rows ("),
+    ],
+)
+def test_a_panel_with_nothing_to_draw_says_why_in_one_line(generation, complete, note):
+    """The ZeRO-3 panel of `bench.png` when its section was not run, skipped (no DeepSpeed), failed or has no rows:
+    one line that says why, no empty axes; the other panels keep their data."""
+    report = _recorded()
+    report["complete"] = complete
+    if generation is None:
+        del report["sections"]["generation"]
+    elif generation == "skipped":
+        report["sections"]["generation"] = _skipped_generation()
+    else:
+        report["sections"]["generation"] = generation
+    fig = drawing.figure(report)
+    try:
+        panel = fig.axes[list(drawing.PANELS).index("generation")]
+        texts = [t.get_text() for t in panel.texts]
+        assert len(texts) == 1 and texts[0].startswith(note) and "\n" not in texts[0]
+        assert texts[0] == drawing.panel_note(report, "generation")
+        assert not panel.has_data() and not panel.get_xticks().size and not panel.get_yticks().size
+        assert panel.get_legend() is None
+        others = [ax for ax in fig.axes[:6] if ax is not panel]
+        assert len(others) == 5 and all(ax.has_data() for ax in others)
+    finally:
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)
+
+
+def _skipped_generation():
+    """The section as `sections.generation` returns it without DeepSpeed."""
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_deepspeed(name, *args, **kwargs):
+        if name == "deepspeed":
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    builtins.__import__ = no_deepspeed
+    try:
+        return sections.generation(None, quick=True)
+    finally:
+        builtins.__import__ = real_import
+
+
+def test_a_zero3_part_without_rows_is_one_flagged_row_not_an_empty_table():
+    report = _recorded()
+    report["sections"]["generation"] = {"modes": [], "tokens": {"text": "greedy tokens identical", "flags": []}}
+    table = output.text_table(report)
+    rows = [line for line in table.splitlines() if line.startswith("ZeRO-3")]
+    assert len(rows) == 1 and rows[0].startswith("ZeRO-3 generation: nothing measured") and "no rows" in rows[0]
+    after = table.splitlines()[table.splitlines().index(rows[0]) + 1]
+    assert after.strip() == f"!! {rows[0].split('  ')[-1].strip()}"  # flagged: the run should have measured every mode
+    assert "greedy tokens identical" not in table
+    assert "ZeRO-3 generation: nothing measured" in output.markdown_table(report)
 
 
 def _bounds(ax, points):
@@ -481,13 +555,17 @@ sys.meta_path[:] = [_NotInstalled if finder is PathFinder else finder for finder
 @pytest.mark.slow
 def test_bench_quick_on_a_user_install_without_the_bench_extra(tmp_path):
     """`trl-ext bench --quick` where matplotlib and DeepSpeed are not installed: no crash; the report, the table and
-    the line that says how to get the plot; the ZeRO-3 generation row says it needs DeepSpeed."""
+    the line that says how to get the plot; the ZeRO-3 generation row says it needs DeepSpeed. No empty folder is
+    left behind and fewer than 20 lines come before the table."""
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(_BLOCKER)
     env = dict(os.environ, TQDM_DISABLE="1", PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p)
     out = tmp_path / "out"
+    (out / "mine").mkdir(parents=True)  # the user's empty folder, there before: kept
+    (tmp_path / "tmp").mkdir()
+    env["TMPDIR"] = str(tmp_path / "tmp")  # what the run leaves in the temporary folder shows here
     cmd = [str(Path(sys.executable).with_name("trl-ext")), "bench", "--quick", "--rounds", "1", "--out", str(out)]
     proc = subprocess.run(
         [*cmd, "--only", "padding_free", "--only", "generation"], capture_output=True, text=True, env=env, timeout=900
@@ -501,3 +579,85 @@ def test_bench_quick_on_a_user_install_without_the_bench_extra(tmp_path):
     rows = [line for line in proc.stdout.splitlines() if line.startswith("generation: skipped")]
     assert len(rows) == 1 and 'pip install "trl-ext[deepspeed]"' in rows[0]
     assert (out / "table.md").read_text() == output.markdown_table(report) + "\n"
+    _check_tidy_and_short(proc, out, tmp_path / "tmp", kept=out / "mine")
+
+
+# -------------------------------------------------------------------------------------------------------------------
+# housekeeping: quiet logs, no empty folders left behind
+# -------------------------------------------------------------------------------------------------------------------
+
+
+def _empty_folders(root: Path) -> list[Path]:
+    return [Path(d) for d, subdirs, files in os.walk(root) if not subdirs and not files]
+
+
+def _check_tidy_and_short(proc, out: Path, tmp: Path, kept: Path | None) -> None:
+    """What a `trl-ext bench` run left: no empty folder in `--out` or its temporary folder (but a folder the user had
+    there before), and fewer than 20 lines before the table (stderr's progress lines and stdout's lines above it)."""
+    assert _empty_folders(out) == ([kept] if kept else []), _empty_folders(out)
+    assert not list(tmp.iterdir()), list(tmp.rglob("*"))  # the temporary folder is as it was: empty
+    stdout = proc.stdout.splitlines()
+    header = next(i for i, line in enumerate(stdout) if line.startswith("measure "))
+    before = proc.stderr.splitlines() + stdout[:header]
+    assert len(before) < 20, "\n".join(before)
+    assert not [line for line in before if "|NOTICE]" in line or "[WARNING]" in line], "\n".join(before)
+
+
+def test_no_empty_folders_removes_the_empty_folders_the_run_made_and_keeps_the_users(tmp_path, monkeypatch):
+    registered = []
+    monkeypatch.setattr(housekeeping.atexit, "register", lambda *a, **k: registered.append(a))
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    out = tmp_path / "out"
+    (out / "mine" / "empty").mkdir(parents=True)  # the user's, before the run: kept, empty or not
+    with housekeeping.no_empty_folders(out) as scratch:
+        assert os.environ["TMPDIR"] == str(scratch) == tempfile.gettempdir() and scratch.parent == tmp_path
+        (out / "runs" / "stock").mkdir(parents=True)  # a trainer's output_dir that nothing was written to
+        (out / "runs" / "kept").mkdir()
+        (out / "runs" / "kept" / "file").write_text("x")
+        (out / "report.json").write_text("{}")
+        (scratch / "torchelastic_x" / "attempt_0" / "0").mkdir(parents=True)
+    assert os.environ["TMPDIR"] == str(tmp_path) == tempfile.gettempdir()
+    assert not scratch.exists() and not registered  # nothing was left in it: removed at once
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == [
+        "mine",
+        "mine/empty",
+        "report.json",
+        "runs",
+        "runs/kept",
+        "runs/kept/file",
+    ]
+
+    fresh = tmp_path / "fresh"
+    with pytest.raises(RuntimeError), housekeeping.no_empty_folders(fresh) as scratch:
+        (fresh / "runs" / "a").mkdir(parents=True)
+        (scratch / "hf_datasets-x").mkdir()
+        (scratch / "hf_datasets-x" / "cache.arrow").write_text("x")  # held by `datasets` until the process ends
+        raise RuntimeError("a section failed")
+    assert not fresh.exists()  # made by the run and left empty
+    assert (scratch / "hf_datasets-x" / "cache.arrow").exists() and registered[0][:2] == (shutil.rmtree, scratch)
+
+
+def test_quiet_logs_hides_the_bench_trainers_notices_and_puts_the_levels_back(monkeypatch, caplog):
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    from trl_ext._logging import get_logger
+
+    monkeypatch.delenv(housekeeping.LOG_LEVEL_ENV, raising=False)
+    root = get_logger("trl_ext")
+    level, verbosity = root.level, hf_logging.get_verbosity()
+    deepspeed = logging.getLogger(housekeeping.DEEPSPEED_LOGGER)
+
+    def record(levelno):
+        return logging.LogRecord(housekeeping.DEEPSPEED_LOGGER, levelno, __file__, 1, "Setting accelerator", (), None)
+
+    with housekeeping.quiet_logs():
+        assert root.getEffectiveLevel() == logging.WARNING and hf_logging.get_verbosity() == logging.ERROR
+        assert not root.isEnabledFor(25) and root.isEnabledFor(logging.WARNING)  # NOTICE hidden, warnings shown
+        assert not deepspeed.filter(record(logging.WARNING)) and deepspeed.filter(record(logging.ERROR))
+    assert root.level == level and hf_logging.get_verbosity() == verbosity and deepspeed.filter(record(logging.INFO))
+    monkeypatch.setenv(housekeeping.LOG_LEVEL_ENV, "info")  # the user's choice wins
+    with housekeeping.quiet_logs():
+        assert root.level == level

@@ -21,7 +21,7 @@ It writes `report.json` and `table.md` (the table in Markdown) to `--out` as eac
 `bench.png` (one panel per section, error bars = interquartile range) where matplotlib is installed
 (`pip install "trl-ext[bench]"`); a section that needs what is not installed (DeepSpeed, for ZeRO-3 generation) is
 a "skipped" row of the table that says what to install. The statistics live in `stats`, the sections in `sections`
-and `plugin_sections`, the table, headline and plot in `report`; this module is the command line.
+and `plugin_sections`, the table and headline in `report`, the plot in `plot`; this module is the command line.
 """
 
 from __future__ import annotations
@@ -30,13 +30,14 @@ import argparse
 import json
 import os
 import time
-import warnings
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from ... import __version__, _compat
 from ...errors import UsageError
-from . import plugin_sections, sections
+from . import housekeeping, plugin_sections, sections
+from . import plot as drawing
 from . import report as output
 from .stats import progress
 
@@ -97,28 +98,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         what = "a file" if os.path.exists(args.model) else "not found"
         raise UsageError(f"`--model {args.model}`: {what}; give the directory of a saved model and its tokenizer.")
     if args.device is not None:
-        from pathlib import Path
-
         from . import device
 
         preset = device.check(args.device, args.preset, args.model)
-        return device.run(args.device, preset, Path(args.out), rounds, args.time_limit or device.TIME_LIMIT)
+        with housekeeping.no_empty_folders(Path(args.out)):
+            return device.run(args.device, preset, Path(args.out), rounds, args.time_limit or device.TIME_LIMIT)
     if args.preset is not None or args.time_limit is not None:
         raise UsageError("`--preset` and `--time-limit` go with `--device`.")
-    rounds = 5 if rounds is None else rounds
+    # The libraries' notices about the bench's own trainers are not the user's business: our progress lines replace
+    # them (and their bars), so that the table follows a screen of progress, not a few hundred lines of logs.
+    with housekeeping.no_empty_folders(Path(args.out)), housekeeping.quiet_logs():
+        return _bench(args, 5 if rounds is None else rounds, started)
 
+
+def _bench(args: argparse.Namespace, rounds: int, started: float) -> int:
+    """The CPU sections, their table on stdout, report.json, table.md and bench.png in `--out`."""
     import datasets
     import torch
-    from transformers.utils import logging as hf_logging
 
     from ...manager import load_catalog
 
-    # Our own progress lines replace the libraries' bars and warnings, which would bury them.
     datasets.disable_progress_bars()
-    hf_logging.set_verbosity_error()
-    warnings.filterwarnings("ignore", message=".*trl.experimental.*")
-    warnings.filterwarnings("ignore", category=FutureWarning)  # the libraries' deprecation notes, not ours
-
     # One thread by default: on a shared machine, OpenMP threads spin while waiting for a busy core, which turns
     # another process' load into noise many times larger than the effect being measured.
     torch.set_num_threads(args.threads)
@@ -146,6 +146,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     available = load_catalog()[0].flags
     can_plot = output.matplotlib_missing() is None
+    progress(
+        f"stock TRL against trl-ext: {len(wanted)} section(s), {rounds} interleaved rounds per comparison"
+        f"{f' ({QUICK_DURATION})' if args.quick and not args.only else ''}; report.json and table.md in {setup.out} "
+        "as each section finishes"
+    )
     if not can_plot:
         progress(output.matplotlib_missing() or "")
     finished = False
@@ -180,7 +185,7 @@ def _write(report: dict[str, Any], out: Any, started: float, load_start: float |
     report["headline"] = output.headline(report)
     report["peak_rss_mb"] = sections.peak_rss_mb()
     if plot:
-        output.plot(report, out / "bench.png")
+        drawing.plot(report, out / "bench.png")
     report["wall_seconds"] = time.perf_counter() - started
     (out / "report.json").write_text(json.dumps(report, indent=2, default=str))
     (out / "table.md").write_text(output.markdown_table(report) + "\n")
@@ -211,7 +216,6 @@ def _run_sections(report, wanted, flag_of, available, setup, args, rounds, start
         except Exception as exc:  # noqa: BLE001 - one failing section must not hide the others
             report["sections"][section] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
         _write(report, setup.out, started, load_start, plot=False, complete=False)
-        progress(f"{section}: done; {setup.out / 'report.json'} and {setup.out / 'table.md'} written")
 
 
 def _load_average() -> float | None:
