@@ -314,7 +314,7 @@ def test_entropy_helper_found_by_capability(monkeypatch):
     fake = types.ModuleType("fake_dpo")
     monkeypatch.setitem(sys.modules, "fake_dpo", fake)
     monkeypatch.setattr(_compat, "DPO_LOGITS_MODULE", "fake_dpo")
-    with pytest.raises(RuntimeError, match="neither `entropy_from_logits` nor `selective_log_softmax_and_entropy`"):
+    with pytest.raises(UsageError, match="neither `entropy_from_logits` nor `selective_log_softmax_and_entropy`"):
         metrics.logits_entropy(logits, labels, mask)
     fake.selective_log_softmax_and_entropy = joint
     assert torch.equal(metrics.logits_entropy(logits, labels, mask), expected.masked_fill(mask == 0, 0.0))
