@@ -20,18 +20,10 @@ import torch
 from ... import _compat
 from ...errors import InternalError, UsageError
 
-#: What `DPOTrainer._compute_loss` passes to `accelerator.gather`, in order: one value per pair each
-#: (trl/trainer/dpo_trainer.py, 1.16.0:1582-1601, 1.12.0:1662-1683).
-PAIR_METRICS = (
-    "rewards/chosen",
-    "rewards/rejected",
-    "rewards/accuracies",
-    "rewards/margins",
-    "logps/chosen",
-    "logps/rejected",
-)
-#: Token-weighted metrics, rebuilt from per-row sums of the policy forward's outputs.
-TOKEN_METRICS = ("entropy", "logits/chosen", "logits/rejected", "mean_token_accuracy")
+#: What `DPOTrainer._compute_loss` passes to `accelerator.gather`, in order: one value per pair each (`_compat`).
+PAIR_METRICS = _compat.DPO_PAIR_METRICS
+#: Token-weighted metrics, rebuilt from per-row sums of the policy forward's outputs (`_compat`).
+TOKEN_METRICS = _compat.DPO_TOKEN_METRICS
 #: Per-row sums kept for the token metrics (chosen `_c` / rejected `_r` rows of each pair).
 ROW_SUMS = ("entropy_c", "entropy_r", "tokens_c", "tokens_r", "logits_c", "logits_r", "correct_c")
 
