@@ -132,6 +132,7 @@ def test_fsdp_v1_is_refused_fsdp2_is_not():
             args=SimpleNamespace(use_weighting=False, use_liger_kernel=False),
             loss_types=["sigmoid"],
             is_fsdp_enabled=fsdp,
+            aux_loss_enabled=False,  # DPOTrainer sets it in `__init__`
             accelerator=SimpleNamespace(is_fsdp2=fsdp2),
         )
 

@@ -24,7 +24,7 @@ def make_schema(trainer: Any) -> Schema:
 
 def _items(state: SyncMetricsState, trainer: Any, captured: list[torch.Tensor], mode: str) -> list:
     """Turn the tensors TRL gathered in one `_compute_loss` into (slot, value) additions to the window."""
-    aux = getattr(trainer, _compat.DPO_AUX_LOSS_FLAG, False)
+    aux = getattr(trainer, _compat.DPO_AUX_LOSS_FLAG)
     expected = _compat.DPO_GATHERS_PER_CALL + (1 if mode == "train" else 0) + (1 if aux else 0)
     pairs = captured[-6:]
     n = pairs[0].numel() if pairs else -1
