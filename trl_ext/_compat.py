@@ -131,6 +131,12 @@ def check_trl_version(version: str | None = None) -> str:
     return version
 
 
+def unexpected_trl(plugin: str) -> str:
+    """The end of a refusal of what the installed TRL does otherwise than the releases trl-ext was checked on."""
+    checked = f"the releases trl-ext was checked on ({SUPPORTED_TRL_SPEC})"
+    return f"trl=={installed_version('trl')} differs from {checked}: install one of those or disable {plugin}"
+
+
 def dpo_uses_fused_lm_head(version: str | None = None) -> bool:
     """Whether `DPOTrainer` scores with TRL's fused LM head: probed on the installed TRL, read from `version` if given
     (a release that is not installed)."""

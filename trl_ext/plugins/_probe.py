@@ -189,22 +189,14 @@ def stock_forward(model: Any, base_impl: str | None = None) -> Iterator[None]:
 
 
 class ProbeRun:
-    """One run of a packing self-check on `model`, the runner padding_free's and prompt_sharing's share: the clock, the
-    model's device and vocabulary, the forwards run so far; inside the `with` block the model is in the mode it trains
-    in, and its modules' modes are put back after.
-
-    Args:
-        model (`torch.nn.Module`): the model checked (a `PreTrainedModel`: its input embeddings are an `nn.Embedding`).
-        training (`bool`): run the probe in training mode instead of eval mode.
-    """
+    """One run of a packing self-check on `model` (padding_free's and prompt_sharing's): the clock, the model's device
+    and vocabulary, the forwards run so far; inside the `with` block the model is in training mode if `training`, else
+    in eval mode, and its modules' modes are put back after."""
 
     def __init__(self, model: Any, training: bool) -> None:
-        self.start = time.perf_counter()
-        self.model, self.training = model, training
+        self.start, self.model, self.training, self.forwards = time.perf_counter(), model, training, 0
         self.device = next(model.parameters()).device
         self.vocab: int = model.get_input_embeddings().num_embeddings
-        self.forwards = 0
-        self._modes: dict[Any, bool] = {}
 
     def __enter__(self) -> ProbeRun:
         self._modes = {m: m.training for m in self.model.modules()}

@@ -315,11 +315,9 @@ def training_dtype(model: torch.nn.Module, trainer: Any) -> torch.dtype:
     param = next(model.parameters(), None)
     dtype = param.dtype if param is not None else torch.float32
     args = getattr(trainer, "args", None)
-    if dtype in (torch.float32, torch.float64):
-        if getattr(args, "bf16", False):
-            return torch.bfloat16
-        if getattr(args, "fp16", False):
-            return torch.float16
+    bf16, fp16 = getattr(args, "bf16", False), getattr(args, "fp16", False)
+    if dtype in (torch.float32, torch.float64) and (bf16 or fp16):
+        return torch.bfloat16 if bf16 else torch.float16
     return dtype
 
 

@@ -226,18 +226,13 @@ def check_model(state: PaddingFreeState, role: str, model, trainer) -> None:
         _run_self_check(state, role, model, trainer, training=training and not draws)
 
 
-def _probe_lengths(model, trainer) -> tuple[int, ...]:
-    return model_probe_lengths(model, trainer, "padding_free")
-
-
 def _run_self_check(state: PaddingFreeState, role: str, model, trainer, training: bool = False) -> None:
     """Measure, before the first step, that `model`'s packed forward equals its stock padded forward on a probe sized
     from what training will feed; refuse if it does not."""
     calls = state.packed_calls, state.unpacked_calls
     moe = any(m.startswith("MoE") for m in state.inspections[role].mechanisms)
-    lengths = _probe_lengths(model, trainer)
-    dtype = training_dtype(model, trainer)
-    # a float32 model trained under 16-bit autocast
+    lengths = model_probe_lengths(model, trainer, "padding_free")
+    dtype = training_dtype(model, trainer)  # 16 bits for a float32 model trained under 16-bit autocast
     autocast = dtype if next(model.parameters()).dtype == torch.float32 and dtype != torch.float32 else None
     result = self_check(model, model.forward, lengths=lengths, moe=moe, autocast=autocast, training=training)
     state.packed_calls, state.unpacked_calls = calls  # the probe's forwards are not training forwards

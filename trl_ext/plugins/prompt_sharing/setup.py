@@ -358,15 +358,11 @@ def check_models(trainer: Any, context: Any) -> None:
     log_choices(logger, NAME, state.kernels)
 
 
-def _probe_lengths(model, trainer) -> tuple[int, ...]:
-    return model_probe_lengths(model, trainer, "prompt_sharing")
-
-
 def run_self_check(context: Any, state: PromptSharingState, role: str, model: Any, trainer: Any) -> None:
     """Measure, before the first step, that `model`'s shared forward equals its stock padded forward on a probe of
     prompt-sharing pairs sized from what training will feed (`selfcheck.py`); refuse if it does not."""
     counters = {f.name: getattr(state, f.name) for f in dataclasses.fields(state) if f.type == "int"}
-    lengths = _probe_lengths(model, trainer)
+    lengths = model_probe_lengths(model, trainer, "prompt_sharing")
     dtype = training_dtype(model, trainer)
     # mixed precision: accelerate's autocast, which the prepared model's forward runs under in training
     accelerator = getattr(trainer, "accelerator", None)

@@ -124,8 +124,7 @@ class SyncMetricsState:
         if not isinstance(data, torch.Tensor):
             raise UsageError(
                 f"sync_metrics: TRL gathered a {type(data).__name__} during a metric capture; only tensors are "
-                f"supported (trl=={_compat.installed_version('trl')}): install a TRL version trl-ext supports "
-                f"({_compat.SUPPORTED_TRL_SPEC}) or disable sync_metrics"
+                f"supported: {_compat.unexpected_trl('sync_metrics')}"
             )
         assert self.captured is not None  # set by the capture that is running
         self.captured.append(data.detach())

@@ -36,9 +36,7 @@ def _items(state: SyncMetricsState, trainer: Any, captured: list[torch.Tensor], 
         shapes = [tuple(t.shape) for t in captured]
         raise UsageError(
             f"sync_metrics: TRL's DPO `_compute_loss` gathered {len(captured)} tensors of shapes {shapes}; expected "
-            f"{expected} ({expected - 6} scalars, then 6 per-pair vectors). The installed "
-            f"trl=={_compat.installed_version('trl')} computes its metrics differently from the versions trl-ext "
-            f"was checked on ({_compat.SUPPORTED_TRL_SPEC}): install one of those or disable sync_metrics"
+            f"{expected} ({expected - 6} scalars, then 6 per-pair vectors): {_compat.unexpected_trl('sync_metrics')}"
         )
     s = state.schema
     it = iter(captured)
@@ -123,9 +121,8 @@ def _check_and_clear_trl_buffer(trainer: Any, mode: str) -> None:
     unknown = set(buffer) - known
     if unknown:
         raise UsageError(
-            f"sync_metrics: TRL logged metrics {sorted(unknown)} that sync_metrics does not reduce "
-            f"(trl=={_compat.installed_version('trl')}): install a TRL version trl-ext supports "
-            f"({_compat.SUPPORTED_TRL_SPEC}) or disable sync_metrics"
+            f"sync_metrics: TRL logged metrics {sorted(unknown)} that sync_metrics does not reduce: "
+            f"{_compat.unexpected_trl('sync_metrics')}"
         )
     buffer.clear()
 

@@ -42,8 +42,7 @@ def _items(state: SyncMetricsState, trainer: Any, batch_size: int, k: int) -> li
     if len(cap["forward"]) != 2 or cap["completion"] is None or cap["rewards"] is None:
         raise UsageError(
             "sync_metrics: OnlineDPO's training step did not run one generation, two forwards (policy, reference) "
-            f"and one reward computation (trl=={_compat.installed_version('trl')}): install a TRL version trl-ext "
-            f"supports ({_compat.SUPPORTED_TRL_SPEC}) or disable sync_metrics"
+            f"and one reward computation: {_compat.unexpected_trl('sync_metrics')}"
         )
     s = state.schema
     beta = float(trainer.beta)

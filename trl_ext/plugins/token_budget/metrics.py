@@ -20,10 +20,9 @@ import torch
 from ... import _compat
 from ...errors import InternalError, UsageError
 
-#: What `DPOTrainer._compute_loss` passes to `accelerator.gather`, in order: one value per pair each (`_compat`).
-PAIR_METRICS = _compat.DPO_PAIR_METRICS
-#: Token-weighted metrics, rebuilt from per-row sums of the policy forward's outputs (`_compat`).
-TOKEN_METRICS = _compat.DPO_TOKEN_METRICS
+#: TRL's per-pair metrics (what `_compute_loss` passes to `accelerator.gather`, in order) and token-weighted metrics
+#: (rebuilt from per-row sums of the policy forward's outputs).
+PAIR_METRICS, TOKEN_METRICS = _compat.DPO_PAIR_METRICS, _compat.DPO_TOKEN_METRICS
 #: Per-row sums kept for the token metrics (chosen `_c` / rejected `_r` rows of each pair).
 ROW_SUMS = ("entropy_c", "entropy_r", "tokens_c", "tokens_r", "logits_c", "logits_r", "correct_c")
 
@@ -89,8 +88,7 @@ def logits_entropy(shift_logits: torch.Tensor, labels: torch.Tensor, mask: torch
     if joint is None:
         raise UsageError(
             f"token_budget: TRL's DPO module has neither `{_compat.DPO_LOGITS_HELPERS[1]}` nor `{JOINT_HELPER}` to "
-            f"compute the entropy metric with: install a TRL version trl-ext supports ({_compat.SUPPORTED_TRL_SPEC}) "
-            "or disable token_budget"
+            f"compute the entropy metric with: {_compat.unexpected_trl('token_budget')}"
         )
     with torch.no_grad():
         return joint(shift_logits, labels, entropy_requires_grad=False, row_mask=mask)[1]
@@ -105,9 +103,9 @@ def token_logps(output: Any, inputs: dict[str, torch.Tensor], rows: int) -> torc
         return output.log_probs[:rows, -width:]
     helper = _dpo_helper(_compat.DPO_LOGITS_HELPERS[0])
     if helper is None:
+        missing = _compat.DPO_LOGITS_HELPERS[0]
         raise UsageError(
-            f"token_budget: TRL's DPO module has no `{_compat.DPO_LOGITS_HELPERS[0]}`: install a TRL version trl-ext "
-            f"supports ({_compat.SUPPORTED_TRL_SPEC}) or disable token_budget"
+            f"token_budget: TRL's DPO module has no `{missing}`: {_compat.unexpected_trl('token_budget')}"
         )
     return helper(output.logits[:rows, :-1, :], inputs["input_ids"][:rows, 1:])
 
@@ -138,9 +136,7 @@ class StepRecord:
         if set(appended) != expected or len(gathered) != len(PAIR_METRICS):
             raise UsageError(
                 f"token_budget: DPOTrainer logged {sorted(appended)} and gathered {len(gathered)} per-pair tensors; "
-                f"expected {sorted(expected)} and {len(PAIR_METRICS)} (this TRL computes its metrics differently from "
-                f"the versions trl-ext was checked on, {_compat.SUPPORTED_TRL_SPEC}): install one of those or disable "
-                "token_budget"
+                f"expected {sorted(expected)} and {len(PAIR_METRICS)}: {_compat.unexpected_trl('token_budget')}"
             )
         for name, (tensor, result) in zip(PAIR_METRICS, gathered, strict=True):
             if (
@@ -149,8 +145,8 @@ class StepRecord:
                 or tensor.dim() != 1
             ):
                 raise UsageError(
-                    f"token_budget: TRL's `{name}` is not the mean of the tensor it gathered (trl-ext was checked on "
-                    f"TRL {_compat.SUPPORTED_TRL_SPEC}): install one of those or disable token_budget"
+                    f"token_budget: TRL's `{name}` is not the mean of the tensor it gathered: "
+                    f"{_compat.unexpected_trl('token_budget')}"
                 )
             self.values[name].append(tensor.detach())
         for name in ROW_SUMS:
