@@ -165,7 +165,7 @@ def _untouched(trainer: Any) -> Iterator[None]:
         for mode, values in kept.items():
             values.clear()
             values.update(metrics.get(mode, {}))
-        setattr(trainer, _compat.DPO_TOTAL_TRAIN_TOKENS, total_tokens)
+        trainer._total_train_tokens = total_tokens  # _compat.DPO_TOTAL_TRAIN_TOKENS
 
 
 def _optimizer_state_bytes(model: Any) -> int:

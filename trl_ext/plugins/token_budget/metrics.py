@@ -20,8 +20,7 @@ import torch
 from ... import _compat
 from ...errors import InternalError, UsageError
 
-#: TRL's per-pair metrics (what `_compute_loss` passes to `accelerator.gather`, in order) and token-weighted metrics
-#: (rebuilt from per-row sums of the policy forward's outputs).
+#: TRL's per-pair metrics (gathered per pair, in order) and token-weighted ones (rebuilt from per-row sums).
 PAIR_METRICS, TOKEN_METRICS = _compat.DPO_PAIR_METRICS, _compat.DPO_TOKEN_METRICS
 #: Per-row sums kept for the token metrics (chosen `_c` / rejected `_r` rows of each pair).
 ROW_SUMS = ("entropy_c", "entropy_r", "tokens_c", "tokens_r", "logits_c", "logits_r", "correct_c")

@@ -337,8 +337,9 @@ class TokenBudgetState:
             counted = getattr(trainer, _compat.DPO_TOTAL_TRAIN_TOKENS) - self.tokens_before - self.padding_tokens
             ranks = self.ranks.all_gather((self.recorded, self.record.local(), counted))
             # TRL counted this rank's tokens only (its gathers answered locally): the step's count is every rank's
-            setattr(trainer, _compat.DPO_TOTAL_TRAIN_TOKENS, self.tokens_before + sum(r[2] for r in ranks))
-            metrics["num_tokens"] = [getattr(trainer, _compat.DPO_TOTAL_TRAIN_TOKENS)]
+            # (`_compat.DPO_TOTAL_TRAIN_TOKENS`)
+            trainer._total_train_tokens = self.tokens_before + sum(r[2] for r in ranks)
+            metrics["num_tokens"] = [trainer._total_train_tokens]
             step_values = stock_values_of_pairs([(r[0], r[1]) for r in ranks], self.global_sizes, self.slots)
         for values in step_values:
             for name, value in values.items():
