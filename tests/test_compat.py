@@ -195,7 +195,8 @@ def test_dpo_pair_metrics_gather_one_vector_each():
 
 def test_dpo_private_attributes():
     init = _source(_dpo().__init__)
-    for attr in (_compat.DPO_AUX_LOSS_FLAG, _compat.DPO_TOTAL_TRAIN_TOKENS, _compat.DPO_METRICS_BUFFER):
+    attrs = (_compat.DPO_AUX_LOSS_FLAG, _compat.DPO_TOTAL_TRAIN_TOKENS, _compat.DPO_METRICS_BUFFER)
+    for attr in (*attrs, _compat.DPO_USE_WEIGHTING_ATTR):
         assert f"self.{attr} =" in init, _fail(attr, f"DPOTrainer.__init__ no longer sets self.{attr}")
     loss = getattr(_dpo(), _compat.DPO_COMPUTE_LOSS)
     assert _params(loss) == ["self", "model", "inputs", "return_outputs"], _fail("DPO_COMPUTE_LOSS", "new signature")

@@ -259,7 +259,7 @@ def test_every_runtime_error_says_to_report_it():
         found += [f"{where}:{line}" for line in _unreported_runtime_errors(source)]
         internal += source.count("raise InternalError(")
     assert found == [], f"RuntimeErrors that neither say to report them nor are UsageErrors: {found}"
-    assert internal >= 20
+    assert internal >= 15  # the rule read the modules that raise them (refusals a user acts on are UsageErrors)
 
 
 def test_the_error_rule_finds_a_bare_runtime_error():

@@ -131,6 +131,12 @@ def check_trl_version(version: str | None = None) -> str:
     return version
 
 
+def unexpected_trl(plugin: str) -> str:
+    """The end of a refusal of what the installed TRL does otherwise than the releases trl-ext was checked on."""
+    checked = f"the releases trl-ext was checked on ({SUPPORTED_TRL_SPEC})"
+    return f"trl=={installed_version('trl')} differs from {checked}: install one of those or disable {plugin}"
+
+
 def dpo_uses_fused_lm_head(version: str | None = None) -> bool:
     """Whether `DPOTrainer` scores with TRL's fused LM head: probed on the installed TRL, read from `version` if given
     (a release that is not installed)."""
@@ -196,7 +202,7 @@ DPO_PRECOMPUTE_HASH_ATTR = "_precompute_model_hash"
 # -- sync_metrics: DPO -----------------------------------------------------------------------------------------------
 
 #: The private per-mode metric buffer of `DPOTrainer` (`self._metrics[mode][name]`, a dict of lists); `log()` averages
-#: and clears it. Consumers: sync_metrics (dpo), the core's `log` wrapper. Checked 1.12.0, 1.16.0.
+#: and clears it. Consumers: sync_metrics (dpo), token_budget, the core's `log` wrapper. Checked 1.12.0, 1.16.0.
 DPO_METRICS_BUFFER = "_metrics"
 #: `DPOTrainer._compute_loss(self, model, inputs, return_outputs)`: where every metric is computed and gathered.
 #: Consumer: sync_metrics (dpo). Checked 1.12.0, 1.16.0.
@@ -222,9 +228,10 @@ DPO_METRIC_GATHERS: tuple[tuple[str, int], ...] = (
     ("logps/rejected", 1),
 )
 #: The token metrics: gathered as (sum, count) scalar pairs, entropy first (then `num_tokens` in training), in this
-#: order. Consumer: sync_metrics (schema, dpo). Checked 1.12.0, 1.16.0.
+#: order. Consumers: sync_metrics (schema, dpo), token_budget (metrics). Checked 1.12.0, 1.16.0.
 DPO_TOKEN_METRICS = ("entropy", "logits/chosen", "logits/rejected", "mean_token_accuracy")
-#: The per-pair metrics: one `[B]` vector each, gathered last, in this order. Consumer: sync_metrics. 1.12.0, 1.16.0.
+#: The per-pair metrics: one `[B]` vector each, gathered last by `accelerator.gather`, in this order. Consumers:
+#: sync_metrics, token_budget (metrics). Checked 1.12.0 (dpo_trainer.py:1662-1683), 1.16.0 (:1582-1601).
 DPO_PAIR_METRICS = (
     "rewards/chosen",
     "rewards/rejected",
@@ -236,8 +243,9 @@ DPO_PAIR_METRICS = (
 #: Gathers per `_compute_loss` call without `aux_loss` and outside training (the sum of `DPO_METRIC_GATHERS` minus the
 #: optional two). Consumer: sync_metrics (dpo). Checked 1.12.0, 1.16.0.
 DPO_GATHERS_PER_CALL = 14
-#: `DPOTrainer` attributes sync_metrics reads or updates: whether the MoE aux loss is added, and the running count of
-#: training tokens behind `num_tokens`. Checked 1.12.0, 1.16.0 (dpo_trainer.py:905, :966 on 1.16.0).
+#: `DPOTrainer` attributes sync_metrics and token_budget read or update (set in `__init__`, so read directly): whether
+#: the MoE aux loss is added, and the running count of training tokens behind `num_tokens`. Checked 1.12.0, 1.16.0
+#: (dpo_trainer.py:905, :966 on 1.16.0).
 DPO_AUX_LOSS_FLAG = "aux_loss_enabled"
 DPO_TOTAL_TRAIN_TOKENS = "_total_train_tokens"
 
@@ -397,7 +405,8 @@ DPO_TRUNCATION_FIELDS = ("max_length", "truncation_mode")
 #: 1.12.0 (dpo_trainer.py:775), 1.16.0 (:805).
 DPO_LD_ALPHA_ATTR = "ld_alpha"
 #: The config attribute that names the attention implementation in use (`PreTrainedConfig._attn_implementation`, from
-#: `attn_implementation=` or the model's choice). Consumer: precompute_ref_batch_size (cache key). Checked 5.24.0.
+#: `attn_implementation=` or the model's choice). Consumers: precompute_ref_batch_size (cache key), the packing
+#: inspection (`plugins/_architecture.py`). Checked 5.24.0.
 ATTN_IMPLEMENTATION_ATTR = "_attn_implementation"
 #: `Trainer` flags set in `create_accelerator_and_postprocess` from the accelerator's plugins. Consumer:
 #: precompute_ref_batch_size (the DeepSpeed precompute engine, sharded-model sizing). Checked transformers 5.24.0.

@@ -26,6 +26,7 @@ __all__ = [
     "DPO_LOGPROBS_HELPER",
     "DPO_SCORING_METHODS",
     "DPO_UNKNOWN_LOGITS_HELPERS",
+    "DPO_USE_WEIGHTING_ATTR",
     "FUSED_LM_HEAD_FIELDS",
     "FUSED_LM_HEAD_KWARG",
     "FUSED_LM_HEAD_OUTPUT",
@@ -51,6 +52,9 @@ TRL_UTILS_MODULE = "trl.trainer.utils"
 DPO_LOGITS_MODULE = DPO_MODULE
 DPO_LOGITS_HELPERS = ("selective_log_softmax", "entropy_from_logits")
 DPO_SCORING_METHODS = ("_compute_loss", "compute_ref_log_probs")
+#: `DPOTrainer.use_weighting`, set in `__init__` from `DPOConfig.use_weighting` (WPO's per-pair weights, read by
+#: `_compute_loss`). Consumer: `plugins.fused_logprobs.dpo` (the statistics the head computes). Checked 1.16.0.
+DPO_USE_WEIGHTING_ATTR = "use_weighting"
 
 #: Per-token outputs of TRL's fused LM head (`trl.trainer.utils.FusedCausalLMOutput`), `[B, L - 1]` each; the
 #: padding_free and prompt_sharing plugins re-pad them (`plugins._packing.glue.repad_outputs`). Checked 1.15.0, 1.16.0;

@@ -132,6 +132,7 @@ def test_fsdp_v1_is_refused_fsdp2_is_not():
             args=SimpleNamespace(use_weighting=False, use_liger_kernel=False),
             loss_types=["sigmoid"],
             is_fsdp_enabled=fsdp,
+            aux_loss_enabled=False,  # DPOTrainer sets it in `__init__`
             accelerator=SimpleNamespace(is_fsdp2=fsdp2),
         )
 
@@ -314,7 +315,7 @@ def test_entropy_helper_found_by_capability(monkeypatch):
     fake = types.ModuleType("fake_dpo")
     monkeypatch.setitem(sys.modules, "fake_dpo", fake)
     monkeypatch.setattr(_compat, "DPO_LOGITS_MODULE", "fake_dpo")
-    with pytest.raises(RuntimeError, match="neither `entropy_from_logits` nor `selective_log_softmax_and_entropy`"):
+    with pytest.raises(UsageError, match="neither `entropy_from_logits` nor `selective_log_softmax_and_entropy`"):
         metrics.logits_entropy(logits, labels, mask)
     fake.selective_log_softmax_and_entropy = joint
     assert torch.equal(metrics.logits_entropy(logits, labels, mask), expected.masked_fill(mask == 0, 0.0))

@@ -309,7 +309,7 @@ def inspect_model(
     if mixing is not None:
         layer, label, what = mixing
         return Inspection([label], f"its layer {layer} {what}. " + _ADVICE, verified)
-    impl = str(getattr(config, "_attn_implementation", None) or "")
+    impl = str(getattr(config, _compat.ATTN_IMPLEMENTATION_ATTR, None) or "")
     flash = impl.startswith("flash")
     own = _own_attention(model)
     alibi = _uses_alibi(model)

@@ -16,7 +16,8 @@ path.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from .. import _compat
@@ -24,6 +25,7 @@ from ..verify import STOCK_CALL
 
 __all__ = [
     "STOCK_CALL",
+    "ProbeRun",
     "declared_localities",
     "dataset_longest_pair",
     "model_probe_lengths",
@@ -184,3 +186,43 @@ def stock_forward(model: Any, base_impl: str | None = None) -> Iterator[None]:
         if switched:
             config._attn_implementation_internal = current
         STOCK_CALL.reset(token)
+
+
+class ProbeRun:
+    """One run of a packing self-check on `model` (padding_free's and prompt_sharing's): the clock, the model's device
+    and vocabulary, the forwards run so far; inside the `with` block the model is in training mode if `training`, else
+    in eval mode, and its modules' modes are put back after."""
+
+    def __init__(self, model: Any, training: bool) -> None:
+        self.start, self.model, self.training, self.forwards = time.perf_counter(), model, training, 0
+        self.device = next(model.parameters()).device
+        self.vocab: int = model.get_input_embeddings().num_embeddings
+
+    def __enter__(self) -> ProbeRun:
+        self._modes = {m: m.training for m in self.model.modules()}
+        self.model.train(self.training)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for module, mode in self._modes.items():
+            module.training = mode
+
+    @property
+    def seconds(self) -> float:
+        return time.perf_counter() - self.start
+
+    def without_degenerate_rows(self, stock: Any, ids: Any, mask: Any, run: Callable[[Any, Any], Any]) -> Any:
+        """`stock` (the stock padded forward's logits of the right-padded `ids`) with each row that is not finite at
+        its real tokens replaced by its sequence run alone (`run(input_ids, attention_mask)` returns the logits): the
+        padded forward itself is degenerate there (eager attention over a query whose window holds only padding gives
+        NaN in some models, stock TRL included), and the sequence alone has no padding."""
+        import torch
+
+        real = mask.bool()
+        for row in range(ids.shape[0]):
+            if not torch.isfinite(stock[row][real[row]]).all():
+                alone = ids[row : row + 1][:, real[row]]
+                stock = stock.clone()
+                stock[row, real[row]] = run(alone, torch.ones_like(alone))[0]
+                self.forwards += 1
+        return stock

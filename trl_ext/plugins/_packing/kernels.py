@@ -308,22 +308,28 @@ def choose(
     return Choice(None if blocking else kernel, device_type, dtype, tuple(reasons), plugin, requested)
 
 
-def training_device_dtype(model: torch.nn.Module, trainer: Any) -> tuple[torch.device, torch.dtype]:
-    """Where and in what dtype `model`'s attention runs in training: the trainer's device (the model may be moved
-    there only when accelerate prepares it), the parameters' dtype, or bf16/fp16 under the trainer's autocast."""
+def training_dtype(model: torch.nn.Module, trainer: Any) -> torch.dtype:
+    """The dtype `model` computes in during training, the one rule the packing plugins use: its parameters' dtype
+    (float32 without parameters), or bf16/fp16 for a float32/float64 model under the trainer's `bf16=True` /
+    `fp16=True` autocast."""
     param = next(model.parameters(), None)
+    dtype = param.dtype if param is not None else torch.float32
     args = getattr(trainer, "args", None)
+    bf16, fp16 = getattr(args, "bf16", False), getattr(args, "fp16", False)
+    if dtype in (torch.float32, torch.float64) and (bf16 or fp16):
+        return torch.bfloat16 if bf16 else torch.float16
+    return dtype
+
+
+def training_device_dtype(model: torch.nn.Module, trainer: Any) -> tuple[torch.device, torch.dtype]:
+    """Where and in what dtype (`training_dtype`) `model`'s attention runs in training: the trainer's device (the
+    model may be moved there only when accelerate prepares it)."""
+    param = next(model.parameters(), None)
     device = param.device if param is not None else torch.device("cpu")
-    trainer_device = getattr(args, "device", None)
+    trainer_device = getattr(getattr(trainer, "args", None), "device", None)
     if device.type == "cpu" and isinstance(trainer_device, torch.device):
         device = trainer_device
-    dtype = param.dtype if param is not None else torch.float32
-    if dtype in (torch.float32, torch.float64):
-        if getattr(args, "bf16", False):
-            dtype = torch.bfloat16
-        elif getattr(args, "fp16", False):
-            dtype = torch.float16
-    return device, dtype
+    return device, training_dtype(model, trainer)
 
 
 def has_windows(config: Any) -> bool:

@@ -119,7 +119,7 @@ def scoring_method(original: Callable, name: str, trainer: Any, state: FusedStat
             return original(model, inputs, *args, **kwargs)
         stats: tuple[str, ...] = ()
         if name == "_compute_loss":
-            stats = METRIC_STATS + (WPO_STATS if getattr(trainer, "use_weighting", False) else ())
+            stats = METRIC_STATS + (WPO_STATS if getattr(trainer, _compat.DPO_USE_WEIGHTING_ATTR) else ())
         if not models:  # the trainer's models, found once (after `trl_ext_trainer_models_ready` checked them)
             models.update({role: (m, output_head(m, role)) for role, m in context.models().items()})
         with _scoring(_Scoring(inputs["completion_mask"], stats), models, state):

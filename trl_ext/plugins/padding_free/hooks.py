@@ -27,7 +27,7 @@ from .._packing.glue import (
     repad_outputs,
     scoring_call,
 )
-from .._packing.kernels import Choice, choose_for_model, log_choices
+from .._packing.kernels import Choice, choose_for_model, log_choices, training_dtype
 from .._packing.metadata import (
     PACKING_KEY,
     PackInfo,
@@ -226,22 +226,14 @@ def check_model(state: PaddingFreeState, role: str, model, trainer) -> None:
         _run_self_check(state, role, model, trainer, training=training and not draws)
 
 
-def _probe_lengths(model, trainer) -> tuple[int, ...]:
-    return model_probe_lengths(model, trainer, "padding_free")
-
-
 def _run_self_check(state: PaddingFreeState, role: str, model, trainer, training: bool = False) -> None:
     """Measure, before the first step, that `model`'s packed forward equals its stock padded forward on a probe sized
     from what training will feed; refuse if it does not."""
     calls = state.packed_calls, state.unpacked_calls
     moe = any(m.startswith("MoE") for m in state.inspections[role].mechanisms)
-    lengths = _probe_lengths(model, trainer)
-    args = getattr(trainer, "args", None)
-    autocast = None
-    if next(model.parameters()).dtype == torch.float32:  # a float32 model trained under 16-bit autocast
-        autocast = (
-            torch.bfloat16 if getattr(args, "bf16", False) else torch.float16 if getattr(args, "fp16", False) else None
-        )
+    lengths = model_probe_lengths(model, trainer, "padding_free")
+    dtype = training_dtype(model, trainer)  # 16 bits for a float32 model trained under 16-bit autocast
+    autocast = dtype if next(model.parameters()).dtype == torch.float32 and dtype != torch.float32 else None
     result = self_check(model, model.forward, lengths=lengths, moe=moe, autocast=autocast, training=training)
     state.packed_calls, state.unpacked_calls = calls  # the probe's forwards are not training forwards
     state.self_checks[role] = result

@@ -31,12 +31,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import time
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import Any
 
 import torch
 
+from .._probe import ProbeRun
 from .._probe import stock_forward as stock_mode
 from .._randomness import describe_draws
 
@@ -141,10 +141,8 @@ def self_check(
     forwards run under the same `torch.autocast`, and the 16-bit tolerance applies.
     """
     lengths = tuple(int(n) for n in lengths)
-    start = time.perf_counter()
-    device = next(model.parameters()).device
-    embeddings: Any = cast(Any, model).get_input_embeddings()  # a PreTrainedModel method: an nn.Embedding
-    vocab: int = embeddings.num_embeddings
+    run = ProbeRun(model, training)
+    device, vocab = run.device, run.vocab
     dtype = autocast or dtype or next(model.parameters()).dtype
     tolerance = _TOLERANCE.get(dtype, _HALF_TOLERANCE)
     ids, mask = _probe(vocab, device, 0, lengths)
@@ -152,22 +150,19 @@ def self_check(
     middle = 1
     n = lengths[middle]
     changed[middle, :n] = (ids[middle, :n] + 1 + torch.arange(n, device=device) % 5) % vocab
-    modes = {m: m.training for m in model.modules()}
-    model.train(training)
-    forwards = 0
 
     def result(leak: str | None, worst: float = float("nan")) -> SelfCheckResult:
-        return SelfCheckResult(leak, worst, tolerance, time.perf_counter() - start, forwards, lengths)
+        return SelfCheckResult(leak, worst, tolerance, run.seconds, run.forwards, lengths)
 
     autocasting = torch.autocast(device.type, dtype=autocast) if autocast is not None else contextlib.nullcontext()
-    try:
+    with run:
         with torch.no_grad(), autocasting:
             recorder = _Recorder(model, sum(lengths))
             try:
                 base = packed_forward(input_ids=ids, attention_mask=mask, use_cache=False).logits
                 before, recorder.outputs = recorder.outputs, []
                 after = packed_forward(input_ids=changed, attention_mask=mask, use_cache=False).logits
-                forwards += 2
+                run.forwards += 2
             except Exception as exc:  # noqa: BLE001 - a model that cannot run packed is refused, with the cause
                 return result(f"its packed forward raised {type(exc).__name__}: {exc}")
             finally:
@@ -190,21 +185,13 @@ def self_check(
                 with stock_mode(model):
                     with _LowestFloat() as observed:
                         stock = run_stock(input_ids=ids, attention_mask=mask, use_cache=False).logits
-                    forwards += 1
+                    run.forwards += 1
                     if dtype == torch.float64 and observed.lowest not in (None, torch.float64):
                         tolerance = _TOLERANCE.get(observed.lowest, _HALF_TOLERANCE)
                         dtype = observed.lowest  # what the message names
-                    for i, length in enumerate(lengths):
-                        if not torch.isfinite(stock[i, :length]).all():
-                            # The padded forward itself is degenerate on this row (eager attention over a query row
-                            # whose window holds only padding gives NaN in some models, stock TRL included): the
-                            # row's stock reference is then the sequence alone, which has no padding.
-                            alone = ids[i : i + 1, :length]
-                            ones = torch.ones_like(alone)
-                            row = run_stock(input_ids=alone, attention_mask=ones, use_cache=False).logits[0]
-                            stock = stock.clone()
-                            stock[i, :length] = row
-                            forwards += 1
+                    stock = run.without_degenerate_rows(
+                        stock, ids, mask, lambda i, m: run_stock(input_ids=i, attention_mask=m, use_cache=False).logits
+                    )
             except Exception as exc:  # noqa: BLE001 - no stock reference, no verdict: refuse with the cause
                 return result(f"its stock padded forward (the reference) raised {type(exc).__name__}: {exc}")
             worst = 0.0
@@ -223,9 +210,6 @@ def self_check(
                     worst,
                 )
             return result(None, worst)
-    finally:
-        for module, mode in modes.items():
-            module.training = mode
 
 
 def random_draws_notice(role: str, model: torch.nn.Module, draws: Sequence[Any]) -> str:

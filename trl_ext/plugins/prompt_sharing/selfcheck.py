@@ -26,13 +26,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import time
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import Any
 
 import torch
 
-from .._probe import stock_forward
+from .._probe import ProbeRun, stock_forward
 from .layout import LAYOUT_KEY, build_layout
 
 __all__ = ["SelfCheckResult", "TOLERANCES", "probe_pairs", "self_check"]
@@ -102,21 +101,15 @@ def self_check(
     precision (e.g. `trainer.accelerator.autocast`).
     """
     lengths = tuple(max(3, int(n)) for n in lengths)
-    start = time.perf_counter()
-    device = next(model.parameters()).device
-    embeddings: Any = cast(Any, model).get_input_embeddings()
-    vocab: int = embeddings.num_embeddings
+    run = ProbeRun(model, training)
     dtype = dtype or next(model.parameters()).dtype
     tolerance = TOLERANCES.get(dtype, 5e-2)
-    ids, mask, prompt_end = probe_pairs(vocab, lengths, device)
+    ids, mask, prompt_end = probe_pairs(run.vocab, lengths, run.device)
     layout = build_layout(ids, mask, prompt_end)
     pairs = len(lengths)
-    forwards = 0
-    modes = {m: m.training for m in model.modules()}
-    model.train(training)
 
     def result(failure: str | None, worst: float = float("nan")) -> SelfCheckResult:
-        return SelfCheckResult(failure, worst, tolerance, time.perf_counter() - start, forwards, lengths)
+        return SelfCheckResult(failure, worst, tolerance, run.seconds, run.forwards, lengths)
 
     def amp() -> Any:
         return autocast() if autocast is not None else contextlib.nullcontext()
@@ -125,26 +118,21 @@ def self_check(
         with stock_forward(model), amp():
             return model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
 
-    try:
+    with run:
         with torch.no_grad():
             try:
                 with amp():
                     got = shared_forward(
                         input_ids=ids, attention_mask=mask, use_cache=False, **{LAYOUT_KEY: layout.to_batch()}
                     ).logits
-                forwards += 1
+                run.forwards += 1
             except Exception as exc:  # noqa: BLE001 - a model that cannot run shared is refused, with the cause
                 return result(f"its shared forward raised {type(exc).__name__}: {exc}")
             try:
                 want = stock()
-                forwards += 1
+                run.forwards += 1
                 real = mask.bool()
-                for row in range(ids.shape[0]):
-                    if not torch.isfinite(want[row][real[row]]).all():  # degenerate padded row: the row alone
-                        alone = ids[row : row + 1][:, real[row]]
-                        want = want.clone()
-                        want[row, real[row]] = stock(alone, torch.ones_like(alone))[0]
-                        forwards += 1
+                want = run.without_degenerate_rows(want, ids, mask, stock)
             except Exception as exc:  # noqa: BLE001 - no stock reference, no verdict: refuse with the cause
                 return result(f"its stock padded forward (the reference) raised {type(exc).__name__}: {exc}")
             worst, where = 0.0, (0, 0)
@@ -165,6 +153,3 @@ def self_check(
                 "that the padded forward applies is lost in the shared row",
                 worst,
             )
-    finally:
-        for module, mode in modes.items():
-            module.training = mode

@@ -5,15 +5,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import torch
-
 from ... import _compat
 from ..._logging import get_logger
 from ...errors import UsageError
 from .._architecture import inspect_model, verified_except
 from .._packing.attention import switch_attention
 from .._packing.glue import check_packable_trainer
-from .._packing.kernels import Choice, choose_for_model, log_choices
+from .._packing.kernels import Choice, choose_for_model, log_choices, training_dtype
 from .._probe import model_probe_lengths, training_max_length
 from .._randomness import describe_draws, training_draws
 from .._roles import PACKING as PACKING_ROLE
@@ -360,26 +358,12 @@ def check_models(trainer: Any, context: Any) -> None:
     log_choices(logger, NAME, state.kernels)
 
 
-def _probe_lengths(model, trainer) -> tuple[int, ...]:
-    return model_probe_lengths(model, trainer, "prompt_sharing")
-
-
-def _training_dtype(trainer: Any, model: Any) -> torch.dtype:
-    args = getattr(trainer, "args", None)
-    dtype = next(model.parameters()).dtype
-    if dtype in (torch.float32, torch.float64) and getattr(args, "bf16", False):
-        return torch.bfloat16
-    if dtype in (torch.float32, torch.float64) and getattr(args, "fp16", False):
-        return torch.float16
-    return dtype
-
-
 def run_self_check(context: Any, state: PromptSharingState, role: str, model: Any, trainer: Any) -> None:
     """Measure, before the first step, that `model`'s shared forward equals its stock padded forward on a probe of
     prompt-sharing pairs sized from what training will feed (`selfcheck.py`); refuse if it does not."""
     counters = {f.name: getattr(state, f.name) for f in dataclasses.fields(state) if f.type == "int"}
-    lengths = _probe_lengths(model, trainer)
-    dtype = _training_dtype(trainer, model)
+    lengths = model_probe_lengths(model, trainer, "prompt_sharing")
+    dtype = training_dtype(model, trainer)
     # mixed precision: accelerate's autocast, which the prepared model's forward runs under in training
     accelerator = getattr(trainer, "accelerator", None)
     autocast = accelerator.autocast if dtype != next(model.parameters()).dtype and accelerator is not None else None

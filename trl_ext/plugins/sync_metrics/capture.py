@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from ... import _compat
-from ...errors import InternalError
+from ...errors import UsageError
 from .schema import Schema, Window
 
 
@@ -122,9 +122,9 @@ class SyncMetricsState:
 
     def record(self, data: Any) -> torch.Tensor:
         if not isinstance(data, torch.Tensor):
-            raise InternalError(
+            raise UsageError(
                 f"sync_metrics: TRL gathered a {type(data).__name__} during a metric capture; only tensors are "
-                f"supported (trl=={_compat.installed_version('trl')}; disable sync_metrics to train meanwhile)"
+                f"supported: {_compat.unexpected_trl('sync_metrics')}"
             )
         assert self.captured is not None  # set by the capture that is running
         self.captured.append(data.detach())

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from ... import _compat
-from ...errors import InternalError, UsageError
+from ...errors import UsageError
 from .capture import SyncMetricsState, _Capture
 from .schema import Metric, Schema
 
@@ -24,7 +24,7 @@ def make_schema(trainer: Any) -> Schema:
 
 def _items(state: SyncMetricsState, trainer: Any, captured: list[torch.Tensor], mode: str) -> list:
     """Turn the tensors TRL gathered in one `_compute_loss` into (slot, value) additions to the window."""
-    aux = getattr(trainer, _compat.DPO_AUX_LOSS_FLAG, False)
+    aux = getattr(trainer, _compat.DPO_AUX_LOSS_FLAG)
     expected = _compat.DPO_GATHERS_PER_CALL + (1 if mode == "train" else 0) + (1 if aux else 0)
     pairs = captured[-6:]
     n = pairs[0].numel() if pairs else -1
@@ -34,11 +34,9 @@ def _items(state: SyncMetricsState, trainer: Any, captured: list[torch.Tensor], 
         or any(t.dim() != 0 for t in captured[:-6])
     ):
         shapes = [tuple(t.shape) for t in captured]
-        raise InternalError(
+        raise UsageError(
             f"sync_metrics: TRL's DPO `_compute_loss` gathered {len(captured)} tensors of shapes {shapes}; expected "
-            f"{expected} ({expected - 6} scalars, then 6 per-pair vectors). The installed "
-            f"trl=={_compat.installed_version('trl')} computes its metrics differently from the versions trl-ext "
-            f"was checked on (disable sync_metrics to train meanwhile)"
+            f"{expected} ({expected - 6} scalars, then 6 per-pair vectors): {_compat.unexpected_trl('sync_metrics')}"
         )
     s = state.schema
     it = iter(captured)
@@ -122,9 +120,9 @@ def _check_and_clear_trl_buffer(trainer: Any, mode: str) -> None:
     known = {name for name, _ in _compat.DPO_METRIC_GATHERS}
     unknown = set(buffer) - known
     if unknown:
-        raise InternalError(
-            f"sync_metrics: TRL logged metrics {sorted(unknown)} that sync_metrics does not reduce "
-            f"(trl=={_compat.installed_version('trl')}; disable sync_metrics to train meanwhile)"
+        raise UsageError(
+            f"sync_metrics: TRL logged metrics {sorted(unknown)} that sync_metrics does not reduce: "
+            f"{_compat.unexpected_trl('sync_metrics')}"
         )
     buffer.clear()
 

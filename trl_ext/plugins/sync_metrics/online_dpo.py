@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from ... import _compat
-from ...errors import InternalError, UsageError
+from ...errors import UsageError
 from .capture import SyncMetricsState, _Capture
 from .schema import Metric, Schema
 
@@ -40,10 +40,9 @@ def _items(state: SyncMetricsState, trainer: Any, batch_size: int, k: int) -> li
     cap = state.online
     assert cap is not None  # set when the training step started
     if len(cap["forward"]) != 2 or cap["completion"] is None or cap["rewards"] is None:
-        raise InternalError(
+        raise UsageError(
             "sync_metrics: OnlineDPO's training step did not run one generation, two forwards (policy, reference) "
-            f"and one reward computation (trl=={_compat.installed_version('trl')}; disable sync_metrics to train "
-            "meanwhile)"
+            f"and one reward computation: {_compat.unexpected_trl('sync_metrics')}"
         )
     s = state.schema
     beta = float(trainer.beta)
@@ -128,7 +127,10 @@ def _real_loss_sum(state: SyncMetricsState, trainer: Any, batch_size: int, k: in
     elif loss_type == "ipo":
         losses = (logits - 1 / (2 * beta)) ** 2
     else:  # TRL itself raises NotImplementedError for any other type before this runs
-        raise InternalError(f"sync_metrics: unknown OnlineDPO loss_type {loss_type!r}")
+        raise UsageError(
+            f"sync_metrics: cannot re-derive OnlineDPO's loss for loss_type={loss_type!r} (it knows 'sigmoid' and "
+            "'ipo'): use one of those or disable sync_metrics"
+        )
     return losses[:k].sum()
 
 

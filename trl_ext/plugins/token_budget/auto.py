@@ -151,9 +151,9 @@ def _untouched(trainer: Any) -> Iterator[None]:
 
     model = trainer.model
     training = model.training
-    kept = getattr(trainer, "_metrics", {})
+    kept = getattr(trainer, _compat.DPO_METRICS_BUFFER)
     metrics = {mode: {k: list(v) for k, v in values.items()} for mode, values in kept.items()}
-    total_tokens = getattr(trainer, "_total_train_tokens", None)
+    total_tokens = getattr(trainer, _compat.DPO_TOTAL_TRAIN_TOKENS)
     device = trainer.args.device
     devices = [device] if device.type == "cuda" else []
     try:
@@ -165,8 +165,7 @@ def _untouched(trainer: Any) -> Iterator[None]:
         for mode, values in kept.items():
             values.clear()
             values.update(metrics.get(mode, {}))
-        if total_tokens is not None:
-            trainer._total_train_tokens = total_tokens
+        trainer._total_train_tokens = total_tokens  # _compat.DPO_TOTAL_TRAIN_TOKENS
 
 
 def _optimizer_state_bytes(model: Any) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ... import _compat
 from ..._logging import get_logger
 from ...errors import UsageError, did_you_mean
 from ...hookspecs import hookimpl
@@ -110,7 +111,7 @@ def check_trainer(trainer: Any) -> None:
             "does not support FSDP v1 (`fsdp_version: 1`): its re-cut micro-batches were verified under FSDP2 only. "
             "Use `fsdp_version: 2` (accelerate's FSDP plugin / `fsdp_config`) or disable `token_budget`."
         )
-    if getattr(trainer, "aux_loss_enabled", False):
+    if getattr(trainer, _compat.DPO_AUX_LOSS_FLAG):
         raise _refuse(
             "cannot re-cut micro-batches of a MoE model with `router_aux_loss_coef != 0`: the router auxiliary loss "
             "is computed over all tokens of a micro-batch, so its value changes with the cut. Set "

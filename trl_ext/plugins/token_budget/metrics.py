@@ -17,20 +17,11 @@ from typing import Any
 
 import torch
 
-from ...errors import InternalError
+from ... import _compat
+from ...errors import InternalError, UsageError
 
-#: What `DPOTrainer._compute_loss` passes to `accelerator.gather`, in order: one value per pair each
-#: (trl/trainer/dpo_trainer.py, 1.16.0:1582-1601, 1.12.0:1662-1683).
-PAIR_METRICS = (
-    "rewards/chosen",
-    "rewards/rejected",
-    "rewards/accuracies",
-    "rewards/margins",
-    "logps/chosen",
-    "logps/rejected",
-)
-#: Token-weighted metrics, rebuilt from per-row sums of the policy forward's outputs.
-TOKEN_METRICS = ("entropy", "logits/chosen", "logits/rejected", "mean_token_accuracy")
+#: TRL's per-pair metrics (gathered per pair, in order) and token-weighted ones (rebuilt from per-row sums).
+PAIR_METRICS, TOKEN_METRICS = _compat.DPO_PAIR_METRICS, _compat.DPO_TOKEN_METRICS
 #: Per-row sums kept for the token metrics (chosen `_c` / rejected `_r` rows of each pair).
 ROW_SUMS = ("entropy_c", "entropy_r", "tokens_c", "tokens_r", "logits_c", "logits_r", "correct_c")
 
@@ -82,8 +73,6 @@ def _dpo_helper(name: str) -> Any:
     """The helper `name` as TRL's DPO module looks it up (a plugin may have replaced it there), or None."""
     import importlib
 
-    from ... import _compat
-
     return getattr(importlib.import_module(_compat.DPO_LOGITS_MODULE), name, None)
 
 
@@ -91,16 +80,14 @@ def logits_entropy(shift_logits: torch.Tensor, labels: torch.Tensor, mask: torch
     """Per-token entropy of `shift_logits` as TRL < 1.15's `_compute_loss` computes it, found by capability: the
     DPO module's `entropy_from_logits(logits)` (1.10-1.13), else its joint helper `JOINT_HELPER(logits, index,
     entropy_requires_grad, row_mask=...)` (1.14)."""
-    from ... import _compat
-
     entropy_from_logits = _dpo_helper(_compat.DPO_LOGITS_HELPERS[1])
     if entropy_from_logits is not None:
         return entropy_from_logits(shift_logits)
     joint = _dpo_helper(JOINT_HELPER)
     if joint is None:
-        raise InternalError(
+        raise UsageError(
             f"token_budget: TRL's DPO module has neither `{_compat.DPO_LOGITS_HELPERS[1]}` nor `{JOINT_HELPER}` to "
-            "compute the entropy metric with"
+            f"compute the entropy metric with: {_compat.unexpected_trl('token_budget')}"
         )
     with torch.no_grad():
         return joint(shift_logits, labels, entropy_requires_grad=False, row_mask=mask)[1]
@@ -110,14 +97,15 @@ def token_logps(output: Any, inputs: dict[str, torch.Tensor], rows: int) -> torc
     """Per-token log-probs of the first `rows` rows (the chosen sequences) of the policy forward, with their graph,
     aligned with `completion_mask[:, 1:]`: the fused head's `log_probs` (TRL >= 1.15), else TRL's DPO module's
     `selective_log_softmax(logits, labels)` (1.10-1.14) on the shifted logits."""
-    from ... import _compat
-
     width = inputs["completion_mask"].size(1) - 1
     if getattr(output, "log_probs", None) is not None:
         return output.log_probs[:rows, -width:]
     helper = _dpo_helper(_compat.DPO_LOGITS_HELPERS[0])
     if helper is None:
-        raise InternalError(f"token_budget: TRL's DPO module has no `{_compat.DPO_LOGITS_HELPERS[0]}`.")
+        missing = _compat.DPO_LOGITS_HELPERS[0]
+        raise UsageError(
+            f"token_budget: TRL's DPO module has no `{missing}`: {_compat.unexpected_trl('token_budget')}"
+        )
     return helper(output.logits[:rows, :-1, :], inputs["input_ids"][:rows, 1:])
 
 
@@ -145,10 +133,9 @@ class StepRecord:
             raise InternalError("token_budget: TRL's metric buffer was emptied for some micro-batches of a step only.")
         self.count += 1
         if set(appended) != expected or len(gathered) != len(PAIR_METRICS):
-            raise InternalError(
+            raise UsageError(
                 f"token_budget: DPOTrainer logged {sorted(appended)} and gathered {len(gathered)} per-pair tensors; "
-                f"expected {sorted(expected)} and {len(PAIR_METRICS)} (this TRL computes its metrics differently from "
-                "the versions trl-ext was checked on)"
+                f"expected {sorted(expected)} and {len(PAIR_METRICS)}: {_compat.unexpected_trl('token_budget')}"
             )
         for name, (tensor, result) in zip(PAIR_METRICS, gathered, strict=True):
             if (
@@ -156,7 +143,10 @@ class StepRecord:
                 or not same_value(appended[name][0], result.mean().item())
                 or tensor.dim() != 1
             ):
-                raise InternalError(f"token_budget: TRL's `{name}` is not the mean of the tensor it gathered.")
+                raise UsageError(
+                    f"token_budget: TRL's `{name}` is not the mean of the tensor it gathered: "
+                    f"{_compat.unexpected_trl('token_budget')}"
+                )
             self.values[name].append(tensor.detach())
         for name in ROW_SUMS:
             self.values[name].append(sums[name])

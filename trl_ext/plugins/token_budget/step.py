@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from ... import _compat
 from ..._logging import get_logger, is_main_process
 from ..._shared import Ranks
 from ...errors import InternalError, UsageError
@@ -131,7 +132,7 @@ class TokenBudgetState:
             )
         self.record = StepRecord()
         self.padding_tokens = 0
-        self.tokens_before = getattr(self.trainer, "_total_train_tokens", 0)
+        self.tokens_before = getattr(self.trainer, _compat.DPO_TOTAL_TRAIN_TOKENS)
         self.sizes = [len(part) for part in examples]
         self.recorded = []
         self.local_micro_batch_counts.append(len(micro_batches))
@@ -294,7 +295,7 @@ class TokenBudgetState:
                     self.active = None
                 # `compute_loss` weighted it already: `mb.weight` is its share of this batch's pairs
                 total = loss if total is None else total + loss
-            metrics = self.trainer._metrics["eval"]
+            metrics = getattr(self.trainer, _compat.DPO_METRICS_BUFFER)["eval"]
             self.stock_batches_for_reducers("eval", len(micro_batches), [len(examples)])
             ranks = self.ranks.all_gather(([len(examples)], self.record.local()))
             for values in stock_values(ranks):
@@ -333,16 +334,16 @@ class TokenBudgetState:
         from every rank's per-pair values, one all-gather on every rank), and take the padding micro-batches' tokens
         back out of TRL's `num_tokens`."""
         trainer = self.trainer
-        metrics = trainer._metrics["train"]
+        metrics = getattr(trainer, _compat.DPO_METRICS_BUFFER)["train"]
         if self.ranks.world == 1:
             step_values = self.record.stock_values(self.sizes)
         else:
-            counted = getattr(trainer, "_total_train_tokens", 0) - self.tokens_before - self.padding_tokens
+            counted = getattr(trainer, _compat.DPO_TOTAL_TRAIN_TOKENS) - self.tokens_before - self.padding_tokens
             ranks = self.ranks.all_gather((self.recorded, self.record.local(), counted))
-            if hasattr(trainer, "_total_train_tokens"):
-                # TRL counted this rank's tokens only (its gathers answered locally): the step's count is every rank's
-                trainer._total_train_tokens = self.tokens_before + sum(r[2] for r in ranks)
-                metrics["num_tokens"] = [trainer._total_train_tokens]
+            # TRL counted this rank's tokens only (its gathers answered locally): the step's count is every rank's
+            # (`_compat.DPO_TOTAL_TRAIN_TOKENS`)
+            trainer._total_train_tokens = self.tokens_before + sum(r[2] for r in ranks)
+            metrics["num_tokens"] = [trainer._total_train_tokens]
             step_values = stock_values_of_pairs([(r[0], r[1]) for r in ranks], self.global_sizes, self.slots)
         for values in step_values:
             for name, value in values.items():
@@ -373,9 +374,11 @@ class TokenBudgetState:
         exchanges the step's per-pair values itself once the step is done (`finish_step`, `run_eval_batch`).
         """
         trainer = self.trainer
-        metrics = trainer._metrics["train" if trainer.model.training else "eval"]  # TRL's own rule
+        metrics = getattr(trainer, _compat.DPO_METRICS_BUFFER)[
+            "train" if trainer.model.training else "eval"
+        ]  # TRL rule
         before = {name: len(values) for name, values in metrics.items()}
-        tokens_before = getattr(trainer, "_total_train_tokens", 0)
+        tokens_before = getattr(trainer, _compat.DPO_TOTAL_TRAIN_TOKENS)
         outputs: list[Any] = []
         gathered: list[tuple[torch.Tensor, Any]] = []
         accelerator = trainer.accelerator
@@ -422,7 +425,7 @@ class TokenBudgetState:
             raise InternalError("token_budget: the policy forward of DPOTrainer._compute_loss was not seen")
         if isinstance(self.active, Padding):
             # run to keep the ranks in step: its pairs and tokens are counted by the micro-batch it repeats
-            self.padding_tokens += getattr(trainer, "_total_train_tokens", 0) - tokens_before
+            self.padding_tokens += getattr(trainer, _compat.DPO_TOTAL_TRAIN_TOKENS) - tokens_before
             return
         self.record.add(gathered, row_sums(outputs[0], inputs), appended)
         if self.active is not None:
