@@ -207,7 +207,7 @@ def measure(trainer: Any, kind: Layout, options: Any) -> AutoBudget:
     limit = min(len(order), args.per_device_train_batch_size * args.gradient_accumulation_steps)
     cap = tokens([Pair(0, i, lengths[i]) for i in order[:limit]], kind)
     _, columns = _rows(trainer)
-    fill_ref = bool(getattr(trainer, "precompute_ref_log_probs", False)) and "ref_chosen_logps" not in columns
+    fill_ref = bool(trainer.args.precompute_ref_log_probs) and "ref_chosen_logps" not in columns
 
     def example(i: int) -> dict[str, Any]:
         row = dataset[i]
