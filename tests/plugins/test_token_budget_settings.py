@@ -271,9 +271,11 @@ def test_summary_says_a_long_pair_ran_alone(dpo_args, tokenizer):
     lines = [r.getMessage() for r in records if r.getMessage().startswith("token_budget: 2 optimizer step(s)")]
     assert state.over_budget == [0, 1] or state.over_budget == [1, 0], state.over_budget
     largest = max(state.max_tokens)
+    rows, width = max(state.stock_largest, key=lambda shape: shape[0] * shape[1])
     assert lines == [
         f"token_budget: 2 optimizer step(s) ran {sum(state.micro_batch_counts)} micro-batches (stock: 4) within the "
-        f"budget of {BUDGET} padded tokens; a pair of {largest} tokens is over the budget of {BUDGET} and ran alone"
+        f"budget of {BUDGET} padded tokens; a pair of {largest} tokens is over the budget of {BUDGET} and ran alone; "
+        f"stock TRL's largest micro-batch from the same batches: {rows * width} padded tokens ({rows} rows x {width})"
     ]
 
 
