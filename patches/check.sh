@@ -73,8 +73,8 @@ if [[ -n "$BASE_ENV" ]]; then
   for script in "$BASE_ENV"/bin/*; do
     name=${script##*/}
     [[ -f "$script" && ! -e "$WORK/venv/bin/$name" ]] || continue
-    head -n 1 "$script" | grep -q "^#!$BASE_ENV/bin/python" || continue
-    { echo "#!$VENV_PYTHON"; tail -n +2 "$script"; } >"$WORK/venv/bin/$name"
+    head -c 512 "$script" | grep -qF "$BASE_ENV/bin/python" || continue  # a console script of that environment
+    printf '#!/bin/sh\nexec "%s" "%s" "$@"\n' "$VENV_PYTHON" "$script" >"$WORK/venv/bin/$name"
     chmod +x "$WORK/venv/bin/$name"
   done
   PIP=("$VENV_PYTHON" -m pip)
