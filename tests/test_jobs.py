@@ -499,6 +499,29 @@ def test_dpo_job_trains_on_a_save_to_disk_folder_and_says_its_peak_memory_once(a
     assert (tmp_path / "out" / "model.safetensors").exists()
 
 
+def test_a_job_without_plugins_says_its_peak_memory_in_its_own_line(assets, tmp_path, capsys):
+    """No plugin applies, so trl-ext attaches to nothing and no `train()` line says the peak: the job's line does,
+    measured over the whole job, once."""
+    from trl_ext._peak_memory import rss_mib
+    from trl_ext.app.cli import main
+
+    folder = _saved(tmp_path, "saved", preference_rows(8, seed=1), as_dict=False)
+    with helpers.trl_ext_records() as records:
+        assert main(["dpo", *_job_argv(assets, tmp_path / "out", folder)]) == 0
+    out = capsys.readouterr().out
+    assert not [r for r in records if "peak memory" in r.getMessage()]
+    lines = [line for line in out.splitlines() if "peak memory" in line]
+    assert len(lines) == 1, out
+    match = re.fullmatch(
+        r"\[trl-ext\] DPOTrainer ran with plugins: none; peak memory ([\d.]+) (MiB|GiB) resident \(CPU\) during the "
+        r"job \(model loading included\)",
+        lines[0],
+    )
+    assert match, lines[0]
+    mib = float(match.group(1)) * (1024 if match.group(2) == "GiB" else 1)
+    assert 50 < mib <= rss_mib("VmPeak") + 10
+
+
 def test_recipe_mistakes_name_the_recipe(tmp_path, capsys):
     """A bad value or key in the recipe is reported against the recipe's file, with the command line's own values
     still reported against the command line; a misspelled `trl_ext:` key gets its right spelling."""

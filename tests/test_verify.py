@@ -151,7 +151,8 @@ def test_verify_on_trains_bit_for_bit_as_verify_off(build, flags, caplog):
 
 def _tallying_trainer():
     """A user's DPOTrainer subclass that counts in the scoring method verify calls again, as a TRL release may (the
-    patched TRL of patches/0004 sums its metrics in on-device tensors): an in-place tensor sum, an int, a list."""
+    patched TRL of patches/0004 sums its metrics in on-device tensors): an in-place tensor sum, an int, a list, and a
+    list of objects that are not plain data, rebound on each call."""
     from trl import DPOTrainer
 
     name = _compat.VERIFIED_SCORING_METHODS["DPOTrainer"]
@@ -163,6 +164,7 @@ def _tallying_trainer():
         self.tally.add_(torch.tensor([float(ids.sum()), float(ids.numel())], dtype=torch.float64))
         self.calls += 1
         self.lengths.append(inputs["input_ids"].shape[-1])
+        self.markers = [*getattr(self, "markers", []), object()]
         return getattr(DPOTrainer, name)(self, model, inputs, *args, **kwargs)
 
     return type("TallyingDPOTrainer", (DPOTrainer,), {name: scoring})
@@ -179,9 +181,13 @@ def test_what_the_scoring_method_counts_on_the_trainer_is_put_back(build):
             trainer = build(max_steps=2, trainer_class=_tallying_trainer(), logging_steps=1)
         trainer.train()
         logs = [h for h in trainer.state.log_history if "loss" in h]
-        runs.append((trainer.tally.clone(), trainer.calls, list(trainer.lengths), [h["num_tokens"] for h in logs]))
-    (tally_off, calls_off, lengths_off, tokens_off), (tally_on, calls_on, lengths_on, tokens_on) = runs
-    assert calls_off == calls_on == 2 and lengths_off == lengths_on
+        tokens = [h["num_tokens"] for h in logs]
+        runs.append((trainer.tally.clone(), trainer.calls, list(trainer.lengths), tokens, len(trainer.markers)))
+    (
+        (tally_off, calls_off, lengths_off, tokens_off, marks_off),
+        (tally_on, calls_on, lengths_on, tokens_on, marks_on),
+    ) = runs
+    assert calls_off == calls_on == 2 and lengths_off == lengths_on and marks_off == marks_on == 2
     assert torch.equal(tally_off, tally_on)
     assert tokens_off == tokens_on and len(tokens_on) == 2 and tokens_on[0] > 0
 

@@ -142,21 +142,18 @@ def _plain(value: Any) -> Any:
 
 
 def snapshot(trainer: Any) -> dict[str, Any]:
-    """What the stock call may change on the trainer: every attribute that is plain data (`PLAIN_LIMIT`), e.g. stock
+    """What the stock call may change on the trainer: every attribute, and for plain data (`PLAIN_LIMIT`: e.g. stock
     DPO's metric buffer `_metrics` and token count `_total_train_tokens`, a TRL's or a subclass's own on-device metric
-    sums, each list, dict and tensor object with its contents, so that `restore` puts back the same objects as they
-    were. Not a list of TRL's names: whatever a release or a user's subclass counts in its scoring method goes back."""
-    saved: dict[str, Any] = {}
-    for name, value in trainer.__dict__.items():
-        memento = _plain(value)
-        if memento is not None:
-            saved[name] = memento
-    return saved
+    sums) each list, dict and tensor object with its contents, so that `restore` puts back the same objects as they
+    were. Not a list of TRL's names: whatever a release or a user's subclass counts in its scoring method goes back.
+    Any other attribute (a model, a dataset) is put back as the same object, but what the stock call changes inside
+    it is not; an attribute the stock call adds is removed."""
+    return {name: _plain(value) or ("value", value) for name, value in trainer.__dict__.items()}
 
 
 def restore(trainer: Any, saved: dict[str, Any]) -> None:
-    for name in [n for n, v in trainer.__dict__.items() if n not in saved and _plain(v) is not None]:
-        del trainer.__dict__[name]  # plain data the stock call added
+    for name in [n for n in trainer.__dict__ if n not in saved]:
+        del trainer.__dict__[name]  # what the stock call added
     for name, memento in saved.items():
         trainer.__dict__[name] = _put_back(memento)
 

@@ -8,9 +8,9 @@ then reference), then once more as stock TRL, on the same batch, under `torch.no
 kernels and engine: the method the trainer held before any plugin answered (`TrainerContext.stock_methods`), with
 the `forward`s and attention implementations the plugins changed put back (`Patcher.suspended`) and `STOCK_CALL`
 set (a plugin's wrapper that something else wrapped since, accelerate's autocast, then passes calls through). The
-random generators restart where the real call started and end where it left them, and every plain-data attribute of
-the trainer (metric buffers, token counts, on-device metric sums: `_verify_state.snapshot`) is put back: training goes
-on bit for bit as without verify.
+random generators restart where the real call started and end where it left them, and the trainer's attributes are
+put back (plain data such as metric buffers, token counts and on-device metric sums with their contents, any other as
+the same object: `_verify_state.snapshot`): training goes on bit for bit as without verify.
 
 Tolerance per sequence, from stock's own round-off: under 16-bit autocast, `MARGIN` times stock's largest 16-bit vs
 float32 difference on the batch (the float32 call: accelerate's `forward` without its autocast) plus the float32

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .._logging import get_logger
+from .._peak_memory import PeakMemory
 from ..config import TrlExtConfig
 from ..errors import UsageError
 from .job_args import is_main_process, parse_job_args, recipe_path, resolve_config
@@ -62,9 +63,10 @@ def _use_configured_state(parser: Any) -> None:
     parser.set_defaults_with_config(accelerator_config={"use_configured_state": True})
 
 
-def _report(installation, trainer_class: str) -> None:
+def _report(installation, trainer_class: str, peak: PeakMemory) -> None:
     """One line per trainer of the job's class: the plugins it ran with, then each plugin's summary. The peak memory
-    is said once, in the line each trainer logs when `train()` returns (`trl_ext.attach`), not here again."""
+    is said once: in the line each trainer logs when `train()` returns (`trl_ext.attach`), or, for a job trl-ext did
+    not attach to (no plugin applies), here, measured over the whole job (`peak`)."""
     if not is_main_process():
         return
     records = installation.records
@@ -73,7 +75,10 @@ def _report(installation, trainer_class: str) -> None:
         records = [{"trainer": trainer_class, "plugins": [], "summaries": {}}, *records]
     for record in records:
         plugins = ", ".join(record["plugins"]) or "none"
-        print(f"[trl-ext] {record['trainer']} ran with plugins: {plugins}", flush=True)
+        memory = ""
+        if record["trainer"] == trainer_class and not record["plugins"]:  # no `train()` line said its peak
+            memory = f"; {peak.text()} during the job (model loading included)"
+        print(f"[trl-ext] {record['trainer']} ran with plugins: {plugins}{memory}", flush=True)
         for name, summary in record["summaries"].items():
             print(f"[trl-ext]   {name}: {summary}", flush=True)
 
@@ -100,7 +105,10 @@ def run_dpo(argv: Sequence[str]) -> int:
     dataset = None
     if script_args.dataset_name and not dataset_args.datasets:
         dataset = _job_dataset(script_args, training_args, "dpo", getattr(script_args, "dataset_streaming", False))
-    with _installed_for_job(config, cpu_deepspeed, "DPOTrainer"), _handed_to_trl(dataset, script_args.dataset_name):
+    with (
+        _installed_for_job(config, cpu_deepspeed, "DPOTrainer", _job_device(training_args)),
+        _handed_to_trl(dataset, script_args.dataset_name),
+    ):
         dpo_script.main(script_args, training_args, model_args, dataset_args)
     return 0
 
@@ -226,7 +234,7 @@ def run_online_dpo(argv: Sequence[str]) -> int:
     check_path(script_args.ref_model_name_or_path, "--ref_model_name_or_path", "model")
     reward_funcs = [_load_reward(spec) for spec in script_args.reward_funcs]
     dataset = _job_dataset(script_args, training_args, "online-dpo")
-    with _installed_for_job(config, cpu_deepspeed, "OnlineDPOTrainer"):
+    with _installed_for_job(config, cpu_deepspeed, "OnlineDPOTrainer", _job_device(training_args)):
         init_kwargs = dict(dtype=model_args.dtype, attn_implementation=model_args.attn_implementation)
         init_kwargs = {k: v for k, v in init_kwargs.items() if v is not None}
         model = AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, **init_kwargs)
@@ -248,17 +256,29 @@ def run_online_dpo(argv: Sequence[str]) -> int:
     return 0
 
 
+def _job_device(training_args: Any) -> Any:
+    """The device the job trains on, without `training_args.device` (which would set up the distributed state before
+    TRL's script does): the CUDA device of this process's local rank, or the CPU."""
+    import torch
+
+    if torch.cuda.is_available() and not training_args.use_cpu:
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
 @contextlib.contextmanager
-def _installed_for_job(config: TrlExtConfig, cpu_deepspeed: bool, trainer_class: str):
+def _installed_for_job(config: TrlExtConfig, cpu_deepspeed: bool, trainer_class: str, device: Any = None):
     """trl-ext installed for the job (exactly `config`, merged once); afterwards report the plugins each trainer ran
-    with, uninstall, and on CPU DeepSpeed end the process the safe way."""
+    with (and the job's peak memory on `device`, the CPU's when None), uninstall, and on CPU DeepSpeed end the process
+    the safe way."""
     from ..installation import install_config
 
     installation = install_config(config)
     installation.keep_records = True
     try:
-        yield installation
-        _report(installation, trainer_class)
+        with PeakMemory(device) as peak:
+            yield installation
+        _report(installation, trainer_class, peak)
     finally:
         # The job is over: its trainers are detached with the uninstall, so no "trainers keep their plugins" line.
         installation.uninstall(detach=True)
