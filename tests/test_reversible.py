@@ -6,12 +6,20 @@ What is walked, before the install and after the undo:
   transformers' `Trainer` and modeling utilities, the attention registry), compared by identity;
 - the trainer's own attributes: no callable left that a stock trainer does not have, the same data collator type;
 - every sub-module of the policy and reference models: the same own attributes as a stock model's (no `forward`, no
-  hook left behind), the same forward / backward hooks, the same config.
+  hook left behind), the same forward / backward hooks, the same config;
+- the trainer's accelerator (no callable of its own that a stock trainer's does not have: sync_metrics and
+  token_budget answer its gathers for a while) and callbacks (the same types);
+- every module of TRL, transformers and accelerate and every class defined there, whether listed above or not: no
+  function, bound method, instance or registered name of trl-ext's that was not there before (a trainer of an earlier
+  test, never detached, may still hold a registration).
 """
 
 from __future__ import annotations
 
+import collections
+import functools
 import importlib
+import sys
 import types
 
 import pytest
@@ -75,6 +83,59 @@ def _changed(before: dict, after: dict) -> list[str]:
     return changes
 
 
+def _ours(value: object) -> bool:
+    """Whether `value` is something trl-ext defined or registered (read from its type, never through `getattr` on
+    the object: transformers' lazy modules import on attribute access)."""
+    if isinstance(value, str):
+        return value.startswith("trl_ext")
+    if isinstance(value, functools.partial):
+        return _ours(value.func)
+    if isinstance(value, types.MethodType):  # a bound method: its function or its object
+        return _ours(value.__func__) or _ours(value.__self__)
+    if isinstance(value, types.FunctionType):
+        return _our_module(value.__module__)
+    if isinstance(value, (type, types.ModuleType)):
+        return False
+    return _our_module(type(value).__module__)
+
+
+def _our_module(name: str | None) -> bool:
+    """trl-ext's modules, but not those `trl_ext.testing` takes the tests' models, data and reward functions from."""
+    return (name or "").startswith("trl_ext") and name not in ("trl_ext.testing", "trl_ext.app.bench.workload")
+
+
+def _leftovers(name: str, value: object, depth: int = 1) -> list[str]:
+    """The paths under `value` (the items of the plain dicts, lists and tuples in it, to depth 3) that hold something
+    of trl-ext's. Lazy mappings are not walked: reading them imports."""
+    if _ours(value):
+        return [name]
+    if depth >= 3:
+        return []
+    if type(value) in (dict, collections.defaultdict, collections.OrderedDict):
+        items = list(value.items())  # type: ignore[attr-defined]
+    elif type(value) in (list, tuple):
+        items = list(enumerate(value))  # type: ignore[arg-type]
+    else:
+        return []
+    return [path for key, item in items for path in _leftovers(f"{name}.{key}", item, depth + 1)]
+
+
+def _library_state() -> set[tuple[str, int]]:
+    """Every trl-ext object held by a module of TRL, transformers or accelerate, or by a class defined there: its
+    path and identity."""
+    found = set()
+    for module_name, module in list(sys.modules.items()):
+        if module is None or module_name.split(".")[0] not in ("trl", "transformers", "accelerate"):
+            continue
+        for attr, value in list(vars(module).items()):
+            if isinstance(value, types.ModuleType):
+                continue
+            held = vars(value).items() if isinstance(value, type) and value.__module__ == module_name else []
+            for path, item in [(f"{module_name}.{attr}", value)] + [(f"{module_name}.{attr}.{k}", v) for k, v in held]:
+                found.update((leftover, id(item)) for leftover in _leftovers(path, item))
+    return found
+
+
 def _callables(trainer: object) -> set[str]:
     """The trainer's own attributes that are functions or bound methods (a wrapper left behind would be one)."""
     kinds = (types.FunctionType, types.MethodType, types.BuiltinFunctionType)
@@ -99,6 +160,14 @@ def _assert_stock(trainer, stock) -> None:
     left = _callables(trainer) - _callables(stock)
     assert not left, f"trainer methods still wrapped after detach: {sorted(left)}"
     assert type(trainer.data_collator) is type(stock.data_collator)
+    left = _callables(trainer.accelerator) - _callables(stock.accelerator)
+    assert not left, f"accelerator methods still wrapped after detach: {sorted(left)}"
+    callbacks = trainer.callback_handler.callbacks
+    assert [type(c) for c in callbacks] == [type(c) for c in stock.callback_handler.callbacks]
+    roots = {"trainer": trainer, "accelerator": trainer.accelerator, "data_collator": trainer.data_collator}
+    roots.update({f"callbacks.{i}": c for i, c in enumerate(callbacks)})
+    left = [p for root, obj in roots.items() for k, v in vars(obj).items() for p in _leftovers(f"{root}.{k}", v)]
+    assert not left, f"trl-ext objects still held after detach: {left}"
     for attr in ("model", "ref_model"):
         ours, theirs = getattr(trainer, attr, None), getattr(stock, attr, None)
         assert (ours is None) == (theirs is None)
@@ -136,7 +205,7 @@ def _online(tokenizer, online_dpo_args, flags):
 
 def _check(build, flags) -> None:
     """`build()` makes the same trainer (the same TRL config) for stock and for the plugins."""
-    before = _snapshot()
+    before, held = _snapshot(), _library_state()
     stock = build()
     stock.train()
     installation = trl_ext.install(**flags)
@@ -145,6 +214,7 @@ def _check(build, flags) -> None:
     trainer.train()
     installation.uninstall(detach=True)
     assert not _changed(before, _snapshot())
+    assert sorted(path for path, _ in _library_state() - held) == []
     _assert_stock(trainer, stock)
     trainer.train()  # stock TRL again
 
@@ -186,3 +256,22 @@ def test_the_walk_sees_a_change_left_behind():
     stock, patched = types.SimpleNamespace(), types.SimpleNamespace()
     patched.training_step = lambda *a: None
     assert _callables(patched) - _callables(stock) == {"training_step"}
+    # the library walk: a trl-ext function set on a module it does not list, and a name registered in a dict there
+    from transformers import utils as hf_utils
+
+    from trl_ext.patching import resolve
+
+    held = _library_state()
+    hf_utils.trl_ext_left_behind = resolve
+    hf_utils.__dict__.setdefault("TRL_EXT_REGISTRY", {})["x"] = functools.partial(resolve, "trl")
+    try:
+        assert sorted(p for p, _ in _library_state() - held) == [
+            "transformers.utils.TRL_EXT_REGISTRY.x",
+            "transformers.utils.trl_ext_left_behind",
+        ]
+    finally:
+        del hf_utils.trl_ext_left_behind, hf_utils.TRL_EXT_REGISTRY
+    assert not _library_state() - held
+    # the trainer walk: a trl-ext wrapper an accelerator still holds, and a callback of trl-ext's in a list
+    assert _leftovers("accelerator.gather", functools.partial(resolve, "accelerate")) == ["accelerator.gather"]
+    assert _leftovers("callbacks", [None, resolve]) == ["callbacks.1"]
