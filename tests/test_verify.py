@@ -137,11 +137,14 @@ def test_verify_on_trains_bit_for_bit_as_verify_off(build, flags, caplog):
             trainer = build(max_steps=2, attention_dropout=dropout)
         with caplog.at_level(logging.INFO, logger="trl_ext"):
             trainer.train()
-        runs.append((_parameters(trainer), [h for h in trainer.state.log_history if "loss" in h]))
+        # what each plugin's end line says (padding_free: the calls packed and their tokens)
+        ends = {n: s.summary() for n, s in trainer._trl_ext.state.items() if callable(getattr(s, "summary", None))}
+        runs.append((_parameters(trainer), [h for h in trainer.state.log_history if "loss" in h], ends))
         assert trainer._trl_ext.math_plugins  # fused_logprobs: only where it scores (TRL < 1.15)
-    (params_off, logs_off), (params_on, logs_on) = runs
+    (params_off, logs_off, ends_off), (params_on, logs_on, ends_on) = runs
     assert all(torch.equal(params_off[n], params_on[n]) for n in params_off)
     assert logs_off == logs_on
+    assert ends_off == ends_on and ("padding_free" not in flags or ends_on), ends_on
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("trl-ext verify:")]
     assert len(lines) == 1, lines  # step 1 only
     assert "step 1:" in lines[0] and "extra stock forward(s)" in lines[0] and " s, " in lines[0]

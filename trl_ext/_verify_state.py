@@ -142,12 +142,12 @@ def _plain(value: Any) -> Any:
 
 
 def snapshot(trainer: Any) -> dict[str, Any]:
-    """What the stock call may change on the trainer: every attribute, and for plain data (`PLAIN_LIMIT`: e.g. stock
-    DPO's metric buffer `_metrics` and token count `_total_train_tokens`, a TRL's or a subclass's own on-device metric
-    sums) each list, dict and tensor object with its contents, so that `restore` puts back the same objects as they
-    were. Not a list of TRL's names: whatever a release or a user's subclass counts in its scoring method goes back.
-    Any other attribute (a model, a dataset) is put back as the same object, but what the stock call changes inside
-    it is not; an attribute the stock call adds is removed."""
+    """What an extra call may change on the trainer (or on a plugin's state object): every attribute, and for plain
+    data (`PLAIN_LIMIT`: e.g. stock DPO's metric buffer `_metrics` and token count `_total_train_tokens`, a TRL's or a
+    subclass's own on-device metric sums, a plugin's counts) each list, dict and tensor object with its contents, so
+    that `restore` puts back the same objects as they were. Not a list of TRL's names: whatever a release or a user's
+    subclass counts in its scoring method goes back. Any other attribute (a model, a dataset) is put back as the same
+    object, but what the call changes inside it is not; an attribute the call adds is removed."""
     return {name: _plain(value) or ("value", value) for name, value in trainer.__dict__.items()}
 
 

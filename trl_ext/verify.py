@@ -164,6 +164,8 @@ class Verify:
         plugin_seqs = self._sequences(plugin, result, args, kwargs, grad)
         began, peak0 = time.perf_counter(), state.peak_bytes(trainer)
         saved = state.snapshot(trainer)
+        # the plugins' own counts too (what their end lines say): the plugin path runs again below when it drew
+        kept = [(s, state.snapshot(s)) for s in self.ctx.state.values() if hasattr(s, "__dict__")]
         hooks = state.hooks(self._modules())
         # A forward that drew random numbers (dropout, a sampling router) is compared in eval mode, both paths again:
         # a plugin need not draw stock's samples (padding_free says so when it attaches).
@@ -185,6 +187,8 @@ class Verify:
                 reference += ", eval mode: the forward draws random numbers in training"
         finally:
             state.restore(trainer, saved)
+            for plugin_state, contents in kept:
+                state.restore(plugin_state, contents)
             state.drop_new_hooks(hooks)
             state.set_rng_states(after)
         self.seconds += time.perf_counter() - began
