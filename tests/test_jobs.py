@@ -190,7 +190,10 @@ def test_online_dpo_job_from_console_script_with_reward_module_in_cwd(assets, tm
     proc = subprocess.run(args, capture_output=True, text=True, env=_env(), timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     line = next(line for line in proc.stdout.splitlines() if "[trl-ext] OnlineDPOTrainer ran with plugins:" in line)
-    assert "peak memory" not in line, line  # the peak is said once, in the line `train()` logs (`attach`)
+    # no plugin applies (trl-ext did not attach): the job's line says the peak, once, and no `train()` line does
+    assert line.startswith("[trl-ext] OnlineDPOTrainer ran with plugins: none; peak memory "), line
+    assert line.endswith(" during the job (model loading included)"), line
+    assert (proc.stdout + proc.stderr).count("peak memory") == 1
     assert CPU_LINE in proc.stderr and "TRLExperimentalWarning" not in proc.stderr
     assert str(tmp_path) not in sys.path and "my_rewards" not in sys.modules  # this process was not touched
 
