@@ -53,7 +53,12 @@ class RecorderOptions:
 class Recorder:
     """A third-party test plugin: records every hook, and answers the exclusive ones with pass-through wrappers."""
 
-    TRL_EXT_PLUGIN = PluginSpec(name="recorder", summary="Records every hook.", options=RecorderOptions)
+    TRL_EXT_PLUGIN = PluginSpec(
+        name="recorder",
+        summary="Records every hook.",
+        options=RecorderOptions,
+        calls=("DPOTrainer._precompute_ref_logps",),
+    )
 
     def __init__(self):
         self.events = []
@@ -94,9 +99,11 @@ class Recorder:
         self.events.append(("models_ready", hasattr(trainer, "ref_model")))
 
     @trl_ext.hookimpl
-    def trl_ext_make_ref_precompute(self, trainer, context, dataset, name, batch_size):
-        # Models are ready, and no forward has run yet.
+    def trl_ext_call(self, trainer, context, call):
+        # DPO's reference precompute: the models are ready, and no forward has run yet.
+        _, name, batch_size = call.args
         self.events.append(("make_ref_precompute", name, batch_size, sum(self.forward_calls.values())))
+        return call.proceed()
 
     @trl_ext.hookimpl
     def trl_ext_trainer_init_end(self, trainer, context):

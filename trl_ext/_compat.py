@@ -88,6 +88,8 @@ GENERATION_HELPER_MODULES: dict[str, str] = {
 #: `DPOTrainer._precompute_ref_logps(self, dataset, name, batch_size)` runs inside `__init__`; present with this
 #: signature on 1.10.0-1.16.0 (checked 1.12.0, 1.16.0).
 DPO_PRECOMPUTE_METHOD = "_precompute_ref_logps"
+#: Trainer methods TRL's `__init__` calls: `trl_ext.calls` wraps them before it runs.
+INIT_CALLS = (DPO_PRECOMPUTE_METHOD,)
 
 
 def import_object(module: str, name: str):

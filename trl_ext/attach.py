@@ -149,18 +149,12 @@ def _running_wrapper(ctx: TrainerContext, original, training: bool = False):
 
 
 def precompute_wrapper(ctx: TrainerContext, original):
+    """DPO's reference precompute, once the models are ready (`TrainerContext.prepare_models`)."""
+
     @functools.wraps(original)
     def _precompute_ref_logps(dataset, name, batch_size):
         ctx.prepare_models()
-        result = ctx.call_exclusive(
-            "trl_ext_make_ref_precompute",
-            trainer=ctx.trainer,
-            context=ctx,
-            dataset=dataset,
-            name=name,
-            batch_size=batch_size,
-        )
-        return original(dataset, name, batch_size) if result is None else result
+        return original(dataset, name, batch_size)
 
     return _precompute_ref_logps
 

@@ -31,9 +31,9 @@ import pluggy
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
-    from datasets import Dataset
     from transformers import Trainer
 
+    from .calls import Call
     from .config import TrlExtConfig
     from .context import TrainerContext
     from .installation import Installation
@@ -132,6 +132,19 @@ def trl_ext_advise_unused(trainer: Trainer, trainer_class: str, trl_args: Any) -
 
 
 @hookspec
+def trl_ext_call(trainer: Trainer, context: TrainerContext, call: Call) -> Any:
+    """Take part in one call of a trainer method that the plugin lists in `PluginSpec.calls`; return its result.
+
+    Called on every rank, for every call of the method, on the enabled plugins that list it, as a chain (outermost
+    first, in pluggy's call order; `trl-ext plugins --order` prints it): `call.proceed()` runs the rest of the chain,
+    TRL's own method last, with `call.args` / `call.kwargs` or the arguments given to it. An implementation may run it
+    several times, or not at all (it then replaces TRL's method). `trl_ext.calls` says which methods may be listed and
+    when they are wrapped; DPO's reference precompute (`_precompute_ref_logps(dataset, name, batch_size)`, called from
+    `__init__` and `evaluate()`) is one, wrapped before TRL's `__init__` runs, after the models are ready.
+    """
+
+
+@hookspec
 def trl_ext_make_collator(trainer: Trainer, context: TrainerContext, collator: Callable) -> Callable | None:
     """Return the data collator this trainer should use instead of `collator`, or None to keep it.
 
@@ -153,19 +166,6 @@ def trl_ext_make_packed_forward(
     result is installed as an instance attribute `backbone.forward` through the trainer's undo stack: it stays for the
     trainer's life and is removed by `Installation.detach(trainer)`. It must accept and return what the original
     forward does.
-    Exclusive: two enabled plugins answering is a `UsageError`.
-    """
-
-
-@hookspec
-def trl_ext_make_ref_precompute(
-    trainer: Trainer, context: TrainerContext, dataset: Dataset, name: str, batch_size: int
-) -> Dataset | None:
-    """Plan and run the reference log-prob precompute for one dataset split, or return None to let TRL do it.
-
-    Called in place of `DPOTrainer._precompute_ref_logps(dataset, name, batch_size)` on every rank (from `__init__`
-    and from `evaluate()`), with TRL's batch size choice. The result must be `dataset` with the columns
-    `ref_chosen_logps` and `ref_rejected_logps` added, row for row in dataset order, identical on every rank.
     Exclusive: two enabled plugins answering is a `UsageError`.
     """
 

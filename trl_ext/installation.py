@@ -9,7 +9,7 @@ import weakref
 from collections.abc import Mapping
 from typing import Any
 
-from . import _compat, attach, micro_batching, verify
+from . import _compat, attach, calls, micro_batching, verify
 from ._logging import NOTICE, get_logger, is_main_process
 from .config import TrlExtConfig, load_config
 from .context import _LIVE, TrainerContext
@@ -249,6 +249,7 @@ class Installation:
         # (so TRL neither warns that it falls back nor acts on it), then restored on the user's config object.
         hidden, left = self._hide_ignored_flags(ctx.trainer_class, init_kwargs.get("args"), ctx)
         if enabled:
+            calls.attach(ctx, init=True)
             attach.attach_before_init(ctx)
         try:
             with ctx.running():
@@ -261,6 +262,7 @@ class Installation:
             attach.attach_after_init(ctx)
             micro_batching.attach(ctx)
             verify.attach(ctx)
+            calls.attach(ctx, init=False)
         ctx.hook.trl_ext_trainer_init_end(trainer=trainer, context=ctx)
         return left
 

@@ -333,6 +333,9 @@ class PluginSpec:
             the declaring module (`".hooks"`). It is imported only when the plugin is registered for an installation,
             so reading the declarations (`TrlExtConfig`, `trl-ext plugins`, `--help`) imports nothing heavy even when
             the implementations need torch. `None`: the declaring module holds its hook implementations.
+        calls (`tuple[str, ...]`, *optional*, defaults to `()`):
+            The trainer methods its `trl_ext_call` implementation takes part in (`trl_ext.calls`): `"training_step"`,
+            `"DPOTrainer._compute_loss"` (one stock trainer class only), `"accelerator.gather"`.
     """
 
     name: str
@@ -344,6 +347,7 @@ class PluginSpec:
     serves: tuple[str, ...] = ()
     precedence: int = 0
     hooks: str | None = None
+    calls: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", self.name or ""):
@@ -378,6 +382,8 @@ class PluginSpec:
         module_path = r"\.*[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*"
         if self.hooks is not None and not re.fullmatch(module_path, self.hooks):
             raise UsageError(f"Plugin `{self.name}`: `hooks` must be a module path, got {self.hooks!r}.")
+        if isinstance(self.calls, str) or not all(re.fullmatch(module_path[3:], c) for c in self.calls):
+            raise UsageError(f"Plugin `{self.name}`: `calls` must be a tuple of method names, got {self.calls!r}.")
 
     @property
     def flag_names(self) -> tuple[str, ...]:

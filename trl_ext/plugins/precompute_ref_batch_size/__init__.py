@@ -122,6 +122,7 @@ TRL_EXT_PLUGIN = PluginSpec(
     options=PrecomputeOptions,
     trainers=("DPOTrainer",),
     hooks=".hooks",
+    calls=("DPOTrainer._precompute_ref_logps",),
 )
 
 

@@ -3,6 +3,7 @@ registered."""
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -13,6 +14,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from datasets import Dataset
     from transformers import Trainer
 
+    from ...calls import Call
     from ...context import TrainerContext
 
 from . import NAME, PrecomputeOptions
@@ -40,16 +42,17 @@ def trl_ext_trainer_init_start(trainer: Trainer, context: TrainerContext, init_k
 
 
 @hookimpl
-def trl_ext_make_ref_precompute(
-    trainer: Trainer, context: TrainerContext, dataset: Dataset, name: str, batch_size: int
-) -> Dataset | None:
+def trl_ext_call(trainer: Trainer, context: TrainerContext, call: Call) -> Dataset:
+    """Runs DPO's reference precompute (`_precompute_ref_logps(dataset, name, batch_size)`) in TRL's place."""
     from datasets import IterableDataset
+
+    dataset, name, _ = inspect.signature(call.original).bind(*call.args, **call.kwargs).args
 
     if isinstance(dataset, IterableDataset):
         # Step aside so that TRL's own check speaks first, in TRL's words (`_compat.DPO_PRECOMPUTE_ITERABLE_MESSAGE`,
         # the first statement of `_precompute_ref_logps`): nobody can precompute a stream.
         logger.info("trl-ext `%s`: the %s split is an IterableDataset; leaving it to TRL.", NAME, name)
-        return None
+        return call.proceed()
     from .runner import Precompute
 
     state = context.state.get(NAME)

@@ -1,0 +1,152 @@
+"""One way to take part in a trainer's method calls: the `trl_ext_call` hook.
+
+A plugin lists the methods it takes part in (`PluginSpec.calls`). For each trainer, the core wraps each method that an
+enabled plugin lists once, on the instance and through the trainer's undo stack (`context.patcher`). Every call then
+runs a chain: the `trl_ext_call` implementations of the enabled plugins that list the method, in pluggy's call order
+(`tryfirst` first, then the last registered first, `trylast` last), with TRL's own method innermost:
+
+```python
+@trl_ext.hookimpl
+def trl_ext_call(trainer, context, call: trl_ext.api.Call):
+    if call.name == "training_step":
+        ...                      # before
+        result = call.proceed()  # the rest of the chain, and TRL's method last
+        ...                      # after
+        return result
+    return call.proceed()
+```
+
+An implementation returns the method's result. It may change the arguments (`call.proceed(*args, **kwargs)`), run the
+rest of the chain several times, or not at all (it then replaces TRL's method). `trl-ext plugins --order` prints each
+chain. An observer that must see a training step as stock runs it (`sync_metrics`) is `tryfirst`; one that changes how
+TRL's method runs (`token_budget`) is `trylast`.
+
+A name is a trainer method (`"training_step"`), one of a stock trainer class only (`"DPOTrainer._compute_loss"`), or
+a method of the trainer's accelerator (`"accelerator.gather"`). Methods that TRL's `__init__` calls
+(`_compat.INIT_CALLS`) are wrapped before it runs; the others once it has returned, after the core's own wrappers,
+so a chain sees each call as the Trainer makes it.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+from . import _compat
+from .errors import UsageError
+
+if TYPE_CHECKING:  # pragma: no cover
+    import pluggy
+
+    from .catalog import Catalog
+    from .context import TrainerContext
+
+__all__ = ["Call", "attach", "chains", "declared"]
+
+HOOK = "trl_ext_call"
+_ACCELERATOR = "accelerator."
+
+
+class Call:
+    """One call of a wrapped method, as a `trl_ext_call` implementation sees it.
+
+    Attributes:
+        name (`str`): the method's name (`"training_step"`, `"accelerator.gather"`).
+        args (`tuple`), kwargs (`dict`): the arguments this link of the chain was called with (without `self`).
+        original (`Callable`): the method as the trainer held it before the core wrapped it (TRL's, or the user's
+            subclass'), bound; calling it skips the rest of the chain.
+    """
+
+    __slots__ = ("_rest", "args", "kwargs", "name", "original")
+
+    def __init__(self, name: str, original: Callable, args: tuple, kwargs: dict, rest: Callable[..., Any]) -> None:
+        self.name = name
+        self.original = original
+        self.args = args
+        self.kwargs = kwargs
+        self._rest = rest
+
+    def proceed(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the rest of the chain (TRL's method last) with these arguments, or with this call's when none are
+        given; return its result."""
+        if args or kwargs:
+            return self._rest(args, kwargs)
+        return self._rest(self.args, self.kwargs)
+
+    def __repr__(self) -> str:
+        return f"<trl_ext.Call {self.name}>"
+
+
+def declared(spec_calls: Iterable[str], trainer_class: str) -> list[str]:
+    """The method names a plugin's `calls` lists for `trainer_class` (class-qualified names of other classes
+    dropped)."""
+    out = []
+    for entry in spec_calls:
+        head, _, rest = entry.partition(".")
+        if rest and head in _compat.TRAINERS:
+            if head == trainer_class:
+                out.append(rest)
+        else:
+            out.append(entry)
+    return out
+
+
+def chains(catalog: Catalog, caller: pluggy.HookCaller, trainer_class: str, enabled: Iterable[str]) -> dict[str, list]:
+    """`{method: [hookimpl, ...]}` in call order (outermost first) for a trainer of `trainer_class` running the
+    `enabled` plugins."""
+    enabled = set(enabled)
+    impls = [impl for impl in reversed(caller.get_hookimpls()) if impl.plugin_name in enabled]
+    out: dict[str, list] = {}
+    for impl in impls:
+        spec = catalog.specs.get(impl.plugin_name)
+        for name in declared(spec.calls if spec is not None else (), trainer_class):
+            out.setdefault(name, []).append(impl)
+    for impl in impls:
+        spec = catalog.specs.get(impl.plugin_name)
+        if spec is not None and not spec.calls:
+            raise UsageError(
+                f"trl-ext plugin `{impl.plugin_name}` implements `{HOOK}` but lists no method in "
+                "`PluginSpec(calls=...)`; list the trainer methods it takes part in."
+            )
+    return out
+
+
+def attach(ctx: TrainerContext, *, init: bool) -> None:
+    """Wrap the methods the enabled plugins list for `ctx`'s trainer: those TRL's `__init__` calls (`init=True`,
+    before it runs) or all the others (after it)."""
+    pm = ctx.installation.plugin_manager
+    trainer = ctx.trainer
+    for name, impls in chains(pm.catalog, pm.hook.trl_ext_call, ctx.trainer_class, ctx.enabled).items():
+        if (name in _compat.INIT_CALLS) != init:
+            continue
+        owner, attr = (trainer, name)
+        if name.startswith(_ACCELERATOR):
+            owner, attr = trainer.accelerator, name[len(_ACCELERATOR) :]
+        original = getattr(owner, attr, None)
+        if not callable(original):
+            plugins = ", ".join(f"`{impl.plugin_name}`" for impl in impls)
+            raise UsageError(
+                f"This {ctx.trainer_class} has no method `{name}`, which {plugins} take part in: "
+                + _compat.unexpected_trl(plugins)
+                + "."
+            )
+        ctx.patcher.setattr(owner, attr, _dispatcher(ctx, name, original, impls))
+
+
+def _dispatcher(ctx: TrainerContext, name: str, original: Callable, impls: list) -> Callable:
+    links = [(impl.function, impl.argnames) for impl in impls]
+
+    def run(index: int, args: tuple, kwargs: dict) -> Any:
+        if index == len(links):
+            return original(*args, **kwargs)
+        function, argnames = links[index]
+        call = Call(name, original, args, kwargs, functools.partial(run, index + 1))
+        given = {"trainer": ctx.trainer, "context": ctx, "call": call}
+        return function(**{arg: given[arg] for arg in argnames})
+
+    @functools.wraps(original)
+    def method(*args: Any, **kwargs: Any) -> Any:
+        return run(0, args, kwargs)
+
+    return method
