@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from . import _compat
+from ._logging import get_logger
 from .errors import UsageError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -43,6 +44,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from .context import TrainerContext
 
 __all__ = ["Call", "attach", "chains", "declared"]
+
+logger = get_logger(__name__)
 
 HOOK = "trl_ext_call"
 _ACCELERATOR = "accelerator."
@@ -132,6 +135,8 @@ def attach(ctx: TrainerContext, *, init: bool) -> None:
                 + "."
             )
         ctx.patcher.setattr(owner, attr, _dispatcher(ctx, name, original, impls))
+        chain = " > ".join(impl.plugin_name for impl in impls)
+        logger.debug("trl-ext: %s.%s runs %s > TRL", ctx.trainer_class, name, chain)
 
 
 def _dispatcher(ctx: TrainerContext, name: str, original: Callable, impls: list) -> Callable:

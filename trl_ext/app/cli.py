@@ -23,6 +23,8 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
     env_block = _parse_block(os.environ.get("TRL_EXT_BLOCK", ""), "environment variable $TRL_EXT_BLOCK")
     args.block = list(dict.fromkeys([*(args.block or ()), *env_block]))
     catalog = load_catalog(args.block)[0]
+    if args.order:
+        return _print_order(catalog)
     if args.name:
         return _plugin_page(catalog, args.name)
     trl_version = _compat.installed_version("trl")
@@ -63,6 +65,28 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
     from ..config import VERIFY_HELP, VERIFY_PARSER
 
     print(f"\ncore settings:\n  flag   verify: {VERIFY_PARSER.expects}; default true. {VERIFY_HELP}")
+    return 0
+
+
+def _print_order(catalog) -> int:
+    """`trl-ext plugins --order`: per trainer and method, the plugins whose `trl_ext_call` runs, outermost first."""
+    from ..calls import chains
+    from ..manager import make_plugin_manager
+
+    pm = make_plugin_manager(catalog=catalog)
+    print(
+        "Trainer methods plugins take part in (`trl_ext_call`), outermost first; TRL's method runs last, and a "
+        "trainer runs the plugins enabled for it only. verify's wrappers run inside these chains; the models are "
+        "prepared before the reference precompute's chain runs."
+    )
+    for trainer_class in _compat.TRAINERS:
+        applying = [name for name, spec in catalog.specs.items() if spec.applies_to(trainer_class)]
+        found = chains(catalog, pm.hook.trl_ext_call, trainer_class, applying)
+        print(f"\n{trainer_class}:")
+        for method, impls in found.items():
+            print(f"  {method}: {' > '.join(impl.plugin_name for impl in impls)} > TRL")
+        if not found:
+            print("  no plugin takes part in its method calls")
     return 0
 
 
@@ -205,6 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("name", nargs="?", help="one plugin: its documentation, flags and options")
     p.add_argument("--block", action="append", metavar="NAME", help="leave plugin NAME out (repeatable)")
+    p.add_argument("--order", action="store_true", help="per trainer and method, which plugins run in which order")
     p.set_defaults(func=_cmd_plugins)
     d = sub.add_parser("doctor", help="print versions, whether they are supported, and the attention backends")
     d.set_defaults(func=_cmd_doctor)

@@ -181,14 +181,18 @@ def trl_ext_make_packed_forward(
 
 
 @hookimpl
+def trl_ext_make_model_forward(trainer: Trainer, context: TrainerContext, role: str, model: torch.nn.Module) -> Any:
+    state = _check_trainer(trainer, context)
+    if role not in state.attn_implementations:  # a model whose backbone the core could not reach
+        state.attn_implementations[role] = _configure_model(context, role, model)
+    return _make_causal_lm_forward(model.forward, state, row_limit(model))
+
+
+@hookimpl
 def trl_ext_trainer_models_ready(trainer: Trainer, context: TrainerContext) -> None:
     state = _check_trainer(trainer, context)
     for role, model in context.models().items():
-        if role not in state.attn_implementations:  # a model whose backbone the core could not reach
-            state.attn_implementations[role] = _configure_model(context, role, model)
         _choose_kernel(state, role, model, trainer, context)
-        limit = row_limit(model)
-        context.patcher.setattr(model, "forward", _make_causal_lm_forward(model.forward, state, limit))
         check_model(state, role, model, trainer)
     logger.info("padding_free: packing %s", state.attn_implementations)
     log_choices(logger, NAME, state.kernels)
