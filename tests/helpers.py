@@ -130,45 +130,21 @@ class Recorder:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# A third-party plugin's source (tests/test_third_party.py installs it; tests/test_api.py reads its imports)
+# The example plugin of docs/writing-plugins.md, as printed (tests/test_third_party.py installs it)
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-PLUGIN_SOURCE = '''
-"""Chunked fused DPO loss (a third-party trl-ext plugin used by trl-ext's tests)."""
-
-from dataclasses import dataclass, field
-
-import trl_ext
-from trl_ext.api import Flag, PluginSpec, boolean, positive_int
-
-
-@dataclass(frozen=True)
-class FusedLossOptions:
-    """Options of the `fused_loss` plugin.
-
-    Args:
-        chunk (`int`, *optional*, defaults to `1024`):
-            Tokens per chunk.
-    """
-
-    chunk: int = field(default=1024, metadata={"parse": positive_int})
-
-
-TRL_EXT_PLUGIN = PluginSpec(
-    name="fused_loss",
-    summary="Chunked fused DPO loss (test plugin).",
-    flags=(Flag("fused_loss", default=False, parse=boolean, help="Compute the DPO loss in chunks."),),
-    options=FusedLossOptions,
-    trainers=("DPOTrainer",),
-)
-
-
-@trl_ext.hookimpl
-def trl_ext_trainer_init_end(trainer, context):
-    trainer.fused_loss_chunk = context.options("fused_loss").chunk
-    print(f"[fused_loss] chunk={trainer.fused_loss_chunk}", flush=True)
-'''
+def example_plugin_files() -> dict[str, str]:
+    """`{file name: text}` of the example package of docs/writing-plugins.md: its code blocks that start with
+    `# my_package/<file>`, as printed."""
+    page = (Path(__file__).resolve().parents[1] / "docs" / "writing-plugins.md").read_text()
+    files = {
+        match[1]: block
+        for block in re.findall(r"```(?:python|toml)\n(.*?)```", page, flags=re.S)
+        if (match := re.match(r"# my_package/(\S+)\n", block))
+    }
+    assert set(files) == {"trl_ext_fused.py", "pyproject.toml"}, sorted(files)
+    return files
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -1,8 +1,10 @@
-"""A third-party plugin package, built in a temporary directory and installed with pip, used as users would.
+"""The example plugin package of docs/writing-plugins.md, written out as printed, installed with pip into a temporary
+directory and used as users would.
 
 It has its own flag (`fused_loss`) and its own options dataclass, is found through the `trl_ext` entry-point group,
-and is enabled from Python, the environment, YAML and the `trl-ext dpo` command line. It records what it saw on the
-trainer, so each test checks that its hooks really ran with the parsed options.
+and is enabled from Python, the environment, YAML and the `trl-ext dpo` command line. It keeps the parsed `chunk` in
+the trainer's `context.state` and says it in the trainer's log line, so each test checks that its hooks really ran
+with the parsed options.
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -26,28 +27,12 @@ from trl_ext.testing import make_model, make_preference_dataset, make_tokenizer,
 @pytest.fixture(scope="module")
 def plugin_site(tmp_path_factory) -> Path:
     """`pip install` the package into its own directory (not into the test environment) and return that directory."""
-    src = tmp_path_factory.mktemp("trl_ext_fused_src")
-    (src / "trl_ext_fused.py").write_text(helpers.PLUGIN_SOURCE)
-    (src / "pyproject.toml").write_text(
-        textwrap.dedent(
-            """
-            [build-system]
-            requires = ["setuptools"]
-            build-backend = "setuptools.build_meta"
-
-            [project]
-            name = "trl-ext-fused"
-            version = "0.1.0"
-
-            [project.entry-points.trl_ext]
-            fused_loss = "trl_ext_fused"
-
-            [tool.setuptools]
-            py-modules = ["trl_ext_fused"]
-            """
-        )
-    )
+    src = tmp_path_factory.mktemp("my_package")
+    for name, text in helpers.example_plugin_files().items():
+        (src / name).write_text(text)
     site = tmp_path_factory.mktemp("site")
+    # As printed, but offline: no build isolation (setuptools is here), no dependency resolution (trl-ext is here),
+    # and into its own directory so this environment is left as it is.
     cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target", str(site)]
     proc = subprocess.run([*cmd, str(src)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
@@ -82,12 +67,22 @@ def _dpo_trainer(tokenizer, dpo_args):
 
 
 def test_enabled_from_python(with_plugin, tokenizer, dpo_args):
-    with trl_ext.install(fused_loss=True, plugins={"fused_loss": {"chunk": 7}}) as installation:
-        assert "fused_loss" in installation.plugin_manager.catalog.specs
-        assert "fused_loss" not in installation.plugin_manager.catalog.builtin
-        trainer = _dpo_trainer(tokenizer, dpo_args)
-        assert trainer._trl_ext.enabled == ("fused_loss",)
-        assert trainer.fused_loss_chunk == 7
+    import logging
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("trl_ext").addHandler(handler)
+    try:
+        with trl_ext.install(fused_loss=True, plugins={"fused_loss": {"chunk": 7}}) as installation:
+            assert "fused_loss" in installation.plugin_manager.catalog.specs
+            assert "fused_loss" not in installation.plugin_manager.catalog.builtin
+            trainer = _dpo_trainer(tokenizer, dpo_args)
+            assert trainer._trl_ext.enabled == ("fused_loss",)
+            assert trainer._trl_ext.state["fused_loss"] == 7
+    finally:
+        logging.getLogger("trl_ext").removeHandler(handler)
+    assert "trl-ext: DPOTrainer gets plugins fused_loss (chunk=7)" in [r.getMessage() for r in records]
     with pytest.raises(UsageError, match=r"`plugins.fused_loss.chunk` must be a positive integer, got 0"):
         trl_ext.install(fused_loss=True, plugins={"fused_loss": {"chunk": 0}})
     with pytest.raises(UsageError, match=r"Unknown trl-ext flag `fused_los`.*Did you mean `fused_loss`"):
@@ -98,14 +93,14 @@ def test_enabled_from_the_environment_and_yaml(with_plugin, tokenizer, dpo_args,
     monkeypatch.setenv("TRL_EXT_FUSED_LOSS", "1")
     monkeypatch.setenv("TRL_EXT_PLUGINS", json.dumps({"fused_loss": {"chunk": "3"}}))
     with trl_ext.install():
-        assert _dpo_trainer(tokenizer, dpo_args).fused_loss_chunk == 3
+        assert _dpo_trainer(tokenizer, dpo_args)._trl_ext.state["fused_loss"] == 3
     monkeypatch.delenv("TRL_EXT_FUSED_LOSS")
     monkeypatch.delenv("TRL_EXT_PLUGINS")
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(yaml.safe_dump({"trl_ext": {"fused_loss": True, "plugins": {"fused_loss": {"chunk": 5}}}}))
     monkeypatch.setenv("TRL_EXT_CONFIG", str(recipe))
     with trl_ext.install():
-        assert _dpo_trainer(tokenizer, dpo_args).fused_loss_chunk == 5
+        assert _dpo_trainer(tokenizer, dpo_args)._trl_ext.state["fused_loss"] == 5
 
 
 @pytest.mark.slow
@@ -115,6 +110,7 @@ def test_listed_by_trl_ext_plugins(plugin_site):
     assert out.returncode == 0, out.stderr
     row = next(line for line in out.stdout.splitlines() if line.startswith("fused_loss"))
     assert "third-party" in row and "chunk" in row and "DPOTrainer" in row
+    assert "  option plugins.fused_loss.chunk: a positive integer; default 1024. Tokens per chunk." in out.stdout
 
 
 @pytest.mark.slow
@@ -135,7 +131,7 @@ def test_enabled_from_the_trl_ext_dpo_command_line(plugin_site, tmp_path):
     ]  # fmt: skip
     proc = subprocess.run(args, capture_output=True, text=True, env=_env(plugin_site), timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "[fused_loss] chunk=11" in proc.stdout
+    assert "gets plugins fused_loss (chunk=11)" in proc.stderr, proc.stderr[-4000:]
     help_text = subprocess.run([exe, "dpo", "--help"], capture_output=True, text=True, env=_env(plugin_site))
     assert help_text.returncode == 0, help_text.stderr[-2000:]
     assert "--trl-ext-fused-loss" in help_text.stdout and "(plugin `fused_loss`)" in help_text.stdout

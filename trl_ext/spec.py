@@ -1,43 +1,8 @@
 """How a plugin declares itself: its flags, its options, the trainers it applies to and the TRL flag it serves.
 
-A plugin module (built-in or third-party) sets one module attribute, `TRL_EXT_PLUGIN`, next to its hook
-implementations:
-
-```python
-from dataclasses import dataclass, field
-
-import trl_ext
-from trl_ext.spec import Flag, PluginSpec, boolean, one_of
-
-
-@dataclass(frozen=True)
-class FusedLossOptions:
-    \"\"\"Options of the `fused_loss` plugin.
-
-    Args:
-        chunk (`int`, *optional*, defaults to `1024`):
-            Tokens per chunk of the fused loss.
-    \"\"\"
-
-    chunk: int = field(default=1024, metadata={"parse": trl_ext.spec.positive_int})
-
-
-TRL_EXT_PLUGIN = PluginSpec(
-    name="fused_loss",
-    summary="Chunked fused DPO loss.",
-    flags=(Flag("fused_loss", default=False, parse=boolean, help="Compute the DPO loss in chunks."),),
-    options=FusedLossOptions,
-    trainers=("DPOTrainer",),
-)
-
-
-@trl_ext.hookimpl
-def trl_ext_trainer_init_end(trainer, context):
-    options = context.options("fused_loss")  # a FusedLossOptions instance
-```
-
-A plugin whose hook implementations import heavy modules declares `hooks="my_pkg.hooks"` (or `".hooks"`) and keeps
-them there: discovery reads only the declaration, and the hooks module is imported when the plugin is registered.
+A plugin module (built-in or third-party) sets one module attribute, `TRL_EXT_PLUGIN = PluginSpec(...)`, next to its
+hook implementations; docs/writing-plugins.md holds the example plugin (tested as printed). A plugin whose hooks import
+heavy modules declares `hooks="my_pkg.hooks"` (or `".hooks"`): discovery reads only the declaration.
 
 From these declarations trl-ext builds the flag table shared by `install(**flags)`, `TRL_EXT_<FLAG>` environment
 variables, YAML files, the `--trl_ext_<flag>` command-line flags and `trl-ext plugins`, and it validates every value

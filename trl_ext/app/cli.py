@@ -97,7 +97,7 @@ def _print_settings(info) -> None:
 
 
 def _plugin_page(catalog, name: str) -> int:
-    """`trl-ext plugins NAME`: the plugin's documentation (its module docstring) and its flags and options."""
+    """`trl-ext plugins NAME`: the plugin's module docstring (a summary) and its flags and options."""
     import inspect
 
     from ..catalog import plugin_info
