@@ -12,6 +12,10 @@ What is walked, before the install and after the undo:
 - every module of TRL, transformers and accelerate and every class defined there, whether listed above or not: no
   function, bound method, instance or registered name of trl-ext's that was not there before (a trainer of an earlier
   test, never detached, may still hold a registration).
+
+And while the plugins build and train: every attribute that trl-ext code sets on a trainer, a model or one of its
+modules, a model config or an accelerator goes through the undo stack (`trl_ext/patching.py`), or is one of
+`DIRECT_WRITES` (a running total of TRL's that a plugin keeps as stock would).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import functools
 import importlib
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -44,6 +49,62 @@ ONLINE_CASES = {
     "sync_metrics": dict(sync_metrics=True),
     "prompt_sharing+fused_logprobs": dict(prompt_sharing=True, fused_logprobs=True),
 }
+
+
+#: `(kind, attribute)` that trl-ext code sets directly (not through the undo stack), and why.
+DIRECT_WRITES: dict[tuple[str, str], str] = {
+    # a probe forward in training mode (`_randomness.random_draws`) puts each module's own mode back as it was
+    ("module", "training"): "a probe's mode, put back when the probe ends",
+    # sync_metrics sums TRL's running totals over the ranks and writes them where the Trainer keeps them, as stock does
+    ("trainer", "current_flos"): "sync_metrics: the step's floating-point operations, summed over the ranks",
+    ("trainer", "_total_loss_scalar"): "sync_metrics: the running loss, from the global mean",
+    ("trainer", "_total_train_tokens"): "sync_metrics: DPO's token count, summed over the ranks",
+}
+
+_TRL_EXT = str(Path(trl_ext.__file__).resolve().parent)
+_UNDO_STACK = str(Path(trl_ext.__file__).resolve().parent / "patching.py")
+
+
+def _writes_recorded():
+    """A context manager that records `{(kind, attribute): "file:function"}` of what trl-ext code outside the undo
+    stack sets on trainers, models and their modules, model configs and accelerators."""
+    import contextlib
+
+    import accelerate
+    import transformers
+
+    kinds = {
+        "trainer": transformers.Trainer,
+        "module": torch.nn.Module,
+        "config": transformers.PretrainedConfig,
+        "accelerator": accelerate.Accelerator,
+    }
+    writes: dict[tuple[str, str], str] = {}
+
+    def recording(kind: str, original):
+        def __setattr__(self, name, value):
+            code = sys._getframe(1).f_code
+            if code.co_filename.startswith(_TRL_EXT) and code.co_filename != _UNDO_STACK:
+                writes.setdefault((kind, name), f"{Path(code.co_filename).name}:{code.co_name}")
+            return original(self, name, value)
+
+        return __setattr__
+
+    @contextlib.contextmanager
+    def record():
+        saved = {kind: cls.__dict__.get("__setattr__") for kind, cls in kinds.items()}
+        for kind, cls in kinds.items():
+            cls.__setattr__ = recording(kind, cls.__setattr__)
+        try:
+            yield writes
+        finally:
+            for kind, cls in kinds.items():
+                if saved[kind] is None:
+                    del cls.__setattr__
+                else:
+                    cls.__setattr__ = saved[kind]
+
+    return record()
 
 
 def _process_wide() -> list[object]:
@@ -208,11 +269,14 @@ def _check(build, flags) -> None:
     before, held = _snapshot(), _library_state()
     stock = build()
     stock.train()
-    installation = trl_ext.install(**flags)
-    trainer = build()
-    assert set(trainer._trl_ext.enabled) >= set(flags)  # every requested plugin attached
-    trainer.train()
+    with _writes_recorded() as writes:
+        installation = trl_ext.install(**flags)
+        trainer = build()
+        assert set(trainer._trl_ext.enabled) >= set(flags)  # every requested plugin attached
+        trainer.train()
     installation.uninstall(detach=True)
+    direct = {write: where for write, where in writes.items() if write not in DIRECT_WRITES}
+    assert not direct, f"set outside the undo stack (`trl_ext/patching.py`): {direct}"
     assert not _changed(before, _snapshot())
     assert sorted(path for path, _ in _library_state() - held) == []
     _assert_stock(trainer, stock)
@@ -275,3 +339,19 @@ def test_the_walk_sees_a_change_left_behind():
     # the trainer walk: a trl-ext wrapper an accelerator still holds, and a callback of trl-ext's in a list
     assert _leftovers("accelerator.gather", functools.partial(resolve, "accelerate")) == ["accelerator.gather"]
     assert _leftovers("callbacks", [None, resolve]) == ["callbacks.1"]
+
+
+def test_the_write_recorder_sees_a_direct_write_and_not_the_undo_stack():
+    """A write from trl-ext code is recorded with its place; the same write through a `Patcher` is not."""
+    from trl_ext.patching import Patcher
+
+    model = make_model(hidden_size=32)
+    code = compile("def leave(model):\n    model.trl_ext_mark = 1\n", str(Path(_TRL_EXT) / "plugins" / "x.py"), "exec")
+    namespace: dict = {}
+    exec(code, namespace)
+    patcher = Patcher("test")
+    with _writes_recorded() as writes:
+        patcher.setattr(model.config, "use_cache", False)
+        namespace["leave"](model)
+    patcher.undo()
+    assert writes == {("module", "trl_ext_mark"): "x.py:leave"}
