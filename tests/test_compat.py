@@ -566,6 +566,11 @@ def test_trainer_scoring_methods_exist_on_every_trainer():
             assert callable(getattr(classes[trainer_class], name, None)), _fail(
                 "TRAINER_SCORING_METHODS", f"{trainer_class} has no `{name}`"
             )
+    # Wrapped before TRL's `__init__` (`trl_ext.calls`): the precompute it runs, and the scoring methods it runs with.
+    scoring = {name for names in _compat.TRAINER_SCORING_METHODS.values() for name in names}
+    assert set(_compat.INIT_CALLS) == {_compat.DPO_PRECOMPUTE_METHOD, *scoring}
+    precompute = _source(getattr(classes["DPOTrainer"], _compat.DPO_PRECOMPUTE_METHOD))
+    assert "self.compute_ref_log_probs(" in precompute, _fail("INIT_CALLS", "the precompute scores otherwise")
 
 
 def test_online_dpo_forward_truncates_the_prompt_on_the_left():

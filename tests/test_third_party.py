@@ -80,6 +80,8 @@ def test_enabled_from_python(with_plugin, tokenizer, dpo_args):
             trainer = _dpo_trainer(tokenizer, dpo_args)
             assert trainer._trl_ext.enabled == ("fused_loss",)
             assert trainer._trl_ext.state["fused_loss"] == 7
+            trainer.train()
+            assert trainer._trl_ext.state["fused_loss_steps"] == trainer.state.global_step > 0  # `trl_ext_call`
     finally:
         logging.getLogger("trl_ext").removeHandler(handler)
     assert "trl-ext: DPOTrainer gets plugins fused_loss (chunk=7)" in [r.getMessage() for r in records]

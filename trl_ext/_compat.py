@@ -88,8 +88,6 @@ GENERATION_HELPER_MODULES: dict[str, str] = {
 #: `DPOTrainer._precompute_ref_logps(self, dataset, name, batch_size)` runs inside `__init__`; present with this
 #: signature on 1.10.0-1.16.0 (checked 1.12.0, 1.16.0).
 DPO_PRECOMPUTE_METHOD = "_precompute_ref_logps"
-#: Trainer methods TRL's `__init__` calls: `trl_ext.calls` wraps them before it runs.
-INIT_CALLS = (DPO_PRECOMPUTE_METHOD,)
 
 
 def import_object(module: str, name: str):
@@ -330,10 +328,13 @@ TRL_VISION_ATTRS = ("_is_vlm", "_is_vision_dataset")
 ONLINE_DPO_FORWARD_METHOD = "_forward"
 ONLINE_DPO_MAX_LENGTH_ATTR = "max_length"
 #: The methods in which each stock trainer runs its models and turns their logits into the completion tokens'
-#: log-probs: the points of the `trl_ext_make_scoring_method` hook (`context.TrainerContext.prepare_models`).
-#: Consumer: fused_logprobs (DPO's only on TRL < 1.15). Checked on 1.10.0-1.16.0 (all exist on every supported TRL);
-#: none for GRPO and RLOO (no plugin scores them).
+#: log-probs: what `verify` runs as stock (`TrainerContext.stock_methods`). Consumers: fused_logprobs (DPO's only
+#: on TRL < 1.15) and prompt_sharing, through `trl_ext_call`. Checked on 1.10.0-1.16.0 (all exist on every supported
+#: TRL); none for GRPO and RLOO (no plugin scores them).
 TRAINER_SCORING_METHODS = {"DPOTrainer": DPO_SCORING_METHODS, "OnlineDPOTrainer": (ONLINE_DPO_FORWARD_METHOD,)}
+#: Methods `trl_ext.calls` wraps before TRL's `__init__` runs: the reference precompute and the scoring methods (DPO's
+#: precompute scores in `__init__`; `verify` runs the scoring methods as held before any plugin took part).
+INIT_CALLS = (DPO_PRECOMPUTE_METHOD, *DPO_SCORING_METHODS, ONLINE_DPO_FORWARD_METHOD)
 #: transformers' `Trainer`: the attribute saying that `compute_loss` already scaled the loss for gradient accumulation
 #: (`training_step` then does not divide it), and the method that fetches one optimizer step's batches. Consumer:
 #: `plugins.token_budget.step`. Checked on transformers 5.24.0.

@@ -6,7 +6,8 @@ are those helpers, re-exported.
 
 - Declaring a plugin: `PluginSpec`, `Flag`, the option parsers (`boolean`, `positive_int`, `non_negative_float`,
   `one_of`, `optional`, `either`, `size`, `text`, `Parser`, `Size`, `parse_size`), `hookimpl`.
-- What hooks receive: `TrainerContext` (per-trainer `state`, its `patcher`, `wrap_while_running`), `TrlExtConfig`,
+- What hooks receive: `TrainerContext` (per-trainer `state`, its `patcher`, `wrap_while_running`), `Call` (one call
+  of a trainer method a plugin takes part in, `trl_ext_call`), `TrlExtConfig`,
   `Installation`, `Patcher`; and the error every refusal raises, `UsageError` (its message says the fix).
 - Roles (`PluginSpec(serves=...)`): `PACKING`, `METRICS`.
 - Micro-batches of a plugin's own (`trl_ext_make_micro_batcher`): `MicroBatcher`, the protocol its answer satisfies
@@ -34,6 +35,7 @@ from ._lazy import lazy_getattr
 from ._logging import NOTICE, get_logger, is_main_process
 from ._peak_memory import PeakMemory, reset_peak_rss, rss_mib
 from ._shared import Ranks, free_memory_bytes
+from .calls import Call
 from .config import TrlExtConfig
 from .context import TrainerContext
 from .errors import UsageError
@@ -78,6 +80,7 @@ __all__ = [
     "NOTICE",
     "PACKING",
     "STOCK_CALL",
+    "Call",
     "ExtraMemory",
     "Flag",
     "Installation",

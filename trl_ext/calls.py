@@ -22,9 +22,10 @@ chain. An observer that must see a training step as stock runs it (`sync_metrics
 TRL's method runs (`token_budget`) is `trylast`.
 
 A name is a trainer method (`"training_step"`), one of a stock trainer class only (`"DPOTrainer._compute_loss"`), or
-a method of the trainer's accelerator (`"accelerator.gather"`). Methods that TRL's `__init__` calls
-(`_compat.INIT_CALLS`) are wrapped before it runs; the others once it has returned, after the core's own wrappers,
-so a chain sees each call as the Trainer makes it.
+a method of the trainer's accelerator (`"accelerator.gather"`). The reference precompute and the scoring methods
+(`_compat.INIT_CALLS`) are wrapped before TRL's `__init__` runs (the precompute scores in it; `verify`, installed
+later, is outside their chains); the others once it has returned, outside the core's own wrappers, so a chain sees
+each call as the Trainer makes it. `TrainerContext.calls` holds each wrapped method's chain, outermost first.
 """
 
 from __future__ import annotations
@@ -59,16 +60,21 @@ class Call:
         args (`tuple`), kwargs (`dict`): the arguments this link of the chain was called with (without `self`).
         original (`Callable`): the method as the trainer held it before the core wrapped it (TRL's, or the user's
             subclass'), bound; calling it skips the rest of the chain.
+        last (`bool`): whether no other plugin's link follows this one (`proceed()` runs `original`).
     """
 
-    __slots__ = ("_rest", "args", "kwargs", "name", "original")
+    __slots__ = ("_rest", "args", "kwargs", "last", "name", "original")
 
-    def __init__(self, name: str, original: Callable, args: tuple, kwargs: dict, rest: Callable[..., Any]) -> None:
+    def __init__(
+        self, name: str, original: Callable, args: tuple, kwargs: dict, rest: Callable[..., Any], last: bool
+    ) -> None:
         self.name = name
         self.original = original
         self.args = args
         self.kwargs = kwargs
         self._rest = rest
+        #: Whether this is the innermost link: `proceed()` runs `original` itself.
+        self.last = last
 
     def proceed(self, *args: Any, **kwargs: Any) -> Any:
         """Run the rest of the chain (TRL's method last) with these arguments, or with this call's when none are
@@ -81,11 +87,11 @@ class Call:
         return f"<trl_ext.Call {self.name}>"
 
 
-def declared(spec_calls: Iterable[str], trainer_class: str) -> list[str]:
-    """The method names a plugin's `calls` lists for `trainer_class` (class-qualified names of other classes
-    dropped)."""
+def declared(names: Iterable[str], trainer_class: str) -> list[str]:
+    """The methods of `names` (a plugin's `PluginSpec.calls` or `replaces`) on a trainer of `trainer_class`
+    (class-qualified names of other classes dropped)."""
     out = []
-    for entry in spec_calls:
+    for entry in names:
         head, _, rest = entry.partition(".")
         if rest and head in _compat.TRAINERS:
             if head == trainer_class:
@@ -97,20 +103,28 @@ def declared(spec_calls: Iterable[str], trainer_class: str) -> list[str]:
 
 def chains(catalog: Catalog, caller: pluggy.HookCaller, trainer_class: str, enabled: Iterable[str]) -> dict[str, list]:
     """`{method: [hookimpl, ...]}` in call order (outermost first) for a trainer of `trainer_class` running the
-    `enabled` plugins."""
+    `enabled` plugins; two of them replacing one method are refused."""
     enabled = set(enabled)
     impls = [impl for impl in reversed(caller.get_hookimpls()) if impl.plugin_name in enabled]
     out: dict[str, list] = {}
+    replacers: dict[str, list[str]] = {}
     for impl in impls:
-        spec = catalog.specs.get(impl.plugin_name)
-        for name in declared(spec.calls if spec is not None else (), trainer_class):
-            out.setdefault(name, []).append(impl)
-    for impl in impls:
-        spec = catalog.specs.get(impl.plugin_name)
-        if spec is not None and not spec.calls:
+        spec = catalog.specs[impl.plugin_name]
+        if not spec.calls and not spec.replaces:
             raise UsageError(
                 f"trl-ext plugin `{impl.plugin_name}` implements `{HOOK}` but lists no method in "
                 "`PluginSpec(calls=...)`; list the trainer methods it takes part in."
+            )
+        for name in declared((*spec.calls, *spec.replaces), trainer_class):
+            out.setdefault(name, []).append(impl)
+        for name in declared(spec.replaces, trainer_class):
+            replacers.setdefault(name, []).append(impl.plugin_name)
+    for name, plugins in replacers.items():
+        if len(plugins) > 1:
+            raise UsageError(
+                f"The enabled plugins {', '.join(f'`{p}`' for p in plugins)} each replace {trainer_class}.{name} "
+                "(`PluginSpec.replaces`); only one can. Disable all but one of them (unset its flag, or add it to "
+                "`block`)."
             )
     return out
 
@@ -120,9 +134,14 @@ def attach(ctx: TrainerContext, *, init: bool) -> None:
     before it runs) or all the others (after it)."""
     pm = ctx.installation.plugin_manager
     trainer = ctx.trainer
+    if init:
+        for name in _compat.TRAINER_SCORING_METHODS.get(ctx.trainer_class, ()):
+            if callable(getattr(trainer, name, None)):
+                ctx.stock_methods[name] = getattr(trainer, name)
     for name, impls in chains(pm.catalog, pm.hook.trl_ext_call, ctx.trainer_class, ctx.enabled).items():
         if (name in _compat.INIT_CALLS) != init:
             continue
+        ctx.calls[name] = tuple(impl.plugin_name for impl in impls)
         owner, attr = (trainer, name)
         if name.startswith(_ACCELERATOR):
             owner, attr = trainer.accelerator, name[len(_ACCELERATOR) :]
@@ -146,7 +165,7 @@ def _dispatcher(ctx: TrainerContext, name: str, original: Callable, impls: list)
         if index == len(links):
             return original(*args, **kwargs)
         function, argnames = links[index]
-        call = Call(name, original, args, kwargs, functools.partial(run, index + 1))
+        call = Call(name, original, args, kwargs, functools.partial(run, index + 1), index + 1 == len(links))
         given = {"trainer": ctx.trainer, "context": ctx, "call": call}
         return function(**{arg: given[arg] for arg in argnames})
 

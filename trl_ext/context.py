@@ -7,7 +7,6 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from . import _compat
 from .errors import UsageError
 from .manager import call_exclusive
 from .patching import Patcher
@@ -97,10 +96,12 @@ class TrainerContext:
         self._run_depth = 0
         self.held: set[str] = set()
         #: The enabled plugins whose answers change how this trainer computes its log-probs (packed, head, model
-        #: forwards, scoring methods, a micro-batcher), and the scoring methods as the trainer held them before any
-        #: plugin answered: what `trl_ext.verify` checks and runs as stock.
+        #: forwards, a micro-batcher), and the scoring methods as the trainer held them before any plugin took part
+        #: in their calls: what `trl_ext.verify` checks and runs as stock.
         self.math_plugins: list[str] = []
         self.stock_methods: dict[str, Callable[..., Any]] = {}
+        #: `{method: plugins}`: the chain of each method wrapped for `trl_ext_call`, outermost first (`trl_ext.calls`).
+        self.calls: dict[str, tuple[str, ...]] = {}
         #: `trl_ext.verify.Verify` when verify checks this trainer (its `results`), else None.
         self.verified: Any = None
         pm = installation.plugin_manager
@@ -143,8 +144,8 @@ class TrainerContext:
         return result
 
     def prepare_models(self) -> None:
-        """Apply the collator, packed-forward, head-forward, model-forward and scoring-method extension points, then
-        announce `trl_ext_trainer_models_ready`.
+        """Apply the collator, packed-forward, head-forward and model-forward extension points, then announce
+        `trl_ext_trainer_models_ready`.
 
         Idempotent: runs once, at the first point where TRL is about to run a model (the DPO precompute) or at the
         end of `__init__`.
@@ -180,16 +181,6 @@ class TrainerContext:
             )
             if forward is not None:
                 self.patcher.setattr(model, "forward", forward)
-        for name in _compat.TRAINER_SCORING_METHODS.get(self.trainer_class, ()):
-            method = getattr(trainer, name, None)
-            if method is None:
-                continue  # a TRL without it (outside the supported range): a plugin that needs it refuses
-            self.stock_methods[name] = method
-            method = self.call_math(
-                "trl_ext_make_scoring_method", trainer=trainer, context=self, name=name, method=method
-            )
-            if method is not None:
-                self.patcher.setattr(trainer, name, method)
         self.hook.trl_ext_trainer_models_ready(trainer=trainer, context=self)
 
     # ------------------------------------------------------------------------------------------------------------

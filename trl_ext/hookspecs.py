@@ -95,8 +95,8 @@ def trl_ext_trainer_models_ready(trainer: Trainer, context: TrainerContext) -> N
 
     For `DPOTrainer` this is right before the reference precompute (when `precompute_ref_log_probs=True`) or at the
     end of `__init__`; for `OnlineDPOTrainer` at the end of `__init__`. Called once per trainer, on every rank,
-    after `trl_ext_make_collator`, `trl_ext_make_packed_forward`, `trl_ext_make_head_forward`,
-    `trl_ext_make_model_forward` and `trl_ext_make_scoring_method` were applied.
+    after `trl_ext_make_collator`, `trl_ext_make_packed_forward`, `trl_ext_make_head_forward` and
+    `trl_ext_make_model_forward` were applied.
     """
 
 
@@ -253,35 +253,13 @@ def trl_ext_make_model_forward(
     """Return a replacement `forward` for a causal LM the trainer runs (the whole model), or None to keep it.
 
     Called once per model the trainer runs (`role` is `"policy"` or `"ref"`; `model` is the `*ForCausalLM` module,
-    unwrapped from DeepSpeed/DDP and PEFT), after `trl_ext_make_head_forward` and before `trl_ext_make_scoring_method`
-    and `trl_ext_trainer_models_ready`: the replacement wraps `model.forward` as it is then (over the installed
+    unwrapped from DeepSpeed/DDP and PEFT), after `trl_ext_make_head_forward` and before
+    `trl_ext_trainer_models_ready`: the replacement wraps `model.forward` as it is then (over the installed
     backbone and head forwards), so it is the outermost, and a plugin may prepare the model (its attention, its
     dropout) before building it and measure it once installed, in `trl_ext_trainer_models_ready`. A call the
     replacement does not change must run as the original does. Installed as an instance attribute `model.forward`
     through the trainer's undo stack (removed by `Installation.detach(trainer)`).
     Exclusive: two enabled plugins answering is a `UsageError`.
-    """
-
-
-@hookspec
-def trl_ext_make_scoring_method(
-    trainer: Trainer, context: TrainerContext, name: str, method: Callable
-) -> Callable | None:
-    """Return a replacement for one of the trainer's scoring methods, or None to keep it.
-
-    The scoring methods are those in which the trainer runs its models and turns their logits into the log-probs of
-    the completion tokens (`_compat.TRAINER_SCORING_METHODS`: `OnlineDPOTrainer._forward`; `DPOTrainer._compute_loss`
-    and `compute_ref_log_probs`). Called once per method, after `trl_ext_make_model_forward` and before
-    `trl_ext_trainer_models_ready`, with `name` and the bound `method` the trainer holds. The result is installed as
-    an instance attribute `trainer.<name>` through the trainer's undo stack (removed by
-    `Installation.detach(trainer)`); it is called with the method's arguments (without `self`) and must return what
-    TRL's method returns.
-    Exclusive: two enabled plugins answering is a `UsageError`. A plugin that adds to whichever method runs (rather
-    than replacing it) implements this hook as a pluggy `wrapper=True` hookimpl, which is not an answer: it receives
-    the list of the other plugins' answers from its `yield` and returns that list with the single answer wrapped, or,
-    when no plugin answered, `[wrapped method]` (prompt_sharing wraps Online DPO's `_forward` so, outside
-    fused_logprobs' when both are enabled); a wrapper returns a list of two or more answers unchanged (the core then
-    refuses them).
     """
 
 

@@ -301,6 +301,9 @@ class PluginSpec:
         calls (`tuple[str, ...]`, *optional*, defaults to `()`):
             The trainer methods its `trl_ext_call` implementation takes part in (`trl_ext.calls`): `"training_step"`,
             `"DPOTrainer._compute_loss"` (one stock trainer class only), `"accelerator.gather"`.
+        replaces (`tuple[str, ...]`, *optional*, defaults to `()`):
+            Methods it takes part in the same way whose TRL code it does not run (it never calls `proceed()`, or not
+            always): two enabled plugins replacing one method of a trainer are a `UsageError`.
     """
 
     name: str
@@ -313,6 +316,7 @@ class PluginSpec:
     precedence: int = 0
     hooks: str | None = None
     calls: tuple[str, ...] = ()
+    replaces: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", self.name or ""):
@@ -347,8 +351,12 @@ class PluginSpec:
         module_path = r"\.*[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*"
         if self.hooks is not None and not re.fullmatch(module_path, self.hooks):
             raise UsageError(f"Plugin `{self.name}`: `hooks` must be a module path, got {self.hooks!r}.")
-        if isinstance(self.calls, str) or not all(re.fullmatch(module_path[3:], c) for c in self.calls):
-            raise UsageError(f"Plugin `{self.name}`: `calls` must be a tuple of method names, got {self.calls!r}.")
+        for field_name in ("calls", "replaces"):
+            names = getattr(self, field_name)
+            if isinstance(names, str) or not all(re.fullmatch(module_path[3:], n) for n in names):
+                raise UsageError(
+                    f"Plugin `{self.name}`: `{field_name}` must be a tuple of method names, got {names!r}."
+                )
 
     @property
     def flag_names(self) -> tuple[str, ...]:

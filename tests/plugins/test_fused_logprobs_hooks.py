@@ -1,6 +1,7 @@
-"""fused_logprobs acts only through hook specs: its output-head `forward` and the trainer's scoring methods are its
-answers to `trl_ext_make_head_forward` and `trl_ext_make_scoring_method`, installed by the core through the trainer's
-undo stack (exclusive: a second plugin answering is refused), and the TRL helpers it replaces process-wide for DPO
+"""fused_logprobs acts only through hook specs: its output-head `forward` is its answer to `trl_ext_make_head_forward`
+(exclusive: a second plugin answering is refused) and it takes part in the trainer's scoring methods through
+`trl_ext_call` (replacing Online DPO's `_forward`: a second replacement is refused), both installed by the core through
+the trainer's undo stack, and the TRL helpers it replaces process-wide for DPO
 (TRL < 1.15) go through an undo stack held per trainer (`TrainerContext.hold_patches`): detaching restores every
 original object, by identity.
 """
@@ -46,7 +47,7 @@ def test_online_dpo_head_and_forward_are_installed_by_the_core_and_undone_by_det
     for head in heads.values():
         installed = vars(head)["forward"]  # an instance attribute over the class's `forward`
         assert installed.__wrapped__.__func__ is type(head).forward
-    assert vars(trainer)[method].__module__ == "trl_ext.plugins.fused_logprobs.online"
+    assert method in vars(trainer) and trainer._trl_ext.calls[method] == ("fused_logprobs",)
     installation.detach(trainer)
     for head in heads.values():
         assert "forward" not in vars(head)
@@ -54,46 +55,46 @@ def test_online_dpo_head_and_forward_are_installed_by_the_core_and_undone_by_det
     assert getattr(trainer, method).__func__ is getattr(OnlineDPOTrainer, method)
 
 
-def test_a_scoring_method_the_core_did_not_offer_is_refused(online, monkeypatch):
-    """A TRL without the scoring method (the core then asks no plugin for it) is refused, not run half-fused."""
-    monkeypatch.setitem(_compat.TRAINER_SCORING_METHODS, "OnlineDPOTrainer", ())
+def test_a_scoring_method_this_trl_lacks_is_refused(online, monkeypatch):
+    """A TRL without the scoring method is refused before TRL's `__init__`, not run half-fused."""
+    from trl.experimental.online_dpo import OnlineDPOTrainer
+
+    monkeypatch.delattr(OnlineDPOTrainer, _compat.ONLINE_DPO_FORWARD_METHOD)
     with trl_ext.install(fused_logprobs=True):
-        with pytest.raises(
-            trl_ext.UsageError, match=r"fused_logprobs cannot score this OnlineDPOTrainer: .* no \['_forward'\]"
-        ):
+        with pytest.raises(trl_ext.UsageError, match=r"OnlineDPOTrainer has no method `_forward`, which `fused_log"):
             online()
 
 
 class Rival:
-    """A third-party plugin answering one of fused_logprobs' extension points with a pass-through."""
-
-    TRL_EXT_PLUGIN = PluginSpec(name="rival", summary="Answers one extension point.")
+    """A third-party plugin answering fused_logprobs' head extension point, or replacing Online DPO's `_forward`, with
+    a pass-through."""
 
     def __init__(self, hook):
+        replaces = ("OnlineDPOTrainer._forward",) if hook == "scoring" else ()
+        self.TRL_EXT_PLUGIN = PluginSpec(name="rival", summary="Answers one extension point.", replaces=replaces)
         self.hook = hook
         self.calls = 0
+        if replaces:
+            self.trl_ext_call = trl_ext.hookimpl(lambda trainer, context, call: call.proceed())
 
     @trl_ext.hookimpl
     def trl_ext_make_head_forward(self, trainer, context, role, head):
         self.calls += 1
         return head.forward if self.hook == "head" else None
 
-    @trl_ext.hookimpl
-    def trl_ext_make_scoring_method(self, trainer, context, name, method):
-        self.calls += 1
-        return method if self.hook == "scoring" else None
-
 
 @pytest.mark.parametrize(
-    "hook, name", [("head", "trl_ext_make_head_forward"), ("scoring", "trl_ext_make_scoring_method")]
+    "hook, message",
+    [
+        ("head", r"2 enabled plugins \(.*`rival`.*\) answered `trl_ext_make_head_forward`"),
+        ("scoring", r"`rival`, `fused_logprobs` each replace OnlineDPOTrainer._forward"),
+    ],
 )
-def test_a_second_plugin_answering_an_extension_point_is_refused(online, monkeypatch, hook, name):
-    rival = Rival(hook)
-    install_fake_plugin(monkeypatch, "rival", rival)
+def test_a_second_plugin_answering_an_extension_point_is_refused(online, monkeypatch, hook, message):
+    install_fake_plugin(monkeypatch, "rival", Rival(hook))
     with trl_ext.install(fused_logprobs=True, plugins={"rival": {}}):
-        with pytest.raises(trl_ext.UsageError, match=rf"2 enabled plugins \(.*`rival`.*\) answered `{name}`"):
+        with pytest.raises(trl_ext.UsageError, match=message):
             online()
-    assert rival.calls
 
 
 def test_rival_alone_installs_its_answers(online, monkeypatch):

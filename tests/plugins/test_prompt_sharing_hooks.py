@@ -1,9 +1,7 @@
 """prompt_sharing acts only through hook specs: each causal LM's shared `forward` is its answer to
-`trl_ext_make_model_forward`, and Online DPO's `_forward` is wrapped by its `wrapper=True` implementation of
-`trl_ext_make_scoring_method` (around fused_logprobs' answer when both are enabled, else around TRL's own method); the
-core installs both through the trainer's undo stack (exclusive: a rival answer is refused), and detaching restores
-every original object, by identity. (`verify=False` where a test reads the installed scoring method itself: verify
-wraps it outermost, `tests/test_verify.py`.)
+`trl_ext_make_model_forward` (exclusive: a rival answer is refused), and it takes part in Online DPO's `_forward`
+through `trl_ext_call` (outside fused_logprobs' replacement when both are enabled, else running TRL's steps itself);
+the core installs both through the trainer's undo stack, and detaching restores every original object, by identity.
 """
 
 from __future__ import annotations
@@ -54,10 +52,8 @@ def test_online_dpo_forwards_are_installed_by_the_core_and_undone_by_detach(onli
         assert _defined_in(installed, "prompt_sharing/forward.py")
         assert installed.__wrapped__.__func__ is type(model).forward
         assert model.config._attn_implementation.startswith("trl_ext")
-    method = vars(trainer)[METHOD]
-    assert _defined_in(method, "prompt_sharing/forward.py")
-    assert method.__wrapped__.__func__ is getattr(OnlineDPOTrainer, METHOD)  # no other plugin answered: TRL's own
-    assert trainer._trl_ext.state["prompt_sharing"].online_forward_wrapped
+    assert METHOD in vars(trainer) and trainer._trl_ext.calls[METHOD] == ("prompt_sharing",)
+    assert trainer._trl_ext.state["prompt_sharing"].online_own  # no other plugin takes part: TRL's steps run shared
     installation.detach(trainer)
     for role, model in models.items():
         assert "forward" not in vars(model)
@@ -88,15 +84,14 @@ def test_dpo_model_forwards_are_installed_by_the_core_and_undone_by_detach(dpo_a
 
 
 def test_with_fused_logprobs_prompt_sharing_wraps_its_online_forward(online):
-    """Both enabled on Online DPO: the core installs fused_logprobs' `_forward` wrapped by prompt_sharing's (outside),
-    the head's fused `forward` inside prompt_sharing's model `forward`; detaching restores TRL's."""
+    """Both enabled on Online DPO: prompt_sharing's link runs outside fused_logprobs' replacement of `_forward`, the
+    head's fused `forward` inside prompt_sharing's model `forward`; detaching restores TRL's."""
     from trl.experimental.online_dpo import OnlineDPOTrainer
 
-    with trl_ext.install(verify=False, prompt_sharing=True, fused_logprobs=True) as installation:
+    with trl_ext.install(prompt_sharing=True, fused_logprobs=True) as installation:
         trainer = online()
-    method = vars(trainer)[METHOD]
-    assert _defined_in(method, "prompt_sharing/forward.py")
-    assert _defined_in(method.__wrapped__, "fused_logprobs/online.py")
+    assert METHOD in vars(trainer) and trainer._trl_ext.calls[METHOD] == ("prompt_sharing", "fused_logprobs")
+    assert not trainer._trl_ext.state["prompt_sharing"].online_own  # fused_logprobs' `_forward` runs inside
     models, _ = _models_and_attention(trainer)
     for model in models.values():
         assert _defined_in(vars(model)["forward"], "prompt_sharing/forward.py")
@@ -109,68 +104,68 @@ def test_with_fused_logprobs_prompt_sharing_wraps_its_online_forward(online):
 
 
 class Rival:
-    """A third-party plugin answering one of prompt_sharing's extension points with a pass-through."""
-
-    TRL_EXT_PLUGIN = PluginSpec(name="rival", summary="Answers one extension point.")
+    """A third-party plugin answering prompt_sharing's model-forward extension point, or taking part in (`"call"`) or
+    replacing (`"replace"`) Online DPO's `_forward`, with a pass-through."""
 
     def __init__(self, hook):
+        kind = {"call": "calls", "replace": "replaces"}.get(hook)
+        declared = {kind: ("OnlineDPOTrainer._forward",)} if kind else {}
+        self.TRL_EXT_PLUGIN = PluginSpec(name="rival", summary="Answers one extension point.", **declared)
         self.hook = hook
         self.calls = 0
-        self.answers: list = []
+        if declared:
+            self.trl_ext_call = trl_ext.hookimpl(lambda trainer, context, call: call.proceed())
 
     @trl_ext.hookimpl
     def trl_ext_make_model_forward(self, trainer, context, role, model):
         self.calls += 1
         return model.forward if self.hook == "model" else None
 
-    @trl_ext.hookimpl
-    def trl_ext_make_scoring_method(self, trainer, context, name, method):
-        self.calls += 1
-        if self.hook != "scoring":
-            return None
-
-        def rival_forward(*args, **kwargs):
-            return method(*args, **kwargs)
-
-        self.answers.append(rival_forward)
-        return rival_forward
-
 
 @pytest.mark.parametrize(
-    "hook, name, plugins",
+    "hook, message, plugins",
     [
-        ("model", "trl_ext_make_model_forward", {"prompt_sharing": True}),
-        # prompt_sharing's wrapper is no answer: fused_logprobs' and the rival's are two, refused through it
-        ("scoring", "trl_ext_make_scoring_method", {"prompt_sharing": True, "fused_logprobs": True}),
+        (
+            "model",
+            r"2 enabled plugins \(.*`rival`.*\) answered `trl_ext_make_model_forward`",
+            {"prompt_sharing": True},
+        ),
+        # prompt_sharing takes part without replacing: fused_logprobs' replacement and the rival's are two, refused
+        (
+            "replace",
+            r"`rival`, `fused_logprobs` each replace OnlineDPOTrainer._forward",
+            {"prompt_sharing": True, "fused_logprobs": True},
+        ),
     ],
 )
-def test_a_second_plugin_answering_an_extension_point_is_refused(online, monkeypatch, hook, name, plugins):
+def test_a_second_plugin_answering_an_extension_point_is_refused(online, monkeypatch, hook, message, plugins):
     rival = Rival(hook)
     install_fake_plugin(monkeypatch, "rival", rival)
     with trl_ext.install(**plugins, plugins={"rival": {}}):
-        with pytest.raises(trl_ext.UsageError, match=rf"2 enabled plugins \(.*`rival`.*\) answered `{name}`"):
+        with pytest.raises(trl_ext.UsageError, match=message):
             online()
-    assert rival.calls
+    assert rival.calls or hook == "replace"
 
 
-def test_prompt_sharing_wraps_a_third_party_scoring_method(online, monkeypatch):
-    """The wrapper wraps whichever single answer the other plugins give (none names a plugin)."""
-    rival = Rival("scoring")
-    install_fake_plugin(monkeypatch, "rival", rival)
-    with trl_ext.install(verify=False, prompt_sharing=True, plugins={"rival": {}}) as installation:
+def test_a_third_party_plugin_taking_part_in_the_online_forward_composes(online, monkeypatch):
+    """A third-party plugin taking part in `_forward` (registered last: outermost) leaves prompt_sharing innermost,
+    running TRL's steps shared (none names a plugin)."""
+    install_fake_plugin(monkeypatch, "rival", Rival("call"))
+    with trl_ext.install(prompt_sharing=True, plugins={"rival": {}}) as installation:
         trainer = online()
-    method = vars(trainer)[METHOD]
-    assert _defined_in(method, "prompt_sharing/forward.py")
-    assert rival.answers and method.__wrapped__ is rival.answers[-1]
+    assert trainer._trl_ext.calls[METHOD] == ("rival", "prompt_sharing")
+    assert trainer._trl_ext.state["prompt_sharing"].online_own
     installation.detach(trainer)
     assert METHOD not in vars(trainer)
 
 
-def test_an_online_forward_the_core_did_not_offer_is_refused(online, monkeypatch):
-    """A TRL without Online DPO's `_forward` (the core then offers it to no plugin) is refused, not run unshared."""
-    monkeypatch.setitem(_compat.TRAINER_SCORING_METHODS, "OnlineDPOTrainer", ())
+def test_an_online_forward_this_trl_lacks_is_refused(online, monkeypatch):
+    """A TRL without Online DPO's `_forward` is refused before TRL's `__init__`, not run unshared."""
+    from trl.experimental.online_dpo import OnlineDPOTrainer
+
+    monkeypatch.delattr(OnlineDPOTrainer, METHOD)
     with trl_ext.install(prompt_sharing=True):
-        with pytest.raises(trl_ext.UsageError, match=r"prompt_sharing cannot share prompts in this OnlineDPOTrainer"):
+        with pytest.raises(trl_ext.UsageError, match=r"OnlineDPOTrainer has no method `_forward`, which `prompt_sh"):
             online()
 
 

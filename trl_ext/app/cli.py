@@ -70,21 +70,27 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
 
 def _print_order(catalog) -> int:
     """`trl-ext plugins --order`: per trainer and method, the plugins whose `trl_ext_call` runs, outermost first."""
-    from ..calls import chains
+    from ..calls import chains, declared
     from ..manager import make_plugin_manager
 
     pm = make_plugin_manager(catalog=catalog)
     print(
         "Trainer methods plugins take part in (`trl_ext_call`), outermost first; TRL's method runs last, and a "
-        "trainer runs the plugins enabled for it only. verify's wrappers run inside these chains; the models are "
-        "prepared before the reference precompute's chain runs."
+        "trainer runs the plugins enabled for it only. The models are prepared before the reference precompute's "
+        "chain runs; `verify` checks each scoring method's chain as a whole."
     )
     for trainer_class in _compat.TRAINERS:
         applying = [name for name, spec in catalog.specs.items() if spec.applies_to(trainer_class)]
         found = chains(catalog, pm.hook.trl_ext_call, trainer_class, applying)
         print(f"\n{trainer_class}:")
         for method, impls in found.items():
-            print(f"  {method}: {' > '.join(impl.plugin_name for impl in impls)} > TRL")
+            replacing = {
+                i.plugin_name
+                for i in impls
+                if method in declared(catalog.specs[i.plugin_name].replaces, trainer_class)
+            }
+            links = [f"{i.plugin_name} (replaces)" if i.plugin_name in replacing else i.plugin_name for i in impls]
+            print(f"  {method}: {' > '.join(links)} > TRL")
         if not found:
             print("  no plugin takes part in its method calls")
     return 0

@@ -47,6 +47,8 @@ TRL_EXT_PLUGIN = PluginSpec(
     trainers=("OnlineDPOTrainer", "DPOTrainer"),
     trl_flag=None,
     hooks=".hooks",
+    calls=("DPOTrainer._compute_loss", "DPOTrainer.compute_ref_log_probs"),
+    replaces=("OnlineDPOTrainer._forward",),
 )
 
 

@@ -51,7 +51,7 @@ from .lazy import LazyLogits, Root, entropy, logprobs_and_entropy, selective_log
 from .online import FusedState, ScoreCall, output_head
 from .online import scoring as scoring_head
 
-__all__ = ["install_dpo", "scoring_method"]
+__all__ = ["install_dpo", "score"]
 
 logger = get_logger(__name__)
 
@@ -101,12 +101,11 @@ def _scoring(scoring: _Scoring, models: dict[str, tuple[Any, torch.nn.Module]], 
         _SCORING.reset(token)
 
 
-def scoring_method(original: Callable, name: str, trainer: Any, state: FusedState, context: Any) -> Callable:
-    """The replacement of one of `SCORING_METHODS` (`trl_ext_make_scoring_method`): TRL's method, run with each
+def score(call: Any, trainer: Any, state: FusedState, context: Any) -> Any:
+    """One call of one of `SCORING_METHODS` (`trl_ext_call`): the rest of the chain (TRL's method last), run with each
     model's forward returning `LazyLogits`."""
-    models: dict[str, tuple[Any, torch.nn.Module]] = {}
+    name = call.name
 
-    @functools.wraps(original)
     def method(model: Any, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
         return_outputs = kwargs.get("return_outputs", args[0] if args else False)
         if name == "_compute_loss" and return_outputs:
@@ -116,16 +115,16 @@ def scoring_method(original: Callable, name: str, trainer: Any, state: FusedStat
                     "those calls build the full logits, as stock (once-only warning)"
                 )
             state.stock_logits_calls += 1
-            return original(model, inputs, *args, **kwargs)
+            return call.proceed()
         stats: tuple[str, ...] = ()
         if name == "_compute_loss":
             stats = METRIC_STATS + (WPO_STATS if getattr(trainer, _compat.DPO_USE_WEIGHTING_ATTR) else ())
-        if not models:  # the trainer's models, found once (after `trl_ext_trainer_models_ready` checked them)
-            models.update({role: (m, output_head(m, role)) for role, m in context.models().items()})
-        with _scoring(_Scoring(inputs["completion_mask"], stats), models, state):
-            return original(model, inputs, *args, **kwargs)
+        if not state.heads:  # the trainer's models, found once (after `trl_ext_trainer_models_ready` checked them)
+            state.heads.update({role: (m, output_head(m, role)) for role, m in context.models().items()})
+        with _scoring(_Scoring(inputs["completion_mask"], stats), state.heads, state):
+            return call.proceed()
 
-    return method
+    return method(*call.args, **call.kwargs)
 
 
 @dataclasses.dataclass
@@ -250,7 +249,7 @@ def _replace_helpers(patcher: Patcher) -> None:
 
 def install_dpo(trainer: Any, context: Any, state: FusedState, packing: tuple[str, ...]) -> None:
     """Refuse what a DPOTrainer (TRL < 1.15) cannot score with `LazyLogits`, and hold the helper replacements (its
-    scoring methods are `scoring_method`, installed by the core). Idempotent: a second call (after the self-checks,
+    scoring methods go through `score`). Idempotent: a second call (after the self-checks,
     which set the chunks) only logs."""
     if not context.state.get(_INSTALLED):
         args = getattr(trainer, "args", None)

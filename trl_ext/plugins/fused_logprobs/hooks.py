@@ -11,7 +11,7 @@ from ...errors import UsageError
 from ...hookspecs import hookimpl
 from .._roles import PACKING
 from . import NAME, FusedLogprobsOptions
-from .dpo import SCORING_METHODS, install_dpo, scoring_method
+from .dpo import install_dpo, score
 from .online import FusedState, head_forward, make_fused_forward, output_head, resolve_chunk, verify_online_forward
 from .selfcheck import head_mechanism, self_check
 
@@ -110,10 +110,6 @@ def _scores(context: Any) -> bool:
     return not (context.trainer_class == "DPOTrainer" and _dpo_has_fused_head())
 
 
-def _scoring_methods(context: Any) -> tuple[str, ...]:
-    return SCORING_METHODS if context.trainer_class == "DPOTrainer" else (_compat.ONLINE_DPO_FORWARD_METHOD,)
-
-
 @hookimpl
 def trl_ext_make_head_forward(trainer: Any, context: Any, role: str, head: Any) -> Any:
     import torch
@@ -124,21 +120,14 @@ def trl_ext_make_head_forward(trainer: Any, context: Any, role: str, head: Any) 
 
 
 @hookimpl
-def trl_ext_make_scoring_method(trainer: Any, context: Any, name: str, method: Any) -> Any:
+def trl_ext_call(trainer: Any, context: Any, call: Any) -> Any:
+    """The scoring methods: DPO's run with `LazyLogits` model outputs, Online DPO's `_forward` replaced."""
     if not _scores(context):
-        return None
+        return call.proceed()
     state = _state(context)
-    if name not in _scoring_methods(context):
-        return None
-    state.methods.add(name)
     if context.trainer_class == "DPOTrainer":
-        return scoring_method(method, name, trainer, state, context)
-    policy = context.models().get("policy")
-
-    def role_of(model: Any) -> str:
-        return "policy" if unwrap_causal_lm(model) is policy else "ref"
-
-    return make_fused_forward(trainer, state, role_of)
+        return score(call, trainer, state, context)
+    return state.online_forward(*call.args, **call.kwargs)
 
 
 @hookimpl
@@ -147,16 +136,9 @@ def trl_ext_trainer_models_ready(trainer: Any, context: Any) -> None:
         return
     state = _state(context)
     # Both trainers score inside the head's call (with a packing plugin too: the head reads its positions from the
-    # packed row through the positions the plugin announces around its packed call). The head's forward and the
-    # trainer's scoring methods are this plugin's answers to `trl_ext_make_head_forward` and
-    # `trl_ext_make_scoring_method`, installed by the core; here the trainer and its models are checked.
-    missing = [name for name in _scoring_methods(context) if name not in state.methods]
-    if missing:
-        raise UsageError(
-            f"fused_logprobs cannot score this {context.trainer_class}: trl=={_compat.installed_version('trl')} has "
-            f"no {missing} (TRL renamed it). Install a TRL that trl-ext supports ({_compat.SUPPORTED_TRL_SPEC}) or "
-            "train without fused_logprobs."
-        )
+    # packed row through the positions the plugin announces around its packed call). The head's forward is this
+    # plugin's answer to `trl_ext_make_head_forward`, installed by the core, and the scoring methods go through its
+    # `trl_ext_call`; here the trainer and its models are checked.
     _check_engine(trainer, context, state)
     models = context.models()
     packing = tuple(n for n in context.plugins_serving(PACKING) if context.is_enabled(n))
@@ -168,6 +150,10 @@ def trl_ext_trainer_models_ready(trainer: Any, context: Any) -> None:
         install_dpo(trainer, context, state, packing)
         return
     verify_online_forward(trainer)
+    policy = context.models().get("policy")
+    state.online_forward = make_fused_forward(
+        trainer, state, lambda m: "policy" if unwrap_causal_lm(m) is policy else "ref"
+    )
     logger.info(
         "fused_logprobs: Online DPO scores completions in chunks of %s positions inside the output head's call",
         state.chunks,

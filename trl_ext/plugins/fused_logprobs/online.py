@@ -196,8 +196,10 @@ class FusedState:
     stock_logits_calls: int = 0
     #: a DPOTrainer that scores with TRL's own fused LM head (TRL >= 1.15): the plugin left it as it is
     left_to_trl: bool = False
-    #: the trainer's scoring methods this plugin replaced (its answers to `trl_ext_make_scoring_method`)
-    methods: set[str] = dataclasses.field(default_factory=set)
+    #: `{role: (model, output head)}` of a DPOTrainer, found at its first scoring call
+    heads: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: Online DPO's `_forward` in TRL's place (`make_fused_forward`), built when the models are ready
+    online_forward: Any = None
     #: `(rows, positions, vocab, dtype)` of the largest logits tensor stock would have built in one scoring call
     largest_logits: tuple[int, int, int, torch.dtype] | None = None
 
@@ -304,7 +306,7 @@ def verify_online_forward(trainer: Any) -> None:
 
 
 def make_fused_forward(trainer: Any, state: FusedState, roles: Callable[[Any], str]) -> Callable:
-    """The replacement of `trainer._forward` (`trl_ext_make_scoring_method`): same arguments, same `[rows, C]`
+    """The replacement of `trainer._forward` (through `trl_ext_call`): same arguments, same `[rows, C]`
     log-probs, no full logits. TRL's steps around the model call are `_online_forward.ScoringCall`'s, verified against
     the trainer's own `_forward` (`verify_online_forward`) before the first step."""
 

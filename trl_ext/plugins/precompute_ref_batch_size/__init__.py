@@ -58,7 +58,7 @@ TRL_EXT_PLUGIN = PluginSpec(
     options=PrecomputeOptions,
     trainers=("DPOTrainer",),
     hooks=".hooks",
-    calls=("DPOTrainer._precompute_ref_logps",),
+    replaces=("DPOTrainer._precompute_ref_logps",),
 )
 
 

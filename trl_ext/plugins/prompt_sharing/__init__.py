@@ -57,6 +57,7 @@ TRL_EXT_PLUGIN = PluginSpec(
     serves=(PACKING,),
     precedence=1,  # it packs too, and shares prompts: kept over a plain packing plugin
     hooks=".hooks",
+    calls=("OnlineDPOTrainer._forward",),
 )
 
 

@@ -36,7 +36,7 @@ import torch
 
 from ..._logging import get_logger
 from ...errors import InternalError
-from .._online_forward import ScoringCall, verify_against_trl
+from .._online_forward import ScoringCall
 from .._packing.glue import positional_input_ids, repad_outputs, scoring_call
 from .._packing.positions import PackedPositions, packed_positions
 from .._probe import STOCK_CALL
@@ -56,7 +56,14 @@ from .moe import MoeAuxLoss
 
 logger = get_logger(__name__)
 
-__all__ = ["make_backbone_forward", "make_causal_lm_forward", "online_prompt_columns", "shared_kwargs"]
+__all__ = [
+    "is_trl_online_forward",
+    "make_backbone_forward",
+    "make_causal_lm_forward",
+    "online_forward",
+    "online_prompt_columns",
+    "shared_kwargs",
+]
 
 # Set by the Online DPO `_forward` wrapper: the number of prompt columns of the call it makes (same for every row).
 _ONLINE_PROMPT_COLUMNS: contextvars.ContextVar[int | None] = contextvars.ContextVar(
@@ -310,7 +317,7 @@ def make_backbone_forward(original: Callable, state: Any) -> Callable:
     return forward
 
 
-def _is_trl_online_forward(method: Callable) -> bool:
+def is_trl_online_forward(method: Callable) -> bool:
     """Whether `method` is TRL's own `OnlineDPOTrainer._forward` (not a subclass's, nor another plugin's)."""
     function = getattr(method, "__func__", None)
     return getattr(function, "__qualname__", None) == "OnlineDPOTrainer._forward" and str(
@@ -318,40 +325,35 @@ def _is_trl_online_forward(method: Callable) -> bool:
     ).startswith("trl.")
 
 
-def make_online_forward(original: Callable, max_length: Callable[[], int | None]) -> Callable:
-    """Wrap `OnlineDPOTrainer._forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask, ...)`: the
-    model call inside learns how many of its columns are prompt (after TRL's left truncation to `max_length`).
+def online_forward(call: Any, own: bool, max_length: int | None) -> Any:
+    """One call of `OnlineDPOTrainer._forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask, ...)`
+    (`trl_ext_call`): the model call inside learns how many of its columns are prompt (after TRL's left truncation to
+    `max_length`).
 
-    When `original` is TRL's own `_forward` and the call carries no images, the wrapper runs TRL's steps itself (the
-    left truncation, the concatenation, the model call, the completion columns `[P - 1, P + C - 1)`, or `[0, C)`
+    When the rest of the chain is TRL's own `_forward` (`own`) and the call carries no images, TRL's steps run here
+    (the left truncation, the concatenation, the model call, the completion columns `[P - 1, P + C - 1)`, or `[0, C)`
     without a prompt, their `log_softmax` gathered at the completion tokens), with the last three done by the shared
     call on its packed logits (`OnlineScore`): the padded `[rows, P + C, vocab]` logits are never built. A call that
     does not share (nothing to share, or a model that is not wrapped) returns its padded logits and is finished here
-    as TRL does. Another `_forward` (fused_logprobs', a subclass's) is called as it is."""
-    own = _is_trl_online_forward(original)
-    if own:  # the steps below are TRL's: refuse a TRL whose `_forward` is not what they reproduce
-        verify_against_trl(
-            getattr(original, "__func__", original), "prompt_sharing", getattr(original, "__self__", None)
-        )
+    as TRL does. Otherwise (fused_logprobs', a subclass's `_forward`) the rest of the chain runs as it is."""
 
-    @functools.wraps(original)
     def _forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask, *args, **kwargs):
         vision_inputs = args[0] if args else kwargs.get("vision_inputs")
         if vision_inputs is not None:
-            return original(model, prompt_ids, prompt_mask, completion_ids, completion_mask, *args, **kwargs)
-        call = ScoringCall.build(prompt_ids, prompt_mask, completion_ids, completion_mask, max_length())
+            return call.proceed()
+        scoring = ScoringCall.build(prompt_ids, prompt_mask, completion_ids, completion_mask, max_length)
         if not own:
-            with online_prompt_columns(call.prompt_columns):
-                return original(model, prompt_ids, prompt_mask, completion_ids, completion_mask, *args, **kwargs)
-        score = OnlineScore(completion_ids, call.ids.size(1), call.start, call.end)
+            with online_prompt_columns(scoring.prompt_columns):
+                return call.proceed()
+        score = OnlineScore(completion_ids, scoring.ids.size(1), scoring.start, scoring.end)
         token = _ONLINE_SCORE.set(score)
         try:
-            with online_prompt_columns(call.prompt_columns):
-                output = model(call.ids, attention_mask=call.mask)
+            with online_prompt_columns(scoring.prompt_columns):
+                output = model(scoring.ids, attention_mask=scoring.mask)
         finally:
             _ONLINE_SCORE.reset(token)
         if score.calls:
             return score.finish(output.logits)
-        return call.log_probs(output.logits)
+        return scoring.log_probs(output.logits)
 
-    return _forward
+    return _forward(*call.args, **call.kwargs)

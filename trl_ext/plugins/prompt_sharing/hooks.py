@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ..._logging import get_logger
@@ -61,19 +61,12 @@ def trl_ext_make_model_forward(
     return model_forward(trainer, context, role, model)
 
 
-@hookimpl(wrapper=True)
-def trl_ext_make_scoring_method(
-    trainer: Trainer, context: TrainerContext, name: str, method: Callable
-) -> Generator[None, list[Callable], list[Callable]]:
-    # A wrapper, not an answer: Online DPO's `_forward` as the other plugins leave it (fused_logprobs' or TRL's own)
-    # is wrapped, so prompt_sharing's is the outermost.
-    from ... import _compat
-    from .setup import wrap_online_forward
+@hookimpl
+def trl_ext_call(trainer: Trainer, context: TrainerContext, call: Any) -> Any:
+    # Online DPO's `_forward`; outside fused_logprobs' when both take part (registered later: called first).
+    from .setup import online_forward_call
 
-    answers = yield
-    if name != _compat.ONLINE_DPO_FORWARD_METHOD:
-        return answers
-    return wrap_online_forward(trainer, context, answers, method)
+    return online_forward_call(trainer, context, call)
 
 
 @hookimpl(trylast=True)

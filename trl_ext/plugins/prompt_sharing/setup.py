@@ -9,6 +9,7 @@ from ... import _compat
 from ..._logging import get_logger
 from ...errors import UsageError
 from .._architecture import inspect_model, verified_except
+from .._online_forward import verify_against_trl
 from .._packing.attention import switch_attention
 from .._packing.glue import check_packable_trainer
 from .._packing.kernels import Choice, choose_for_model, log_choices, training_dtype
@@ -17,7 +18,7 @@ from .._randomness import describe_draws, training_draws
 from .._roles import PACKING as PACKING_ROLE
 from .attention import base_of, register_shared_attention, shared_attention_name, unregister_shared_attention
 from .dropout import describe, disable_dropout, dropout_sites
-from .forward import make_causal_lm_forward, make_online_forward
+from .forward import is_trl_online_forward, make_causal_lm_forward, online_forward
 from .layout import SharedLayout
 from .moe import MoeAuxLoss
 from .selfcheck import SelfCheckResult, self_check
@@ -36,8 +37,8 @@ class PromptSharingState:
     attention: str = "auto"
     kernels: dict[str, Choice] = dataclasses.field(default_factory=dict)
     checked_trainer: bool = False
-    #: whether Online DPO's `_forward` was wrapped (`wrap_online_forward`)
-    online_forward_wrapped: bool = False
+    #: whether TRL's own Online DPO `_forward` is next in its chain (`forward.online_forward` runs its steps)
+    online_own: bool = False
     #: roles whose self-check passed, and the results
     checked: set[str] = dataclasses.field(default_factory=set)
     self_checks: dict[str, SelfCheckResult] = dataclasses.field(default_factory=dict)
@@ -324,29 +325,24 @@ def model_forward(trainer: Any, context: Any, role: str, model: Any) -> Any:
     return make_causal_lm_forward(model.forward, state, role, None, MoeAuxLoss.of(model))
 
 
-def wrap_online_forward(trainer: Any, context: Any, answers: list[Any], method: Any) -> list[Any]:
-    """prompt_sharing's `wrapper=True` implementation of `trl_ext_make_scoring_method`, after the answers: Online
-    DPO's `_forward` (another plugin's single answer, else the trainer's own `method`) wrapped so that the model call
-    inside learns its prompt columns (`forward.make_online_forward`). Two or more answers are returned unchanged (the
-    core refuses them); other methods and trainers are not touched."""
-    if context.trainer_class != "OnlineDPOTrainer" or len(answers) > 1:
-        return answers
-    state = check_trainer(trainer, context)
-    state.online_forward_wrapped = True
-    inner = answers[0] if answers else method
-    return [make_online_forward(inner, lambda: getattr(trainer, _compat.ONLINE_DPO_MAX_LENGTH_ATTR, None))]
+def online_forward_call(trainer: Any, context: Any, call: Any) -> Any:
+    """One call of Online DPO's `_forward` (prompt_sharing's `trl_ext_call`): the model call inside learns its prompt
+    columns (`forward.online_forward`)."""
+    state = state_of(context)
+    return online_forward(call, state.online_own, getattr(trainer, _compat.ONLINE_DPO_MAX_LENGTH_ATTR, None))
 
 
 def check_models(trainer: Any, context: Any) -> None:
-    """With every model's shared forward installed: run the self-checks (`run_self_check`) where they run, and refuse
-    an Online DPO trainer whose `_forward` the core did not offer (a TRL that renamed it)."""
+    """With every model's shared forward installed: check Online DPO's `_forward` against TRL's steps where
+    prompt_sharing runs them, and run the self-checks (`run_self_check`) where they run."""
     state = check_trainer(trainer, context)
-    if context.trainer_class == "OnlineDPOTrainer" and not state.online_forward_wrapped:
-        raise UsageError(
-            f"prompt_sharing cannot share prompts in this OnlineDPOTrainer: trl=={_compat.installed_version('trl')} "
-            f"has no `{_compat.ONLINE_DPO_FORWARD_METHOD}` (TRL renamed it). Install a TRL that trl-ext supports "
-            f"({_compat.SUPPORTED_TRL_SPEC}) or disable prompt_sharing."
-        )
+    if context.trainer_class == "OnlineDPOTrainer":
+        # TRL's own `_forward` next in the chain: its steps run in prompt_sharing's link, checked against TRL now.
+        chain = context.calls[_compat.ONLINE_DPO_FORWARD_METHOD]
+        original = context.stock_methods[_compat.ONLINE_DPO_FORWARD_METHOD]
+        state.online_own = chain[-1] == NAME and is_trl_online_forward(original)
+        if state.online_own:
+            verify_against_trl(original.__func__, NAME, trainer)
     models = context.models()
     for role, model in models.items():
         if role not in state.attn_implementations:
