@@ -92,6 +92,7 @@ Refused with `trl_ext.UsageError`:
 
 from __future__ import annotations
 
+from ... import _compat
 from ..._lazy import lazy_getattr
 from ...spec import Flag, PluginSpec, boolean
 from .._roles import METRICS
@@ -105,6 +106,14 @@ TRL_EXT_PLUGIN = PluginSpec(
     trainers=("DPOTrainer", "OnlineDPOTrainer"),
     serves=(METRICS,),
     hooks=".hooks",
+    calls=(
+        "accelerator.gather",
+        "accelerator.gather_for_metrics",
+        "training_step",
+        *_compat.TRAINER_METHODS,
+        f"DPOTrainer.{_compat.DPO_COMPUTE_LOSS}",
+        *(f"OnlineDPOTrainer.{name}" for name in _compat.ONLINE_DPO_STEP_METHODS[1:]),
+    ),
 )
 
 
