@@ -75,10 +75,8 @@ def _save_checkpoint(trainer: Any, state: SyncMetricsState, call: Call) -> Any:
 
 
 def install(context: Any) -> None:
-    """Keep the training loss of a logging step local: `_compat.LOSS_GATHER_MODULES` call the module-level
-    `nested_gather` (no trainer method), so it is wrapped there, only while this trainer runs (so also after
-    `uninstall()`); it acts only inside the `_maybe_log_save_evaluate` of a trainer that has sync_metrics
-    (pass-through everywhere else)."""
+    """The loss gather is the module-level `nested_gather` (no trainer method): wrapped while this trainer runs, it
+    acts only inside the `_maybe_log_save_evaluate` of a trainer that has sync_metrics (pass-through elsewhere)."""
     import importlib
 
     for module_name in _compat.LOSS_GATHER_MODULES:
