@@ -8,6 +8,7 @@ See docs/plugins/sync_metrics.md.
 
 from __future__ import annotations
 
+from ... import _compat
 from ..._lazy import lazy_getattr
 from ...spec import Flag, PluginSpec, boolean
 from .._roles import METRICS
@@ -21,6 +22,14 @@ TRL_EXT_PLUGIN = PluginSpec(
     trainers=("DPOTrainer", "OnlineDPOTrainer"),
     serves=(METRICS,),
     hooks=".hooks",
+    calls=(
+        "accelerator.gather",
+        "accelerator.gather_for_metrics",
+        "training_step",
+        *_compat.TRAINER_METHODS,
+        f"DPOTrainer.{_compat.DPO_COMPUTE_LOSS}",
+        *(f"OnlineDPOTrainer.{name}" for name in _compat.ONLINE_DPO_STEP_METHODS[1:]),
+    ),
 )
 
 

@@ -4,15 +4,18 @@
 from __future__ import annotations
 
 import collections
-import functools
 import weakref
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ... import _compat
 from ...errors import UsageError
 from .schema import Schema, Window
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ...calls import Call
 
 
 class SyncMetricsState:
@@ -50,6 +53,8 @@ class SyncMetricsState:
         #: of different sizes (where the pair-weighted mean differs from stock's mean of per-batch means)
         self.batch_pairs: dict[str, list[int]] = {"train": [], "eval": []}
         self.uneven_said: set[str] = set()
+        #: the `trl_ext_call` handlers of this trainer's class, by method name
+        self.calls: dict[str, Callable[[Any, SyncMetricsState, Call], Any]] = {}
 
     # -- duplicates ----------------------------------------------------------------------------------------------
 
@@ -145,14 +150,29 @@ class _Capture:
         self.state.captured = self.previous
 
 
-def _make_local_gather(state: SyncMetricsState, original):
-    @functools.wraps(original)
-    def gather(input_data, *args, **kwargs):
-        if state.captured is None:
-            return original(input_data, *args, **kwargs)
-        return state.record(input_data)
+def _input_data(input_data: Any, *args: Any, **kwargs: Any) -> Any:
+    return input_data
 
-    return gather
+
+def _gather(trainer: Any, state: SyncMetricsState, call: Call) -> Any:
+    """`accelerator.gather` / `gather_for_metrics`: local during a capture (the tensor is recorded)."""
+    if state.captured is None:
+        return call.proceed()
+    return state.record(_input_data(*call.args, **call.kwargs))
+
+
+def _epoch_iterator(epoch_iterator: Any, *args: Any, **kwargs: Any) -> tuple[Any, tuple, dict]:
+    return epoch_iterator, args, kwargs
+
+
+def _get_batch_samples(trainer: Any, state: SyncMetricsState, call: Call) -> Any:
+    # The Trainer fetches a whole gradient-accumulation window before computing it, so the dataloader's end-of-epoch
+    # state must be read at fetch time (transformers trainer.py `get_batch_samples`).
+    state.fetched.clear()
+    state.close_step()  # a new optimizer step begins
+    epoch_iterator, args, kwargs = _epoch_iterator(*call.args, **call.kwargs)
+    wrapped = _RecordingIterator(epoch_iterator, state, trainer.accelerator.gradient_state)
+    return call.proceed(wrapped, *args, **kwargs)
 
 
 class _RecordingIterator:
@@ -170,3 +190,11 @@ class _RecordingIterator:
         batch = next(self._iterator)
         self._state.fetched.append(self._state.remainder_now(self._gradient_state))
         return batch
+
+
+#: `trl_ext_call` handlers, by method name (`call.name`), for both trainers
+CALLS = {
+    "accelerator.gather": _gather,
+    "accelerator.gather_for_metrics": _gather,
+    _compat.TRAINER_BATCH_SAMPLES_METHOD: _get_batch_samples,
+}

@@ -4,8 +4,7 @@ recomputed on its real pairs."""
 
 from __future__ import annotations
 
-import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -13,6 +12,9 @@ from ... import _compat
 from ...errors import UsageError
 from .capture import SyncMetricsState, _Capture
 from .schema import Metric, Schema
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ...calls import Call
 
 
 def make_schema(trainer: Any) -> Schema:
@@ -80,37 +82,39 @@ def _slice_pairs(inputs: dict[str, Any], k: int) -> dict[str, Any]:
     return out
 
 
-def _wrap_compute_loss(trainer: Any, state: SyncMetricsState, original):
-    @functools.wraps(original)
-    def _compute_loss(model, inputs, return_outputs):
-        mode = "train" if trainer.model.training else "eval"
-        n = inputs["input_ids"].shape[0] // 2
-        remainder = state.batch_remainder(mode, trainer.accelerator.gradient_state)
-        with _Capture(state) as captured:
-            result = original(model, inputs, return_outputs)
-        loss = result[0] if isinstance(result, tuple) else result
-        real_loss = loss
-        if remainder is not None:
-            # Last batch of a dataloader with duplicates (the same step on every rank). Per-token sums cannot be
-            # split by row, so recompute the metrics on the real rows alone; every rank runs this forward so that
-            # collectives inside it (DDP buffer broadcast, ZeRO-3 gathers) stay matched.
-            k = state.real_count(remainder, n)
-            devices = [trainer.accelerator.device] if trainer.accelerator.device.type == "cuda" else []
-            with torch.no_grad(), torch.random.fork_rng(devices=devices), _Capture(state) as real:
-                real_loss = original(model, _slice_pairs(inputs, max(k, 1)), False)
-            captured = real if k > 0 else None
-        if mode == "train":
-            k = state.real_count(remainder, n)
-            state.add_step_loss(real_loss.detach() * k, state.global_real_count(remainder, n), remainder is not None)
-        state.batch_pairs[mode].append(state.real_count(remainder, n))
-        if captured is not None:
-            state.windows[mode].add(_items(state, trainer, captured, mode))
-        else:
-            state.windows[mode].add([(state.schema.calls, 1)])
-        _check_and_clear_trl_buffer(trainer, mode)
-        return result
+def _loss_args(model: Any, inputs: dict[str, Any], return_outputs: bool) -> tuple[Any, dict[str, Any], bool]:
+    return model, inputs, return_outputs
 
-    return _compute_loss
+
+def _compute_loss(trainer: Any, state: SyncMetricsState, call: Call) -> Any:
+    model, inputs, return_outputs = _loss_args(*call.args, **call.kwargs)
+    mode = "train" if trainer.model.training else "eval"
+    n = inputs["input_ids"].shape[0] // 2
+    remainder = state.batch_remainder(mode, trainer.accelerator.gradient_state)
+    captured: list[torch.Tensor] | None
+    with _Capture(state) as captured:
+        result = call.proceed(model, inputs, return_outputs)
+    loss = result[0] if isinstance(result, tuple) else result
+    real_loss = loss
+    if remainder is not None:
+        # Last batch of a dataloader with duplicates (the same step on every rank). Per-token sums cannot be split
+        # by row, so recompute the metrics on the real rows alone; every rank runs this forward so that collectives
+        # inside it (DDP buffer broadcast, ZeRO-3 gathers) stay matched.
+        k = state.real_count(remainder, n)
+        devices = [trainer.accelerator.device] if trainer.accelerator.device.type == "cuda" else []
+        with torch.no_grad(), torch.random.fork_rng(devices=devices), _Capture(state) as real:
+            real_loss = call.proceed(model, _slice_pairs(inputs, max(k, 1)), False)
+        captured = real if k > 0 else None
+    if mode == "train":
+        k = state.real_count(remainder, n)
+        state.add_step_loss(real_loss.detach() * k, state.global_real_count(remainder, n), remainder is not None)
+    state.batch_pairs[mode].append(state.real_count(remainder, n))
+    if captured is not None:
+        state.windows[mode].add(_items(state, trainer, captured, mode))
+    else:
+        state.windows[mode].add([(state.schema.calls, 1)])
+    _check_and_clear_trl_buffer(trainer, mode)
+    return result
 
 
 def _check_and_clear_trl_buffer(trainer: Any, mode: str) -> None:
@@ -127,18 +131,11 @@ def _check_and_clear_trl_buffer(trainer: Any, mode: str) -> None:
     buffer.clear()
 
 
-def _wrap_training_step(state: SyncMetricsState, original):
-    @functools.wraps(original)
-    def training_step(*args, **kwargs):
-        loss = original(*args, **kwargs)
-        state.add_trainer_loss(loss)
-        return loss
-
-    return training_step
+def _training_step(trainer: Any, state: SyncMetricsState, call: Call) -> Any:
+    loss = call.proceed()
+    state.add_trainer_loss(loss)
+    return loss
 
 
-def install(trainer: Any, patcher: Any, state: SyncMetricsState) -> None:
-    """Capture the metrics of every `_compute_loss` call of this trainer, and each micro-batch's training loss."""
-    name = _compat.DPO_COMPUTE_LOSS
-    patcher.setattr(trainer, name, _wrap_compute_loss(trainer, state, getattr(trainer, name)))
-    patcher.setattr(trainer, "training_step", _wrap_training_step(state, trainer.training_step))
+#: `trl_ext_call` handlers, by method name: the metrics of every `_compute_loss` call, each micro-batch's training loss
+CALLS = {_compat.DPO_COMPUTE_LOSS: _compute_loss, "training_step": _training_step}

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from typing import TYPE_CHECKING, Any
 
 from ... import _compat
@@ -15,6 +14,7 @@ from .capture import SyncMetricsState
 if TYPE_CHECKING:  # pragma: no cover
     from transformers import Trainer
 
+    from ...calls import Call
     from ...context import TrainerContext
 
 logger = get_logger(__name__)
@@ -39,12 +39,14 @@ def trl_ext_trainer_init_start(trainer: Trainer, context: TrainerContext, init_k
             "`sync_metrics=True` does not support `OnlineDPOConfig(use_vllm=True)`: the vLLM generation path is not "
             "covered. Set `use_vllm=False` or disable `sync_metrics`."
         )
+    # first on the undo stack, so last undone: once every wrapper is gone, the window in progress goes back to TRL
+    states = context.state
+    context.patcher.defer(lambda: _hand_back(states.get(NAME)))
 
 
 @hookimpl
 def trl_ext_trainer_init_end(trainer: Trainer, context: TrainerContext) -> None:
-    from . import dpo, online_dpo, trainer_gathers
-    from .capture import _make_local_gather, _RecordingIterator
+    from . import capture, dpo, online_dpo, trainer_gathers
 
     config = getattr(trainer.accelerator, "parallelism_config", None)
     sizes = {name: getattr(config, f"{name}_size", 1) or 1 for name in ("tp", "cp", "sp")} if config else {}
@@ -56,36 +58,26 @@ def trl_ext_trainer_init_end(trainer: Trainer, context: TrainerContext) -> None:
     adapter = dpo if context.trainer_class == "DPOTrainer" else online_dpo
     schema = adapter.make_schema(trainer)
     state = SyncMetricsState(trainer, context.trainer_class, schema)
+    state.calls = {**capture.CALLS, **trainer_gathers.CALLS, **adapter.CALLS}
     context.state[NAME] = state
-    patcher = context.patcher
-    # first on the undo stack, so last undone: once every wrapper is gone, the window in progress goes back to TRL
-    patcher.defer(lambda: _hand_back(state))
-    accelerator = trainer.accelerator
-    for attr in ("gather", "gather_for_metrics"):
-        patcher.setattr(accelerator, attr, _make_local_gather(state, getattr(accelerator, attr)))
-
-    original_get_batch_samples = trainer.get_batch_samples
-
-    @functools.wraps(original_get_batch_samples)
-    def get_batch_samples(epoch_iterator, num_batches, *args, **kwargs):
-        # The Trainer fetches a whole gradient-accumulation window before computing it, so the dataloader's
-        # end-of-epoch state must be read at fetch time (transformers trainer.py `get_batch_samples`).
-        state.fetched.clear()
-        state.close_step()  # a new optimizer step begins
-        wrapped = _RecordingIterator(epoch_iterator, state, accelerator.gradient_state)
-        return original_get_batch_samples(wrapped, num_batches, *args, **kwargs)
-
-    patcher.setattr(trainer, "get_batch_samples", get_batch_samples)
-    adapter.install(trainer, patcher, state)
-    trainer_gathers.install(trainer, context, state)
+    trainer_gathers.install(context)
     logger.info("sync_metrics: %s metrics %s", context.trainer_class, [m.name for m in schema.metrics])
 
 
-def _hand_back(state: SyncMetricsState) -> None:
+@hookimpl(tryfirst=True)  # outermost: one `training_step` per stock batch, outside any micro-batching
+def trl_ext_call(trainer: Trainer, context: TrainerContext, call: Call) -> Any:
+    """Every method in `PluginSpec.calls`, by `call.name` (`capture`, `trainer_gathers` and the trainer's adapter)."""
+    state = context.state.get(NAME)
+    if state is None:  # between the core's wrapping and `trl_ext_trainer_init_end`
+        return call.proceed()
+    return state.calls[call.name](trainer, state, call)
+
+
+def _hand_back(state: SyncMetricsState | None) -> None:
     from .reduction import hand_back
 
-    trainer = state.trainer_ref()
-    if trainer is not None:
+    trainer = state.trainer_ref() if state is not None else None
+    if state is not None and trainer is not None:
         hand_back(trainer, state)
 
 

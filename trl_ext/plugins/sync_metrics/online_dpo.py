@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -11,6 +10,9 @@ from ... import _compat
 from ...errors import UsageError
 from .capture import SyncMetricsState, _Capture
 from .schema import Metric, Schema
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ...calls import Call
 
 
 def make_schema(trainer: Any) -> Schema:
@@ -134,68 +136,49 @@ def _real_loss_sum(state: SyncMetricsState, trainer: Any, batch_size: int, k: in
     return losses[:k].sum()
 
 
-def _wrap_training_step(trainer: Any, state: SyncMetricsState, original):
-    @functools.wraps(original)
-    def training_step(model, inputs, *args, **kwargs):
-        remainder = state.batch_remainder("train", trainer.accelerator.gradient_state)
-        batch_size = len(inputs["prompt"])
-        state.online = {"forward": [], "completion": None, "rewards": None}
-        try:
-            with _Capture(state):
-                loss = original(model, inputs, *args, **kwargs)
-            k = state.real_count(remainder, batch_size)
-            state.windows["train"].add(_items(state, trainer, batch_size, k))
-            real_sum = _real_loss_sum(state, trainer, batch_size, k)
-            state.add_step_loss(real_sum, state.global_real_count(remainder, batch_size), remainder is not None)
-            state.add_trainer_loss(loss)
-        finally:
-            state.online = None
-        return loss
-
-    return training_step
+def _step_inputs(model: Any, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> dict[str, Any]:
+    return inputs
 
 
-def _wrap_forward(state: SyncMetricsState, original):
-    @functools.wraps(original)
-    def _forward(*args, **kwargs):
-        out = original(*args, **kwargs)
-        if state.online is not None:
-            state.online["forward"].append(out.detach())
-        return out
-
-    return _forward
-
-
-def _wrap_generate(state: SyncMetricsState, original):
-    @functools.wraps(original)
-    def _generate(*args, **kwargs):
-        out = original(*args, **kwargs)
-        if state.online is not None:
-            # `_compat.ONLINE_DPO_GENERATE_RETURN`
-            state.online["completion"] = (
-                out[_compat.ONLINE_DPO_COMPLETION_IDS],
-                out[_compat.ONLINE_DPO_COMPLETION_MASK],
-            )
-        return out
-
-    return _generate
+def _training_step(trainer: Any, state: SyncMetricsState, call: Call) -> Any:
+    remainder = state.batch_remainder("train", trainer.accelerator.gradient_state)
+    batch_size = len(_step_inputs(*call.args, **call.kwargs)["prompt"])
+    state.online = {"forward": [], "completion": None, "rewards": None}
+    try:
+        with _Capture(state):
+            loss = call.proceed()
+        k = state.real_count(remainder, batch_size)
+        state.windows["train"].add(_items(state, trainer, batch_size, k))
+        real_sum = _real_loss_sum(state, trainer, batch_size, k)
+        state.add_step_loss(real_sum, state.global_real_count(remainder, batch_size), remainder is not None)
+        state.add_trainer_loss(loss)
+    finally:
+        state.online = None
+    return loss
 
 
-def _wrap_rewards(state: SyncMetricsState, original):
-    @functools.wraps(original)
-    def _calculate_rewards_from_functions(*args, **kwargs):
-        out = original(*args, **kwargs)
-        if state.online is not None:
-            state.online["rewards"] = out  # TRL subtracts the missing-EOS penalty from this tensor in place
-        return out
-
-    return _calculate_rewards_from_functions
+def _forward(trainer: Any, state: SyncMetricsState, call: Call) -> Any:
+    out = call.proceed()
+    if state.online is not None:
+        state.online["forward"].append(out.detach())
+    return out
 
 
-def install(trainer: Any, patcher: Any, state: SyncMetricsState) -> None:
-    """Capture what each OnlineDPO training step generates, scores and computes (`_compat.ONLINE_DPO_STEP_METHODS`)."""
-    step, forward, generate, rewards = _compat.ONLINE_DPO_STEP_METHODS
-    patcher.setattr(trainer, step, _wrap_training_step(trainer, state, getattr(trainer, step)))
-    patcher.setattr(trainer, forward, _wrap_forward(state, getattr(trainer, forward)))
-    patcher.setattr(trainer, generate, _wrap_generate(state, getattr(trainer, generate)))
-    patcher.setattr(trainer, rewards, _wrap_rewards(state, getattr(trainer, rewards)))
+def _generate(trainer: Any, state: SyncMetricsState, call: Call) -> Any:
+    out = call.proceed()
+    if state.online is not None:
+        # `_compat.ONLINE_DPO_GENERATE_RETURN`
+        state.online["completion"] = (out[_compat.ONLINE_DPO_COMPLETION_IDS], out[_compat.ONLINE_DPO_COMPLETION_MASK])
+    return out
+
+
+def _rewards(trainer: Any, state: SyncMetricsState, call: Call) -> Any:
+    out = call.proceed()
+    if state.online is not None:
+        state.online["rewards"] = out  # TRL subtracts the missing-EOS penalty from this tensor in place
+    return out
+
+
+#: `trl_ext_call` handlers, by method name: what each OnlineDPO training step generates, scores and computes
+#: (`_compat.ONLINE_DPO_STEP_METHODS`)
+CALLS = dict(zip(_compat.ONLINE_DPO_STEP_METHODS, (_training_step, _forward, _generate, _rewards), strict=True))

@@ -83,7 +83,9 @@ def reduce_logs(trainer: Any, state: SyncMetricsState, logs: dict[str, Any]) -> 
             round(value, _compat.ONLINE_DPO_LOSS_DECIMALS) if state.trainer_class == "OnlineDPOTrainer" else value
         )
         running = getattr(trainer, _compat.TRAINER_TOTAL_LOSS_ATTR)
+        # allowed write: the running loss gets the global mean over ranks in place of the local value it was given
         setattr(trainer, _compat.TRAINER_TOTAL_LOSS_ATTR, running + global_loss - local_loss.item())
+    # allowed write: the FLOs held back since the last log, summed over ranks
     trainer.state.total_flos += total[schema.flos]
     if (
         "total_flos" in out
@@ -91,6 +93,7 @@ def reduce_logs(trainer: Any, state: SyncMetricsState, logs: dict[str, Any]) -> 
         out["total_flos"] = trainer.state.total_flos
     if state.trainer_class == "DPOTrainer":
         tokens = getattr(trainer, _compat.DPO_TOTAL_TRAIN_TOKENS) + int(round(total[schema.tokens]))
+        # allowed write: the real pairs' tokens of the window, summed over ranks
         setattr(trainer, _compat.DPO_TOTAL_TRAIN_TOKENS, tokens)
         if total[schema.calls] > 0:
             metrics["num_tokens"] = tokens
@@ -126,8 +129,10 @@ def hand_back(trainer: Any, state: SyncMetricsState) -> None:
                     target[key].append(value)
         if dpo and mode == "train" and tokens:
             total = getattr(trainer, _compat.DPO_TOTAL_TRAIN_TOKENS) + int(round(tokens))
+            # allowed write: detached mid-window: this process's training tokens go back to TRL's running count
             setattr(trainer, _compat.DPO_TOTAL_TRAIN_TOKENS, total)
             target["num_tokens"] = [total]
+    # allowed write: detached mid-window: the held-back FLOs go back to the Trainer's
     setattr(trainer, _compat.TRAINER_FLOS_ATTR, getattr(trainer, _compat.TRAINER_FLOS_ATTR) + state.pending_flos)
     state.pending_flos = 0.0
     if state.world > 1 and any(state.batch_pairs.values()):

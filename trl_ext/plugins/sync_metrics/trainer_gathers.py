@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import contextvars
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ... import _compat
 from .capture import SyncMetricsState
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ...calls import Call
 
 #: The state of the trainer whose `_maybe_log_save_evaluate` is running (transformers calls the module-level
 #: `nested_gather` there, with no reference to the trainer; a context variable keeps this per call, not global).
@@ -37,71 +40,52 @@ def _deferring_nested_gather(original):
     return nested_gather
 
 
-def _wrap_maybe_log_save_evaluate(trainer: Any, state: SyncMetricsState, original):
-    @functools.wraps(original)
-    def _maybe_log_save_evaluate(*args, **kwargs):
-        # transformers gathers the loss only under this condition (trainer.py `_maybe_log_save_evaluate`).
-        state.expect_loss = bool(
-            trainer.control.should_log
-            and trainer.state.global_step > getattr(trainer, _compat.TRAINER_LAST_LOGGED_ATTR)
-        )
-        token = _LOGGING_TRAINER.set(state)
-        try:
-            return original(*args, **kwargs)
-        finally:
-            _LOGGING_TRAINER.reset(token)
-            state.expect_loss = False
-
-    return _maybe_log_save_evaluate
+def _maybe_log_save_evaluate(trainer: Any, state: SyncMetricsState, call: Call) -> Any:
+    # transformers gathers the loss only under this condition (trainer.py `_maybe_log_save_evaluate`).
+    state.expect_loss = bool(
+        trainer.control.should_log and trainer.state.global_step > getattr(trainer, _compat.TRAINER_LAST_LOGGED_ATTR)
+    )
+    token = _LOGGING_TRAINER.set(state)
+    try:
+        return call.proceed()
+    finally:
+        _LOGGING_TRAINER.reset(token)
+        state.expect_loss = False
 
 
-def _wrap_store_flos(trainer: Any, state: SyncMetricsState, original):
-    @functools.wraps(original)
-    def store_flos():
-        if state.in_checkpoint:
-            # A checkpoint writes `state.total_flos` to disk right after: make it exact now (transformers' gather).
-            setattr(
-                trainer, _compat.TRAINER_FLOS_ATTR, getattr(trainer, _compat.TRAINER_FLOS_ATTR) + state.pending_flos
-            )
-            state.pending_flos = 0.0
-            return original()
-        state.pending_flos += float(getattr(trainer, _compat.TRAINER_FLOS_ATTR))
-        setattr(trainer, _compat.TRAINER_FLOS_ATTR, 0)
-        return None
-
-    return store_flos
+def _store_flos(trainer: Any, state: SyncMetricsState, call: Call) -> Any:
+    if state.in_checkpoint:
+        # A checkpoint writes `state.total_flos` to disk right after: make it exact now (transformers' gather).
+        # allowed write: the FLOs held back since the last log go back to the Trainer's count
+        setattr(trainer, _compat.TRAINER_FLOS_ATTR, getattr(trainer, _compat.TRAINER_FLOS_ATTR) + state.pending_flos)
+        state.pending_flos = 0.0
+        return call.proceed()
+    state.pending_flos += float(getattr(trainer, _compat.TRAINER_FLOS_ATTR))
+    # allowed write: the FLOs are held back, to be summed across ranks in the next log's one collective
+    setattr(trainer, _compat.TRAINER_FLOS_ATTR, 0)
+    return None
 
 
-def _wrap_save_checkpoint(state: SyncMetricsState, original):
-    @functools.wraps(original)
-    def _save_checkpoint(*args, **kwargs):
-        state.in_checkpoint = True
-        try:
-            return original(*args, **kwargs)
-        finally:
-            state.in_checkpoint = False
-
-    return _save_checkpoint
+def _save_checkpoint(trainer: Any, state: SyncMetricsState, call: Call) -> Any:
+    state.in_checkpoint = True
+    try:
+        return call.proceed()
+    finally:
+        state.in_checkpoint = False
 
 
-def install(trainer: Any, context: Any, state: SyncMetricsState) -> None:
+def install(context: Any) -> None:
+    """The loss gather is the module-level `nested_gather` (no trainer method): wrapped while this trainer runs, it
+    acts only inside the `_maybe_log_save_evaluate` of a trainer that has sync_metrics (pass-through elsewhere)."""
     import importlib
 
-    # `_compat.LOSS_GATHER_MODULES`; older transformers call `self._nested_gather`, patched per trainer below.
     for module_name in _compat.LOSS_GATHER_MODULES:
         module = importlib.import_module(module_name)
         current = getattr(module, "nested_gather", None)
         if current is not None and not getattr(current, "__trl_ext_sync_metrics__", False):
-            # Module-level, only while this trainer runs (so also after `uninstall()`); it acts only inside the
-            # `_maybe_log_save_evaluate` of a trainer that has sync_metrics (pass-through everywhere else).
             context.wrap_while_running(module, "nested_gather", _deferring_nested_gather)
-    patcher = context.patcher
-    if hasattr(trainer, "_nested_gather"):
-        patcher.setattr(trainer, "_nested_gather", _deferring_nested_gather(trainer._nested_gather))
-    patcher.setattr(
-        trainer,
-        "_maybe_log_save_evaluate",
-        _wrap_maybe_log_save_evaluate(trainer, state, trainer._maybe_log_save_evaluate),
-    )
-    patcher.setattr(trainer, "store_flos", _wrap_store_flos(trainer, state, trainer.store_flos))
-    patcher.setattr(trainer, "_save_checkpoint", _wrap_save_checkpoint(state, trainer._save_checkpoint))
+
+
+#: `trl_ext_call` handlers, by method name: the logging step, FLO bookkeeping and checkpoints
+#: (`_compat.TRAINER_METHODS`, with `get_batch_samples` in `capture`)
+CALLS = dict(zip(_compat.TRAINER_METHODS[:3], (_maybe_log_save_evaluate, _store_flos, _save_checkpoint), strict=True))
