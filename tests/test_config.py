@@ -304,7 +304,7 @@ def test_an_explicit_false_against_the_trl_flag_it_serves_is_refused(flags, envi
     from trl import DPOConfig
 
     from trl_ext import _compat
-    from trl_ext.installation import check_trainer_settings
+    from trl_ext.build import check_trainer_settings
 
     if "padding_free" not in _compat.trl_ignored_flags("DPOTrainer"):
         pytest.skip("this TRL packs DPO itself")

@@ -26,7 +26,6 @@ __all__ = [
     "call_for_trl_error",
     "check_world",
     "generation_wrapper",
-    "precompute_wrapper",
     "stock_trainer_class",
 ]
 
@@ -105,14 +104,11 @@ def check_world(trainer_class: str, trl_args: Any, enabled: list[str]) -> None:
 
 
 def attach_before_init(ctx: TrainerContext) -> None:
-    """Instance patches TRL's `__init__` already needs: the DPO reference precompute, the generation helper."""
-    trainer = ctx.trainer
+    """What TRL's `__init__` already needs: a DPOTrainer this TRL can train, the generation helper."""
     if ctx.trainer_class == "DPOTrainer":
         fact = _compat.dpo_training_refusal()  # stock DPOTrainer cannot train with this TRL here: say so now
         if fact is not None:
             raise UsageError(fact.refusal(f"trl-ext cannot run {', '.join(ctx.enabled)} on this DPOTrainer"))
-        method = _compat.DPO_PRECOMPUTE_METHOD
-        ctx.patcher.setattr(trainer, method, precompute_wrapper(ctx, getattr(trainer, method)))
     module_name = _compat.GENERATION_HELPER_MODULES.get(ctx.trainer_class)
     if module_name is not None:
         # Trainer modules look `unwrap_model_for_generation` up by name: it is swapped there while this trainer runs.
@@ -146,17 +142,6 @@ def _running_wrapper(ctx: TrainerContext, original, training: bool = False):
         return result
 
     return entry_point
-
-
-def precompute_wrapper(ctx: TrainerContext, original):
-    """DPO's reference precompute, once the models are ready (`TrainerContext.prepare_models`)."""
-
-    @functools.wraps(original)
-    def _precompute_ref_logps(dataset, name, batch_size):
-        ctx.prepare_models()
-        return original(dataset, name, batch_size)
-
-    return _precompute_ref_logps
 
 
 def _log_wrapper(ctx: TrainerContext, original):

@@ -143,46 +143,6 @@ class TrainerContext:
                     self.math_plugins.append(impl.plugin_name)
         return result
 
-    def prepare_models(self) -> None:
-        """Apply the collator, packed-forward, head-forward and model-forward extension points, then announce
-        `trl_ext_trainer_models_ready`.
-
-        Idempotent: runs once, at the first point where TRL is about to run a model (the DPO precompute) or at the
-        end of `__init__`.
-        """
-        if self.models_ready:
-            return
-        self.models_ready = True
-        trainer = self.trainer
-        collator = getattr(trainer, "data_collator", None)
-        if collator is not None:
-            new = self.call_exclusive("trl_ext_make_collator", trainer=trainer, context=self, collator=collator)
-            if new is not None:
-                self.patcher.setattr(trainer, "data_collator", new)
-        for role, model in self.models().items():
-            backbone = getattr(model, "base_model", None)
-            if backbone is None or backbone is model:
-                continue
-            forward = self.call_math(
-                "trl_ext_make_packed_forward", trainer=trainer, context=self, role=role, backbone=backbone
-            )
-            if forward is not None:
-                self.patcher.setattr(backbone, "forward", forward)
-        for role, model in self.models().items():
-            head = output_head_module(model)
-            if head is None:
-                continue
-            forward = self.call_math("trl_ext_make_head_forward", trainer=trainer, context=self, role=role, head=head)
-            if forward is not None:
-                self.patcher.setattr(head, "forward", forward)
-        for role, model in self.models().items():
-            forward = self.call_math(
-                "trl_ext_make_model_forward", trainer=trainer, context=self, role=role, model=model
-            )
-            if forward is not None:
-                self.patcher.setattr(model, "forward", forward)
-        self.hook.trl_ext_trainer_models_ready(trainer=trainer, context=self)
-
     # ------------------------------------------------------------------------------------------------------------
     # what a trainer needs for its whole life, without touching TRL's classes or modules
     # ------------------------------------------------------------------------------------------------------------

@@ -9,15 +9,15 @@ import weakref
 from collections.abc import Mapping
 from typing import Any
 
-from . import _compat, attach, calls, micro_batching, verify
+from . import _compat, attach, build
 from ._logging import NOTICE, get_logger, is_main_process
 from .config import TrlExtConfig, load_config
 from .context import _LIVE, TrainerContext
 from .errors import UsageError
-from .manager import TrlExtPluginManager, make_plugin_manager, resolve_roles
+from .manager import TrlExtPluginManager, make_plugin_manager
 from .patching import Patcher, resolve
 
-__all__ = ["Installation", "check_trainer_settings", "current", "install", "install_config"]
+__all__ = ["Installation", "current", "install", "install_config"]
 
 logger = get_logger(__name__)
 
@@ -49,8 +49,6 @@ class Installation:
         self.patcher = Patcher("trl-ext")
         self._contexts: list[weakref.ref] = []
         self._installed = False
-        #: `{TRL config field: plugin}` for the TRL flags that plugins serve (`PluginSpec.trl_flag`).
-        self._owners = plugin_manager.catalog.trl_flag_owners()
         #: Keep every trainer context (and so its plugins' state) after the trainer is gone, for `records`. Off by
         #: default because plugin state may reference models; the `trl-ext dpo` job turns it on.
         self.keep_records = False
@@ -90,11 +88,7 @@ class Installation:
             # detached), whatever this installation would give a new trainer.
             ctx = getattr(trainer, "__dict__", {}).get(_ATTR)
             return list(ctx.enabled) if ctx is not None and ctx.attached else []
-        return self._enabled(trainer_class, trl_args)[0]
-
-    def _enabled(self, trainer_class: str, trl_args: Any) -> tuple[list[str], dict[str, str]]:
-        """The plugins a `trainer_class` built with `trl_args` gets, and `{left out: kept instead}` by role."""
-        return _enabled(self.config, trainer_class, trl_args)
+        return build.enabled_plugins(self.config, trainer_class, trl_args)[0]
 
     def _wrapped_trainers(self) -> list[str]:
         """The stock trainer classes to attach to: those that a registered plugin applies to and that the
@@ -206,6 +200,15 @@ class Installation:
             self.patcher.wrap(resolve(module_name), "unwrap_model_for_generation", attach.generation_wrapper(None))
         self._installed = True
 
+    def _track(self, ctx: TrainerContext) -> None:
+        """Keep `ctx` (a trainer being built) among this installation's trainers."""
+        trainer = ctx.trainer
+        trainer.__dict__[_ATTR] = ctx
+        _LIVE.add(trainer)
+        self._contexts.append(weakref.ref(trainer))
+        if self.keep_records:
+            self._kept.append(ctx)
+
     def _wrap_init(self, trainer_class: str, original):
         installation = self
         signature = inspect.signature(original)
@@ -223,113 +226,9 @@ class Installation:
                 return attach.call_for_trl_error(original, trainer_class, trainer, args, kwargs)
             init_kwargs = dict(bound.arguments)
             init_kwargs.pop(next(iter(signature.parameters)))  # self
-            trl_args = init_kwargs.get("args")
-            enabled = check_trainer_settings(installation.config, trainer_class, trl_args)
-            if enabled:
-                attach.check_world(trainer_class, trl_args, enabled)
-            ctx = TrainerContext(installation, trainer, trainer_class, enabled, trl_args)
-            trainer.__dict__[_ATTR] = ctx
-            _LIVE.add(trainer)
-            installation._contexts.append(weakref.ref(trainer))
-            if installation.keep_records:
-                installation._kept.append(ctx)
-            try:
-                left = installation._build(ctx, original, init_kwargs)
-            except BaseException:
-                ctx.detach()  # a trainer TRL (or a plugin) refused to build holds nothing
-                raise
-            installation._announce(ctx, left)
+            build.build(installation, trainer_class, original, trainer, init_kwargs)
 
         return __init__
-
-    def _build(self, ctx: TrainerContext, original, init_kwargs: dict[str, Any]) -> list[str]:
-        trainer, enabled = ctx.trainer, ctx.enabled
-        ctx.hook.trl_ext_trainer_init_start(trainer=trainer, context=ctx, init_kwargs=init_kwargs)
-        # A TRL flag that TRL ignores but a trl-ext plugin implements is hidden from TRL while its `__init__` runs
-        # (so TRL neither warns that it falls back nor acts on it), then restored on the user's config object.
-        hidden, left = self._hide_ignored_flags(ctx.trainer_class, init_kwargs.get("args"), ctx)
-        if enabled:
-            calls.attach(ctx, init=True)
-            attach.attach_before_init(ctx)
-        try:
-            with ctx.running():
-                original(trainer, **init_kwargs)
-        finally:
-            for flag, value in hidden.items():
-                setattr(init_kwargs["args"], flag, value)
-        ctx.prepare_models()
-        if enabled:
-            attach.attach_after_init(ctx)
-            micro_batching.attach(ctx)
-            verify.attach(ctx)
-            calls.attach(ctx, init=False)
-        ctx.hook.trl_ext_trainer_init_end(trainer=trainer, context=ctx)
-        return left
-
-    def _hide_ignored_flags(
-        self, trainer_class: str, trl_args: Any, ctx: TrainerContext
-    ) -> tuple[dict[str, Any], list[str]]:
-        """Hide the TRL flags a plugin serves from TRL; return them, and notes on those left to TRL."""
-        # A flag TRL used to ignore but now honours (e.g. a patched TRL) must not be claimed by both.
-        ignored_now = set(_compat.trl_ignored_flags(trainer_class))
-        honoured = set(_compat.TRL_IGNORED_FLAGS.get(trainer_class, ())) - ignored_now
-        left = []
-        for flag in sorted(honoured):
-            owner = self._owners.get(flag)
-            if owner is None or trl_args is None or not getattr(trl_args, flag, False):
-                continue
-            if owner in ctx.enabled:
-                raise UsageError(
-                    f"Both TRL's own `{flag}=True` (this TRL implements it) and the trl-ext plugin `{owner}` are on "
-                    f"for this {trainer_class}. Use one: unset `{flag}` in the TRL config, or in trl-ext's flags."
-                )
-            flags = " / ".join(f"`{f}`" for f in self.plugin_manager.catalog.specs[owner].flag_names) or f"`{owner}`"
-            left.append(
-                f"{type(trl_args).__name__}.{flag}=True is left to TRL (this TRL implements it); trl-ext's {flags} "
-                "would serve it instead"
-            )
-        hidden = {}
-        for flag in _compat.trl_ignored_flags(trainer_class):
-            owner = self._owners.get(flag)
-            if trl_args is not None and getattr(trl_args, flag, False) and owner in ctx.enabled:
-                hidden[flag] = getattr(trl_args, flag)
-                setattr(trl_args, flag, False)
-                logger.info("trl-ext: `%s=True` in the TRL config is handled by the trl-ext plugin `%s`", flag, owner)
-        return hidden, left
-
-    def _announce(self, ctx: TrainerContext, left: list[str]) -> None:
-        """The per-trainer lines, on the main process: the plugins and their choices, and what does not apply."""
-        trainer = ctx.trainer
-        if not is_main_process(getattr(trainer, "accelerator", None)):
-            return
-        name = type(trainer).__name__
-        pm = self.plugin_manager
-        specs = pm.catalog.specs
-        if ctx.enabled or left:
-            parts = []
-            for plugin in ctx.enabled:
-                others = {p for n, p in pm.list_name_plugin() if n != plugin}
-                texts = pm.subset_hook_caller("trl_ext_describe", remove_plugins=others)(trainer=trainer, context=ctx)
-                parts.append(f"{plugin} ({'; '.join(texts)})" if texts else plugin)
-            line = f"trl-ext: {name} gets plugins {', '.join(parts)}" if parts else f"trl-ext: {name} gets no plugins"
-            _, superseded = self._enabled(ctx.trainer_class, ctx.trl_args)
-            left = [*(f"{n} is left out: {by} serves the same role" for n, by in superseded.items()), *left]
-            logger.log(NOTICE, "; ".join([line, *left]))
-        stray = []
-        for plugin, spec in specs.items():
-            if spec.flags and not spec.applies_to(ctx.trainer_class) and self.config.flag_is_set(plugin):
-                flags = " / ".join(f"`{f.name}`" for f in spec.flags if self.config.flags[f.name] != f.default)
-                stray.append(
-                    f"{flags} is set, but the plugin `{plugin}` applies only to {', '.join(spec.trainers or ())}"
-                )
-        if stray:
-            logger.log(NOTICE, "trl-ext: %s; this %s runs without it", "; ".join(stray), name)
-        # Plugins that apply to this trainer but are off may point at a TRL setting they would serve better.
-        skip = {p for n, p in pm.list_name_plugin() if n in ctx.enabled or n not in specs}
-        skip |= {pm.get_plugin(n) for n, spec in specs.items() if not spec.applies_to(ctx.trainer_class)}
-        caller = pm.subset_hook_caller("trl_ext_advise_unused", remove_plugins=skip)
-        for advice in caller(trainer=trainer, trainer_class=ctx.trainer_class, trl_args=ctx.trl_args):
-            logger.warning("trl-ext: %s", advice)
 
 
 def install(
@@ -394,42 +293,6 @@ def install_config(config: TrlExtConfig) -> Installation:
     Installation._active = installation
     logger.info("trl-ext installed on trl %s with %s", trl_version, config)
     return installation
-
-
-def _enabled(config: TrlExtConfig, trainer_class: str, trl_args: Any) -> tuple[list[str], dict[str, str]]:
-    """The plugins a `trainer_class` built with `trl_args` gets under `config`, and `{left out: kept instead}` by role
-    (`Installation.enabled_plugins`)."""
-    ignored = _compat.trl_ignored_flags(trainer_class)
-    enabled = []
-    for name, spec in config.catalog.specs.items():
-        if not spec.applies_to(trainer_class):
-            continue
-        on = config.flag_is_set(name) if spec.flags else name in config.plugins
-        trl_flag = spec.trl_flag
-        on = on or (trl_flag is not None and trl_flag in ignored and bool(getattr(trl_args, trl_flag, False)))
-        if on:
-            enabled.append(name)
-    return resolve_roles(config.catalog.specs, enabled)
-
-
-def check_trainer_settings(config: TrlExtConfig, trainer_class: str, trl_args: Any) -> list[str]:
-    """The plugins a `trainer_class` built with `trl_args` (its TRL config) gets under `config`, once what would
-    otherwise be silently ignored is refused: a plugin flag given off while the TRL config sets the TRL flag that
-    plugin serves (`TrlExtConfig.check_trl_flags`), and options for a plugin that a TRL flag could enable but that
-    this trainer does not get (checked at install time for the others). `trl-ext dpo` / `online-dpo` call it
-    before any model loads, every trainer built while installed when it is built.
-
-    Raises:
-        `trl_ext.UsageError`: naming the setting and what to do.
-    """
-    config.check_trl_flags(trainer_class, trl_args)
-    enabled = _enabled(config, trainer_class, trl_args)[0]
-    for name in config.plugins:
-        spec = config.catalog.specs[name]
-        if spec.flags and spec.trl_flag and spec.applies_to(trainer_class) and name not in enabled:
-            trl_config = type(trl_args).__name__ if trl_args is not None else None
-            raise UsageError(config.unused_options_message(name, trainer_class, trl_config))
-    return enabled
 
 
 def current() -> Installation | None:

@@ -127,10 +127,10 @@ def timed_precompute(box: dict, cuda: bool):
     """
     from trl import DPOTrainer
 
-    from .. import attach
+    from .. import build
 
     original = DPOTrainer.__dict__["_precompute_ref_logps"]
-    original_wrapper = attach.precompute_wrapper
+    original_wrapper = build.precompute_wrapper
     depth = [0]
 
     def timing(call):
@@ -157,12 +157,12 @@ def timed_precompute(box: dict, cuda: bool):
         return timing(original_wrapper(ctx, method))
 
     DPOTrainer._precompute_ref_logps = timing(original)  # type: ignore[method-assign]  # restored below
-    attach.precompute_wrapper = timed_wrapper  # type: ignore[assignment]
+    build.precompute_wrapper = timed_wrapper  # type: ignore[assignment]
     try:
         yield box
     finally:
         DPOTrainer._precompute_ref_logps = original  # type: ignore[method-assign]
-        attach.precompute_wrapper = original_wrapper  # type: ignore[assignment]
+        build.precompute_wrapper = original_wrapper  # type: ignore[assignment]
 
 
 class PrecomputeRig:

@@ -123,7 +123,7 @@ def _check_paths(training_args: Any, model: str | None, command: str) -> None:
 def _check_settings(config: TrlExtConfig, trainer_class: str, training_args: Any) -> None:
     """What the job's trainer would refuse for its settings when built (options of a plugin that stays off, a plugin
     flag given off against the TRL flag it serves), refused now, before a model loads."""
-    from ..installation import check_trainer_settings
+    from ..build import check_trainer_settings
 
     check_trainer_settings(config, trainer_class, training_args)
 

@@ -1,0 +1,226 @@
+"""One trainer's build, as a script in call order: what trl-ext does while a stock trainer's `__init__` runs.
+
+`installation.py` wraps each stock trainer class's `__init__` and calls `build`. Everything after step 1 happens on
+the trainer instance, through the trainer's own undo stack (`TrainerContext.patcher`):
+
+1. the plugins this trainer gets (`check_trainer_settings`: refusals first), and the launch (`attach.check_world`);
+2. the trainer's `TrainerContext`, stored on it as `trainer._trl_ext`;
+3. `trl_ext_trainer_init_start`; the TRL flags plugins serve hidden from TRL (`hide_ignored_flags`);
+4. the methods TRL's `__init__` calls wrapped for `trl_ext_call` (`calls.attach(init=True)`), then DPO's reference
+   precompute wrapped to prepare the models first, and the checks and generation helper of `attach_before_init`;
+5. TRL's `__init__`, with the patches scoped to a run applied (`TrainerContext.running`);
+6. `prepare_models` (already done if DPO precomputed in `__init__`): the collator, packed, head and model forwards,
+   then `trl_ext_trainer_models_ready`;
+7. `log` and the entry points (`attach.attach_after_init`), the micro-batcher, `verify`, and the other methods plugins
+   take part in (`calls.attach(init=False)`), each wrapped outside the one before;
+8. `trl_ext_trainer_init_end`; the trainer's log lines on the main process (`announce`).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Any
+
+from . import _compat, attach, calls, micro_batching, verify
+from ._logging import NOTICE, get_logger, is_main_process
+from .context import TrainerContext, output_head_module
+from .errors import UsageError
+from .manager import resolve_roles
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .config import TrlExtConfig
+    from .installation import Installation
+
+__all__ = ["announce", "build", "check_trainer_settings", "enabled_plugins", "hide_ignored_flags", "prepare_models"]
+
+logger = get_logger(__name__)
+
+
+def build(installation: Installation, trainer_class: str, original: Any, trainer: Any, init_kwargs: dict) -> None:
+    """Run TRL's `__init__` (`original`, with `init_kwargs`) on `trainer`, with the plugins `installation` gives."""
+    trl_args = init_kwargs.get("args")
+    enabled = check_trainer_settings(installation.config, trainer_class, trl_args)
+    if enabled:
+        attach.check_world(trainer_class, trl_args, enabled)
+    ctx = TrainerContext(installation, trainer, trainer_class, enabled, trl_args)
+    installation._track(ctx)
+    try:
+        ctx.hook.trl_ext_trainer_init_start(trainer=trainer, context=ctx, init_kwargs=init_kwargs)
+        # A TRL flag that TRL ignores but a trl-ext plugin implements is hidden from TRL while its `__init__` runs
+        # (so TRL neither warns that it falls back nor acts on it), then restored on the user's config object.
+        hidden, left = hide_ignored_flags(ctx, trl_args)
+        if enabled:
+            calls.attach(ctx, init=True)
+            if trainer_class == "DPOTrainer":
+                method = _compat.DPO_PRECOMPUTE_METHOD
+                ctx.patcher.setattr(trainer, method, precompute_wrapper(ctx, getattr(trainer, method)))
+            attach.attach_before_init(ctx)
+        try:
+            with ctx.running():
+                original(trainer, **init_kwargs)
+        finally:
+            for flag, value in hidden.items():
+                setattr(trl_args, flag, value)
+        prepare_models(ctx)
+        if enabled:
+            attach.attach_after_init(ctx)
+            micro_batching.attach(ctx)
+            verify.attach(ctx)
+            calls.attach(ctx, init=False)
+        ctx.hook.trl_ext_trainer_init_end(trainer=trainer, context=ctx)
+    except BaseException:
+        ctx.detach()  # a trainer TRL (or a plugin) refused to build holds nothing
+        raise
+    announce(ctx, left)
+
+
+def precompute_wrapper(ctx: TrainerContext, original: Any) -> Any:
+    """DPO's reference precompute (its `trl_ext_call` chain), once the models are ready."""
+
+    @functools.wraps(original)
+    def _precompute_ref_logps(dataset, name, batch_size):
+        prepare_models(ctx)
+        return original(dataset, name, batch_size)
+
+    return _precompute_ref_logps
+
+
+def prepare_models(ctx: TrainerContext) -> None:
+    """Apply the collator, packed-forward, head-forward and model-forward extension points, then announce
+    `trl_ext_trainer_models_ready`.
+
+    Idempotent: runs once, at the first point where TRL is about to run a model (the DPO precompute) or at the
+    end of `__init__`.
+    """
+    if ctx.models_ready:
+        return
+    ctx.models_ready = True
+    trainer = ctx.trainer
+    collator = getattr(trainer, "data_collator", None)
+    if collator is not None:
+        new = ctx.call_exclusive("trl_ext_make_collator", trainer=trainer, context=ctx, collator=collator)
+        if new is not None:
+            ctx.patcher.setattr(trainer, "data_collator", new)
+    for role, model in ctx.models().items():
+        backbone = getattr(model, "base_model", None)
+        if backbone is None or backbone is model:
+            continue
+        forward = ctx.call_math(
+            "trl_ext_make_packed_forward", trainer=trainer, context=ctx, role=role, backbone=backbone
+        )
+        if forward is not None:
+            ctx.patcher.setattr(backbone, "forward", forward)
+    for role, model in ctx.models().items():
+        head = output_head_module(model)
+        if head is None:
+            continue
+        forward = ctx.call_math("trl_ext_make_head_forward", trainer=trainer, context=ctx, role=role, head=head)
+        if forward is not None:
+            ctx.patcher.setattr(head, "forward", forward)
+    for role, model in ctx.models().items():
+        forward = ctx.call_math("trl_ext_make_model_forward", trainer=trainer, context=ctx, role=role, model=model)
+        if forward is not None:
+            ctx.patcher.setattr(model, "forward", forward)
+    ctx.hook.trl_ext_trainer_models_ready(trainer=trainer, context=ctx)
+
+
+def hide_ignored_flags(ctx: TrainerContext, trl_args: Any) -> tuple[dict[str, Any], list[str]]:
+    """Hide the TRL flags a plugin serves from TRL; return them, and notes on those left to TRL."""
+    trainer_class, catalog = ctx.trainer_class, ctx.installation.plugin_manager.catalog
+    owners = catalog.trl_flag_owners()
+    # A flag TRL used to ignore but now honours (e.g. a patched TRL) must not be claimed by both.
+    ignored_now = set(_compat.trl_ignored_flags(trainer_class))
+    honoured = set(_compat.TRL_IGNORED_FLAGS.get(trainer_class, ())) - ignored_now
+    left = []
+    for flag in sorted(honoured):
+        owner = owners.get(flag)
+        if owner is None or trl_args is None or not getattr(trl_args, flag, False):
+            continue
+        if owner in ctx.enabled:
+            raise UsageError(
+                f"Both TRL's own `{flag}=True` (this TRL implements it) and the trl-ext plugin `{owner}` are on "
+                f"for this {trainer_class}. Use one: unset `{flag}` in the TRL config, or in trl-ext's flags."
+            )
+        flags = " / ".join(f"`{f}`" for f in catalog.specs[owner].flag_names) or f"`{owner}`"
+        left.append(
+            f"{type(trl_args).__name__}.{flag}=True is left to TRL (this TRL implements it); trl-ext's {flags} "
+            "would serve it instead"
+        )
+    hidden = {}
+    for flag in _compat.trl_ignored_flags(trainer_class):
+        owner = owners.get(flag)
+        if trl_args is not None and getattr(trl_args, flag, False) and owner in ctx.enabled:
+            hidden[flag] = getattr(trl_args, flag)
+            setattr(trl_args, flag, False)
+            logger.info("trl-ext: `%s=True` in the TRL config is handled by the trl-ext plugin `%s`", flag, owner)
+    return hidden, left
+
+
+def announce(ctx: TrainerContext, left: list[str]) -> None:
+    """The per-trainer lines, on the main process: the plugins and their choices, and what does not apply."""
+    trainer = ctx.trainer
+    if not is_main_process(getattr(trainer, "accelerator", None)):
+        return
+    name = type(trainer).__name__
+    pm = ctx.installation.plugin_manager
+    config = ctx.installation.config
+    specs = pm.catalog.specs
+    if ctx.enabled or left:
+        parts = []
+        for plugin in ctx.enabled:
+            others = {p for n, p in pm.list_name_plugin() if n != plugin}
+            texts = pm.subset_hook_caller("trl_ext_describe", remove_plugins=others)(trainer=trainer, context=ctx)
+            parts.append(f"{plugin} ({'; '.join(texts)})" if texts else plugin)
+        line = f"trl-ext: {name} gets plugins {', '.join(parts)}" if parts else f"trl-ext: {name} gets no plugins"
+        _, superseded = enabled_plugins(config, ctx.trainer_class, ctx.trl_args)
+        left = [*(f"{n} is left out: {by} serves the same role" for n, by in superseded.items()), *left]
+        logger.log(NOTICE, "; ".join([line, *left]))
+    stray = []
+    for plugin, spec in specs.items():
+        if spec.flags and not spec.applies_to(ctx.trainer_class) and config.flag_is_set(plugin):
+            flags = " / ".join(f"`{f.name}`" for f in spec.flags if config.flags[f.name] != f.default)
+            stray.append(f"{flags} is set, but the plugin `{plugin}` applies only to {', '.join(spec.trainers or ())}")
+    if stray:
+        logger.log(NOTICE, "trl-ext: %s; this %s runs without it", "; ".join(stray), name)
+    # Plugins that apply to this trainer but are off may point at a TRL setting they would serve better.
+    skip = {p for n, p in pm.list_name_plugin() if n in ctx.enabled or n not in specs}
+    skip |= {pm.get_plugin(n) for n, spec in specs.items() if not spec.applies_to(ctx.trainer_class)}
+    caller = pm.subset_hook_caller("trl_ext_advise_unused", remove_plugins=skip)
+    for advice in caller(trainer=trainer, trainer_class=ctx.trainer_class, trl_args=ctx.trl_args):
+        logger.warning("trl-ext: %s", advice)
+
+
+def enabled_plugins(config: TrlExtConfig, trainer_class: str, trl_args: Any) -> tuple[list[str], dict[str, str]]:
+    """The plugins a `trainer_class` built with `trl_args` gets under `config`, and `{left out: kept instead}` by role
+    (`Installation.enabled_plugins`)."""
+    ignored = _compat.trl_ignored_flags(trainer_class)
+    enabled = []
+    for name, spec in config.catalog.specs.items():
+        if not spec.applies_to(trainer_class):
+            continue
+        on = config.flag_is_set(name) if spec.flags else name in config.plugins
+        trl_flag = spec.trl_flag
+        on = on or (trl_flag is not None and trl_flag in ignored and bool(getattr(trl_args, trl_flag, False)))
+        if on:
+            enabled.append(name)
+    return resolve_roles(config.catalog.specs, enabled)
+
+
+def check_trainer_settings(config: TrlExtConfig, trainer_class: str, trl_args: Any) -> list[str]:
+    """The plugins a `trainer_class` built with `trl_args` (its TRL config) gets under `config`, once what would
+    otherwise be silently ignored is refused: a plugin flag given off while the TRL config sets the TRL flag that
+    plugin serves (`TrlExtConfig.check_trl_flags`), and options for a plugin that a TRL flag could enable but that
+    this trainer does not get (checked at install time for the others). `trl-ext dpo` / `online-dpo` call it
+    before any model loads, every trainer built while installed when it is built.
+
+    Raises:
+        `trl_ext.UsageError`: naming the setting and what to do.
+    """
+    config.check_trl_flags(trainer_class, trl_args)
+    enabled = enabled_plugins(config, trainer_class, trl_args)[0]
+    for name in config.plugins:
+        spec = config.catalog.specs[name]
+        if spec.flags and spec.trl_flag and spec.applies_to(trainer_class) and name not in enabled:
+            trl_config = type(trl_args).__name__ if trl_args is not None else None
+            raise UsageError(config.unused_options_message(name, trainer_class, trl_config))
+    return enabled
