@@ -97,8 +97,8 @@ class TrainerContext:
         self._run_depth = 0
         self.held: set[str] = set()
         #: The enabled plugins whose answers change how this trainer computes its log-probs (packed, head, model
-        #: forwards, scoring methods, a micro-batcher), and the scoring methods as the trainer held them before any
-        #: plugin answered: what `trl_ext.verify` checks and runs as stock.
+        #: forwards, scoring methods; token_budget adds itself), and the scoring methods as the trainer held them
+        #: before any plugin answered: what `trl_ext.verify` checks and runs as stock.
         self.math_plugins: list[str] = []
         self.stock_methods: dict[str, Callable[..., Any]] = {}
         #: `trl_ext.verify.Verify` when verify checks this trainer (its `results`), else None.

@@ -9,7 +9,7 @@ import weakref
 from collections.abc import Mapping
 from typing import Any
 
-from . import _compat, attach, calls, micro_batching, verify
+from . import _compat, attach, calls, verify
 from ._logging import NOTICE, get_logger, is_main_process
 from .config import TrlExtConfig, load_config
 from .context import _LIVE, TrainerContext
@@ -260,7 +260,6 @@ class Installation:
         ctx.prepare_models()
         if enabled:
             attach.attach_after_init(ctx)
-            micro_batching.attach(ctx)
             verify.attach(ctx)
             calls.attach(ctx, init=False)
         ctx.hook.trl_ext_trainer_init_end(trainer=trainer, context=ctx)

@@ -1,8 +1,8 @@
 """`verify`: the first training steps of a trainer whose plugins change the math, checked against stock TRL.
 
-A plugin changes the math when it answered `trl_ext_make_packed_forward`, `_head_forward`, `_model_forward`,
-`_scoring_method` or `_micro_batcher` for the trainer (`TrainerContext.math_plugins`). In the first `verify`
-optimizer steps (default 1; `verify: false` turns it off), each call of the trainer's scoring method
+A plugin changes the math when it answered `trl_ext_make_packed_forward`, `_head_forward`, `_model_forward` or
+`_scoring_method` for the trainer, or says so itself (token_budget) (`TrainerContext.math_plugins`). In the first
+`verify` optimizer steps (default 1; `verify: false` turns it off), each call of the trainer's scoring method
 (`_compat.VERIFIED_SCORING_METHODS`) runs as always, the per-sequence log-probs of its model calls captured (policy,
 then reference), then once more as stock TRL, on the same batch, under `torch.no_grad()`, on the same device, dtype,
 kernels and engine: the method the trainer held before any plugin answered (`TrainerContext.stock_methods`), with

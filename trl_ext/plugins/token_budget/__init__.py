@@ -65,8 +65,8 @@ loss type):
   one tensor whose rows follow the batch's, since accelerate joins batches of tensors only: `.dispatch`);
   `get_batch_samples` returns one entry per stock micro-batch (equal to it, so FLOs and token counting are
   unchanged); the re-cut micro-batches, collated by the trainer's collator, are spread over those entries and
-  `training_step` runs each entry's micro-batches in turn. The plugin answers `trl_ext_make_micro_batcher`
-  (`.batcher`): the core wraps those trainer methods for it, through the trainer's undo stack.
+  `training_step` runs each entry's micro-batches in turn. The plugin takes part in those trainer methods through
+  `trl_ext_call` (`.calls`), innermost (`trylast`): a plugin outside it sees one `training_step` per stock batch.
 - *Other plugins and options.* With padding_free or prompt_sharing the result equals stock within their own float32
   floor; with sync_metrics (which reduces the metrics itself, weighting by pairs and tokens) the logs equal
   sync_metrics alone. PEFT (the adapter-disabled reference included), gradient checkpointing and
@@ -161,6 +161,18 @@ TRL_EXT_PLUGIN = PluginSpec(
     options=TokenBudgetOptions,
     trainers=("DPOTrainer",),
     hooks=".hooks",
+    calls=(
+        "get_train_dataloader",
+        "get_eval_dataloader",
+        "get_test_dataloader",
+        "get_batch_samples",
+        "training_step",
+        "compute_loss",
+        "prediction_step",
+        "train",
+        "accelerator.gather",
+        "accelerator.gather_for_metrics",
+    ),
 )
 
 
