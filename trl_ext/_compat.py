@@ -337,7 +337,8 @@ TRAINER_SCORING_METHODS = {"DPOTrainer": DPO_SCORING_METHODS, "OnlineDPOTrainer"
 INIT_CALLS = (DPO_PRECOMPUTE_METHOD, *DPO_SCORING_METHODS, ONLINE_DPO_FORWARD_METHOD)
 #: transformers' `Trainer`: the attribute saying that `compute_loss` already scaled the loss for gradient accumulation
 #: (`training_step` then does not divide it), and the method that fetches one optimizer step's batches. Consumer:
-#: `plugins.token_budget.step`. Checked on transformers 5.24.0.
+#: `plugins.token_budget` (`hooks` sets the attribute, `calls` re-cuts the fetched batches). Checked on transformers
+#: 5.24.0.
 TRAINER_LOSS_SCALED_ATTR = "loss_is_scaled_for_ga"
 TRAINER_BATCH_SAMPLES_METHOD = "get_batch_samples"
 

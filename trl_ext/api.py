@@ -10,9 +10,6 @@ are those helpers, re-exported.
   of a trainer method a plugin takes part in, `trl_ext_call`), `TrlExtConfig`,
   `Installation`, `Patcher`; and the error every refusal raises, `UsageError` (its message says the fix).
 - Roles (`PluginSpec(serves=...)`): `PACKING`, `METRICS`.
-- Micro-batches of a plugin's own (`trl_ext_make_micro_batcher`): `MicroBatcher`, the protocol its answer satisfies
-  (`trl_ext.micro_batching` says which trainer methods the core wraps around it), and `StockBatches`, what it reports
-  for `trl_ext_stock_batches`.
 - Packed positions, announced around a packed model call by the packing plugin (`PackedPositions`,
   `packed_positions`, `current_packed_positions`); these import torch, so they resolve on first use.
 - Self-check probes (sizing a probe from what training will feed, and the stock padded forward to compare with):
@@ -41,7 +38,6 @@ from .context import TrainerContext
 from .errors import UsageError
 from .hookspecs import hookimpl
 from .installation import Installation
-from .micro_batching import MicroBatcher, StockBatches
 from .patching import Patcher
 from .plugins._memory import GPU_MEMORY_FRACTION, ExtraMemory, over_budget
 from .plugins._probe import (
@@ -84,7 +80,6 @@ __all__ = [
     "ExtraMemory",
     "Flag",
     "Installation",
-    "MicroBatcher",
     "PackedPositions",
     "Parser",
     "Patcher",
@@ -92,7 +87,6 @@ __all__ = [
     "PluginSpec",
     "Ranks",
     "Size",
-    "StockBatches",
     "TrainerContext",
     "TrlExtConfig",
     "UsageError",

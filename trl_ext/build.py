@@ -11,8 +11,9 @@ the trainer instance, through the trainer's own undo stack (`TrainerContext.patc
 5. TRL's `__init__`, with the patches scoped to a run applied (`TrainerContext.running`);
 6. `prepare_models` (already done if DPO precomputed in `__init__`): the collator, packed, head and model forwards,
    then `trl_ext_trainer_models_ready`;
-7. `log` and the entry points (`attach.attach_after_init`), the micro-batcher, `verify`, and the other methods plugins
-   take part in (`calls.attach(init=False)`), each wrapped outside the one before;
+7. `log` and the entry points (`attach.attach_after_init`), `verify`, and the other methods plugins take part in
+   (`calls.attach(init=False)`), each wrapped outside the one before (a chain of `training_step` runs outside
+   verify's; verify runs outside the chains of the scoring methods, wrapped in step 4);
 8. `trl_ext_trainer_init_end`; the trainer's log lines on the main process (`announce`).
 """
 
@@ -21,7 +22,7 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Any
 
-from . import _compat, attach, calls, micro_batching, verify
+from . import _compat, attach, calls, verify
 from ._logging import NOTICE, get_logger, is_main_process
 from .context import TrainerContext, output_head_module
 from .errors import UsageError
@@ -64,7 +65,6 @@ def build(installation: Installation, trainer_class: str, original: Any, trainer
         prepare_models(ctx)
         if enabled:
             attach.attach_after_init(ctx)
-            micro_batching.attach(ctx)
             verify.attach(ctx)
             calls.attach(ctx, init=False)
         ctx.hook.trl_ext_trainer_init_end(trainer=trainer, context=ctx)

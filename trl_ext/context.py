@@ -96,8 +96,8 @@ class TrainerContext:
         self._run_depth = 0
         self.held: set[str] = set()
         #: The enabled plugins whose answers change how this trainer computes its log-probs (packed, head, model
-        #: forwards, a micro-batcher), and the scoring methods as the trainer held them before any plugin took part
-        #: in their calls: what `trl_ext.verify` checks and runs as stock.
+        #: forwards; token_budget adds itself), and the scoring methods as the trainer held them before any plugin
+        #: took part in their calls: what `trl_ext.verify` checks and runs as stock.
         self.math_plugins: list[str] = []
         self.stock_methods: dict[str, Callable[..., Any]] = {}
         #: `{method: plugins}`: the chain of each method wrapped for `trl_ext_call`, outermost first (`trl_ext.calls`).

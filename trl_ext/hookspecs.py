@@ -37,7 +37,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from .config import TrlExtConfig
     from .context import TrainerContext
     from .installation import Installation
-    from .micro_batching import MicroBatcher
 
 PROJECT_NAME = "trl_ext"
 
@@ -185,28 +184,13 @@ def trl_ext_reduce_metrics(
 
 
 @hookspec
-def trl_ext_make_micro_batcher(trainer: Trainer, context: TrainerContext) -> MicroBatcher | None:
-    """Return the object that cuts this trainer's training steps into micro-batches of its own, or None for stock's.
-
-    Called once per trainer, on every rank, after TRL's `__init__` (and `trl_ext_make_collator`,
-    `trl_ext_make_packed_forward`, `trl_ext_trainer_models_ready`) and right before the `trl_ext_trainer_init_end`
-    hooks. The result satisfies `trl_ext.api.MicroBatcher`: the core then wraps the trainer's loaders,
-    `get_batch_samples`, `training_step`, `compute_loss`, `prediction_step` and `train` to delegate to it, through
-    the trainer's undo stack (`trl_ext.micro_batching` says what each wrapper does), so the plugin sets no trainer
-    attribute itself. Each optimizer step keeps the Trainer's count of `training_step` calls; what the micro-batcher
-    runs in them, and how it rebuilds TRL's per-micro-batch metrics into stock's, is its own.
-    Exclusive: two enabled plugins answering is a `UsageError`.
-    """
-
-
-@hookspec
 def trl_ext_stock_batches(trainer: Trainer, context: TrainerContext, mode: str, calls: int, sizes: list[int]) -> None:
-    """The last `calls` `compute_loss` calls ran, re-cut by the trainer's micro-batcher, what stock runs as batches
-    of `sizes` pairs.
+    """The last `calls` `compute_loss` calls ran, re-cut into micro-batches of a plugin's own, what stock runs as
+    batches of `sizes` pairs.
 
-    Called on every enabled plugin, on every rank, after a `training_step` or `prediction_step` call of a trainer with
-    a micro-batcher (`trl_ext_make_micro_batcher`) that reports it: at the end of each optimizer step (`mode`
-    `"train"`) and of each evaluation batch it cut (`"eval"`). A plugin that counts the pairs of each `compute_loss`
+    Announced by the plugin that re-cuts them (token_budget, through `context.hook`), on every rank, after a
+    `training_step` or `prediction_step` call: at the end of each optimizer step (`mode` `"train"`) and of each
+    evaluation batch it cut (`"eval"`). A plugin that counts the pairs of each `compute_loss`
     call (a metrics reducer weighting stock's per-batch means) replaces its last `calls` counts with `sizes`. The
     return value is ignored.
     """

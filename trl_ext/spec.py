@@ -302,8 +302,10 @@ class PluginSpec:
             The trainer methods its `trl_ext_call` implementation takes part in (`trl_ext.calls`): `"training_step"`,
             `"DPOTrainer._compute_loss"` (one stock trainer class only), `"accelerator.gather"`.
         replaces (`tuple[str, ...]`, *optional*, defaults to `()`):
-            Methods it takes part in the same way whose TRL code it does not run (it never calls `proceed()`, or not
-            always): two enabled plugins replacing one method of a trainer are a `UsageError`.
+            Methods whose TRL code it replaces: its `trl_ext_call` answers their calls itself (`call.proceed()` only
+            for calls it leaves to TRL). Two enabled plugins replacing one method of a trainer are a `UsageError`. A
+            plugin that answers a call itself only in a state of its own (sync_metrics' and token_budget's gathers)
+            lists it under `calls`: the chain's order decides.
     """
 
     name: str

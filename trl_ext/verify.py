@@ -1,16 +1,17 @@
 """`verify`: the first training steps of a trainer whose plugins change the math, checked against stock TRL.
 
-A plugin changes the math when it answered `trl_ext_make_packed_forward`, `_head_forward`, `_model_forward` or
-`_micro_batcher` for the trainer (`TrainerContext.math_plugins`). In the first `verify` optimizer steps (default 1;
-`verify: false` turns it off), each call of the trainer's scoring method (`_compat.VERIFIED_SCORING_METHODS`) runs as
-always, the per-sequence log-probs of its model calls captured (policy, then reference), then once more as stock TRL,
-on the same batch, under `torch.no_grad()`, on the same device, dtype, kernels and engine: the method the trainer held
-before any plugin took part in its calls (`TrainerContext.stock_methods`), with the `forward`s and attention
-implementations the plugins changed put back (`Patcher.suspended`) and `STOCK_CALL` set (a plugin's wrapper that
-something else wrapped since, accelerate's autocast, then passes calls through). The random generators restart where
-the real call started and end where it left them, and the trainer's attributes are put back (plain data such as metric
-buffers, token counts and on-device metric sums with their contents, any other as the same object:
-`_verify_state.snapshot`): training goes on bit for bit as without verify.
+A plugin changes the math when it answered `trl_ext_make_packed_forward`, `_head_forward` or `_model_forward` for the
+trainer, or says so itself (token_budget) (`TrainerContext.math_plugins`). In the first `verify` optimizer steps
+(default 1; `verify: false` turns it off), each call of the trainer's scoring method
+(`_compat.VERIFIED_SCORING_METHODS`) runs as always, the per-sequence log-probs of its model calls captured (policy,
+then reference), then once more as stock TRL, on the same batch, under `torch.no_grad()`, on the same device, dtype,
+kernels and engine: the method the trainer held before any plugin took part in its calls
+(`TrainerContext.stock_methods`), with the `forward`s and attention implementations the plugins changed put back
+(`Patcher.suspended`) and `STOCK_CALL` set (a plugin's wrapper that something else wrapped since, accelerate's
+autocast, then passes calls through). The random generators restart where the real call started and end where it left
+them, and the trainer's attributes are put back (plain data such as metric buffers, token counts and on-device metric
+sums with their contents, any other as the same object: `_verify_state.snapshot`): training goes on bit for bit as
+without verify.
 
 Tolerance per sequence, from stock's own round-off: under 16-bit autocast, `MARGIN` times stock's largest 16-bit vs
 float32 difference on the batch (the float32 call: accelerate's `forward` without its autocast) plus the float32

@@ -16,16 +16,19 @@ token_budget moves 1.7e-7 and 1.5e-7; 5e-9 for `sigmoid`.
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import pytest
 import torch
 
 import trl_ext
 from trl_ext import UsageError
+from trl_ext.api import PluginSpec
 from trl_ext.plugins.token_budget.cut import Pair, cut_step, pair_length, plan, spread
 from trl_ext.plugins.token_budget.hooks import COUPLED_LOSS_TYPES
 from trl_ext.testing import make_model
 
+from .._fakes import install_fake_plugin
 from ..equivalence import one_thread, sharpen
 from .token_budget_harness import (
     ACCUMULATION,
@@ -105,7 +108,7 @@ def test_equals_stock_sigmoid(dpo_args, tokenizer):
     assert len(state.micro_batch_counts) == 2
     assert sum(state.over_budget) > 0, "the data must hold a pair longer than the budget"
     assert sum(state.micro_batch_counts) < PAIRS, "some pairs must share a micro-batch"
-    assert "gather" not in vars(plugin[0].accelerator), "the per-micro-batch recording is undone after each call"
+    assert state.gathered is None, "TRL's gathers are recorded only while a micro-batch's `compute_loss` runs"
 
 
 @pytest.mark.slow
@@ -272,7 +275,7 @@ def test_detach_restores_the_trainer(dpo_args, tokenizer):
     from trl import DPOTrainer
 
     names = ("get_train_dataloader", "get_eval_dataloader", "get_test_dataloader", "get_batch_samples")
-    names += ("training_step", "compute_loss", "prediction_step", "loss_is_scaled_for_ga")
+    names += ("training_step", "compute_loss", "prediction_step", "loss_is_scaled_for_ga", "train")
     with trl_ext.install(token_budget=BUDGET) as installation:
         trainer = DPOTrainer(
             make_model(hidden_size=32),
@@ -282,8 +285,60 @@ def test_detach_restores_the_trainer(dpo_args, tokenizer):
             processing_class=tokenizer,
         )
         assert all(name in trainer.__dict__ for name in names)
+        assert trainer.loss_is_scaled_for_ga is True
+        assert {"gather", "gather_for_metrics"} <= set(vars(trainer.accelerator))
         installation.detach(trainer)
     assert not any(name in trainer.__dict__ for name in names)
+    assert trainer.loss_is_scaled_for_ga is type(trainer).loss_is_scaled_for_ga
+    assert not {"gather", "gather_for_metrics"} & set(vars(trainer.accelerator))
+
+
+class _Observer:
+    """A third-party plugin taking part in the same trainer methods as token_budget, with the default order: outside
+    token_budget's (`trylast`), so it sees the calls the Trainer makes."""
+
+    TRL_EXT_PLUGIN = PluginSpec(
+        name="observer",
+        summary="Counts calls.",
+        trainers=("DPOTrainer",),
+        calls=("get_batch_samples", "training_step", "compute_loss", "train"),
+    )
+
+    def __init__(self) -> None:
+        self.calls: Counter[str] = Counter()
+        self.told: list[tuple[str, int, list[int]]] = []
+
+    @trl_ext.hookimpl
+    def trl_ext_call(self, trainer, context, call):
+        self.calls[call.name] += 1
+        if call.name == "get_batch_samples":  # what the Trainer gets: one entry per stock batch
+            batches, num_items_in_batch = result = call.proceed()
+            self.calls["batches"] += len(batches)
+            return result
+        return call.proceed()
+
+    @trl_ext.hookimpl
+    def trl_ext_stock_batches(self, trainer, context, mode, calls, sizes):
+        self.told.append((mode, calls, sizes))
+
+
+def test_a_plugin_outside_sees_the_trainers_calls_and_is_told_stocks_batches(dpo_args, tokenizer, monkeypatch):
+    """What sync_metrics relies on: outside token_budget in the chain, one `training_step` per stock batch, a
+    `compute_loss` per re-cut micro-batch, and after each step the stock batches they stood for
+    (`trl_ext_stock_batches`)."""
+    observer = _Observer()
+    install_fake_plugin(monkeypatch, "observer", observer)
+    with _records() as records:
+        trainer, _, _ = _train(dpo_args, tokenizer, {PLUGIN: BUDGET, "plugins": {"observer": {}}})
+    state = _state(trainer)
+    stock = [ACCUMULATION, ACCUMULATION]  # 7 pairs in batches of 2 (2, 2 | 2, 1), 2 per step
+    assert state.stock_micro_batch_counts == stock
+    assert observer.calls["training_step"] == observer.calls["batches"] == sum(stock)
+    assert observer.calls["compute_loss"] == sum(state.micro_batch_counts) != sum(stock)
+    assert observer.calls["train"] == 1 and observer.calls["get_batch_samples"] >= 2
+    counts = state.micro_batch_counts
+    assert observer.told == [("train", counts[0], [2, 2]), ("train", counts[1], [2, 1])]
+    assert [r.getMessage() for r in records if r.getMessage().startswith("token_budget: 2 optimizer step(s)")]
 
 
 def test_end_line_sets_the_largest_micro_batch_against_stocks(dpo_args, tokenizer, monkeypatch):

@@ -2,7 +2,7 @@
 (`token_budget=<tokens>` or `"auto"`).
 
 Each optimizer step consumes the pairs stock TRL gives it, run in micro-batches of at most `token_budget` tokens,
-through the core's `trl_ext_make_micro_batcher` hook.
+taking part in the trainer's loaders and steps through `trl_ext_call`.
 
 See docs/plugins/token_budget.md.
 """
@@ -58,6 +58,18 @@ TRL_EXT_PLUGIN = PluginSpec(
     options=TokenBudgetOptions,
     trainers=("DPOTrainer",),
     hooks=".hooks",
+    calls=(
+        "get_train_dataloader",
+        "get_eval_dataloader",
+        "get_test_dataloader",
+        "get_batch_samples",
+        "training_step",
+        "compute_loss",
+        "prediction_step",
+        "train",
+        "accelerator.gather",
+        "accelerator.gather_for_metrics",
+    ),
 )
 
 

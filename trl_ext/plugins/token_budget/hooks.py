@@ -12,7 +12,7 @@ from .._roles import METRICS, PACKING
 from . import NAME
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ...micro_batching import MicroBatcher
+    from ...calls import Call
 
 logger = get_logger(__name__)
 
@@ -125,10 +125,16 @@ def check_trainer(trainer: Any) -> None:
 
 
 @hookimpl
-def trl_ext_make_micro_batcher(trainer: Any, context: Any) -> MicroBatcher:
-    """The refusals that read the built trainer, the budget ("auto" measured now), and the micro-batcher the core
-    wraps the trainer's methods around (`.batcher`)."""
-    from .batcher import TokenBudgetBatcher
+def trl_ext_trainer_models_ready(trainer: Any, context: Any) -> None:
+    # token_budget changes the math of every step it runs: `verify` checks this trainer's first steps.
+    if NAME not in context.math_plugins:
+        context.math_plugins.append(NAME)
+
+
+@hookimpl(tryfirst=True)
+def trl_ext_trainer_init_end(trainer: Any, context: Any) -> None:
+    """The refusals that read the built trainer, the budget ("auto" measured now, before the other plugins' own
+    wrappers are set), the trainer's state, and transformers' flag that `compute_loss` scales the loss for the step."""
     from .step import TokenBudgetState
 
     check_trainer(trainer)
@@ -147,8 +153,10 @@ def trl_ext_make_micro_batcher(trainer: Any, context: Any) -> MicroBatcher:
     packing = any(context.is_enabled(name) for name in context.plugins_serving(PACKING))
     packed = layout(trainer.data_collator if packing else None)
     budget = resolve(trainer, context, packed)
-    state = TokenBudgetState(trainer, budget, packed)
-    context.state[NAME] = state
+    context.state[NAME] = TokenBudgetState(trainer, budget, packed)
+    # `compute_loss` returns each micro-batch's loss already weighted for the step: transformers' `training_step`
+    # must not divide it by the accumulation steps again.
+    context.patcher.setattr(trainer, _compat.TRAINER_LOSS_SCALED_ATTR, True)
     processes = trainer.accelerator.num_processes
     logger.info(
         "token_budget: each optimizer step's %d x %d pairs run in micro-batches of at most %d %s tokens%s",
@@ -158,7 +166,18 @@ def trl_ext_make_micro_batcher(trainer: Any, context: Any) -> MicroBatcher:
         "packed" if packed else "padded",
         f"; the {processes} ranks' pairs are cut together, tokens balanced, in lockstep" if processes > 1 else "",
     )
-    return TokenBudgetBatcher(state)
+
+
+@hookimpl(trylast=True)
+def trl_ext_call(trainer: Any, context: Any, call: Call) -> Any:
+    """Innermost, next to TRL (`trylast`): the plugins outside see one `training_step` per stock batch. `.calls` says
+    what each method does."""
+    state = context.state.get(NAME)
+    if state is None:  # before `trl_ext_trainer_init_end` (the "auto" probe): stock
+        return call.proceed()
+    from . import calls
+
+    return calls.run(trainer, context, state, call)
 
 
 @hookimpl

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -30,7 +30,6 @@ from ... import _compat
 from ..._logging import get_logger, is_main_process
 from ..._shared import Ranks
 from ...errors import InternalError, UsageError
-from ...patching import Patcher
 from . import sft
 from .cut import EXAMPLES_KEY, Layout, MicroBatch, cut_step, padded_multiple, spread, tokens
 from .dispatch import examples_of
@@ -98,8 +97,35 @@ class TokenBudgetState:
         self.empty_slots = 0
         self.warned_nonfinite = False
         self.warned_over = False
-        #: `(mode, calls, sizes)` not yet told to the other plugins (`trl_ext_stock_batches`, through the core)
+        #: `(mode, calls, sizes)` not yet told to the other plugins (`trl_ext_stock_batches`, `.calls`)
         self.stock_batches: list[tuple[str, int, list[int]]] = []
+        #: while `compute_loss` runs a micro-batch (`capture`): the tensors TRL gathered, with what `gather` returned
+        self.gathered: list[tuple[torch.Tensor, Any]] | None = None
+        #: inside `accelerator.gather_for_metrics` (whose own `gather` calls are not TRL's per-pair ones)
+        self.inside_for_metrics = 0
+        #: `len(micro_batch_counts)` when the current `train()` started (`report.summary`)
+        self.first_step = 0
+
+    # -- accelerator.gather / gather_for_metrics, while `capture` runs a micro-batch --
+
+    def gather(self, gather: Callable[[], Any], tensor: Any) -> Any:
+        """Record a tensor TRL gathers (its per-pair metrics: `accelerate`'s `gather_for_metrics` calls `gather` too,
+        not recorded); on several processes answer it locally: the ranks' micro-batches hold different numbers of
+        pairs, which `accelerator.gather` cannot join (`capture`)."""
+        assert self.gathered is not None
+        result = tensor if self.ranks.world > 1 else gather()
+        if not self.inside_for_metrics and isinstance(tensor, torch.Tensor):
+            self.gathered.append((tensor.detach(), result))
+        return result
+
+    def gather_for_metrics(self, gather_for_metrics: Callable[[], Any], data: Any) -> Any:
+        if self.ranks.world > 1:
+            return data
+        self.inside_for_metrics += 1
+        try:
+            return gather_for_metrics()
+        finally:
+            self.inside_for_metrics -= 1
 
     # -- get_batch_samples --
 
@@ -365,9 +391,8 @@ class TokenBudgetState:
         """Record, for the micro-batch TRL's `_compute_loss` runs now, what its metrics are made of, and take the
         values TRL appends back out of its buffer.
 
-        TRL's per-pair metrics are the tensors it passes to `accelerator.gather`; they are recorded by a wrapper set
-        around whatever `gather` the accelerator holds for the duration of the call (outermost, so another plugin's
-        own `gather` wrapper still sees every call), and identified by checking each against what TRL appends.
+        TRL's per-pair metrics are the tensors it passes to `accelerator.gather`; they are recorded for the duration
+        of the call (`gathered`, filled by `gather`), and identified by checking each against what TRL appends.
 
         On several processes TRL's gathers are answered locally (its tensors as they are): the ranks' micro-batches
         at one position hold different numbers of pairs, which `accelerator.gather` cannot join, and the plugin
@@ -381,40 +406,17 @@ class TokenBudgetState:
         tokens_before = getattr(trainer, _compat.DPO_TOTAL_TRAIN_TOKENS)
         outputs: list[Any] = []
         gathered: list[tuple[torch.Tensor, Any]] = []
-        accelerator = trainer.accelerator
-        gather, gather_for_metrics = accelerator.gather, accelerator.gather_for_metrics
-        if self.ranks.world > 1:
-            gather = gather_for_metrics = _local
-        inside_for_metrics = [0]
-
-        @functools.wraps(gather)
-        def recording_gather(tensor: Any) -> Any:
-            result = gather(tensor)
-            # accelerate's `gather_for_metrics` calls `gather` too; only TRL's direct gathers are per-pair values.
-            if not inside_for_metrics[0] and isinstance(tensor, torch.Tensor):
-                gathered.append((tensor.detach(), result))
-            return result
-
-        @functools.wraps(gather_for_metrics)
-        def counting_gather_for_metrics(*args: Any, **kwargs: Any) -> Any:
-            inside_for_metrics[0] += 1
-            try:
-                return gather_for_metrics(*args, **kwargs)
-            finally:
-                inside_for_metrics[0] -= 1
 
         def keep_first(module: Any, args: Any, output: Any) -> None:
             if not outputs:  # the policy forward; a PEFT reference forward through the same module comes after
                 outputs.append(output)
 
-        scoped = Patcher("token_budget (one micro-batch)")
         handle = model.register_forward_hook(keep_first)
+        self.gathered = gathered
         try:
-            scoped.setattr(accelerator, "gather", recording_gather)
-            scoped.setattr(accelerator, "gather_for_metrics", counting_gather_for_metrics)
             yield outputs
         finally:
-            scoped.undo()
+            self.gathered = None
             handle.remove()
         appended = {}
         for name, values in metrics.items():
@@ -430,8 +432,3 @@ class TokenBudgetState:
         self.record.add(gathered, row_sums(outputs[0], inputs), appended)
         if self.active is not None:
             self.recorded.extend((p.batch, p.row) for p in self.active.pairs)
-
-
-def _local(tensor: Any, *args: Any, **kwargs: Any) -> Any:
-    """`accelerator.gather` / `gather_for_metrics` answered by this rank alone."""
-    return tensor
