@@ -332,8 +332,7 @@ ONLINE_DPO_MAX_LENGTH_ATTR = "max_length"
 #: on TRL < 1.15) and prompt_sharing, through `trl_ext_call`. Checked on 1.10.0-1.16.0 (all exist on every supported
 #: TRL); none for GRPO and RLOO (no plugin scores them).
 TRAINER_SCORING_METHODS = {"DPOTrainer": DPO_SCORING_METHODS, "OnlineDPOTrainer": (ONLINE_DPO_FORWARD_METHOD,)}
-#: Methods `trl_ext.calls` wraps before TRL's `__init__` runs: the reference precompute and the scoring methods (DPO's
-#: precompute scores in `__init__`; `verify` runs the scoring methods as held before any plugin took part).
+#: Wrapped by `trl_ext.calls` before TRL's `__init__` (it runs DPO's precompute, which scores: `compute_ref_log_probs`)
 INIT_CALLS = (DPO_PRECOMPUTE_METHOD, *DPO_SCORING_METHODS, ONLINE_DPO_FORWARD_METHOD)
 #: transformers' `Trainer`: the attribute saying that `compute_loss` already scaled the loss for gradient accumulation
 #: (`training_step` then does not divide it), and the method that fetches one optimizer step's batches. Consumer:
