@@ -147,11 +147,11 @@ def test_the_public_import_check_catches_internal_modules():
         import trl_ext
         from trl_ext import UsageError, api, spec
         from trl_ext.api import PACKING
-        from trl_ext.plugins._roles import METRICS
+        from trl_ext.toolkit.roles import METRICS
         import trl_ext._shared
         """
     )
-    assert non_public_imports(source) == ["trl_ext._shared", "trl_ext.plugins._roles", "trl_ext.spec"]
+    assert non_public_imports(source) == ["trl_ext._shared", "trl_ext.toolkit.roles", "trl_ext.spec"]
 
 
 @pytest.mark.parametrize("name", api.__all__)
@@ -168,7 +168,7 @@ def test_api_covers_what_the_built_ins_share():
     from trl_ext._shared import Ranks
     from trl_ext.errors import UsageError
     from trl_ext.plugins import _roles
-    from trl_ext.plugins._packing import positions
+    from trl_ext.toolkit.packing import positions
 
     assert api.PackedPositions is positions.PackedPositions
     assert api.packed_positions is positions.packed_positions
