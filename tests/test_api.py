@@ -266,6 +266,6 @@ def test_api_covers_what_the_built_ins_share():
 
 @pytest.mark.slow
 def test_importing_the_api_imports_nothing_heavy():
-    code = "import sys, trl_ext.api; print(','.join(m for m in sys.argv[1:] if m in sys.modules))"
+    code = "import sys, trl_ext.api, trl_ext.toolkit; print(','.join(m for m in sys.argv[1:] if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code, *HEAVY], capture_output=True, text=True, check=True, cwd=ROOT)
-    assert out.stdout.strip() == "", f"import trl_ext.api imported {out.stdout.strip()}"
+    assert out.stdout.strip() == "", f"import trl_ext.api, trl_ext.toolkit imported {out.stdout.strip()}"
