@@ -1,7 +1,7 @@
 """GPU benchmark of the packing plugins' attention: stock DPO vs padding_free vs prompt_sharing on one CUDA device.
 
 Measures what docs/research on the H200 found slow (one SDPA call per sequence per layer) against the fused varlen
-kernel (`trl_ext/plugins/_packing/kernels.py`). The workload is that measurement's: a LlamaForCausalLM from a config
+kernel (`trl_ext/toolkit/packing/kernels.py`). The workload is that measurement's: a LlamaForCausalLM from a config
 (hidden 2048, 16 layers, 16 heads / 4 KV heads, intermediate 5632, vocab 32000: 853M parameters), bf16 weights,
 `attn_implementation="sdpa"`, a separate reference model, 8 pairs per step, `max_length` 2048, synthetic pairs with
 log-normal lengths (prompts 32-512 tokens, completions 16-1024), 6 batches. Each variant is its own `DPOTrainer` on
@@ -172,7 +172,7 @@ def build_trainers(args, tokenizer, dataset, output_dir) -> dict:
 
 def attention_of(trainer) -> str | None:
     """The packed attention the trainer logged (`varlen_attn (CUDA, bf16)`, `per-segment loop (...)`), if any."""
-    from trl_ext.plugins._packing.kernels import describe_choice
+    from trl_ext.toolkit.packing.kernels import describe_choice
 
     context = getattr(trainer, "_trl_ext", None)
     if context is None:

@@ -1,10 +1,13 @@
 """`trl_ext.api`, the public module for plugin authors, and the import rules around it, checked on the source:
 
 - a module of one built-in plugin (`trl_ext/plugins/<name>/...`) never imports another plugin
-  (`trl_ext.plugins.<other>` and anything under it); the private shared modules (`trl_ext._x`,
-  `trl_ext.plugins._x`) are the built-ins' to use;
+  (`trl_ext.plugins.<other>` and anything under it);
+- a built-in plugin imports trl-ext only through the public surface, as a third-party plugin of its kind would:
+  `trl_ext.api`, the toolkit (`trl_ext.toolkit[.x]`), the public names of `trl_ext`, plus `trl_ext._compat` (the
+  core's index of TRL facts) and its own package; never a private core module (`trl_ext._logging`, `trl_ext.errors`,
+  `trl_ext.context`, ...);
 - third-party-style code (tests/typed_plugin/, the example plugin of docs/writing-plugins.md, which
-  tests/test_third_party.py installs) imports only `trl_ext` and `trl_ext.api` of trl-ext;
+  tests/test_third_party.py installs) imports only `trl_ext`, `trl_ext.api` and the toolkit of trl-ext;
 - every name of `trl_ext.api` resolves, to the object of the module that owns it, and importing it is light.
 """
 
@@ -24,6 +27,9 @@ import trl_ext.api as api
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "trl_ext"
 PUBLIC = {"trl_ext", "trl_ext.api"}
+TOOLKIT = "trl_ext.toolkit"
+#: What a built-in plugin imports of trl-ext besides the public surface: the core's index of TRL facts.
+BUILT_IN_EXTRA = {"trl_ext._compat"}
 HEAVY = ("torch", "transformers", "deepspeed", "trl", "accelerate")
 
 
@@ -81,10 +87,42 @@ def cross_plugin_imports(sources: dict[str, tuple[str, bool]]) -> list[str]:
     return found
 
 
+def _public_module(module: str) -> bool:
+    return module in PUBLIC or module == TOOLKIT or module.startswith(f"{TOOLKIT}.")
+
+
 def non_public_imports(source: str) -> list[str]:
-    """The modules of trl-ext that third-party code `source` imports other than `trl_ext` and `trl_ext.api`."""
+    """The modules of trl-ext that third-party code `source` imports other than `trl_ext`, `trl_ext.api` and the
+    toolkit's."""
     names = {_trl_ext_module(name) for name in imported_names(source, "third_party")}
-    return sorted(name for name in names if name is not None and name not in PUBLIC)
+    return sorted(name for name in names if name is not None and not _public_module(name))
+
+
+def _built_in_may_import(name: str, own: str) -> bool:
+    """Whether the built-in plugin `own` may import dotted `name` (a module, or a name imported from one)."""
+    package = f"trl_ext.plugins.{own}"
+    if name == package or name.startswith(f"{package}."):
+        return True
+    module = _trl_ext_module(name)
+    if module is None:
+        return True  # not trl-ext's
+    if module == "trl_ext":  # a name of the package itself: its public ones
+        return name == "trl_ext" or not name.split(".")[1].startswith("_")
+    return _public_module(module) or module in BUILT_IN_EXTRA
+
+
+def built_in_private_imports(sources: dict[str, tuple[str, bool]]) -> list[str]:
+    """`"importer -> imported"` for every import, in a module of a built-in plugin, of trl-ext outside what a
+    built-in may import (`_built_in_may_import`). `sources`: `{module: (source, is_package)}`."""
+    found = []
+    for module, (source, is_package) in sorted(sources.items()):
+        own = _plugin_of(module)
+        if own is None:
+            continue
+        for name in sorted(imported_names(source, module, is_package=is_package)):
+            if not _built_in_may_import(name, own):
+                found.append(f"{module} -> {name}")
+    return found
 
 
 def _package_sources() -> dict[str, tuple[str, bool]]:
@@ -117,9 +155,9 @@ def test_no_plugin_imports_another():
 
 def test_the_cross_plugin_check_catches_relative_and_absolute_imports():
     sources = {
-        "trl_ext.plugins.alpha": ("from .. import _roles\nfrom . import hooks\n", True),
+        "trl_ext.plugins.alpha": ("from ...toolkit import roles\nfrom . import hooks\n", True),
         "trl_ext.plugins.alpha.hooks": (
-            "from .._packing import positions\nfrom ..beta.cut import plan\n"
+            "from trl_ext.toolkit.packing import positions\nfrom ..beta.cut import plan\n"
             "def f():\n    import trl_ext.plugins.gamma\n",
             False,
         ),
@@ -130,6 +168,51 @@ def test_the_cross_plugin_check_catches_relative_and_absolute_imports():
         "trl_ext.plugins.alpha.hooks -> trl_ext.plugins.beta.cut.plan",
         "trl_ext.plugins.alpha.hooks -> trl_ext.plugins.gamma",
         "trl_ext.plugins.beta -> trl_ext.plugins.alpha",
+    ]
+
+
+def test_built_in_plugins_import_only_the_public_surface():
+    """A built-in plugin is written as a third-party one of its kind could be: `trl_ext.api`, the toolkit,
+    `trl_ext._compat` and its own package; module-level, function-level and `TYPE_CHECKING` imports alike."""
+    sources = _package_sources()
+    checked = [module for module in sources if _plugin_of(module) is not None]
+    assert len(checked) >= 40
+    assert built_in_private_imports(sources) == []
+
+
+def test_the_built_in_import_check_catches_a_private_import():
+    sources = {
+        "trl_ext.plugins.alpha": (
+            "from trl_ext.api import PluginSpec, lazy_getattr\nfrom ... import _compat\nfrom . import hooks\n",
+            True,
+        ),
+        "trl_ext.plugins.alpha.hooks": (
+            "from typing import TYPE_CHECKING\n"
+            "import torch\n"
+            "import trl_ext\n"
+            "from trl_ext import UsageError\n"
+            "from ...api import hookimpl\n"
+            "from ...toolkit.packing.glue import scoring_call\n"
+            "from trl_ext.toolkit import roles\n"
+            "from .cut import plan\n"
+            "from ..._logging import get_logger\n"  # a private core module, relative
+            "from trl_ext import errors\n"  # a private core module, as a name of the package
+            "if TYPE_CHECKING:\n"
+            "    from trl_ext.context import TrainerContext\n"
+            "def f():\n"
+            "    import trl_ext._shared\n"
+            "    from trl_ext import _private_name\n"
+            "    from ..beta import NAME\n",
+            False,
+        ),
+    }
+    assert built_in_private_imports(sources) == [
+        "trl_ext.plugins.alpha.hooks -> trl_ext._logging.get_logger",
+        "trl_ext.plugins.alpha.hooks -> trl_ext._private_name",
+        "trl_ext.plugins.alpha.hooks -> trl_ext._shared",
+        "trl_ext.plugins.alpha.hooks -> trl_ext.context.TrainerContext",
+        "trl_ext.plugins.alpha.hooks -> trl_ext.errors",
+        "trl_ext.plugins.alpha.hooks -> trl_ext.plugins.beta.NAME",
     ]
 
 
@@ -147,11 +230,13 @@ def test_the_public_import_check_catches_internal_modules():
         import trl_ext
         from trl_ext import UsageError, api, spec
         from trl_ext.api import PACKING
-        from trl_ext.plugins._roles import METRICS
+        from trl_ext.toolkit.roles import METRICS
+        from trl_ext.toolkit.packing import positions
+        from trl_ext.plugins.padding_free import hooks
         import trl_ext._shared
         """
     )
-    assert non_public_imports(source) == ["trl_ext._shared", "trl_ext.plugins._roles", "trl_ext.spec"]
+    assert non_public_imports(source) == ["trl_ext._shared", "trl_ext.plugins.padding_free.hooks", "trl_ext.spec"]
 
 
 @pytest.mark.parametrize("name", api.__all__)
@@ -167,13 +252,13 @@ def test_api_covers_what_the_built_ins_share():
     """The shared helpers that the built-in plugins and a packing-aware module inside the model meet through."""
     from trl_ext._shared import Ranks
     from trl_ext.errors import UsageError
-    from trl_ext.plugins import _roles
-    from trl_ext.plugins._packing import positions
+    from trl_ext.toolkit import roles
+    from trl_ext.toolkit.packing import positions
 
     assert api.PackedPositions is positions.PackedPositions
     assert api.packed_positions is positions.packed_positions
     assert api.current_packed_positions is positions.current_packed_positions
-    assert (api.PACKING, api.METRICS) == (_roles.PACKING, _roles.METRICS)
+    assert (api.PACKING, api.METRICS) == (roles.PACKING, roles.METRICS)
     assert api.Ranks is Ranks and api.UsageError is UsageError
     with pytest.raises(AttributeError, match="no attribute 'nothing_here'"):
         api.nothing_here  # noqa: B018
@@ -181,6 +266,6 @@ def test_api_covers_what_the_built_ins_share():
 
 @pytest.mark.slow
 def test_importing_the_api_imports_nothing_heavy():
-    code = "import sys, trl_ext.api; print(','.join(m for m in sys.argv[1:] if m in sys.modules))"
+    code = "import sys, trl_ext.api, trl_ext.toolkit; print(','.join(m for m in sys.argv[1:] if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code, *HEAVY], capture_output=True, text=True, check=True, cwd=ROOT)
-    assert out.stdout.strip() == "", f"import trl_ext.api imported {out.stdout.strip()}"
+    assert out.stdout.strip() == "", f"import trl_ext.api, trl_ext.toolkit imported {out.stdout.strip()}"

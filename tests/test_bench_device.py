@@ -56,7 +56,7 @@ def _probe_opts() -> argparse.Namespace:
 
 
 def test_kernel_probe_missing_from_the_build_is_recorded(monkeypatch):
-    monkeypatch.setitem(sys.modules, "trl_ext.plugins._packing.probe", None)  # importing it raises ImportError
+    monkeypatch.setitem(sys.modules, "trl_ext.toolkit.packing.probe", None)  # importing it raises ImportError
     record = device_parts.kernel_probe(_probe_opts(), {})
     assert record == {"kernel_probe": "not available in this build"}
 
@@ -69,9 +69,9 @@ def test_kernel_probe_results_are_recorded(monkeypatch):
         {"kernel": "varlen_attn", "dtype": "float16", "pattern": "shared", "error": 0.4, "tolerance": 5e-3,
          "passed": False, "exception": None},
     ]  # fmt: skip
-    fake = types.ModuleType("trl_ext.plugins._packing.probe")
+    fake = types.ModuleType("trl_ext.toolkit.packing.probe")
     fake.probe_installed_kernels = lambda device="cuda": seen.append(device) or results  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "trl_ext.plugins._packing.probe", fake)
+    monkeypatch.setitem(sys.modules, "trl_ext.toolkit.packing.probe", fake)
     record = device_parts.kernel_probe(_probe_opts(), {})
     assert seen == ["cpu"] and record["kernels"] == results and record["passed"] is False
     report = {"parts": {"kernel_probe": {**record, "status": "done"}}}

@@ -428,8 +428,8 @@ def test_fused_lm_head_fields():
     fields = {f.name for f in dataclasses.fields(output)}
     missing = set(_compat.FUSED_LM_HEAD_FIELDS) - fields
     assert not missing, _fail("FUSED_LM_HEAD_FIELDS", f"FusedCausalLMOutput lost {sorted(missing)}")
-    # Both packing plugins re-pad every per-token field TRL returns (`_packing.glue.repad_outputs` reads this list;
-    # one left packed would reach TRL in the wrong shape); the others are scalars (`loss`, `aux_loss`).
+    # Both packing plugins re-pad every per-token field TRL returns (`toolkit.packing.glue.repad_outputs` reads this
+    # list; one left packed would reach TRL in the wrong shape); the others are scalars (`loss`, `aux_loss`).
     assert set(_compat.FUSED_LM_HEAD_FIELDS) == fields - {"loss", "aux_loss"}
 
 
@@ -460,8 +460,8 @@ def test_dpo_tokenized_columns(tokenizer, dpo_args):
     """The packing self-checks size their probe from these columns of the dataset `DPOTrainer` tokenized."""
     from trl import DPOTrainer
 
-    from trl_ext.plugins._probe import dataset_longest_pair, training_max_length
     from trl_ext.testing import make_model, make_preference_dataset
+    from trl_ext.toolkit.probe import dataset_longest_pair, training_max_length
 
     trainer = DPOTrainer(
         make_model(),
@@ -584,7 +584,7 @@ def test_online_dpo_forward_truncates_the_prompt_on_the_left():
     assert rule in source and "prompt_ids = prompt_ids[:, num_tokens_to_truncate:]" in source, _fail(
         "ONLINE_DPO_MAX_LENGTH_ATTR",
         "OnlineDPOTrainer._forward no longer cuts the prompt on the left to max_length",
-    )  # plugins._online_forward reproduces it and verifies that at attach: tests/plugins/test_online_forward.py
+    )  # toolkit.online_forward reproduces it and verifies that at attach: tests/plugins/test_online_forward.py
 
 
 def test_trainer_state_attributes_are_the_named_ones():

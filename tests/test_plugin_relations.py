@@ -10,9 +10,9 @@ import pytest
 
 import trl_ext
 from trl_ext.manager import load_catalog, resolve_roles
-from trl_ext.plugins import _architecture
 from trl_ext.plugins.prompt_sharing import setup as sharing_setup
 from trl_ext.spec import PluginSpec
+from trl_ext.toolkit import architecture
 
 from .helpers import code_tokens
 
@@ -85,14 +85,14 @@ def test_builtin_packing_plugins_declare_the_role():
 
 
 def test_prompt_sharing_table_is_the_packing_table_less_its_exclusions():
-    assert sharing_setup.VERIFIED_MODEL_TYPES == _architecture.verified_except(sharing_setup.NOT_VERIFIED)
-    assert set(sharing_setup.NOT_VERIFIED) <= set(_architecture.VERIFIED_MODEL_TYPES)
+    assert sharing_setup.VERIFIED_MODEL_TYPES == architecture.verified_except(sharing_setup.NOT_VERIFIED)
+    assert set(sharing_setup.NOT_VERIFIED) <= set(architecture.VERIFIED_MODEL_TYPES)
     print(
-        f"\npacking table: {len(_architecture.VERIFIED_MODEL_TYPES)} types; prompt_sharing: "
+        f"\npacking table: {len(architecture.VERIFIED_MODEL_TYPES)} types; prompt_sharing: "
         f"{len(sharing_setup.VERIFIED_MODEL_TYPES)} (less {sorted(sharing_setup.NOT_VERIFIED)})"
     )
     with pytest.raises(ValueError, match="not in VERIFIED_MODEL_TYPES"):
-        _architecture.verified_except({"no_such_type": "?"})
+        architecture.verified_except({"no_such_type": "?"})
 
 
 @pytest.mark.parametrize(

@@ -53,7 +53,7 @@ ONLINE_CASES = {
 
 #: `(kind, attribute)` that trl-ext code sets directly (not through the undo stack), and why.
 DIRECT_WRITES: dict[tuple[str, str], str] = {
-    # a probe forward in training mode (`_randomness.random_draws`) puts each module's own mode back as it was
+    # a probe forward in training mode (`toolkit.randomness.random_draws`) puts each module's own mode back as it was
     ("module", "training"): "a probe's mode, put back when the probe ends",
     # sync_metrics sums TRL's running totals over the ranks and writes them where the Trainer keeps them, as stock does
     ("trainer", "current_flos"): "sync_metrics: the step's floating-point operations, summed over the ranks",

@@ -1,5 +1,5 @@
 """CPU stand-ins for the fused varlen kernels of each torch release and of flash-attn, for the tests of
-`trl_ext/plugins/_packing/kernels.py` (`_torch_varlen`, `_flash_attn`) and of the kernel probe (`probe.py`).
+`trl_ext/toolkit/packing/kernels.py` (`_torch_varlen`, `_flash_attn`) and of the kernel probe (`probe.py`).
 
 Each `varlen_attn` has its release's public signature exactly (read from `torch/nn/attention/varlen.py` of the 2.10,
 2.11, 2.12/2.13, 2.14 and 2.15 wheels; /work/shared/research/gpu_kernels.md, section 2) and its documented behaviour:
@@ -201,7 +201,7 @@ def install_release(monkeypatch, release: str, **options) -> None:
     """Make torch's `varlen_attn` the fake of `release` for one test (the kernel module reads its signature anew)."""
     import torch.nn.attention.varlen as varlen
 
-    from trl_ext.plugins._packing import kernels
+    from trl_ext.toolkit.packing import kernels
 
     monkeypatch.setattr(varlen, "varlen_attn", varlen_attn_fake(release, **options))
     kernels._varlen_parameters.cache_clear()  # the caller clears it again after the test (`fresh_signature`)

@@ -307,7 +307,7 @@ TRAINER_STATE_ATTRS = (TRAINER_LAST_LOGGED_ATTR, TRAINER_TOTAL_LOSS_ATTR, TRAINE
 
 #: `AttentionInterface` and `AttentionMaskInterface` keep their process-wide registrations in the class attribute
 #: `_global_mapping` (a dict): read to ask whether a name is registered, popped to unregister (there is no public
-#: `unregister`). Consumer: `plugins._packing.attention` (`register_attention`, `unregister_attention`,
+#: `unregister`). Consumer: `toolkit.packing.attention` (`register_attention`, `unregister_attention`,
 #: `packed_or_base_attention`). Checked on transformers 5.24.0.
 ATTENTION_REGISTRY_FIELD = "_global_mapping"
 
@@ -320,10 +320,10 @@ def attention_registry(interface: type) -> dict:
 # -- TRL facts read by the packing plugins ----------------------------------------------------------------------------
 
 #: DPOTrainer attributes, set in `__init__`, that say it runs a vision-language model or an image dataset. Consumer:
-#: `plugins._packing.glue.check_packable_trainer` (packing refuses both). Checked on 1.12.0 and 1.16.0.
+#: `toolkit.packing.glue.check_packable_trainer` (packing refuses both). Checked on 1.12.0 and 1.16.0.
 TRL_VISION_ATTRS = ("_is_vlm", "_is_vision_dataset")
 #: `OnlineDPOTrainer._forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask, vision_inputs=None)`,
-#: and the attribute that holds its `max_length`. Consumers: `plugins._online_forward` (reproduces it and verifies
+#: and the attribute that holds its `max_length`. Consumers: `toolkit.online_forward` (reproduces it and verifies
 #: that against it), prompt_sharing and fused_logprobs. Checked on 1.10.0-1.16.0.
 ONLINE_DPO_FORWARD_METHOD = "_forward"
 ONLINE_DPO_MAX_LENGTH_ATTR = "max_length"
@@ -409,7 +409,7 @@ DPO_TRUNCATION_FIELDS = ("max_length", "truncation_mode")
 DPO_LD_ALPHA_ATTR = "ld_alpha"
 #: The config attribute that names the attention implementation in use (`PreTrainedConfig._attn_implementation`, from
 #: `attn_implementation=` or the model's choice). Consumers: precompute_ref_batch_size (cache key), the packing
-#: inspection (`plugins/_architecture.py`). Checked 5.24.0.
+#: inspection (`toolkit/architecture.py`). Checked 5.24.0.
 ATTN_IMPLEMENTATION_ATTR = "_attn_implementation"
 #: `Trainer` flags set in `create_accelerator_and_postprocess` from the accelerator's plugins. Consumer:
 #: precompute_ref_batch_size (the DeepSpeed precompute engine, sharded-model sizing). Checked transformers 5.24.0.

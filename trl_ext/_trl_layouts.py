@@ -57,7 +57,7 @@ DPO_SCORING_METHODS = ("_compute_loss", "compute_ref_log_probs")
 DPO_USE_WEIGHTING_ATTR = "use_weighting"
 
 #: Per-token outputs of TRL's fused LM head (`trl.trainer.utils.FusedCausalLMOutput`), `[B, L - 1]` each; the
-#: padding_free and prompt_sharing plugins re-pad them (`plugins._packing.glue.repad_outputs`). Checked 1.15.0, 1.16.0;
+#: padding_free and prompt_sharing plugins re-pad them (`toolkit.packing.glue.repad_outputs`). Checked 1.15.0, 1.16.0;
 #: absent on 1.10.0-1.14.2.
 FUSED_LM_HEAD_OUTPUT = ("trl.trainer.utils", "FusedCausalLMOutput")
 FUSED_LM_HEAD_FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1", "label_mask")

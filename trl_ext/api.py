@@ -1,14 +1,17 @@
 """What a plugin may use: the one public module for plugin authors, typed, its names kept stable.
 
-A third-party plugin imports `trl_ext` and `trl_ext.api`, nothing else of trl-ext (tests/test_api.py checks the
-example plugins). Built-in plugins use the same shared helpers from the private modules that own them; the names here
-are those helpers, re-exported.
+A third-party plugin imports `trl_ext`, `trl_ext.api` and the toolkit (`trl_ext.toolkit`), nothing else of trl-ext;
+the built-in plugins import the same, plus `trl_ext._compat` (the core's index of TRL facts), and their own package
+(tests/test_api.py checks both). The names here are re-exported from the modules that own them.
 
 - Declaring a plugin: `PluginSpec`, `Flag`, the option parsers (`boolean`, `positive_int`, `non_negative_float`,
   `one_of`, `optional`, `either`, `size`, `text`, `Parser`, `Size`, `parse_size`), `hookimpl`.
 - What hooks receive: `TrainerContext` (per-trainer `state`, its `patcher`, `wrap_while_running`), `Call` (one call
   of a trainer method a plugin takes part in, `trl_ext_call`), `TrlExtConfig`,
-  `Installation`, `Patcher`; and the error every refusal raises, `UsageError` (its message says the fix).
+  `Installation`, `Patcher`; and the error every refusal raises, `UsageError` (its message says the fix;
+  `did_you_mean` suggests a known name), and `InternalError`, raised where trl-ext itself is wrong (its message asks
+  to report it).
+- Models: `unwrap_causal_lm` (the `*ForCausalLM` module inside DeepSpeed, DDP and PEFT wrappers).
 - Roles (`PluginSpec(serves=...)`): `PACKING`, `METRICS`.
 - Packed positions, announced around a packed model call by the packing plugin (`PackedPositions`,
   `packed_positions`, `current_packed_positions`); these import torch, so they resolve on first use.
@@ -17,9 +20,10 @@ are those helpers, re-exported.
   `stock_forward`, `stock_attention`, `STOCK_CALL`.
 - Memory: `PeakMemory` (the peak of a span of work, as the line `train()` ends with), `ExtraMemory` (the extra memory
   one forward needs, for sizing work by probing it), `over_budget`, `GPU_MEMORY_FRACTION`, `free_memory_bytes`,
-  `rss_mib`, `reset_peak_rss`.
+  `rss_mib`, `reset_peak_rss`, `size_text` (bytes as a user reads them).
 - Several processes: `Ranks` (the collectives trl-ext runs across a run's processes; no-ops with one process).
 - Logging: `get_logger` (a child of the `trl_ext` logger), `is_main_process`, `NOTICE`.
+- A plugin's declaration: `lazy_getattr` (its module `__getattr__`, resolving the hooks module's names on first use).
 
 Importing this module imports neither torch nor TRL, as `import trl_ext` does not.
 """
@@ -30,27 +34,15 @@ from typing import TYPE_CHECKING
 
 from ._lazy import lazy_getattr
 from ._logging import NOTICE, get_logger, is_main_process
-from ._peak_memory import PeakMemory, reset_peak_rss, rss_mib
+from ._peak_memory import PeakMemory, reset_peak_rss, rss_mib, size_text
 from ._shared import Ranks, free_memory_bytes
 from .calls import Call
 from .config import TrlExtConfig
-from .context import TrainerContext
-from .errors import UsageError
+from .context import TrainerContext, unwrap_causal_lm
+from .errors import InternalError, UsageError, did_you_mean
 from .hookspecs import hookimpl
 from .installation import Installation
 from .patching import Patcher
-from .plugins._memory import GPU_MEMORY_FRACTION, ExtraMemory, over_budget
-from .plugins._probe import (
-    STOCK_CALL,
-    dataset_longest_pair,
-    declared_localities,
-    model_probe_lengths,
-    probe_lengths,
-    stock_attention,
-    stock_forward,
-    training_max_length,
-)
-from .plugins._roles import METRICS, PACKING
 from .spec import (
     Flag,
     Parser,
@@ -66,9 +58,21 @@ from .spec import (
     size,
     text,
 )
+from .toolkit.memory import GPU_MEMORY_FRACTION, ExtraMemory, over_budget
+from .toolkit.probe import (
+    STOCK_CALL,
+    dataset_longest_pair,
+    declared_localities,
+    model_probe_lengths,
+    probe_lengths,
+    stock_attention,
+    stock_forward,
+    training_max_length,
+)
+from .toolkit.roles import METRICS, PACKING
 
 if TYPE_CHECKING:
-    from .plugins._packing.positions import PackedPositions, current_packed_positions, packed_positions
+    from .toolkit.packing.positions import PackedPositions, current_packed_positions, packed_positions
 
 __all__ = [
     "GPU_MEMORY_FRACTION",
@@ -80,6 +84,7 @@ __all__ = [
     "ExtraMemory",
     "Flag",
     "Installation",
+    "InternalError",
     "PackedPositions",
     "Parser",
     "Patcher",
@@ -94,11 +99,13 @@ __all__ = [
     "current_packed_positions",
     "dataset_longest_pair",
     "declared_localities",
+    "did_you_mean",
     "either",
     "free_memory_bytes",
     "get_logger",
     "hookimpl",
     "is_main_process",
+    "lazy_getattr",
     "model_probe_lengths",
     "non_negative_float",
     "one_of",
@@ -111,13 +118,15 @@ __all__ = [
     "reset_peak_rss",
     "rss_mib",
     "size",
+    "size_text",
     "stock_attention",
     "stock_forward",
     "text",
     "training_max_length",
+    "unwrap_causal_lm",
 ]
 
-_POSITIONS = "trl_ext.plugins._packing.positions"
+_POSITIONS = "trl_ext.toolkit.packing.positions"
 # torch-backed names: imported on first use, so that `import trl_ext.api` stays as light as `import trl_ext`.
 __getattr__ = lazy_getattr(
     __name__,

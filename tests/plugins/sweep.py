@@ -536,7 +536,7 @@ def packed_forward(model, state):
     """padding_free's packed causal-LM forward for `model` (varlen attention registered, backbone wrapped, the
     wrapper installed as `model.forward` as the trainer does); undone on exit."""
     from trl_ext.plugins import padding_free as pf
-    from trl_ext.plugins._packing.attention import (
+    from trl_ext.toolkit.packing.attention import (
         register_varlen_attention,
         unregister_varlen_attention,
         varlen_attention_name,
@@ -590,7 +590,7 @@ def padding_free_outcome(model, stock: Measured, ids, mask, moe: bool) -> Outcom
     from trl.trainer.utils import disable_dropout_in_model
 
     from trl_ext import UsageError
-    from trl_ext.plugins._randomness import describe_draws
+    from trl_ext.toolkit.randomness import describe_draws
 
     context = _Context()
     base = model.config._attn_implementation

@@ -384,8 +384,8 @@ def test_head_scores_from_announced_packed_positions():
     """Inside a packed call the head gathers the scored columns from the packed row through the announced positions
     (two rows sharing packed positions, one column the packed row does not compute): equal to the padded head's
     log-probs, -log(vocab) where nothing computes the column, and the output is marked padded."""
-    from trl_ext.plugins._packing.positions import PackedPositions, packed_positions
     from trl_ext.plugins.fused_logprobs.online import ScoreCall
+    from trl_ext.toolkit.packing.positions import PackedPositions, packed_positions
 
     g = torch.Generator().manual_seed(0)
     head = torch.nn.Linear(4, 11, dtype=torch.float64)

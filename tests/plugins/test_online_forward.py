@@ -1,4 +1,4 @@
-"""Online DPO's scoring forward, written once (`trl_ext.plugins._online_forward`), against TRL's own `_forward` on the
+"""Online DPO's scoring forward, written once (`trl_ext.toolkit.online_forward`), against TRL's own `_forward` on the
 installed TRL (CI runs this on every TRL release it covers): the check the plugins run at attach time passes, the
 steps equal TRL's `_forward` on a real model, and a TRL whose `_forward` scores another way is refused."""
 
@@ -10,8 +10,8 @@ import torch
 import trl_ext
 from tests import equivalence as eq
 from trl_ext import UsageError
-from trl_ext.plugins._online_forward import ScoringCall, verify_against_trl
 from trl_ext.testing import length_reward, make_model, make_prompt_dataset
+from trl_ext.toolkit.online_forward import ScoringCall, verify_against_trl
 
 _one_thread = pytest.fixture(scope="module", autouse=True)(eq.one_thread)
 

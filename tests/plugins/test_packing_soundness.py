@@ -77,7 +77,7 @@ def _mask_window_model(window: int, seed: int = 0):
 
 def _packed(model):
     from trl_ext.plugins import padding_free as pf
-    from trl_ext.plugins._packing.attention import register_varlen_attention, varlen_attention_name
+    from trl_ext.toolkit.packing.attention import register_varlen_attention, varlen_attention_name
 
     register_varlen_attention()
     state = pf.PaddingFreeState()
@@ -89,8 +89,8 @@ def _packed(model):
 def test_self_check_sees_a_window_that_lives_only_in_the_mask():
     """Driven directly: the sized probe (one sequence as long as training's) finds the window the packed call loses;
     the old fixed probe of 9/6/11 tokens, shorter than the window, passed it."""
-    from trl_ext.plugins._probe import declared_localities, probe_lengths
     from trl_ext.plugins.padding_free.selfcheck import self_check
+    from trl_ext.toolkit.probe import declared_localities, probe_lengths
 
     model = _mask_window_model(16).eval()
     lengths = probe_lengths(40, declared_localities(model.config), 2048)
@@ -139,7 +139,7 @@ def test_a_window_longer_than_training_is_admitted(tokenizer, dpo_args):
 
 
 def test_probe_lengths_follow_training():
-    from trl_ext.plugins._probe import declared_localities, probe_lengths
+    from trl_ext.toolkit.probe import declared_localities, probe_lengths
 
     class Config:
         def __init__(self):
@@ -193,7 +193,7 @@ class _AttentionWithoutModule(torch.nn.Module):
 def test_eager_attention_without_its_module_function_is_a_usage_error():
     from transformers.models.llama import modeling_llama
 
-    from trl_ext.plugins._packing.attention import base_attention
+    from trl_ext.toolkit.packing.attention import base_attention
 
     layer = modeling_llama.LlamaAttention(make_model().config, layer_idx=0)
     assert base_attention("eager", layer) is modeling_llama.eager_attention_forward

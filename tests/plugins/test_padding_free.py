@@ -273,13 +273,13 @@ def test_architectures(model_type, attn):
     """fp64: the packed forward of every allowlisted architecture equals running each sequence alone (varlen and dense
     attention, sliding windows shorter than the sequences), through the causal-LM wrapper and the backbone wrapper."""
     from trl_ext.plugins import padding_free as pf
-    from trl_ext.plugins._packing.attention import (
+    from trl_ext.plugins.padding_free import PaddingFreeState
+    from trl_ext.plugins.padding_free.architecture import VERIFIED_MODEL_TYPES
+    from trl_ext.toolkit.packing.attention import (
         register_varlen_attention,
         unregister_varlen_attention,
         varlen_attention_name,
     )
-    from trl_ext.plugins.padding_free import PaddingFreeState
-    from trl_ext.plugins.padding_free.architecture import VERIFIED_MODEL_TYPES
 
     assert model_type in VERIFIED_MODEL_TYPES
     model = helpers.windowed_model(model_type, attn)

@@ -88,7 +88,7 @@ def _compare_step(stock, packed, n=6):
 def test_metadata_survives_dim0_slicing_and_is_checked():
     from accelerate.utils import concatenate, slice_tensors
 
-    from trl_ext.plugins._packing.metadata import PackInfo, packing_metadata
+    from trl_ext.toolkit.packing.metadata import PackInfo, packing_metadata
 
     masks = [torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]]), torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]])]
     metas = [{"attention_mask": m, "meta": packing_metadata(m).to_batch()} for m in masks]

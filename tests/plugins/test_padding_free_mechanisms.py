@@ -99,7 +99,7 @@ def _packed_forward(model, state, limit=None):
     """The plugin's packed causal-LM forward for `model`, as `_configure_model` sets it up (varlen attention
     registered, backbone wrapped); undone on exit."""
     from trl_ext.plugins import padding_free as pf
-    from trl_ext.plugins._packing.attention import (
+    from trl_ext.toolkit.packing.attention import (
         register_varlen_attention,
         unregister_varlen_attention,
         varlen_attention_name,

@@ -532,7 +532,7 @@ def test_dropout_with_disable_dropout_false_is_refused(dpo_args, tokenizer, data
 def test_self_check_names_dropout_it_cannot_turn_off(dpo_args, tokenizer, dataset):
     """Dropout read inside `forward` (no module attribute to zero; here a forward hook) draws random numbers in
     training mode: the refusal names the layer that draws them and says it may be dropout, not a wrong shared
-    prompt (`trl_ext.plugins._randomness`)."""
+    prompt (`trl_ext.toolkit.randomness`)."""
     from trl import DPOTrainer
 
     model = _opt(0.0)

@@ -198,9 +198,9 @@ def test_online_score_equals_unpacked_logits(trailing_padding):
     rows with positions the packed row does not compute (gathered, zero logits there)."""
     from types import SimpleNamespace
 
-    from trl_ext.plugins._packing.positions import PackedPositions
     from trl_ext.plugins.prompt_sharing.forward import OnlineScore, _row_runs
     from trl_ext.plugins.prompt_sharing.layout import build_layout, unpack
+    from trl_ext.toolkit.packing.positions import PackedPositions
 
     prompt_ids, prompt_mask, completion_ids, completion_mask = eq.online_generation()
     ids, mask = torch.cat((prompt_ids, completion_ids), 1), torch.cat((prompt_mask, completion_mask), 1)

@@ -105,9 +105,9 @@ def _example(prompt: int, chosen: int, rejected: int) -> dict:
 
 
 def test_layout_follows_the_packing_collator():
-    from trl_ext.plugins._packing.glue import AnnotatingCollator
     from trl_ext.plugins.padding_free.hooks import PaddingFreeCollator
     from trl_ext.plugins.prompt_sharing.layout import PromptSharingCollator
+    from trl_ext.toolkit.packing.glue import AnnotatingCollator
 
     assert layout(None) is Layout.PADDED and not Layout.PADDED
     assert layout(PaddingFreeCollator(dict)) is Layout.PACKED and Layout.PACKED

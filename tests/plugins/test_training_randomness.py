@@ -1,4 +1,4 @@
-"""Random numbers a model draws in training mode (`trl_ext.plugins._randomness`): found by the generator they
+"""Random numbers a model draws in training mode (`trl_ext.toolkit.randomness`): found by the generator they
 advance, named by layer, and acted on by the packing plugins. PhiMoE's router samples its experts in training
 (`sparsemixer`), which is not dropout; padding_free trains it with one notice that says what equals stock and what
 does not, prompt_sharing refuses it naming the router. The self-checks run in the mode training uses."""
@@ -11,7 +11,7 @@ import torch
 import trl_ext
 from tests import equivalence as eq
 from trl_ext import UsageError
-from trl_ext.plugins._randomness import random_draws, training_draws
+from trl_ext.toolkit.randomness import random_draws, training_draws
 
 _one_thread = pytest.fixture(scope="module", autouse=True)(eq.one_thread)
 

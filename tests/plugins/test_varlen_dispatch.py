@@ -1,5 +1,5 @@
-"""Fused varlen attention (`_packing/kernels.py`) on CPU: the kernel choice per device, dtype and feature with its
-log line and refusals, the per-batch metadata, and the fused paths of padding_free and prompt_sharing.
+"""Fused varlen attention (`toolkit/packing/kernels.py`) on CPU: the kernel choice per device, dtype and feature with
+its log line and refusals, the per-batch metadata, and the fused paths of padding_free and prompt_sharing.
 
 The fused kernels run on CUDA only. Here a CPU reference of varlen attention (`reference_varlen`, float64 softmax
 attention per segment with the kernels' bottom-right causal alignment and windows) stands in for them through the one
@@ -20,8 +20,8 @@ from tests import equivalence as eq
 from tests.helpers import ReferenceVarlen
 from tests.plugins import sweep
 from trl_ext import UsageError
-from trl_ext.plugins._packing import kernels, segments
 from trl_ext.testing import make_preference_dataset
+from trl_ext.toolkit.packing import kernels, segments
 
 _one_thread = pytest.fixture(scope="module", autouse=True)(eq.one_thread)
 

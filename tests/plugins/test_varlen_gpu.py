@@ -21,8 +21,8 @@ import trl_ext
 from tests import equivalence as eq
 from tests.helpers import ReferenceVarlen
 from tests.plugins import sweep
-from trl_ext.plugins._packing import kernels, probe, segments
 from trl_ext.testing import make_preference_dataset
+from trl_ext.toolkit.packing import kernels, probe, segments
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -50,9 +50,9 @@ def _spy(monkeypatch) -> list[str]:
 
 
 def test_the_probe_passes_every_installed_kernel():
-    """The kernel probe (`_packing/probe.py`) on this GPU: every installed kernel, bf16 and fp16, packed and shared
-    patterns, grouped-query heads, a window and a scale of its own, within the tolerance (a right kernel measured
-    at most 0.24 of it on CPU stand-ins)."""
+    """The kernel probe (`toolkit/packing/probe.py`) on this GPU: every installed kernel, bf16 and fp16, packed and
+    shared patterns, grouped-query heads, a window and a scale of its own, within the tolerance (a right kernel
+    measured at most 0.24 of it on CPU stand-ins)."""
     rows = probe.probe_installed_kernels("cuda")
     assert rows and all(row["passed"] for row in rows), [row for row in rows if not row["passed"]]
 

@@ -1,6 +1,6 @@
 """The fused varlen kernels of every torch release with `varlen_attn` (2.10 - 2.15) and of flash-attn, through the
 project's own translation (`kernels._torch_varlen`, `kernels._flash_attn`), on CPU; and the kernel probe
-(`_packing/probe.py`) that measures a kernel on the training device before it computes anything that trains.
+(`toolkit/packing/probe.py`) that measures a kernel on the training device before it computes anything that trains.
 
 The stand-ins (`tests/varlen_releases.py`) have each release's exact signature and documented behaviour on top of
 FlashAttention-2's argument checks, normalizations and mask, so what `_torch_varlen` passes to each release is what
@@ -21,8 +21,8 @@ from tests import equivalence as eq
 from tests import varlen_releases as releases
 from tests.helpers import ReferenceVarlen, tiny
 from trl_ext import UsageError
-from trl_ext.plugins._packing import kernels, probe, segments
 from trl_ext.testing import make_preference_dataset
+from trl_ext.toolkit.packing import kernels, probe, segments
 
 _one_thread = pytest.fixture(scope="module", autouse=True)(eq.one_thread)
 F64 = (torch.float64,)

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from tests.helpers import ReferenceVarlen
-from trl_ext.plugins._packing import kernels, segments
 from trl_ext.plugins.prompt_sharing import attention as shared
 from trl_ext.plugins.prompt_sharing.layout import build_layout
+from trl_ext.toolkit.packing import kernels, segments
 
 
 class _Config:

@@ -145,7 +145,7 @@ def _attention_backends() -> list[str]:
     except Exception as exc:  # noqa: BLE001
         out.append(f"flash attention: unknown ({exc})")
     try:
-        import trl_ext.plugins._packing.attention  # noqa: F401 - trl-ext's per-segment attention
+        import trl_ext.toolkit.packing.attention  # noqa: F401 - trl-ext's per-segment attention
 
         out.append("trl-ext varlen (per-segment attention for packed rows on CPU/GPU)")
     except ImportError:
@@ -158,7 +158,7 @@ def _fused_kernels() -> str:
     try:
         import torch
 
-        from ..plugins._packing import kernels
+        from ..toolkit.packing import kernels
     except Exception as exc:  # noqa: BLE001 - said, not raised
         return f"unknown ({exc})"
     found = kernels.installed_kernels()

@@ -7,7 +7,7 @@ timeout: `python -m trl_ext.app.bench.device_parts PART --device D --preset P --
   the largest micro-batch padding_free forms (the same memory), both consuming the same pairs per optimizer step;
 - `fused_logprobs`: Online DPO steps without generation (a stored batch: scoring forwards, loss, backward), stock
   against fused_logprobs;
-- `kernel_probe`: the fused-kernel probe (`trl_ext.plugins._packing.probe.probe_installed_kernels`) on the device.
+- `kernel_probe`: the fused-kernel probe (`trl_ext.toolkit.packing.probe.probe_installed_kernels`) on the device.
 
 A step is what the Trainer's loop runs for one optimizer step: `get_batch_samples` (token_budget cuts its micro-batches
 there), `training_step` per batch (forward, loss, backward) and an AdamW step, between `torch.cuda.synchronize()`
@@ -55,7 +55,7 @@ def set_checkpointing(trainer: Any, on: bool) -> None:
 
 def attention_of(trainer: Any) -> str | None:
     """The packed attention a packing plugin chose for the trainer's policy (fused kernel or per-segment loop)."""
-    from ...plugins._packing.kernels import describe_choice
+    from ...toolkit.packing.kernels import describe_choice
 
     context = getattr(trainer, "_trl_ext", None)
     for state in getattr(context, "state", {}).values():
@@ -296,7 +296,7 @@ def kernel_probe(opts: argparse.Namespace, record: dict[str, Any]) -> dict[str, 
     """Every installed fused kernel and call pattern probed on the device (another module's API; absent from a build
     without it)."""
     try:
-        from ...plugins._packing.probe import probe_installed_kernels
+        from ...toolkit.packing.probe import probe_installed_kernels
     except ImportError:
         record["kernel_probe"] = "not available in this build"
         return record

@@ -11,8 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ..._lazy import lazy_getattr
-from ...spec import Flag, Parser, PluginSpec, boolean, positive_int
+from trl_ext.api import Flag, Parser, PluginSpec, boolean, lazy_getattr, positive_int
 
 NAME = "fused_logprobs"
 

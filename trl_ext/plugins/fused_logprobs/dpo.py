@@ -24,8 +24,8 @@ log-probs (0 elsewhere) as the model's `logits`; the fused forward wraps that ou
 Packing (padding_free, prompt_sharing). The fused forward is put around each model's forward at the start of each
 scoring call, so it is the outermost wrapper, whatever order the plugins wrapped the model in. The packing plugin's
 forward inside it runs one packed row and announces which packed position computes each padded position
-(`_packing.positions`); the head gathers the hidden states of the padded positions from the packed row, returns the
-padded log-probs and marks its output padded, so the plugin leaves it.
+(`toolkit.packing.positions`); the head gathers the hidden states of the padded positions from the packed row, returns
+the padded log-probs and marks its output padded, so the plugin leaves it.
 
 An evaluation that asks for the logits themselves (`prediction_loss_only=False`) gets them: that call runs stock.
 """
@@ -42,11 +42,10 @@ from typing import Any
 
 import torch
 
-from ... import _compat
-from ..._logging import get_logger
-from ...errors import UsageError
-from ...patching import Patcher
-from .._packing.positions import current_packed_positions
+from trl_ext import _compat
+from trl_ext.api import Patcher, UsageError, get_logger
+from trl_ext.toolkit.packing.positions import current_packed_positions
+
 from .lazy import LazyLogits, Root, entropy, logprobs_and_entropy, selective_logprobs
 from .online import FusedState, ScoreCall, output_head
 from .online import scoring as scoring_head
@@ -132,8 +131,8 @@ class DpoScoreCall(ScoreCall):
     """The DPO scoring request for the next output-head call: inside its call the head scores `targets` (the next
     token of each position, `[rows, length]`) at the `scored` positions with its original `forward`, one chunk pass
     that also stores the statistics `stats` (`Root.cache`), and returns the `[rows, length]` log-probs (0 elsewhere).
-    Inside a packed call (`_packing.positions`) it reads the hidden states of the padded positions from the packed
-    row and returns the padded layout itself."""
+    Inside a packed call (`toolkit.packing.positions`) it reads the hidden states of the padded positions from the
+    packed row and returns the padded layout itself."""
 
     stats: tuple[str, ...] = ()
     vocab: int | None = None

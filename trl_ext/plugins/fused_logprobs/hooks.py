@@ -4,12 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from ... import _compat
-from ..._logging import get_logger
-from ...context import unwrap_causal_lm
-from ...errors import UsageError
-from ...hookspecs import hookimpl
-from .._roles import PACKING
+from trl_ext import _compat
+from trl_ext.api import UsageError, get_logger, hookimpl, unwrap_causal_lm
+from trl_ext.toolkit.roles import PACKING
+
 from . import NAME, FusedLogprobsOptions
 from .dpo import install_dpo, score
 from .online import FusedState, head_forward, make_fused_forward, output_head, resolve_chunk, verify_online_forward

@@ -35,7 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from ...errors import UsageError
+from trl_ext.api import UsageError
+
 from .chunked import accumulation_dtype, frozen_head_chunk, target_logprobs
 
 __all__ = ["STATS", "LazyLogits", "Root", "entropy", "logprobs_and_entropy", "selective_logprobs"]

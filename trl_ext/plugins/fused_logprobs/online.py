@@ -16,9 +16,9 @@ trainer's undo stack); what it does depends on a context variable set around one
   DeepSpeed ZeRO-3's gathered parameters (its pre-forward hook, and its pre-backward hook on the head's output for the
   recomputation of each chunk in backward) and FSDP2's unsharded root parameters are in place. The model passes the
   head's output through as its `logits`. When a packing plugin (prompt_sharing) runs the call on one packed row, it
-  announces which packed position computes each padded position (`_packing.positions`): the head gathers the hidden
-  states of the scored columns from the packed row, returns them as `[rows, C]` and tells the plugin that its output
-  is padded already.
+  announces which packed position computes each padded position (`toolkit.packing.positions`): the head gathers the
+  hidden states of the scored columns from the packed row, returns them as `[rows, C]` and tells the plugin that its
+  output is padded already.
 - DPO on TRL < 1.15 (`dpo.DpoScoreCall`, a `ScoreCall`): the same inside the head's call, over every position of
   the DPO batch, with the statistics TRL's metrics read stored on the way.
 - recording (a `ScoreCall` without targets, the self-check): the head runs as stock and keeps its output.
@@ -36,12 +36,11 @@ from typing import Any
 
 import torch
 
-from ... import _compat
-from ..._peak_memory import size_text
-from ...context import unwrap_causal_lm
-from ...errors import UsageError
-from .._online_forward import ScoringCall, verify_against_trl
-from .._packing.positions import PackedPositions, current_packed_positions
+from trl_ext import _compat
+from trl_ext.api import UsageError, size_text, unwrap_causal_lm
+from trl_ext.toolkit.online_forward import ScoringCall, verify_against_trl
+from trl_ext.toolkit.packing.positions import PackedPositions, current_packed_positions
+
 from .chunked import auto_chunk, token_logprobs
 
 __all__ = [
@@ -67,7 +66,7 @@ class ScoreCall:
     """A scoring request for the next output-head call: the log-probs of `targets` at the head input's columns
     `[start, end)`, `chunk` positions at a time; `scored` (bool, shaped like `targets`) names those with gradients.
     Without `targets` the head runs as stock and keeps its output in `output` (the self-check). Inside a packed call
-    (`_packing.positions`) the head input is the packed row `[1, N, H]` and the columns are read through the
+    (`toolkit.packing.positions`) the head input is the packed row `[1, N, H]` and the columns are read through the
     announced positions."""
 
     role: str
@@ -307,8 +306,8 @@ def verify_online_forward(trainer: Any) -> None:
 
 def make_fused_forward(trainer: Any, state: FusedState, roles: Callable[[Any], str]) -> Callable:
     """The replacement of `trainer._forward` (through `trl_ext_call`): same arguments, same `[rows, C]`
-    log-probs, no full logits. TRL's steps around the model call are `_online_forward.ScoringCall`'s, verified against
-    the trainer's own `_forward` (`verify_online_forward`) before the first step."""
+    log-probs, no full logits. TRL's steps around the model call are `toolkit.online_forward.ScoringCall`'s, verified
+    against the trainer's own `_forward` (`verify_online_forward`) before the first step."""
 
     def _forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask, vision_inputs=None):
         role = roles(model)

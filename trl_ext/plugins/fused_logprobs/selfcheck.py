@@ -8,7 +8,7 @@ the rest of the model's forward) is compared with the stock log-probs. Every hea
 forward, so the check runs under FSDP2 and ZeRO-3 too (the same calls on every rank).
 
 What is compared is the model's last step (head and anything after it), so the probe does not need training-length
-sequences: its rows are sized from the training lengths (`_probe.model_probe_lengths`) but capped at `PROBE_CAP`
+sequences: its rows are sized from the training lengths (`toolkit.probe.model_probe_lengths`) but capped at `PROBE_CAP`
 tokens (a 150k-vocabulary probe of training length would itself build the large logits). Rows are right-padded as
 Online DPO's completions are. The model runs in eval mode for the probe (dropout off), without gradients.
 """
@@ -21,8 +21,9 @@ from typing import Any
 
 import torch
 
-from ...context import unwrap_causal_lm
-from .._probe import model_probe_lengths, stock_forward
+from trl_ext.api import unwrap_causal_lm
+from trl_ext.toolkit.probe import model_probe_lengths, stock_forward
+
 from .chunked import accumulation_dtype
 from .online import ScoreCall, run_scoring
 

@@ -10,9 +10,20 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..._lazy import lazy_getattr
-from ..._shared import free_memory_bytes
-from ...spec import Flag, PluginSpec, Size, boolean, either, non_negative_float, one_of, optional, size
+from trl_ext.api import (
+    Flag,
+    PluginSpec,
+    Size,
+    boolean,
+    either,
+    free_memory_bytes,
+    lazy_getattr,
+    non_negative_float,
+    one_of,
+    optional,
+    size,
+)
+
 from .budget import BudgetPlan, decoder_layers, external_params, param_bytes
 from .context import GenerationContext
 from .fsdp import check_fsdp_generation

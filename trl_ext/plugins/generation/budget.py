@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ... import _compat
-from ...errors import UsageError
+from trl_ext import _compat
+from trl_ext.api import UsageError
 
 
 def param_bytes(param: Any) -> int:

@@ -7,10 +7,9 @@ import copy
 from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any, Literal
 
-from ... import _compat
-from ..._shared import Ranks, free_memory_bytes
-from ...context import unwrap_causal_lm
-from ...errors import InternalError
+from trl_ext import _compat
+from trl_ext.api import InternalError, Ranks, free_memory_bytes, unwrap_causal_lm
+
 from .budget import BudgetPlan, fmt, param_bytes
 from .deepspeed import gather_all, is_zero3_engine, stream, zero3_offload
 

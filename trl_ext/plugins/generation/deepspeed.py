@@ -6,8 +6,8 @@ from __future__ import annotations
 from contextlib import ExitStack
 from typing import Any
 
-from ... import _compat
-from ...errors import UsageError
+from trl_ext import _compat
+from trl_ext.api import UsageError
 
 #: A module id that no DeepSpeed module has (ids count up from 0): while in `ds_active_sub_modules`, the coordinator
 #: never releases the parameter (`__release_param` checks `not param.ds_active_sub_modules`, deepspeed 0.19.8 :628).

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ...errors import UsageError
+from trl_ext.api import UsageError
 
 if TYPE_CHECKING:  # pragma: no cover
     from .hooks import GenerationState

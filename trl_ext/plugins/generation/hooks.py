@@ -6,10 +6,9 @@ from collections import Counter
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
-from ... import _compat
-from ..._logging import get_logger
-from ...errors import UsageError
-from ...hookspecs import hookimpl
+from trl_ext import _compat
+from trl_ext.api import UsageError, get_logger, hookimpl
+
 from .budget import BudgetPlan
 from .context import GenerationContext
 from .fsdp import check_fsdp_generation
@@ -18,8 +17,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
     from transformers import Trainer
 
-    from ...config import TrlExtConfig
-    from ...context import TrainerContext
+    from trl_ext.api import TrainerContext, TrlExtConfig
 
 from . import _DEFAULT_AUTO_MARGIN, NAME, TRL_EXT_PLUGIN, GenerationOptions
 

@@ -9,26 +9,24 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ... import _compat
-from ..._logging import get_logger
-from ...errors import UsageError
-from ...hookspecs import hookimpl
-from .._packing.attention import (
+from trl_ext import _compat
+from trl_ext.api import UsageError, get_logger, hookimpl
+from trl_ext.toolkit.packing.attention import (
     VARLEN_BASES,
     register_varlen_attention,
     switch_attention,
     unregister_varlen_attention,
     varlen_attention_name,
 )
-from .._packing.glue import (
+from trl_ext.toolkit.packing.glue import (
     AnnotatingCollator,
     check_packable_trainer,
     positional_input_ids,
     repad_outputs,
     scoring_call,
 )
-from .._packing.kernels import Choice, choose_for_model, log_choices, training_dtype
-from .._packing.metadata import (
+from trl_ext.toolkit.packing.kernels import Choice, choose_for_model, log_choices, training_dtype
+from trl_ext.toolkit.packing.metadata import (
     PACKING_KEY,
     PackInfo,
     pack_rows,
@@ -37,9 +35,10 @@ from .._packing.metadata import (
     unpack_rows,
     unpack_shifted,
 )
-from .._packing.positions import PackedPositions, packed_positions
-from .._probe import STOCK_CALL, model_probe_lengths
-from .._randomness import RandomDraw, training_draws
+from trl_ext.toolkit.packing.positions import PackedPositions, packed_positions
+from trl_ext.toolkit.probe import STOCK_CALL, model_probe_lengths
+from trl_ext.toolkit.randomness import RandomDraw, training_draws
+
 from . import NAME, PaddingFreeOptions
 from .architecture import Inspection, inspect_model
 from .selfcheck import SelfCheckResult, random_draws_notice, self_check
@@ -47,7 +46,7 @@ from .selfcheck import SelfCheckResult, random_draws_notice, self_check
 if TYPE_CHECKING:  # pragma: no cover
     from transformers import Trainer
 
-    from ...context import TrainerContext
+    from trl_ext.api import TrainerContext
 
 logger = get_logger(__name__)
 
@@ -66,7 +65,7 @@ class PaddingFreeState:
     self_checks: dict[str, SelfCheckResult] = dataclasses.field(default_factory=dict)
     #: attention implementation each wrapped model runs, by role (for logs and tests)
     attn_implementations: dict[str, str] = dataclasses.field(default_factory=dict)
-    #: the packed attention of each model switched to the varlen attention, by role (`_packing.kernels.Choice`)
+    #: the packed attention of each model switched to the varlen attention, by role (`toolkit.packing.kernels.Choice`)
     kernels: dict[str, Choice] = dataclasses.field(default_factory=dict)
     #: number of packed forward calls, and of calls that could not be packed and ran padded
     packed_calls: int = 0
@@ -74,7 +73,8 @@ class PaddingFreeState:
     #: tokens of the packed calls' padded batches, and of their packed rows (the padding not computed)
     padded_tokens: int = 0
     packed_tokens: int = 0
-    #: the layers of each model that draw random numbers in training mode (`_randomness.training_draws`), by role
+    #: the layers of each model that draw random numbers in training mode (`toolkit.randomness.training_draws`),
+    #: by role
     random_draws: dict[str, list[RandomDraw]] = dataclasses.field(default_factory=dict)
 
     def count(self, info: Any) -> None:
@@ -199,8 +199,8 @@ def trl_ext_trainer_models_ready(trainer: Trainer, context: TrainerContext) -> N
 
 
 def _choose_kernel(state: PaddingFreeState, role: str, model, trainer, context: TrainerContext) -> None:
-    """The kernel of a model switched to the varlen attention (`_packing.kernels`): one fused varlen kernel per layer
-    on CUDA in bf16/fp16, else the per-segment loop; `attention: fused` where it cannot run raises here."""
+    """The kernel of a model switched to the varlen attention (`toolkit.packing.kernels`): one fused varlen kernel per
+    layer on CUDA in bf16/fp16, else the per-segment loop; `attention: fused` where it cannot run raises here."""
     impl = state.attn_implementations[role]
     base = next((b for b in VARLEN_BASES if impl == varlen_attention_name(b)), None)
     if base is not None:

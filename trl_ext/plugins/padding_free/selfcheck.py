@@ -1,10 +1,10 @@
 """The padding_free self-check: does a model's packed forward equal its stock padded forward? Decided by measurement.
 
-The probe is sized from what training will feed (`trl_ext.plugins._probe`): three random sequences, the first as long
+The probe is sized from what training will feed (`trl_ext.toolkit.probe`): three random sequences, the first as long
 as the longest sequence the trainer will feed, the others longer than every window or chunk the config declares. Run
 without gradients, in the model's dtype, in the mode the model runs in: training mode for the policy (which trains in
 it), eval mode for a reference model, and eval mode for a policy whose forward draws random numbers in training mode
-(`trl_ext.plugins._randomness`; its draws fall on other shapes packed than padded, so only the forward without them
+(`trl_ext.toolkit.randomness`; its draws fall on other shapes packed than padded, so only the forward without them
 can be compared, and the plugin says so in a notice):
 
 1. isolation: the tokens of the middle sequence are replaced; the packed logits of the two other sequences must stay
@@ -36,9 +36,9 @@ from typing import Any
 
 import torch
 
-from .._probe import ProbeRun
-from .._probe import stock_forward as stock_mode
-from .._randomness import describe_draws
+from trl_ext.toolkit.probe import ProbeRun
+from trl_ext.toolkit.probe import stock_forward as stock_mode
+from trl_ext.toolkit.randomness import describe_draws
 
 #: The probe of a model whose training lengths are unknown (no `max_length`, no readable dataset).
 PROBE_LENGTHS = (9, 6, 11)
@@ -130,9 +130,9 @@ def self_check(
 ) -> SelfCheckResult:
     """Measure whether `packed_forward` (the model's wrapped forward) keeps packed sequences apart and equals
     `stock_forward` (the model's stock padded forward; default: `model.forward` under
-    `trl_ext.plugins._probe.stock_forward`, i.e. the model's original attention and no packing wrapper).
+    `trl_ext.toolkit.probe.stock_forward`, i.e. the model's original attention and no packing wrapper).
 
-    `lengths`: the probe sequence lengths (`trl_ext.plugins._probe.probe_lengths`).
+    `lengths`: the probe sequence lengths (`trl_ext.toolkit.probe.probe_lengths`).
     `moe`: the model routes tokens to experts. Changing one sequence's tokens then changes how many tokens each expert
     multiplies at once, and a matmul kernel may round another token's row differently. For MoE models the isolation
     check therefore allows 16 units of round-off of the dtype (relative to the largest logit) instead of
@@ -214,7 +214,7 @@ def self_check(
 
 def random_draws_notice(role: str, model: torch.nn.Module, draws: Sequence[Any]) -> str:
     """The one notice padding_free gives for a model whose forward draws random numbers in training mode
-    (`trl_ext.plugins._randomness`): which layers, what is equal to stock TRL and what is not."""
+    (`trl_ext.toolkit.randomness`): which layers, what is equal to stock TRL and what is not."""
     kind = (
         "dropout"
         if all(d.dropout for d in draws)

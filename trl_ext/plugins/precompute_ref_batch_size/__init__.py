@@ -10,8 +10,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..._lazy import lazy_getattr
-from ...spec import Flag, PluginSpec, Size, either, non_negative_float, one_of, optional, positive_int, size, text
+from trl_ext.api import (
+    Flag,
+    PluginSpec,
+    Size,
+    either,
+    lazy_getattr,
+    non_negative_float,
+    one_of,
+    optional,
+    positive_int,
+    size,
+    text,
+)
 
 NAME = "precompute_ref_batch_size"
 

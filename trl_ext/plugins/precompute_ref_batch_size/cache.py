@@ -12,9 +12,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ... import _compat
-from ..._logging import get_logger
-from ...errors import UsageError
+from trl_ext import _compat
+from trl_ext.api import UsageError, get_logger
 
 NAME = "precompute_ref_batch_size"
 logger = get_logger(f"trl_ext.plugins.{NAME}")
@@ -244,7 +243,7 @@ def cache_key(trainer, dataset, content: str, model_hash: str, packed: bool) -> 
     and the weights, B8.)"""
     import trl
 
-    from ...context import unwrap_causal_lm
+    from trl_ext.api import unwrap_causal_lm
 
     args = trainer.args
     collator = trainer.data_collator

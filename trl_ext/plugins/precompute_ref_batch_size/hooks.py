@@ -7,15 +7,13 @@ import inspect
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..._logging import get_logger
-from ...hookspecs import hookimpl
+from trl_ext.api import get_logger, hookimpl
 
 if TYPE_CHECKING:  # pragma: no cover
     from datasets import Dataset
     from transformers import Trainer
 
-    from ...calls import Call
-    from ...context import TrainerContext
+    from trl_ext.api import Call, TrainerContext
 
 from . import NAME, PrecomputeOptions
 

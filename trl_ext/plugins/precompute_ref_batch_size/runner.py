@@ -9,11 +9,10 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ... import _compat
-from ..._logging import get_logger
-from ..._shared import Ranks
-from ...errors import InternalError
-from .._roles import PACKING
+from trl_ext import _compat
+from trl_ext.api import InternalError, Ranks, get_logger
+from trl_ext.toolkit.roles import PACKING
+
 from .cache import REF_COLUMNS, CacheEntry, cache_key, scan_dataset
 from .plan import BatchPlan, concat_results
 from .sizer import OOM_ADVICE, lockstep, probe

@@ -6,9 +6,10 @@ from __future__ import annotations
 import math
 import time
 
-from ... import _compat
-from ..._logging import NOTICE, get_logger
-from .._memory import ExtraMemory, budget_bytes, over_budget
+from trl_ext import _compat
+from trl_ext.api import NOTICE, get_logger
+from trl_ext.toolkit.memory import ExtraMemory, budget_bytes, over_budget
+
 from .plan import concat_results
 
 NAME = "precompute_ref_batch_size"

@@ -12,9 +12,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ..._lazy import lazy_getattr
-from ...spec import Flag, Parser, PluginSpec, boolean, one_of
-from .._roles import PACKING
+from trl_ext.api import Flag, Parser, PluginSpec, boolean, lazy_getattr, one_of
+from trl_ext.toolkit.roles import PACKING
 
 NAME = "prompt_sharing"
 

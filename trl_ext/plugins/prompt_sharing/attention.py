@@ -4,8 +4,8 @@ Registered in transformers' `AttentionInterface` as `trl_ext_shared_sdpa` / `trl
 prompt_sharing enabled is switched to it (for as long as trl-ext is installed). It acts only on calls that carry the
 layout's segments (the `trl_ext_shared_groups` keyword, which transformers hands through the model to every attention
 call, also when gradient checkpointing re-runs a layer); every other call goes to the shared varlen attention of
-`_packing.attention` when that is registered (it runs packed calls), else to the model's own attention with the mask
-transformers builds for it, so generation and plain forwards are unchanged.
+`toolkit.packing.attention` when that is registered (it runs packed calls), else to the model's own attention with the
+mask transformers builds for it, so generation and plain forwards are unchanged.
 
 CPU (sdpa / eager): one attention call per segment (SDPA for plain SDPA layers; the layer's own attention function,
 with an explicit mask, for eager layers and for softcapping or attention sinks). The prefix attends to itself
@@ -14,8 +14,8 @@ mask (every prefix key visible, the branch causal), so the cost is `P^2 + sum_b 
 of the shared layout, not of a dense mask over the row. Sliding windows are applied by position (a key at `j` is
 visible from `i` when `i - window < j <= i`), as transformers' `sliding_window_overlay` does.
 
-CUDA (bf16/fp16, plain sdpa; `_packing/kernels.py` chooses, once per trainer and model): one fused varlen kernel call
-per layer (`shared_segments`, `run_shared`). Its segments are every prefix (its own keys) and every branch (the
+CUDA (bf16/fp16, plain sdpa; `toolkit/packing/kernels.py` chooses, once per trainer and model): one fused varlen kernel
+call per layer (`shared_segments`, `run_shared`). Its segments are every prefix (its own keys) and every branch (the
 prefix's keys followed by its own), in row order, so the queries are the row itself; the flash kernels align a causal
 mask to the bottom right when a segment has more keys than queries, which is exactly "the whole prefix, then causal",
 windows included (`window_size` counts positions the same way). The keys are gathered once per layer (`kv_index`: a
@@ -37,9 +37,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ...errors import InternalError, UsageError
-from .._packing import kernels, segments
-from .._packing.attention import (
+from trl_ext.api import InternalError, UsageError
+from trl_ext.toolkit.packing import kernels, segments
+from trl_ext.toolkit.packing.attention import (
     VARLEN_BASES,
     base_attention,
     fused_kernel,
@@ -50,6 +50,7 @@ from .._packing.attention import (
     unregister_attention,
     varlen_attention_name,
 )
+
 from .layout import Groups
 
 __all__ = [
@@ -63,7 +64,7 @@ __all__ = [
 
 #: The keyword that carries the layout's groups (`layout.Groups`) from the model call down to the attention.
 GROUPS_KWARG = "trl_ext_shared_groups"
-#: Attention implementations the shared attention stands in for (those `_packing.attention`'s varlen covers).
+#: Attention implementations the shared attention stands in for (those `toolkit.packing.attention`'s varlen covers).
 SHARED_BASES = VARLEN_BASES
 _PREFIX = "trl_ext_shared_"
 

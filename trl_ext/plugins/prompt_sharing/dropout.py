@@ -12,7 +12,7 @@ that drops anything in training mode is not shared as it is:
 A site is an `nn.Dropout*` module with `p > 0`, or a positive float attribute of a module whose name says dropout
 (`dropout`, `attention_dropout`, `activation_dropout`, ...) or layer drop (`layerdrop`). Dropout read from the config
 inside `forward` has no module attribute to set; `setup.refuse_random_draws` finds it by the random numbers the
-forward draws in training mode (`trl_ext.plugins._randomness`) and refuses the model, naming the layer.
+forward draws in training mode (`trl_ext.toolkit.randomness`) and refuses the model, naming the layer.
 """
 
 from __future__ import annotations

@@ -14,10 +14,10 @@ shared row, with the segments for the shared attention, and scatters the per-tok
 - backbone: `last_hidden_state` as `[rows, length, hidden]`.
 
 Around the causal LM's shared call, the padded position each shared token computes is announced
-(`_packing.positions`); a module inside that returns its output in the padded layout already (fused_logprobs' output
-head, scoring Online DPO's completion columns) says so, and that output is returned as it is. Otherwise Online DPO's
-scoring call (run by the `_forward` wrapper, `OnlineScore`) returns the completion log-probs `[rows, C]` taken from
-the packed logits, not padded logits.
+(`toolkit.packing.positions`); a module inside that returns its output in the padded layout already (fused_logprobs'
+output head, scoring Online DPO's completion columns) says so, and that output is returned as it is. Otherwise Online
+DPO's scoring call (run by the `_forward` wrapper, `OnlineScore`) returns the completion log-probs `[rows, C]` taken
+from the packed logits, not padded logits.
 
 Every real token of a row reads the shared token that stands for it; the scatter is an `index_select`, so the
 gradient that reaches a shared prompt token is the sum of what both branches send it.
@@ -34,12 +34,12 @@ from typing import Any
 
 import torch
 
-from ..._logging import get_logger
-from ...errors import InternalError
-from .._online_forward import ScoringCall
-from .._packing.glue import positional_input_ids, repad_outputs, scoring_call
-from .._packing.positions import PackedPositions, packed_positions
-from .._probe import STOCK_CALL
+from trl_ext.api import InternalError, get_logger
+from trl_ext.toolkit.online_forward import ScoringCall
+from trl_ext.toolkit.packing.glue import positional_input_ids, repad_outputs, scoring_call
+from trl_ext.toolkit.packing.positions import PackedPositions, packed_positions
+from trl_ext.toolkit.probe import STOCK_CALL
+
 from .attention import GROUPS_KWARG, shared_call
 from .layout import (
     LAYOUT_KEY,

@@ -5,14 +5,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ..._logging import get_logger
-from ...hookspecs import hookimpl
+from trl_ext.api import get_logger, hookimpl
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
     from transformers import Trainer
 
-    from ...context import TrainerContext
+    from trl_ext.api import TrainerContext
 
 logger = get_logger(__name__)
 

@@ -34,8 +34,8 @@ from typing import Any, cast
 
 import torch
 
-from ...errors import UsageError
-from .._packing.glue import AnnotatingCollator
+from trl_ext.api import UsageError
+from trl_ext.toolkit.packing.glue import AnnotatingCollator
 
 __all__ = ["LAYOUT_KEY", "Groups", "PromptSharingCollator", "SharedLayout", "build_layout", "prompt_end_of"]
 

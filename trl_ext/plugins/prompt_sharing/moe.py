@@ -20,8 +20,9 @@ from typing import Any
 
 import torch
 
-from ... import _compat
-from ...errors import UsageError
+from trl_ext import _compat
+from trl_ext.api import UsageError
+
 from .layout import SharedLayout, unpack
 
 __all__ = ["MoeAuxLoss"]

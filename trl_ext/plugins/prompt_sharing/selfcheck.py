@@ -1,7 +1,7 @@
 """The prompt_sharing self-check: does a model's shared forward equal its stock padded forward? Decided by measurement.
 
 Run before the first step, for every model outside the verified table (and for every model with `self_check: true`),
-on a probe sized from what training will feed (`trl_ext.plugins._probe`): three pairs of random sequences, each pair
+on a probe sized from what training will feed (`trl_ext.toolkit.probe`): three pairs of random sequences, each pair
 a chosen and a rejected row with the same prompt and different completions (the rows TRL's DPO collator makes). The
 first pair is as long as the longest sequence the trainer will feed, the others longer than every window or chunk the
 config declares, so any locality that acts in training acts in the probe. Each prompt is half its sequence, so a
@@ -31,7 +31,8 @@ from typing import Any
 
 import torch
 
-from .._probe import ProbeRun, stock_forward
+from trl_ext.toolkit.probe import ProbeRun, stock_forward
+
 from .layout import LAYOUT_KEY, build_layout
 
 __all__ = ["SelfCheckResult", "TOLERANCES", "probe_pairs", "self_check"]
@@ -94,7 +95,7 @@ def self_check(
     autocast: Callable[[], Any] | None = None,
 ) -> SelfCheckResult:
     """Measure whether `shared_forward` (the model's wrapped forward) equals the model's stock padded forward on a
-    probe of prompt-sharing pairs of `lengths` tokens (`trl_ext.plugins._probe.probe_lengths`).
+    probe of prompt-sharing pairs of `lengths` tokens (`trl_ext.toolkit.probe.probe_lengths`).
 
     `dtype`: the training dtype (sets the tolerance; default: the parameters' dtype). `training`: run the probe in
     training mode (the policy) instead of eval mode. `autocast`: a context-manager factory for the trainer's mixed

@@ -5,17 +5,17 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ... import _compat
-from ..._logging import get_logger
-from ...errors import UsageError
-from .._architecture import inspect_model, verified_except
-from .._online_forward import verify_against_trl
-from .._packing.attention import switch_attention
-from .._packing.glue import check_packable_trainer
-from .._packing.kernels import Choice, choose_for_model, log_choices, training_dtype
-from .._probe import model_probe_lengths, training_max_length
-from .._randomness import describe_draws, training_draws
-from .._roles import PACKING as PACKING_ROLE
+from trl_ext import _compat
+from trl_ext.api import UsageError, get_logger
+from trl_ext.toolkit.architecture import inspect_model, verified_except
+from trl_ext.toolkit.online_forward import verify_against_trl
+from trl_ext.toolkit.packing.attention import switch_attention
+from trl_ext.toolkit.packing.glue import check_packable_trainer
+from trl_ext.toolkit.packing.kernels import Choice, choose_for_model, log_choices, training_dtype
+from trl_ext.toolkit.probe import model_probe_lengths, training_max_length
+from trl_ext.toolkit.randomness import describe_draws, training_draws
+from trl_ext.toolkit.roles import PACKING as PACKING_ROLE
+
 from .attention import base_of, register_shared_attention, shared_attention_name, unregister_shared_attention
 from .dropout import describe, disable_dropout, dropout_sites
 from .forward import is_trl_online_forward, make_causal_lm_forward, online_forward
@@ -33,7 +33,8 @@ class PromptSharingState:
     """Per-trainer state of the plugin (`context.state["prompt_sharing"]`)."""
 
     self_check: str | bool = "auto"
-    #: the `attention` option, and the shared attention's kernel of each model, by role (`_packing.kernels.Choice`)
+    #: the `attention` option, and the shared attention's kernel of each model, by role
+    #: (`toolkit.packing.kernels.Choice`)
     attention: str = "auto"
     kernels: dict[str, Choice] = dataclasses.field(default_factory=dict)
     checked_trainer: bool = False
@@ -130,11 +131,11 @@ def check_trainer(trainer: Any, context: Any) -> PromptSharingState:
     return state
 
 
-#: Model types of the shared packing table (`_architecture.VERIFIED_MODEL_TYPES`) whose shared forward is not verified,
-#: with why. The others equal the stock padded forward in float64 (loss over per-sequence log-probs, MoE auxiliary
-#: loss with the router on, gradients; sliding windows shorter than prompt + response, attention sinks, softcapping),
-#: measured by tests/plugins/test_prompt_sharing_architectures.py. Model types outside the table are admitted through
-#: the self-check (`selfcheck.py`), before the first step.
+#: Model types of the shared packing table (`toolkit.architecture.VERIFIED_MODEL_TYPES`) whose shared forward is not
+#: verified, with why. The others equal the stock padded forward in float64 (loss over per-sequence log-probs, MoE
+#: auxiliary loss with the router on, gradients; sliding windows shorter than prompt + response, attention sinks,
+#: softcapping), measured by tests/plugins/test_prompt_sharing_architectures.py. Model types outside the table are
+#: admitted through the self-check (`selfcheck.py`), before the first step.
 NOT_VERIFIED = {
     "stablelm": "its decoder layer does not hand attention keyword arguments (the segments) to its attention",
     "dory": "not measured shared yet",
@@ -282,8 +283,9 @@ def refuse_acting_chunks(context: Any, role: str, model: Any, trainer: Any) -> N
 
 def refuse_random_draws(context: Any, role: str, model: Any) -> None:
     """Refuse a policy whose forward still draws random numbers in training mode once its dropout is handled
-    (`_randomness.training_draws`: dropout read inside `forward`, or a layer that samples, such as PhiMoE's router).
-    A separate reference model runs in the mode it was given (TRL never changes it): checked when that is training."""
+    (`toolkit.randomness.training_draws`: dropout read inside `forward`, or a layer that samples, such as PhiMoE's
+    router). A separate reference model runs in the mode it was given (TRL never changes it): checked when that is
+    training."""
     if role != "policy" and not model.training:
         return
     draws = training_draws(model)

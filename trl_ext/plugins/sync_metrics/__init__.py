@@ -8,10 +8,9 @@ See docs/plugins/sync_metrics.md.
 
 from __future__ import annotations
 
-from ... import _compat
-from ..._lazy import lazy_getattr
-from ...spec import Flag, PluginSpec, boolean
-from .._roles import METRICS
+from trl_ext import _compat
+from trl_ext.api import Flag, PluginSpec, boolean, lazy_getattr
+from trl_ext.toolkit.roles import METRICS
 
 NAME = "sync_metrics"
 

@@ -10,12 +10,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ... import _compat
-from ...errors import UsageError
+from trl_ext import _compat
+from trl_ext.api import UsageError
+
 from .schema import Schema, Window
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ...calls import Call
+    from trl_ext.api import Call
 
 
 class SyncMetricsState:

@@ -8,13 +8,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ... import _compat
-from ...errors import UsageError
+from trl_ext import _compat
+from trl_ext.api import UsageError
+
 from .capture import SyncMetricsState, _Capture
 from .schema import Metric, Schema
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ...calls import Call
+    from trl_ext.api import Call
 
 
 def make_schema(trainer: Any) -> Schema:

@@ -4,18 +4,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ... import _compat
-from ..._logging import get_logger
-from ...errors import UsageError
-from ...hookspecs import hookimpl
+from trl_ext import _compat
+from trl_ext.api import UsageError, get_logger, hookimpl
+
 from . import NAME
 from .capture import SyncMetricsState
 
 if TYPE_CHECKING:  # pragma: no cover
     from transformers import Trainer
 
-    from ...calls import Call
-    from ...context import TrainerContext
+    from trl_ext.api import Call, TrainerContext
 
 logger = get_logger(__name__)
 

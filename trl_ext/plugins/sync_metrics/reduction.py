@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
-from ... import _compat
-from ..._logging import NOTICE, get_logger
-from ..._shared import Ranks
+from trl_ext import _compat
+from trl_ext.api import NOTICE, Ranks, get_logger
+
 from .capture import SyncMetricsState
 
 logger = get_logger(__name__)

@@ -9,11 +9,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ... import _compat
+from trl_ext import _compat
+
 from .capture import SyncMetricsState
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ...calls import Call
+    from trl_ext.api import Call
 
 #: The state of the trainer whose `_maybe_log_save_evaluate` is running (transformers calls the module-level
 #: `nested_gather` there, with no reference to the trainer; a context variable keeps this per call, not global).

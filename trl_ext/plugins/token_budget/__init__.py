@@ -11,8 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..._lazy import lazy_getattr
-from ...spec import Flag, PluginSpec, Size, either, one_of, optional, positive_int, size
+from trl_ext.api import Flag, PluginSpec, Size, either, lazy_getattr, one_of, optional, positive_int, size
 
 NAME = "token_budget"
 

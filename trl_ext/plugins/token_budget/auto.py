@@ -17,10 +17,9 @@ import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from ... import _compat
-from ..._logging import NOTICE, get_logger
-from ..._shared import Ranks
-from ...errors import UsageError
+from trl_ext import _compat
+from trl_ext.api import NOTICE, Ranks, UsageError, get_logger
+
 from . import NAME
 from .cut import (
     OPTIONAL_FIELDS,
@@ -190,7 +189,7 @@ def measure(trainer: Any, kind: Layout, options: Any) -> AutoBudget:
     """Probe training steps on the heaviest pairs and choose the budget (`choose`)."""
     import torch
 
-    from .._memory import ExtraMemory, budget_bytes, over_budget
+    from trl_ext.toolkit.memory import ExtraMemory, budget_bytes, over_budget
 
     if any(getattr(trainer, flag, False) for flag in _compat.TRAINER_SHARDING_FLAGS):
         raise UsageError(

@@ -20,9 +20,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..._logging import NOTICE, get_logger, is_main_process
-from ...errors import UsageError
-from ...patching import Patcher
+from trl_ext.api import NOTICE, Patcher, UsageError, get_logger, is_main_process
+
 from . import sft
 from .cut import EXAMPLES_KEY, KeepExamples
 from .dispatch import Encoder, dispatches
@@ -31,7 +30,7 @@ from .report import summary
 from .step import Slot, TokenBudgetState
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ...calls import Call
+    from trl_ext.api import Call
 
 logger = get_logger(__name__)
 

@@ -13,7 +13,7 @@ import enum
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from ...errors import UsageError
+from trl_ext.api import UsageError
 
 #: The batch key under which the training loader hands the plugin the examples of each stock micro-batch.
 EXAMPLES_KEY = "trl_ext_token_budget_examples"
@@ -46,7 +46,7 @@ class Layout(str, enum.Enum):
 
 def layout(collator: Any | None) -> Layout:
     """The layout of the packing collator that collates the micro-batches (None: no packing plugin, padded), from the
-    `token_layout` it declares (`_packing.glue.AnnotatingCollator`; `"packed"` when it declares none)."""
+    `token_layout` it declares (`toolkit.packing.glue.AnnotatingCollator`; `"packed"` when it declares none)."""
     if collator is None:
         return Layout.PADDED
     value = getattr(collator, "token_layout", Layout.PACKED.value)

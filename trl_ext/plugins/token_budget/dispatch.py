@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ...errors import InternalError, UsageError
+from trl_ext.api import InternalError, UsageError
 
 HEADER = 3
 PROMPT, COMPLETION = 1, 2

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ... import _compat
-from ..._logging import get_logger
-from ...errors import UsageError, did_you_mean
-from ...hookspecs import hookimpl
-from .._roles import METRICS, PACKING
+from trl_ext import _compat
+from trl_ext.api import UsageError, did_you_mean, get_logger, hookimpl
+from trl_ext.toolkit.roles import METRICS, PACKING
+
 from . import NAME
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ...calls import Call
+    from trl_ext.api import Call
 
 logger = get_logger(__name__)
 

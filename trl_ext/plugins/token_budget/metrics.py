@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from ... import _compat
-from ...errors import InternalError, UsageError
+from trl_ext import _compat
+from trl_ext.api import InternalError, UsageError
 
 #: TRL's per-pair metrics (gathered per pair, in order) and token-weighted ones (rebuilt from per-row sums).
 PAIR_METRICS, TOKEN_METRICS = _compat.DPO_PAIR_METRICS, _compat.DPO_TOKEN_METRICS

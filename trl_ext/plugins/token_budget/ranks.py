@@ -13,7 +13,8 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ...errors import InternalError
+from trl_ext.api import InternalError
+
 from .cut import Layout, MicroBatch, Pair, check_example, pair_length, plan, tokens
 
 

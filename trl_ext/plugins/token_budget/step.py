@@ -26,10 +26,9 @@ from typing import Any
 
 import torch
 
-from ... import _compat
-from ..._logging import get_logger, is_main_process
-from ..._shared import Ranks
-from ...errors import InternalError, UsageError
+from trl_ext import _compat
+from trl_ext.api import InternalError, Ranks, UsageError, get_logger, is_main_process
+
 from . import sft
 from .cut import EXAMPLES_KEY, Layout, MicroBatch, cut_step, padded_multiple, spread, tokens
 from .dispatch import examples_of

@@ -144,10 +144,10 @@ def describe_draws(draws: list[RandomDraw], limit: int = 3) -> str:
 
 
 def training_draws(model: torch.nn.Module) -> list[RandomDraw]:
-    """`random_draws` of `model`'s stock padded forward (`_probe.stock_forward`: its original attention, no trl-ext
+    """`random_draws` of `model`'s stock padded forward (`probe.stock_forward`: its original attention, no trl-ext
     wrapper) in training mode, on a probe of two right-padded rows (8 and 6 tokens): the layers that draw random
     numbers while `model` trains. The draws do not depend on the probe's length, only on the layers it runs through."""
-    from ._probe import stock_forward
+    from .probe import stock_forward
 
     device = next(model.parameters()).device
     lm: Any = model  # a PreTrainedModel: `get_input_embeddings` / `get_output_embeddings`

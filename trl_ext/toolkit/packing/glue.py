@@ -13,7 +13,7 @@ import torch
 
 from ... import _compat
 from ...errors import UsageError
-from .._probe import STOCK_CALL
+from ..probe import STOCK_CALL
 
 __all__ = [
     "VISION_KEYS",

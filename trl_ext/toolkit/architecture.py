@@ -1,7 +1,7 @@
 """What a causal LM's layers do to a packed row: the mechanisms that decide whether packing is exact.
 
 Packing is exact when every layer is per-token except attention, and attention is kept inside each sequence (the
-varlen attention of `_packing.attention`, flash-attention's varlen kernels, or transformers' block-diagonal
+varlen attention of `packing.attention`, flash-attention's varlen kernels, or transformers' block-diagonal
 mask) with positions that restart per sequence (`position_ids`). `inspect_model` reads the model's modules and
 config and either returns the mechanisms it found or the reason packing cannot be exact (a layer that carries state
 from token to token, attention outside transformers' attention interface whose mask packing cannot build, a dynamic
@@ -13,7 +13,7 @@ plugin that packs more selectively declares its own table with `verified_except`
 plugin's self-check before its first step. The refusals name the plugin that asked (`plugin`).
 
 ALiBi: within a block-diagonal attention the bias of a key depends on its distance to the query only up to a
-per-query constant, which softmax ignores, so Bloom and MPT pack exactly on sdpa/eager (`_packing.attention` gives
+per-query constant, which softmax ignores, so Bloom and MPT pack exactly on sdpa/eager (`packing.attention` gives
 their own attention the per-sequence mask). transformers runs none of the ALiBi models with flash-attention (Falcon
 raises for `alibi=True`); a model that did would pass its slopes to the varlen kernels (`flash_attn_varlen_func(...,
 alibi_slopes=...)`), which bias by the distance inside each sequence of `cu_seqlens`, exact per sequence as well.
