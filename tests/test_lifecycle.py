@@ -400,7 +400,7 @@ def test_log_level_env(tmp_path, level, shown, warned):
     code = textwrap.dedent(_LOG_SCRIPT).format(out=tmp_path / "out")
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("DONE"), proc.stderr[-3000:]
-    assert ("[trl_ext.installation|NOTICE] trl-ext: DPOTrainer gets plugins padding_free" in proc.stderr) == shown
+    assert ("[trl_ext.build|NOTICE] trl-ext: DPOTrainer gets plugins padding_free" in proc.stderr) == shown
     bad = f"TRL_EXT_LOG_LEVEL={level!r} is not a log level; using 'notice'"
     assert (bad in proc.stderr) == warned, proc.stderr[-3000:]
 

@@ -187,7 +187,7 @@ def test_trl_no_gather_left_to_trl_is_warned_on_the_main_process(zero3):
     whole model resident (`stock_nogather` above), so trl-ext warns once, on rank 0, and names its own flag."""
     assert [modes["advice"]["enabled"] for modes in zero3["ranks"]] == [[], []]
     warning = (
-        "[trl_ext.installation|WARNING] trl-ext: OnlineDPOConfig(ds3_gather_for_generation=False) is left to TRL, "
+        "[trl_ext.build|WARNING] trl-ext: OnlineDPOConfig(ds3_gather_for_generation=False) is left to TRL, "
         "whose ZeRO-3 generation keeps the whole model resident with DeepSpeed's default settings; set trl-ext's "
         '`ds3_gather_for_generation=False` (or "auto") for generation within a bounded budget.'
     )
