@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -28,15 +29,8 @@ def _trl_loss_types() -> list[str]:
 #: Every DPO loss type of the installed TRL.
 TRL_LOSS_TYPES = _trl_loss_types()
 
-#: Every DPO loss type the installed TRL has, and the loss options, as cases for the packing and fused-scoring tests.
-#: Each case sets the attributes `DPOTrainer.__init__` stores from `DPOConfig` (`loss_types`, `loss_weights`,
-#: `label_smoothing`, `ld_alpha`, `use_weighting`; the same in TRL 1.12 and 1.16) on a trainer built once with
-#: `use_weighting=True` (so TRL 1.16's fused head also returns `log_sum_sq_probs`), which runs TRL's real
-#: `_compute_loss` for every case at a fraction of the cost of a trainer per case. exo_pair takes log(label_smoothing).
-LOSS_CASES: list[dict] = [
-    {"loss_types": [t], **({"label_smoothing": 1e-3} if t == "exo_pair" else {})} for t in TRL_LOSS_TYPES
-]
-LOSS_CASES += [
+#: The loss options, each on the loss types it applies to (the cases after the one-per-type ones).
+LOSS_OPTION_CASES: list[dict] = [
     {"loss_types": ["robust"], "label_smoothing": 0.1},
     {"loss_types": ["aot", "aot_unpaired"], "label_smoothing": 0.1},
     {"loss_types": ["sigmoid", "bco_pair", "sft"], "loss_weights": [0.8, 0.2, 1.0]},
@@ -44,6 +38,15 @@ LOSS_CASES += [
     {"loss_types": ["sigmoid_norm", "ipo"], "ld_alpha": 0.3, "loss_weights": [1.0, 0.5]},
     # not with "sft": TRL's `per_sequence_loss *= weights` fails on its expanded sft loss (stock TRL 1.12 and 1.16)
     {"loss_types": ["sigmoid", "ipo", "apo_down"], "use_weighting": True},
+]
+#: Every DPO loss type the installed TRL has, and the loss options, as cases for the packing and fused-scoring tests.
+#: Each case sets the attributes `DPOTrainer.__init__` stores from `DPOConfig` (`loss_types`, `loss_weights`,
+#: `label_smoothing`, `ld_alpha`, `use_weighting`; the same in TRL 1.12 and 1.16) on a trainer built once with
+#: `use_weighting=True` (so TRL 1.16's fused head also returns `log_sum_sq_probs`), which runs TRL's real
+#: `_compute_loss` for every case at a fraction of the cost of a trainer per case. exo_pair takes log(label_smoothing).
+LOSS_CASES: list[dict] = [
+    *({"loss_types": [t], **({"label_smoothing": 1e-3} if t == "exo_pair" else {})} for t in TRL_LOSS_TYPES),
+    *LOSS_OPTION_CASES,
 ]
 
 
@@ -54,6 +57,60 @@ def set_loss(trainer, case: dict) -> None:
     trainer.label_smoothing = case.get("label_smoothing", 0.0)
     trainer.ld_alpha = case.get("ld_alpha")
     trainer.use_weighting = case.get("use_weighting", False)
+
+
+def assert_every_loss_case(
+    trainers: tuple[Any, ...],
+    compare: Callable[[], object],
+    cases: list[dict] = LOSS_CASES,
+    set_loss: Callable[[Any, dict], None] = set_loss,
+    every_type: bool = True,
+) -> None:
+    """`compare()` with each of `cases` set on every one of `trainers`; the cases that fail are reported together.
+    `every_type`: the cases also cover every loss type of the installed TRL."""
+    failures = []
+    for case in cases:
+        for trainer in trainers:
+            set_loss(trainer, case)
+        try:
+            compare()
+        except AssertionError as exc:
+            failures.append(f"{case}: {exc}")
+    assert not failures, "\n".join(failures)
+    if every_type:
+        assert {t for case in cases for t in case["loss_types"]} == set(TRL_LOSS_TYPES)
+
+
+def train_logs(trainer: Any) -> list[dict]:
+    """Train `trainer`; its logs of the training steps."""
+    trainer.train()
+    return [log for log in trainer.state.log_history if "loss" in log]
+
+
+def assert_same_logs(expected: list[dict], actual: list[dict], *, rel: float, abs: float, skip=()) -> None:
+    """As many logs (at least one), the same keys, every value (timings and `skip` aside) within `rel` / `abs`."""
+    assert len(expected) == len(actual) > 0
+    for e, a in zip(expected, actual, strict=True):
+        assert e.keys() == a.keys()
+        for key in e:
+            if key.endswith(("runtime", "per_second")) or key in skip:
+                continue
+            assert a[key] == pytest.approx(e[key], rel=rel, abs=abs), key
+
+
+def ref_columns(stock: Any, other: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`(stock's, other's)` precomputed reference log-prob columns of the two trainers' training datasets."""
+    columns = ("ref_chosen_logps", "ref_rejected_logps")
+    return [(torch.tensor(stock.train_dataset[c]), torch.tensor(other.train_dataset[c])) for c in columns]
+
+
+def lora(targets=("q_proj", "v_proj"), experts: bool = False) -> Any:
+    """The equivalence tests' LoRA adapter (r 4, no dropout) on `targets`; `experts`: also on a MoE model's expert
+    parameters (peft's `target_parameters`). A new config per trainer."""
+    from peft import LoraConfig
+
+    extra = {"target_parameters": ["experts.gate_up_proj", "experts.down_proj"]} if experts else {}
+    return LoraConfig(r=4, lora_alpha=8, target_modules=list(targets), lora_dropout=0.0, **extra)
 
 
 def online_generation(

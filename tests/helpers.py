@@ -225,6 +225,12 @@ class ReferenceVarlen:
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+#: The sizes of the tiny models built from a config: 2 layers, hidden 32, 4 heads (2 key/value heads).
+TINY_SIZES = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+)
+
+
 def tiny(kind: str = "llama", seed: int = 0):
     """Tiny float64 models: a dense Llama, a sliding-window Mistral (window 4), a Mixtral (4 experts, top-2, aux loss
     coefficient 0.5 so that the auxiliary loss weighs in the comparison), a StableLM (partial rotary)."""
@@ -239,11 +245,7 @@ def tiny(kind: str = "llama", seed: int = 0):
 
     common = dict(
         vocab_size=256,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **TINY_SIZES,
         max_position_embeddings=512,
         pad_token_id=0,
         eos_token_id=1,
@@ -275,11 +277,7 @@ def tiny(kind: str = "llama", seed: int = 0):
 DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma3_text", "phi3", "olmo2")
 WINDOWED_KWARGS = dict(
     vocab_size=128,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
+    **TINY_SIZES,
     head_dim=8,
     max_position_embeddings=256,
     pad_token_id=0,

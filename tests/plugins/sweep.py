@@ -532,9 +532,10 @@ class _Context:
 
 
 @contextlib.contextmanager
-def packed_forward(model, state):
+def packed_forward(model, state, limit: int | None | str = "model", install: bool = True):
     """padding_free's packed causal-LM forward for `model` (varlen attention registered, backbone wrapped, the
-    wrapper installed as `model.forward` as the trainer does); undone on exit."""
+    wrapper installed as `model.forward` as the trainer does unless `install=False`); undone on exit. `limit`: the
+    most tokens of a packed row (`"model"`: the model's own, `row_limit`; None: no limit)."""
     from trl_ext.plugins import padding_free as pf
     from trl_ext.plugins._packing.attention import (
         register_varlen_attention,
@@ -546,10 +547,12 @@ def packed_forward(model, state):
     register_varlen_attention()
     try:
         model.config._attn_implementation_internal = varlen_attention_name(base)
-        limit = pf.row_limit(model)
+        limit = pf.row_limit(model) if limit == "model" else limit
         model.base_model.forward = pf._make_backbone_forward(model.base_model.forward, state, limit)
-        model.forward = pf._make_causal_lm_forward(model.forward, state, limit)
-        yield model.forward
+        forward = pf._make_causal_lm_forward(model.forward, state, limit)
+        if install:
+            model.forward = forward
+        yield forward
     finally:
         model.config._attn_implementation_internal = base
         model.base_model.__dict__.pop("forward", None)

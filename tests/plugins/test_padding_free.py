@@ -12,7 +12,6 @@ import torch
 import trl_ext
 from tests import equivalence as eq
 from tests import helpers
-from tests.equivalence import TRL_LOSS_TYPES
 from trl_ext import UsageError
 from trl_ext.context import live_contexts
 from trl_ext.testing import make_preference_dataset
@@ -73,17 +72,7 @@ def test_every_loss_type_and_option(build):
         examples = eq.examples(stock)
         assert stock.data_collator(examples)["attention_mask"].eq(0).float().mean() > 0.3  # mostly padding
         _compare(stock, packed, examples)  # per-sequence logps, and the loss/grads of exo_pair with WPO weights
-        failures = []
-        for case in LOSS_CASES:
-            eq.set_loss(stock, case)
-            eq.set_loss(packed, case)
-            try:
-                _compare(stock, packed, examples, logps=False)
-            except AssertionError as exc:
-                failures.append(f"{case}: {exc}")
-        assert not failures, "\n".join(failures)
-    covered = {t for case in LOSS_CASES for t in case["loss_types"]}
-    assert covered == set(TRL_LOSS_TYPES)
+        eq.assert_every_loss_case((stock, packed), lambda: _compare(stock, packed, examples, logps=False), LOSS_CASES)
 
 
 def test_use_weighting_from_config(build):
@@ -135,30 +124,20 @@ def test_fp64_logps_match_to_roundoff(build):
 # -------------------------------------------------------------------------------------------------------------------
 
 
-def _train_logs(trainer):
-    trainer.train()
-    return [log for log in trainer.state.log_history if "loss" in log]
-
-
 def test_train_steps_and_metrics_match_with_trl_flag(build, dataset):
     """Three optimizer steps + evaluate: same losses and logged metrics. The plugin is enabled by TRL's own
     `DPOConfig(padding_free=True)` and runs with gradient checkpointing (which must not change anything)."""
     kwargs = dict(max_steps=3, eval_dataset=dataset.select(range(8)), eval_strategy="no")
     stock = build(**kwargs)
-    stock_logs, stock_eval = _train_logs(stock), stock.evaluate()
+    stock_logs, stock_eval = eq.train_logs(stock), stock.evaluate()
     with trl_ext.install():
         packed = build(padding_free=True, gradient_checkpointing=True, **kwargs)
         assert packed.args.padding_free is True  # the user's config is left as it was
         assert "padding_free" in packed._trl_ext.enabled
-        packed_logs, packed_eval = _train_logs(packed), packed.evaluate()
+        packed_logs, packed_eval = eq.train_logs(packed), packed.evaluate()
         assert _state(packed).packed_calls >= 3 * 2 + 2  # policy + ref per step, and evaluation
     assert len(stock_logs) == len(packed_logs) == 3
-    for s, p in [*zip(stock_logs, packed_logs, strict=True), (stock_eval, packed_eval)]:
-        assert s.keys() == p.keys()
-        for key in s:
-            if key.endswith("runtime") or key.endswith("per_second"):
-                continue
-            assert p[key] == pytest.approx(s[key], rel=1e-4, abs=1e-6), key
+    eq.assert_same_logs([*stock_logs, stock_eval], [*packed_logs, packed_eval], rel=1e-4, abs=1e-6)
     assert packed_logs[-1]["num_tokens"] == stock_logs[-1]["num_tokens"]  # real tokens, exactly
 
 
@@ -169,8 +148,7 @@ def test_precompute_ref_log_probs(build):
     with trl_ext.install(padding_free=True):
         packed = build(ref=False, precompute_ref_log_probs=True)
         assert _state(packed).packed_calls > 0  # the precompute ran through the packed forward, not a cache file
-        for column in ("ref_chosen_logps", "ref_rejected_logps"):
-            a, b = torch.tensor(stock.train_dataset[column]), torch.tensor(packed.train_dataset[column])
+        for a, b in eq.ref_columns(stock, packed):
             assert eq.max_rel(b, a) <= LOGPS_RTOL
         _compare(stock, packed, eq.examples(stock))
 
@@ -185,21 +163,15 @@ def test_with_precompute_ref_batch_size_plugin(build, tmp_path):
         packed = build(ref=False, precompute_ref_log_probs=True)
         assert set(packed._trl_ext.enabled) >= {"padding_free", "precompute_ref_batch_size"}
         assert _state(packed).packed_calls > 0
-        for column in ("ref_chosen_logps", "ref_rejected_logps"):
-            a, b = torch.tensor(stock.train_dataset[column]), torch.tensor(packed.train_dataset[column])
+        for a, b in eq.ref_columns(stock, packed):
             assert eq.max_rel(b, a) <= LOGPS_RTOL
 
 
 def test_peft_lora_policy(build):
     """LoRA policy whose reference is the adapter-disabled base model: both forwards run packed."""
-    from peft import LoraConfig
-
-    def lora():
-        return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
-
-    stock = build(ref=False, peft_config=lora())
+    stock = build(ref=False, peft_config=eq.lora())
     with trl_ext.install(padding_free=True):
-        packed = build(ref=False, peft_config=lora())
+        packed = build(ref=False, peft_config=eq.lora())
         assert set(_state(packed).attn_implementations) == {"policy"}
         _compare(stock, packed, eq.examples(stock))
 

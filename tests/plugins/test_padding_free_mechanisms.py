@@ -12,13 +12,13 @@ so a window or chunk lost in the packed row shows in the numbers.
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
 import trl_ext
 from tests import equivalence as eq
+from tests import helpers
+from tests.plugins import sweep
 from trl_ext import UsageError
 from trl_ext.plugins.padding_free.architecture import VERIFIED_MODEL_TYPES, inspect_model
 
@@ -39,11 +39,7 @@ def _tiny(model_type: str, impl: str = "sdpa", **overrides):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     sizes = dict(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **helpers.TINY_SIZES,
         n_layer=2,
         n_head=4,
         n_embd=32,
@@ -94,27 +90,10 @@ def _loss_and_grads(model, forward, ids, mask):
     return loss.item(), None if aux is None else aux.item(), grads
 
 
-@contextlib.contextmanager
 def _packed_forward(model, state, limit=None):
     """The plugin's packed causal-LM forward for `model`, as `_configure_model` sets it up (varlen attention
-    registered, backbone wrapped); undone on exit."""
-    from trl_ext.plugins import padding_free as pf
-    from trl_ext.plugins._packing.attention import (
-        register_varlen_attention,
-        unregister_varlen_attention,
-        varlen_attention_name,
-    )
-
-    base = model.config._attn_implementation
-    register_varlen_attention()
-    try:
-        model.config._attn_implementation_internal = varlen_attention_name(base)
-        model.base_model.forward = pf._make_backbone_forward(model.base_model.forward, state, limit)
-        yield pf._make_causal_lm_forward(model.forward, state, limit)
-    finally:
-        model.config._attn_implementation_internal = base
-        model.base_model.__dict__.pop("forward", None)
-        unregister_varlen_attention()
+    registered, backbone wrapped), with the row `limit` given (none by default); undone on exit."""
+    return sweep.packed_forward(model, state, limit, install=False)
 
 
 def _assert_packs_exactly(model, lengths=LENGTHS):
@@ -408,15 +387,8 @@ def test_gpt_neox_japanese_packs_exactly():
 
 def test_dory_looped_layers_pack_exactly():
     """Dory runs its recurrent layers several times over the same row with sliding-window attention."""
-    model = _tiny(
-        "dory",
-        sliding_window=WINDOW,
-        head_dim=8,
-        num_hidden_layers=4,
-        n_input_layers=1,
-        n_recurrent_layers=2,
-        n_output_layers=1,
-    )
+    layers = dict(num_hidden_layers=4, n_input_layers=1, n_recurrent_layers=2, n_output_layers=1)
+    model = _tiny("dory", sliding_window=WINDOW, head_dim=8, **layers)
     _assert_packs_exactly(model)
 
 

@@ -143,19 +143,8 @@ def test_fp64_per_sequence_logps(build):
 # -------------------------------------------------------------------------------------------------------------------
 
 
-def _train_logs(trainer):
-    trainer.train()
-    return [log for log in trainer.state.log_history if "loss" in log]
-
-
 def _assert_same_logs(stock_logs, shared_logs):
-    assert len(stock_logs) == len(shared_logs) > 0
-    for s, p in zip(stock_logs, shared_logs, strict=True):
-        assert s.keys() == p.keys()
-        for key in s:
-            if key.endswith("runtime") or key.endswith("per_second"):
-                continue
-            assert p[key] == pytest.approx(s[key], rel=METRIC_RTOL, abs=METRIC_ATOL), key
+    eq.assert_same_logs(stock_logs, shared_logs, rel=METRIC_RTOL, abs=METRIC_ATOL)
 
 
 @pytest.mark.slow
@@ -164,12 +153,12 @@ def test_train_steps_and_metrics_match(build, dataset, gradient_checkpointing):
     """Three SGD steps + evaluate: same losses and every logged metric, with and without gradient checkpointing."""
     kwargs = dict(max_steps=3, optim="sgd", learning_rate=0.1)
     stock = build(**kwargs)
-    stock_logs = _train_logs(stock)
+    stock_logs = eq.train_logs(stock)
     stock_eval = stock.evaluate(dataset.select(range(8)))
     with trl_ext.install(prompt_sharing=True, plugins={"prompt_sharing": {"self_check": True}}):
         shared = build(gradient_checkpointing=gradient_checkpointing, **kwargs)
         assert set(_state(shared).checked) == {"policy", "ref"}  # the self-check ran on both, before training
-        shared_logs = _train_logs(shared)
+        shared_logs = eq.train_logs(shared)
         shared_eval = shared.evaluate(dataset.select(range(8)))
         # policy + ref per step and per evaluation batch (8 pairs, 4 per batch); the self-check's probe not counted
         assert _state(shared).shared_calls == 3 * 2 + 2 * 2
@@ -184,8 +173,7 @@ def test_precompute_ref_log_probs(build):
         shared = build(ref=False, precompute_ref_log_probs=True)
         assert _state(shared).shared_calls > 0  # the precompute ran through the shared forward, not a cache file
         assert _state(shared).shared_tokens < _state(shared).padded_tokens
-        for column in ("ref_chosen_logps", "ref_rejected_logps"):
-            a, b = torch.tensor(stock.train_dataset[column]), torch.tensor(shared.train_dataset[column])
+        for a, b in eq.ref_columns(stock, shared):
             assert eq.max_rel(b, a) <= LOGPS_RTOL
         _compare(stock, shared, eq.examples(stock))
 
@@ -200,21 +188,15 @@ def test_with_precompute_ref_batch_size_plugin(build, tmp_path):
         assert set(shared._trl_ext.enabled) >= {"prompt_sharing", "precompute_ref_batch_size"}
         state = _state(shared)
         assert state.shared_calls > 0 and state.unshared_calls == 0
-        for column in ("ref_chosen_logps", "ref_rejected_logps"):
-            a, b = torch.tensor(stock.train_dataset[column]), torch.tensor(shared.train_dataset[column])
+        for a, b in eq.ref_columns(stock, shared):
             assert eq.max_rel(b, a) <= LOGPS_RTOL
 
 
 def test_peft_lora_policy(build):
     """LoRA policy whose reference is the adapter-disabled base model: both forwards run shared."""
-    from peft import LoraConfig
-
-    def lora():
-        return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
-
-    stock = build(ref=False, peft_config=lora())
+    stock = build(ref=False, peft_config=eq.lora())
     with trl_ext.install(prompt_sharing=True):
-        shared = build(ref=False, peft_config=lora())
+        shared = build(ref=False, peft_config=eq.lora())
         assert set(_state(shared).attn_implementations) == {"policy"}
         _compare(stock, shared, eq.examples(stock))
 
@@ -284,7 +266,7 @@ def test_layout_entry_survives_dispatch_slicing(build):
 
 
 def _dispatch_run(trainer):
-    logs = _train_logs(trainer)
+    logs = eq.train_logs(trainer)
     eval_data = trainer.train_dataset.select(range(8))
     logs.append(trainer.evaluate(eval_dataset=eval_data.to_iterable_dataset()))
     logs.append(trainer.predict(eval_data.to_iterable_dataset()).metrics)
