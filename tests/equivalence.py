@@ -265,6 +265,29 @@ def compare(
     return stock_batch, other_batch
 
 
+#: Each packing plugin: the key its collator adds, and its state's counts of optimized and unoptimized scoring calls.
+PACKING = {
+    "padding_free": ("trl_ext_packing", "packed_calls", "unpacked_calls"),
+    "prompt_sharing": ("trl_ext_prompt_sharing", "shared_calls", "unshared_calls"),
+}
+
+
+def compare_plugin(stock: Any, other: Any, batch_examples: list[dict], plugin: str, **tolerances: Any) -> tuple:
+    """`compare` for a trainer with the packing `plugin` (its batch key and counters, `PACKING`); `tolerances`:
+    `logps_rtol`, `loss_rtol`, `grad_rtol` (and `logps`)."""
+    key, calls, misses = PACKING[plugin]
+    state = other._trl_ext.state[plugin]
+    return compare(
+        stock,
+        other,
+        batch_examples,
+        batch_key=key,
+        calls=lambda: getattr(state, calls),
+        misses=lambda: getattr(state, misses),
+        **tolerances,
+    )
+
+
 def add_mask_window(model: Any, window: int) -> Any:
     """Make every attention layer of a Llama-style `model` apply a sliding window of `window` tokens only through the
     4D mask tensor it receives, as `trust_remote_code` code that derives its locality from the padded mask would:

@@ -14,7 +14,6 @@ from tests import equivalence as eq
 from tests import helpers
 from trl_ext import UsageError
 from trl_ext.context import live_contexts
-from trl_ext.testing import make_preference_dataset
 
 # fp32: per-sequence summed log-probs agree to float32 round-off (measured max 1.1e-7 relative); a real packing
 # bug (a token scored from the wrong sequence, a position off by one, attention across sequences) moves them by >1e-2.
@@ -23,11 +22,6 @@ GRAD_RTOL = 2e-5  # max |grad diff| relative to max |grad| (measured ~1e-6)
 
 
 _one_thread = pytest.fixture(scope="module", autouse=True)(eq.one_thread)
-
-
-@pytest.fixture(scope="module")
-def dataset():
-    return make_preference_dataset(16, seed=0)
 
 
 @pytest.fixture
@@ -42,18 +36,8 @@ def _state(trainer):
 
 def _compare(stock, packed, examples, logps=True):
     """Per-sequence logps (policy), loss and gradients of a stock and a packed trainer on the same examples."""
-    return eq.compare(
-        stock,
-        packed,
-        examples,
-        batch_key="trl_ext_packing",
-        calls=lambda: _state(packed).packed_calls,
-        misses=lambda: _state(packed).unpacked_calls,
-        logps_rtol=LOGPS_RTOL,
-        loss_rtol=1e-5,
-        grad_rtol=GRAD_RTOL,
-        logps=logps,
-    )
+    tolerances = dict(logps_rtol=LOGPS_RTOL, loss_rtol=1e-5, grad_rtol=GRAD_RTOL, logps=logps)
+    return eq.compare_plugin(stock, packed, examples, "padding_free", **tolerances)
 
 
 # -------------------------------------------------------------------------------------------------------------------

@@ -14,17 +14,11 @@ from tests import equivalence as eq
 from tests import helpers
 from tests.helpers import tiny
 from trl_ext import UsageError
-from trl_ext.testing import make_preference_dataset
 
 REL = 1e-6  # fp64 weights; TRL 1.16's fused LM head computes log-probs in fp32 (measured deviations <= 2e-7)
 
 
 _one_thread = pytest.fixture(scope="module", autouse=True)(eq.one_thread)
-
-
-@pytest.fixture(scope="module")
-def dataset():
-    return make_preference_dataset(16, seed=0)
 
 
 @pytest.fixture
@@ -47,26 +41,14 @@ def _assert_logs_equal(stock_logs, packed_logs, rel=REL):
     eq.assert_same_logs(stock_logs, packed_logs, rel=rel, abs=1e-9, skip=("epoch",))
 
 
-def _grads(trainer, batch):
-    trainer.model.zero_grad(set_to_none=True)
-    loss = trainer.compute_loss(trainer.model, batch)
-    loss.backward()
-    return loss.detach(), {
-        n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None
-    }
-
-
 def _compare_step(stock, packed, n=6):
     examples = [stock.train_dataset[i] for i in range(n)]
     calls = _state(packed).packed_calls
-    stock_loss, stock_grads = _grads(stock, stock.data_collator(examples))
-    packed_loss, packed_grads = _grads(packed, packed.data_collator(examples))
+    stock_loss, stock_grads = eq.loss_and_grads(stock, stock.data_collator(examples))
+    packed_loss, packed_grads = eq.loss_and_grads(packed, packed.data_collator(examples))
     assert _state(packed).packed_calls > calls and _state(packed).unpacked_calls == 0
     assert packed_loss.item() == pytest.approx(stock_loss.item(), rel=REL)
-    assert stock_grads.keys() == packed_grads.keys() and stock_grads
-    scale = max(g.abs().max().item() for g in stock_grads.values())
-    worst = max((stock_grads[k] - packed_grads[k]).abs().max().item() for k in stock_grads)
-    assert scale > 0 and worst <= REL * scale, f"grad diff {worst:.3g} vs max |grad| {scale:.3g}"
+    eq.assert_same_grads(stock_grads, packed_grads, REL)
 
 
 # -------------------------------------------------------------------------------------------------------------------

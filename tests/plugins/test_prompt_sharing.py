@@ -57,18 +57,8 @@ def _state(trainer):
 
 def _compare(stock, shared, examples, logps=True):
     """Per-sequence logps, loss and gradients of a stock and a sharing trainer on the same examples."""
-    return eq.compare(
-        stock,
-        shared,
-        examples,
-        batch_key="trl_ext_prompt_sharing",
-        calls=lambda: _state(shared).shared_calls,
-        misses=lambda: _state(shared).unshared_calls,
-        logps_rtol=LOGPS_RTOL,
-        loss_rtol=METRIC_RTOL,
-        grad_rtol=GRAD_RTOL,
-        logps=logps,
-    )
+    tolerances = dict(logps_rtol=LOGPS_RTOL, loss_rtol=METRIC_RTOL, grad_rtol=GRAD_RTOL, logps=logps)
+    return eq.compare_plugin(stock, shared, examples, "prompt_sharing", **tolerances)
 
 
 # -------------------------------------------------------------------------------------------------------------------

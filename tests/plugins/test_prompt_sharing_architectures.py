@@ -97,16 +97,8 @@ def _state(trainer):
 
 
 def _compare(stock, shared):
-    eq.compare(
-        stock,
-        shared,
-        eq.examples(stock),
-        batch_key="trl_ext_prompt_sharing",
-        calls=lambda: _state(shared).shared_calls,
-        misses=lambda: _state(shared).unshared_calls,
-        logps_rtol=REL,
-        loss_rtol=REL,
-        grad_rtol=REL,
+    eq.compare_plugin(
+        stock, shared, eq.examples(stock), "prompt_sharing", logps_rtol=REL, loss_rtol=REL, grad_rtol=REL
     )
 
 
