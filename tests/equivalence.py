@@ -288,6 +288,28 @@ def compare_plugin(stock: Any, other: Any, batch_examples: list[dict], plugin: s
     )
 
 
+#: What a packing plugin refuses in any model, each case with the words of its refusal.
+PACKING_REFUSALS = ("flex_attention", "liger", "prompt_tuning")
+
+
+def assert_refused(build: Callable[..., Any], case: str) -> None:
+    """`build(...)` (a `dpo_builder`'s, with a packing plugin installed) refuses the setting `case` of
+    `PACKING_REFUSALS` with a `UsageError` naming it: flex attention, Liger kernels, a prompt-learning PEFT adapter."""
+    from trl_ext import UsageError
+
+    if case == "flex_attention":
+        kwargs, match = {"model_kwargs": {"attn_implementation": "flex_attention"}}, "flex_attention"
+    elif case == "liger":
+        kwargs, match = {"use_liger_kernel": True}, "use_liger_kernel"
+    else:
+        from peft import PromptTuningConfig
+
+        prompt_tuning = PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=2)
+        kwargs, match = {"ref": False, "peft_config": prompt_tuning}, "prompt-learning"
+    with pytest.raises(UsageError, match=match):
+        build(**kwargs)
+
+
 def add_mask_window(model: Any, window: int) -> Any:
     """Make every attention layer of a Llama-style `model` apply a sliding window of `window` tokens only through the
     4D mask tensor it receives, as `trust_remote_code` code that derives its locality from the padded mask would:

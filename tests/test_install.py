@@ -11,7 +11,7 @@ import trl_ext
 from trl_ext import UsageError, _compat
 from trl_ext.manager import builtin_plugin_modules
 from trl_ext.spec import Flag, PluginSpec, boolean
-from trl_ext.testing import length_reward, make_model, make_preference_dataset, make_prompt_dataset
+from trl_ext.testing import make_model, make_preference_dataset
 
 from ._fakes import install_fake_plugin
 
@@ -87,18 +87,10 @@ def test_precompute_hook_runs_after_models_ready_and_before_any_forward(tokenize
     assert recorder.forward_calls["policy"] == 3  # ceil(8 / 3) precompute batches ran through the plugin's forward
 
 
-def test_online_dpo_hooks_including_generation(tokenizer, online_dpo_args, recorder):
-    from trl.experimental.online_dpo import OnlineDPOTrainer
+def test_online_dpo_hooks_including_generation(tokenizer, online_dpo_args, recorder, plain_online_dpo):
 
     with trl_ext.install(plugins={"recorder": {}}):
-        trainer = OnlineDPOTrainer(
-            make_model(seed=0),
-            ref_model=make_model(seed=0),
-            reward_funcs=length_reward,
-            args=online_dpo_args(),
-            train_dataset=make_prompt_dataset(4),
-            processing_class=tokenizer,
-        )
+        trainer = plain_online_dpo()
         trainer.train()
     names = recorder.names()
     assert names[1:3] == ["init_start", "make_collator"]
@@ -113,7 +105,7 @@ def _snapshot(objects):
     return {id(obj): (obj, dict(vars(obj))) for obj in objects}
 
 
-def test_uninstall_restores_every_patched_object_identically(tokenizer, dpo_args, recorder):
+def test_uninstall_restores_every_patched_object_identically(tokenizer, dpo_args, recorder, plain_dpo):
     import importlib
 
     from trl import DPOTrainer
@@ -127,13 +119,7 @@ def test_uninstall_restores_every_patched_object_identically(tokenizer, dpo_args
     installation = trl_ext.install(plugins={"recorder": {}})
     assert DPOTrainer.__dict__["__init__"] is not before[id(DPOTrainer)][1]["__init__"]
     assert "__init__" in vars(OnlineDPOTrainer) and "log" not in vars(OnlineDPOTrainer)  # per trainer, not per class
-    trainer = DPOTrainer(
-        make_model(seed=0),
-        ref_model=make_model(seed=0),
-        args=dpo_args(),
-        train_dataset=make_preference_dataset(4),
-        processing_class=tokenizer,
-    )
+    trainer = plain_dpo()
     backbone = trainer.model.base_model
     assert "forward" in vars(backbone) and "_trl_ext" in vars(trainer)
     installation.uninstall()
@@ -154,19 +140,14 @@ def test_uninstall_restores_every_patched_object_identically(tokenizer, dpo_args
     assert trainer.data_collator is recorder.collators[0].inner
     # A trainer built after uninstall is stock: no hooks run.
     events = len(recorder.events)
-    DPOTrainer(
-        make_model(seed=0),
-        ref_model=make_model(seed=0),
-        args=dpo_args(),
-        train_dataset=make_preference_dataset(4),
-        processing_class=tokenizer,
-    )
+    plain_dpo()
     assert len(recorder.events) == events
 
 
-def test_trl_flag_that_trl_ignores_enables_the_plugin_with_that_flag(tokenizer, dpo_args, monkeypatch, caplog):
+def test_trl_flag_that_trl_ignores_enables_the_plugin_with_that_flag(
+    tokenizer, dpo_args, monkeypatch, caplog, plain_dpo
+):
     """`DPOConfig(padding_free=True)` (ignored by TRL >= 0.29) enables the trl-ext plugin owning `padding_free`."""
-    from trl import DPOTrainer
 
     class OwnsPaddingFree:
         TRL_EXT_PLUGIN = PluginSpec(
@@ -189,22 +170,15 @@ def test_trl_flag_that_trl_ignores_enables_the_plugin_with_that_flag(tokenizer, 
         assert installation.enabled_plugins("DPOTrainer", dpo_args()) == []
         assert installation.enabled_plugins("OnlineDPOTrainer", args) == []
         with caplog.at_level("WARNING"):
-            trainer = DPOTrainer(
-                make_model(seed=0),
-                ref_model=make_model(seed=0),
-                args=args,
-                train_dataset=make_preference_dataset(4),
-                processing_class=tokenizer,
-            )
+            trainer = plain_dpo(args=args)
         assert trainer._trl_ext.enabled == ("fake_padding_free",)
         assert plugin.seen is True
         assert args.padding_free is True  # the user's config object is left as it was
         assert "temporarily unavailable" not in caplog.text  # TRL did not fall back: the plugin handles the flag
 
 
-def test_trl_that_honours_the_flag_keeps_it_and_refuses_a_double_claim(tokenizer, dpo_args, monkeypatch):
+def test_trl_that_honours_the_flag_keeps_it_and_refuses_a_double_claim(tokenizer, dpo_args, monkeypatch, plain_dpo):
     """On a TRL that implements `padding_free` itself (e.g. with patches/0001), the TRL flag stays TRL's."""
-    from trl import DPOTrainer
 
     class OwnsPaddingFree:
         TRL_EXT_PLUGIN = PluginSpec(
@@ -221,13 +195,7 @@ def test_trl_that_honours_the_flag_keeps_it_and_refuses_a_double_claim(tokenizer
         assert installation.enabled_plugins("DPOTrainer", dpo_args(padding_free=True)) == []
     with trl_ext.install(block=block, padding_free=True):
         with pytest.raises(UsageError, match=r"Both TRL's own `padding_free=True`.*`fake_padding_free`"):
-            DPOTrainer(
-                make_model(seed=0),
-                ref_model=make_model(seed=0),
-                args=dpo_args(padding_free=True),
-                train_dataset=make_preference_dataset(4),
-                processing_class=tokenizer,
-            )
+            plain_dpo(args=dpo_args(padding_free=True))
 
 
 def test_unsupported_trl_version_is_a_usage_error(monkeypatch):
@@ -267,35 +235,21 @@ def test_install_again_with_the_same_flags_returns_the_active_installation():
     assert trl_ext.current() is None
 
 
-def test_trainer_built_before_install_is_reported_stock(tokenizer, dpo_args):
-    from trl import DPOTrainer
+def test_trainer_built_before_install_is_reported_stock(tokenizer, dpo_args, plain_dpo):
 
-    trainer = DPOTrainer(
-        make_model(seed=0),
-        ref_model=make_model(seed=0),
-        args=dpo_args(),
-        train_dataset=make_preference_dataset(4),
-        processing_class=tokenizer,
-    )
+    trainer = plain_dpo()
     with trl_ext.install(padding_free=True) as installation:
         assert installation.enabled_plugins(trainer) == []  # it runs stock: nothing was attached to it
         assert installation.enabled_plugins("DPOTrainer") == ["padding_free"]  # what a trainer built now gets
         assert installation.enabled_plugins(trainer, dpo_args()) == ["padding_free"]
 
 
-def test_options_of_a_plugin_its_trl_flag_could_enable_must_be_used(tokenizer, dpo_args):
+def test_options_of_a_plugin_its_trl_flag_could_enable_must_be_used(tokenizer, dpo_args, plain_dpo):
     """`plugins: {padding_free: {...}}` without `padding_free: true`: the options apply to trainers whose DPOConfig
     sets `padding_free=True`, and a trainer without it is refused instead of silently ignoring them."""
-    from trl import DPOTrainer
 
     def build(args):
-        return DPOTrainer(
-            make_model(seed=0),
-            ref_model=make_model(seed=0),
-            args=args,
-            train_dataset=make_preference_dataset(4),
-            processing_class=tokenizer,
-        )
+        return plain_dpo(args=args)
 
     with trl_ext.install(plugins={"padding_free": {"attention": "dense"}}):
         with pytest.raises(

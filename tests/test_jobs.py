@@ -345,15 +345,12 @@ def test_cpu_line_names_the_precision_it_trains_in(monkeypatch, capsys, tmp_path
     assert "[trl-ext] no accelerator found: training on CPU in bf16 (--use_cpu true;" in err and "fp32" not in err
 
 
-def test_job_ends_without_an_uninstall_line(monkeypatch, tmp_path, tokenizer, dpo_args, caplog):
+def test_job_ends_without_an_uninstall_line(monkeypatch, tmp_path, tokenizer, dpo_args, caplog, plain_dpo):
     """The job's trainers are done when it ends: no "trainers keep their plugins" line."""
     import logging
 
-    from trl import DPOTrainer
-
     from trl_ext.app import jobs
     from trl_ext.config import load_config
-    from trl_ext.testing import make_model, make_preference_dataset
 
     root = logging.getLogger("trl_ext")
     root.addHandler(caplog.handler)
@@ -361,13 +358,7 @@ def test_job_ends_without_an_uninstall_line(monkeypatch, tmp_path, tokenizer, dp
         with jobs._installed_for_job(
             load_config(flags={"sync_metrics": True}), cpu_deepspeed=False, trainer_class="DPOTrainer"
         ):
-            trainer = DPOTrainer(
-                make_model(seed=0),
-                ref_model=make_model(seed=0),
-                args=dpo_args(),
-                train_dataset=make_preference_dataset(4),
-                processing_class=tokenizer,
-            )
+            trainer = plain_dpo()
     finally:
         root.removeHandler(caplog.handler)
     assert "_trl_ext" not in vars(trainer)  # detached: stock again

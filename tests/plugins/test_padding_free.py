@@ -337,26 +337,12 @@ def test_refuses_bad_options():
         trl_ext.install(padding_free=True, plugins={"padding_free": {"attention": "flash"}})
 
 
-@pytest.mark.parametrize(
-    "case",
-    # OPT (self-checked, then exact) and the MoE router auxiliary loss (equal to stock) are no longer refused: see
-    # test_padding_free_coverage.py and test_padding_free_sweep.py
-    ["flex_attention", "liger", "prompt_tuning"],
-)
-def test_refusals(build, dpo_args, tokenizer, dataset, case):
-
+# OPT (self-checked, then exact) and the MoE router auxiliary loss (equal to stock) are no longer refused: see
+# test_padding_free_coverage.py and test_padding_free_sweep.py
+@pytest.mark.parametrize("case", eq.PACKING_REFUSALS)
+def test_refusals(build, case):
     with trl_ext.install(padding_free=True):
-        if case == "flex_attention":
-            with pytest.raises(UsageError, match="flex_attention"):
-                build(model_kwargs={"attn_implementation": "flex_attention"})
-        elif case == "liger":
-            with pytest.raises(UsageError, match="use_liger_kernel"):
-                build(use_liger_kernel=True)
-        elif case == "prompt_tuning":
-            from peft import PromptTuningConfig
-
-            with pytest.raises(UsageError, match="prompt-learning"):
-                build(ref=False, peft_config=PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=2))
+        eq.assert_refused(build, case)
 
 
 def test_collator_refusals(build):

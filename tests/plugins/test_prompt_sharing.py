@@ -632,7 +632,7 @@ def test_refuses_bad_options():
         trl_ext.install(prompt_sharing=True, plugins={"prompt_sharing": {"self_chek": False}})
 
 
-@pytest.mark.parametrize("case", ["bloom", "flex_attention", "liger", "prompt_tuning"])
+@pytest.mark.parametrize("case", ["bloom", *eq.PACKING_REFUSALS])
 def test_refusals(build, dpo_args, tokenizer, dataset, case):
     from trl import DPOTrainer
 
@@ -649,17 +649,8 @@ def test_refusals(build, dpo_args, tokenizer, dataset, case):
                     train_dataset=dataset,
                     processing_class=tokenizer,
                 )
-        elif case == "flex_attention":
-            with pytest.raises(UsageError, match="flex_attention"):
-                build(model_kwargs={"attn_implementation": "flex_attention"})
-        elif case == "liger":
-            with pytest.raises(UsageError, match="use_liger_kernel"):
-                build(use_liger_kernel=True)
-        elif case == "prompt_tuning":
-            from peft import PromptTuningConfig
-
-            with pytest.raises(UsageError, match="prompt-learning"):
-                build(ref=False, peft_config=PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=2))
+        else:
+            eq.assert_refused(build, case)
 
 
 def test_the_end_line_is_words_and_says_when_nothing_was_shared(build):
