@@ -337,11 +337,21 @@ REPO = Path(__file__).resolve().parents[1]
 PLUGIN_SCRIPTS = REPO / "tests" / "plugins" / "scripts"
 
 
-def launch(script: Path | str, *args: str, nproc: int = 2, timeout: float = 900) -> subprocess.CompletedProcess:
-    """`torchrun --standalone --nproc_per_node NPROC SCRIPT ARGS...` with this checkout first on `PYTHONPATH`, one
-    intra-op thread per process, no progress bars, offline, warnings off; the finished process (output captured)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+def launch_env(**extra: str) -> dict[str, str]:
+    """The environment of a launched test process: this one's, with this checkout first on `PYTHONPATH`, one intra-op
+    thread per process, no progress bars, offline, warnings off, DeepSpeed on the CPU, TRL's experimental-API warning
+    silenced, no `TRL_EXT_*` setting but the log level; then `extra`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRL_EXT_") or k == "TRL_EXT_LOG_LEVEL"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     env.update(OMP_NUM_THREADS="1", TQDM_DISABLE="1", HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore")
+    env.update(DS_ACCELERATOR="cpu", TRL_EXPERIMENTAL_SILENCE="1", **extra)
+    return env
+
+
+def launch(script: Path | str, *args: str, nproc: int = 2, timeout: float = 900) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc_per_node NPROC SCRIPT ARGS...` in `launch_env()`; the finished process (output
+    captured)."""
+    env = launch_env()
     torchrun = Path(sys.executable).with_name("torchrun")
     command = [str(torchrun), "--standalone", f"--nproc_per_node={nproc}", str(script), *map(str, args)]
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)

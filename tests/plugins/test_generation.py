@@ -9,7 +9,6 @@ the configuration errors and the context manager's contract.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ from pathlib import Path
 import pytest
 
 import trl_ext
+from tests import helpers
 from trl_ext.errors import UsageError
 
 SCRIPT = Path(__file__).parent / "scripts" / "generation_zero3.py"
@@ -36,17 +36,7 @@ OTHER_TRAINERS = {"grpo": ("grpo_stock_gather", "grpo_stream"), "rloo": ("rloo_s
 @pytest.fixture(scope="module")
 def zero3(tmp_path_factory):
     out = tmp_path_factory.mktemp("generation_zero3")
-    env = dict(os.environ)
-    env.update(
-        PYTHONWARNINGS="ignore",
-        DS_ACCELERATOR="cpu",
-        OMP_NUM_THREADS="1",
-        TQDM_DISABLE="1",
-        TRL_EXT_LOG_LEVEL="info",
-        TRL_EXPERIMENTAL_SILENCE="1",
-        HF_HUB_OFFLINE="1",
-    )
-    env = {k: v for k, v in env.items() if not k.startswith("TRL_EXT_") or k == "TRL_EXT_LOG_LEVEL"}
+    env = helpers.launch_env(TRL_EXT_LOG_LEVEL="info")
     cmd = [
         sys.executable,
         "-m",
