@@ -220,6 +220,26 @@ class ReferenceVarlen:
         return torch.cat(outs)
 
 
+#: Gradient checkpointing kwargs that differ from transformers' defaults: the generation tests check they survive.
+USER_GC_KWARGS = {"use_reentrant": False, "preserve_rng_state": False}
+
+
+def gc_online_trainer(online_dpo_args, tokenizer, **overrides):
+    """An `OnlineDPOTrainer` (tiny Llama, no reference model, bf16 off) with gradient checkpointing on with
+    `USER_GC_KWARGS`; `overrides` go to the config."""
+    from trl.experimental.online_dpo import OnlineDPOTrainer
+
+    from trl_ext.testing import length_reward, make_prompt_dataset
+
+    args = online_dpo_args(
+        gradient_checkpointing=True, gradient_checkpointing_kwargs=dict(USER_GC_KWARGS), bf16=False, **overrides
+    )
+    return OnlineDPOTrainer(
+        model=make_model(), reward_funcs=length_reward, args=args, train_dataset=make_prompt_dataset(4),
+        processing_class=tokenizer,
+    )  # fmt: skip
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Tiny float64 models of the padding_free coverage and prompt_sharing architecture tests
 # ---------------------------------------------------------------------------------------------------------------------
@@ -229,6 +249,8 @@ class ReferenceVarlen:
 TINY_SIZES = dict(
     hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
 )
+#: The special token ids of the tiny models built from a config.
+TINY_TOKENS = dict(pad_token_id=0, eos_token_id=1, bos_token_id=2)
 
 
 def tiny(kind: str = "llama", seed: int = 0):
@@ -247,9 +269,7 @@ def tiny(kind: str = "llama", seed: int = 0):
         vocab_size=256,
         **TINY_SIZES,
         max_position_embeddings=512,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=2,
+        **TINY_TOKENS,
     )
     torch.manual_seed(seed)
     if kind == "llama":
@@ -280,9 +300,7 @@ WINDOWED_KWARGS = dict(
     **TINY_SIZES,
     head_dim=8,
     max_position_embeddings=256,
-    pad_token_id=0,
-    bos_token_id=2,
-    eos_token_id=1,
+    **TINY_TOKENS,
 )
 WINDOWED_EXTRA = {
     "mistral": {"sliding_window": 6},
