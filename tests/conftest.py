@@ -113,6 +113,19 @@ def recorder(monkeypatch):
     return plugin
 
 
+@pytest.fixture
+def trl_ext_log(caplog):
+    """trl-ext's log records (its root logger does not propagate, so caplog's handler is attached to it)."""
+    import logging
+
+    root = logging.getLogger("trl_ext")
+    root.addHandler(caplog.handler)
+    try:
+        yield caplog
+    finally:
+        root.removeHandler(caplog.handler)
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     from trl_ext.testing import make_tokenizer
@@ -174,17 +187,17 @@ def plain_dpo(dpo_args, tokenizer):
 
 @pytest.fixture
 def plain_online_dpo(online_dpo_args, tokenizer):
-    """`plain_online_dpo()`: an `OnlineDPOTrainer` of two tiny float32 Llamas (both seed 0) on 4 prompts, rewarded by
-    length, for tests of what is attached and called, not of values."""
+    """`plain_online_dpo(ref=True)`: an `OnlineDPOTrainer` of two tiny float32 Llamas (both seed 0; no reference model
+    with `ref=False`) on 4 prompts, rewarded by length, for tests of what is attached and called, not of values."""
 
-    def make():
+    def make(ref=True):
         from trl.experimental.online_dpo import OnlineDPOTrainer
 
         from trl_ext.testing import length_reward, make_model, make_prompt_dataset
 
         return OnlineDPOTrainer(
             make_model(seed=0),
-            ref_model=make_model(seed=0),
+            ref_model=make_model(seed=0) if ref else None,
             reward_funcs=length_reward,
             args=online_dpo_args(),
             train_dataset=make_prompt_dataset(4),

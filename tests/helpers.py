@@ -16,6 +16,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -150,6 +151,15 @@ def example_plugin_files() -> dict[str, str]:
 # ---------------------------------------------------------------------------------------------------------------------
 # The names a module's code uses (docstrings left out): the core-names and plugin-relations rules
 # ---------------------------------------------------------------------------------------------------------------------
+
+
+def imported_from(node: ast.ImportFrom, package: str) -> str:
+    """The absolute name of the module a `from ... import` statement of a module of `package` imports from."""
+    if not node.level:
+        return node.module or ""
+    parts = package.split(".")
+    base = ".".join(parts[: len(parts) - node.level + 1])
+    return f"{base}.{node.module}" if node.module else base
 
 
 def code_tokens(path: Path) -> set[str]:
@@ -353,6 +363,14 @@ def online_step(trainer):
 
 REPO = Path(__file__).resolve().parents[1]
 PLUGIN_SCRIPTS = REPO / "tests" / "plugins" / "scripts"
+
+
+def deepspeed_config(stage: int, **extra: Any) -> dict:
+    """A DeepSpeed config: ZeRO `stage`, TRL's "auto" batch sizes and clipping, any optimizer, no progress prints;
+    `extra` on top."""
+    keys = ("train_micro_batch_size_per_gpu", "train_batch_size", "gradient_accumulation_steps", "gradient_clipping")
+    zero = {"zero_optimization": {"stage": stage, "overlap_comm": False}, "zero_allow_untested_optimizer": True}
+    return {**dict.fromkeys(keys, "auto"), **zero, "steps_per_print": 10**9, **extra}
 
 
 def launch_env(**extra: str) -> dict[str, str]:

@@ -87,8 +87,7 @@ def test_precompute_hook_runs_after_models_ready_and_before_any_forward(tokenize
     assert recorder.forward_calls["policy"] == 3  # ceil(8 / 3) precompute batches ran through the plugin's forward
 
 
-def test_online_dpo_hooks_including_generation(tokenizer, online_dpo_args, recorder, plain_online_dpo):
-
+def test_online_dpo_hooks_including_generation(recorder, plain_online_dpo):
     with trl_ext.install(plugins={"recorder": {}}):
         trainer = plain_online_dpo()
         trainer.train()
@@ -105,7 +104,7 @@ def _snapshot(objects):
     return {id(obj): (obj, dict(vars(obj))) for obj in objects}
 
 
-def test_uninstall_restores_every_patched_object_identically(tokenizer, dpo_args, recorder, plain_dpo):
+def test_uninstall_restores_every_patched_object_identically(recorder, plain_dpo):
     import importlib
 
     from trl import DPOTrainer
@@ -144,24 +143,25 @@ def test_uninstall_restores_every_patched_object_identically(tokenizer, dpo_args
     assert len(recorder.events) == events
 
 
-def test_trl_flag_that_trl_ignores_enables_the_plugin_with_that_flag(
-    tokenizer, dpo_args, monkeypatch, caplog, plain_dpo
-):
+class _OwnsPaddingFree:
+    """A third-party plugin that claims TRL's `padding_free` flag; `seen`: the flag its trainer was built with."""
+
+    TRL_EXT_PLUGIN = PluginSpec(
+        name="fake_padding_free",
+        flags=(Flag("padding_free", default=False, parse=boolean, help="Pack."),),
+        trainers=("DPOTrainer",),
+        trl_flag="padding_free",
+    )
+
+    @trl_ext.hookimpl
+    def trl_ext_trainer_init_start(self, trainer, context, init_kwargs):
+        self.seen = init_kwargs["args"].padding_free
+
+
+def test_trl_flag_that_trl_ignores_enables_the_plugin_with_that_flag(dpo_args, monkeypatch, caplog, plain_dpo):
     """`DPOConfig(padding_free=True)` (ignored by TRL >= 0.29) enables the trl-ext plugin owning `padding_free`."""
 
-    class OwnsPaddingFree:
-        TRL_EXT_PLUGIN = PluginSpec(
-            name="fake_padding_free",
-            flags=(Flag("padding_free", default=False, parse=boolean, help="Pack."),),
-            trainers=("DPOTrainer",),
-            trl_flag="padding_free",
-        )
-
-        @trl_ext.hookimpl
-        def trl_ext_trainer_init_start(self, trainer, context, init_kwargs):
-            self.seen = init_kwargs["args"].padding_free
-
-    plugin = OwnsPaddingFree()
+    plugin = _OwnsPaddingFree()
     install_fake_plugin(monkeypatch, "fake_padding_free", plugin)
     block = ["padding_free"] if "padding_free" in builtin_plugin_modules() else []
     with trl_ext.install(block=block) as installation:
@@ -177,18 +177,10 @@ def test_trl_flag_that_trl_ignores_enables_the_plugin_with_that_flag(
         assert "temporarily unavailable" not in caplog.text  # TRL did not fall back: the plugin handles the flag
 
 
-def test_trl_that_honours_the_flag_keeps_it_and_refuses_a_double_claim(tokenizer, dpo_args, monkeypatch, plain_dpo):
+def test_trl_that_honours_the_flag_keeps_it_and_refuses_a_double_claim(dpo_args, monkeypatch, plain_dpo):
     """On a TRL that implements `padding_free` itself (e.g. with patches/0001), the TRL flag stays TRL's."""
 
-    class OwnsPaddingFree:
-        TRL_EXT_PLUGIN = PluginSpec(
-            name="fake_padding_free",
-            flags=(Flag("padding_free", default=False, parse=boolean, help="Pack."),),
-            trainers=("DPOTrainer",),
-            trl_flag="padding_free",
-        )
-
-    install_fake_plugin(monkeypatch, "fake_padding_free", OwnsPaddingFree())
+    install_fake_plugin(monkeypatch, "fake_padding_free", _OwnsPaddingFree())
     monkeypatch.setattr(_compat, "dpo_honours_padding_free", lambda: True)
     block = ["padding_free"] if "padding_free" in builtin_plugin_modules() else []
     with trl_ext.install(block=block) as installation:
@@ -235,8 +227,7 @@ def test_install_again_with_the_same_flags_returns_the_active_installation():
     assert trl_ext.current() is None
 
 
-def test_trainer_built_before_install_is_reported_stock(tokenizer, dpo_args, plain_dpo):
-
+def test_trainer_built_before_install_is_reported_stock(dpo_args, plain_dpo):
     trainer = plain_dpo()
     with trl_ext.install(padding_free=True) as installation:
         assert installation.enabled_plugins(trainer) == []  # it runs stock: nothing was attached to it
@@ -244,7 +235,7 @@ def test_trainer_built_before_install_is_reported_stock(tokenizer, dpo_args, pla
         assert installation.enabled_plugins(trainer, dpo_args()) == ["padding_free"]
 
 
-def test_options_of_a_plugin_its_trl_flag_could_enable_must_be_used(tokenizer, dpo_args, plain_dpo):
+def test_options_of_a_plugin_its_trl_flag_could_enable_must_be_used(dpo_args, plain_dpo):
     """`plugins: {padding_free: {...}}` without `padding_free: true`: the options apply to trainers whose DPOConfig
     sets `padding_free=True`, and a trainer without it is refused instead of silently ignoring them."""
 

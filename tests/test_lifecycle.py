@@ -9,7 +9,6 @@ from __future__ import annotations
 import gc
 import importlib
 import json
-import logging
 import os
 import re
 import subprocess
@@ -24,17 +23,6 @@ from trl_ext import UsageError, _compat
 from trl_ext.testing import length_reward, make_model, make_preference_dataset, make_prompt_dataset
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture
-def trl_ext_log(caplog):
-    """trl-ext's log records (its root logger does not propagate, so caplog's handler is attached to it)."""
-    root = logging.getLogger("trl_ext")
-    root.addHandler(caplog.handler)
-    try:
-        yield caplog
-    finally:
-        root.removeHandler(caplog.handler)
 
 
 def _snapshot_trl():
@@ -130,9 +118,7 @@ def test_a_second_install_does_not_disturb_trainers_of_the_first(tokenizer, dpo_
     assert recorder.names().count("reduce_metrics") == 3
 
 
-def test_hooks_outside_init_keep_running_after_uninstall(
-    tokenizer, dpo_args, online_dpo_args, recorder, plain_online_dpo
-):
+def test_hooks_outside_init_keep_running_after_uninstall(tokenizer, dpo_args, recorder, plain_online_dpo):
     """`log`, the DPO precompute of `evaluate()` and OnlineDPO's generation were class/module patches: now they are
     the trainer's own, and TRL's modules are stock between its calls."""
     from trl.experimental.online_dpo import online_dpo_trainer as odt
@@ -260,7 +246,7 @@ def test_trl_errors_from_inside_init_are_untouched(tokenizer, dpo_args):
 # -------------------------------------------------------------------------------------------------------------------
 
 
-def test_world_size_without_a_distributed_trainer_is_refused(tokenizer, dpo_args, monkeypatch, plain_dpo):
+def test_world_size_without_a_distributed_trainer_is_refused(dpo_args, monkeypatch, plain_dpo):
     monkeypatch.setenv("WORLD_SIZE", "2")
     args = dpo_args(use_cpu=False, bf16=False)  # what torchrun on CPU gives without `use_cpu=True`: a world of 1
     assert args.world_size == 1
@@ -335,18 +321,10 @@ def test_torchrun_on_cpu_without_use_cpu_is_refused(tmp_path):
 # -------------------------------------------------------------------------------------------------------------------
 
 
-def test_one_line_per_trainer_with_plugins_and_auto_choices(tokenizer, dpo_args, online_dpo_args, trl_ext_log):
-    from trl.experimental.online_dpo import OnlineDPOTrainer
-
+def test_one_line_per_trainer_with_plugins_and_auto_choices(tokenizer, dpo_args, trl_ext_log, plain_online_dpo):
     with trl_ext.install(padding_free=True):
         _dpo(tokenizer, dpo_args)
-        OnlineDPOTrainer(
-            make_model(seed=0),
-            reward_funcs=length_reward,
-            args=online_dpo_args(),
-            train_dataset=make_prompt_dataset(4),
-            processing_class=tokenizer,
-        )
+        plain_online_dpo(ref=False)
     messages = [(r.levelname, r.getMessage()) for r in trl_ext_log.records]
     assert (
         "NOTICE",
@@ -397,7 +375,7 @@ def test_log_level_env(tmp_path, level, shown, warned):
 # -------------------------------------------------------------------------------------------------------------------
 
 
-def test_enabled_plugins_accepts_classes_and_instances(tokenizer, dpo_args, plain_dpo):
+def test_enabled_plugins_accepts_classes_and_instances(dpo_args, plain_dpo):
     from trl import DPOTrainer
     from trl.experimental.online_dpo import OnlineDPOTrainer
 
