@@ -297,63 +297,35 @@ def test_importing_trl_ext_imports_neither_torch_nor_trl():
 
 @pytest.mark.parametrize(("eval_pairs", "said"), [(5, True), (8, False)])
 def test_sync_metrics_says_when_uneven_eval_batches_make_its_means_differ_from_stock(
-    eval_pairs, said, tokenizer, dpo_args
+    eval_pairs, said, dpo_args, plain_dpo, trl_ext_log
 ):
     """A partial last eval batch (5 pairs in batches of 4 and 1): sync_metrics' eval means are over pairs, stock's
     over per-batch means, and one line says so; full batches: no line."""
-    import logging
-
-    from trl import DPOTrainer
-
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    root = logging.getLogger("trl_ext")
-    root.addHandler(handler)
-    try:
-        with trl_ext.install(sync_metrics=True):
-            trainer = DPOTrainer(
-                make_model(seed=0),
-                ref_model=make_model(seed=0),
-                args=dpo_args(per_device_eval_batch_size=4),
-                train_dataset=make_preference_dataset(4),
-                eval_dataset=make_preference_dataset(eval_pairs, seed=3),
-                processing_class=tokenizer,
-            )
-            trainer.evaluate()
-            trainer.evaluate()
-    finally:
-        root.removeHandler(handler)
-    lines = [r.getMessage() for r in records if "sync_metrics: the eval batches" in r.getMessage()]
+    with trl_ext.install(sync_metrics=True):
+        args = dpo_args(per_device_eval_batch_size=4)
+        trainer = plain_dpo(args=args, eval_dataset=make_preference_dataset(eval_pairs, seed=3))
+        trainer.evaluate()
+        trainer.evaluate()
+    lines = [r.getMessage() for r in trl_ext_log.records if "sync_metrics: the eval batches" in r.getMessage()]
     assert len(lines) == (1 if said else 0), lines  # once per trainer
     if said:
         assert "held 4 / 1 pairs (5 in all)" in lines[0] and "stock TRL averages the per-batch means" in lines[0]
 
 
-def test_trl_precompute_left_to_trl_names_the_trl_ext_flag(tokenizer, dpo_args):
+def test_trl_precompute_left_to_trl_names_the_trl_ext_flag(tokenizer, dpo_args, trl_ext_log):
     """No plugin enabled, `DPOConfig(precompute_ref_log_probs=True, precompute_ref_batch_size=8)`: TRL precomputes, and
     one warning names trl-ext's `precompute_ref_batch_size`."""
-    import logging
-
     from trl import DPOTrainer
 
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    root = logging.getLogger("trl_ext")
-    root.addHandler(handler)
-    try:
-        with trl_ext.install():
-            trainer = DPOTrainer(
-                make_model(seed=0),
-                args=dpo_args(precompute_ref_log_probs=True, precompute_ref_batch_size=8),
-                train_dataset=make_preference_dataset(4),
-                processing_class=tokenizer,
-            )
-    finally:
-        root.removeHandler(handler)
+    with trl_ext.install():
+        trainer = DPOTrainer(
+            make_model(seed=0),
+            args=dpo_args(precompute_ref_log_probs=True, precompute_ref_batch_size=8),
+            train_dataset=make_preference_dataset(4),
+            processing_class=tokenizer,
+        )
     assert trainer._trl_ext.enabled == () and "ref_chosen_logps" in trainer.train_dataset.column_names
-    lines = [r.getMessage() for r in records if r.levelname == "WARNING"]
+    lines = [r.getMessage() for r in trl_ext_log.records if r.levelname == "WARNING"]
     assert len(lines) == 1, lines
     assert "DPOConfig(precompute_ref_log_probs=True, precompute_ref_batch_size=8) is left to TRL" in lines[0]
     assert '`precompute_ref_batch_size=8` (or "auto")' in lines[0]

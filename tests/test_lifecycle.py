@@ -199,14 +199,9 @@ def test_trl_flag_left_to_trl_is_named_in_the_trainer_line(tokenizer, dpo_args, 
 def _old_online_dpo_call(tokenizer, online_dpo_args):
     from trl.experimental.online_dpo import OnlineDPOTrainer
 
-    return OnlineDPOTrainer(
-        model=make_model(seed=0),
-        reward_model=make_model(seed=1),
-        reward_processing_class=tokenizer,
-        args=online_dpo_args(),
-        train_dataset=make_prompt_dataset(4),
-        processing_class=tokenizer,
-    )
+    reward = dict(reward_model=make_model(seed=1), reward_processing_class=tokenizer)
+    data = dict(train_dataset=make_prompt_dataset(4), processing_class=tokenizer)
+    return OnlineDPOTrainer(model=make_model(seed=0), **reward, args=online_dpo_args(), **data)
 
 
 def test_trl_signature_error_reads_as_without_trl_ext(tokenizer, online_dpo_args):

@@ -126,6 +126,14 @@ FUSED_CHUNK = 5
 TRL_DPO_FUSED_HEAD = dpo_uses_fused_lm_head()
 
 
+def _prompt_sharing(name: str, kind: str, baseline: str) -> Cell:
+    """A prompt_sharing cell on every engine, within its round-off bound (`PROMPT_SHARING_RTOL`)."""
+    flags = {"prompt_sharing": True}
+    return Cell(
+        name, kind, flags, baseline=baseline, expect=ALL, rtol=PROMPT_SHARING_RTOL, rtol_why=_PROMPT_SHARING_WHY
+    )
+
+
 def _fused(name: str, kind: str, baseline: str, *packing: str) -> Cell:
     """A fused_logprobs cell (chunk FUSED_CHUNK), with the packing plugins `packing` on too, on every engine."""
     flags = {"fused_logprobs": True, **dict.fromkeys(packing, True)}
@@ -161,15 +169,7 @@ CELLS: tuple[Cell, ...] = (
     ),
     Cell("dpo-sync_metrics", "dpo", {"sync_metrics": True}, baseline="dpo-stock", expect=ALL),
     # Each prompt computed once for its chosen and rejected response (the script records the plugin's shared calls).
-    Cell(
-        "dpo-prompt_sharing",
-        "dpo",
-        {"prompt_sharing": True},
-        baseline="dpo-stock",
-        expect=ALL,
-        rtol=PROMPT_SHARING_RTOL,
-        rtol_why=_PROMPT_SHARING_WHY,
-    ),
+    _prompt_sharing("dpo-prompt_sharing", "dpo", "dpo-stock"),
     Cell(
         "dpo-all",
         "dpo",
@@ -218,15 +218,7 @@ CELLS: tuple[Cell, ...] = (
         expect={"fsdp2": Expect(REFUSE, r"reshard_after_forward")},
     ),
     # Each prompt computed once for its two completions in the policy and reference scoring forwards.
-    Cell(
-        "online-prompt_sharing",
-        "online_dpo",
-        {"prompt_sharing": True},
-        baseline="online-stock",
-        expect=ALL,
-        rtol=PROMPT_SHARING_RTOL,
-        rtol_why=_PROMPT_SHARING_WHY,
-    ),
+    _prompt_sharing("online-prompt_sharing", "online_dpo", "online-stock"),
     Cell(
         "online-sync_metrics",
         "online_dpo",

@@ -41,18 +41,8 @@ def _free_port() -> int:
 
 def _launch(engine: str, out: Path) -> dict:
     env = helpers.launch_env(DS_BUILD_OPS="0")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        str(WORLD),
-        "--master_port",
-        str(_free_port()),
-        str(SCRIPT),
-        engine,
-        str(out),
-    ]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(WORLD)]
+    cmd = [*torchrun, "--master_port", str(_free_port()), str(SCRIPT), engine, str(out)]
     only = [name for name in os.environ.get("SCALE_MATRIX_CELLS", "").split(",") if name]
     cmd += [c.name for c in CELLS if c.runs_on(engine) and c.name in only]
     start = time.perf_counter()
