@@ -15,6 +15,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import trl_ext
 from trl_ext.testing import make_model
 
 
@@ -96,6 +97,25 @@ def assert_same_logs(expected: list[dict], actual: list[dict], *, rel: float, ab
             if key.endswith(("runtime", "per_second")) or key in skip:
                 continue
             assert a[key] == pytest.approx(e[key], rel=rel, abs=abs), key
+
+
+def keep_end_data() -> Any:
+    """Three pairs whose prompts `truncation_mode="keep_end"` at `max_length=10` cuts whole: a sequence then starts
+    with a completion token."""
+    from datasets import Dataset
+
+    words = lambda a, n: " ".join(f"w{a + i}" for i in range(n))  # noqa: E731
+    rows = [(words(1, 2), words(10, 15), words(30, 2)), (words(40, 3), words(50, 4), words(60, 14))]
+    rows += [(words(80, 6), words(90, 1), words(100, 3))]
+    return Dataset.from_list([{"prompt": p, "chosen": " " + c, "rejected": " " + r} for p, c, r in rows])
+
+
+def stock_and_plugin(build: Callable[..., Any], install: dict, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+    """`build(*args, **kwargs)` twice: a stock trainer, then one built with trl-ext installed with `install` (a trainer
+    keeps its plugins after the installation ends)."""
+    stock = build(*args, **kwargs)
+    with trl_ext.install(**install):
+        return stock, build(*args, **kwargs)
 
 
 def ref_columns(stock: Any, other: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:

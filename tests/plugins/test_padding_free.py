@@ -70,15 +70,7 @@ def test_use_weighting_from_config(build):
 def test_keep_end_truncation_first_token_is_completion(build):
     """`truncation_mode="keep_end"` cuts whole prompts, so a sequence can start with a completion token: it must not
     be scored from the previous sequence's last token in the packed row."""
-    from datasets import Dataset
-
-    words = lambda a, n: " ".join(f"w{a + i}" for i in range(n))  # noqa: E731
-    rows = [
-        {"prompt": words(1, 2), "chosen": " " + words(10, 15), "rejected": " " + words(30, 2)},
-        {"prompt": words(40, 3), "chosen": " " + words(50, 4), "rejected": " " + words(60, 14)},
-        {"prompt": words(80, 6), "chosen": " " + words(90, 1), "rejected": " " + words(100, 3)},
-    ]
-    data = Dataset.from_list(rows)
+    data = eq.keep_end_data()
     stock = build(train_dataset=data, max_length=10, truncation_mode="keep_end")
     with trl_ext.install(padding_free=True):
         packed = build(train_dataset=data, max_length=10, truncation_mode="keep_end")
@@ -128,27 +120,24 @@ def test_train_steps_and_metrics_match_with_trl_flag(build, dataset):
 def test_precompute_ref_log_probs(build):
     """`precompute_ref_log_probs=True` without a reference model: the precompute runs packed (inside `__init__`) and
     gives the same reference columns and the same loss."""
-    stock = build(ref=False, precompute_ref_log_probs=True)
-    with trl_ext.install(padding_free=True):
-        packed = build(ref=False, precompute_ref_log_probs=True)
-        assert _state(packed).packed_calls > 0  # the precompute ran through the packed forward, not a cache file
-        for a, b in eq.ref_columns(stock, packed):
-            assert eq.max_rel(b, a) <= LOGPS_RTOL
-        _compare(stock, packed, eq.examples(stock))
+    stock, packed = eq.stock_and_plugin(build, dict(padding_free=True), ref=False, precompute_ref_log_probs=True)
+    assert _state(packed).packed_calls > 0  # the precompute ran through the packed forward, not a cache file
+    for a, b in eq.ref_columns(stock, packed):
+        assert eq.max_rel(b, a) <= LOGPS_RTOL
+    _compare(stock, packed, eq.examples(stock))
 
 
 def test_with_precompute_ref_batch_size_plugin(build, tmp_path):
     """Together with the `precompute_ref_batch_size` plugin, which runs the precompute with its own batches: those
     batches are packed too (from their attention masks) and give the same reference columns."""
-    stock = build(ref=False, precompute_ref_log_probs=True)
     # a fresh cache directory, so that the precompute runs instead of reading an earlier run's cache entry
     plugins = {"precompute_ref_batch_size": {"cache_dir": str(tmp_path / "ref_cache")}}
-    with trl_ext.install(padding_free=True, precompute_ref_batch_size=3, plugins=plugins):
-        packed = build(ref=False, precompute_ref_log_probs=True)
-        assert set(packed._trl_ext.enabled) >= {"padding_free", "precompute_ref_batch_size"}
-        assert _state(packed).packed_calls > 0
-        for a, b in eq.ref_columns(stock, packed):
-            assert eq.max_rel(b, a) <= LOGPS_RTOL
+    install = dict(padding_free=True, precompute_ref_batch_size=3, plugins=plugins)
+    stock, packed = eq.stock_and_plugin(build, install, ref=False, precompute_ref_log_probs=True)
+    assert set(packed._trl_ext.enabled) >= {"padding_free", "precompute_ref_batch_size"}
+    assert _state(packed).packed_calls > 0
+    for a, b in eq.ref_columns(stock, packed):
+        assert eq.max_rel(b, a) <= LOGPS_RTOL
 
 
 def test_peft_lora_policy(build):

@@ -126,13 +126,11 @@ def test_policy_ref_and_training_with_gradient_checkpointing(build, kind):
 
 @pytest.mark.parametrize("kind", ["mistral", "mixtral"])
 def test_precompute(build, kind):
-    stock = build(kind, ref=False, precompute_ref_log_probs=True)
-    with trl_ext.install(padding_free=True):
-        packed = build(kind, ref=False, precompute_ref_log_probs=True)
-        assert _state(packed).packed_calls > 0
-        for a, b in eq.ref_columns(stock, packed):
-            assert torch.allclose(b, a, rtol=REL, atol=0)
-        _compare_step(stock, packed)
+    stock, packed = eq.stock_and_plugin(build, dict(padding_free=True), kind, ref=False, precompute_ref_log_probs=True)
+    assert _state(packed).packed_calls > 0
+    for a, b in eq.ref_columns(stock, packed):
+        assert torch.allclose(b, a, rtol=REL, atol=0)
+    _compare_step(stock, packed)
 
 
 @pytest.mark.parametrize("kind", ["mistral", "mixtral"])

@@ -158,28 +158,25 @@ def test_train_steps_and_metrics_match(build, dataset, gradient_checkpointing):
 
 def test_precompute_ref_log_probs(build):
     """`precompute_ref_log_probs=True`: the precompute runs shared (inside `__init__`), same columns, same loss."""
-    stock = build(ref=False, precompute_ref_log_probs=True)
-    with trl_ext.install(prompt_sharing=True):
-        shared = build(ref=False, precompute_ref_log_probs=True)
-        assert _state(shared).shared_calls > 0  # the precompute ran through the shared forward, not a cache file
-        assert _state(shared).shared_tokens < _state(shared).padded_tokens
-        for a, b in eq.ref_columns(stock, shared):
-            assert eq.max_rel(b, a) <= LOGPS_RTOL
-        _compare(stock, shared, eq.examples(stock))
+    stock, shared = eq.stock_and_plugin(build, dict(prompt_sharing=True), ref=False, precompute_ref_log_probs=True)
+    assert _state(shared).shared_calls > 0  # the precompute ran through the shared forward, not a cache file
+    assert _state(shared).shared_tokens < _state(shared).padded_tokens
+    for a, b in eq.ref_columns(stock, shared):
+        assert eq.max_rel(b, a) <= LOGPS_RTOL
+    _compare(stock, shared, eq.examples(stock))
 
 
 def test_with_precompute_ref_batch_size_plugin(build, tmp_path):
     """Together with the `precompute_ref_batch_size` plugin, which batches the precompute itself (with the trainer's
     collator, so the batches carry the layout): shared, same reference columns."""
-    stock = build(ref=False, precompute_ref_log_probs=True)
     plugins = {"precompute_ref_batch_size": {"cache_dir": str(tmp_path / "ref_cache")}}
-    with trl_ext.install(prompt_sharing=True, precompute_ref_batch_size=3, plugins=plugins):
-        shared = build(ref=False, precompute_ref_log_probs=True)
-        assert set(shared._trl_ext.enabled) >= {"prompt_sharing", "precompute_ref_batch_size"}
-        state = _state(shared)
-        assert state.shared_calls > 0 and state.unshared_calls == 0
-        for a, b in eq.ref_columns(stock, shared):
-            assert eq.max_rel(b, a) <= LOGPS_RTOL
+    install = dict(prompt_sharing=True, precompute_ref_batch_size=3, plugins=plugins)
+    stock, shared = eq.stock_and_plugin(build, install, ref=False, precompute_ref_log_probs=True)
+    assert set(shared._trl_ext.enabled) >= {"prompt_sharing", "precompute_ref_batch_size"}
+    state = _state(shared)
+    assert state.shared_calls > 0 and state.unshared_calls == 0
+    for a, b in eq.ref_columns(stock, shared):
+        assert eq.max_rel(b, a) <= LOGPS_RTOL
 
 
 def test_peft_lora_policy(build):

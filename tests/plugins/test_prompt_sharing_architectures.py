@@ -124,12 +124,11 @@ def test_policy_ref_and_training_with_gradient_checkpointing(build, kind):
 def test_precompute_and_lora(build, kind):
     """Reference precompute (shared), then a LoRA policy whose reference is the adapter-disabled base model; for the
     MoE model the adapter also targets the expert parameters."""
-    stock = build(kind, ref=False, precompute_ref_log_probs=True)
-    with trl_ext.install(prompt_sharing=True):
-        shared = build(kind, ref=False, precompute_ref_log_probs=True)
-        assert _state(shared).shared_calls > 0
-        for a, b in eq.ref_columns(stock, shared):
-            assert torch.allclose(b, a, rtol=REL, atol=0)
+    install = dict(prompt_sharing=True)
+    stock, shared = eq.stock_and_plugin(build, install, kind, ref=False, precompute_ref_log_probs=True)
+    assert _state(shared).shared_calls > 0
+    for a, b in eq.ref_columns(stock, shared):
+        assert torch.allclose(b, a, rtol=REL, atol=0)
 
     stock = build(kind, ref=False, peft_config=eq.lora(experts=kind == "mixtral"))
     with trl_ext.install(prompt_sharing=True):

@@ -137,13 +137,7 @@ def test_refusal_advice_works_for_online_dpo(online_dpo_args, tokenizer, build, 
                 from transformers import BloomConfig, BloomForCausalLM
 
                 config = BloomConfig(vocab_size=256, hidden_size=32, n_layer=1, n_head=4, pad_token_id=0)
-                OnlineDPOTrainer(
-                    model=BloomForCausalLM(config),
-                    reward_funcs=length_reward,
-                    args=online_dpo_args(bf16=False),
-                    train_dataset=make_prompt_dataset(6),
-                    processing_class=tokenizer,
-                )
+                model = BloomForCausalLM(config)
             elif case == "falcon_alibi":  # refused by padding_free's inspection, whose advice is about padding_free
                 from transformers import FalconConfig, FalconForCausalLM
 
@@ -151,15 +145,10 @@ def test_refusal_advice_works_for_online_dpo(online_dpo_args, tokenizer, build, 
                     vocab_size=256, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, alibi=True,
                     pad_token_id=0,
                 )  # fmt: skip
-                OnlineDPOTrainer(
-                    model=FalconForCausalLM(config),
-                    reward_funcs=length_reward,
-                    args=online_dpo_args(bf16=False),
-                    train_dataset=make_prompt_dataset(6),
-                    processing_class=tokenizer,
-                )
+                model = FalconForCausalLM(config)
             elif case == "flex_attention":
                 model = make_model(attn_implementation="flex_attention")
+            if case != "self_check":
                 OnlineDPOTrainer(
                     model=model,
                     reward_funcs=length_reward,

@@ -65,14 +65,9 @@ def _online(online_dpo_args, tokenizer, **args: Any) -> Any:
     from trl.experimental.online_dpo import OnlineDPOTrainer
 
     args = online_dpo_args(bf16=False, optim="sgd", learning_rate=0.1, per_device_train_batch_size=2, **args)
-    return OnlineDPOTrainer(
-        model=eq.sharpen(make_model(dtype=torch.float64)),
-        ref_model=eq.sharpen(make_model(seed=1, dtype=torch.float64)),
-        reward_funcs=length_reward,
-        args=args,
-        train_dataset=make_prompt_dataset(4),
-        processing_class=tokenizer,
-    )
+    policy, ref = (eq.sharpen(make_model(seed=seed, dtype=torch.float64)) for seed in (0, 1))
+    data = dict(train_dataset=make_prompt_dataset(4), processing_class=tokenizer)
+    return OnlineDPOTrainer(model=policy, ref_model=ref, reward_funcs=length_reward, args=args, **data)
 
 
 def _train(trainer_kind: str, fixtures: dict[str, Any], args: dict[str, Any]) -> Any:
