@@ -16,7 +16,6 @@ import torch
 import trl_ext
 from tests import equivalence as eq
 from tests import helpers
-from tests.equivalence import TRL_LOSS_TYPES
 from trl_ext import UsageError, _compat
 from trl_ext.testing import make_model, make_preference_dataset
 
@@ -102,18 +101,14 @@ def test_layout_shares_each_prompt_once(build):
 LOSS_CASES = eq.LOSS_CASES
 
 
-@pytest.mark.parametrize("case", LOSS_CASES, ids=lambda c: "+".join(c["loss_types"]) + ("-opt" if len(c) > 1 else ""))
-def test_every_loss_type_and_option(build, case):
+def test_every_loss_type_and_option(build):
+    """Every loss type and loss option (`LOSS_CASES`) through TRL's real `compute_loss` on one pair of trainers."""
     stock = build(use_weighting=True, label_smoothing=1e-3, loss_type=["exo_pair"])
     with trl_ext.install(prompt_sharing=True):
         shared = build(use_weighting=True, label_smoothing=1e-3, loss_type=["exo_pair"])
-        eq.set_loss(stock, case)
-        eq.set_loss(shared, case)
-        _compare(stock, shared, eq.examples(stock), logps=case is LOSS_CASES[0])
-
-
-def test_loss_cases_cover_every_trl_loss_type():
-    assert {t for case in LOSS_CASES for t in case["loss_types"]} == set(TRL_LOSS_TYPES)
+    examples = eq.examples(stock)
+    _compare(stock, shared, examples)  # per-sequence logps, and the loss/grads of exo_pair with WPO weights
+    eq.assert_every_loss_case((stock, shared), lambda: _compare(stock, shared, examples, logps=False), LOSS_CASES)
 
 
 def test_fp64_per_sequence_logps(build):
