@@ -252,7 +252,9 @@ def test_matches_trl_native(case, build, tmp_path):
         assert runs[0]["probe_pairs_per_rank"] >= 1 and runs[0]["auto_stop"]
 
 
-@pytest.mark.parametrize("requested", [6, "auto"])
+# a fixed batch size with padding_free: in the fast loop through test_padding_free.py's
+# test_with_precompute_ref_batch_size_plugin (batches of 3, packed, the same reference columns)
+@pytest.mark.parametrize("requested", [pytest.param(6, marks=pytest.mark.slow), "auto"])
 def test_with_padding_free(build, tmp_path, requested):
     """With the `padding_free` plugin on, batches are planned by real tokens and packed by its forward wrapper."""
     native_train, _ = _native(build)
