@@ -113,11 +113,28 @@ def recorder(monkeypatch):
     return plugin
 
 
+@pytest.fixture
+def trl_ext_log(caplog):
+    """trl-ext's log records (its root logger does not propagate, so caplog's handler is attached to it)."""
+    import logging
+
+    root = logging.getLogger("trl_ext")
+    root.addHandler(caplog.handler)
+    try:
+        yield caplog
+    finally:
+        root.removeHandler(caplog.handler)
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     from trl_ext.testing import make_tokenizer
 
     return make_tokenizer()
+
+
+#: What every test trainer's config says: on the CPU, 2 steps, a log each, no logging integrations, no checkpoints.
+_TEST_ARGS = dict(max_steps=2, logging_steps=1, report_to=[], use_cpu=True, save_strategy="no", seed=0)
 
 
 @pytest.fixture
@@ -127,21 +144,10 @@ def dpo_args(tmp_path):
     def make(**overrides):
         from trl import DPOConfig
 
-        kwargs = dict(
-            output_dir=str(tmp_path / "out"),
-            per_device_train_batch_size=4,
-            per_device_eval_batch_size=4,
-            max_steps=2,
-            logging_steps=1,
-            learning_rate=1e-3,
-            report_to=[],
-            use_cpu=True,
-            save_strategy="no",
-            seed=0,
-            dataloader_drop_last=False,
+        defaults = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, per_device_eval_batch_size=4)
+        return DPOConfig(
+            **{**_TEST_ARGS, **defaults, "learning_rate": 1e-3, "dataloader_drop_last": False, **overrides}
         )
-        kwargs.update(overrides)
-        return DPOConfig(**kwargs)
 
     return make
 
@@ -151,18 +157,51 @@ def online_dpo_args(tmp_path):
     def make(**overrides):
         from trl.experimental.online_dpo import OnlineDPOConfig
 
-        kwargs = dict(
-            output_dir=str(tmp_path / "out-online"),
-            per_device_train_batch_size=2,
-            max_steps=2,
-            logging_steps=1,
-            report_to=[],
-            use_cpu=True,
-            save_strategy="no",
-            max_new_tokens=6,
-            seed=0,
+        defaults = dict(output_dir=str(tmp_path / "out-online"), per_device_train_batch_size=2, max_new_tokens=6)
+        return OnlineDPOConfig(**{**_TEST_ARGS, **defaults, **overrides})
+
+    return make
+
+
+@pytest.fixture
+def plain_dpo(dpo_args, tokenizer):
+    """`plain_dpo(trainer_class=DPOTrainer, args=dpo_args(), pairs=4, **kwargs)`: a trainer of two tiny float32 Llamas
+    (both seed 0) on `pairs` preference pairs, for tests of what is attached and called, not of values."""
+
+    def make(trainer_class=None, args=None, pairs=4, **kwargs):
+        from trl import DPOTrainer
+
+        from trl_ext.testing import make_model, make_preference_dataset
+
+        return (trainer_class or DPOTrainer)(
+            make_model(seed=0),
+            ref_model=make_model(seed=0),
+            args=dpo_args() if args is None else args,
+            train_dataset=make_preference_dataset(pairs),
+            processing_class=tokenizer,
+            **kwargs,
         )
-        kwargs.update(overrides)
-        return OnlineDPOConfig(**kwargs)
+
+    return make
+
+
+@pytest.fixture
+def plain_online_dpo(online_dpo_args, tokenizer):
+    """`plain_online_dpo(ref=True)`: an `OnlineDPOTrainer` of two tiny float32 Llamas (both seed 0; no reference model
+    with `ref=False`) on 4 prompts, rewarded by length, for tests of what is attached and called, not of values."""
+
+    def make(ref=True):
+        from trl.experimental.online_dpo import OnlineDPOTrainer
+
+        from trl_ext.testing import length_reward, make_model, make_prompt_dataset
+
+        return OnlineDPOTrainer(
+            make_model(seed=0),
+            ref_model=make_model(seed=0) if ref else None,
+            reward_funcs=length_reward,
+            args=online_dpo_args(),
+            train_dataset=make_prompt_dataset(4),
+            processing_class=tokenizer,
+        )
 
     return make

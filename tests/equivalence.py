@@ -11,9 +11,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import trl_ext
 from trl_ext.testing import make_model
 
 
@@ -28,15 +30,8 @@ def _trl_loss_types() -> list[str]:
 #: Every DPO loss type of the installed TRL.
 TRL_LOSS_TYPES = _trl_loss_types()
 
-#: Every DPO loss type the installed TRL has, and the loss options, as cases for the packing and fused-scoring tests.
-#: Each case sets the attributes `DPOTrainer.__init__` stores from `DPOConfig` (`loss_types`, `loss_weights`,
-#: `label_smoothing`, `ld_alpha`, `use_weighting`; the same in TRL 1.12 and 1.16) on a trainer built once with
-#: `use_weighting=True` (so TRL 1.16's fused head also returns `log_sum_sq_probs`), which runs TRL's real
-#: `_compute_loss` for every case at a fraction of the cost of a trainer per case. exo_pair takes log(label_smoothing).
-LOSS_CASES: list[dict] = [
-    {"loss_types": [t], **({"label_smoothing": 1e-3} if t == "exo_pair" else {})} for t in TRL_LOSS_TYPES
-]
-LOSS_CASES += [
+#: The loss options, each on the loss types it applies to (the cases after the one-per-type ones).
+LOSS_OPTION_CASES: list[dict] = [
     {"loss_types": ["robust"], "label_smoothing": 0.1},
     {"loss_types": ["aot", "aot_unpaired"], "label_smoothing": 0.1},
     {"loss_types": ["sigmoid", "bco_pair", "sft"], "loss_weights": [0.8, 0.2, 1.0]},
@@ -44,6 +39,15 @@ LOSS_CASES += [
     {"loss_types": ["sigmoid_norm", "ipo"], "ld_alpha": 0.3, "loss_weights": [1.0, 0.5]},
     # not with "sft": TRL's `per_sequence_loss *= weights` fails on its expanded sft loss (stock TRL 1.12 and 1.16)
     {"loss_types": ["sigmoid", "ipo", "apo_down"], "use_weighting": True},
+]
+#: Every DPO loss type the installed TRL has, and the loss options, as cases for the packing and fused-scoring tests.
+#: Each case sets the attributes `DPOTrainer.__init__` stores from `DPOConfig` (`loss_types`, `loss_weights`,
+#: `label_smoothing`, `ld_alpha`, `use_weighting`; the same in TRL 1.12 and 1.16) on a trainer built once with
+#: `use_weighting=True` (so TRL 1.16's fused head also returns `log_sum_sq_probs`), which runs TRL's real
+#: `_compute_loss` for every case at a fraction of the cost of a trainer per case. exo_pair takes log(label_smoothing).
+LOSS_CASES: list[dict] = [
+    *({"loss_types": [t], **({"label_smoothing": 1e-3} if t == "exo_pair" else {})} for t in TRL_LOSS_TYPES),
+    *LOSS_OPTION_CASES,
 ]
 
 
@@ -54,6 +58,79 @@ def set_loss(trainer, case: dict) -> None:
     trainer.label_smoothing = case.get("label_smoothing", 0.0)
     trainer.ld_alpha = case.get("ld_alpha")
     trainer.use_weighting = case.get("use_weighting", False)
+
+
+def assert_every_loss_case(
+    trainers: tuple[Any, ...],
+    compare: Callable[[], object],
+    cases: list[dict] = LOSS_CASES,
+    set_loss: Callable[[Any, dict], None] = set_loss,
+    every_type: bool = True,
+) -> None:
+    """`compare()` with each of `cases` set on every one of `trainers`; the cases that fail are reported together.
+    `every_type`: the cases also cover every loss type of the installed TRL."""
+    failures = []
+    for case in cases:
+        for trainer in trainers:
+            set_loss(trainer, case)
+        try:
+            compare()
+        except AssertionError as exc:
+            failures.append(f"{case}: {exc}")
+    assert not failures, "\n".join(failures)
+    if every_type:
+        assert {t for case in cases for t in case["loss_types"]} == set(TRL_LOSS_TYPES)
+
+
+def train_logs(trainer: Any) -> list[dict]:
+    """Train `trainer`; its logs of the training steps."""
+    trainer.train()
+    return [log for log in trainer.state.log_history if "loss" in log]
+
+
+def assert_same_logs(expected: list[dict], actual: list[dict], *, rel: float, abs: float, skip=()) -> None:
+    """As many logs (at least one), the same keys, every value (timings and `skip` aside) within `rel` / `abs`."""
+    assert len(expected) == len(actual) > 0
+    for e, a in zip(expected, actual, strict=True):
+        assert e.keys() == a.keys()
+        for key in e:
+            if key.endswith(("runtime", "per_second")) or key in skip:
+                continue
+            assert a[key] == pytest.approx(e[key], rel=rel, abs=abs), key
+
+
+def keep_end_data() -> Any:
+    """Three pairs whose prompts `truncation_mode="keep_end"` at `max_length=10` cuts whole: a sequence then starts
+    with a completion token."""
+    from datasets import Dataset
+
+    words = lambda a, n: " ".join(f"w{a + i}" for i in range(n))  # noqa: E731
+    rows = [(words(1, 2), words(10, 15), words(30, 2)), (words(40, 3), words(50, 4), words(60, 14))]
+    rows += [(words(80, 6), words(90, 1), words(100, 3))]
+    return Dataset.from_list([{"prompt": p, "chosen": " " + c, "rejected": " " + r} for p, c, r in rows])
+
+
+def stock_and_plugin(build: Callable[..., Any], install: dict, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+    """`build(*args, **kwargs)` twice: a stock trainer, then one built with trl-ext installed with `install` (a trainer
+    keeps its plugins after the installation ends)."""
+    stock = build(*args, **kwargs)
+    with trl_ext.install(**install):
+        return stock, build(*args, **kwargs)
+
+
+def ref_columns(stock: Any, other: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`(stock's, other's)` precomputed reference log-prob columns of the two trainers' training datasets."""
+    columns = ("ref_chosen_logps", "ref_rejected_logps")
+    return [(torch.tensor(stock.train_dataset[c]), torch.tensor(other.train_dataset[c])) for c in columns]
+
+
+def lora(targets=("q_proj", "v_proj"), experts: bool = False) -> Any:
+    """The equivalence tests' LoRA adapter (r 4, no dropout) on `targets`; `experts`: also on a MoE model's expert
+    parameters (peft's `target_parameters`). A new config per trainer."""
+    from peft import LoraConfig
+
+    extra = {"target_parameters": ["experts.gate_up_proj", "experts.down_proj"]} if experts else {}
+    return LoraConfig(r=4, lora_alpha=8, target_modules=list(targets), lora_dropout=0.0, **extra)
 
 
 def online_generation(
@@ -206,6 +283,51 @@ def compare(
     assert abs(other_loss.item() - stock_loss.item()) <= loss_rtol * max(1.0, abs(stock_loss.item()))
     assert_same_grads(stock_grads, other_grads, grad_rtol)
     return stock_batch, other_batch
+
+
+#: Each packing plugin: the key its collator adds, and its state's counts of optimized and unoptimized scoring calls.
+PACKING = {
+    "padding_free": ("trl_ext_packing", "packed_calls", "unpacked_calls"),
+    "prompt_sharing": ("trl_ext_prompt_sharing", "shared_calls", "unshared_calls"),
+}
+
+
+def compare_plugin(stock: Any, other: Any, batch_examples: list[dict], plugin: str, **tolerances: Any) -> tuple:
+    """`compare` for a trainer with the packing `plugin` (its batch key and counters, `PACKING`); `tolerances`:
+    `logps_rtol`, `loss_rtol`, `grad_rtol` (and `logps`)."""
+    key, calls, misses = PACKING[plugin]
+    state = other._trl_ext.state[plugin]
+    return compare(
+        stock,
+        other,
+        batch_examples,
+        batch_key=key,
+        calls=lambda: getattr(state, calls),
+        misses=lambda: getattr(state, misses),
+        **tolerances,
+    )
+
+
+#: What a packing plugin refuses in any model, each case with the words of its refusal.
+PACKING_REFUSALS = ("flex_attention", "liger", "prompt_tuning")
+
+
+def assert_refused(build: Callable[..., Any], case: str) -> None:
+    """`build(...)` (a `dpo_builder`'s, with a packing plugin installed) refuses the setting `case` of
+    `PACKING_REFUSALS` with a `UsageError` naming it: flex attention, Liger kernels, a prompt-learning PEFT adapter."""
+    from trl_ext import UsageError
+
+    if case == "flex_attention":
+        kwargs, match = {"model_kwargs": {"attn_implementation": "flex_attention"}}, "flex_attention"
+    elif case == "liger":
+        kwargs, match = {"use_liger_kernel": True}, "use_liger_kernel"
+    else:
+        from peft import PromptTuningConfig
+
+        prompt_tuning = PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=2)
+        kwargs, match = {"ref": False, "peft_config": prompt_tuning}, "prompt-learning"
+    with pytest.raises(UsageError, match=match):
+        build(**kwargs)
 
 
 def add_mask_window(model: Any, window: int) -> Any:

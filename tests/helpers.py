@@ -16,6 +16,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -152,6 +153,15 @@ def example_plugin_files() -> dict[str, str]:
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+def imported_from(node: ast.ImportFrom, package: str) -> str:
+    """The absolute name of the module a `from ... import` statement of a module of `package` imports from."""
+    if not node.level:
+        return node.module or ""
+    parts = package.split(".")
+    base = ".".join(parts[: len(parts) - node.level + 1])
+    return f"{base}.{node.module}" if node.module else base
+
+
 def code_tokens(path: Path) -> set[str]:
     tree = ast.parse(path.read_text())
     docstrings = set()
@@ -220,9 +230,37 @@ class ReferenceVarlen:
         return torch.cat(outs)
 
 
+#: Gradient checkpointing kwargs that differ from transformers' defaults: the generation tests check they survive.
+USER_GC_KWARGS = {"use_reentrant": False, "preserve_rng_state": False}
+
+
+def gc_online_trainer(online_dpo_args, tokenizer, **overrides):
+    """An `OnlineDPOTrainer` (tiny Llama, no reference model, bf16 off) with gradient checkpointing on with
+    `USER_GC_KWARGS`; `overrides` go to the config."""
+    from trl.experimental.online_dpo import OnlineDPOTrainer
+
+    from trl_ext.testing import length_reward, make_prompt_dataset
+
+    args = online_dpo_args(
+        gradient_checkpointing=True, gradient_checkpointing_kwargs=dict(USER_GC_KWARGS), bf16=False, **overrides
+    )
+    return OnlineDPOTrainer(
+        model=make_model(), reward_funcs=length_reward, args=args, train_dataset=make_prompt_dataset(4),
+        processing_class=tokenizer,
+    )  # fmt: skip
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Tiny float64 models of the padding_free coverage and prompt_sharing architecture tests
 # ---------------------------------------------------------------------------------------------------------------------
+
+
+#: The sizes of the tiny models built from a config: 2 layers, hidden 32, 4 heads (2 key/value heads).
+TINY_SIZES = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+)
+#: The special token ids of the tiny models built from a config.
+TINY_TOKENS = dict(pad_token_id=0, eos_token_id=1, bos_token_id=2)
 
 
 def tiny(kind: str = "llama", seed: int = 0):
@@ -239,15 +277,9 @@ def tiny(kind: str = "llama", seed: int = 0):
 
     common = dict(
         vocab_size=256,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **TINY_SIZES,
         max_position_embeddings=512,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=2,
+        **TINY_TOKENS,
     )
     torch.manual_seed(seed)
     if kind == "llama":
@@ -275,16 +307,10 @@ def tiny(kind: str = "llama", seed: int = 0):
 DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma3_text", "phi3", "olmo2")
 WINDOWED_KWARGS = dict(
     vocab_size=128,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
+    **TINY_SIZES,
     head_dim=8,
     max_position_embeddings=256,
-    pad_token_id=0,
-    bos_token_id=2,
-    eos_token_id=1,
+    **TINY_TOKENS,
 )
 WINDOWED_EXTRA = {
     "mistral": {"sliding_window": 6},
@@ -339,11 +365,29 @@ REPO = Path(__file__).resolve().parents[1]
 PLUGIN_SCRIPTS = REPO / "tests" / "plugins" / "scripts"
 
 
-def launch(script: Path | str, *args: str, nproc: int = 2, timeout: float = 900) -> subprocess.CompletedProcess:
-    """`torchrun --standalone --nproc_per_node NPROC SCRIPT ARGS...` with this checkout first on `PYTHONPATH`, one
-    intra-op thread per process, no progress bars, offline, warnings off; the finished process (output captured)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+def deepspeed_config(stage: int, **extra: Any) -> dict:
+    """A DeepSpeed config: ZeRO `stage`, TRL's "auto" batch sizes and clipping, any optimizer, no progress prints;
+    `extra` on top."""
+    keys = ("train_micro_batch_size_per_gpu", "train_batch_size", "gradient_accumulation_steps", "gradient_clipping")
+    zero = {"zero_optimization": {"stage": stage, "overlap_comm": False}, "zero_allow_untested_optimizer": True}
+    return {**dict.fromkeys(keys, "auto"), **zero, "steps_per_print": 10**9, **extra}
+
+
+def launch_env(**extra: str) -> dict[str, str]:
+    """The environment of a launched test process: this one's, with this checkout first on `PYTHONPATH`, one intra-op
+    thread per process, no progress bars, offline, warnings off, DeepSpeed on the CPU, TRL's experimental-API warning
+    silenced, no `TRL_EXT_*` setting but the log level; then `extra`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRL_EXT_") or k == "TRL_EXT_LOG_LEVEL"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     env.update(OMP_NUM_THREADS="1", TQDM_DISABLE="1", HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore")
+    env.update(DS_ACCELERATOR="cpu", TRL_EXPERIMENTAL_SILENCE="1", **extra)
+    return env
+
+
+def launch(script: Path | str, *args: str, nproc: int = 2, timeout: float = 900) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc_per_node NPROC SCRIPT ARGS...` in `launch_env()`; the finished process (output
+    captured)."""
+    env = launch_env()
     torchrun = Path(sys.executable).with_name("torchrun")
     command = [str(torchrun), "--standalone", f"--nproc_per_node={nproc}", str(script), *map(str, args)]
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)

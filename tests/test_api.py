@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 import trl_ext.api as api
+from tests import helpers
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "trl_ext"
@@ -42,12 +43,7 @@ def imported_names(source: str, module: str, *, is_package: bool = False) -> set
         if isinstance(node, ast.Import):
             out.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                parts = package.split(".")
-                base = ".".join(parts[: len(parts) - node.level + 1])
-                source_module = f"{base}.{node.module}" if node.module else base
-            else:
-                source_module = node.module or ""
+            source_module = helpers.imported_from(node, package)
             out.update(f"{source_module}.{alias.name}" for alias in node.names)
     return out
 

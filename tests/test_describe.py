@@ -8,7 +8,7 @@ import logging
 import pytest
 
 import trl_ext
-from trl_ext.testing import length_reward, make_model, make_preference_dataset, make_prompt_dataset
+from trl_ext.testing import make_model, make_preference_dataset
 
 
 @pytest.fixture
@@ -91,15 +91,7 @@ def test_prompt_sharing_says_when_its_self_check_is_off(tokenizer, dpo_args, not
         ("auto", {"budget": "40%"}, "generation (ds3_gather_for_generation='auto', budget 40% of the model)"),
     ],
 )
-def test_generation_says_its_flag_and_budget(tokenizer, online_dpo_args, notices, flag, options, text):
-    from trl.experimental.online_dpo import OnlineDPOTrainer
-
+def test_generation_says_its_flag_and_budget(notices, flag, options, text, plain_online_dpo):
     with trl_ext.install(ds3_gather_for_generation=flag, plugins={"generation": options}):
-        OnlineDPOTrainer(
-            make_model(seed=0),
-            reward_funcs=length_reward,
-            args=online_dpo_args(),
-            train_dataset=make_prompt_dataset(4),
-            processing_class=tokenizer,
-        )
+        plain_online_dpo(ref=False)
     assert _plugin_line(notices(), "OnlineDPOTrainer") == f"trl-ext: OnlineDPOTrainer gets plugins {text}"

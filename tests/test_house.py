@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests import helpers
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "trl_ext"
 MAX_LINES = 450
@@ -67,12 +69,7 @@ def _imported(name: str, path: Path, modules: dict[str, Path], *, module_level: 
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         else:
-            if node.level:
-                parts = package.split(".")
-                base = ".".join(parts[: len(parts) - node.level + 1])
-                source = f"{base}.{node.module}" if node.module else base
-            else:
-                source = node.module or ""
+            source = helpers.imported_from(node, package)
             # `from package import submodule` depends on the submodule; any other name, on `source` itself.
             submodules = [f"{source}.{alias.name}" for alias in node.names]
             targets = [t for t in submodules if t in modules]

@@ -11,7 +11,7 @@ import trl_ext
 from trl_ext import UsageError, _compat
 from trl_ext.manager import builtin_plugin_modules
 from trl_ext.spec import Flag, PluginSpec, boolean
-from trl_ext.testing import length_reward, make_model, make_preference_dataset, make_prompt_dataset
+from trl_ext.testing import make_model, make_preference_dataset
 
 from ._fakes import install_fake_plugin
 
@@ -87,18 +87,9 @@ def test_precompute_hook_runs_after_models_ready_and_before_any_forward(tokenize
     assert recorder.forward_calls["policy"] == 3  # ceil(8 / 3) precompute batches ran through the plugin's forward
 
 
-def test_online_dpo_hooks_including_generation(tokenizer, online_dpo_args, recorder):
-    from trl.experimental.online_dpo import OnlineDPOTrainer
-
+def test_online_dpo_hooks_including_generation(recorder, plain_online_dpo):
     with trl_ext.install(plugins={"recorder": {}}):
-        trainer = OnlineDPOTrainer(
-            make_model(seed=0),
-            ref_model=make_model(seed=0),
-            reward_funcs=length_reward,
-            args=online_dpo_args(),
-            train_dataset=make_prompt_dataset(4),
-            processing_class=tokenizer,
-        )
+        trainer = plain_online_dpo()
         trainer.train()
     names = recorder.names()
     assert names[1:3] == ["init_start", "make_collator"]
@@ -113,7 +104,7 @@ def _snapshot(objects):
     return {id(obj): (obj, dict(vars(obj))) for obj in objects}
 
 
-def test_uninstall_restores_every_patched_object_identically(tokenizer, dpo_args, recorder):
+def test_uninstall_restores_every_patched_object_identically(recorder, plain_dpo):
     import importlib
 
     from trl import DPOTrainer
@@ -127,13 +118,7 @@ def test_uninstall_restores_every_patched_object_identically(tokenizer, dpo_args
     installation = trl_ext.install(plugins={"recorder": {}})
     assert DPOTrainer.__dict__["__init__"] is not before[id(DPOTrainer)][1]["__init__"]
     assert "__init__" in vars(OnlineDPOTrainer) and "log" not in vars(OnlineDPOTrainer)  # per trainer, not per class
-    trainer = DPOTrainer(
-        make_model(seed=0),
-        ref_model=make_model(seed=0),
-        args=dpo_args(),
-        train_dataset=make_preference_dataset(4),
-        processing_class=tokenizer,
-    )
+    trainer = plain_dpo()
     backbone = trainer.model.base_model
     assert "forward" in vars(backbone) and "_trl_ext" in vars(trainer)
     installation.uninstall()
@@ -154,33 +139,29 @@ def test_uninstall_restores_every_patched_object_identically(tokenizer, dpo_args
     assert trainer.data_collator is recorder.collators[0].inner
     # A trainer built after uninstall is stock: no hooks run.
     events = len(recorder.events)
-    DPOTrainer(
-        make_model(seed=0),
-        ref_model=make_model(seed=0),
-        args=dpo_args(),
-        train_dataset=make_preference_dataset(4),
-        processing_class=tokenizer,
-    )
+    plain_dpo()
     assert len(recorder.events) == events
 
 
-def test_trl_flag_that_trl_ignores_enables_the_plugin_with_that_flag(tokenizer, dpo_args, monkeypatch, caplog):
+class _OwnsPaddingFree:
+    """A third-party plugin that claims TRL's `padding_free` flag; `seen`: the flag its trainer was built with."""
+
+    TRL_EXT_PLUGIN = PluginSpec(
+        name="fake_padding_free",
+        flags=(Flag("padding_free", default=False, parse=boolean, help="Pack."),),
+        trainers=("DPOTrainer",),
+        trl_flag="padding_free",
+    )
+
+    @trl_ext.hookimpl
+    def trl_ext_trainer_init_start(self, trainer, context, init_kwargs):
+        self.seen = init_kwargs["args"].padding_free
+
+
+def test_trl_flag_that_trl_ignores_enables_the_plugin_with_that_flag(dpo_args, monkeypatch, caplog, plain_dpo):
     """`DPOConfig(padding_free=True)` (ignored by TRL >= 0.29) enables the trl-ext plugin owning `padding_free`."""
-    from trl import DPOTrainer
 
-    class OwnsPaddingFree:
-        TRL_EXT_PLUGIN = PluginSpec(
-            name="fake_padding_free",
-            flags=(Flag("padding_free", default=False, parse=boolean, help="Pack."),),
-            trainers=("DPOTrainer",),
-            trl_flag="padding_free",
-        )
-
-        @trl_ext.hookimpl
-        def trl_ext_trainer_init_start(self, trainer, context, init_kwargs):
-            self.seen = init_kwargs["args"].padding_free
-
-    plugin = OwnsPaddingFree()
+    plugin = _OwnsPaddingFree()
     install_fake_plugin(monkeypatch, "fake_padding_free", plugin)
     block = ["padding_free"] if "padding_free" in builtin_plugin_modules() else []
     with trl_ext.install(block=block) as installation:
@@ -189,45 +170,24 @@ def test_trl_flag_that_trl_ignores_enables_the_plugin_with_that_flag(tokenizer, 
         assert installation.enabled_plugins("DPOTrainer", dpo_args()) == []
         assert installation.enabled_plugins("OnlineDPOTrainer", args) == []
         with caplog.at_level("WARNING"):
-            trainer = DPOTrainer(
-                make_model(seed=0),
-                ref_model=make_model(seed=0),
-                args=args,
-                train_dataset=make_preference_dataset(4),
-                processing_class=tokenizer,
-            )
+            trainer = plain_dpo(args=args)
         assert trainer._trl_ext.enabled == ("fake_padding_free",)
         assert plugin.seen is True
         assert args.padding_free is True  # the user's config object is left as it was
         assert "temporarily unavailable" not in caplog.text  # TRL did not fall back: the plugin handles the flag
 
 
-def test_trl_that_honours_the_flag_keeps_it_and_refuses_a_double_claim(tokenizer, dpo_args, monkeypatch):
+def test_trl_that_honours_the_flag_keeps_it_and_refuses_a_double_claim(dpo_args, monkeypatch, plain_dpo):
     """On a TRL that implements `padding_free` itself (e.g. with patches/0001), the TRL flag stays TRL's."""
-    from trl import DPOTrainer
 
-    class OwnsPaddingFree:
-        TRL_EXT_PLUGIN = PluginSpec(
-            name="fake_padding_free",
-            flags=(Flag("padding_free", default=False, parse=boolean, help="Pack."),),
-            trainers=("DPOTrainer",),
-            trl_flag="padding_free",
-        )
-
-    install_fake_plugin(monkeypatch, "fake_padding_free", OwnsPaddingFree())
+    install_fake_plugin(monkeypatch, "fake_padding_free", _OwnsPaddingFree())
     monkeypatch.setattr(_compat, "dpo_honours_padding_free", lambda: True)
     block = ["padding_free"] if "padding_free" in builtin_plugin_modules() else []
     with trl_ext.install(block=block) as installation:
         assert installation.enabled_plugins("DPOTrainer", dpo_args(padding_free=True)) == []
     with trl_ext.install(block=block, padding_free=True):
         with pytest.raises(UsageError, match=r"Both TRL's own `padding_free=True`.*`fake_padding_free`"):
-            DPOTrainer(
-                make_model(seed=0),
-                ref_model=make_model(seed=0),
-                args=dpo_args(padding_free=True),
-                train_dataset=make_preference_dataset(4),
-                processing_class=tokenizer,
-            )
+            plain_dpo(args=dpo_args(padding_free=True))
 
 
 def test_unsupported_trl_version_is_a_usage_error(monkeypatch):
@@ -267,35 +227,20 @@ def test_install_again_with_the_same_flags_returns_the_active_installation():
     assert trl_ext.current() is None
 
 
-def test_trainer_built_before_install_is_reported_stock(tokenizer, dpo_args):
-    from trl import DPOTrainer
-
-    trainer = DPOTrainer(
-        make_model(seed=0),
-        ref_model=make_model(seed=0),
-        args=dpo_args(),
-        train_dataset=make_preference_dataset(4),
-        processing_class=tokenizer,
-    )
+def test_trainer_built_before_install_is_reported_stock(dpo_args, plain_dpo):
+    trainer = plain_dpo()
     with trl_ext.install(padding_free=True) as installation:
         assert installation.enabled_plugins(trainer) == []  # it runs stock: nothing was attached to it
         assert installation.enabled_plugins("DPOTrainer") == ["padding_free"]  # what a trainer built now gets
         assert installation.enabled_plugins(trainer, dpo_args()) == ["padding_free"]
 
 
-def test_options_of_a_plugin_its_trl_flag_could_enable_must_be_used(tokenizer, dpo_args):
+def test_options_of_a_plugin_its_trl_flag_could_enable_must_be_used(dpo_args, plain_dpo):
     """`plugins: {padding_free: {...}}` without `padding_free: true`: the options apply to trainers whose DPOConfig
     sets `padding_free=True`, and a trainer without it is refused instead of silently ignoring them."""
-    from trl import DPOTrainer
 
     def build(args):
-        return DPOTrainer(
-            make_model(seed=0),
-            ref_model=make_model(seed=0),
-            args=args,
-            train_dataset=make_preference_dataset(4),
-            processing_class=tokenizer,
-        )
+        return plain_dpo(args=args)
 
     with trl_ext.install(plugins={"padding_free": {"attention": "dense"}}):
         with pytest.raises(
@@ -352,63 +297,35 @@ def test_importing_trl_ext_imports_neither_torch_nor_trl():
 
 @pytest.mark.parametrize(("eval_pairs", "said"), [(5, True), (8, False)])
 def test_sync_metrics_says_when_uneven_eval_batches_make_its_means_differ_from_stock(
-    eval_pairs, said, tokenizer, dpo_args
+    eval_pairs, said, dpo_args, plain_dpo, trl_ext_log
 ):
     """A partial last eval batch (5 pairs in batches of 4 and 1): sync_metrics' eval means are over pairs, stock's
     over per-batch means, and one line says so; full batches: no line."""
-    import logging
-
-    from trl import DPOTrainer
-
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    root = logging.getLogger("trl_ext")
-    root.addHandler(handler)
-    try:
-        with trl_ext.install(sync_metrics=True):
-            trainer = DPOTrainer(
-                make_model(seed=0),
-                ref_model=make_model(seed=0),
-                args=dpo_args(per_device_eval_batch_size=4),
-                train_dataset=make_preference_dataset(4),
-                eval_dataset=make_preference_dataset(eval_pairs, seed=3),
-                processing_class=tokenizer,
-            )
-            trainer.evaluate()
-            trainer.evaluate()
-    finally:
-        root.removeHandler(handler)
-    lines = [r.getMessage() for r in records if "sync_metrics: the eval batches" in r.getMessage()]
+    with trl_ext.install(sync_metrics=True):
+        args = dpo_args(per_device_eval_batch_size=4)
+        trainer = plain_dpo(args=args, eval_dataset=make_preference_dataset(eval_pairs, seed=3))
+        trainer.evaluate()
+        trainer.evaluate()
+    lines = [r.getMessage() for r in trl_ext_log.records if "sync_metrics: the eval batches" in r.getMessage()]
     assert len(lines) == (1 if said else 0), lines  # once per trainer
     if said:
         assert "held 4 / 1 pairs (5 in all)" in lines[0] and "stock TRL averages the per-batch means" in lines[0]
 
 
-def test_trl_precompute_left_to_trl_names_the_trl_ext_flag(tokenizer, dpo_args):
+def test_trl_precompute_left_to_trl_names_the_trl_ext_flag(tokenizer, dpo_args, trl_ext_log):
     """No plugin enabled, `DPOConfig(precompute_ref_log_probs=True, precompute_ref_batch_size=8)`: TRL precomputes, and
     one warning names trl-ext's `precompute_ref_batch_size`."""
-    import logging
-
     from trl import DPOTrainer
 
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    root = logging.getLogger("trl_ext")
-    root.addHandler(handler)
-    try:
-        with trl_ext.install():
-            trainer = DPOTrainer(
-                make_model(seed=0),
-                args=dpo_args(precompute_ref_log_probs=True, precompute_ref_batch_size=8),
-                train_dataset=make_preference_dataset(4),
-                processing_class=tokenizer,
-            )
-    finally:
-        root.removeHandler(handler)
+    with trl_ext.install():
+        trainer = DPOTrainer(
+            make_model(seed=0),
+            args=dpo_args(precompute_ref_log_probs=True, precompute_ref_batch_size=8),
+            train_dataset=make_preference_dataset(4),
+            processing_class=tokenizer,
+        )
     assert trainer._trl_ext.enabled == () and "ref_chosen_logps" in trainer.train_dataset.column_names
-    lines = [r.getMessage() for r in records if r.levelname == "WARNING"]
+    lines = [r.getMessage() for r in trl_ext_log.records if r.levelname == "WARNING"]
     assert len(lines) == 1, lines
     assert "DPOConfig(precompute_ref_log_probs=True, precompute_ref_batch_size=8) is left to TRL" in lines[0]
     assert '`precompute_ref_batch_size=8` (or "auto")' in lines[0]

@@ -67,6 +67,13 @@ def _env():
     return env
 
 
+def _run(cmd: list[str], timeout: float = 600, **kwargs) -> subprocess.CompletedProcess:
+    """`cmd` in the jobs' environment (`_env`); it must succeed."""
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=timeout, **kwargs)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc
+
+
 def _expect_active(stdout: str, trainer: str, flags: dict) -> None:
     line = next(line for line in stdout.splitlines() if line.startswith(f"[trl-ext] {trainer} ran with plugins:"))
     for name in flags:
@@ -76,14 +83,7 @@ def _expect_active(stdout: str, trainer: str, flags: dict) -> None:
 @pytest.mark.slow
 def test_dpo_job_one_process_from_yaml_recipe(assets, tmp_path):
     recipe = _recipe(assets, tmp_path / "run1", RECIPE_FLAGS)
-    proc = subprocess.run(
-        [sys.executable, "-m", "trl_ext", "dpo", "--config", str(recipe), "--learning_rate", "1e-3"],
-        capture_output=True,
-        text=True,
-        env=_env(),
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = _run([sys.executable, "-m", "trl_ext", "dpo", "--config", str(recipe), "--learning_rate", "1e-3"])
     _expect_active(proc.stdout, "DPOTrainer", RECIPE_FLAGS)
     assert CPU_LINE + " fp32 (--use_cpu true, --bf16 false;" in proc.stderr
     assert (tmp_path / "run1" / "model.safetensors").exists()  # TRL's script saved the model
@@ -97,24 +97,8 @@ def test_dpo_job_two_processes_with_cli_flags(assets, tmp_path):
     recipe = _recipe(assets, tmp_path / "run2", {})
     # dashed spellings, as TRL's own flags; boolean flags given with no value mean true
     cli_flags = [f"--trl-ext-{name.replace('_', '-')}" for name in RECIPE_FLAGS]
-    proc = subprocess.run(
-        [
-            str(Path(sys.executable).parent / "torchrun"),
-            "--nproc_per_node",
-            "2",
-            "-m",
-            "trl_ext",
-            "dpo",
-            "--config",
-            str(recipe),
-            *cli_flags,
-        ],
-        capture_output=True,
-        text=True,
-        env=_env(),
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    torchrun = str(Path(sys.executable).parent / "torchrun")
+    proc = _run([torchrun, "--nproc_per_node", "2", "-m", "trl_ext", "dpo", "--config", str(recipe), *cli_flags])
     _expect_active(proc.stdout, "DPOTrainer", RECIPE_FLAGS)
     assert proc.stdout.count("ran with plugins:") == 1  # reported by the main process only
     assert proc.stderr.count(CPU_LINE) == 1  # use_cpu chosen on every rank (MULTI_CPU), said once
@@ -125,28 +109,14 @@ def test_dpo_job_two_processes_with_cli_flags(assets, tmp_path):
 def test_dpo_job_under_accelerate_launch_with_deepspeed_zero3(assets, tmp_path):
     """`accelerate launch --use_deepspeed ... trl-ext dpo`: 2 processes, ZeRO-3, on CPU (gloo)."""
     ds_config = tmp_path / "ds_z3.json"
-    ds_config.write_text(
-        json.dumps(
-            {
-                "train_micro_batch_size_per_gpu": "auto",
-                "train_batch_size": "auto",
-                "gradient_accumulation_steps": "auto",
-                "gradient_clipping": "auto",
-                "zero_optimization": {"stage": 3, "overlap_comm": False},
-                "bf16": {"enabled": False},
-                "zero_allow_untested_optimizer": True,
-                "steps_per_print": 10**9,
-            }
-        )
-    )
+    ds_config.write_text(json.dumps(helpers.deepspeed_config(3, bf16={"enabled": False})))
     recipe = _recipe(assets, tmp_path / "run-ds", RECIPE_FLAGS)
     # No `use_cpu` (it would switch DeepSpeed off) and no `bf16`: the job sets bf16 false itself.
     accelerate = str(Path(sys.executable).parent / "accelerate")
     cmd = [accelerate, "launch", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no"]
     cmd += ["--dynamo_backend", "no", "--use_deepspeed", "--deepspeed_config_file", str(ds_config)]
     cmd += ["-m", "trl_ext", "dpo", "--config", str(recipe)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=900)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    proc = _run(cmd, timeout=900)
     _expect_active(proc.stdout, "DPOTrainer", RECIPE_FLAGS)
     assert "DeepSpeed on CPU: gloo backend" in proc.stderr
     assert proc.stderr.count(CPU_LINE + " fp32 (--bf16 false;") == 1  # use_cpu left alone under DeepSpeed
@@ -187,8 +157,7 @@ def test_online_dpo_job_from_console_script_with_reward_module_in_cwd(assets, tm
         "--save_strategy",
         "no",
     ]
-    proc = subprocess.run(args, capture_output=True, text=True, env=_env(), timeout=600, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = _run(args, cwd=tmp_path)
     line = next(line for line in proc.stdout.splitlines() if "[trl-ext] OnlineDPOTrainer ran with plugins:" in line)
     # no plugin applies (trl-ext did not attach): the job's line says the peak, once, and no `train()` line does
     assert line.startswith("[trl-ext] OnlineDPOTrainer ran with plugins: none; peak memory "), line
@@ -345,15 +314,12 @@ def test_cpu_line_names_the_precision_it_trains_in(monkeypatch, capsys, tmp_path
     assert "[trl-ext] no accelerator found: training on CPU in bf16 (--use_cpu true;" in err and "fp32" not in err
 
 
-def test_job_ends_without_an_uninstall_line(monkeypatch, tmp_path, tokenizer, dpo_args, caplog):
+def test_job_ends_without_an_uninstall_line(monkeypatch, tmp_path, tokenizer, dpo_args, caplog, plain_dpo):
     """The job's trainers are done when it ends: no "trainers keep their plugins" line."""
     import logging
 
-    from trl import DPOTrainer
-
     from trl_ext.app import jobs
     from trl_ext.config import load_config
-    from trl_ext.testing import make_model, make_preference_dataset
 
     root = logging.getLogger("trl_ext")
     root.addHandler(caplog.handler)
@@ -361,13 +327,7 @@ def test_job_ends_without_an_uninstall_line(monkeypatch, tmp_path, tokenizer, dp
         with jobs._installed_for_job(
             load_config(flags={"sync_metrics": True}), cpu_deepspeed=False, trainer_class="DPOTrainer"
         ):
-            trainer = DPOTrainer(
-                make_model(seed=0),
-                ref_model=make_model(seed=0),
-                args=dpo_args(),
-                train_dataset=make_preference_dataset(4),
-                processing_class=tokenizer,
-            )
+            trainer = plain_dpo()
     finally:
         root.removeHandler(caplog.handler)
     assert "_trl_ext" not in vars(trainer)  # detached: stock again

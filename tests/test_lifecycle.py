@@ -9,7 +9,6 @@ from __future__ import annotations
 import gc
 import importlib
 import json
-import logging
 import os
 import re
 import subprocess
@@ -24,17 +23,6 @@ from trl_ext import UsageError, _compat
 from trl_ext.testing import length_reward, make_model, make_preference_dataset, make_prompt_dataset
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture
-def trl_ext_log(caplog):
-    """trl-ext's log records (its root logger does not propagate, so caplog's handler is attached to it)."""
-    root = logging.getLogger("trl_ext")
-    root.addHandler(caplog.handler)
-    try:
-        yield caplog
-    finally:
-        root.removeHandler(caplog.handler)
 
 
 def _snapshot_trl():
@@ -130,23 +118,15 @@ def test_a_second_install_does_not_disturb_trainers_of_the_first(tokenizer, dpo_
     assert recorder.names().count("reduce_metrics") == 3
 
 
-def test_hooks_outside_init_keep_running_after_uninstall(tokenizer, dpo_args, online_dpo_args, recorder):
+def test_hooks_outside_init_keep_running_after_uninstall(tokenizer, dpo_args, recorder, plain_online_dpo):
     """`log`, the DPO precompute of `evaluate()` and OnlineDPO's generation were class/module patches: now they are
     the trainer's own, and TRL's modules are stock between its calls."""
-    from trl.experimental.online_dpo import OnlineDPOTrainer
     from trl.experimental.online_dpo import online_dpo_trainer as odt
 
     stock_unwrap = odt.unwrap_model_for_generation
     with trl_ext.install(plugins={"recorder": {}}):
         dpo = _dpo(tokenizer, dpo_args, precompute_ref_log_probs=True)
-        online = OnlineDPOTrainer(
-            make_model(seed=0),
-            ref_model=make_model(seed=0),
-            reward_funcs=length_reward,
-            args=online_dpo_args(),
-            train_dataset=make_prompt_dataset(4),
-            processing_class=tokenizer,
-        )
+        online = plain_online_dpo()
     assert odt.unwrap_model_for_generation is stock_unwrap
     start = len(recorder.events)
     dpo.train()
@@ -219,14 +199,9 @@ def test_trl_flag_left_to_trl_is_named_in_the_trainer_line(tokenizer, dpo_args, 
 def _old_online_dpo_call(tokenizer, online_dpo_args):
     from trl.experimental.online_dpo import OnlineDPOTrainer
 
-    return OnlineDPOTrainer(
-        model=make_model(seed=0),
-        reward_model=make_model(seed=1),
-        reward_processing_class=tokenizer,
-        args=online_dpo_args(),
-        train_dataset=make_prompt_dataset(4),
-        processing_class=tokenizer,
-    )
+    reward = dict(reward_model=make_model(seed=1), reward_processing_class=tokenizer)
+    data = dict(train_dataset=make_prompt_dataset(4), processing_class=tokenizer)
+    return OnlineDPOTrainer(model=make_model(seed=0), **reward, args=online_dpo_args(), **data)
 
 
 def test_trl_signature_error_reads_as_without_trl_ext(tokenizer, online_dpo_args):
@@ -266,21 +241,14 @@ def test_trl_errors_from_inside_init_are_untouched(tokenizer, dpo_args):
 # -------------------------------------------------------------------------------------------------------------------
 
 
-def test_world_size_without_a_distributed_trainer_is_refused(tokenizer, dpo_args, monkeypatch):
+def test_world_size_without_a_distributed_trainer_is_refused(dpo_args, monkeypatch, plain_dpo):
     monkeypatch.setenv("WORLD_SIZE", "2")
     args = dpo_args(use_cpu=False, bf16=False)  # what torchrun on CPU gives without `use_cpu=True`: a world of 1
     assert args.world_size == 1
-    from trl import DPOTrainer
 
     with trl_ext.install(padding_free=True):
         with pytest.raises(UsageError, match=r"WORLD_SIZE=2 says .* runs a world of 1 .*set `use_cpu=True`"):
-            DPOTrainer(
-                make_model(seed=0),
-                ref_model=make_model(seed=0),
-                args=args,
-                train_dataset=make_preference_dataset(4),
-                processing_class=tokenizer,
-            )
+            plain_dpo(args=args)
 
 
 _WORLD_SCRIPT = """
@@ -348,18 +316,10 @@ def test_torchrun_on_cpu_without_use_cpu_is_refused(tmp_path):
 # -------------------------------------------------------------------------------------------------------------------
 
 
-def test_one_line_per_trainer_with_plugins_and_auto_choices(tokenizer, dpo_args, online_dpo_args, trl_ext_log):
-    from trl.experimental.online_dpo import OnlineDPOTrainer
-
+def test_one_line_per_trainer_with_plugins_and_auto_choices(tokenizer, dpo_args, trl_ext_log, plain_online_dpo):
     with trl_ext.install(padding_free=True):
         _dpo(tokenizer, dpo_args)
-        OnlineDPOTrainer(
-            make_model(seed=0),
-            reward_funcs=length_reward,
-            args=online_dpo_args(),
-            train_dataset=make_prompt_dataset(4),
-            processing_class=tokenizer,
-        )
+        plain_online_dpo(ref=False)
     messages = [(r.levelname, r.getMessage()) for r in trl_ext_log.records]
     assert (
         "NOTICE",
@@ -410,7 +370,7 @@ def test_log_level_env(tmp_path, level, shown, warned):
 # -------------------------------------------------------------------------------------------------------------------
 
 
-def test_enabled_plugins_accepts_classes_and_instances(tokenizer, dpo_args):
+def test_enabled_plugins_accepts_classes_and_instances(dpo_args, plain_dpo):
     from trl import DPOTrainer
     from trl.experimental.online_dpo import OnlineDPOTrainer
 
@@ -422,13 +382,7 @@ def test_enabled_plugins_accepts_classes_and_instances(tokenizer, dpo_args):
         assert installation.enabled_plugins(DPOTrainer) == ["padding_free"]
         assert installation.enabled_plugins(MyDPOTrainer) == ["padding_free"]
         assert installation.enabled_plugins(OnlineDPOTrainer) == []
-        trainer = MyDPOTrainer(
-            make_model(seed=0),
-            ref_model=make_model(seed=0),
-            args=dpo_args(),
-            train_dataset=make_preference_dataset(4),
-            processing_class=tokenizer,
-        )
+        trainer = plain_dpo(MyDPOTrainer)
         assert installation.enabled_plugins(trainer) == ["padding_free"]
         for bad in (42, None, dpo_args()):
             with pytest.raises(TypeError, match="expected a trainer class name, a trainer class or a trainer"):

@@ -109,19 +109,12 @@ def test_third_party_plugin_declares_a_flag_and_options(monkeypatch):
 
 
 @pytest.fixture
-def manager_log(caplog, monkeypatch):
+def manager_log(trl_ext_log, monkeypatch):
     """trl-ext's log records, with the once-per-process memory of reported broken plugins cleared."""
-    import logging
-
     import trl_ext.manager
 
     monkeypatch.setattr(trl_ext.manager, "_WARNED", set())
-    root = logging.getLogger("trl_ext")
-    root.addHandler(caplog.handler)
-    try:
-        yield caplog
-    finally:
-        root.removeHandler(caplog.handler)
+    return trl_ext_log
 
 
 def _assert_broken(name: str, match: str, log, enable: dict | None = None) -> None:

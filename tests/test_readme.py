@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests import helpers
 from trl_ext.testing import write_demo
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -86,19 +87,7 @@ def workdir(tmp_path_factory):
     recipe = yaml.safe_load(_block("yaml", "# recipe.yaml\n"))
     recipe.update(model_name_or_path=str(demo / "model"), dataset_name=str(demo / "preferences"), **_RECIPE_OVERRIDES)
     (root / "recipe.yaml").write_text(yaml.safe_dump(recipe))
-    (root / "ds_z3.json").write_text(
-        json.dumps(
-            {
-                "train_micro_batch_size_per_gpu": "auto",
-                "train_batch_size": "auto",
-                "gradient_accumulation_steps": "auto",
-                "gradient_clipping": "auto",
-                "zero_optimization": {"stage": 3, "overlap_comm": False},
-                "zero_allow_untested_optimizer": True,
-                "steps_per_print": 10**9,
-            }
-        )
-    )
+    (root / "ds_z3.json").write_text(json.dumps(helpers.deepspeed_config(3)))
     (root / "my_rewards.py").write_text(
         "def score(completions, **kwargs):\n    return [float(len(str(c))) for c in completions]\n"
     )

@@ -18,24 +18,8 @@ import inspect
 
 import pytest
 
-USER_GC_KWARGS = {"use_reentrant": False, "preserve_rng_state": False}
-
-
-def _online_trainer(online_dpo_args, tokenizer, **overrides):
-    from trl.experimental.online_dpo import OnlineDPOTrainer
-
-    from trl_ext.testing import length_reward, make_model, make_prompt_dataset
-
-    args = online_dpo_args(
-        gradient_checkpointing=True, gradient_checkpointing_kwargs=dict(USER_GC_KWARGS), bf16=False, **overrides
-    )
-    return OnlineDPOTrainer(
-        model=make_model(),
-        reward_funcs=length_reward,
-        args=args,
-        train_dataset=make_prompt_dataset(4),
-        processing_class=tokenizer,
-    )
+from tests.helpers import USER_GC_KWARGS
+from tests.helpers import gc_online_trainer as _online_trainer
 
 
 def _gc_kwargs(model) -> list[dict]:

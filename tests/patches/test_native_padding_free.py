@@ -31,15 +31,8 @@ GRAD_RTOL = 1e-4  # max |grad diff| relative to max |grad|
 # Loss options as `DPOTrainer.__init__` stores them from `DPOConfig` (trl 1.16.0): each case sets them on both
 # trainers, which runs TRL's real `_compute_loss` for every case without building a trainer per case.
 LOSS_CASES = [{"loss_types": [t]} for t in TRL_LOSS_TYPES]
+LOSS_CASES += [{"loss_types": ["exo_pair"], "label_smoothing": 1e-3}, *eq.LOSS_OPTION_CASES]
 LOSS_CASES += [
-    {"loss_types": ["exo_pair"], "label_smoothing": 1e-3},
-    {"loss_types": ["robust"], "label_smoothing": 0.1},
-    {"loss_types": ["aot", "aot_unpaired"], "label_smoothing": 0.1},
-    {"loss_types": ["sigmoid", "bco_pair", "sft"], "loss_weights": [0.8, 0.2, 1.0]},
-    {"loss_types": ["sigmoid"], "ld_alpha": 0.5},
-    {"loss_types": ["sigmoid_norm", "ipo"], "ld_alpha": 0.3, "loss_weights": [1.0, 0.5]},
-    # not with "sft": TRL's `per_sequence_loss *= weights` fails on its expanded sft loss (stock TRL 1.16)
-    {"loss_types": ["sigmoid", "ipo", "apo_down"], "use_weighting": True},
     {"loss_types": ["sigmoid_norm", "bco_pair"], "use_weighting": True, "ld_alpha": 0.5, "loss_weights": [0.7, 0.3]},
 ]
 
@@ -149,16 +142,8 @@ def test_every_loss_type_and_option(build):
     assert stock_batch["attention_mask"].eq(0).float().mean() > 0.3  # the padded batch is mostly padding
     _assert_packed(native_batch)
     assert native_batch["input_ids"].shape[1] == stock_batch["attention_mask"].sum()
-    failures = []
-    for case in LOSS_CASES:
-        _set_loss(stock, case)
-        _set_loss(native, case)
-        try:
-            _compare(stock, native, examples, logps=False)
-        except AssertionError as exc:
-            failures.append(f"{case}: {exc}")
-    assert not failures, "\n".join(failures)
-    assert {t for case in LOSS_CASES for t in case["loss_types"]} == set(TRL_LOSS_TYPES)
+    compare = lambda: _compare(stock, native, examples, logps=False)  # noqa: E731
+    eq.assert_every_loss_case((stock, native), compare, LOSS_CASES, set_loss=_set_loss)
 
 
 @pytest.mark.parametrize("config", [{"ld_alpha": 0.5}, {"use_weighting": True, "loss_type": ["sigmoid", "ipo"]}])
@@ -173,15 +158,7 @@ def test_keep_end_truncation_first_token_is_completion(build):
     """`truncation_mode="keep_end"` cuts whole prompts, so a sequence can start with a completion token. In the packed
     row, that token must not be scored from the previous sequence's last token, and `ipo`/`sigmoid_norm`, which count
     the completion tokens of the unshifted mask, must count it like padded TRL does."""
-    from datasets import Dataset
-
-    words = lambda a, n: " ".join(f"w{a + i}" for i in range(n))  # noqa: E731
-    rows = [
-        {"prompt": words(1, 2), "chosen": " " + words(10, 15), "rejected": " " + words(30, 2)},
-        {"prompt": words(40, 3), "chosen": " " + words(50, 4), "rejected": " " + words(60, 14)},
-        {"prompt": words(80, 6), "chosen": " " + words(90, 1), "rejected": " " + words(100, 3)},
-    ]
-    data = Dataset.from_list(rows)
+    data = eq.keep_end_data()
     kwargs = dict(train_dataset=data, max_length=10, truncation_mode="keep_end", loss_type=["ipo", "sigmoid_norm"])
     stock = build(**kwargs)
     native = build(padding_free=True, **kwargs)
@@ -280,15 +257,8 @@ def test_equals_plugin_loss_options(build, plugin_build):
         assert plugin.padding_free is False and "padding_free" in plugin._trl_ext.enabled
         examples = eq.examples(native)
         _compare(plugin, native, examples)
-        failures = []
-        for case in PLUGIN_LOSS_CASES:
-            _set_loss(plugin, case)
-            _set_loss(native, case)
-            try:
-                _compare(plugin, native, examples, logps=False)
-            except AssertionError as exc:
-                failures.append(f"{case}: {exc}")
-        assert not failures, "\n".join(failures)
+        compare = lambda: _compare(plugin, native, examples, logps=False)  # noqa: E731
+        eq.assert_every_loss_case((plugin, native), compare, PLUGIN_LOSS_CASES, set_loss=_set_loss, every_type=False)
     finally:
         installation.uninstall()
 

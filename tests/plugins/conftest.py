@@ -8,7 +8,13 @@ import torch
 
 from tests import equivalence as eq
 from tests.helpers import generate_arity
-from trl_ext.testing import length_reward, make_model, make_prompt_dataset
+from trl_ext.testing import length_reward, make_model, make_preference_dataset, make_prompt_dataset
+
+
+@pytest.fixture(scope="session")
+def dataset():
+    """16 preference pairs (seed 0), the DPO plugin tests' data; a module with other data defines its own `dataset`."""
+    return make_preference_dataset(16, seed=0)
 
 
 @pytest.fixture

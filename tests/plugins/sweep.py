@@ -532,9 +532,10 @@ class _Context:
 
 
 @contextlib.contextmanager
-def packed_forward(model, state):
+def packed_forward(model, state, limit: int | None | str = "model", install: bool = True):
     """padding_free's packed causal-LM forward for `model` (varlen attention registered, backbone wrapped, the
-    wrapper installed as `model.forward` as the trainer does); undone on exit."""
+    wrapper installed as `model.forward` as the trainer does unless `install=False`); undone on exit. `limit`: the
+    most tokens of a packed row (`"model"`: the model's own, `row_limit`; None: no limit)."""
     from trl_ext.plugins import padding_free as pf
     from trl_ext.toolkit.packing.attention import (
         register_varlen_attention,
@@ -546,10 +547,12 @@ def packed_forward(model, state):
     register_varlen_attention()
     try:
         model.config._attn_implementation_internal = varlen_attention_name(base)
-        limit = pf.row_limit(model)
+        limit = pf.row_limit(model) if limit == "model" else limit
         model.base_model.forward = pf._make_backbone_forward(model.base_model.forward, state, limit)
-        model.forward = pf._make_causal_lm_forward(model.forward, state, limit)
-        yield model.forward
+        forward = pf._make_causal_lm_forward(model.forward, state, limit)
+        if install:
+            model.forward = forward
+        yield forward
     finally:
         model.config._attn_implementation_internal = base
         model.base_model.__dict__.pop("forward", None)
@@ -586,32 +589,44 @@ def _exception(exc: BaseException, limit: int = 200) -> str:
     return f"{type(exc).__name__}: {text[:limit]}"
 
 
-def padding_free_outcome(model, stock: Measured, ids, mask, moe: bool) -> Outcome:
-    from trl.trainer.utils import disable_dropout_in_model
-
+def _set_up_and_measure(context, model, set_up, measure, what: str) -> Outcome | tuple[Any, Measured]:
+    """`set_up()`, then `measure()`, `context` closed after: `(set_up's result, the measurement)`, or the `Outcome` of
+    a refusal, a crash (`what`: the forward's name) or a model left changed."""
     from trl_ext import UsageError
-    from trl_ext.toolkit.randomness import describe_draws
 
-    context = _Context()
     base = model.config._attn_implementation
-    disable_dropout_in_model(model)  # what DPOTrainer does first under `disable_dropout=True`
     try:
         try:
-            state = packed_model(context, model)
+            result = set_up()
         except UsageError as exc:
             return Outcome("refused", str(exc))
         except Exception as exc:  # noqa: BLE001 - a crash is neither exact nor a refusal
             return Outcome("FAIL", f"the setup or self-check raised {_exception(exc)}")
         try:
-            packed = dpo_loss_and_grads(model, model.forward, ids, mask, moe)
+            measured = measure()
         except UsageError as exc:
             return Outcome("refused", f"in training: {exc}")
         except Exception as exc:  # noqa: BLE001 - a crash is neither exact nor a refusal
-            return Outcome("FAIL", f"the packed forward raised {_exception(exc)}")
+            return Outcome("FAIL", f"the {what} forward raised {_exception(exc)}")
     finally:
         context.close()
     if model.config._attn_implementation != base or "forward" in model.__dict__:
         return Outcome("FAIL", "the model was not restored")
+    return result, measured
+
+
+def padding_free_outcome(model, stock: Measured, ids, mask, moe: bool) -> Outcome:
+    from trl.trainer.utils import disable_dropout_in_model
+
+    from trl_ext.toolkit.randomness import describe_draws
+
+    context = _Context()
+    disable_dropout_in_model(model)  # what DPOTrainer does first under `disable_dropout=True`
+    measure = lambda: dpo_loss_and_grads(model, model.forward, ids, mask, moe)  # noqa: E731
+    result = _set_up_and_measure(context, model, lambda: packed_model(context, model), measure, "packed")
+    if isinstance(result, Outcome):
+        return result
+    state, packed = result
     if state.packed_calls == 0:
         return Outcome("FAIL", "the packed path did not run")
     problems = differences(stock, packed)
@@ -672,7 +687,6 @@ def shared_model(context, state, model) -> None:
 
 
 def prompt_sharing_outcome(model, moe: bool) -> Outcome:
-    from trl_ext import UsageError
     from trl_ext.plugins.prompt_sharing.layout import LAYOUT_KEY, build_layout
     from trl_ext.plugins.prompt_sharing.setup import PromptSharingState
 
@@ -683,25 +697,12 @@ def prompt_sharing_outcome(model, moe: bool) -> Outcome:
         return Outcome("FAIL", f"the stock padded forward raised {_exception(exc)}")
     context = _Context()
     state = PromptSharingState()
-    base = model.config._attn_implementation
     layout = build_layout(ids, mask, prompt_end)
-    try:
-        try:
-            shared_model(context, state, model)
-        except UsageError as exc:
-            return Outcome("refused", str(exc))
-        except Exception as exc:  # noqa: BLE001 - a crash is neither exact nor a refusal
-            return Outcome("FAIL", f"the setup or self-check raised {_exception(exc)}")
-        try:
-            shared = dpo_loss_and_grads(model, model.forward, ids, mask, moe, **{LAYOUT_KEY: layout.to_batch()})
-        except UsageError as exc:
-            return Outcome("refused", f"in training: {exc}")
-        except Exception as exc:  # noqa: BLE001 - a crash is neither exact nor a refusal
-            return Outcome("FAIL", f"the shared forward raised {_exception(exc)}")
-    finally:
-        context.close()
-    if model.config._attn_implementation != base or "forward" in model.__dict__:
-        return Outcome("FAIL", "the model was not restored")
+    measure = lambda: dpo_loss_and_grads(model, model.forward, ids, mask, moe, **{LAYOUT_KEY: layout.to_batch()})  # noqa: E731
+    result = _set_up_and_measure(context, model, lambda: shared_model(context, state, model), measure, "shared")
+    if isinstance(result, Outcome):
+        return result
+    shared = result[1]
     if state.shared_calls != 1 or layout.shared_rows == 0:
         return Outcome("FAIL", f"{state.shared_calls} shared calls, {layout.shared_rows} shared rows")
     problems = differences(stock, shared)

@@ -147,14 +147,9 @@ def test_peft_reference_is_adapter_disabled_model(build, targets):
     """PEFT policy, reference = the policy with its adapter disabled; also with a LoRA adapter on the output head
     (the head's own forward, run chunk by chunk, calls the adapter's modules)."""
     pytest.importorskip("peft")
-    from peft import LoraConfig
-
-    def lora():
-        return LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0)
-
-    stock = build(ref=False, peft_config=lora())
+    stock = build(ref=False, peft_config=eq.lora(targets))
     with trl_ext.install(fused_logprobs=True, plugins={"fused_logprobs": {"chunk": 3}}):
-        fused = build(ref=False, peft_config=lora())
+        fused = build(ref=False, peft_config=eq.lora(targets))
     assert set(fused._trl_ext.state["fused_logprobs"].self_checks) == {"policy"}
     if "lm_head" in targets:
         assert any("lm_head.lora_A" in n for n, p in fused.model.named_parameters() if p.requires_grad)
@@ -178,11 +173,7 @@ def test_train_logs_equal_stock(build, others):
     assert fused._trl_ext.state["fused_logprobs"].fused_calls == 4
     logs = [[h for h in t.state.log_history if "loss" in h] for t in (stock, fused)]
     assert len(logs[0]) == len(logs[1]) == 2
-    for s, p in zip(*logs, strict=True):
-        assert s.keys() == p.keys()
-        for key in s:
-            if not (key.endswith("runtime") or key.endswith("per_second")):
-                assert p[key] == pytest.approx(s[key], rel=1e-8, abs=1e-12), key
+    eq.assert_same_logs(*logs, rel=1e-8, abs=1e-12)
     stock_weights = dict(stock.model.named_parameters())
     for name, value in fused.model.named_parameters():
         assert torch.allclose(value, stock_weights[name], rtol=1e-8, atol=1e-12), name
@@ -417,14 +408,9 @@ def test_frozen_head_bf16_equals_stock(build):
     (`chunked._frozen_head_chunk`, no recompute). Under bf16 autocast, loss and LoRA gradients equal stock's in bf16
     up to a few bf16 ulps (the float32 step is the yardstick of what bf16 round-off moves)."""
     pytest.importorskip("peft")
-    from peft import LoraConfig
-
-    def lora():
-        return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
-
-    stock = build(ref=False, peft_config=lora(), bf16=True)
+    stock = build(ref=False, peft_config=eq.lora(), bf16=True)
     with trl_ext.install(fused_logprobs=True, plugins={"fused_logprobs": {"chunk": 3}}):
-        fused = build(ref=False, peft_config=lora(), bf16=True)
+        fused = build(ref=False, peft_config=eq.lora(), bf16=True)
     assert not any(p.requires_grad for p in fused.model.get_output_embeddings().parameters())
     stock_loss, stock_grads, _ = _step(stock)
     fused_loss, fused_grads, _ = _step(fused)

@@ -16,7 +16,6 @@ import torch
 
 import trl_ext
 from tests import equivalence as eq
-from tests.equivalence import TRL_LOSS_TYPES
 from trl_ext import _compat
 from trl_ext.plugins.fused_logprobs import online
 from trl_ext.testing import make_preference_dataset
@@ -75,16 +74,7 @@ def test_every_loss_type_and_option(build):
     batch = stock.data_collator(eq.examples(stock))
     assert batch["attention_mask"].eq(0).any()  # padding, prompts: positions that are not scored
     _compare(stock, fused, batch)
-    failures = []
-    for case in LOSS_CASES:
-        eq.set_loss(stock, case)
-        eq.set_loss(fused, case)
-        try:
-            _compare(stock, fused, batch, logps=False)
-        except AssertionError as exc:
-            failures.append(f"{case}: {exc}")
-    assert not failures, "\n".join(failures)
-    assert {t for case in LOSS_CASES for t in case["loss_types"]} == set(TRL_LOSS_TYPES)
+    eq.assert_every_loss_case((stock, fused), lambda: _compare(stock, fused, batch, logps=False), LOSS_CASES)
 
 
 @pytest.mark.slow
@@ -233,16 +223,12 @@ def test_with_packing_equals_stock(build, packing, monkeypatch):
     _compare(stock, fused, batch, fused_batch=fused_batch, grad_rtol=PACKING_GRAD_RTOL[packing])
     assert (getattr(runs, "packed_calls", None), getattr(runs, "shared_calls", None)) != runs_before
     assert announced and all(announced), announced  # every fused head call read the packed row
-    failures = []
-    for case in PACKING_CASES:
-        for trainer in (stock, packed, fused):
-            eq.set_loss(trainer, case)
-        try:
-            _compare(stock, fused, batch, logps=False, fused_batch=fused_batch, grad_rtol=PACKING_GRAD_RTOL[packing])
-            _compare(packed, fused, fused_batch, logps=False)
-        except AssertionError as exc:
-            failures.append(f"{case}: {exc}")
-    assert not failures, "\n".join(failures)
+
+    def compare():
+        _compare(stock, fused, batch, logps=False, fused_batch=fused_batch, grad_rtol=PACKING_GRAD_RTOL[packing])
+        _compare(packed, fused, fused_batch, logps=False)
+
+    eq.assert_every_loss_case((stock, packed, fused), compare, PACKING_CASES, every_type=False)
     full = batch["input_ids"].numel() * stock.model.config.vocab_size
     with eq.LargestTensor() as sizes:
         for case in ({"loss_types": ["sigmoid", "ipo"], "use_weighting": True}, {"loss_types": ["sft"]}):
@@ -271,15 +257,10 @@ def test_peft_reference_is_adapter_disabled_model(build, packing):
     """PEFT policy without a reference model: TRL's reference is the adapter-disabled policy (its forward is fused
     too, packed with padding_free); sigmoid loss, log-probs, loss, gradients and metrics equal."""
     pytest.importorskip("peft")
-    from peft import LoraConfig
-
-    def lora():
-        return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
-
-    stock = build(ref=False, peft_config=lora())
+    stock = build(ref=False, peft_config=eq.lora())
     plugins = {"fused_logprobs": True, **({packing: True} if packing else {})}
     with trl_ext.install(**plugins, plugins={"fused_logprobs": {"chunk": 3}}):
-        fused = build(ref=False, peft_config=lora())
+        fused = build(ref=False, peft_config=eq.lora())
     assert set(fused._trl_ext.state["fused_logprobs"].self_checks) == {"policy"}
     batch = stock.data_collator(eq.examples(stock))
     _compare(stock, fused, batch, fused_batch=fused.data_collator(eq.examples(fused)))

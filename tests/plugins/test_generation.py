@@ -9,7 +9,6 @@ the configuration errors and the context manager's contract.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,10 +16,11 @@ from pathlib import Path
 import pytest
 
 import trl_ext
+from tests import helpers
 from trl_ext.errors import UsageError
 
 SCRIPT = Path(__file__).parent / "scripts" / "generation_zero3.py"
-USER_GC_KWARGS = {"use_reentrant": False, "preserve_rng_state": False}
+USER_GC_KWARGS = helpers.USER_GC_KWARGS
 BUDGET_FRACTION = 0.55  # as in the script
 EXT_MODES = ("gather", "stream", "budget", "auto")
 ALL_MODES = ("stock_gather", "stock_nogather", *EXT_MODES)
@@ -36,17 +36,7 @@ OTHER_TRAINERS = {"grpo": ("grpo_stock_gather", "grpo_stream"), "rloo": ("rloo_s
 @pytest.fixture(scope="module")
 def zero3(tmp_path_factory):
     out = tmp_path_factory.mktemp("generation_zero3")
-    env = dict(os.environ)
-    env.update(
-        PYTHONWARNINGS="ignore",
-        DS_ACCELERATOR="cpu",
-        OMP_NUM_THREADS="1",
-        TQDM_DISABLE="1",
-        TRL_EXT_LOG_LEVEL="info",
-        TRL_EXPERIMENTAL_SILENCE="1",
-        HF_HUB_OFFLINE="1",
-    )
-    env = {k: v for k, v in env.items() if not k.startswith("TRL_EXT_") or k == "TRL_EXT_LOG_LEVEL"}
+    env = helpers.launch_env(TRL_EXT_LOG_LEVEL="info")
     cmd = [
         sys.executable,
         "-m",
@@ -200,37 +190,20 @@ def test_trl_no_gather_left_to_trl_is_warned_on_the_main_process(zero3):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _online_trainer(online_dpo_args, tokenizer, **overrides):
-    from trl.experimental.online_dpo import OnlineDPOTrainer
-
-    from trl_ext.testing import length_reward, make_model, make_prompt_dataset
-
-    args = online_dpo_args(
-        gradient_checkpointing=True, gradient_checkpointing_kwargs=dict(USER_GC_KWARGS), bf16=False, **overrides
-    )
-    return OnlineDPOTrainer(
-        model=make_model(),
-        reward_funcs=length_reward,
-        args=args,
-        train_dataset=make_prompt_dataset(4),
-        processing_class=tokenizer,
-    )
-
-
 def _gc_funcs(model):
     return [vars(m).get("_gradient_checkpointing_func") for m in model.modules()]
 
 
 @pytest.mark.slow  # a few seconds: kept out of the fast loop's 90 s
 def test_without_zero3_passes_through_and_keeps_user_kwargs(online_dpo_args, tokenizer):
-    stock = _online_trainer(online_dpo_args, tokenizer)
+    stock = helpers.gc_online_trainer(online_dpo_args, tokenizer)
     stock.train()
     stock_losses = [h["loss"] for h in stock.state.log_history if "loss" in h]
     stock_kwargs = next(f for f in _gc_funcs(stock.model) if f is not None).keywords
     assert "preserve_rng_state" not in stock_kwargs  # B12: TRL dropped the user's kwargs
 
     with trl_ext.install(ds3_gather_for_generation=False):
-        trainer = _online_trainer(online_dpo_args, tokenizer)
+        trainer = helpers.gc_online_trainer(online_dpo_args, tokenizer)
         trainer.train()
         state = trainer._trl_ext.state["generation"]
     assert state.generations == 2 and "no-zero3" in state.logged  # used, and said why it only passes through
@@ -247,7 +220,7 @@ def test_exception_without_zero3_restores_everything(online_dpo_args, tokenizer)
     from trl.experimental.online_dpo import online_dpo_trainer as odt
 
     with trl_ext.install(ds3_gather_for_generation="auto"):
-        trainer = _online_trainer(online_dpo_args, tokenizer, max_steps=1)
+        trainer = helpers.gc_online_trainer(online_dpo_args, tokenizer, max_steps=1)
         trainer.train()
         model = trainer.model
         model.train()
@@ -275,7 +248,7 @@ def test_context_yields_exactly_once_on_every_path(online_dpo_args, tokenizer):
     from trl_ext.plugins.generation import GenerationContext, GenerationState
 
     with trl_ext.install(ds3_gather_for_generation=True):
-        trainer = _online_trainer(online_dpo_args, tokenizer, max_steps=1)
+        trainer = helpers.gc_online_trainer(online_dpo_args, tokenizer, max_steps=1)
     state = GenerationState(True, {})
     for _ in range(2):  # normal exit, twice (fresh context each time)
         ctx = GenerationContext(state, trainer.model, trainer.accelerator, None)

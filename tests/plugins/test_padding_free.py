@@ -12,10 +12,8 @@ import torch
 import trl_ext
 from tests import equivalence as eq
 from tests import helpers
-from tests.equivalence import TRL_LOSS_TYPES
 from trl_ext import UsageError
 from trl_ext.context import live_contexts
-from trl_ext.testing import make_preference_dataset
 
 # fp32: per-sequence summed log-probs agree to float32 round-off (measured max 1.1e-7 relative); a real packing
 # bug (a token scored from the wrong sequence, a position off by one, attention across sequences) moves them by >1e-2.
@@ -24,11 +22,6 @@ GRAD_RTOL = 2e-5  # max |grad diff| relative to max |grad| (measured ~1e-6)
 
 
 _one_thread = pytest.fixture(scope="module", autouse=True)(eq.one_thread)
-
-
-@pytest.fixture(scope="module")
-def dataset():
-    return make_preference_dataset(16, seed=0)
 
 
 @pytest.fixture
@@ -43,18 +36,8 @@ def _state(trainer):
 
 def _compare(stock, packed, examples, logps=True):
     """Per-sequence logps (policy), loss and gradients of a stock and a packed trainer on the same examples."""
-    return eq.compare(
-        stock,
-        packed,
-        examples,
-        batch_key="trl_ext_packing",
-        calls=lambda: _state(packed).packed_calls,
-        misses=lambda: _state(packed).unpacked_calls,
-        logps_rtol=LOGPS_RTOL,
-        loss_rtol=1e-5,
-        grad_rtol=GRAD_RTOL,
-        logps=logps,
-    )
+    tolerances = dict(logps_rtol=LOGPS_RTOL, loss_rtol=1e-5, grad_rtol=GRAD_RTOL, logps=logps)
+    return eq.compare_plugin(stock, packed, examples, "padding_free", **tolerances)
 
 
 # -------------------------------------------------------------------------------------------------------------------
@@ -73,17 +56,7 @@ def test_every_loss_type_and_option(build):
         examples = eq.examples(stock)
         assert stock.data_collator(examples)["attention_mask"].eq(0).float().mean() > 0.3  # mostly padding
         _compare(stock, packed, examples)  # per-sequence logps, and the loss/grads of exo_pair with WPO weights
-        failures = []
-        for case in LOSS_CASES:
-            eq.set_loss(stock, case)
-            eq.set_loss(packed, case)
-            try:
-                _compare(stock, packed, examples, logps=False)
-            except AssertionError as exc:
-                failures.append(f"{case}: {exc}")
-        assert not failures, "\n".join(failures)
-    covered = {t for case in LOSS_CASES for t in case["loss_types"]}
-    assert covered == set(TRL_LOSS_TYPES)
+        eq.assert_every_loss_case((stock, packed), lambda: _compare(stock, packed, examples, logps=False), LOSS_CASES)
 
 
 def test_use_weighting_from_config(build):
@@ -97,15 +70,7 @@ def test_use_weighting_from_config(build):
 def test_keep_end_truncation_first_token_is_completion(build):
     """`truncation_mode="keep_end"` cuts whole prompts, so a sequence can start with a completion token: it must not
     be scored from the previous sequence's last token in the packed row."""
-    from datasets import Dataset
-
-    words = lambda a, n: " ".join(f"w{a + i}" for i in range(n))  # noqa: E731
-    rows = [
-        {"prompt": words(1, 2), "chosen": " " + words(10, 15), "rejected": " " + words(30, 2)},
-        {"prompt": words(40, 3), "chosen": " " + words(50, 4), "rejected": " " + words(60, 14)},
-        {"prompt": words(80, 6), "chosen": " " + words(90, 1), "rejected": " " + words(100, 3)},
-    ]
-    data = Dataset.from_list(rows)
+    data = eq.keep_end_data()
     stock = build(train_dataset=data, max_length=10, truncation_mode="keep_end")
     with trl_ext.install(padding_free=True):
         packed = build(train_dataset=data, max_length=10, truncation_mode="keep_end")
@@ -135,71 +100,51 @@ def test_fp64_logps_match_to_roundoff(build):
 # -------------------------------------------------------------------------------------------------------------------
 
 
-def _train_logs(trainer):
-    trainer.train()
-    return [log for log in trainer.state.log_history if "loss" in log]
-
-
 def test_train_steps_and_metrics_match_with_trl_flag(build, dataset):
     """Three optimizer steps + evaluate: same losses and logged metrics. The plugin is enabled by TRL's own
     `DPOConfig(padding_free=True)` and runs with gradient checkpointing (which must not change anything)."""
     kwargs = dict(max_steps=3, eval_dataset=dataset.select(range(8)), eval_strategy="no")
     stock = build(**kwargs)
-    stock_logs, stock_eval = _train_logs(stock), stock.evaluate()
+    stock_logs, stock_eval = eq.train_logs(stock), stock.evaluate()
     with trl_ext.install():
         packed = build(padding_free=True, gradient_checkpointing=True, **kwargs)
         assert packed.args.padding_free is True  # the user's config is left as it was
         assert "padding_free" in packed._trl_ext.enabled
-        packed_logs, packed_eval = _train_logs(packed), packed.evaluate()
+        packed_logs, packed_eval = eq.train_logs(packed), packed.evaluate()
         assert _state(packed).packed_calls >= 3 * 2 + 2  # policy + ref per step, and evaluation
     assert len(stock_logs) == len(packed_logs) == 3
-    for s, p in [*zip(stock_logs, packed_logs, strict=True), (stock_eval, packed_eval)]:
-        assert s.keys() == p.keys()
-        for key in s:
-            if key.endswith("runtime") or key.endswith("per_second"):
-                continue
-            assert p[key] == pytest.approx(s[key], rel=1e-4, abs=1e-6), key
+    eq.assert_same_logs([*stock_logs, stock_eval], [*packed_logs, packed_eval], rel=1e-4, abs=1e-6)
     assert packed_logs[-1]["num_tokens"] == stock_logs[-1]["num_tokens"]  # real tokens, exactly
 
 
 def test_precompute_ref_log_probs(build):
     """`precompute_ref_log_probs=True` without a reference model: the precompute runs packed (inside `__init__`) and
     gives the same reference columns and the same loss."""
-    stock = build(ref=False, precompute_ref_log_probs=True)
-    with trl_ext.install(padding_free=True):
-        packed = build(ref=False, precompute_ref_log_probs=True)
-        assert _state(packed).packed_calls > 0  # the precompute ran through the packed forward, not a cache file
-        for column in ("ref_chosen_logps", "ref_rejected_logps"):
-            a, b = torch.tensor(stock.train_dataset[column]), torch.tensor(packed.train_dataset[column])
-            assert eq.max_rel(b, a) <= LOGPS_RTOL
-        _compare(stock, packed, eq.examples(stock))
+    stock, packed = eq.stock_and_plugin(build, dict(padding_free=True), ref=False, precompute_ref_log_probs=True)
+    assert _state(packed).packed_calls > 0  # the precompute ran through the packed forward, not a cache file
+    for a, b in eq.ref_columns(stock, packed):
+        assert eq.max_rel(b, a) <= LOGPS_RTOL
+    _compare(stock, packed, eq.examples(stock))
 
 
 def test_with_precompute_ref_batch_size_plugin(build, tmp_path):
     """Together with the `precompute_ref_batch_size` plugin, which runs the precompute with its own batches: those
     batches are packed too (from their attention masks) and give the same reference columns."""
-    stock = build(ref=False, precompute_ref_log_probs=True)
     # a fresh cache directory, so that the precompute runs instead of reading an earlier run's cache entry
     plugins = {"precompute_ref_batch_size": {"cache_dir": str(tmp_path / "ref_cache")}}
-    with trl_ext.install(padding_free=True, precompute_ref_batch_size=3, plugins=plugins):
-        packed = build(ref=False, precompute_ref_log_probs=True)
-        assert set(packed._trl_ext.enabled) >= {"padding_free", "precompute_ref_batch_size"}
-        assert _state(packed).packed_calls > 0
-        for column in ("ref_chosen_logps", "ref_rejected_logps"):
-            a, b = torch.tensor(stock.train_dataset[column]), torch.tensor(packed.train_dataset[column])
-            assert eq.max_rel(b, a) <= LOGPS_RTOL
+    install = dict(padding_free=True, precompute_ref_batch_size=3, plugins=plugins)
+    stock, packed = eq.stock_and_plugin(build, install, ref=False, precompute_ref_log_probs=True)
+    assert set(packed._trl_ext.enabled) >= {"padding_free", "precompute_ref_batch_size"}
+    assert _state(packed).packed_calls > 0
+    for a, b in eq.ref_columns(stock, packed):
+        assert eq.max_rel(b, a) <= LOGPS_RTOL
 
 
 def test_peft_lora_policy(build):
     """LoRA policy whose reference is the adapter-disabled base model: both forwards run packed."""
-    from peft import LoraConfig
-
-    def lora():
-        return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
-
-    stock = build(ref=False, peft_config=lora())
+    stock = build(ref=False, peft_config=eq.lora())
     with trl_ext.install(padding_free=True):
-        packed = build(ref=False, peft_config=lora())
+        packed = build(ref=False, peft_config=eq.lora())
         assert set(_state(packed).attn_implementations) == {"policy"}
         _compare(stock, packed, eq.examples(stock))
 
@@ -381,26 +326,12 @@ def test_refuses_bad_options():
         trl_ext.install(padding_free=True, plugins={"padding_free": {"attention": "flash"}})
 
 
-@pytest.mark.parametrize(
-    "case",
-    # OPT (self-checked, then exact) and the MoE router auxiliary loss (equal to stock) are no longer refused: see
-    # test_padding_free_coverage.py and test_padding_free_sweep.py
-    ["flex_attention", "liger", "prompt_tuning"],
-)
-def test_refusals(build, dpo_args, tokenizer, dataset, case):
-
+# OPT (self-checked, then exact) and the MoE router auxiliary loss (equal to stock) are no longer refused: see
+# test_padding_free_coverage.py and test_padding_free_sweep.py
+@pytest.mark.parametrize("case", eq.PACKING_REFUSALS)
+def test_refusals(build, case):
     with trl_ext.install(padding_free=True):
-        if case == "flex_attention":
-            with pytest.raises(UsageError, match="flex_attention"):
-                build(model_kwargs={"attn_implementation": "flex_attention"})
-        elif case == "liger":
-            with pytest.raises(UsageError, match="use_liger_kernel"):
-                build(use_liger_kernel=True)
-        elif case == "prompt_tuning":
-            from peft import PromptTuningConfig
-
-            with pytest.raises(UsageError, match="prompt-learning"):
-                build(ref=False, peft_config=PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=2))
+        eq.assert_refused(build, case)
 
 
 def test_collator_refusals(build):

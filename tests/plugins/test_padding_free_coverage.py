@@ -14,17 +14,11 @@ from tests import equivalence as eq
 from tests import helpers
 from tests.helpers import tiny
 from trl_ext import UsageError
-from trl_ext.testing import make_preference_dataset
 
 REL = 1e-6  # fp64 weights; TRL 1.16's fused LM head computes log-probs in fp32 (measured deviations <= 2e-7)
 
 
 _one_thread = pytest.fixture(scope="module", autouse=True)(eq.one_thread)
-
-
-@pytest.fixture(scope="module")
-def dataset():
-    return make_preference_dataset(16, seed=0)
 
 
 @pytest.fixture
@@ -44,40 +38,17 @@ def _state(trainer):
 
 
 def _assert_logs_equal(stock_logs, packed_logs, rel=REL):
-    assert len(stock_logs) == len(packed_logs) > 0
-    for s, p in zip(stock_logs, packed_logs, strict=True):
-        assert s.keys() == p.keys()
-        for key in s:
-            if key.endswith(("runtime", "per_second")) or key == "epoch":
-                continue
-            assert p[key] == pytest.approx(s[key], rel=rel, abs=1e-9), key
-
-
-def _train(trainer):
-    trainer.train()
-    return [log for log in trainer.state.log_history if "loss" in log]
-
-
-def _grads(trainer, batch):
-    trainer.model.zero_grad(set_to_none=True)
-    loss = trainer.compute_loss(trainer.model, batch)
-    loss.backward()
-    return loss.detach(), {
-        n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None
-    }
+    eq.assert_same_logs(stock_logs, packed_logs, rel=rel, abs=1e-9, skip=("epoch",))
 
 
 def _compare_step(stock, packed, n=6):
     examples = [stock.train_dataset[i] for i in range(n)]
     calls = _state(packed).packed_calls
-    stock_loss, stock_grads = _grads(stock, stock.data_collator(examples))
-    packed_loss, packed_grads = _grads(packed, packed.data_collator(examples))
+    stock_loss, stock_grads = eq.loss_and_grads(stock, stock.data_collator(examples))
+    packed_loss, packed_grads = eq.loss_and_grads(packed, packed.data_collator(examples))
     assert _state(packed).packed_calls > calls and _state(packed).unpacked_calls == 0
     assert packed_loss.item() == pytest.approx(stock_loss.item(), rel=REL)
-    assert stock_grads.keys() == packed_grads.keys() and stock_grads
-    scale = max(g.abs().max().item() for g in stock_grads.values())
-    worst = max((stock_grads[k] - packed_grads[k]).abs().max().item() for k in stock_grads)
-    assert scale > 0 and worst <= REL * scale, f"grad diff {worst:.3g} vs max |grad| {scale:.3g}"
+    eq.assert_same_grads(stock_grads, packed_grads, REL)
 
 
 # -------------------------------------------------------------------------------------------------------------------
@@ -112,13 +83,13 @@ def test_dispatch_batches_train_evaluate_predict(build, dataset, kind):
     """`dispatch_batches=True` training, and evaluate()/predict() on an IterableDataset: same as stock."""
     kwargs = dict(max_steps=3, accelerator_config={"dispatch_batches": True})
     stock = build(kind, **kwargs)
-    stock_logs = _train(stock)
+    stock_logs = eq.train_logs(stock)
     eval_data = stock.train_dataset.select(range(8))
     stock_eval = stock.evaluate(eval_dataset=eval_data.to_iterable_dataset())
     stock_pred = stock.predict(eval_data.to_iterable_dataset())
     with trl_ext.install(padding_free=True):
         packed = build(kind, **kwargs)
-        packed_logs = _train(packed)
+        packed_logs = eq.train_logs(packed)
         packed_eval = packed.evaluate(eval_dataset=eval_data.to_iterable_dataset())
         packed_pred = packed.predict(eval_data.to_iterable_dataset())
         assert _state(packed).packed_calls >= 3 * 2 + 2 + 2 and _state(packed).unpacked_calls == 0
@@ -150,34 +121,25 @@ def test_policy_ref_and_training_with_gradient_checkpointing(build, kind):
         _compare_step(stock, packed)
         if kind == "mixtral":
             assert packed.aux_loss_enabled
-        _assert_logs_equal(_train(stock), _train(packed))
+        _assert_logs_equal(eq.train_logs(stock), eq.train_logs(packed))
 
 
 @pytest.mark.parametrize("kind", ["mistral", "mixtral"])
 def test_precompute(build, kind):
-    stock = build(kind, ref=False, precompute_ref_log_probs=True)
-    with trl_ext.install(padding_free=True):
-        packed = build(kind, ref=False, precompute_ref_log_probs=True)
-        assert _state(packed).packed_calls > 0
-        for column in ("ref_chosen_logps", "ref_rejected_logps"):
-            a, b = torch.tensor(stock.train_dataset[column]), torch.tensor(packed.train_dataset[column])
-            assert torch.allclose(b, a, rtol=REL, atol=0)
-        _compare_step(stock, packed)
+    stock, packed = eq.stock_and_plugin(build, dict(padding_free=True), kind, ref=False, precompute_ref_log_probs=True)
+    assert _state(packed).packed_calls > 0
+    for a, b in eq.ref_columns(stock, packed):
+        assert torch.allclose(b, a, rtol=REL, atol=0)
+    _compare_step(stock, packed)
 
 
 @pytest.mark.parametrize("kind", ["mistral", "mixtral"])
 def test_peft_lora(build, kind):
     """LoRA policy, reference = the adapter-disabled base model; for the MoE model the adapter also targets the
     expert parameters (peft's `target_parameters`)."""
-    from peft import LoraConfig
-
-    def lora():
-        extra = {"target_parameters": ["experts.gate_up_proj", "experts.down_proj"]} if kind == "mixtral" else {}
-        return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, **extra)
-
-    stock = build(kind, ref=False, peft_config=lora())
+    stock = build(kind, ref=False, peft_config=eq.lora(experts=kind == "mixtral"))
     with trl_ext.install(padding_free=True):
-        packed = build(kind, ref=False, peft_config=lora())
+        packed = build(kind, ref=False, peft_config=eq.lora(experts=kind == "mixtral"))
         _compare_step(stock, packed)
         names = [n for n, p in packed.model.named_parameters() if p.requires_grad]
         assert any("lora" in n for n in names)
@@ -237,16 +199,7 @@ def test_self_check_refuses_an_unverified_leaking_model(dpo_args, tokenizer, dat
 def _tiny_from_config(model_type, **extra):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.for_model(
-        model_type,
-        vocab_size=256,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        **extra,
-    )
+    config = AutoConfig.for_model(model_type, vocab_size=256, **helpers.TINY_SIZES, **extra)
     return AutoModelForCausalLM.from_config(config)
 
 

@@ -12,13 +12,13 @@ so a window or chunk lost in the packed row shows in the numbers.
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
 import trl_ext
 from tests import equivalence as eq
+from tests import helpers
+from tests.plugins import sweep
 from trl_ext import UsageError
 from trl_ext.plugins.padding_free.architecture import VERIFIED_MODEL_TYPES, inspect_model
 
@@ -38,23 +38,9 @@ def _tiny(model_type: str, impl: str = "sdpa", **overrides):
     """A float64 model of `model_type` from its config: 2 layers, hidden 32, 4 heads, LM head sharpened."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    sizes = dict(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        n_layer=2,
-        n_head=4,
-        n_embd=32,
-        d_model=32,
-        n_heads=4,
-        n_layers=2,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        router_aux_loss_coef=0.5,
-        output_router_logits=True,
-    )
+    aliases = dict(n_layer=2, n_head=4, n_embd=32, d_model=32, n_heads=4, n_layers=2)  # the same, other names
+    moe = dict(num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.5, output_router_logits=True)
+    sizes = {**helpers.TINY_SIZES, **aliases, **moe}
     default = AutoConfig.for_model(model_type)
     kwargs = {k: v for k, v in {**_BASE, **sizes}.items() if hasattr(default, k)}
     config = AutoConfig.for_model(model_type, **{**kwargs, **overrides})
@@ -64,16 +50,6 @@ def _tiny(model_type: str, impl: str = "sdpa", **overrides):
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(8)
     return model
-
-
-def _batch(vocab: int, lengths: tuple[int, ...]):
-    g = torch.Generator().manual_seed(0)
-    ids = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, n in enumerate(lengths):
-        ids[i, :n] = torch.randint(3, vocab, (n,), generator=g)
-        mask[i, :n] = 1
-    return ids, mask
 
 
 def _loss_and_grads(model, forward, ids, mask):
@@ -94,27 +70,10 @@ def _loss_and_grads(model, forward, ids, mask):
     return loss.item(), None if aux is None else aux.item(), grads
 
 
-@contextlib.contextmanager
 def _packed_forward(model, state, limit=None):
     """The plugin's packed causal-LM forward for `model`, as `_configure_model` sets it up (varlen attention
-    registered, backbone wrapped); undone on exit."""
-    from trl_ext.plugins import padding_free as pf
-    from trl_ext.toolkit.packing.attention import (
-        register_varlen_attention,
-        unregister_varlen_attention,
-        varlen_attention_name,
-    )
-
-    base = model.config._attn_implementation
-    register_varlen_attention()
-    try:
-        model.config._attn_implementation_internal = varlen_attention_name(base)
-        model.base_model.forward = pf._make_backbone_forward(model.base_model.forward, state, limit)
-        yield pf._make_causal_lm_forward(model.forward, state, limit)
-    finally:
-        model.config._attn_implementation_internal = base
-        model.base_model.__dict__.pop("forward", None)
-        unregister_varlen_attention()
+    registered, backbone wrapped), with the row `limit` given (none by default); undone on exit."""
+    return sweep.packed_forward(model, state, limit, install=False)
 
 
 def _assert_packs_exactly(model, lengths=LENGTHS):
@@ -122,7 +81,7 @@ def _assert_packs_exactly(model, lengths=LENGTHS):
 
     inspection = inspect_model(model)
     assert inspection.refusal is None, inspection.refusal
-    ids, mask = _batch(model.config.vocab_size, lengths)
+    ids, mask = sweep.padded_batch(model.config.vocab_size, lengths)
     stock_loss, stock_aux, stock_grads = _loss_and_grads(model, model.forward, ids, mask)
     state = pf.PaddingFreeState()
     with _packed_forward(model, state) as forward:
@@ -192,7 +151,7 @@ def test_mpt_packs_in_rows_no_longer_than_its_alibi_table():
     model = _tiny("mpt", "eager", max_seq_len=56)
     limit = pf.row_limit(model)
     assert limit == 56
-    ids, mask = _batch(model.config.vocab_size, LENGTHS)
+    ids, mask = sweep.padded_batch(model.config.vocab_size, LENGTHS)
     info = pf.packing_metadata(mask)
     assert pf._row_groups(info, limit) == [(0, 2), (2, 4)]
     stock_loss, _, stock_grads = _loss_and_grads(model, model.forward, ids, mask)
@@ -214,7 +173,7 @@ def test_mpt_row_longer_than_its_alibi_table_without_the_row_limit_is_refused():
     from trl_ext.plugins import padding_free as pf
 
     model = _tiny("mpt", "eager", max_seq_len=40)
-    ids, mask = _batch(model.config.vocab_size, LENGTHS)
+    ids, mask = sweep.padded_batch(model.config.vocab_size, LENGTHS)
     model(input_ids=ids, attention_mask=mask, use_cache=False)  # padded: 30 <= 40, fine
     with _packed_forward(model, pf.PaddingFreeState()) as forward:
         with pytest.raises(UsageError, match=r"longer than this model's ALiBi bias table \(`max_seq_len=40`\)"):
@@ -273,7 +232,7 @@ def test_alibi_model_unchanged_outside_packed_calls(model_type):
     from trl_ext.plugins import padding_free as pf
 
     model = _tiny(model_type, "eager")
-    ids, mask = _batch(model.config.vocab_size, LENGTHS)
+    ids, mask = sweep.padded_batch(model.config.vocab_size, LENGTHS)
     stock = model(input_ids=ids, attention_mask=mask, use_cache=True).logits
     state = pf.PaddingFreeState()
     with _packed_forward(model, state):
@@ -408,15 +367,8 @@ def test_gpt_neox_japanese_packs_exactly():
 
 def test_dory_looped_layers_pack_exactly():
     """Dory runs its recurrent layers several times over the same row with sliding-window attention."""
-    model = _tiny(
-        "dory",
-        sliding_window=WINDOW,
-        head_dim=8,
-        num_hidden_layers=4,
-        n_input_layers=1,
-        n_recurrent_layers=2,
-        n_output_layers=1,
-    )
+    layers = dict(num_hidden_layers=4, n_input_layers=1, n_recurrent_layers=2, n_output_layers=1)
+    model = _tiny("dory", sliding_window=WINDOW, head_dim=8, **layers)
     _assert_packs_exactly(model)
 
 

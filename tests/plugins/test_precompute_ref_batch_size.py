@@ -252,16 +252,18 @@ def test_matches_trl_native(case, build, tmp_path):
         assert runs[0]["probe_pairs_per_rank"] >= 1 and runs[0]["auto_stop"]
 
 
-def test_with_padding_free(build, tmp_path):
+# a fixed batch size with padding_free: in the fast loop through test_padding_free.py's
+# test_with_precompute_ref_batch_size_plugin (batches of 3, packed, the same reference columns)
+@pytest.mark.parametrize("requested", [pytest.param(6, marks=pytest.mark.slow), "auto"])
+def test_with_padding_free(build, tmp_path, requested):
     """With the `padding_free` plugin on, batches are planned by real tokens and packed by its forward wrapper."""
     native_train, _ = _native(build)
-    for requested in (6, "auto"):
-        options = {PLUGIN: {"cache_dir": str(tmp_path / str(requested)), "ram_budget": "1MB"}}
-        with trl_ext.install(precompute_ref_batch_size=requested, padding_free=True, plugins=options):
-            plugin, calls = build(_data(30, seed=5))
-            run = _runs(plugin)[0]
-        assert run["packed"] and run["source"] == "computed" and calls["n"] == run["forward_batches"] > 0
-        assert_same_precompute(native_train, plugin.train_dataset)
+    options = {PLUGIN: {"cache_dir": str(tmp_path / str(requested)), "ram_budget": "1MB"}}
+    with trl_ext.install(precompute_ref_batch_size=requested, padding_free=True, plugins=options):
+        plugin, calls = build(_data(30, seed=5))
+        run = _runs(plugin)[0]
+    assert run["packed"] and run["source"] == "computed" and calls["n"] == run["forward_batches"] > 0
+    assert_same_precompute(native_train, plugin.train_dataset)
 
 
 @pytest.mark.slow  # seconds each: kept out of the fast loop's 90 s

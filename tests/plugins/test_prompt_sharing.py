@@ -16,7 +16,6 @@ import torch
 import trl_ext
 from tests import equivalence as eq
 from tests import helpers
-from tests.equivalence import TRL_LOSS_TYPES
 from trl_ext import UsageError, _compat
 from trl_ext.testing import make_model, make_preference_dataset
 
@@ -57,18 +56,8 @@ def _state(trainer):
 
 def _compare(stock, shared, examples, logps=True):
     """Per-sequence logps, loss and gradients of a stock and a sharing trainer on the same examples."""
-    return eq.compare(
-        stock,
-        shared,
-        examples,
-        batch_key="trl_ext_prompt_sharing",
-        calls=lambda: _state(shared).shared_calls,
-        misses=lambda: _state(shared).unshared_calls,
-        logps_rtol=LOGPS_RTOL,
-        loss_rtol=METRIC_RTOL,
-        grad_rtol=GRAD_RTOL,
-        logps=logps,
-    )
+    tolerances = dict(logps_rtol=LOGPS_RTOL, loss_rtol=METRIC_RTOL, grad_rtol=GRAD_RTOL, logps=logps)
+    return eq.compare_plugin(stock, shared, examples, "prompt_sharing", **tolerances)
 
 
 # -------------------------------------------------------------------------------------------------------------------
@@ -112,18 +101,14 @@ def test_layout_shares_each_prompt_once(build):
 LOSS_CASES = eq.LOSS_CASES
 
 
-@pytest.mark.parametrize("case", LOSS_CASES, ids=lambda c: "+".join(c["loss_types"]) + ("-opt" if len(c) > 1 else ""))
-def test_every_loss_type_and_option(build, case):
+def test_every_loss_type_and_option(build):
+    """Every loss type and loss option (`LOSS_CASES`) through TRL's real `compute_loss` on one pair of trainers."""
     stock = build(use_weighting=True, label_smoothing=1e-3, loss_type=["exo_pair"])
     with trl_ext.install(prompt_sharing=True):
         shared = build(use_weighting=True, label_smoothing=1e-3, loss_type=["exo_pair"])
-        eq.set_loss(stock, case)
-        eq.set_loss(shared, case)
-        _compare(stock, shared, eq.examples(stock), logps=case is LOSS_CASES[0])
-
-
-def test_loss_cases_cover_every_trl_loss_type():
-    assert {t for case in LOSS_CASES for t in case["loss_types"]} == set(TRL_LOSS_TYPES)
+    examples = eq.examples(stock)
+    _compare(stock, shared, examples)  # per-sequence logps, and the loss/grads of exo_pair with WPO weights
+    eq.assert_every_loss_case((stock, shared), lambda: _compare(stock, shared, examples, logps=False), LOSS_CASES)
 
 
 def test_fp64_per_sequence_logps(build):
@@ -143,19 +128,8 @@ def test_fp64_per_sequence_logps(build):
 # -------------------------------------------------------------------------------------------------------------------
 
 
-def _train_logs(trainer):
-    trainer.train()
-    return [log for log in trainer.state.log_history if "loss" in log]
-
-
 def _assert_same_logs(stock_logs, shared_logs):
-    assert len(stock_logs) == len(shared_logs) > 0
-    for s, p in zip(stock_logs, shared_logs, strict=True):
-        assert s.keys() == p.keys()
-        for key in s:
-            if key.endswith("runtime") or key.endswith("per_second"):
-                continue
-            assert p[key] == pytest.approx(s[key], rel=METRIC_RTOL, abs=METRIC_ATOL), key
+    eq.assert_same_logs(stock_logs, shared_logs, rel=METRIC_RTOL, abs=METRIC_ATOL)
 
 
 @pytest.mark.slow
@@ -164,12 +138,12 @@ def test_train_steps_and_metrics_match(build, dataset, gradient_checkpointing):
     """Three SGD steps + evaluate: same losses and every logged metric, with and without gradient checkpointing."""
     kwargs = dict(max_steps=3, optim="sgd", learning_rate=0.1)
     stock = build(**kwargs)
-    stock_logs = _train_logs(stock)
+    stock_logs = eq.train_logs(stock)
     stock_eval = stock.evaluate(dataset.select(range(8)))
     with trl_ext.install(prompt_sharing=True, plugins={"prompt_sharing": {"self_check": True}}):
         shared = build(gradient_checkpointing=gradient_checkpointing, **kwargs)
         assert set(_state(shared).checked) == {"policy", "ref"}  # the self-check ran on both, before training
-        shared_logs = _train_logs(shared)
+        shared_logs = eq.train_logs(shared)
         shared_eval = shared.evaluate(dataset.select(range(8)))
         # policy + ref per step and per evaluation batch (8 pairs, 4 per batch); the self-check's probe not counted
         assert _state(shared).shared_calls == 3 * 2 + 2 * 2
@@ -179,42 +153,32 @@ def test_train_steps_and_metrics_match(build, dataset, gradient_checkpointing):
 
 def test_precompute_ref_log_probs(build):
     """`precompute_ref_log_probs=True`: the precompute runs shared (inside `__init__`), same columns, same loss."""
-    stock = build(ref=False, precompute_ref_log_probs=True)
-    with trl_ext.install(prompt_sharing=True):
-        shared = build(ref=False, precompute_ref_log_probs=True)
-        assert _state(shared).shared_calls > 0  # the precompute ran through the shared forward, not a cache file
-        assert _state(shared).shared_tokens < _state(shared).padded_tokens
-        for column in ("ref_chosen_logps", "ref_rejected_logps"):
-            a, b = torch.tensor(stock.train_dataset[column]), torch.tensor(shared.train_dataset[column])
-            assert eq.max_rel(b, a) <= LOGPS_RTOL
-        _compare(stock, shared, eq.examples(stock))
+    stock, shared = eq.stock_and_plugin(build, dict(prompt_sharing=True), ref=False, precompute_ref_log_probs=True)
+    assert _state(shared).shared_calls > 0  # the precompute ran through the shared forward, not a cache file
+    assert _state(shared).shared_tokens < _state(shared).padded_tokens
+    for a, b in eq.ref_columns(stock, shared):
+        assert eq.max_rel(b, a) <= LOGPS_RTOL
+    _compare(stock, shared, eq.examples(stock))
 
 
 def test_with_precompute_ref_batch_size_plugin(build, tmp_path):
     """Together with the `precompute_ref_batch_size` plugin, which batches the precompute itself (with the trainer's
     collator, so the batches carry the layout): shared, same reference columns."""
-    stock = build(ref=False, precompute_ref_log_probs=True)
     plugins = {"precompute_ref_batch_size": {"cache_dir": str(tmp_path / "ref_cache")}}
-    with trl_ext.install(prompt_sharing=True, precompute_ref_batch_size=3, plugins=plugins):
-        shared = build(ref=False, precompute_ref_log_probs=True)
-        assert set(shared._trl_ext.enabled) >= {"prompt_sharing", "precompute_ref_batch_size"}
-        state = _state(shared)
-        assert state.shared_calls > 0 and state.unshared_calls == 0
-        for column in ("ref_chosen_logps", "ref_rejected_logps"):
-            a, b = torch.tensor(stock.train_dataset[column]), torch.tensor(shared.train_dataset[column])
-            assert eq.max_rel(b, a) <= LOGPS_RTOL
+    install = dict(prompt_sharing=True, precompute_ref_batch_size=3, plugins=plugins)
+    stock, shared = eq.stock_and_plugin(build, install, ref=False, precompute_ref_log_probs=True)
+    assert set(shared._trl_ext.enabled) >= {"prompt_sharing", "precompute_ref_batch_size"}
+    state = _state(shared)
+    assert state.shared_calls > 0 and state.unshared_calls == 0
+    for a, b in eq.ref_columns(stock, shared):
+        assert eq.max_rel(b, a) <= LOGPS_RTOL
 
 
 def test_peft_lora_policy(build):
     """LoRA policy whose reference is the adapter-disabled base model: both forwards run shared."""
-    from peft import LoraConfig
-
-    def lora():
-        return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
-
-    stock = build(ref=False, peft_config=lora())
+    stock = build(ref=False, peft_config=eq.lora())
     with trl_ext.install(prompt_sharing=True):
-        shared = build(ref=False, peft_config=lora())
+        shared = build(ref=False, peft_config=eq.lora())
         assert set(_state(shared).attn_implementations) == {"policy"}
         _compare(stock, shared, eq.examples(stock))
 
@@ -284,7 +248,7 @@ def test_layout_entry_survives_dispatch_slicing(build):
 
 
 def _dispatch_run(trainer):
-    logs = _train_logs(trainer)
+    logs = eq.train_logs(trainer)
     eval_data = trainer.train_dataset.select(range(8))
     logs.append(trainer.evaluate(eval_dataset=eval_data.to_iterable_dataset()))
     logs.append(trainer.predict(eval_data.to_iterable_dataset()).metrics)
@@ -660,7 +624,7 @@ def test_refuses_bad_options():
         trl_ext.install(prompt_sharing=True, plugins={"prompt_sharing": {"self_chek": False}})
 
 
-@pytest.mark.parametrize("case", ["bloom", "flex_attention", "liger", "prompt_tuning"])
+@pytest.mark.parametrize("case", ["bloom", *eq.PACKING_REFUSALS])
 def test_refusals(build, dpo_args, tokenizer, dataset, case):
     from trl import DPOTrainer
 
@@ -677,17 +641,8 @@ def test_refusals(build, dpo_args, tokenizer, dataset, case):
                     train_dataset=dataset,
                     processing_class=tokenizer,
                 )
-        elif case == "flex_attention":
-            with pytest.raises(UsageError, match="flex_attention"):
-                build(model_kwargs={"attn_implementation": "flex_attention"})
-        elif case == "liger":
-            with pytest.raises(UsageError, match="use_liger_kernel"):
-                build(use_liger_kernel=True)
-        elif case == "prompt_tuning":
-            from peft import PromptTuningConfig
-
-            with pytest.raises(UsageError, match="prompt-learning"):
-                build(ref=False, peft_config=PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=2))
+        else:
+            eq.assert_refused(build, case)
 
 
 def test_the_end_line_is_words_and_says_when_nothing_was_shared(build):

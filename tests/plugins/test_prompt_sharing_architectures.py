@@ -97,32 +97,9 @@ def _state(trainer):
 
 
 def _compare(stock, shared):
-    eq.compare(
-        stock,
-        shared,
-        eq.examples(stock),
-        batch_key="trl_ext_prompt_sharing",
-        calls=lambda: _state(shared).shared_calls,
-        misses=lambda: _state(shared).unshared_calls,
-        logps_rtol=REL,
-        loss_rtol=REL,
-        grad_rtol=REL,
+    eq.compare_plugin(
+        stock, shared, eq.examples(stock), "prompt_sharing", logps_rtol=REL, loss_rtol=REL, grad_rtol=REL
     )
-
-
-def _train_logs(trainer):
-    trainer.train()
-    return [log for log in trainer.state.log_history if "loss" in log]
-
-
-def _assert_logs_equal(stock_logs, shared_logs):
-    assert len(stock_logs) == len(shared_logs) > 0
-    for s, p in zip(stock_logs, shared_logs, strict=True):
-        assert s.keys() == p.keys()
-        for key in s:
-            if key.endswith(("runtime", "per_second")) or key == "epoch":
-                continue
-            assert p[key] == pytest.approx(s[key], rel=REL, abs=1e-5), key
 
 
 @pytest.mark.parametrize("kind", ["mistral", "mixtral"])
@@ -135,8 +112,8 @@ def test_policy_ref_and_training_with_gradient_checkpointing(build, kind):
         if kind == "mixtral":
             assert shared.aux_loss_enabled
         _compare(stock, shared)
-        stock_logs, shared_logs = _train_logs(stock), _train_logs(shared)
-        _assert_logs_equal(stock_logs, shared_logs)
+        stock_logs, shared_logs = eq.train_logs(stock), eq.train_logs(shared)
+        eq.assert_same_logs(stock_logs, shared_logs, rel=REL, abs=1e-5, skip=("epoch",))
         if kind == "mixtral":
             assert stock_logs[0]["aux_loss"] > 0
         assert _state(shared).unshared_calls == 0
@@ -147,23 +124,15 @@ def test_policy_ref_and_training_with_gradient_checkpointing(build, kind):
 def test_precompute_and_lora(build, kind):
     """Reference precompute (shared), then a LoRA policy whose reference is the adapter-disabled base model; for the
     MoE model the adapter also targets the expert parameters."""
-    from peft import LoraConfig
+    install = dict(prompt_sharing=True)
+    stock, shared = eq.stock_and_plugin(build, install, kind, ref=False, precompute_ref_log_probs=True)
+    assert _state(shared).shared_calls > 0
+    for a, b in eq.ref_columns(stock, shared):
+        assert torch.allclose(b, a, rtol=REL, atol=0)
 
-    stock = build(kind, ref=False, precompute_ref_log_probs=True)
+    stock = build(kind, ref=False, peft_config=eq.lora(experts=kind == "mixtral"))
     with trl_ext.install(prompt_sharing=True):
-        shared = build(kind, ref=False, precompute_ref_log_probs=True)
-        assert _state(shared).shared_calls > 0
-        for column in ("ref_chosen_logps", "ref_rejected_logps"):
-            a, b = torch.tensor(stock.train_dataset[column]), torch.tensor(shared.train_dataset[column])
-            assert torch.allclose(b, a, rtol=REL, atol=0)
-
-    def lora():
-        extra = {"target_parameters": ["experts.gate_up_proj", "experts.down_proj"]} if kind == "mixtral" else {}
-        return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, **extra)
-
-    stock = build(kind, ref=False, peft_config=lora())
-    with trl_ext.install(prompt_sharing=True):
-        shared = build(kind, ref=False, peft_config=lora())
+        shared = build(kind, ref=False, peft_config=eq.lora(experts=kind == "mixtral"))
         _compare(stock, shared)
         if kind == "mixtral":
             assert any("experts" in n and "lora" in n for n, p in shared.model.named_parameters() if p.requires_grad)

@@ -70,22 +70,13 @@ def test_train_logs_equal_stock(build):
         shared.train()
     logs = [[h for h in t.state.log_history if "loss" in h] for t in (stock, shared)]
     assert len(logs[0]) == len(logs[1]) == 2
-    for s, p in zip(*logs, strict=True):
-        assert s.keys() == p.keys()
-        for key in s:
-            if not (key.endswith("runtime") or key.endswith("per_second")):
-                assert p[key] == pytest.approx(s[key], rel=1e-6, abs=1e-6), key
+    eq.assert_same_logs(*logs, rel=1e-6, abs=1e-6)
 
 
 def test_peft_reference_is_adapter_disabled_model(build):
-    from peft import LoraConfig
-
-    def lora():
-        return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
-
-    stock = build(ref=False, peft_config=lora())
+    stock = build(ref=False, peft_config=eq.lora())
     with trl_ext.install(prompt_sharing=True):
-        shared = build(ref=False, peft_config=lora())
+        shared = build(ref=False, peft_config=eq.lora())
         stock_loss, stock_grads = _step(stock)
         shared_loss, shared_grads = _step(shared)
         assert shared._trl_ext.state["prompt_sharing"].shared_calls >= 2
@@ -146,13 +137,7 @@ def test_refusal_advice_works_for_online_dpo(online_dpo_args, tokenizer, build, 
                 from transformers import BloomConfig, BloomForCausalLM
 
                 config = BloomConfig(vocab_size=256, hidden_size=32, n_layer=1, n_head=4, pad_token_id=0)
-                OnlineDPOTrainer(
-                    model=BloomForCausalLM(config),
-                    reward_funcs=length_reward,
-                    args=online_dpo_args(bf16=False),
-                    train_dataset=make_prompt_dataset(6),
-                    processing_class=tokenizer,
-                )
+                model = BloomForCausalLM(config)
             elif case == "falcon_alibi":  # refused by padding_free's inspection, whose advice is about padding_free
                 from transformers import FalconConfig, FalconForCausalLM
 
@@ -160,15 +145,10 @@ def test_refusal_advice_works_for_online_dpo(online_dpo_args, tokenizer, build, 
                     vocab_size=256, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, alibi=True,
                     pad_token_id=0,
                 )  # fmt: skip
-                OnlineDPOTrainer(
-                    model=FalconForCausalLM(config),
-                    reward_funcs=length_reward,
-                    args=online_dpo_args(bf16=False),
-                    train_dataset=make_prompt_dataset(6),
-                    processing_class=tokenizer,
-                )
+                model = FalconForCausalLM(config)
             elif case == "flex_attention":
                 model = make_model(attn_implementation="flex_attention")
+            if case != "self_check":
                 OnlineDPOTrainer(
                     model=model,
                     reward_funcs=length_reward,

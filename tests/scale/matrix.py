@@ -125,6 +125,21 @@ FUSED_CHUNK = 5
 #: scores through its chunked head.
 TRL_DPO_FUSED_HEAD = dpo_uses_fused_lm_head()
 
+
+def _prompt_sharing(name: str, kind: str, baseline: str) -> Cell:
+    """A prompt_sharing cell on every engine, within its round-off bound (`PROMPT_SHARING_RTOL`)."""
+    flags = {"prompt_sharing": True}
+    return Cell(
+        name, kind, flags, baseline=baseline, expect=ALL, rtol=PROMPT_SHARING_RTOL, rtol_why=_PROMPT_SHARING_WHY
+    )
+
+
+def _fused(name: str, kind: str, baseline: str, *packing: str) -> Cell:
+    """A fused_logprobs cell (chunk FUSED_CHUNK), with the packing plugins `packing` on too, on every engine."""
+    flags = {"fused_logprobs": True, **dict.fromkeys(packing, True)}
+    return Cell(name, kind, flags, options={"fused_logprobs": {"chunk": FUSED_CHUNK}}, baseline=baseline, expect=ALL)
+
+
 #: token_budget cell: two pairs of this data (padded: `2 x pairs x longest`) fit together only when both are short, so
 #: a step's 4 pairs (2 per rank) cut into 2 to 4 micro-batches, and with 3 one rank runs a zero-weight repeat.
 TOKEN_BUDGET = 150
@@ -154,15 +169,7 @@ CELLS: tuple[Cell, ...] = (
     ),
     Cell("dpo-sync_metrics", "dpo", {"sync_metrics": True}, baseline="dpo-stock", expect=ALL),
     # Each prompt computed once for its chosen and rejected response (the script records the plugin's shared calls).
-    Cell(
-        "dpo-prompt_sharing",
-        "dpo",
-        {"prompt_sharing": True},
-        baseline="dpo-stock",
-        expect=ALL,
-        rtol=PROMPT_SHARING_RTOL,
-        rtol_why=_PROMPT_SHARING_WHY,
-    ),
+    _prompt_sharing("dpo-prompt_sharing", "dpo", "dpo-stock"),
     Cell(
         "dpo-all",
         "dpo",
@@ -211,15 +218,7 @@ CELLS: tuple[Cell, ...] = (
         expect={"fsdp2": Expect(REFUSE, r"reshard_after_forward")},
     ),
     # Each prompt computed once for its two completions in the policy and reference scoring forwards.
-    Cell(
-        "online-prompt_sharing",
-        "online_dpo",
-        {"prompt_sharing": True},
-        baseline="online-stock",
-        expect=ALL,
-        rtol=PROMPT_SHARING_RTOL,
-        rtol_why=_PROMPT_SHARING_WHY,
-    ),
+    _prompt_sharing("online-prompt_sharing", "online_dpo", "online-stock"),
     Cell(
         "online-sync_metrics",
         "online_dpo",
@@ -233,56 +232,21 @@ CELLS: tuple[Cell, ...] = (
     # TRL < 1.15: policy and reference log-probs (and the policy's metrics) in chunks inside the head's call;
     # TRL >= 1.15: TRL's own fused head, left. Measured on trl 1.12 under all four engines: every logged value within
     # the 1e-12 absolute floor of stock's, the parameter update within 6.2e-16 relative.
-    Cell(
-        "dpo-fused_logprobs",
-        "dpo",
-        {"fused_logprobs": True},
-        options={"fused_logprobs": {"chunk": FUSED_CHUNK}},
-        baseline="dpo-stock",
-        expect=ALL,
-    ),
+    _fused("dpo-fused_logprobs", "dpo", "dpo-stock"),
     # TRL < 1.15 with a packing plugin: the head, inside its one call, reads the hidden states of the completion
     # positions from the packed row (the positions the plugin announces) and returns the padded log-probs. Compared
     # with the packing plugin alone: what differs is fused_logprobs. Measured on trl 1.12 under all four engines:
     # every logged value within the 1e-12 absolute floor, the parameter update within 6.2e-16 relative.
-    Cell(
-        "dpo-fused_logprobs-padding_free",
-        "dpo",
-        {"fused_logprobs": True, "padding_free": True},
-        options={"fused_logprobs": {"chunk": FUSED_CHUNK}},
-        baseline="dpo-padding_free",
-        expect=ALL,
-    ),
-    Cell(
-        "dpo-fused_logprobs-prompt_sharing",
-        "dpo",
-        {"fused_logprobs": True, "prompt_sharing": True},
-        options={"fused_logprobs": {"chunk": FUSED_CHUNK}},
-        baseline="dpo-prompt_sharing",
-        expect=ALL,
-    ),
+    _fused("dpo-fused_logprobs-padding_free", "dpo", "dpo-padding_free", "padding_free"),
+    _fused("dpo-fused_logprobs-prompt_sharing", "dpo", "dpo-prompt_sharing", "prompt_sharing"),
     # Policy and reference completions scored FUSED_CHUNK positions at a time inside the head's call (the script
     # counts the head's calls and chunks, those recomputed in backward, and whether its weight was whole at each).
-    Cell(
-        "online-fused_logprobs",
-        "online_dpo",
-        {"fused_logprobs": True},
-        options={"fused_logprobs": {"chunk": FUSED_CHUNK}},
-        baseline="online-stock",
-        expect=ALL,
-    ),
+    _fused("online-fused_logprobs", "online_dpo", "online-stock"),
     # With prompt_sharing the model runs on packed rows: the head, inside its one call, reads the scored columns'
     # hidden states from the packed row (the positions prompt_sharing announces) and returns the padded log-probs.
     # Compared with prompt_sharing alone: what differs is fused_logprobs. Measured on trl 1.16 and 1.12 under all four
     # engines: every logged value within the 1e-12 absolute floor, the parameter update within 4.5e-17 relative.
-    Cell(
-        "online-fused_logprobs-prompt_sharing",
-        "online_dpo",
-        {"fused_logprobs": True, "prompt_sharing": True},
-        options={"fused_logprobs": {"chunk": FUSED_CHUNK}},
-        baseline="online-prompt_sharing",
-        expect=ALL,
-    ),
+    _fused("online-fused_logprobs-prompt_sharing", "online_dpo", "online-prompt_sharing", "prompt_sharing"),
 )
 
 

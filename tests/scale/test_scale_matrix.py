@@ -23,10 +23,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests import helpers
 from tests.scale.matrix import CELLS, ENGINES, FUSED_CHUNK, MODEL, REFUSE, TRL_DPO_FUSED_HEAD, WORLD, cell
 
 SCRIPT = Path(__file__).parent / "scripts" / "scale_matrix.py"
-REPO = Path(__file__).resolve().parents[2]
 _RUNS: dict[str, dict] = {}
 
 #: Keys of `log_history` that are timings, not results.
@@ -40,32 +40,9 @@ def _free_port() -> int:
 
 
 def _launch(engine: str, out: Path) -> dict:
-    env = dict(
-        os.environ,
-        OMP_NUM_THREADS="1",
-        TQDM_DISABLE="1",
-        TRL_EXPERIMENTAL_SILENCE="1",
-        DS_ACCELERATOR="cpu",
-        DS_BUILD_OPS="0",
-        HF_HUB_OFFLINE="1",
-        PYTHONWARNINGS="ignore",
-    )
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
-    for key in list(env):
-        if key.startswith("TRL_EXT_") and key != "TRL_EXT_LOG_LEVEL":
-            env.pop(key)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        str(WORLD),
-        "--master_port",
-        str(_free_port()),
-        str(SCRIPT),
-        engine,
-        str(out),
-    ]
+    env = helpers.launch_env(DS_BUILD_OPS="0")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(WORLD)]
+    cmd = [*torchrun, "--master_port", str(_free_port()), str(SCRIPT), engine, str(out)]
     only = [name for name in os.environ.get("SCALE_MATRIX_CELLS", "").split(",") if name]
     cmd += [c.name for c in CELLS if c.runs_on(engine) and c.name in only]
     start = time.perf_counter()

@@ -40,6 +40,18 @@ def sharpened_models(policy_seed: int = 0, ref_seed: int = 1) -> tuple[Any, Any]
     return models
 
 
+#: What the launched DPO runs' configs say: CPU, SGD, a log every step, no integrations, no checkpoints, seed 0, bf16
+#: off.
+DPO_ARGS = dict(optim="sgd", logging_steps=1, report_to=[], use_cpu=True, save_strategy="no", seed=0, bf16=False)
+
+
+def dpo_args(output_dir: str, **kwargs: Any) -> Any:
+    """A `DPOConfig` writing to `output_dir`: `DPO_ARGS` (max length 64) and `kwargs`."""
+    from trl import DPOConfig
+
+    return DPOConfig(output_dir=output_dir, **{**DPO_ARGS, "max_length": 64, **kwargs})
+
+
 def is_timing(key: str) -> bool:
     return key.endswith(("runtime", "per_second"))
 
@@ -64,17 +76,23 @@ def differing(
     return bad
 
 
-def finish(state: Any, bad: list, what: str, line: str) -> NoReturn:
-    """Fail this rank with the differences, or print `line` and leave: wait for every rank, close the process group,
-    and exit without the interpreter's teardown (gloo's threads can outlive it and abort a rank that succeeded;
-    research/deepspeed_cpu.md)."""
+def leave() -> NoReturn:
+    """Close the process group and exit without the interpreter's teardown (gloo's threads can outlive it and abort a
+    rank that succeeded; research/deepspeed_cpu.md)."""
     import torch
 
-    if bad:
-        raise SystemExit(f"rank {state.process_index}: {what}: {bad}")
-    print(f"rank {state.process_index}: {line}", flush=True)
-    state.wait_for_everyone()
     torch.distributed.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def finish(state: Any, bad: list, what: str, line: str) -> NoReturn:
+    """Fail this rank with the differences, or print `line` and leave: wait for every rank, close the process group,
+    and exit without the interpreter's teardown (gloo's threads can outlive it and abort a rank that succeeded;
+    research/deepspeed_cpu.md)."""
+    if bad:
+        raise SystemExit(f"rank {state.process_index}: {what}: {bad}")
+    print(f"rank {state.process_index}: {line}", flush=True)
+    state.wait_for_everyone()
+    leave()

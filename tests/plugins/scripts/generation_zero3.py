@@ -33,6 +33,7 @@ from accelerate import PartialState  # noqa: E402
 STATE = PartialState(backend="gloo")
 
 import torch  # noqa: E402
+from _launched import leave  # noqa: E402
 from deepspeed.runtime.zero import parameter_offload  # noqa: E402
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus  # noqa: E402
 
@@ -387,10 +388,7 @@ def main():
     with open(os.path.join(out_dir, f"rank{STATE.process_index}.json"), "w") as f:
         json.dump(results, f)
     torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave()
 
 
 if __name__ == "__main__":

@@ -13,12 +13,12 @@ from __future__ import annotations
 import os
 import sys
 
-from _launched import differing, finish, sharpened_models, start
+from _launched import differing, dpo_args, finish, sharpened_models, start
 
 PLUGIN, OUT = sys.argv[1], sys.argv[2]
 state = start()
 
-from trl import DPOConfig, DPOTrainer  # noqa: E402
+from trl import DPOTrainer  # noqa: E402
 
 import trl_ext  # noqa: E402
 from trl_ext.testing import make_preference_dataset, make_tokenizer  # noqa: E402
@@ -33,24 +33,10 @@ data = (
 
 
 def trainer(run: str) -> DPOTrainer:
-    args = DPOConfig(
-        output_dir=os.path.join(OUT, run),
-        per_device_train_batch_size=2,
-        per_device_eval_batch_size=2,
-        max_steps=3,
-        logging_steps=1,
-        learning_rate=0.1 if SHARING else 1e-2,
-        optim="sgd",
-        report_to=[],
-        use_cpu=True,
-        save_strategy="no",
-        seed=0,
-        bf16=False,
-        # dispatching concatenates the batches of both ranks along dim 0, which needs one padded length
-        max_length=64,
-        pad_to_multiple_of=64,
-        accelerator_config={"dispatch_batches": True},
-    )
+    # dispatching concatenates the batches of both ranks along dim 0, which needs one padded length (64)
+    dispatch = dict(pad_to_multiple_of=64, accelerator_config={"dispatch_batches": True})
+    batches = dict(per_device_train_batch_size=2, per_device_eval_batch_size=2, max_steps=3)
+    args = dpo_args(os.path.join(OUT, run), learning_rate=0.1 if SHARING else 1e-2, **batches, **dispatch)
     policy, ref = sharpened_models()
     return DPOTrainer(policy, ref_model=ref, args=args, train_dataset=data, processing_class=tok)
 

@@ -42,6 +42,7 @@ else:
     state = PartialState(cpu=True, backend="gloo")
 
 import torch  # noqa: E402
+from _launched import leave  # noqa: E402
 from datasets import load_from_disk  # noqa: E402
 from trl import DPOConfig, DPOTrainer  # noqa: E402
 
@@ -167,7 +168,4 @@ with trl_ext.install(precompute_ref_batch_size="auto", plugins=options):
 with open(os.path.join(OUT, f"rank{rank}.json"), "w") as f:
     json.dump(result, f)
 state.wait_for_everyone()
-torch.distributed.destroy_process_group()
-sys.stdout.flush()
-sys.stderr.flush()
-os._exit(0)  # deepspeed_cpu.md: avoids a SIGABRT from gloo threads at interpreter exit
+leave()

@@ -17,14 +17,14 @@ import logging
 import os
 import sys
 
-from _launched import finish, sharpened_models, start
+from _launched import dpo_args, finish, sharpened_models, start
 
 OUT = sys.argv[1]
 state = start()
 
 import torch  # noqa: E402
 from transformers import AttentionInterface  # noqa: E402
-from trl import DPOConfig, DPOTrainer  # noqa: E402
+from trl import DPOTrainer  # noqa: E402
 
 import trl_ext  # noqa: E402
 from trl_ext import UsageError, _compat  # noqa: E402
@@ -44,20 +44,8 @@ logging.getLogger("trl_ext").addHandler(_Lines())
 
 
 def trainer(run: str, **flags) -> DPOTrainer:
-    args = DPOConfig(
-        output_dir=os.path.join(OUT, run),
-        per_device_train_batch_size=2,
-        max_steps=2,
-        logging_steps=1,
-        learning_rate=0.1,
-        optim="sgd",
-        max_grad_norm=0.0,
-        report_to=[],
-        use_cpu=True,
-        save_strategy="no",
-        seed=0,
-        bf16=False,
-        max_length=64,
+    args = dpo_args(
+        os.path.join(OUT, run), per_device_train_batch_size=2, max_steps=2, learning_rate=0.1, max_grad_norm=0.0
     )
     policy, ref = sharpened_models()
     with trl_ext.install(padding_free=True, **flags):

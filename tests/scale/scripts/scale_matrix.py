@@ -111,20 +111,11 @@ def engine_args(name: str, extra: dict) -> dict:
         zero = {"stage": stage, "overlap_comm": False}
         if stage == 3:
             zero.update(stage3_param_persistence_threshold=0, stage3_gather_16bit_weights_on_model_save=True)
-        return {
-            "deepspeed": {
-                "train_micro_batch_size_per_gpu": "auto",
-                "train_batch_size": "auto",
-                "gradient_accumulation_steps": "auto",
-                "gradient_clipping": "auto",
-                "zero_optimization": zero,
-                "zero_allow_untested_optimizer": True,
-                "bf16": {"enabled": False},
-                "fp16": {"enabled": False},
-                "steps_per_print": 10**9,
-            },
-            "accelerator_config": {"use_configured_state": True},
-        }
+        from tests.helpers import deepspeed_config
+
+        off = {"enabled": False}
+        config = deepspeed_config(stage, zero_optimization=zero, bf16=off, fp16=off)
+        return {"deepspeed": config, "accelerator_config": {"use_configured_state": True}}
     out = {"use_cpu": True}
     if ENGINE == "fsdp2":
         out["fsdp"] = "full_shard"
