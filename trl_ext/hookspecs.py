@@ -137,9 +137,10 @@ def trl_ext_call(trainer: Trainer, context: TrainerContext, call: Call) -> Any:
     Called on every rank, for every call of the method, on the enabled plugins that list it, as a chain (outermost
     first, in pluggy's call order; `trl-ext plugins --order` prints it): `call.proceed()` runs the rest of the chain,
     TRL's own method last, with `call.args` / `call.kwargs` or the arguments given to it. An implementation may run it
-    several times, or not at all (it then replaces TRL's method). `trl_ext.calls` says which methods may be listed and
-    when they are wrapped; DPO's reference precompute (`_precompute_ref_logps(dataset, name, batch_size)`, called from
-    `__init__` and `evaluate()`) is one, wrapped before TRL's `__init__` runs, after the models are ready.
+    several times, or not at all (it then replaces TRL's method: list it under `PluginSpec.replaces`). `trl_ext.calls`
+    says which methods may be listed and when they are wrapped; DPO's reference precompute
+    (`_precompute_ref_logps(dataset, name, batch_size)`, called from `__init__` and `evaluate()`) is one, wrapped
+    before TRL's `__init__` runs, after the models are ready.
     """
 
 
