@@ -68,19 +68,25 @@ def _plugin_of(module: str) -> str | None:
     return None
 
 
-def cross_plugin_imports(sources: dict[str, tuple[str, bool]]) -> list[str]:
-    """`"importer -> imported"` for every module of one plugin that imports another plugin's modules.
-    `sources`: `{module: (source, is_package)}`."""
+def _plugin_imports(sources: dict[str, tuple[str, bool]], refused) -> list[str]:
+    """`"importer -> imported"` for every import in a module of a built-in plugin for which `refused(name, plugin)`
+    holds. `sources`: `{module: (source, is_package)}`."""
     found = []
     for module, (source, is_package) in sorted(sources.items()):
         own = _plugin_of(module)
         if own is None:
             continue
-        for name in sorted(imported_names(source, module, is_package=is_package)):
-            other = _plugin_of(name)
-            if other is not None and other != own:
-                found.append(f"{module} -> {name}")
+        found += [
+            f"{module} -> {name}"
+            for name in sorted(imported_names(source, module, is_package=is_package))
+            if refused(name, own)
+        ]
     return found
+
+
+def cross_plugin_imports(sources: dict[str, tuple[str, bool]]) -> list[str]:
+    """Every import, in a module of one plugin, of another plugin's modules."""
+    return _plugin_imports(sources, lambda name, own: _plugin_of(name) not in (None, own))
 
 
 def _public_module(module: str) -> bool:
@@ -108,17 +114,9 @@ def _built_in_may_import(name: str, own: str) -> bool:
 
 
 def built_in_private_imports(sources: dict[str, tuple[str, bool]]) -> list[str]:
-    """`"importer -> imported"` for every import, in a module of a built-in plugin, of trl-ext outside what a
-    built-in may import (`_built_in_may_import`). `sources`: `{module: (source, is_package)}`."""
-    found = []
-    for module, (source, is_package) in sorted(sources.items()):
-        own = _plugin_of(module)
-        if own is None:
-            continue
-        for name in sorted(imported_names(source, module, is_package=is_package)):
-            if not _built_in_may_import(name, own):
-                found.append(f"{module} -> {name}")
-    return found
+    """Every import, in a module of a built-in plugin, of trl-ext outside what a built-in may import
+    (`_built_in_may_import`)."""
+    return _plugin_imports(sources, lambda name, own: not _built_in_may_import(name, own))
 
 
 def _package_sources() -> dict[str, tuple[str, bool]]:
