@@ -196,6 +196,10 @@ def test_device_tiny_runs_every_part_end_to_end(tmp_path):
             assert all(e["step_median_s"] > 0 and e["tokens_per_s"] > 0 for e in setting.values())
             # the same first step as the baseline (float32 on CPU: the plugins are exact)
             assert all(e["first_loss_rel_diff"] < 1e-4 for e in setting.values()), setting
+            # `verify` checked the first step only, as in train(): its stock forwards are in no timed step
+            assert {v: e["verified_steps"] for v, e in setting.items()} == {
+                v: [] if v == "stock" else [1] for v in setting
+            }
     assert parts["packing"]["token_bound"] > 1
     assert parts["packing"]["padded_tokens"] / parts["packing"]["real_tokens"] == parts["packing"]["token_bound"]
     assert parts["token_budget"]["micro_batches_per_step"]["padding_free"] == 2
@@ -203,6 +207,19 @@ def test_device_tiny_runs_every_part_end_to_end(tmp_path):
     assert (out / "table.md").read_text().startswith("# trl-ext bench --device: cpu, preset tiny")
     if device_report.matplotlib_missing() is None:
         assert (out / "bench.png").stat().st_size > 0
+
+
+def test_a_stepper_advances_the_step_as_the_trainers_loop_does(tmp_path):
+    """The first GPU run timed `verify`'s two extra stock forwards in every padding_free step: the bench's steps left
+    `state.global_step` at 0, so every step was "the first". A `Stepper` step now advances it, as `train()` does, and
+    only the first (untimed) step is checked."""
+    opts = argparse.Namespace(device="cpu", preset="tiny", tmp=str(tmp_path))
+    preset, models, data = device_parts._dpo_setup(opts)
+    stepper = device_parts.Stepper(device_parts.dpo_trainer(preset, models, data, opts, {"padding_free": True}), "cpu")
+    for index in range(3):
+        stepper.step(index)
+    assert stepper.trainer.state.global_step == 3
+    assert device_parts.verified_steps(stepper.trainer) == [1]  # numbered from 1, as its log line says
 
 
 def test_the_docs_quote_a_recorded_gpu_run_or_say_not_measured(tmp_path):

@@ -65,6 +65,12 @@ def attention_of(trainer: Any) -> str | None:
     return None
 
 
+def verified_steps(trainer: Any) -> list[int]:
+    """The optimizer steps (from 1) `verify` checked against stock, each at the cost of extra stock forwards."""
+    check = getattr(getattr(trainer, "_trl_ext", None), "verified", None)
+    return sorted({result[0] for result in getattr(check, "results", ())})
+
+
 class Stepper:
     """One variant's trainer, its optimizer and its steps' batches; `step(i)` runs step `i mod len(steps)` and
     records its peak."""
@@ -116,6 +122,7 @@ class Stepper:
             self.optimizer.step()
         _sync(self.device)
         seconds = time.perf_counter() - start
+        trainer.state.global_step += 1  # as the Trainer's loop does: `verify` checks the first step only, as in train()
         loss = float(sum(losses))  # read after the step: no host synchronisation inside it
         if keep:
             if cuda:
@@ -135,6 +142,8 @@ def measure(steppers: dict[str, Stepper], opts: argparse.Namespace, tokens: int)
         s.step(0)
         first[name] = s.losses[-1]
         s.peaks.clear()
+        for index in range(1, len(s.steps)):  # every batch's shapes seen once before any timed step
+            s.step(index, keep=False)
 
     def arm(name: str):
         return lambda index: steppers[name].step(index, keep=index >= opts.warmup)
@@ -151,6 +160,7 @@ def measure(steppers: dict[str, Stepper], opts: argparse.Namespace, tokens: int)
             "first_loss": first[name],
             "first_loss_rel_diff": abs(first[name] - first[base]) / max(1e-12, abs(first[base])),
             "attention": attention_of(s.trainer),
+            "verified_steps": verified_steps(s.trainer),
         }
         if name != base:
             entry["speedup"] = against(summarize(ratios(times, base, name)), base)
