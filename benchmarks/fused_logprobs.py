@@ -213,6 +213,7 @@ def worker(args) -> None:
         start, cpu = time.perf_counter(), time.process_time()
         loss = trainer.training_step(trainer.model, {"prompt": ["w1"] * args.prompts})
         memory.stop()  # on GPU it synchronizes first, so the clock stops when the step has run
+        trainer.state.global_step += 1  # as train() does: `verify` checks the first step only
         wall, cpu = time.perf_counter() - start, time.process_time() - cpu
         peak = memory.peak
         if args.device == "cuda":  # the workers share the GPU: one that waits holds its models, not its step's cache

@@ -57,6 +57,7 @@ def phases(stepper: Stepper, index: int) -> dict[str, float]:
         stepper.optimizer.step()
     _sync(device)
     out["optimizer"] = time.perf_counter() - t
+    trainer.state.global_step += 1  # as train() does: `verify` checks the first step only
     out["step"] = sum(out.values())
     return out
 
@@ -73,11 +74,12 @@ def profiled(stepper: Stepper, name: str, out: Path, device: str) -> dict[str, A
     wall = time.perf_counter() - start
     events = prof.key_averages()
     device_key = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
-    busy = sum(getattr(e, device_key, 0) for e in events) / 1e6 if cuda else None
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]  # an operator's time is theirs
+    busy = sum(getattr(e, device_key, 0) for e in kernels) / 1e6 if cuda else None
     syncs = {e.key: e.count for e in events if e.key in SYNC_EVENTS}
     lines = [f"# {name}: {n} steps in {wall:.3f} s under the profiler"]
     if cuda:
-        lines.append(events.table(sort_by=device_key.replace("_total", "_total"), row_limit=30))
+        lines.append(events.table(sort_by=device_key, row_limit=30))
     lines.append(events.table(sort_by="self_cpu_time_total", row_limit=30))
     (out / f"{name}.txt").write_text("\n".join(lines) + "\n")
 
@@ -106,8 +108,9 @@ def variant(stepper: Stepper, name: str, out: Path, device: str, warm: int) -> d
     entry.update(profiled(stepper, name, out, device))
     busy = entry["device_busy_per_step_s"]
     print(
-        f"{name}: step {entry['step']:.3f} s (batch {entry['get_batch_samples']:.3f}, train {entry['training_step']:.3f},"
-        f" optimizer {entry['optimizer']:.3f}); profiled {entry['wall_per_step_s']:.3f} s/step, device busy "
+        f"{name}: step {entry['step']:.3f} s (batch {entry['get_batch_samples']:.3f}, train "
+        f"{entry['training_step']:.3f}, optimizer {entry['optimizer']:.3f}); profiled "
+        f"{entry['wall_per_step_s']:.3f} s/step, device busy "
         f"{'-' if busy is None else f'{busy:.3f}'} s/step; syncs {entry['syncs']}",
         flush=True,
     )

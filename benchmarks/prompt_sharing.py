@@ -196,6 +196,7 @@ def worker(args) -> None:
         start, cpu = time.perf_counter(), time.process_time()
         if shape == "online":
             loss = trainer.training_step(trainer.model, batch)
+            trainer.state.global_step += 1  # as train() does: `verify` checks the first step only
         else:
             loss = trainer.compute_loss(trainer.model, batch)
             loss.backward()

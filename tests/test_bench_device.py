@@ -90,6 +90,7 @@ def _entry(seconds: float, speedup: float | None = None, peak: float | None = No
         "step_peak_gb": None if peak is None else 10 * peak,
         "peak_ratio": peak,
         "attention": None,
+        "verified_timed_steps": 0,
         **({"speedup": _ratio(speedup, baseline)} if speedup is not None else {}),
     }
 
@@ -144,6 +145,26 @@ def test_targets_are_verdicts_computed_from_the_numbers(tmp_path):
         assert (tmp_path / "bench.png").stat().st_size > 0
 
 
+@pytest.mark.parametrize("checked", [1, None], ids=["verified-timed-step", "run-before-the-fix"])
+def test_no_verdict_where_verify_checked_the_timed_steps(checked):
+    """A plugin's step that also ran `verify`'s stock forwards is not the plugin's time: no verdict, and the table
+    says why. A run that does not record it (the first H200 run) is taken as checked."""
+    entry = _entry(0.25, 1.5, 0.6)
+    if checked is None:
+        del entry["verified_timed_steps"]
+    else:
+        entry["verified_timed_steps"] = checked
+    settings = {"checkpointing_off": {"stock": _entry(0.3), "padding_free": entry}}
+    report = _header({"parts": {"packing": {"status": "done", "token_bound": 2.0, "settings": settings}}})
+    report["targets"] = device_report.targets(report)
+    assert [(t["value"], t["met"], t["why"]) for t in report["targets"]] == [
+        (None, None, device_report.VERIFIED_TIMED)
+    ]
+    table = device_report.markdown(report)
+    assert f"| off | - | not measured ({device_report.VERIFIED_TIMED}) |" in table
+    assert "**Not the plugins' own times:**" in table
+
+
 @pytest.mark.slow  # launches a process and waits for its timeout
 def test_a_part_past_its_timeout_is_killed_and_keeps_its_json(tmp_path, monkeypatch):
     """The part's process group is killed at its timeout; what it wrote before stays in the report."""
@@ -196,6 +217,8 @@ def test_device_tiny_runs_every_part_end_to_end(tmp_path):
             assert all(e["step_median_s"] > 0 and e["tokens_per_s"] > 0 for e in setting.values())
             # the same first step as the baseline (float32 on CPU: the plugins are exact)
             assert all(e["first_loss_rel_diff"] < 1e-4 for e in setting.values()), setting
+            # `verify` checked the first step only, as in train(): its stock forwards are in no timed step
+            assert all(e["verified_timed_steps"] == 0 for e in setting.values()), setting
     assert parts["packing"]["token_bound"] > 1
     assert parts["packing"]["padded_tokens"] / parts["packing"]["real_tokens"] == parts["packing"]["token_bound"]
     assert parts["token_budget"]["micro_batches_per_step"]["padding_free"] == 2
@@ -203,6 +226,18 @@ def test_device_tiny_runs_every_part_end_to_end(tmp_path):
     assert (out / "table.md").read_text().startswith("# trl-ext bench --device: cpu, preset tiny")
     if device_report.matplotlib_missing() is None:
         assert (out / "bench.png").stat().st_size > 0
+
+
+def test_a_stepper_advances_the_step_as_the_trainers_loop_does(tmp_path):
+    """The first GPU run timed `verify`'s two extra stock forwards in every padding_free step: the bench's steps left
+    `state.global_step` at 0, so every step was "the first". A `Stepper` step now advances it, as `train()` does, and
+    only the first (untimed) step is checked."""
+    opts = argparse.Namespace(device="cpu", preset="tiny", tmp=str(tmp_path))
+    preset, models, data = device_parts._dpo_setup(opts)
+    stepper = device_parts.Stepper(device_parts.dpo_trainer(preset, models, data, opts, {"padding_free": True}), "cpu")
+    for index in range(3):
+        stepper.step(index)
+    assert stepper.trainer.state.global_step == 3 and stepper.checked == [True, False, False]
 
 
 def test_the_docs_quote_a_recorded_gpu_run_or_say_not_measured(tmp_path):

@@ -141,6 +141,43 @@ def test_hooks_outside_init_keep_running_after_uninstall(tokenizer, dpo_args, re
     assert odt.unwrap_model_for_generation is stock_unwrap
 
 
+def test_one_undo_mechanism_by_scope(tokenizer, dpo_args):
+    """`TrainerContext.patch(scope, apply)`: a run-scope change holds only while the trainer runs, a trainer-scope one
+    until it is detached, and a process-scope one is applied once for every trainer holding its key and undone when
+    the last of them is detached; an unknown scope, or a process scope without a key, is a `UsageError`."""
+    import types
+
+    with trl_ext.install(padding_free=True) as installation:
+        first, second = _dpo(tokenizer, dpo_args), _dpo(tokenizer, dpo_args)
+    target = types.ModuleType("trl_ext_test_target")
+    target.run = target.held = "stock"
+    applied = []
+
+    def hold(patcher):
+        applied.append("applied")
+        patcher.setattr(target, "held", "held")
+        patcher.defer(lambda: applied.append("undone"))
+
+    for trainer in (first, second):
+        trainer._trl_ext.patch("process", hold, key="test-held")
+    assert applied == ["applied"] and target.held == "held"
+    ctx = first._trl_ext
+    ctx.patch("run", lambda patcher: patcher.setattr(target, "run", "running"))
+    assert target.run == "stock"
+    with ctx.running():
+        assert target.run == "running"
+    assert target.run == "stock"
+    ctx.patch("trainer", lambda patcher: patcher.setattr(first, "trl_ext_test_probe", 1, raising=False))
+    with pytest.raises(UsageError, match="needs a `key`"):
+        ctx.patch("process", hold)
+    with pytest.raises(UsageError, match="unknown scope 'module'; the scopes are run, trainer, process"):
+        ctx.patch("module", hold)
+    installation.detach(first)
+    assert target.held == "held" and not hasattr(first, "trl_ext_test_probe") and applied == ["applied"]
+    installation.detach(second)
+    assert target.held == "stock" and applied == ["applied", "undone"]
+
+
 def test_detach_makes_the_trainer_stock(tokenizer, dpo_args):
     from trl.trainer.dpo_trainer import DataCollatorForPreference
 

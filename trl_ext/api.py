@@ -6,7 +6,7 @@ the built-in plugins import the same, plus `trl_ext._compat` (the core's index o
 
 - Declaring a plugin: `PluginSpec`, `Flag`, the option parsers (`boolean`, `positive_int`, `non_negative_float`,
   `one_of`, `optional`, `either`, `size`, `text`, `Parser`, `Size`, `parse_size`), `hookimpl`.
-- What hooks receive: `TrainerContext` (per-trainer `state`, its `patcher`, `wrap_while_running`), `Call` (one call
+- What hooks receive: `TrainerContext` (per-trainer `state`, its `patcher`, `patch(scope, apply)`), `Call` (one call
   of a trainer method a plugin takes part in, `trl_ext_call`), `TrlExtConfig`,
   `Installation`, `Patcher`; and the error every refusal raises, `UsageError` (its message says the fix;
   `did_you_mean` suggests a known name), and `InternalError`, raised where trl-ext itself is wrong (its message asks

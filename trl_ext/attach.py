@@ -112,7 +112,8 @@ def attach_before_init(ctx: TrainerContext) -> None:
     module_name = _compat.GENERATION_HELPER_MODULES.get(ctx.trainer_class)
     if module_name is not None:
         # Trainer modules look `unwrap_model_for_generation` up by name: it is swapped there while this trainer runs.
-        ctx.wrap_while_running(resolve(module_name), "unwrap_model_for_generation", generation_wrapper(ctx))
+        module, wrapper = resolve(module_name), generation_wrapper(ctx)
+        ctx.patch("run", lambda patcher: patcher.wrap(module, "unwrap_model_for_generation", wrapper))
 
 
 def attach_after_init(ctx: TrainerContext) -> None:

@@ -23,10 +23,10 @@ __all__ = ["TrainerContext", "live_contexts", "output_head_module", "unwrap_caus
 #: Every trainer that trl-ext attached to and that is still alive, whatever installation it was built under (an
 #: uninstalled installation's trainers keep their plugins, see `Installation.uninstall`).
 _LIVE: weakref.WeakSet = weakref.WeakSet()
-#: `{key: release}` of the process-wide resources that attached trainers hold (`TrainerContext.hold`).
-_RELEASE: dict[str, Callable[[], None]] = {}
-#: `{key: undo stack}` of the process-wide patches that attached trainers hold (`TrainerContext.hold_patches`).
+#: `{key: undo stack}` of the process-wide changes that attached trainers hold (`TrainerContext.patch("process")`).
 _HELD_PATCHERS: dict[str, Patcher] = {}
+#: The scopes of `TrainerContext.patch`, shortest first (the call scope is a local `with Patcher(...)`).
+SCOPES = ("run", "trainer", "process")
 
 
 def live_contexts() -> list[TrainerContext]:
@@ -102,8 +102,8 @@ class TrainerContext:
         self.attached = True
         TrainerContext._serial += 1
         self.serial = TrainerContext._serial
-        #: Module- or class-level patches applied only while this trainer runs (`wrap_while_running`).
-        self._run_patches: list[tuple[Any, str, Callable[[Any], Any]]] = []
+        #: The changes applied only while this trainer runs (`patch("run", apply)`).
+        self._run_applies: list[Callable[[Patcher], None]] = []
         self._run_patcher = Patcher(f"trl-ext[{trainer_class}] while running")
         self._run_depth = 0
         self.held: set[str] = set()
@@ -151,31 +151,51 @@ class TrainerContext:
         return result
 
     # ------------------------------------------------------------------------------------------------------------
-    # what a trainer needs for its whole life, without touching TRL's classes or modules
+    # every change to TRL, transformers, the trainer or its models: one undo mechanism, by scope
     # ------------------------------------------------------------------------------------------------------------
 
-    def wrap_while_running(self, target: Any, attr: str, make_wrapper: Callable[[Any], Any]) -> None:
-        """Wrap `target.attr` (a TRL/transformers module or class attribute) only while this trainer runs.
+    def patch(self, scope: str, apply: Callable[[Patcher], None], *, key: str | None = None) -> None:
+        """Make changes through an undo stack of `scope`: `apply(patcher)` makes them with `patcher.setattr`,
+        `patcher.wrap` and `patcher.defer` (what to run when they are undone, e.g. unregistering a function).
 
-        "Running" is TRL's `__init__` and every outermost call of the trainer's `train()`, `evaluate()` and
-        `predict()`. The patch is applied on entry and undone on exit, so TRL's modules are stock between calls and
-        after `Installation.uninstall()`, while the trainer keeps the behaviour for its whole life. The wrapper must be
-        a pass-through for calls that are not this trainer's.
+        - `"run"`: module- or class-level changes only while this trainer runs, i.e. during TRL's `__init__` and every
+          outermost `train()`, `evaluate()` and `predict()`: `apply` runs on each entry and its changes are undone on
+          exit, so TRL's modules are stock between calls and after `Installation.uninstall()`. Its wrappers must pass
+          other trainers' calls through.
+        - `"trainer"`: changes to this trainer and its models, now, on `patcher`: kept for the trainer's whole life,
+          also after `Installation.uninstall()`, undone by `Installation.detach(trainer)`.
+        - `"process"`: process-wide changes (a name in a TRL module, an attention function registered with
+          transformers) shared by every trainer holding `key`: `apply` runs when the first of them takes it, and the
+          changes are undone when the last attached one is detached (a trainer garbage-collected without being
+          detached leaves them: its models may still use them).
+
+        For one call, a local `with Patcher(...) as patcher:` is the shortest scope.
         """
-        self._run_patches.append((target, attr, make_wrapper))
-        if self._run_depth:
-            self._run_patcher.wrap(target, attr, make_wrapper)
+        if scope == "trainer":
+            apply(self.patcher)
+        elif scope == "run":
+            self._run_applies.append(apply)
+            if self._run_depth:
+                apply(self._run_patcher)
+        elif scope == "process":
+            if not key:
+                raise UsageError('`context.patch("process", apply)` needs a `key` naming what the trainers share')
+            if key not in _HELD_PATCHERS:
+                patcher = Patcher(f"trl-ext[{key}]")
+                with patcher.undone_on_error():
+                    apply(patcher)
+                _HELD_PATCHERS[key] = patcher
+            self.held.add(key)
+        else:
+            raise UsageError(f"`context.patch`: unknown scope {scope!r}; the scopes are {', '.join(SCOPES)}")
 
     @contextlib.contextmanager
     def running(self) -> Iterator[None]:
-        """Apply the `wrap_while_running` patches for the duration of the block (re-entrant)."""
+        """Apply the `patch("run", ...)` changes for the duration of the block (re-entrant)."""
         if self._run_depth == 0:
-            try:
-                for target, attr, make_wrapper in self._run_patches:
-                    self._run_patcher.wrap(target, attr, make_wrapper)
-            except BaseException:
-                self._run_patcher.undo()
-                raise
+            with self._run_patcher.undone_on_error():
+                for apply in self._run_applies:
+                    apply(self._run_patcher)
         self._run_depth += 1
         try:
             yield
@@ -184,50 +204,13 @@ class TrainerContext:
             if self._run_depth == 0:
                 self._run_patcher.undo()
 
-    def hold(self, key: str, acquire: Callable[[], None], release: Callable[[], None]) -> None:
-        """Acquire a process-wide resource (e.g. an attention function registered with transformers) for this trainer.
-
-        `acquire()` runs now (it must be idempotent); `release()` runs when the last attached trainer holding `key`
-        is detached. A trainer that is garbage-collected without being detached leaves the resource in place: its
-        models may still use it.
-        """
-        acquire()
-        self.held.add(key)
-        _RELEASE[key] = release
-
-    def hold_patches(self, key: str, apply: Callable[[Patcher], None]) -> None:
-        """Patch process-wide objects (names in a TRL module) for this trainer, through an undo stack of their own.
-
-        Held like `hold`: `apply(patcher)` runs when the first trainer takes `key` and makes its changes with
-        `patcher.setattr` / `patcher.wrap`; they are undone, restoring each original object, when the last attached
-        trainer holding `key` is detached (so they outlive `Installation.uninstall()` while such a trainer lives).
-        """
-
-        def acquire() -> None:
-            if key in _HELD_PATCHERS:
-                return
-            patcher = Patcher(f"trl-ext[{key}]")
-            try:
-                apply(patcher)
-            except BaseException:
-                patcher.undo()
-                raise
-            _HELD_PATCHERS[key] = patcher
-
-        def release() -> None:
-            patcher = _HELD_PATCHERS.pop(key, None)
-            if patcher is not None:
-                patcher.undo()
-
-        self.hold(key, acquire, release)
-
     def detach(self) -> None:
         """Undo every change made for this trainer (its own attributes, its models, its collator) and forget it."""
         if not self.attached:
             return
         self.attached = False
         self._run_patcher.undo()
-        self._run_patches.clear()
+        self._run_applies.clear()
         self.patcher.undo()
         trainer = self.trainer
         if trainer is not None:
@@ -235,9 +218,9 @@ class TrainerContext:
             _LIVE.discard(trainer)
         still_held = {key for ctx in live_contexts() for key in ctx.held}
         for key in sorted(self.held - still_held):
-            release = _RELEASE.pop(key, None)
-            if release is not None:
-                release()
+            patcher = _HELD_PATCHERS.pop(key, None)
+            if patcher is not None:
+                patcher.undo()
 
     def models(self) -> dict[str, Any]:
         """The causal LMs this trainer runs, by role (`"policy"`, `"ref"`), unwrapped from DeepSpeed/DDP and PEFT."""

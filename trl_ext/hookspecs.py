@@ -261,6 +261,6 @@ def trl_ext_uninstall(installation: Installation) -> None:
 
     Called once per installation, on every registered plugin. Undo anything not done through the undo stack.
     Trainers built under the installation keep their plugins after it (see `Installation.uninstall`): a process-wide
-    resource that such a trainer still needs is acquired per trainer with `context.hold(...)` instead, and released
-    when the last trainer holding it is detached.
+    resource that such a trainer still needs is held per trainer with `context.patch("process", apply, key=...)`
+    instead, and released when the last trainer holding it is detached.
     """

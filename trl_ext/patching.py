@@ -123,7 +123,8 @@ def _remove(target: Any, attr: str, layer: _Layer | None, own: Any) -> None:
 
 
 class Patcher:
-    """Records `setattr` changes and undoes them in reverse order.
+    """Records `setattr` changes and undoes them in reverse order; used as a context manager (`with Patcher(...) as
+    patcher:`), at the end of the block.
 
     Args:
         name (`str`, *optional*, defaults to `"trl-ext"`):
@@ -193,6 +194,21 @@ class Patcher:
                 layer()
             else:
                 _remove(target, attr, layer, own)
+
+    def __enter__(self) -> Patcher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.undo()
+
+    @contextlib.contextmanager
+    def undone_on_error(self) -> Iterator[Patcher]:
+        """Undo every recorded change if the block raises (then re-raise): half-applied changes never stay."""
+        try:
+            yield self
+        except BaseException:
+            self.undo()
+            raise
 
     @contextlib.contextmanager
     def suspended(self, select: Callable[[Any, str], bool]) -> Iterator[None]:

@@ -2,7 +2,7 @@
 (exclusive: a second plugin answering is refused) and it takes part in the trainer's scoring methods through
 `trl_ext_call` (replacing Online DPO's `_forward`: a second replacement is refused), both installed by the core through
 the trainer's undo stack, and the TRL helpers it replaces process-wide for DPO
-(TRL < 1.15) go through an undo stack held per trainer (`TrainerContext.hold_patches`): detaching restores every
+(TRL < 1.15) go through an undo stack held per trainer (`TrainerContext.patch("process")`): detaching restores every
 original object, by identity.
 """
 
@@ -112,7 +112,8 @@ def test_rival_alone_installs_its_answers(online, monkeypatch):
 
 def test_the_plugin_changes_nothing_itself():
     """No `setattr`, no attribute assignment and no use of the trainer's undo stack in the plugin's code: every change
-    is an answer to a hook spec, or goes through a `Patcher` (`context.hold_patches`, the per-call wrap in dpo.py)."""
+    is an answer to a hook spec, or goes through a `Patcher` (`context.patch("process")`, the per-call wrap in
+    dpo.py)."""
     found = []
     for path in sorted(PACKAGE.glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):

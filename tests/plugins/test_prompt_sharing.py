@@ -551,8 +551,8 @@ def test_architectures(model_type, attn):
         patcher = Patcher("test")
 
         @staticmethod
-        def hold(key, acquire, release):  # a trainer context holds the registration; here the test releases it
-            acquire()
+        def patch(scope, apply, key=None):  # a trainer context holds the registration; here the test releases it
+            apply(Patcher("test: held"))
 
     layout = build_layout(ids, mask, prompt_end)
     assert layout.shared_rows == 4 and layout.unshared_rows == 2

@@ -137,7 +137,7 @@ GPU_RESULT = "gpu_bench.json"
 def gpu_table(root: Path, argument: str) -> str:
     """The recorded `trl-ext bench --device cuda` run (`benchmarks/results/gpu_bench.json`), or that there is none: a
     GPU figure is measured or said to be not measured, never estimated."""
-    from .bench.device_report import markdown
+    from .bench.device_report import markdown, targets
 
     path = root / "benchmarks" / "results" / GPU_RESULT
     if not path.exists():
@@ -146,7 +146,9 @@ def gpu_table(root: Path, argument: str) -> str:
             "The fused varlen kernels, the kernel probe and every plugin's step time and memory with them have not "
             "run on a GPU."
         )
-    return markdown(json.loads(path.read_text())).split("\n", 2)[2]  # without its title: the page has one
+    report = json.loads(path.read_text())
+    report["targets"] = targets(report)  # the verdicts by today's rules, from the recorded numbers
+    return markdown(report).split("\n", 2)[2]  # without its title: the page has one
 
 
 def fused_logprobs_table(root: Path, argument: str) -> str:

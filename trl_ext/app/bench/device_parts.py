@@ -65,6 +65,11 @@ def attention_of(trainer: Any) -> str | None:
     return None
 
 
+def _checks(trainer: Any) -> int:
+    """How many scoring calls `verify` has checked against stock on this trainer (each with extra stock forwards)."""
+    return len(getattr(getattr(getattr(trainer, "_trl_ext", None), "verified", None), "results", ()))
+
+
 class Stepper:
     """One variant's trainer, its optimizer and its steps' batches; `step(i)` runs step `i mod len(steps)` and
     records its peak."""
@@ -87,6 +92,7 @@ class Stepper:
         self.optimizer = torch.optim.AdamW(params, lr=1e-6, fused=_cuda(device)) if optimizer else None
         self.peaks: list[float] = []
         self.losses: list[float] = []
+        self.checked: list[bool] = []  # per step: whether `verify` checked it (train() checks the first only)
 
     def tokens(self) -> tuple[int, int]:
         """(real, padded) tokens of every step's stock batches, as the collator padded them."""
@@ -108,7 +114,7 @@ class Stepper:
         if cuda:
             torch.cuda.reset_peak_memory_stats()
             before = torch.cuda.memory_allocated()
-        start = time.perf_counter()
+        checks, start = _checks(trainer), time.perf_counter()
         batches = self.steps[index % len(self.steps)]
         samples, items = trainer.get_batch_samples(iter(batches), len(batches), trainer.args.device)
         losses = [trainer.training_step(trainer.model, inputs, items).detach() for inputs in samples]
@@ -116,6 +122,10 @@ class Stepper:
             self.optimizer.step()
         _sync(self.device)
         seconds = time.perf_counter() - start
+        trainer.state.global_step += (
+            1  # as the Trainer's loop does: `verify` checks the first step only, as in train()
+        )
+        self.checked.append(_checks(trainer) > checks)
         loss = float(sum(losses))  # read after the step: no host synchronisation inside it
         if keep:
             if cuda:
@@ -134,7 +144,10 @@ def measure(steppers: dict[str, Stepper], opts: argparse.Namespace, tokens: int)
     for name, s in steppers.items():
         s.step(0)
         first[name] = s.losses[-1]
+        for index in range(1, len(s.steps)):  # every batch's shapes seen once before any timed step
+            s.step(index, keep=False)
         s.peaks.clear()
+        s.checked.clear()
 
     def arm(name: str):
         return lambda index: steppers[name].step(index, keep=index >= opts.warmup)
@@ -151,6 +164,7 @@ def measure(steppers: dict[str, Stepper], opts: argparse.Namespace, tokens: int)
             "first_loss": first[name],
             "first_loss_rel_diff": abs(first[name] - first[base]) / max(1e-12, abs(first[base])),
             "attention": attention_of(s.trainer),
+            "verified_timed_steps": sum(s.checked),  # verify's stock forwards in a timed step: not the plugin's time
         }
         if name != base:
             entry["speedup"] = against(summarize(ratios(times, base, name)), base)
@@ -282,6 +296,7 @@ class OnlineStepper(Stepper):
         self.optimizer = torch.optim.AdamW(params, lr=1e-6, fused=_cuda(device))
         self.peaks: list[float] = []
         self.losses: list[float] = []
+        self.checked: list[bool] = []
         self.real_tokens = trainer._bench_tokens
         self.steps = [[{"prompt": ["w1"] * trainer.args.per_device_train_batch_size}]]
         trainer.get_batch_samples = lambda it, n, device: (list(it), None)

@@ -36,9 +36,18 @@ def _value(part: dict[str, Any], entry: dict[str, Any], what: str) -> float | No
     return speed.get("median")
 
 
+#: Why a target has no verdict although its numbers exist: `verify` checked timed steps (extra stock forwards in the
+#: plugin's time), or the run does not say that it did not (runs before the bench advanced `state.global_step`).
+VERIFIED_TIMED = "verify checked the timed steps"
+
+
+def _verified_timed(variants: dict[str, Any]) -> bool:
+    return any(e.get("verified_timed_steps", 1) for e in variants.values())
+
+
 def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
     """Every target in every checkpointing setting measured: its value and `met` (True, False, or None where the
-    number was not measured: peak memory on a CPU, a part that did not run)."""
+    number was not measured: peak memory on a CPU, a part that did not run, `VERIFIED_TIMED`)."""
     out = []
     for part_name, variant, what, threshold in TARGETS:
         part = report.get("parts", {}).get(part_name) or {}
@@ -48,9 +57,12 @@ def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
                 continue
             value = _value(part, entry, what)
             met = None if value is None else (value <= threshold if "<=" in what else value >= threshold)
-            out.append(
-                {"part": part_name, "setting": setting, "variant": variant, "target": what, "value": value, "met": met}
-            )
+            target = {"part": part_name, "setting": setting, "variant": variant, "target": what}
+            if _verified_timed(variants):
+                target.update(value=None, met=None, why=VERIFIED_TIMED)
+            else:
+                target.update(value=value, met=met)
+            out.append(target)
     return out
 
 
@@ -73,6 +85,11 @@ def markdown(report: dict[str, Any]) -> str:
         f"{v['trl']}; {report['rounds']} interleaved rounds after {report['warmup']} warm-up; "
         f"{report.get('wall_seconds', 0):.0f} s.",
         "",
+    ]
+    if any(_verified_timed(s) for p in report["parts"].values() for s in (p.get("settings") or {}).values()):
+        lines += [f"**Not the plugins' own times:** {VERIFIED_TIMED} of this run: each such step of a plugin also "
+                  "ran `verify`'s stock forwards, so the targets have no verdict.", ""]  # fmt: skip
+    lines += [
         "| part | checkpointing | variant | step (median) | tokens/s | speed vs baseline | step peak | memory vs "
         "baseline | attention |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -91,7 +108,7 @@ def markdown(report: dict[str, Any]) -> str:
         lines += ["", f"Token bound of the packing step: {packing['token_bound']:.2f} (padded / real tokens)."]
     lines += ["", "| target | part | checkpointing | measured | met |", "|---|---|---|---|---|"]
     for t in report.get("targets", []):
-        met = {True: "yes", False: "NO", None: "not measured"}[t["met"]]
+        met = {True: "yes", False: "NO", None: "not measured"}[t["met"]] + (f" ({t['why']})" if t.get("why") else "")
         setting = t["setting"].removeprefix("checkpointing_")
         lines.append(
             f"| {t['variant']}: {t['target']} | {t['part']} | {setting} | {_num(t['value'], '.2f')} | {met} |"

@@ -327,6 +327,7 @@ def fused_logprobs(setup: Setup, rounds: int, quick: bool) -> dict[str, Any]:
             start = time.perf_counter()
             loss = trainer.training_step(trainer.model, {"prompt": ["w1"] * z["prompts"]})
             elapsed = time.perf_counter() - start
+            trainer.state.global_step += 1  # as train() does: `verify` checks the first step only
             if index >= 1:
                 peaks[name].append(_peak_growth(before))
             if name not in first:

@@ -239,8 +239,8 @@ _INSTALLED = "fused_logprobs_dpo"
 
 
 def _replace_helpers(patcher: Patcher) -> None:
-    """Wrap the helpers this TRL imports into its DPO module (`context.hold_patches`: undone, each original restored,
-    when the last trainer holding them is detached)."""
+    """Wrap the helpers this TRL imports into its DPO module (`context.patch("process")`: undone, each original
+    restored, when the last trainer holding them is detached)."""
     module = importlib.import_module(DPO_MODULE)
     for name in _compat.dpo_logits_helpers():
         patcher.wrap(module, name, HELPERS[name])
@@ -260,7 +260,7 @@ def install_dpo(trainer: Any, context: Any, state: FusedState, packing: tuple[st
         if not _compat.dpo_logits_helpers():
             raise UsageError(_compat.DPO_UNKNOWN_LOGITS_HELPERS.refusal("fused_logprobs cannot score this DPOTrainer"))
         # Module-wide, held while any trainer needs them (they pass every argument but `LazyLogits` to TRL's own).
-        context.hold_patches(_HELD, _replace_helpers)
+        context.patch("process", _replace_helpers, key=_HELD)
         context.state[_INSTALLED] = True
     if state.chunks:
         logger.info(

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from trl_ext import _compat
-from trl_ext.api import UsageError, get_logger, hookimpl
+from trl_ext.api import Patcher, UsageError, get_logger, hookimpl
 from trl_ext.toolkit.packing.attention import (
     VARLEN_BASES,
     register_varlen_attention,
@@ -159,7 +159,7 @@ def _configure_model(context, role: str, model) -> str:
     if state.attention == "dense":
         return impl
     # Held per trainer (not per installation): the trainer keeps its plugins after `uninstall()`.
-    context.hold("varlen_attention", register_varlen_attention, unregister_varlen_attention)
+    context.patch("process", _register_attention, key="varlen_attention")
     switch_attention(context.patcher, config, varlen_attention_name(impl))
     return varlen_attention_name(impl)
 
@@ -205,6 +205,11 @@ def _choose_kernel(state: PaddingFreeState, role: str, model, trainer, context: 
     base = next((b for b in VARLEN_BASES if impl == varlen_attention_name(b)), None)
     if base is not None:
         state.kernels[role] = choose_for_model(model, base, state.attention, trainer, NAME, patcher=context.patcher)
+
+
+def _register_attention(patcher: Patcher) -> None:
+    register_varlen_attention()
+    patcher.defer(unregister_varlen_attention)
 
 
 def row_limit(model) -> int | None:

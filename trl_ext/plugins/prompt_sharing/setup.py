@@ -6,7 +6,7 @@ import dataclasses
 from typing import Any
 
 from trl_ext import _compat
-from trl_ext.api import UsageError, get_logger
+from trl_ext.api import Patcher, UsageError, get_logger
 from trl_ext.toolkit.architecture import inspect_model, verified_except
 from trl_ext.toolkit.online_forward import verify_against_trl
 from trl_ext.toolkit.packing.attention import switch_attention
@@ -146,6 +146,11 @@ NOT_VERIFIED = {
 VERIFIED_MODEL_TYPES = verified_except(NOT_VERIFIED)
 
 
+def _register_attention(patcher: Patcher) -> None:
+    register_shared_attention()
+    patcher.defer(unregister_shared_attention)
+
+
 def configure_model(context: Any, role: str, model: Any) -> str:
     """Check one causal LM and switch its attention to the shared attention; returns the implementation it runs.
 
@@ -189,7 +194,7 @@ def configure_model(context: Any, role: str, model: Any) -> str:
             f'`{impl}`. Load it with `attn_implementation="sdpa"`, {instead}.'
         )
     # Held per trainer (not per installation): the trainer keeps its plugins after `uninstall()`.
-    context.hold("prompt_sharing_attention", register_shared_attention, unregister_shared_attention)
+    context.patch("process", _register_attention, key="prompt_sharing_attention")
     name = shared_attention_name(base)
     if impl != name:
         # A property over `_attn_implementation_internal` (transformers 5); never serialized, so checkpoints keep the

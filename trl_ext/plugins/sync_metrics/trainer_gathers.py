@@ -84,7 +84,7 @@ def install(context: Any) -> None:
         module = importlib.import_module(module_name)
         current = getattr(module, "nested_gather", None)
         if current is not None and not getattr(current, "__trl_ext_sync_metrics__", False):
-            context.wrap_while_running(module, "nested_gather", _deferring_nested_gather)
+            context.patch("run", lambda patcher, m=module: patcher.wrap(m, "nested_gather", _deferring_nested_gather))
 
 
 #: `trl_ext_call` handlers, by method name: the logging step, FLO bookkeeping and checkpoints
