@@ -19,11 +19,11 @@ MAX_LINES = 450
 TYPED_PLUGIN = Path(__file__).resolve().parent / "typed_plugin" / "typed_counter.py"
 
 
-def _modules() -> dict[str, Path]:
+def _modules(package: Path = PACKAGE) -> dict[str, Path]:
     """`{dotted name: path}` of every module of the package (a package is its `__init__.py`)."""
     out = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
-        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    for path in sorted(package.rglob("*.py")):
+        parts = list(path.relative_to(package.parent).with_suffix("").parts)
         if parts[-1] == "__init__":
             parts.pop()
         out[".".join(parts)] = path
@@ -145,6 +145,81 @@ def test_the_import_parser_resolves_relative_imports_and_skips_type_checking(tmp
     assert _imported("trl_ext.p.a", path, modules, module_level=True) == {"trl_ext.p.b", "trl_ext.c", "trl_ext.d"}
     every = _imported("trl_ext.p.a", path, modules, module_level=False)
     assert every == {"trl_ext.p.b", "trl_ext.c", "trl_ext.d", "trl_ext.p.e", "trl_ext.p.g"}
+
+
+#: The most core modules one import circle may join, counting imports under `if TYPE_CHECKING:` and in functions
+#: (the hook specs name the protocols of the leaf `trl_ext.interfaces`, not the classes that use the manager).
+MAX_CORE_CIRCLE = 3
+
+
+def _circles(package: Path) -> list[set[str]]:
+    """The strongly connected components of more than one module of `package`'s import graph, every import counted
+    (type-checking blocks and function bodies included); Tarjan's algorithm."""
+    modules = _modules(package)
+    graph = {name: _imported(name, path, modules, module_level=False) for name, path in modules.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[set[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = {stack.pop()}
+            while node not in component:
+                component.add(stack.pop())
+            if len(component) > 1:
+                out.append(component)
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return out
+
+
+def _core(circle: set[str], package: str = "trl_ext") -> set[str]:
+    """The modules of `circle` that are not built-in plugins (`trl_ext.plugins` and below)."""
+    return {name for name in circle if name != f"{package}.plugins" and not name.startswith(f"{package}.plugins.")}
+
+
+def test_core_import_circles_counting_type_checking_imports_are_small():
+    circles = _circles(PACKAGE)
+    largest = max((_core(circle) for circle in circles), key=len, default=set())
+    assert len(largest) <= MAX_CORE_CIRCLE, f"core modules in one import circle: {sorted(largest)}"
+    modules = _modules()
+    leaf = _imported("trl_ext.interfaces", modules["trl_ext.interfaces"], modules, module_level=False)
+    assert leaf == set(), f"trl_ext.interfaces imports {sorted(leaf)}: it must import nothing of trl-ext"
+    specs = _imported("trl_ext.hookspecs", modules["trl_ext.hookspecs"], modules, module_level=False)
+    assert specs == {"trl_ext.interfaces"}, f"trl_ext.hookspecs imports {sorted(specs)}"
+
+
+def test_the_circle_measure_counts_type_checking_and_function_level_imports(tmp_path):
+    package = tmp_path / "trl_ext"
+    sources = {
+        "__init__.py": "",
+        "a.py": "def f():\n    from . import b\n",
+        "b.py": "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from .c import C\n",
+        "c.py": "from .d import x\n",
+        "d.py": "import trl_ext.a\n",
+        "e.py": "from . import a\n",
+        "plugins/__init__.py": "",
+        "plugins/p/__init__.py": "from . import q\n",
+        "plugins/p/q.py": "from trl_ext.plugins.p import x\n",
+    }
+    for name, source in sources.items():
+        (package / name).parent.mkdir(parents=True, exist_ok=True)
+        (package / name).write_text(source)
+    circles = sorted(sorted(circle) for circle in _circles(package))
+    planted = ["trl_ext.a", "trl_ext.b", "trl_ext.c", "trl_ext.d"]
+    assert circles == [planted, ["trl_ext.plugins.p", "trl_ext.plugins.p.q"]]
+    assert [len(_core(set(circle))) for circle in circles] == [4, 0]  # 4 > MAX_CORE_CIRCLE: the test above fails
 
 
 def test_only_testing_imports_the_fixtures():

@@ -43,7 +43,15 @@ def build(installation: Installation, trainer_class: str, original: Any, trainer
     enabled = check_trainer_settings(installation.config, trainer_class, trl_args)
     if enabled:
         attach.check_world(trainer_class, trl_args, enabled)
-    ctx = TrainerContext(installation, trainer, trainer_class, enabled, trl_args)
+    ctx = TrainerContext(
+        installation,
+        trainer,
+        trainer_class,
+        enabled,
+        trl_args,
+        config=installation.config,
+        plugin_manager=installation.plugin_manager,
+    )
     installation._track(ctx)
     try:
         ctx.hook.trl_ext_trainer_init_start(trainer=trainer, context=ctx, init_kwargs=init_kwargs)
@@ -126,7 +134,7 @@ def prepare_models(ctx: TrainerContext) -> None:
 
 def hide_ignored_flags(ctx: TrainerContext, trl_args: Any) -> tuple[dict[str, Any], list[str]]:
     """Hide the TRL flags a plugin serves from TRL; return them, and notes on those left to TRL."""
-    trainer_class, catalog = ctx.trainer_class, ctx.installation.plugin_manager.catalog
+    trainer_class, catalog = ctx.trainer_class, ctx.plugin_manager.catalog
     owners = catalog.trl_flag_owners()
     # A flag TRL used to ignore but now honours (e.g. a patched TRL) must not be claimed by both.
     ignored_now = set(_compat.trl_ignored_flags(trainer_class))
@@ -162,8 +170,7 @@ def announce(ctx: TrainerContext, left: list[str]) -> None:
     if not is_main_process(getattr(trainer, "accelerator", None)):
         return
     name = type(trainer).__name__
-    pm = ctx.installation.plugin_manager
-    config = ctx.installation.config
+    pm, config = ctx.plugin_manager, ctx.config
     specs = pm.catalog.specs
     if ctx.enabled or left:
         parts = []

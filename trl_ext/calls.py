@@ -41,6 +41,7 @@ from .errors import UsageError
 if TYPE_CHECKING:  # pragma: no cover
     import pluggy
 
+    from . import interfaces
     from .catalog import Catalog
     from .context import TrainerContext
 
@@ -132,7 +133,7 @@ def chains(catalog: Catalog, caller: pluggy.HookCaller, trainer_class: str, enab
 def attach(ctx: TrainerContext, *, init: bool) -> None:
     """Wrap the methods the enabled plugins list for `ctx`'s trainer: those TRL's `__init__` calls (`init=True`,
     before it runs) or all the others (after it)."""
-    pm = ctx.installation.plugin_manager
+    pm = ctx.plugin_manager
     trainer = ctx.trainer
     if init:
         for name in _compat.TRAINER_SCORING_METHODS.get(ctx.trainer_class, ()):
@@ -174,3 +175,7 @@ def _dispatcher(ctx: TrainerContext, name: str, original: Callable, impls: list)
         return run(0, args, kwargs)
 
     return method
+
+
+if TYPE_CHECKING:  # pragma: no cover
+    _IS_WHAT_HOOKS_RECEIVE: type[interfaces.Call] = Call  # checked by mypy

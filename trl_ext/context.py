@@ -14,8 +14,9 @@ from .patching import Patcher
 if TYPE_CHECKING:  # pragma: no cover
     import pluggy
 
+    from . import interfaces
     from .config import TrlExtConfig
-    from .installation import Installation
+    from .manager import TrlExtPluginManager
 
 __all__ = ["TrainerContext", "live_contexts", "output_head_module", "unwrap_causal_lm"]
 
@@ -54,6 +55,7 @@ class TrainerContext:
 
     Attributes:
         installation: the `Installation` that attached to the trainer.
+        config, plugin_manager: the installation's configuration and plugins.
         trainer_class: `"DPOTrainer"` or `"OnlineDPOTrainer"` (the stock class the trainer derives from).
         enabled: names of the plugins enabled for this trainer, in registration order.
         state: per-plugin objects, by plugin name. A plugin keeps its per-trainer state here, never in globals.
@@ -77,9 +79,19 @@ class TrainerContext:
         )
 
     def __init__(
-        self, installation: Installation, trainer: Any, trainer_class: str, enabled: list[str], trl_args: Any
+        self,
+        installation: interfaces.Installation,
+        trainer: Any,
+        trainer_class: str,
+        enabled: list[str],
+        trl_args: Any,
+        *,
+        config: TrlExtConfig,
+        plugin_manager: TrlExtPluginManager,
     ) -> None:
         self.installation = installation
+        self.config = config
+        self.plugin_manager = plugin_manager
         self._trainer = weakref.ref(trainer)
         self.trainer_class = trainer_class
         self.enabled: tuple[str, ...] = tuple(enabled)
@@ -104,21 +116,16 @@ class TrainerContext:
         self.calls: dict[str, tuple[str, ...]] = {}
         #: `trl_ext.verify.Verify` when verify checks this trainer (its `results`), else None.
         self.verified: Any = None
-        pm = installation.plugin_manager
-        disabled = {plugin for name, plugin in pm.list_name_plugin() if name not in self.enabled}
-        self.hook = _SubsetHooks(pm, disabled)
+        disabled = {plugin for name, plugin in plugin_manager.list_name_plugin() if name not in self.enabled}
+        self.hook = _SubsetHooks(plugin_manager, disabled)
 
     @property
     def trainer(self) -> Any:
         return self._trainer()
 
-    @property
-    def config(self) -> TrlExtConfig:
-        return self.installation.config
-
     def options(self, plugin: str) -> Any:
         """The parsed options of `plugin` (an instance of its declared options dataclass, or None if it has none)."""
-        return self.installation.config.options(plugin)
+        return self.config.options(plugin)
 
     def is_enabled(self, plugin: str) -> bool:
         return plugin in self.enabled
@@ -126,7 +133,7 @@ class TrainerContext:
     def plugins_serving(self, role: str) -> tuple[str, ...]:
         """The registered plugins that declare `role` (`PluginSpec.serves`) and apply to this trainer, enabled or
         not: what a plugin's advice may offer instead of itself, without naming it."""
-        specs = self.installation.plugin_manager.catalog.specs
+        specs = self.plugin_manager.catalog.specs
         return tuple(n for n, s in specs.items() if role in s.serves and s.applies_to(self.trainer_class))
 
     def call_exclusive(self, hook_name: str, **kwargs: Any) -> Any:
@@ -256,3 +263,7 @@ def unwrap_causal_lm(model: Any) -> Any:
             continue
         break
     return model
+
+
+if TYPE_CHECKING:  # pragma: no cover
+    _IS_WHAT_HOOKS_RECEIVE: type[interfaces.TrainerContext] = TrainerContext  # checked by mypy

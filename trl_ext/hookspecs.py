@@ -18,7 +18,9 @@ Rules that hold for every hook here:
 - A plugin declares its flags, options and trainers with `TRL_EXT_PLUGIN = trl_ext.PluginSpec(...)`
   (`trl_ext.spec`); the core validates every value against those declarations before any hook runs.
 
-This module imports nothing heavy: the types below are for type checkers only.
+This module imports nothing heavy: the types below are for type checkers only. `TrainerContext`, `Call`,
+`TrlExtConfig` and `Installation` are the protocols of `trl_ext.interfaces`, which the classes of `trl_ext.api`
+satisfy, so that the plugin manager, which imports this module, does not depend on the modules that use it.
 """
 
 from __future__ import annotations
@@ -33,10 +35,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
     from transformers import Trainer
 
-    from .calls import Call
-    from .config import TrlExtConfig
-    from .context import TrainerContext
-    from .installation import Installation
+    from .interfaces import Call, Installation, TrainerContext, TrlExtConfig
 
 PROJECT_NAME = "trl_ext"
 

@@ -7,7 +7,7 @@ import inspect
 import os
 import weakref
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import _compat, attach, build
 from ._logging import NOTICE, get_logger, is_main_process
@@ -16,6 +16,9 @@ from .context import _LIVE, TrainerContext
 from .errors import UsageError
 from .manager import TrlExtPluginManager, make_plugin_manager
 from .patching import Patcher, resolve
+
+if TYPE_CHECKING:  # pragma: no cover
+    from . import interfaces
 
 __all__ = ["Installation", "current", "install", "install_config"]
 
@@ -299,3 +302,7 @@ def current() -> Installation | None:
     """The active installation (the one `install()` returned and that is not uninstalled), or None."""
     active = Installation._active
     return active if active is not None and active.installed else None
+
+
+if TYPE_CHECKING:  # pragma: no cover
+    _IS_WHAT_HOOKS_RECEIVE: type[interfaces.Installation] = Installation  # checked by mypy
