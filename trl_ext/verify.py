@@ -215,20 +215,19 @@ class Verify:
         state.set_rng_states(start)
         ctx = self.ctx
         token = STOCK_CALL.set(stock)
-        local = Patcher("trl-ext verify: an extra call's gathers")
         accelerator = getattr(ctx.trainer, "accelerator", None)
-        for name in _compat.VERIFY_LOCAL_GATHERS if accelerator is not None else ():
-            local.setattr(accelerator, name, state.local)
         try:
-            with (
-                torch.no_grad(),
-                ctx.patcher.suspended(state.stock_attribute) if stock else contextlib.nullcontext(),
-                self._without_autocast() if float32 else contextlib.nullcontext(),
-                self._capture() as captured,
-            ):
-                result = method(*args, **kwargs)
+            with Patcher("trl-ext verify: an extra call's gathers") as local:
+                for name in _compat.VERIFY_LOCAL_GATHERS if accelerator is not None else ():
+                    local.setattr(accelerator, name, state.local)
+                with (
+                    torch.no_grad(),
+                    ctx.patcher.suspended(state.stock_attribute) if stock else contextlib.nullcontext(),
+                    self._without_autocast() if float32 else contextlib.nullcontext(),
+                    self._capture() as captured,
+                ):
+                    result = method(*args, **kwargs)
         finally:
-            local.undo()
             STOCK_CALL.reset(token)
         self.forwards += max(len(captured), 1)
         return self._sequences(captured, result, args, kwargs, grad)
@@ -260,8 +259,7 @@ class Verify:
         if self.ctx.trainer_class != "DPOTrainer":
             yield captured
             return
-        patcher = Patcher("trl-ext verify: capture")
-        try:
+        with Patcher("trl-ext verify: capture") as patcher:
             if _compat.dpo_has_fused_head():
                 for model in self.ctx.models().values():
                     patcher.setattr(model, "forward", state.capture_output(model.forward, captured))
@@ -271,8 +269,6 @@ class Verify:
                     if helper != _compat.DPO_ENTROPY_HELPERS[0]:
                         patcher.wrap(module, helper, functools.partial(state.capture_result, captured=captured))
             yield captured
-        finally:
-            patcher.undo()
 
     def _sequences(self, captured: list, result: Any, args: tuple, kwargs: dict[str, Any], grad: bool) -> list:
         """`[(role, per-sequence log-probs, per-sequence scale)]` of one call: DPO's captured model calls (policy
@@ -302,13 +298,10 @@ class Verify:
 
     @contextlib.contextmanager
     def _without_autocast(self) -> Iterator[None]:
-        patcher = Patcher("trl-ext verify: float32 reference")
-        try:
+        with Patcher("trl-ext verify: float32 reference") as patcher:
             for module in self._autocast_modules():
                 patcher.setattr(module, "forward", module.__dict__[_compat.ACCELERATE_ORIGINAL_FORWARD])
             yield
-        finally:
-            patcher.undo()
 
     # -- the verdict -------------------------------------------------------------------------------------------------
 

@@ -90,13 +90,12 @@ def _scoring(scoring: _Scoring, models: dict[str, tuple[Any, torch.nn.Module]], 
     fused one for the duration of the call, through an undo stack of its own: outermost, so that a packing plugin's
     wrapper inside it has put the hidden states back into the padded layout before they become `LazyLogits`."""
     token = _SCORING.set(scoring)
-    patcher = Patcher("fused_logprobs: one DPO scoring call")
     try:
-        for role, (model, head) in models.items():
-            patcher.setattr(model, "forward", _fused_forward(model.forward, role, head, state))
-        yield
+        with Patcher("fused_logprobs: one DPO scoring call") as patcher:
+            for role, (model, head) in models.items():
+                patcher.setattr(model, "forward", _fused_forward(model.forward, role, head, state))
+            yield
     finally:
-        patcher.undo()
         _SCORING.reset(token)
 
 

@@ -88,12 +88,9 @@ def _split(call: Call, count: int) -> tuple[list[Any], tuple, dict[str, Any]]:
 
 def build_loader(trainer: Any, state: TokenBudgetState, call: Call) -> Any:
     collator = KeepExamples(trainer.data_collator)
-    scoped = Patcher("token_budget (loader)")
-    scoped.setattr(trainer, "data_collator", collator)
-    try:
+    with Patcher("token_budget (loader)") as scoped:
+        scoped.setattr(trainer, "data_collator", collator)
         loader = call.proceed()
-    finally:
-        scoped.undo()
     if dispatches(loader):
         # accelerate joins the batches: the examples travel as tensors (`.dispatch`), truncated as the collator
         # truncates (`DataCollatorForPreference`'s fields; one without them does not)
