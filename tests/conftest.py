@@ -27,15 +27,38 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
 
 
-def pytest_collection_finish(session):
-    """Move what collection imported (torch, transformers, TRL, peft, datasets: ~400k objects) out of the garbage
-    collector's reach before any test runs. `Trainer.train` calls `gc.collect()` (accelerate's `free_memory`), which
-    otherwise walks all of it, 0.3-0.5 s a call. Only objects that exist now are frozen, so every test's own objects
-    (trainers, models) are still collected as before."""
+def _freeze_what_lives() -> None:
     import gc
 
     gc.collect()
     gc.freeze()
+
+
+def pytest_collection_finish(session):
+    """Move what collection imported (torch, transformers, TRL, peft, datasets: ~450k objects) out of the garbage
+    collector's reach before any test runs. `Trainer.train` calls `gc.collect()` (accelerate's `free_memory`), which
+    otherwise walks all of it, 0.3-0.5 s a call. Only objects that exist now are frozen, so every test's own objects
+    (trainers, models) are still collected as before."""
+    _freeze_what_lives()
+
+
+#: Objects the garbage collector tracks, between two test modules, above which they are frozen as well (below).
+_FREEZE_ABOVE = 20_000
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Between two test modules, what tests imported or cached for good (DeepSpeed, matplotlib and its fonts, more
+    architectures: up to ~100k objects, 0.1 s a `gc.collect()`) is frozen too once it has grown large. By then the
+    module's fixtures are torn down and pytest has let go of the last test's: what is garbage is collected first, and
+    only what lives on is frozen."""
+    result = yield
+    if nextitem is not None and getattr(nextitem, "module", None) is not getattr(item, "module", None):
+        import gc
+
+        if len(gc.get_objects()) > _FREEZE_ABOVE:
+            _freeze_what_lives()
+    return result
 
 
 @pytest.fixture(scope="session", autouse=True)
