@@ -198,8 +198,10 @@ def tokenizer():
     return make_tokenizer()
 
 
-#: What every test trainer's config says: on the CPU, 2 steps, a log each, no logging integrations, no checkpoints.
-_TEST_ARGS = dict(max_steps=2, logging_steps=1, report_to=[], use_cpu=True, save_strategy="no", seed=0)
+#: What every test trainer's config says: on the CPU, 2 steps, a log each, no logging integrations, no checkpoints,
+#: float32. TRL defaults to bf16 autocast, which a CPU without bf16 instructions emulates (matmuls ~17x slower than
+#: float32 on the 2-core test machine); the tests of 16-bit training ask for it (`bf16=True` / `fp16=True`).
+_TEST_ARGS = dict(max_steps=2, logging_steps=1, report_to=[], use_cpu=True, save_strategy="no", seed=0, bf16=False)
 
 
 @pytest.fixture
