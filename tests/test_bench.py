@@ -406,6 +406,7 @@ def test_bench_interrupted_keeps_the_sections_that_finished(tmp_path, monkeypatc
     assert "INCOMPLETE: the sections finished so far" in table and "DPO step fwd+bwd" in table
 
 
+@pytest.mark.slow  # renders the whole figure (~1 s); the figure is built in the fast loop by the panel tests below
 def test_plot_legends_cover_nothing_plotted():
     """Every panel's legend sits clear of its bars, error bars, points, lines and flag notes (a `!! WIDE SPREAD`
     note was hidden under the legend)."""
