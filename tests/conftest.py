@@ -27,6 +27,71 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
 
 
+def _freeze_what_lives() -> None:
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
+def pytest_collection_finish(session):
+    """Move what collection imported (torch, transformers, TRL, peft, datasets: ~450k objects) out of the garbage
+    collector's reach before any test runs. `Trainer.train` calls `gc.collect()` (accelerate's `free_memory`), which
+    otherwise walks all of it, 0.3-0.5 s a call. Only objects that exist now are frozen, so every test's own objects
+    (trainers, models) are still collected as before."""
+    _freeze_what_lives()
+
+
+#: Objects the garbage collector tracks, between two test modules, above which they are frozen as well (below).
+_FREEZE_ABOVE = 20_000
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Between two test modules, what tests imported or cached for good (DeepSpeed, matplotlib and its fonts, more
+    architectures: up to ~100k objects, 0.1 s a `gc.collect()`) is frozen too once it has grown large. By then the
+    module's fixtures are torn down and pytest has let go of the last test's: what is garbage is collected first, and
+    only what lives on is frozen."""
+    result = yield
+    if nextitem is not None and getattr(nextitem, "module", None) is not getattr(item, "module", None):
+        import gc
+
+        if len(gc.get_objects()) > _FREEZE_ABOVE:
+            _freeze_what_lives()
+    return result
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_intra_op_thread():
+    """Every test runs torch on one intra-op thread: the tests' tiny models run as fast on one, and a second thread
+    only spin-waits (on a 2-core machine, about twice the CPU time of the whole fast loop). Launched processes are
+    not affected (they set `OMP_NUM_THREADS` themselves)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _accelerate_package_checks_cached():
+    """accelerate's `is_peft_available()` / `is_deepspeed_available()` read and parse the package's metadata on every
+    call, and `Accelerator.unwrap_model` asks both on every forward (~3 ms each, a tenth of a tiny training step).
+    What is installed does not change during a test run, so the answer is kept after the first call."""
+    import functools
+
+    from accelerate.utils import imports
+
+    check = getattr(imports, "_is_package_available", None)
+    if check is None:  # an accelerate without it: nothing to keep
+        yield
+        return
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(imports, "_is_package_available", functools.cache(check))
+        yield
+
+
 #: Lines for the terminal summary of the run: figures a test computes that CI's log shows (`report` fixture).
 _REPORT: list[tuple[str, str]] = []
 
@@ -133,8 +198,10 @@ def tokenizer():
     return make_tokenizer()
 
 
-#: What every test trainer's config says: on the CPU, 2 steps, a log each, no logging integrations, no checkpoints.
-_TEST_ARGS = dict(max_steps=2, logging_steps=1, report_to=[], use_cpu=True, save_strategy="no", seed=0)
+#: What every test trainer's config says: on the CPU, 2 steps, a log each, no logging integrations, no checkpoints,
+#: float32. TRL defaults to bf16 autocast, which a CPU without bf16 instructions emulates (matmuls ~17x slower than
+#: float32 on the 2-core test machine); the tests of 16-bit training ask for it (`bf16=True` / `fp16=True`).
+_TEST_ARGS = dict(max_steps=2, logging_steps=1, report_to=[], use_cpu=True, save_strategy="no", seed=0, bf16=False)
 
 
 @pytest.fixture

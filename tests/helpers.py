@@ -162,8 +162,21 @@ def imported_from(node: ast.ImportFrom, package: str) -> str:
     return f"{base}.{node.module}" if node.module else base
 
 
+#: `parse`'s trees, by source text.
+_PARSED: dict[str, ast.Module] = {}
+
+
+def parse(source: str, filename: str = "<unknown>") -> ast.Module:
+    """`ast.parse(source)`, parsed once per test run: the house tests walk every module of trl_ext/ and tests/
+    several times (~5 ms a parse). Callers only read the tree."""
+    tree = _PARSED.get(source)
+    if tree is None:
+        tree = _PARSED[source] = ast.parse(source, filename)
+    return tree
+
+
 def code_tokens(path: Path) -> set[str]:
-    tree = ast.parse(path.read_text())
+    tree = parse(path.read_text())
     docstrings = set()
     for node in ast.walk(tree):
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):

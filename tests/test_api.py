@@ -39,7 +39,7 @@ def imported_names(source: str, module: str, *, is_package: bool = False) -> set
     relative imports resolved: `import a.b` gives `a.b`; `from a import b` gives `a.b` (`b` may be a submodule)."""
     package = module if is_package else module.rpartition(".")[0]
     out: set[str] = set()
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(helpers.parse(source)):
         if isinstance(node, ast.Import):
             out.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):

@@ -406,6 +406,7 @@ def test_bench_interrupted_keeps_the_sections_that_finished(tmp_path, monkeypatc
     assert "INCOMPLETE: the sections finished so far" in table and "DPO step fwd+bwd" in table
 
 
+@pytest.mark.slow  # renders the whole figure (~1 s); the figure is built in the fast loop by the panel tests below
 def test_plot_legends_cover_nothing_plotted():
     """Every panel's legend sits clear of its bars, error bars, points, lines and flag notes (a `!! WIDE SPREAD`
     note was hidden under the legend)."""
@@ -436,14 +437,22 @@ def test_plot_legends_cover_nothing_plotted():
     plt.close(fig)
 
 
+# Every case draws the whole figure (~0.5 s): the fast loop keeps one of the two "not run" cases (the other is the same
+# branch of `panel_note`), the skipped and the failed one; "no rows" is in the fast loop as a table row
+# (`test_a_zero3_part_without_rows_is_one_flagged_row_not_an_empty_table`).
 @pytest.mark.parametrize(
     ("generation", "complete", "note"),
     [
-        (None, True, "ZeRO-3 generation: not run (not among --only)"),
+        pytest.param(None, True, "ZeRO-3 generation: not run (not among --only)", marks=pytest.mark.slow),
         (None, False, "ZeRO-3 generation: not run (the bench stopped before it)"),
         ("skipped", True, "ZeRO-3 generation: not run (needs DeepSpeed, which is not installed)"),
         ({"error": "InternalError: ZeRO-3 generation run failed:\nTraceback"}, True, "ZeRO-3 generation: FAILED ("),
-        ({"modes": [], "tokens": {"text": "", "flags": []}}, True, "ZeRO-3 generation: no rows ("),
+        pytest.param(
+            {"modes": [], "tokens": {"text": "", "flags": []}},
+            True,
+            "ZeRO-3 generation: no rows (",
+            marks=pytest.mark.slow,
+        ),
     ],
 )
 def test_a_panel_with_nothing_to_draw_says_why_in_one_line(generation, complete, note):

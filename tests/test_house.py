@@ -65,7 +65,7 @@ def _imported(name: str, path: Path, modules: dict[str, Path], *, module_level: 
     """The package's modules that module `name` imports (relative imports resolved)."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     out: set[str] = set()
-    for node in _import_nodes(ast.parse(path.read_text()), module_level=module_level):
+    for node in _import_nodes(helpers.parse(path.read_text()), module_level=module_level):
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         else:
@@ -306,7 +306,7 @@ def _unreported_runtime_errors(source: str) -> list[int]:
     """Lines of `source` that raise a bare `RuntimeError` whose message does not say to report it (`InternalError`
     always does)."""
     lines = []
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(helpers.parse(source)):
         if not isinstance(node, ast.Raise) or node.exc is None:
             continue
         exc = node.exc.func if isinstance(node.exc, ast.Call) else node.exc
@@ -363,7 +363,7 @@ def test_one_module_name_and_one_class_per_shared_concern():
     ranks = [
         path.relative_to(ROOT).as_posix()
         for path in sorted(PACKAGE.rglob("*.py"))
-        for node in ast.walk(ast.parse(path.read_text()))
+        for node in ast.walk(helpers.parse(path.read_text()))
         if isinstance(node, ast.ClassDef) and node.name == "Ranks"
     ]
     assert ranks == ["trl_ext/_shared.py"]
@@ -374,7 +374,7 @@ def _imported_names(root: Path, prefixes: tuple[str, ...]) -> list[tuple[Path, i
     starts with one of `prefixes`."""
     out = []
     for path in sorted(root.rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in ast.walk(helpers.parse(path.read_text(), str(path))):
             if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 if node.module.split(".")[0] in prefixes:
                     out.extend((path, node.lineno, node.module, alias.name) for alias in node.names)
@@ -415,7 +415,7 @@ def _test_module_imports(root: Path) -> list[str]:
     found = []
     for path in sorted(root.rglob("*.py")):
         package = list(path.relative_to(root.parent).parent.parts)
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in ast.walk(helpers.parse(path.read_text(), str(path))):
             if isinstance(node, ast.ImportFrom):
                 base = package[: len(package) - node.level + 1] if node.level else []
                 modules = [".".join([*base, *(node.module or "").split(".")]).strip(".")]
@@ -522,7 +522,7 @@ def _floor_tolerances(root: Path) -> list[tuple[str, str, int, float]]:
     found = []
     for path in sorted(root.rglob("*.py")):
         name = path.relative_to(root.parent).as_posix()
-        tree = ast.parse(path.read_text(), str(path))
+        tree = helpers.parse(path.read_text(), str(path))
         found += [(name, *t) for t in _tolerances_in(tree, "<module>") if low < t[2] <= high]
     return found
 

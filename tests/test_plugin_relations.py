@@ -14,7 +14,7 @@ from trl_ext.plugins.prompt_sharing import setup as sharing_setup
 from trl_ext.spec import PluginSpec
 from trl_ext.toolkit import architecture
 
-from .helpers import code_tokens
+from .helpers import code_tokens, parse
 
 PLUGINS = Path(__file__).resolve().parents[1] / "trl_ext" / "plugins"
 
@@ -27,7 +27,7 @@ def _named(path: Path, names: set[str]) -> list[str]:
     """The plugin names a module's code uses: identifiers and string tokens; a name that is an ordinary word
     (`generation`) counts in a string only as the whole string (`is_enabled("generation")`)."""
     tokens = code_tokens(path)
-    strings = {node.value for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Constant)}
+    strings = {node.value for node in ast.walk(parse(path.read_text())) if isinstance(node, ast.Constant)}
     return sorted(n for n in names if (n in tokens and "_" in n) or n in strings)
 
 
@@ -53,7 +53,7 @@ def test_no_builtin_plugin_imports_another():
     found = []
     for plugin in sorted(catalog.builtin):
         for path in sorted((PLUGINS / plugin).rglob("*.py")):
-            for node in ast.walk(ast.parse(path.read_text())):
+            for node in ast.walk(parse(path.read_text())):
                 if isinstance(node, ast.ImportFrom) and node.module:
                     parts = set(node.module.split("."))
                     if parts & (set(catalog.builtin) - {plugin}):

@@ -66,6 +66,7 @@ def _dpo_trainer(tokenizer, dpo_args):
     )
 
 
+@pytest.mark.slow  # `plugin_site` runs pip, a launched process (the fast loop finds the `recorder` plugin)
 def test_enabled_from_python(with_plugin, tokenizer, dpo_args):
     import logging
 
@@ -91,6 +92,7 @@ def test_enabled_from_python(with_plugin, tokenizer, dpo_args):
         trl_ext.install(fused_los=True)
 
 
+@pytest.mark.slow  # `plugin_site` runs pip, a launched process (the fast loop finds the `recorder` plugin)
 def test_enabled_from_the_environment_and_yaml(with_plugin, tokenizer, dpo_args, monkeypatch, tmp_path):
     monkeypatch.setenv("TRL_EXT_FUSED_LOSS", "1")
     monkeypatch.setenv("TRL_EXT_PLUGINS", json.dumps({"fused_loss": {"chunk": "3"}}))

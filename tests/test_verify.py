@@ -173,6 +173,7 @@ def _tallying_trainer():
     return type("TallyingDPOTrainer", (DPOTrainer,), {name: scoring})
 
 
+@pytest.mark.slow  # TRL's own counts (`num_tokens`) are in the logs the bit-for-bit test above compares, fast
 @needs_dpo
 def test_what_the_scoring_method_counts_on_the_trainer_is_put_back(build):
     """verify's extra stock call leaves no count behind: the subclass's tensor sum, int and list, and TRL's own

@@ -166,6 +166,7 @@ def test_probe_lengths_follow_training():
     assert probe_lengths(5000, {}, max_positions=2048)[0] == 2048
 
 
+@pytest.mark.slow  # the fast loop has the same split, against stock: test_padding_free_mechanisms.py (docstring)
 def test_a_batch_longer_than_mpts_alibi_table_trains_in_several_packed_rows(tokenizer, dpo_args):
     """MPT's ALiBi table covers `max_seq_len` keys of one row: a batch of 8 sequences of up to 32 tokens with
     `max_seq_len=64` trains (stock trains it: each padded row is within the table), its packed batches split into

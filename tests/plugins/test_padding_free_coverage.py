@@ -113,7 +113,13 @@ def test_dispatch_batches_two_processes(tmp_path):
 # -------------------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["mistral", "mixtral", "stablelm"])
+#: Mistral's cases of the DPO paths below (sliding windows) are `slow`: the fast loop keeps MoE (Mixtral) and partial
+#: rotary (StableLM) here, sliding windows per architecture in test_padding_free.py `test_architectures` and through a
+#: real DPOTrainer in test_varlen_releases.py `test_a_wrong_kernel_never_trains`.
+MISTRAL = pytest.param("mistral", marks=pytest.mark.slow)
+
+
+@pytest.mark.parametrize("kind", [MISTRAL, "mixtral", "stablelm"])
 def test_policy_ref_and_training_with_gradient_checkpointing(build, kind):
     stock = build(kind, max_steps=2, gradient_checkpointing=True)
     with trl_ext.install(padding_free=True):
@@ -124,7 +130,7 @@ def test_policy_ref_and_training_with_gradient_checkpointing(build, kind):
         _assert_logs_equal(eq.train_logs(stock), eq.train_logs(packed))
 
 
-@pytest.mark.parametrize("kind", ["mistral", "mixtral"])
+@pytest.mark.parametrize("kind", [MISTRAL, "mixtral"])
 def test_precompute(build, kind):
     stock, packed = eq.stock_and_plugin(build, dict(padding_free=True), kind, ref=False, precompute_ref_log_probs=True)
     assert _state(packed).packed_calls > 0
@@ -133,7 +139,7 @@ def test_precompute(build, kind):
     _compare_step(stock, packed)
 
 
-@pytest.mark.parametrize("kind", ["mistral", "mixtral"])
+@pytest.mark.parametrize("kind", [MISTRAL, "mixtral"])
 def test_peft_lora(build, kind):
     """LoRA policy, reference = the adapter-disabled base model; for the MoE model the adapter also targets the
     expert parameters (peft's `target_parameters`)."""

@@ -102,7 +102,13 @@ def _compare(stock, shared):
     )
 
 
-@pytest.mark.parametrize("kind", ["mistral", "mixtral"])
+#: Mistral's cases (sliding windows) are `slow`: the fast loop keeps MoE (Mixtral) here, sliding windows per
+#: architecture in test_prompt_sharing.py `test_architectures` and through a real DPOTrainer in
+#: test_varlen_releases.py `test_a_wrong_kernel_never_trains`.
+MISTRAL = pytest.param("mistral", marks=pytest.mark.slow)
+
+
+@pytest.mark.parametrize("kind", [MISTRAL, "mixtral"])
 def test_policy_ref_and_training_with_gradient_checkpointing(build, kind):
     """Per-sequence log-probs, loss (with 0.5 x the MoE aux loss) and gradients of one batch, then two SGD steps
     with gradient checkpointing: every logged value (`aux_loss` included) equals stock padded TRL."""
@@ -120,7 +126,7 @@ def test_policy_ref_and_training_with_gradient_checkpointing(build, kind):
         assert _state(shared).checked == set()  # a verified model type runs without the self-check by default
 
 
-@pytest.mark.parametrize("kind", ["mistral", "mixtral"])
+@pytest.mark.parametrize("kind", [MISTRAL, "mixtral"])
 def test_precompute_and_lora(build, kind):
     """Reference precompute (shared), then a LoRA policy whose reference is the adapter-disabled base model; for the
     MoE model the adapter also targets the expert parameters."""

@@ -50,7 +50,10 @@ def _same(a: float, b: float) -> bool:
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("budget", [BUDGET, 100_000], ids=["cut", "one_micro_batch"])
+# one_micro_batch (its empty Trainer micro-step replaced too) is `slow`: the fast loop keeps the cut budget
+@pytest.mark.parametrize(
+    "budget", [BUDGET, pytest.param(100_000, marks=pytest.mark.slow)], ids=["cut", "one_micro_batch"]
+)
 def test_nan_metrics_equal_stock(dpo_args, tokenizer, budget):
     """A learning rate of 1e300: the first step is finite, its update overflows the weights, and every value of the
     second step is NaN. 8 pairs, logged every 2 steps: the one log holds the finite step and the NaN one, whose
@@ -197,6 +200,7 @@ def test_sft_packed_equals_stock(dpo_args, tokenizer, packing):
     assert _state(plugin[0]).packed
 
 
+@pytest.mark.slow  # fast loop: sft's training cuts (test_sft_equals_stock[rpo]), eval splits (test_token_budget.py)
 def test_sft_evaluation_batches_split_equal_stock(dpo_args, tokenizer):
     from trl import DPOTrainer
 

@@ -177,9 +177,15 @@ def _pattern(dtype, shared, *, heads=8, kv_heads=2, window=4, scale=0.0625, dim=
     return probe.Pattern("cpu", dtype, heads, kv_heads, dim, dim, dim, window, scale, shared)
 
 
+#: The fast loop probes a right kernel of 2.13 (the release of the planted faults and the trainer tests below); 2.11
+#: and 2.15 are `slow`. Each release's own translation is checked in the fast loop, for every release, by
+#: `test_each_release_through_the_translation_equals_the_reference`.
+PROBED_RELEASES = [pytest.param("2.11", marks=pytest.mark.slow), "2.13", pytest.param("2.15", marks=pytest.mark.slow)]
+
+
 @pytest.mark.parametrize("shared", [False, True], ids=["packed", "shared"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("release", ["2.11", "2.13", "2.15"])
+@pytest.mark.parametrize("release", PROBED_RELEASES)
 def test_the_probe_passes_a_right_kernel(monkeypatch, release, dtype, shared):
     """A right kernel in 16 bits is within the tolerance (4 epsilons of the dtype) with a margin of 3 or more, with
     GQA, a window and a scale of its own; and with a window wider than the probe's segments."""
