@@ -503,7 +503,7 @@ def differences(stock: Measured, plugin: Measured) -> list[str]:
 
 class _Context:
     """What the packing plugins' setup uses of a DPOTrainer's plugin context: per-plugin state and default options,
-    a patcher, registration holds (released by `close`)."""
+    a patcher, process-scope changes (undone by `close`)."""
 
     trainer_class = "DPOTrainer"
 
@@ -521,9 +521,14 @@ class _Context:
         assert name == pf.NAME
         return pf.PaddingFreeOptions()
 
-    def hold(self, key, acquire, release) -> None:
-        acquire()
-        self._releases.append(release)
+    def patch(self, scope: str, apply: Any, *, key: str | None = None) -> None:
+        from trl_ext.patching import Patcher
+
+        assert scope in ("trainer", "process"), scope  # the packing plugins' setup uses no run scope
+        held = self.patcher if scope == "trainer" else Patcher(f"sweep: {key}")
+        apply(held)
+        if held is not self.patcher:
+            self._releases.append(held.undo)
 
     def close(self) -> None:
         self.patcher.undo()
