@@ -631,6 +631,8 @@ def test_sigint_during_precompute_then_resume_is_bit_identical(tmp_path):
     assert not list(cache.glob("*/ref_logps.npz"))  # interrupted before the end: no complete entry
     saved = 0
     for part in cache.glob("*/parts/part-*.npz"):
+        if not part.with_suffix(".sha256").exists():
+            continue  # interrupted between a shard and its checksum: the resume discards it (and recomputes it)
         with np.load(part) as npz:
             saved += len(npz["indices"])
     assert 0 < saved < total["n_pairs"]
