@@ -228,6 +228,7 @@ def test_device_tiny_runs_every_part_end_to_end(tmp_path):
         assert (out / "bench.png").stat().st_size > 0
 
 
+@pytest.mark.slow  # 7 s: builds and steps a bench trainer; the end-to-end run checks `verified_timed_steps` too
 def test_a_stepper_advances_the_step_as_the_trainers_loop_does(tmp_path):
     """The first GPU run timed `verify`'s two extra stock forwards in every padding_free step: the bench's steps left
     `state.global_step` at 0, so every step was "the first". A `Stepper` step now advances it, as `train()` does, and
