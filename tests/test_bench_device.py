@@ -241,6 +241,29 @@ def test_a_stepper_advances_the_step_as_the_trainers_loop_does(tmp_path):
     assert stepper.trainer.state.global_step == 3 and stepper.checked == [True, False, False]
 
 
+@pytest.mark.slow  # builds and profiles three tiny DPO trainers (about 20 s)
+def test_gpu_profile_runs_its_pipeline_on_a_cpu(tmp_path):
+    """`benchmarks/gpu_profile.py --device cpu --preset tiny`: each packing variant timed by phase and profiled, its
+    table written; on a CPU there is no device time to report."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_profile", REPO / "benchmarks" / "gpu_profile.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "prof"
+    assert script.main(["--device", "cpu", "--preset", "tiny", "--parts", "packing", "--out", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    for name in ("stock", "padding_free", "prompt_sharing"):
+        entry = summary[name]
+        phases = entry["get_batch_samples"] + entry["training_step"] + entry["optimizer"]
+        assert entry["step"] > 0 and entry["training_step"] > 0 and abs(entry["step"] - phases) < 0.5 * entry["step"]
+        assert entry["device_busy_per_step_s"] is None and entry["profiled_steps"] == len(entry["steps"]) > 0
+        assert "aten::mm" in [row[0] for row in entry["top_host_self_ms_per_step"]]
+        assert (out / f"{name}.txt").read_text().startswith(f"# {name}: ")
+    assert summary["stock"]["attention"] is None
+    assert summary["padding_free"]["attention"].startswith("per-segment loop (cpu")
+
+
 def test_the_docs_quote_a_recorded_gpu_run_or_say_not_measured(tmp_path):
     """docs/benchmarks.md's `gpu` part: "not measured" while no run is recorded; the recorded report's table once
     `benchmarks/results/gpu_bench.json` exists."""
