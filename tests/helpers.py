@@ -218,10 +218,10 @@ class ReferenceVarlen:
         lengths_q = [b - a for a, b in zip(bq[:-1], bq[1:], strict=True)]
         lengths_k = [b - a for a, b in zip(bk[:-1], bk[1:], strict=True)]
         assert max_q == max(lengths_q) and max_k == max(lengths_k)
-        from trl_ext.toolkit.packing.probe import PROBING
+        from trl_ext.api import current_call
 
         call = {"cu_q": cu_q, "causal": causal, "window": window, "segments": len(lengths_q)}
-        (self.probe_calls if PROBING.get() else self.calls).append(call)
+        (self.probe_calls if current_call().probing else self.calls).append(call)
         if k.shape[1] != q.shape[1]:
             k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
             v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)

@@ -1,9 +1,9 @@
 """The core names no built-in plugin: adding or removing a plugin touches only its own module.
 
 Scans the code (identifiers and string literals, not docstrings or comments, which may show examples) of every core
-module: `trl_ext/*.py` except `_compat.py` (TRL's own flag names are TRL facts there, e.g. `DPOConfig.padding_free`)
-and `testing.py` (helpers for tests and benchmarks). The plugins and the app (`trl_ext/plugins/`, `trl_ext/app/`)
-are not core.
+module: `trl_ext/*.py` except `testing.py` (helpers for tests and benchmarks). The index of TRL facts (the package
+`_compat/`: TRL's own flag names are TRL facts there, e.g. `DPOConfig.padding_free`), the plugins and the app
+(`trl_ext/plugins/`, `trl_ext/app/`) are not core.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from tests import helpers
 from trl_ext.manager import load_catalog
 
 PACKAGE = Path(__file__).resolve().parents[1] / "trl_ext"
-NOT_CORE = {"_compat.py", "testing.py"}
+NOT_CORE = {"testing.py"}
 
 
 def test_no_core_module_names_a_builtin_plugin_or_its_flags():

@@ -15,7 +15,7 @@ import torch
 import trl_ext
 from tests import equivalence as eq
 from trl_ext import UsageError, _compat
-from trl_ext import verify as verify_module
+from trl_ext.api import current_call
 from trl_ext.config import TrlExtConfig, load_config
 from trl_ext.testing import make_model, make_preference_dataset
 
@@ -312,7 +312,7 @@ def test_a_stock_call_that_does_not_fit_in_memory_is_not_checked_and_said(build,
     stock = ctx.stock_methods[name]
 
     def out_of_memory(*args, **kwargs):
-        if verify_module.STOCK_CALL.get():
+        if current_call().stock:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.77 GiB")
         return stock(*args, **kwargs)
 

@@ -17,7 +17,10 @@ the built-in plugins import the same, plus `trl_ext._compat` (the core's index o
   `packed_positions`, `current_packed_positions`); these import torch, so they resolve on first use.
 - Self-check probes (sizing a probe from what training will feed, and the stock padded forward to compare with):
   `training_max_length`, `dataset_longest_pair`, `declared_localities`, `probe_lengths`, `model_probe_lengths`,
-  `stock_forward`, `stock_attention`, `STOCK_CALL`.
+  `stock_forward`, `stock_attention`.
+- The call context (`trl_ext.call_context`): `CallContext`, what is in effect for the running call (a stock
+  reference, a packed or shared-prompt forward), `current_call`, `call_entered`, and `CallSlot`, a plugin's own
+  per-call entry.
 - Memory: `PeakMemory` (the peak of a span of work, as the line `train()` ends with), `ExtraMemory` (the extra memory
   one forward needs, for sizing work by probing it), `over_budget`, `GPU_MEMORY_FRACTION`, `free_memory_bytes`,
   `rss_mib`, `reset_peak_rss`, `size_text` (bytes as a user reads them).
@@ -36,6 +39,7 @@ from ._lazy import lazy_getattr
 from ._logging import NOTICE, get_logger, is_main_process
 from ._peak_memory import PeakMemory, reset_peak_rss, rss_mib, size_text
 from ._shared import Ranks, free_memory_bytes
+from .call_context import CallContext, CallSlot, call_entered, current_call
 from .calls import Call
 from .config import TrlExtConfig
 from .context import TrainerContext, unwrap_causal_lm
@@ -60,7 +64,6 @@ from .spec import (
 )
 from .toolkit.memory import GPU_MEMORY_FRACTION, ExtraMemory, over_budget
 from .toolkit.probe import (
-    STOCK_CALL,
     dataset_longest_pair,
     declared_localities,
     model_probe_lengths,
@@ -79,8 +82,9 @@ __all__ = [
     "METRICS",
     "NOTICE",
     "PACKING",
-    "STOCK_CALL",
     "Call",
+    "CallContext",
+    "CallSlot",
     "ExtraMemory",
     "Flag",
     "Installation",
@@ -96,6 +100,8 @@ __all__ = [
     "TrlExtConfig",
     "UsageError",
     "boolean",
+    "call_entered",
+    "current_call",
     "current_packed_positions",
     "dataset_longest_pair",
     "declared_localities",

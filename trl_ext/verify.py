@@ -7,11 +7,11 @@ trainer, or says so itself (token_budget) (`TrainerContext.math_plugins`). In th
 then reference), then once more as stock TRL, on the same batch, under `torch.no_grad()`, on the same device, dtype,
 kernels and engine: the method the trainer held before any plugin took part in its calls
 (`TrainerContext.stock_methods`), with the `forward`s and attention implementations the plugins changed put back
-(`Patcher.suspended`) and `STOCK_CALL` set (a plugin's wrapper that something else wrapped since, accelerate's
-autocast, then passes calls through). The random generators restart where the real call started and end where it left
-them, and the trainer's attributes are put back (plain data such as metric buffers, token counts and on-device metric
-sums with their contents, any other as the same object: `_verify_state.snapshot`): training goes on bit for bit as
-without verify.
+(`Patcher.suspended`) and the call context's `stock` set (a plugin's wrapper that something else wrapped since,
+accelerate's autocast, then passes calls through). The random generators restart where the real call started and end
+where it left them, and the trainer's attributes are put back (plain data such as metric buffers, token counts and
+on-device metric sums with their contents, any other as the same object: `_verify_state.snapshot`): training goes on
+bit for bit as without verify.
 
 Tolerance per sequence, from stock's own round-off: under 16-bit autocast, `MARGIN` times stock's largest 16-bit vs
 float32 difference on the batch (the float32 call: accelerate's `forward` without its autocast) plus the float32
@@ -23,7 +23,6 @@ the tolerance; else one line says what was checked and its cost."""
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 import importlib
 import time
@@ -33,19 +32,16 @@ from typing import TYPE_CHECKING, Any
 from . import _compat
 from . import _verify_state as state
 from ._logging import NOTICE, get_logger, is_main_process
+from .call_context import call_entered
 from .errors import UsageError
 from .patching import Patcher
 
 if TYPE_CHECKING:  # pragma: no cover
     from .context import TrainerContext
 
-__all__ = ["FLOOR_ULPS", "MARGIN", "STOCK_CALL", "Verify", "attach"]
+__all__ = ["FLOOR_ULPS", "MARGIN", "Verify", "attach"]
 
 logger = get_logger(__name__)
-
-#: True while a stock reference runs (verify's stock call, a plugin's self-check): a plugin's wrapper then passes
-#: every call through as it is. A dynamic-scope flag like torch's grad mode.
-STOCK_CALL: contextvars.ContextVar[bool] = contextvars.ContextVar("trl_ext_stock_call", default=False)
 
 #: The tolerance under 16-bit autocast: this many times stock's own largest 16-bit-vs-float32 difference on the batch
 #: (the plugin's 16-bit rounding is another draw of the same size), plus the float32 floor.
@@ -208,27 +204,24 @@ class Verify:
         float32: bool = False,
     ) -> list:
         """`method` once more on the same arguments, without gradients, from the random state `start`: as stock
-        (`stock`: the plugins' forwards and attention put back, `STOCK_CALL` set), in float32 (`float32`: outside
-        accelerate's autocast); its gathers answered by this rank; its captured per-sequence log-probs."""
+        (`stock`: the plugins' forwards and attention put back, the call context's `stock` set), in float32
+        (`float32`: outside accelerate's autocast); its gathers answered by this rank; its captured per-sequence
+        log-probs."""
         import torch
 
         state.set_rng_states(start)
         ctx = self.ctx
-        token = STOCK_CALL.set(stock)
         accelerator = getattr(ctx.trainer, "accelerator", None)
-        try:
-            with Patcher("trl-ext verify: an extra call's gathers") as local:
-                for name in _compat.VERIFY_LOCAL_GATHERS if accelerator is not None else ():
-                    local.setattr(accelerator, name, state.local)
-                with (
-                    torch.no_grad(),
-                    ctx.patcher.suspended(state.stock_attribute) if stock else contextlib.nullcontext(),
-                    self._without_autocast() if float32 else contextlib.nullcontext(),
-                    self._capture() as captured,
-                ):
-                    result = method(*args, **kwargs)
-        finally:
-            STOCK_CALL.reset(token)
+        with call_entered(stock=stock), Patcher("trl-ext verify: an extra call's gathers") as local:
+            for name in _compat.VERIFY_LOCAL_GATHERS if accelerator is not None else ():
+                local.setattr(accelerator, name, state.local)
+            with (
+                torch.no_grad(),
+                ctx.patcher.suspended(state.stock_attribute) if stock else contextlib.nullcontext(),
+                self._without_autocast() if float32 else contextlib.nullcontext(),
+                self._capture() as captured,
+            ):
+                result = method(*args, **kwargs)
         self.forwards += max(len(captured), 1)
         return self._sequences(captured, result, args, kwargs, grad)
 

@@ -21,6 +21,7 @@ import trl_ext
 from tests import equivalence as eq
 from tests.helpers import ReferenceVarlen
 from tests.plugins import sweep
+from trl_ext.api import current_call
 from trl_ext.testing import make_preference_dataset
 from trl_ext.toolkit.packing import kernels, probe, segments
 
@@ -39,7 +40,7 @@ def _spy(monkeypatch) -> list[str]:
     for name, kernel in kernels.installed_kernels().items():
 
         def call(*args, _kernel=kernel, **kwargs):
-            if not probe.PROBING.get():  # the model's calls, not the kernel probe's
+            if not current_call().probing:  # the model's calls, not the kernel probe's
                 calls.append(_kernel.name)
             return _kernel.call(*args, **kwargs)
 

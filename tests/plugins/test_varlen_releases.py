@@ -21,6 +21,7 @@ from tests import equivalence as eq
 from tests import varlen_releases as releases
 from tests.helpers import ReferenceVarlen, tiny
 from trl_ext import UsageError
+from trl_ext.api import current_call
 from trl_ext.testing import make_preference_dataset
 from trl_ext.toolkit.packing import kernels, probe, segments
 
@@ -286,7 +287,7 @@ def _counting(kernel: kernels.Kernel) -> tuple[kernels.Kernel, list]:
     calls: list = []
 
     def call(*args, **options):
-        if not probe.PROBING.get():
+        if not current_call().probing:
             calls.append(options)
         return kernel.call(*args, **options)
 

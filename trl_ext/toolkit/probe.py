@@ -21,10 +21,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from .. import _compat
-from ..verify import STOCK_CALL
+from ..call_context import call_entered
 
 __all__ = [
-    "STOCK_CALL",
     "ProbeRun",
     "declared_localities",
     "dataset_longest_pair",
@@ -35,8 +34,6 @@ __all__ = [
     "training_max_length",
 ]
 
-# `STOCK_CALL` (defined by the core, `trl_ext.verify`): true while a self-check or verify runs the stock reference
-# forward; the packing wrappers then pass every call through as it is (no packing, no prompt sharing).
 
 #: The shortest probe sequences when the config declares no locality (long enough for every mechanism the checks
 #: compare: positions, per-token layers, attention over several keys).
@@ -172,20 +169,19 @@ def stock_attention(name: str) -> str:
 def stock_forward(model: Any, base_impl: str | None = None) -> Iterator[None]:
     """Run `model` as stock transformers would for the duration of the block: its attention implementation set back
     to `base_impl` (default: the one its trl-ext attention stands in for) and the packing wrappers passing calls
-    through."""
+    through (the call context's `stock` set)."""
     config = model.config
     current = config._attn_implementation
     base_impl = base_impl or stock_attention(current)
     switched = current != base_impl
-    token = STOCK_CALL.set(True)
-    try:
-        if switched:
-            config._attn_implementation_internal = base_impl
-        yield
-    finally:
-        if switched:
-            config._attn_implementation_internal = current
-        STOCK_CALL.reset(token)
+    with call_entered(stock=True):
+        try:
+            if switched:
+                config._attn_implementation_internal = base_impl
+            yield
+        finally:
+            if switched:
+                config._attn_implementation_internal = current
 
 
 class ProbeRun:

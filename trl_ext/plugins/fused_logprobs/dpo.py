@@ -33,7 +33,6 @@ An evaluation that asks for the logits themselves (`prediction_loss_only=False`)
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import functools
 import importlib
@@ -43,7 +42,7 @@ from typing import Any
 import torch
 
 from trl_ext import _compat
-from trl_ext.api import Patcher, UsageError, get_logger
+from trl_ext.api import CallSlot, Patcher, UsageError, get_logger
 from trl_ext.toolkit.packing.positions import current_packed_positions
 
 from .lazy import LazyLogits, Root, entropy, logprobs_and_entropy, selective_logprobs
@@ -77,7 +76,7 @@ class _Scoring:
 
 
 #: The scoring call in progress (None outside one).
-_SCORING: contextvars.ContextVar[_Scoring | None] = contextvars.ContextVar("trl_ext_fused_dpo", default=None)
+_SCORING: CallSlot[_Scoring] = CallSlot("fused_logprobs.dpo_scoring")
 #: Statistics `_compute_loss` reads from the policy's logits (TRL 1.10-1.14): its metrics, and with `use_weighting`
 #: the log-sum-exps of the WPO weights.
 METRIC_STATS = ("entropy", "mean", "argmax")
@@ -89,14 +88,10 @@ def _scoring(scoring: _Scoring, models: dict[str, tuple[Any, torch.nn.Module]], 
     """Set the scoring call, and wrap each model's forward (as it is now, every plugin's wrapper included) with the
     fused one for the duration of the call, through an undo stack of its own: outermost, so that a packing plugin's
     wrapper inside it has put the hidden states back into the padded layout before they become `LazyLogits`."""
-    token = _SCORING.set(scoring)
-    try:
-        with Patcher("fused_logprobs: one DPO scoring call") as patcher:
-            for role, (model, head) in models.items():
-                patcher.setattr(model, "forward", _fused_forward(model.forward, role, head, state))
-            yield
-    finally:
-        _SCORING.reset(token)
+    with _SCORING.entered(scoring), Patcher("fused_logprobs: one DPO scoring call") as patcher:
+        for role, (model, head) in models.items():
+            patcher.setattr(model, "forward", _fused_forward(model.forward, role, head, state))
+        yield
 
 
 def score(call: Any, trainer: Any, state: FusedState, context: Any) -> Any:

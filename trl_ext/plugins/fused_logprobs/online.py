@@ -27,7 +27,6 @@ trainer's undo stack); what it does depends on a context variable set around one
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import functools
 import math
@@ -37,7 +36,7 @@ from typing import Any
 import torch
 
 from trl_ext import _compat
-from trl_ext.api import UsageError, size_text, unwrap_causal_lm
+from trl_ext.api import CallSlot, UsageError, size_text, unwrap_causal_lm
 from trl_ext.toolkit.online_forward import ScoringCall, verify_against_trl
 from trl_ext.toolkit.packing.positions import PackedPositions, current_packed_positions
 
@@ -177,7 +176,7 @@ class ScoreCall:
 
 
 #: While set, the patched output head runs the request (once) and returns what it computes.
-_SCORE: contextvars.ContextVar[ScoreCall | None] = contextvars.ContextVar("trl_ext_head_score", default=None)
+_SCORE: CallSlot[ScoreCall] = CallSlot("fused_logprobs.head_score")
 
 
 @dataclasses.dataclass
@@ -270,11 +269,8 @@ def head_forward(head: torch.nn.Module) -> Callable:
 @contextlib.contextmanager
 def scoring(request: ScoreCall) -> Iterator[ScoreCall]:
     """The patched heads run `request` on the first head call of the block."""
-    token = _SCORE.set(request)
-    try:
+    with _SCORE.entered(request):
         yield request
-    finally:
-        _SCORE.reset(token)
 
 
 def run_scoring(model: Any, request: ScoreCall, *args: Any, **kwargs: Any) -> Any:

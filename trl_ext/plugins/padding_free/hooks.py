@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from trl_ext import _compat
-from trl_ext.api import Patcher, UsageError, get_logger, hookimpl
+from trl_ext.api import Patcher, UsageError, current_call, get_logger, hookimpl
 from trl_ext.toolkit.packing.attention import (
     VARLEN_BASES,
     register_varlen_attention,
@@ -36,7 +36,7 @@ from trl_ext.toolkit.packing.metadata import (
     unpack_shifted,
 )
 from trl_ext.toolkit.packing.positions import PackedPositions, packed_positions
-from trl_ext.toolkit.probe import STOCK_CALL, model_probe_lengths
+from trl_ext.toolkit.probe import model_probe_lengths
 from trl_ext.toolkit.randomness import RandomDraw, training_draws
 
 from . import NAME, PaddingFreeOptions
@@ -433,7 +433,7 @@ def _make_causal_lm_forward(original: Callable, state: PaddingFreeState, limit: 
             if (
                 kwargs.get("use_cache") is False
                 and isinstance(kwargs.get("attention_mask"), torch.Tensor)
-                and not STOCK_CALL.get()
+                and not current_call().stock
             ):
                 # A scoring call on a padded batch that packing cannot reproduce (e.g. `output_hidden_states`): it
                 # runs padded, which is correct; say so once instead of hiding it.

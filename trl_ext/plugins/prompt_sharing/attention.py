@@ -28,7 +28,6 @@ softmax, so no log-sum-exp merge of partial attentions is needed.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import functools
 from collections.abc import Callable, Iterator
@@ -37,7 +36,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from trl_ext.api import InternalError, UsageError
+from trl_ext.api import CallSlot, InternalError, UsageError
 from trl_ext.toolkit.packing import kernels, segments
 from trl_ext.toolkit.packing.attention import (
     VARLEN_BASES,
@@ -69,7 +68,7 @@ SHARED_BASES = VARLEN_BASES
 _PREFIX = "trl_ext_shared_"
 
 # True while a shared forward runs: the mask interface then builds no mask (the attention uses the segments).
-_SHARED_CALL: contextvars.ContextVar[bool] = contextvars.ContextVar("trl_ext_shared_call", default=False)
+_SHARED_CALL: CallSlot[bool] = CallSlot("prompt_sharing.shared_call")
 
 
 def shared_attention_name(base: str) -> str:
@@ -88,11 +87,8 @@ def base_of(impl: str) -> str | None:
 @contextlib.contextmanager
 def shared_call() -> Iterator[None]:
     """Mark the enclosed forward as a shared call (the mask interface of the shared attention then builds no mask)."""
-    token = _SHARED_CALL.set(True)
-    try:
+    with _SHARED_CALL.entered(True):
         yield
-    finally:
-        _SHARED_CALL.reset(token)
 
 
 def _visible(
@@ -335,7 +331,7 @@ def register_shared_attention() -> None:
     """Register `trl_ext_shared_sdpa` / `trl_ext_shared_eager` with transformers (idempotent)."""
     for base in SHARED_BASES:
         name = shared_attention_name(base)
-        mask = skip_mask_while(_SHARED_CALL, name, functools.partial(packed_or_base_mask, base))
+        mask = skip_mask_while(_SHARED_CALL.get, name, functools.partial(packed_or_base_mask, base))
         register_attention(name, _make_shared_attention(base), mask)
 
 

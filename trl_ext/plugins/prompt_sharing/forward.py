@@ -26,7 +26,6 @@ gradient that reaches a shared prompt token is the sum of what both branches sen
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import functools
 from collections.abc import Callable, Iterator
@@ -34,11 +33,10 @@ from typing import Any
 
 import torch
 
-from trl_ext.api import InternalError, get_logger
+from trl_ext.api import CallSlot, InternalError, current_call, get_logger
 from trl_ext.toolkit.online_forward import ScoringCall
 from trl_ext.toolkit.packing.glue import positional_input_ids, repad_outputs, scoring_call
 from trl_ext.toolkit.packing.positions import PackedPositions, packed_positions
-from trl_ext.toolkit.probe import STOCK_CALL
 
 from .attention import GROUPS_KWARG, shared_call
 from .layout import (
@@ -66,9 +64,7 @@ __all__ = [
 ]
 
 # Set by the Online DPO `_forward` wrapper: the number of prompt columns of the call it makes (same for every row).
-_ONLINE_PROMPT_COLUMNS: contextvars.ContextVar[int | None] = contextvars.ContextVar(
-    "trl_ext_online_prompt_columns", default=None
-)
+_ONLINE_PROMPT_COLUMNS: CallSlot[int] = CallSlot("prompt_sharing.online_prompt_columns")
 
 
 @dataclasses.dataclass
@@ -171,19 +167,14 @@ def _row_runs(index: torch.Tensor) -> list[int] | None:
     return starts
 
 
-_ONLINE_SCORE: contextvars.ContextVar[OnlineScore | None] = contextvars.ContextVar(
-    "trl_ext_online_score", default=None
-)
+_ONLINE_SCORE: CallSlot[OnlineScore] = CallSlot("prompt_sharing.online_score")
 
 
 @contextlib.contextmanager
 def online_prompt_columns(columns: int) -> Iterator[None]:
     """Announce that the model calls inside are Online DPO scoring calls whose first `columns` columns are prompt."""
-    token = _ONLINE_PROMPT_COLUMNS.set(columns)
-    try:
+    with _ONLINE_PROMPT_COLUMNS.entered(columns):
         yield
-    finally:
-        _ONLINE_PROMPT_COLUMNS.reset(token)
 
 
 def _layout_for(kwargs: dict[str, Any], meta: Any, online: int | None) -> SharedLayout | None:
@@ -284,7 +275,8 @@ def make_causal_lm_forward(
     def forward(*args: Any, **kwargs: Any) -> Any:
         args, meta, online, layout = _call_layout(args, kwargs)
         if layout is None:
-            if not STOCK_CALL.get() and (meta is not None or online is not None or kwargs.get("labels") is not None):
+            traced = meta is not None or online is not None or kwargs.get("labels") is not None
+            if traced and not current_call().stock:
                 # A TRL scoring call that sharing cannot reproduce (e.g. `output_hidden_states`): it runs as it
                 # came, which is correct; say so once instead of hiding it. (A stock reference is not one.)
                 state.unshared_calls += 1
@@ -346,12 +338,8 @@ def online_forward(call: Any, own: bool, max_length: int | None) -> Any:
             with online_prompt_columns(scoring.prompt_columns):
                 return call.proceed()
         score = OnlineScore(completion_ids, scoring.ids.size(1), scoring.start, scoring.end)
-        token = _ONLINE_SCORE.set(score)
-        try:
-            with online_prompt_columns(scoring.prompt_columns):
-                output = model(scoring.ids, attention_mask=scoring.mask)
-        finally:
-            _ONLINE_SCORE.reset(token)
+        with _ONLINE_SCORE.entered(score), online_prompt_columns(scoring.prompt_columns):
+            output = model(scoring.ids, attention_mask=scoring.mask)
         if score.calls:
             return score.finish(output.logits)
         return scoring.log_probs(output.logits)

@@ -3,13 +3,13 @@ local and carried in sync_metrics' one collective instead."""
 
 from __future__ import annotations
 
-import contextvars
 import functools
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from trl_ext import _compat
+from trl_ext.api import CallSlot
 
 from .capture import SyncMetricsState
 
@@ -17,10 +17,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from trl_ext.api import Call
 
 #: The state of the trainer whose `_maybe_log_save_evaluate` is running (transformers calls the module-level
-#: `nested_gather` there, with no reference to the trainer; a context variable keeps this per call, not global).
-_LOGGING_TRAINER: contextvars.ContextVar[SyncMetricsState | None] = contextvars.ContextVar(
-    "trl_ext_sync_metrics_logging_trainer", default=None
-)
+#: `nested_gather` there, with no reference to the trainer; the call context keeps this per call, not global).
+_LOGGING_TRAINER: CallSlot[SyncMetricsState] = CallSlot("sync_metrics.logging_trainer")
 
 
 def _deferring_nested_gather(original):
@@ -46,11 +44,10 @@ def _maybe_log_save_evaluate(trainer: Any, state: SyncMetricsState, call: Call) 
     state.expect_loss = bool(
         trainer.control.should_log and trainer.state.global_step > getattr(trainer, _compat.TRAINER_LAST_LOGGED_ATTR)
     )
-    token = _LOGGING_TRAINER.set(state)
     try:
-        return call.proceed()
+        with _LOGGING_TRAINER.entered(state):
+            return call.proceed()
     finally:
-        _LOGGING_TRAINER.reset(token)
         state.expect_loss = False
 
 

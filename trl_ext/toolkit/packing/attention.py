@@ -17,16 +17,14 @@ block-diagonal mask that is exactly the config's window). Elsewhere, and for cal
 another mask pattern, it runs per segment.
 
 The varlen attention only acts on packed calls (those that carry `cu_seq_lens_q` and no mask, or run inside
-`metadata.packed_call`); every other call (generation, a user's own forward) is handed to the base implementation with
-the mask transformers builds for it, so a model switched to varlen attention behaves exactly as before outside packed
-calls. The registry helpers (`register_attention`, `switch_attention`, `attention_users`, `unregister_attention`) serve
-every trl-ext attention implementation. torch and transformers are imported at module level: packing plugins import
-this module from their hooks, after they are registered.
+`metadata.packed_call`); every other call is handed to the base implementation with the mask transformers builds for
+it, so a model switched to varlen attention behaves exactly as before outside packed calls. The registry helpers
+(`register_attention`, `switch_attention`, `attention_users`, `unregister_attention`) serve every trl-ext attention.
 """
 
 from __future__ import annotations
 
-import contextvars
+import operator
 import sys
 import weakref
 from collections.abc import Callable
@@ -39,10 +37,10 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ... import _compat
+from ...call_context import CallContext, current_call
 from ...errors import InternalError, UsageError
 from . import kernels
 from .kernels import run_packed
-from .metadata import PACKED_BOUNDS, PACKED_CALL, PACKED_CU
 from .probe import checked_kernel
 from .segments import packed_segments
 
@@ -212,8 +210,9 @@ def _make_varlen_attention(base: str) -> Callable:
             # One kernel call with the batch's device `cu_seq_lens` (built once per batch): no host work per layer.
             return run_packed(kernel, query, key, value, cu_seq_lens, max_length, scaling, window), None
         # the host bounds of the batch (read once per batch by `packed_call`), not a device read per layer
-        bounds = PACKED_BOUNDS.get()
-        if cu_seq_lens is not None and (bounds is None or cu_seq_lens is not PACKED_CU.get()):
+        call = current_call()
+        bounds = call.packed_bounds
+        if cu_seq_lens is not None and (bounds is None or cu_seq_lens is not call.packed_cu):
             bounds = cu_seq_lens.tolist()
         if cu_seq_lens is None and attention_mask is None:
             from_positions = _bounds_from_positions(kwargs.get("position_ids"), query, key)
@@ -356,15 +355,16 @@ def _causal(spans: list[tuple[int, int]], patterns: list[torch.Tensor], window: 
     return bool(torch.stack(same).all()) if same else True
 
 
-def skip_mask_while(flag: contextvars.ContextVar[bool], name: str, fallback: str | Callable[[], str]) -> Callable:
-    """A mask function for `AttentionMaskInterface`: no mask while `flag` is set and the call brings none (the
-    attention splits the row itself), else the mask of the implementation `fallback` names (or returns, if a
+def skip_mask_while(flag: Callable[[CallContext], object], name: str, fallback: str | Callable[[], str]) -> Callable:
+    """A mask function for `AttentionMaskInterface`: no mask while `flag(current_call())` holds and the call brings
+    none (the attention splits the row itself), else the mask of the implementation `fallback` names (or returns, if a
     function: looked up on each call)."""
 
     def mask(*args: Any, **kwargs: Any) -> Any:
         model_type = getattr(kwargs.get("config"), "model_type", None)
-        if flag.get() and kwargs.get("attention_mask") is None:
-            bounds = PACKED_BOUNDS.get()
+        call = current_call()
+        if flag(call) and kwargs.get("attention_mask") is None:
+            bounds = call.packed_bounds
             if bounds is None and model_type not in _compat.OWN_ATTENTION_MODEL_TYPES:
                 return None
             return _packed_mask(kwargs, bounds, fallback if isinstance(fallback, str) else fallback())
@@ -412,9 +412,8 @@ def attention_users(name: str) -> int:
 
 
 def unregister_attention(name: str) -> bool:
-    """Undo `register_attention` (transformers' registries are global), unless a live model still runs `name`
-    (its trainer was garbage-collected without being detached): then the registration stays, and False is
-    returned."""
+    """Undo `register_attention` (transformers' registries are global), unless a live model still runs `name` (its
+    trainer was garbage-collected without being detached): then the registration stays, and False is returned."""
     if attention_users(name):
         return False
     _compat.attention_registry(AttentionInterface).pop(name, None)
@@ -426,7 +425,8 @@ def register_varlen_attention() -> None:
     """Register `trl_ext_varlen_sdpa` / `trl_ext_varlen_eager` with transformers (idempotent)."""
     for base in VARLEN_BASES:
         name = varlen_attention_name(base)
-        register_attention(name, _make_varlen_attention(base), skip_mask_while(PACKED_CALL, name, base))
+        mask = skip_mask_while(operator.attrgetter("packed"), name, base)
+        register_attention(name, _make_varlen_attention(base), mask)
 
 
 def unregister_varlen_attention() -> None:

@@ -12,8 +12,8 @@ from typing import Any
 import torch
 
 from ... import _compat
+from ...call_context import current_call
 from ...errors import UsageError
-from ..probe import STOCK_CALL
 
 __all__ = [
     "VISION_KEYS",
@@ -111,7 +111,7 @@ def scoring_call(kwargs: dict[str, Any], cache_unset_ok: bool = False) -> bool:
     leaves `use_cache` to the config also qualifies (Online DPO's scoring call: the cache it would build is never
     read).
     """
-    if STOCK_CALL.get():  # a self-check's stock reference: every call runs as stock transformers runs it
+    if current_call().stock:  # a self-check's stock reference: every call runs as stock transformers runs it
         return False
     input_ids, attention_mask = kwargs.get("input_ids"), kwargs.get("attention_mask")
     use_cache = kwargs.get("use_cache")

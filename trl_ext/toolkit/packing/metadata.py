@@ -4,23 +4,22 @@ A padded batch `input_ids [R, L]` with an `attention_mask` is packed into one ro
 tokens) whose `position_ids` restart at 0 for every sequence. The model runs on the packed row and its outputs are put
 back into the padded layout, so everything above the model (TRL's loss, metrics, token counts) is unchanged.
 
-`packed_call` marks a forward as packed for the attention of `attention.py`. Nothing here imports TRL or transformers.
+`packed_call` marks a forward as packed in the call context, for the attention of `attention.py`. Nothing here
+imports TRL or transformers.
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
+from ...call_context import call_entered
+
 __all__ = [
-    "PACKED_BOUNDS",
-    "PACKED_CALL",
-    "PACKED_CU",
     "PACKING_KEY",
     "PackInfo",
     "pack_rows",
@@ -34,16 +33,6 @@ __all__ = [
 #: forwards every batch key except `completion_mask` and `ref_*` into `model(...)` (dpo_trainer.py `_compute_loss`,
 #: `compute_ref_log_probs`; checked 1.12.0 and 1.16.0); the wrappers pop it before the model sees its kwargs.
 PACKING_KEY = "trl_ext_packing"
-
-#: True while a packed forward runs: the mask interface of the varlen implementations then builds no mask at all (the
-#: attention function splits the row by `cu_seq_lens_q`). A dynamic-scope flag like torch's grad mode, not state.
-PACKED_CALL: contextvars.ContextVar[bool] = contextvars.ContextVar("trl_ext_packed_call", default=False)
-#: The sequence bounds (cumulative lengths) of the packed row being run, for models that do not forward
-#: `cu_seq_lens_q` to their attention function.
-PACKED_BOUNDS: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("trl_ext_packed_bounds", default=None)
-#: The device tensor those bounds were read from (`PackInfo.cu_seq_lens`): a layer that receives this very tensor as
-#: `cu_seq_lens_q` takes the host bounds above instead of reading the device tensor again.
-PACKED_CU: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar("trl_ext_packed_cu", default=None)
 
 
 @dataclasses.dataclass
@@ -173,12 +162,5 @@ def packed_call(info: PackInfo | None = None) -> Iterator[None]:
     splits the row at the sequence bounds of `info` (read once here, not once per layer) unless the call passes its
     own `cu_seq_lens_q`."""
     bounds = None if info is None else [int(b) for b in info.cu_seq_lens.tolist()]
-    token = PACKED_CALL.set(True)
-    bounds_token = PACKED_BOUNDS.set(bounds)
-    cu_token = PACKED_CU.set(None if info is None else info.cu_seq_lens)
-    try:
+    with call_entered(packed=True, packed_bounds=bounds, packed_cu=None if info is None else info.cu_seq_lens):
         yield
-    finally:
-        PACKED_CU.reset(cu_token)
-        PACKED_BOUNDS.reset(bounds_token)
-        PACKED_CALL.reset(token)

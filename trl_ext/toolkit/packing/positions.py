@@ -12,11 +12,13 @@ Nothing here imports TRL or transformers; torch is imported at module level.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 from collections.abc import Iterator
+from typing import cast
 
 import torch
+
+from ...call_context import call_entered, current_call
 
 __all__ = ["PackedPositions", "current_packed_positions", "packed_positions"]
 
@@ -48,21 +50,13 @@ class PackedPositions:
         return out.view(self.rows, self.length)
 
 
-_PACKED_POSITIONS: contextvars.ContextVar[PackedPositions | None] = contextvars.ContextVar(
-    "trl_ext_packed_positions", default=None
-)
-
-
 @contextlib.contextmanager
 def packed_positions(positions: PackedPositions) -> Iterator[PackedPositions]:
     """Announce `positions` to the modules called inside the block (one packed model call)."""
-    token = _PACKED_POSITIONS.set(positions)
-    try:
+    with call_entered(packed_positions=positions):
         yield positions
-    finally:
-        _PACKED_POSITIONS.reset(token)
 
 
 def current_packed_positions() -> PackedPositions | None:
     """The announcement of the packed call being run, or None outside one."""
-    return _PACKED_POSITIONS.get()
+    return cast("PackedPositions | None", current_call().packed_positions)

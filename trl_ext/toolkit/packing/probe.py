@@ -30,17 +30,16 @@ import dataclasses
 import itertools
 import math
 from collections.abc import Iterator, Sequence
-from contextvars import ContextVar
 from typing import Any
 
 import torch
 
 from ..._logging import get_logger
+from ...call_context import call_entered
 from ...errors import UsageError
 from .kernels import FUSED_DTYPES, Choice, Kernel, call_dtype, installed_kernels
 
 __all__ = [
-    "PROBING",
     "PROBE_WINDOW",
     "TOLERANCES",
     "Pattern",
@@ -62,8 +61,6 @@ TOLERANCES: dict[torch.dtype, float] = {
 }
 #: The widest window the probe uses (earlier keys a query sees besides its own).
 PROBE_WINDOW = 8
-#: True while the probe calls a kernel (a test's recording kernel tells the probe's calls from the model's).
-PROBING: ContextVar[bool] = ContextVar("trl_ext_kernel_probing", default=False)
 
 # (query length, key length) per segment. Packed: equal. Shared: a prompt alone, then responses over a prompt's keys
 # and their own; the tail: trailing padding over real keys, not causal. One query segment over 128 tokens: torch
@@ -162,18 +159,16 @@ def reference_attention(
 @contextlib.contextmanager
 def _isolated(device: torch.device) -> Iterator[None]:
     """Autograd on, autocast off, and no saved-tensor hooks of an enclosing activation checkpoint: the probe runs
-    inside a model's forward as if alone."""
-    token = PROBING.set(True)
-    try:
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(torch.inference_mode(False))
-            stack.enter_context(torch.enable_grad())
-            stack.enter_context(torch.autocast(device.type, enabled=False))
-            with contextlib.suppress(RuntimeError):  # hooks disabled here: none to shadow
-                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t))
-            yield
-    finally:
-        PROBING.reset(token)
+    inside a model's forward as if alone; the call context's `probing` set (a test's recording kernel tells the probe's
+    calls from the model's)."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(call_entered(probing=True))
+        stack.enter_context(torch.inference_mode(False))
+        stack.enter_context(torch.enable_grad())
+        stack.enter_context(torch.autocast(device.type, enabled=False))
+        with contextlib.suppress(RuntimeError):  # hooks disabled here: none to shadow
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t))
+        yield
 
 
 def _cu(lengths: Sequence[int], device: torch.device) -> torch.Tensor:

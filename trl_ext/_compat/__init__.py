@@ -3,7 +3,7 @@
 Each entry says which TRL versions it was checked on. When a new TRL minor is released, read its
 `trl/trainer/dpo_trainer.py`, `trl/experimental/online_dpo/online_dpo_trainer.py` and `trl/models/utils.py`, check
 every entry below, run tests/test_compat.py and tests/versions against it (docs/versions.md), and only then raise
-`TRL_MAX_EXCLUSIVE`. Code layouts that differ within the range are found by probes (`_trl_layouts`), not versions.
+`TRL_MAX_EXCLUSIVE`. Code layouts that differ within the range are found by probes (`_compat.layouts`), not versions.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import importlib.metadata
 import re
 from collections.abc import Iterable
 
-from ._trl_layouts import *  # noqa: F403 - the TRL layouts found by probes are part of `_compat`
-from ._trl_layouts import DPO_SCORING_METHODS, dpo_has_fused_head
-from .errors import UsageError
+from ..errors import UsageError
+from .layouts import *  # noqa: F403 - the TRL layouts found by probes are part of `_compat`
+from .layouts import DPO_SCORING_METHODS, dpo_has_fused_head
 
 #: The private config field behind transformers' `config._attn_implementation` property (transformers 5: the property
 #: reads it, `_remove_keys_not_serialized` keeps it out of saved configs). Checked on transformers 5.24.0.
