@@ -97,7 +97,8 @@ def _context_variables(source: str) -> list[int]:
 def test_only_the_call_context_holds_a_context_variable():
     found = {}
     for path in sorted(PACKAGE.rglob("*.py")):
-        lines = _context_variables(path.read_text())
+        source = path.read_text()
+        lines = _context_variables(source) if "ContextVar" in source else []  # only those that name it: 2 ms, not 1 s
         if lines:
             found[path.relative_to(PACKAGE).as_posix()] = lines
     assert list(found) == ["call_context.py"] and len(found["call_context.py"]) == 1
