@@ -33,6 +33,8 @@ NOT_RUN = {
     "pip install -c constraints.txt": "the package registry (network); test_install_lines_resolve checks it",
     "trl-ext bench": "minutes on its own; tests/test_bench.py runs `trl-ext bench --quick` (every section)",
     "python -m pytest -q": "the test suite itself",
+    # Run here, it would install TRL 1.14.2 into the environment under test, for every later test and subprocess.
+    'pip install --no-deps "trl==': "changes the environment's TRL; .ci/run runs the matrix in overlays",
     "accelerate launch --num_processes 8": "8 processes: a GPU machine",
     "accelerate launch --use_deepspeed --deepspeed_config_file ds_z3.json --num_processes 8": "8 processes: GPUs",
     "python benchmarks/": "a benchmark of several minutes; test_benchmark_commands_name_existing_options checks it",
@@ -101,6 +103,9 @@ def test_every_command_is_run_or_listed():
     unused = [prefix for prefix in NOT_RUN if not any(c.startswith(prefix) for c in commands)]
     assert not unused, f"NOT_RUN lists commands the README and docs/ no longer have: {unused}"
     assert _runnable(), "nothing to run"
+    # A doc's install line run here would change the environment under test (it once put TRL 1.14.2 into the 1.16 one)
+    installs = [c for c in _runnable() if re.match(r"(python3? -m )?pip3? ", c)]
+    assert not installs, f"install commands must be listed in NOT_RUN: {installs}"
 
 
 def test_readme_states_test_time_fast_loop_and_log_level():
