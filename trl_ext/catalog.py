@@ -13,7 +13,7 @@ from .spec import Flag, PluginSpec
 
 __all__ = ["CORE_KEYS", "Catalog", "PluginInfo", "block_advice", "flag_clash", "plugin_info"]
 
-#: Top-level configuration keys that are not plugin flags (`verify`: `trl_ext.config.parse_verify`).
+#: Top-level configuration keys that are not plugin flags (`verify`: `trl_ext.config.VERIFY_PARSER`).
 CORE_KEYS = ("plugins", "block", "verify")
 
 
