@@ -1,10 +1,8 @@
-"""trl-ext's loggers, following the Hugging Face convention: one library root logger (`trl_ext`), a handler
-attached once, the level taken from `TRL_EXT_LOG_LEVEL`. Stdlib only, so importing `trl_ext` stays light.
+"""trl-ext's loggers, the Hugging Face way: one root logger (`trl_ext`), a handler attached once, the level from
+`TRL_EXT_LOG_LEVEL` (a bad value warns and keeps the default, never an error at import). Stdlib only.
 
-The default level is `notice`, a level between `info` and `warning` (25): trl-ext's few lines that a user should see
-without asking (which plugins each trainer got, and what `"auto"` chose; a flag that does not apply to a trainer; what
-`uninstall()` leaves in place) are logged at `notice`, so they show by default and `TRL_EXT_LOG_LEVEL=warning`
-hides them. A value that is not a level gives a warning and the default, never an error at `import trl_ext`.
+The default level is `notice` (25, between `info` and `warning`): the few lines a user should see without asking
+(each trainer's plugins and what `"auto"` chose, a flag that does not apply, what `uninstall()` leaves in place).
 """
 
 from __future__ import annotations
@@ -31,7 +29,7 @@ _configured = False
 
 
 def _level_from_env() -> tuple[int, str | None]:
-    """The level named by `TRL_EXT_LOG_LEVEL` (default `notice`), and a warning text if the value is not a level."""
+    """The level `TRL_EXT_LOG_LEVEL` names, and a warning text if the value is not a level."""
     raw = os.environ.get(_ENV)
     if raw is None or not raw.strip():
         return LEVELS[DEFAULT_LEVEL], None

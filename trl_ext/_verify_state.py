@@ -13,27 +13,6 @@ from ._peak_memory import rss_mib
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = [
-    "PLAIN_LIMIT",
-    "capture_output",
-    "capture_result",
-    "compute_dtype",
-    "distributed",
-    "drop_new_hooks",
-    "hooks",
-    "local",
-    "mixed_precision",
-    "peak_bytes",
-    "per_sequence",
-    "restore",
-    "rng_states",
-    "same_rng",
-    "set_rng_states",
-    "snapshot",
-    "stock_attribute",
-    "unwrapped_chain",
-]
-
 
 def stock_attribute(target: Any, attr: str) -> bool:
     """What the stock call puts back: the `forward`s and attention implementations the plugins replaced."""
