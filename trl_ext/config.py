@@ -45,23 +45,9 @@ def _catalog(block: list[str]) -> Catalog:
 
 
 class TrlExtConfig:
-    """The flags of the available plugins, options by plugin, and blocked plugins.
-
-    Flags are keyword arguments (`TrlExtConfig(padding_free=True)`) and read back as attributes
-    (`config.padding_free`) or from `config.flags`. Which flags exist, their parsers and defaults come from the
-    plugins' declarations: run `trl-ext plugins` to list them.
-
-    Args:
-        plugins (`dict[str, dict]`, *optional*, defaults to `{}`):
-            Options by plugin name, validated against the plugin's options dataclass. Naming a plugin that has no
-            flags enables it (use `{}` for no options); for a plugin with flags, its flag enables it.
-        block (`list[str]`, *optional*, defaults to `[]`):
-            Plugin names never to load, built-in or third-party (like pytest's `-p no:NAME`).
-        verify (`bool` or `int`, *optional*, defaults to `1`):
-            How many optimizer steps, from the first, compare the plugins' per-sequence log-probs with stock TRL's on
-            the same batch (`trl_ext.verify`); `False` or `0` turns it off, `True` is 1.
-        **flags:
-            Plugin flags, each parsed by its plugin's declared parser.
+    """The flags of the available plugins (`TrlExtConfig(padding_free=True)`, read back as `config.padding_free` or
+    in `config.flags`; `trl-ext plugins` lists them), `plugins` (options by plugin name; naming a plugin without
+    flags enables it), `block` (plugin names never to load) and `verify` (`VERIFY_PARSER`), validated on the way in.
     """
 
     def __init__(
@@ -307,15 +293,8 @@ def load_config(
     sources: Mapping[str, str] | None = None,
     config_source: str | None = None,
 ) -> TrlExtConfig:
-    """Merge the sources in the documented precedence and return a validated `TrlExtConfig`.
-
-    Args:
-        config: the base configuration (a `TrlExtConfig`, a mapping, or a YAML path).
-        flags: the highest-precedence keys (`install(**flags)`, the command line).
-        environ: the environment (defaults to `os.environ`).
-        sources: optional `{key: description}` naming where each of `flags` came from (e.g. "the command line").
-        config_source: where a mapping `config` came from, for error messages (e.g. the recipe's path).
-    """
+    """Merge `config` < `environ` (default `os.environ`) < `flags` and return a validated `TrlExtConfig`; `sources`
+    (`{key: where}` for `flags`) and `config_source` (for a mapping `config`) name the sources in error messages."""
     environ = os.environ if environ is None else environ
     sources = sources or {}
     layers: list[tuple[dict[str, Any], Any]] = []  # (raw keys, source label or per-key labels)

@@ -31,12 +31,8 @@ SCOPES = ("run", "trainer", "process")
 
 def live_contexts() -> list[TrainerContext]:
     """The contexts of every live, attached trainer, across installations (oldest first)."""
-    out = []
-    for trainer in list(_LIVE):
-        ctx = trainer.__dict__.get("_trl_ext")
-        if ctx is not None and ctx.attached:
-            out.append(ctx)
-    return sorted(out, key=lambda c: c.serial)
+    contexts = [trainer.__dict__.get("_trl_ext") for trainer in list(_LIVE)]
+    return sorted((ctx for ctx in contexts if ctx is not None and ctx.attached), key=lambda c: c.serial)
 
 
 class _SubsetHooks:

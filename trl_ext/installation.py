@@ -5,14 +5,13 @@ from __future__ import annotations
 import functools
 import inspect
 import os
-import weakref
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from . import _compat, attach, build
 from ._logging import NOTICE, get_logger, is_main_process
 from .config import TrlExtConfig, load_config
-from .context import _LIVE, TrainerContext
+from .context import _LIVE, TrainerContext, live_contexts
 from .errors import UsageError
 from .manager import TrlExtPluginManager, make_plugin_manager
 from .patching import Patcher, resolve
@@ -42,7 +41,6 @@ class Installation:
         self.plugin_manager = plugin_manager
         self.trl_version = trl_version
         self.patcher = Patcher("trl-ext")
-        self._contexts: list[weakref.ref] = []
         self._installed = False
         #: Keep every trainer context after the trainer is gone, for `records` (plugin state may reference models:
         #: off by default; the `trl-ext dpo` job turns it on).
@@ -83,13 +81,7 @@ class Installation:
 
     def contexts(self) -> list[TrainerContext]:
         """Contexts of the live trainers this installation attached to (and that were not detached)."""
-        out = []
-        for ref in self._contexts:
-            trainer = ref()
-            ctx = trainer.__dict__.get(_ATTR) if trainer is not None else None
-            if ctx is not None and ctx.installation is self and ctx.attached:
-                out.append(ctx)
-        return out
+        return [ctx for ctx in live_contexts() if ctx.installation is self]
 
     @property
     def records(self) -> list[dict[str, Any]]:
@@ -173,7 +165,6 @@ class Installation:
         trainer = ctx.trainer
         trainer.__dict__[_ATTR] = ctx
         _LIVE.add(trainer)
-        self._contexts.append(weakref.ref(trainer))
         if self.keep_records:
             self._kept.append(ctx)
 

@@ -55,12 +55,18 @@ class Parser:
         return f"<Parser {self.expects}>"
 
 
+def _parser(expects: str) -> Callable[[Callable[[Any], Any]], Parser]:
+    return lambda function: Parser(function, expects)
+
+
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 _NONE = {"none", "null"}
 
 
-def _boolean(value: Any) -> bool:
+@_parser("true or false")
+def boolean(value: Any) -> bool:
+    """`True`/`False`, `1`/`0`, or `"true"/"false"/"1"/"0"/"yes"/"no"/"on"/"off"` in any case."""
     if isinstance(value, bool):
         return value
     if isinstance(value, int) and value in (0, 1):
@@ -70,12 +76,9 @@ def _boolean(value: Any) -> bool:
     raise ValueError(value)
 
 
-#: `True`/`False`, `1`/`0`, or `"true"/"false"/"1"/"0"/"yes"/"no"/"on"/"off"` in any case.
-boolean = Parser(_boolean, "true or false")
-
-
-def _positive_int(value: Any) -> int:
-    # An integral float (`256.0` from YAML or a computation, `"256.0"`) is that integer in every source; 256.5 is not.
+@_parser("a positive integer")
+def positive_int(value: Any) -> int:
+    """An integer > 0 (`8`, `8.0`, `"8"`: an integral float from YAML or a computation is that integer; 8.5 is not)."""
     try:
         number = float(value.strip()) if isinstance(value, str) else value
     except ValueError:
@@ -87,11 +90,9 @@ def _positive_int(value: Any) -> int:
     raise ValueError(value)
 
 
-#: An integer > 0 (`8`, `8.0`, `"8"`); `8.5` is refused.
-positive_int = Parser(_positive_int, "a positive integer")
-
-
-def _non_negative_float(value: Any) -> float:
+@_parser("a number >= 0")
+def non_negative_float(value: Any) -> float:
+    """A finite number >= 0."""
     if isinstance(value, str):
         try:
             value = float(value.strip())
@@ -102,20 +103,14 @@ def _non_negative_float(value: Any) -> float:
     raise ValueError(value)
 
 
-#: A finite number >= 0.
-non_negative_float = Parser(_non_negative_float, "a number >= 0")
-
-
-def _text(value: Any) -> str:
+@_parser("a non-empty string")
+def text(value: Any) -> str:
+    """A non-empty string (a path, a name)."""
     if isinstance(value, str) and value.strip():
         return value
     if hasattr(value, "__fspath__"):
         return str(value.__fspath__())
     raise ValueError(value)
-
-
-#: A non-empty string (a path, a name).
-text = Parser(_text, "a non-empty string")
 
 
 def one_of(*choices: str) -> Parser:
