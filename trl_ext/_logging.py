@@ -28,19 +28,6 @@ LEVELS = {
 _configured = False
 
 
-def _level_from_env() -> tuple[int, str | None]:
-    """The level `TRL_EXT_LOG_LEVEL` names, and a warning text if the value is not a level."""
-    raw = os.environ.get(_ENV)
-    if raw is None or not raw.strip():
-        return LEVELS[DEFAULT_LEVEL], None
-    value = raw.strip().lower()
-    if value in LEVELS:
-        return LEVELS[value], None
-    return LEVELS[DEFAULT_LEVEL], (
-        f"{_ENV}={raw!r} is not a log level; using {DEFAULT_LEVEL!r}. Use one of: {', '.join(LEVELS)}."
-    )
-
-
 def get_logger(name: str) -> logging.Logger:
     global _configured
     if not _configured:
@@ -52,11 +39,14 @@ def get_logger(name: str) -> logging.Logger:
             handler = logging.StreamHandler()
             handler.setFormatter(logging.Formatter("[%(name)s|%(levelname)s] %(message)s"))
             root.addHandler(handler)
-        level, problem = _level_from_env()
-        root.setLevel(level)
+        raw = os.environ.get(_ENV) or ""
+        value = raw.strip().lower() or DEFAULT_LEVEL
+        root.setLevel(LEVELS.get(value, LEVELS[DEFAULT_LEVEL]))
         root.propagate = False
-        if problem is not None:
-            root.warning(problem)
+        if value not in LEVELS:
+            root.warning(
+                f"{_ENV}={raw!r} is not a log level; using {DEFAULT_LEVEL!r}. Use one of: {', '.join(LEVELS)}."
+            )
     return logging.getLogger(name if name.startswith(_ROOT) else f"{_ROOT}.{name}")
 
 

@@ -1,12 +1,8 @@
-"""The `trl_ext_call` hook: how a plugin takes part in a trainer's method calls (docs/writing-plugins.md).
-
-For each trainer, the core wraps once, on the instance and through the trainer's undo stack, each method that an
-enabled plugin lists (`PluginSpec.calls`). A call runs a chain: the `trl_ext_call` implementations of those plugins in
-pluggy's call order (`tryfirst`, then the last registered first, `trylast` last), TRL's own method innermost. A name
-is a trainer method (`"training_step"`), one stock trainer class's (`"DPOTrainer._compute_loss"`), or the
-accelerator's (`"accelerator.gather"`). The reference precompute and the scoring methods (`_compat.INIT_CALLS`) are
-wrapped before TRL's `__init__` runs (the precompute scores in it; `verify` is outside their chains), the others once
-it has returned, outside the core's own wrappers, so a chain sees each call as the Trainer makes it.
+"""The `trl_ext_call` hook (docs/writing-plugins.md, "Taking part in a trainer's method calls"): each trainer method
+an enabled plugin lists (`PluginSpec.calls`) is wrapped once per trainer, on the instance and through its undo stack,
+and each call runs the chain of those plugins' implementations in pluggy's call order, TRL's own method innermost.
+The scoring methods (`_compat.INIT_CALLS`) are wrapped before TRL's `__init__` (`verify` is outside their chains), the
+others after it, outside the core's own wrappers, so a chain sees each call as the Trainer makes it.
 """
 
 from __future__ import annotations

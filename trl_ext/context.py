@@ -20,8 +20,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["TrainerContext", "live_contexts", "output_head_module", "unwrap_causal_lm"]
 
-#: Every trainer that trl-ext attached to and that is still alive, whatever installation it was built under (an
-#: uninstalled installation's trainers keep their plugins, see `Installation.uninstall`).
+#: Every live trainer that trl-ext attached to, whatever installation built it (an uninstalled one's included).
 _LIVE: weakref.WeakSet = weakref.WeakSet()
 #: `{key: undo stack}` of the process-wide changes that attached trainers hold (`TrainerContext.patch("process")`).
 _HELD_PATCHERS: dict[str, Patcher] = {}
@@ -55,8 +54,8 @@ class TrainerContext:
     _serial = 0
 
     def __deepcopy__(self, memo: dict) -> Any:
-        # `copy.deepcopy(trainer)` reaches here: the plugins' wrappers on the trainer and its models are bound to this
-        # trainer, its models and their state, so a copy would train the original's models or half of its plugins.
+        # `copy.deepcopy(trainer)`: the plugins' wrappers are bound to this trainer, its models and their state, so a
+        # copy would train the original's models or half of its plugins.
         if not self.attached:
             return self  # a detached trainer is stock: its inert record is shared, the rest copies as stock does
         raise UsageError(
@@ -95,9 +94,8 @@ class TrainerContext:
         self._run_patcher = Patcher(f"trl-ext[{trainer_class}] while running")
         self._run_depth = 0
         self.held: set[str] = set()
-        #: The enabled plugins whose answers change how this trainer computes its log-probs (packed, head, model
-        #: forwards; token_budget adds itself), and the scoring methods as the trainer held them before any plugin
-        #: took part in their calls: what `trl_ext.verify` checks and runs as stock.
+        #: What `trl_ext.verify` checks and runs as stock: the plugins whose answers change the log-probs, and the
+        #: scoring methods as the trainer held them before any plugin took part in their calls.
         self.math_plugins: list[str] = []
         self.stock_methods: dict[str, Callable[..., Any]] = {}
         #: `{method: plugins}`: the chain of each method wrapped for `trl_ext_call`, outermost first (`trl_ext.calls`).

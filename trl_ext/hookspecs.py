@@ -34,9 +34,8 @@ hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 def trl_ext_validate_config(config: TrlExtConfig, trl_version: str) -> None:
     """Check combinations of flags and options before anything in TRL is patched.
 
-    Called once per `install()`, on every registered plugin, enabled or not, after each value was parsed by its
-    declared parser: check only what the declarations cannot express (settings that exclude each other, a TRL version
-    a setting needs) and raise `trl_ext.UsageError` naming the setting and what to do instead.
+    Called once per `install()` on every registered plugin, enabled or not, after every value was parsed: check what
+    the declarations cannot express and raise `trl_ext.UsageError` naming the setting and what to do instead.
     """
 
 
@@ -44,9 +43,8 @@ def trl_ext_validate_config(config: TrlExtConfig, trl_version: str) -> None:
 def trl_ext_trainer_init_start(trainer: Trainer, context: TrainerContext, init_kwargs: dict[str, Any]) -> None:
     """A stock TRL trainer is being constructed; TRL's own `__init__` has not run yet.
 
-    `trainer` is the bare instance; DPO precomputes reference log-probs inside `__init__` (TRL >= 0.29).
-    `init_kwargs` holds the constructor's arguments by name: a plugin may replace entries, and TRL's `__init__` is
-    called with the result.
+    `trainer` is the bare instance. A plugin may replace entries of `init_kwargs` (the constructor's arguments by
+    name): TRL's `__init__` is called with the result.
     """
 
 
@@ -54,9 +52,8 @@ def trl_ext_trainer_init_start(trainer: Trainer, context: TrainerContext, init_k
 def trl_ext_trainer_models_ready(trainer: Trainer, context: TrainerContext) -> None:
     """The trainer's policy, reference model and data collator exist, and no forward pass has run yet.
 
-    For `DPOTrainer` right before the reference precompute (when `precompute_ref_log_probs=True`) or at the end of
-    `__init__`; for `OnlineDPOTrainer` at the end of `__init__`. Called once per trainer, after the collator, packed,
-    head and model forward extension points were applied.
+    Once per trainer, after the collator and forward extension points were applied: right before DPO's reference
+    precompute in `__init__` (TRL >= 0.29, `precompute_ref_log_probs=True`), else at the end of `__init__`.
     """
 
 
@@ -69,19 +66,16 @@ def trl_ext_trainer_init_end(trainer: Trainer, context: TrainerContext) -> None:
 def trl_ext_describe(trainer: Trainer, context: TrainerContext) -> str | None:
     """A few words on what the plugin chose for this trainer (what `"auto"` resolved to), or None.
 
-    Called after `trl_ext_trainer_init_end`, on the main process only; the text goes in parentheses after the
-    plugin's name in the trainer's log line (`DPOTrainer gets plugins padding_free (attention=...)`).
-    """
+    Called after `trl_ext_trainer_init_end` on the main process; the text follows the plugin's name in the trainer's
+    log line, in parentheses."""
 
 
 @hookspec
 def trl_ext_advise_unused(trainer: Trainer, trainer_class: str, trl_args: Any) -> str | None:
     """A warning for a trainer this plugin applies to but is *not* enabled for, or None.
 
-    The one trainer-scoped hook called on disabled plugins (once per trainer, main process only): for a TRL flag in
-    `trl_args` that TRL honours but the plugin would serve better; the text says what TRL will do and names the
-    trl-ext flag. The core logs it as a warning.
-    """
+    The one trainer-scoped hook called on disabled plugins (main process only): for a TRL flag in `trl_args` that TRL
+    honours but the plugin would serve better, say what TRL will do and name the trl-ext flag."""
 
 
 @hookspec
@@ -98,9 +92,7 @@ def trl_ext_call(trainer: Trainer, context: TrainerContext, call: Call) -> Any:
 def trl_ext_make_collator(trainer: Trainer, context: TrainerContext, collator: Callable) -> Callable | None:
     """Return the data collator this trainer should use instead of `collator`, or None to keep it.
 
-    Called once, before `trl_ext_trainer_models_ready`; the result becomes `trainer.data_collator`, used by the
-    precompute, training and evaluation loaders. Exclusive.
-    """
+    Called once, before `trl_ext_trainer_models_ready`; the result becomes `trainer.data_collator`. Exclusive."""
 
 
 @hookspec
@@ -156,9 +148,8 @@ def trl_ext_make_head_forward(
 ) -> Callable | None:
     """Return a replacement `forward` for a model's output head (`get_output_embeddings()`), or None to keep it.
 
-    The replacement may score what the trainer's scoring method asks for (the completion tokens' log-probs, without
-    the full-vocabulary logits) and must run as the original otherwise. Called per model after
-    `trl_ext_make_packed_forward`, installed as `head.forward` like it. Exclusive.
+    It may score what the trainer's scoring method asks for (without the full-vocabulary logits) and runs as the
+    original otherwise. Called per model after `trl_ext_make_packed_forward`, installed like it. Exclusive.
     """
 
 
@@ -178,6 +169,5 @@ def trl_ext_make_model_forward(
 def trl_ext_uninstall(installation: Installation) -> None:
     """`Installation.uninstall()` is running, before trl-ext's undo stack is unwound.
 
-    Called on every registered plugin: undo anything not done through an undo stack. A process-wide resource that
-    trainers built under the installation still need is held with `context.patch("process", apply, key=...)` instead.
-    """
+    Called on every registered plugin to undo anything not done through an undo stack (what trainers built under the
+    installation still need is held with `context.patch("process", ...)` instead)."""

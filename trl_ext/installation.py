@@ -198,17 +198,7 @@ def install(
     `config` (a `TrlExtConfig`, a mapping or a YAML path; default `$TRL_EXT_CONFIG`) is overridden by `TRL_EXT_*`
     variables, overridden by `flags`. Returns the `Installation`, a context manager; while installed, the same
     resulting configuration returns the active one (`trl_ext.current()`), another is a `UsageError`, as is every
-    setting trl-ext cannot run correctly.
-
-    Example:
-    ```python
-    import trl_ext
-    from trl import DPOConfig, DPOTrainer
-
-    with trl_ext.install(padding_free=True):
-        trainer = DPOTrainer(model, args=DPOConfig(...), train_dataset=ds, processing_class=tok)
-        trainer.train()
-    ```
+    setting trl-ext cannot run correctly. Example: `with trl_ext.install(padding_free=True): DPOTrainer(...).train()`.
     """
     return install_config(load_config(config, flags))
 

@@ -167,12 +167,9 @@ def spec_of(name: str, plugin: Any) -> PluginSpec:
 
 
 def load_catalog(block: Iterable[str] = (), *, warn: bool = True) -> tuple[Catalog, dict[str, Any]]:
-    """Load every available plugin except blocked ones; return the catalog and `{name: plugin object}`.
-
-    A built-in plugin that fails raises. A third-party one that cannot be imported, declared or registered, or whose
-    name or flag another plugin claims too, is *broken*: skipped (with one warning per process, if `warn`, naming the
-    `block` setting that silences it), and enabling it is a `UsageError` with the same advice.
-    """
+    """Load every available plugin except blocked ones; return the catalog and `{name: plugin object}`. A built-in
+    plugin that fails raises; a third-party one is *broken* (docs/writing-plugins.md): skipped, with one warning per
+    process if `warn`."""
     block = set(block)
     sources, clashes = _sources()
     known = list(dict.fromkeys(s.name for s in sources))
