@@ -18,7 +18,6 @@ from .errors import UsageError
 if TYPE_CHECKING:  # pragma: no cover
     import pluggy
 
-    from . import interfaces
     from .catalog import Catalog
     from .context import TrainerContext
 
@@ -145,7 +144,3 @@ def _dispatcher(ctx: TrainerContext, name: str, original: Callable, impls: list)
         return run(0, args, kwargs)
 
     return method
-
-
-if TYPE_CHECKING:  # pragma: no cover
-    _IS_WHAT_HOOKS_RECEIVE: type[interfaces.Call] = Call  # checked by mypy

@@ -19,7 +19,6 @@ from .errors import UsageError, did_you_mean
 from .spec import Parser, boolean, either, positive_int
 
 if TYPE_CHECKING:  # pragma: no cover
-    from . import interfaces
     from .catalog import Catalog
 
 __all__ = ["ENV_PREFIX", "TrlExtConfig", "load_config"]
@@ -346,7 +345,3 @@ def load_config(
     return TrlExtConfig(
         plugins=plugins, block=block, verify=verify, _catalog_=catalog, _sources=merged_sources, **merged
     )
-
-
-if TYPE_CHECKING:  # pragma: no cover
-    _IS_WHAT_HOOKS_RECEIVE: type[interfaces.TrlExtConfig] = TrlExtConfig  # checked by mypy

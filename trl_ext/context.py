@@ -238,7 +238,3 @@ def unwrap_causal_lm(model: Any) -> Any:
             continue
         break
     return model
-
-
-if TYPE_CHECKING:  # pragma: no cover
-    _IS_WHAT_HOOKS_RECEIVE: type[interfaces.TrainerContext] = TrainerContext  # checked by mypy

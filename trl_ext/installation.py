@@ -6,7 +6,7 @@ import functools
 import inspect
 import os
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from . import _compat, attach, build
 from ._logging import NOTICE, get_logger, is_main_process
@@ -15,9 +15,6 @@ from .context import _LIVE, TrainerContext, live_contexts
 from .errors import UsageError
 from .manager import TrlExtPluginManager, make_plugin_manager
 from .patching import Patcher, resolve
-
-if TYPE_CHECKING:  # pragma: no cover
-    from . import interfaces
 
 __all__ = ["Installation", "current", "install", "install_config"]
 
@@ -234,7 +231,3 @@ def current() -> Installation | None:
     """The active installation (the one `install()` returned and that is not uninstalled), or None."""
     active = Installation._active
     return active if active is not None and active.installed else None
-
-
-if TYPE_CHECKING:  # pragma: no cover
-    _IS_WHAT_HOOKS_RECEIVE: type[interfaces.Installation] = Installation  # checked by mypy

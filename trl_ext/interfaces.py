@@ -1,6 +1,6 @@
 """The protocols of what the hooks receive, which `trl_ext.hookspecs` names and the core's classes satisfy (mypy checks
-each where the class is defined); a plugin annotates with those classes, from `trl_ext.api`. A leaf: it imports nothing
-of trl-ext, so that the hook specs, which the plugin manager imports, do not depend on the modules that use it.
+each in `trl_ext.api`); a plugin annotates with those classes, from `trl_ext.api`. A leaf: it imports nothing of
+trl-ext, so that the hook specs, which the plugin manager imports, do not depend on the modules that use it.
 """
 
 from __future__ import annotations
