@@ -58,8 +58,6 @@ class Installation:
         """
         trainer_class = attach.stock_trainer_class(trainer)
         if not isinstance(trainer, (str, type)) and trl_args is None:
-            # An instance runs what was attached when it was built: nothing if it was built before `install()` (or
-            # detached), whatever this installation would give a new trainer.
             ctx = getattr(trainer, "__dict__", {}).get(_ATTR)
             return list(ctx.enabled) if ctx is not None and ctx.attached else []
         return build.enabled_plugins(self.config, trainer_class, trl_args)[0]

@@ -80,9 +80,14 @@ def builtin_plugin_modules() -> dict[str, str]:
     }
 
 
-def _entry_points() -> tuple[list[tuple[importlib.metadata.EntryPoint, str]], dict[str, list[str]]]:
-    """The `trl_ext` entry points, each with its distribution's name, and `{name: [distributions]}` for names that
-    several provide. A distribution found twice on the path (editable and regular) counts once: the one imported."""
+def _sources() -> tuple[list[_Source], dict[str, str]]:
+    """Every plugin source, and `{name: why it cannot be used}` for names two sources claim. A distribution found
+    twice on the path (editable and regular) counts once: the first, the one imported."""
+    builtins = builtin_plugin_modules()
+    sources = [
+        _Source(name, module, True, functools.partial(importlib.import_module, module))
+        for name, module in builtins.items()
+    ]
     seen_dists: set[str] = set()
     found: dict[str, list[tuple[importlib.metadata.EntryPoint, str]]] = {}
     for dist in importlib.metadata.distributions():
@@ -96,35 +101,24 @@ def _entry_points() -> tuple[list[tuple[importlib.metadata.EntryPoint, str]], di
         seen_dists.add(key)
         for ep in eps:
             found.setdefault(ep.name, []).append((ep, dist_name))
-    first = sorted((providers[0] for providers in found.values()), key=lambda pair: pair[0].name)
-    conflicts = {name: [d for _, d in providers] for name, providers in found.items() if len(providers) > 1}
-    return first, conflicts
-
-
-def _sources() -> tuple[list[_Source], dict[str, str]]:
-    """Every plugin source, and `{name: why it cannot be used}` for names two sources claim."""
-    builtins = builtin_plugin_modules()
-    sources = [
-        _Source(name, module, True, functools.partial(importlib.import_module, module))
-        for name, module in builtins.items()
-    ]
-    eps, conflicts = _entry_points()
     clashes: dict[str, str] = {}
-    for name, dists in conflicts.items():
-        clashes[name] = (
-            f"the packages {', '.join(f'`{d}`' for d in dists)} each provide a trl-ext plugin named `{name}`, so "
-            "which one runs would depend on the install order. Uninstall all but one of them (`pip uninstall ...`)"
-        )
-    for ep, dist in eps:
+    for name, providers in found.items():
+        if len(providers) > 1:
+            clashes[name] = (
+                f"the packages {', '.join(f'`{d}`' for _, d in providers)} each provide a trl-ext plugin named "
+                f"`{name}`, so which one runs would depend on the install order. Uninstall all but one of them "
+                "(`pip uninstall ...`)"
+            )
+    for ep, provider in sorted((providers[0] for providers in found.values()), key=lambda pair: pair[0].name):
         if ep.name in builtins:
-            if dist == "trl-ext":
+            if provider == "trl-ext":
                 continue  # trl-ext's own metadata, should it ever list its built-ins
             clashes[ep.name] = (
-                f"the package `{dist}` provides a trl-ext plugin named `{ep.name}`, the name of a built-in plugin. "
-                "Rename its entry point, or uninstall it"
+                f"the package `{provider}` provides a trl-ext plugin named `{ep.name}`, the name of a built-in "
+                "plugin. Rename its entry point, or uninstall it"
             )
             continue
-        sources.append(_Source(ep.name, ep.value, False, ep.load, dist))
+        sources.append(_Source(ep.name, ep.value, False, ep.load, provider))
     return sources, clashes
 
 
