@@ -1,14 +1,5 @@
-"""trl-ext: plugins that make preference training with a stock TRL faster and cheaper.
-
-```python
-import trl_ext
-
-with trl_ext.install(padding_free=True):
-    trainer = DPOTrainer(...)  # a stock TRL trainer, built by your own code
-    trainer.train()
-```
-
-Importing this package imports neither torch nor TRL; `install()` does.
+"""trl-ext: plugins that make preference training with a stock TRL faster and cheaper (`with
+trl_ext.install(padding_free=True): DPOTrainer(...).train()`). Importing it imports neither torch nor TRL.
 """
 
 from __future__ import annotations

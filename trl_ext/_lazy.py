@@ -1,9 +1,5 @@
-"""Names a module hands out on first use: the one lazy module `__getattr__` (PEP 562) of trl-ext.
-
-A plugin's declaration (`trl_ext/plugins/<name>/__init__.py`) must stay cheap to import, so the names of its hooks
-module (which imports torch) resolve on first use; `trl_ext.api` resolves its torch-backed names the same way. Both
-assign what this module builds: `__getattr__ = lazy_getattr(__name__, ...)`.
-"""
+"""The one lazy module `__getattr__` (PEP 562) of trl-ext: a plugin's declaration stays cheap to import while the
+names of its hooks module (which imports torch) resolve on first use; `trl_ext.api`'s torch-backed names too."""
 
 from __future__ import annotations
 
@@ -15,18 +11,9 @@ __all__ = ["lazy_getattr"]
 
 
 def lazy_getattr(owner: str, names: Mapping[str, str] | None = None, rest: str | None = None) -> Callable[[str], Any]:
-    """A module-level `__getattr__` for the module `owner` (its `__name__`).
-
-    Args:
-        owner (`str`): the module the function is installed in.
-        names (`Mapping[str, str]`, *optional*): the name -> the (absolute) name of the module that holds it; that
-            module is imported on first use of one of its names.
-        rest (`str`, *optional*): a submodule of `owner` (e.g. `"hooks"`) that answers every other name; the name of
-            the submodule itself returns it.
-
-    A name that neither covers is an `AttributeError`, as without a `__getattr__`; so are dunder names, so that
-    `copy`, `pickle` and `inspect` probing for `__path__`, `__wrapped__`... import nothing.
-    """
+    """`__getattr__ = lazy_getattr(__name__, names, rest)`: each of `names` from its (absolute) module, imported on
+    first use; any other name from the submodule `rest` of `owner` (`"hooks"`, whose own name returns it). Other names
+    and dunders (`copy`, `pickle`, `inspect` probing `__path__`...) are an `AttributeError`, importing nothing."""
     names = dict(names or {})
 
     def __getattr__(name: str) -> Any:

@@ -1,10 +1,8 @@
-"""trl-ext's loggers, following the Hugging Face convention: one library root logger (`trl_ext`), a handler
-attached once, the level taken from `TRL_EXT_LOG_LEVEL`. Stdlib only, so importing `trl_ext` stays light.
+"""trl-ext's loggers, the Hugging Face way: one root logger (`trl_ext`), a handler attached once, the level from
+`TRL_EXT_LOG_LEVEL` (a bad value warns and keeps the default, never an error at import). Stdlib only.
 
-The default level is `notice`, a level between `info` and `warning` (25): trl-ext's few lines that a user should see
-without asking (which plugins each trainer got, and what `"auto"` chose; a flag that does not apply to a trainer; what
-`uninstall()` leaves in place) are logged at `notice`, so they show by default and `TRL_EXT_LOG_LEVEL=warning`
-hides them. A value that is not a level gives a warning and the default, never an error at `import trl_ext`.
+The default level is `notice` (25, between `info` and `warning`): the few lines a user should see without asking
+(each trainer's plugins and what `"auto"` chose, a flag that does not apply, what `uninstall()` leaves in place).
 """
 
 from __future__ import annotations
@@ -30,19 +28,6 @@ LEVELS = {
 _configured = False
 
 
-def _level_from_env() -> tuple[int, str | None]:
-    """The level named by `TRL_EXT_LOG_LEVEL` (default `notice`), and a warning text if the value is not a level."""
-    raw = os.environ.get(_ENV)
-    if raw is None or not raw.strip():
-        return LEVELS[DEFAULT_LEVEL], None
-    value = raw.strip().lower()
-    if value in LEVELS:
-        return LEVELS[value], None
-    return LEVELS[DEFAULT_LEVEL], (
-        f"{_ENV}={raw!r} is not a log level; using {DEFAULT_LEVEL!r}. Use one of: {', '.join(LEVELS)}."
-    )
-
-
 def get_logger(name: str) -> logging.Logger:
     global _configured
     if not _configured:
@@ -54,11 +39,14 @@ def get_logger(name: str) -> logging.Logger:
             handler = logging.StreamHandler()
             handler.setFormatter(logging.Formatter("[%(name)s|%(levelname)s] %(message)s"))
             root.addHandler(handler)
-        level, problem = _level_from_env()
-        root.setLevel(level)
+        raw = os.environ.get(_ENV) or ""
+        value = raw.strip().lower() or DEFAULT_LEVEL
+        root.setLevel(LEVELS.get(value, LEVELS[DEFAULT_LEVEL]))
         root.propagate = False
-        if problem is not None:
-            root.warning(problem)
+        if value not in LEVELS:
+            root.warning(
+                f"{_ENV}={raw!r} is not a log level; using {DEFAULT_LEVEL!r}. Use one of: {', '.join(LEVELS)}."
+            )
     return logging.getLogger(name if name.startswith(_ROOT) else f"{_ROOT}.{name}")
 
 

@@ -30,6 +30,17 @@ def rss_mib(field: str = "VmHWM") -> float | None:
     return None
 
 
+def peak_bytes(device: Any) -> float | None:
+    """The peak since the last reset: allocated by the CUDA allocator on a CUDA `device`, else the resident set (None
+    where `/proc` does not say)."""
+    if getattr(device, "type", None) == "cuda":
+        import torch
+
+        return float(torch.cuda.max_memory_allocated(device))
+    mib = rss_mib("VmHWM")
+    return None if mib is None else mib * 2**20
+
+
 def reset_peak_rss() -> float | None:
     """Reset the peak-RSS counter (`clear_refs` 5, Linux >= 4.0); the current RSS in MiB, or None where this cannot
     be measured."""
@@ -63,13 +74,7 @@ class PeakMemory:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        if self.cuda:
-            import torch
-
-            self.peak_bytes = float(torch.cuda.max_memory_allocated(self.device))
-        else:
-            mib = rss_mib("VmHWM")
-            self.peak_bytes = None if mib is None else mib * 2**20
+        self.peak_bytes = peak_bytes(self.device if self.cuda else None)
 
     def text(self) -> str:
         if self.peak_bytes is None:

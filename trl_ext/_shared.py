@@ -1,12 +1,4 @@
-"""Helpers shared by trl-ext's built-in plugins (private: not part of the plugin API).
-
-- `Ranks`: the one way trl-ext runs a collective across the processes of a run. Every method is a no-op (no
-  `torch.distributed` call at all) with one process, and every rank must call the same methods in the same order.
-- `free_memory_bytes`: free memory where tensors of a device would live.
-
-The size grammar shared by every option lives in `trl_ext.spec` (`parse_size`). This module imports nothing heavy at
-import time.
-"""
+"""Helpers the built-in plugins share (re-exported by `trl_ext.api`); nothing heavy is imported at import time."""
 
 from __future__ import annotations
 
@@ -17,13 +9,9 @@ __all__ = ["Ranks", "free_memory_bytes"]
 
 
 class Ranks:
-    """The processes of a run as the trainer's accelerator sees them, and the collectives trl-ext runs across them.
-
-    Args:
-        world (`int`): number of processes.
-        rank (`int`): this process's index.
-        local_world (`int`, *optional*): processes on this node (`LOCAL_WORLD_SIZE`, else `world`).
-    """
+    """The processes of a run (`world`, this `rank`, `local_world` on this node: `LOCAL_WORLD_SIZE`, else `world`),
+    and the one way trl-ext runs a collective across them: every rank calls the same methods in the same order, and
+    with one process no method calls `torch.distributed` at all."""
 
     def __init__(self, world: int, rank: int, local_world: int | None = None) -> None:
         self.world = max(1, int(world))
@@ -44,8 +32,6 @@ class Ranks:
     def __repr__(self) -> str:
         return f"Ranks(world={self.world}, rank={self.rank})"
 
-    # -- Python objects (pickled; for small host-side values) ---------------------------------------------------
-
     def all_gather(self, obj: Any) -> list[Any]:
         """Every rank's `obj`, in rank order (one `all_gather_object`)."""
         if self.world == 1:
@@ -65,8 +51,6 @@ class Ranks:
         box = [obj if self.is_main else None]
         dist.broadcast_object_list(box, src=0)
         return box[0]
-
-    # -- tensors (no pickling, stay on their device) ------------------------------------------------------------
 
     def all_gather_rows(self, vec: Any) -> Any:
         """Every rank's 1-D tensor `vec` as the rows of a `[world, numel]` tensor, in rank order (one collective)."""

@@ -8,31 +8,10 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from . import _compat
-from ._peak_memory import rss_mib
+from ._peak_memory import peak_bytes as _peak_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
-
-__all__ = [
-    "PLAIN_LIMIT",
-    "capture_output",
-    "capture_result",
-    "compute_dtype",
-    "distributed",
-    "drop_new_hooks",
-    "hooks",
-    "local",
-    "mixed_precision",
-    "peak_bytes",
-    "per_sequence",
-    "restore",
-    "rng_states",
-    "same_rng",
-    "set_rng_states",
-    "snapshot",
-    "stock_attribute",
-    "unwrapped_chain",
-]
 
 
 def stock_attribute(target: Any, attr: str) -> bool:
@@ -205,13 +184,7 @@ def set_rng_states(states: tuple[Any, Any]) -> None:
 
 
 def peak_bytes(trainer: Any) -> float:
-    import torch
-
-    device = getattr(getattr(trainer, "args", None), "device", None)
-    if getattr(device, "type", None) == "cuda":
-        return float(torch.cuda.max_memory_allocated(device))
-    mib = rss_mib("VmHWM")
-    return 0.0 if mib is None else mib * 2**20
+    return _peak_bytes(getattr(getattr(trainer, "args", None), "device", None)) or 0.0
 
 
 def mixed_precision(trainer: Any) -> str:

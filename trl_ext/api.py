@@ -1,34 +1,9 @@
-"""What a plugin may use: the one public module for plugin authors, typed, its names kept stable.
+"""What a plugin may use: the one public, typed module for plugin authors, its names kept stable and re-exported from
+the modules that own them (docs/writing-plugins.md, "The plugin API", lists them by use).
 
 A third-party plugin imports `trl_ext`, `trl_ext.api` and the toolkit (`trl_ext.toolkit`), nothing else of trl-ext;
-the built-in plugins import the same, plus `trl_ext._compat` (the core's index of TRL facts), and their own package
-(tests/test_api.py checks both). The names here are re-exported from the modules that own them.
-
-- Declaring a plugin: `PluginSpec`, `Flag`, the option parsers (`boolean`, `positive_int`, `non_negative_float`,
-  `one_of`, `optional`, `either`, `size`, `text`, `Parser`, `Size`, `parse_size`), `hookimpl`.
-- What hooks receive: `TrainerContext` (per-trainer `state`, its `patcher`, `patch(scope, apply)`), `Call` (one call
-  of a trainer method a plugin takes part in, `trl_ext_call`), `TrlExtConfig`,
-  `Installation`, `Patcher`; and the error every refusal raises, `UsageError` (its message says the fix;
-  `did_you_mean` suggests a known name), and `InternalError`, raised where trl-ext itself is wrong (its message asks
-  to report it).
-- Models: `unwrap_causal_lm` (the `*ForCausalLM` module inside DeepSpeed, DDP and PEFT wrappers).
-- Roles (`PluginSpec(serves=...)`): `PACKING`, `METRICS`.
-- Packed positions, announced around a packed model call by the packing plugin (`PackedPositions`,
-  `packed_positions`, `current_packed_positions`); these import torch, so they resolve on first use.
-- Self-check probes (sizing a probe from what training will feed, and the stock padded forward to compare with):
-  `training_max_length`, `dataset_longest_pair`, `declared_localities`, `probe_lengths`, `model_probe_lengths`,
-  `stock_forward`, `stock_attention`.
-- The call context (`trl_ext.call_context`): `CallContext`, what is in effect for the running call (a stock
-  reference, a packed or shared-prompt forward), `current_call`, `call_entered`, and `CallSlot`, a plugin's own
-  per-call entry.
-- Memory: `PeakMemory` (the peak of a span of work, as the line `train()` ends with), `ExtraMemory` (the extra memory
-  one forward needs, for sizing work by probing it), `over_budget`, `GPU_MEMORY_FRACTION`, `free_memory_bytes`,
-  `rss_mib`, `reset_peak_rss`, `size_text` (bytes as a user reads them).
-- Several processes: `Ranks` (the collectives trl-ext runs across a run's processes; no-ops with one process).
-- Logging: `get_logger` (a child of the `trl_ext` logger), `is_main_process`, `NOTICE`.
-- A plugin's declaration: `lazy_getattr` (its module `__getattr__`, resolving the hooks module's names on first use).
-
-Importing this module imports neither torch nor TRL, as `import trl_ext` does not.
+the built-in plugins import the same, plus `trl_ext._compat` and their own package (tests/test_api.py checks both).
+Importing this module imports neither torch nor TRL: the packed positions' names resolve on first use.
 """
 
 from __future__ import annotations
@@ -75,7 +50,14 @@ from .toolkit.probe import (
 from .toolkit.roles import METRICS, PACKING
 
 if TYPE_CHECKING:
+    from . import interfaces
     from .toolkit.packing.positions import PackedPositions, current_packed_positions, packed_positions
+
+    # The classes hooks receive satisfy the protocols the hook specs name (`trl_ext.interfaces`): checked by mypy.
+    _CALL: type[interfaces.Call] = Call
+    _CONFIG: type[interfaces.TrlExtConfig] = TrlExtConfig
+    _CONTEXT: type[interfaces.TrainerContext] = TrainerContext
+    _INSTALLATION: type[interfaces.Installation] = Installation
 
 __all__ = [
     "GPU_MEMORY_FRACTION",

@@ -1,9 +1,6 @@
-"""What trl-ext attaches to one trainer, on the instance: the wrappers of its entry points, `log`, DPO's reference
-precompute and the generation helper; the checks made before TRL's `__init__` runs; which stock trainer an object is.
-
-Everything attached lives on the trainer (through its context's undo stack), so a trainer keeps it for its whole
-life, whatever happens to the installation that built it.
-"""
+"""What trl-ext attaches to one trainer, on the instance and through its undo stack (so it keeps it whatever happens
+to the installation): the wrappers of its entry points, `log` and the generation helper; the checks made before TRL's
+`__init__` runs; which stock trainer an object is."""
 
 from __future__ import annotations
 
@@ -59,8 +56,8 @@ def stock_trainer_class(trainer: str | type | Any) -> str:
 
 
 def call_for_trl_error(original, trainer_class: str, trainer: Any, args: tuple, kwargs: dict) -> None:
-    """Call TRL's `__init__` with the user's arguments, which do not fit its signature, so TRL's own `TypeError` (class
-    name included) is what the user sees, with a note naming the new spelling of a keyword TRL renamed."""
+    """Call TRL's `__init__` with arguments that do not fit its signature, so the user sees TRL's own `TypeError`, with
+    a note naming the new spelling of a keyword TRL renamed."""
     try:
         original(trainer, *args, **kwargs)
     except TypeError as exc:
@@ -80,8 +77,8 @@ _WORLD_SIZE_VARS = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_
 
 
 def check_world(trainer_class: str, trl_args: Any, enabled: list[str]) -> None:
-    """Refuse a launch of several processes in which this trainer would run alone: each process would train its own
-    model, silently (e.g. `torchrun --nproc_per_node 2` on CPU without `use_cpu=True`)."""
+    """Refuse a launch of several processes in which this trainer runs alone: each would silently train its own model
+    (`torchrun --nproc_per_node 2` on CPU without `use_cpu=True`)."""
     launched = {}
     for var in _WORLD_SIZE_VARS:
         value = os.environ.get(var, "").strip()

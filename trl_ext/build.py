@@ -1,20 +1,7 @@
-"""One trainer's build, as a script in call order: what trl-ext does while a stock trainer's `__init__` runs.
-
-`installation.py` wraps each stock trainer class's `__init__` and calls `build`. Everything after step 1 happens on
-the trainer instance, through the trainer's own undo stack (`TrainerContext.patcher`):
-
-1. the plugins this trainer gets (`check_trainer_settings`: refusals first), and the launch (`attach.check_world`);
-2. the trainer's `TrainerContext`, stored on it as `trainer._trl_ext`;
-3. `trl_ext_trainer_init_start`; the TRL flags plugins serve hidden from TRL (`hide_ignored_flags`);
-4. the methods TRL's `__init__` calls wrapped for `trl_ext_call` (`calls.attach(init=True)`), then DPO's reference
-   precompute wrapped to prepare the models first, and the checks and generation helper of `attach_before_init`;
-5. TRL's `__init__`, with the patches scoped to a run applied (`TrainerContext.running`);
-6. `prepare_models` (already done if DPO precomputed in `__init__`): the collator, packed, head and model forwards,
-   then `trl_ext_trainer_models_ready`;
-7. `log` and the entry points (`attach.attach_after_init`), `verify`, and the other methods plugins take part in
-   (`calls.attach(init=False)`), each wrapped outside the one before (a chain of `training_step` runs outside
-   verify's; verify runs outside the chains of the scoring methods, wrapped in step 4);
-8. `trl_ext_trainer_init_end`; the trainer's log lines on the main process (`announce`).
+"""One trainer's build, as a script in call order (`build`): what trl-ext does while a stock trainer's `__init__`
+runs, on the trainer instance and through its own undo stack. Methods TRL's `__init__` calls are wrapped before it
+runs; `log`, the entry points, `verify` and the other `trl_ext_call` methods after it, each outside the one before (a
+chain of `training_step` runs outside verify's; verify outside the chains of the scoring methods).
 """
 
 from __future__ import annotations
@@ -94,12 +81,8 @@ def precompute_wrapper(ctx: TrainerContext, original: Any) -> Any:
 
 
 def prepare_models(ctx: TrainerContext) -> None:
-    """Apply the collator, packed-forward, head-forward and model-forward extension points, then announce
-    `trl_ext_trainer_models_ready`.
-
-    Idempotent: runs once, at the first point where TRL is about to run a model (the DPO precompute) or at the
-    end of `__init__`.
-    """
+    """Apply the collator, packed, head and model forward extension points, then `trl_ext_trainer_models_ready`;
+    once, where TRL first runs a model (the DPO precompute) or at the end of `__init__`."""
     if ctx.models_ready:
         return
     ctx.models_ready = True
@@ -214,15 +197,10 @@ def enabled_plugins(config: TrlExtConfig, trainer_class: str, trl_args: Any) -> 
 
 
 def check_trainer_settings(config: TrlExtConfig, trainer_class: str, trl_args: Any) -> list[str]:
-    """The plugins a `trainer_class` built with `trl_args` (its TRL config) gets under `config`, once what would
-    otherwise be silently ignored is refused: a plugin flag given off while the TRL config sets the TRL flag that
-    plugin serves (`TrlExtConfig.check_trl_flags`), and options for a plugin that a TRL flag could enable but that
-    this trainer does not get (checked at install time for the others). `trl-ext dpo` / `online-dpo` call it
-    before any model loads, every trainer built while installed when it is built.
-
-    Raises:
-        `trl_ext.UsageError`: naming the setting and what to do.
-    """
+    """The plugins a `trainer_class` built with `trl_args` gets under `config`, once what would otherwise be silently
+    ignored is refused (`UsageError`): a plugin flag given off while the TRL config sets the TRL flag it serves, and
+    options for a plugin a TRL flag could enable that this trainer does not get. `trl-ext dpo` calls it before any
+    model loads."""
     config.check_trl_flags(trainer_class, trl_args)
     enabled = enabled_plugins(config, trainer_class, trl_args)[0]
     for name in config.plugins:

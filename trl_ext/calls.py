@@ -1,31 +1,8 @@
-"""One way to take part in a trainer's method calls: the `trl_ext_call` hook.
-
-A plugin lists the methods it takes part in (`PluginSpec.calls`). For each trainer, the core wraps each method that an
-enabled plugin lists once, on the instance and through the trainer's undo stack (`context.patcher`). Every call then
-runs a chain: the `trl_ext_call` implementations of the enabled plugins that list the method, in pluggy's call order
-(`tryfirst` first, then the last registered first, `trylast` last), with TRL's own method innermost:
-
-```python
-@trl_ext.hookimpl
-def trl_ext_call(trainer, context, call: trl_ext.api.Call):
-    if call.name == "training_step":
-        ...                      # before
-        result = call.proceed()  # the rest of the chain, and TRL's method last
-        ...                      # after
-        return result
-    return call.proceed()
-```
-
-An implementation returns the method's result. It may change the arguments (`call.proceed(*args, **kwargs)`), run the
-rest of the chain several times, or not at all (it then replaces TRL's method). `trl-ext plugins --order` prints each
-chain. An observer that must see a training step as stock runs it (`sync_metrics`) is `tryfirst`; one that changes how
-TRL's method runs (`token_budget`) is `trylast`.
-
-A name is a trainer method (`"training_step"`), one of a stock trainer class only (`"DPOTrainer._compute_loss"`), or
-a method of the trainer's accelerator (`"accelerator.gather"`). The reference precompute and the scoring methods
-(`_compat.INIT_CALLS`) are wrapped before TRL's `__init__` runs (the precompute scores in it; `verify`, installed
-later, is outside their chains); the others once it has returned, outside the core's own wrappers, so a chain sees
-each call as the Trainer makes it. `TrainerContext.calls` holds each wrapped method's chain, outermost first.
+"""The `trl_ext_call` hook (docs/writing-plugins.md, "Taking part in a trainer's method calls"): each trainer method
+an enabled plugin lists (`PluginSpec.calls`) is wrapped once per trainer, on the instance and through its undo stack,
+and each call runs the chain of those plugins' implementations in pluggy's call order, TRL's own method innermost.
+The scoring methods (`_compat.INIT_CALLS`) are wrapped before TRL's `__init__` (`verify` is outside their chains), the
+others after it, outside the core's own wrappers, so a chain sees each call as the Trainer makes it.
 """
 
 from __future__ import annotations
@@ -41,7 +18,6 @@ from .errors import UsageError
 if TYPE_CHECKING:  # pragma: no cover
     import pluggy
 
-    from . import interfaces
     from .catalog import Catalog
     from .context import TrainerContext
 
@@ -54,15 +30,9 @@ _ACCELERATOR = "accelerator."
 
 
 class Call:
-    """One call of a wrapped method, as a `trl_ext_call` implementation sees it.
-
-    Attributes:
-        name (`str`): the method's name (`"training_step"`, `"accelerator.gather"`).
-        args (`tuple`), kwargs (`dict`): the arguments this link of the chain was called with (without `self`).
-        original (`Callable`): the method as the trainer held it before the core wrapped it (TRL's, or the user's
-            subclass'), bound; calling it skips the rest of the chain.
-        last (`bool`): whether no other plugin's link follows this one (`proceed()` runs `original`).
-    """
+    """One call of a wrapped method, as a `trl_ext_call` implementation sees it: the method's `name`, the `args` and
+    `kwargs` this link was called with (without `self`), the bound `original` as the trainer held it before the core
+    wrapped it (calling it skips the rest of the chain), and `last`: whether `proceed()` runs `original` itself."""
 
     __slots__ = ("_rest", "args", "kwargs", "last", "name", "original")
 
@@ -74,7 +44,6 @@ class Call:
         self.args = args
         self.kwargs = kwargs
         self._rest = rest
-        #: Whether this is the innermost link: `proceed()` runs `original` itself.
         self.last = last
 
     def proceed(self, *args: Any, **kwargs: Any) -> Any:
@@ -175,7 +144,3 @@ def _dispatcher(ctx: TrainerContext, name: str, original: Callable, impls: list)
         return run(0, args, kwargs)
 
     return method
-
-
-if TYPE_CHECKING:  # pragma: no cover
-    _IS_WHAT_HOOKS_RECEIVE: type[interfaces.Call] = Call  # checked by mypy

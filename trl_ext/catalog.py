@@ -13,7 +13,7 @@ from .spec import Flag, PluginSpec
 
 __all__ = ["CORE_KEYS", "Catalog", "PluginInfo", "block_advice", "flag_clash", "plugin_info"]
 
-#: Top-level configuration keys that are not plugin flags (`verify`: `trl_ext.config.parse_verify`).
+#: Top-level configuration keys that are not plugin flags (`verify`: `trl_ext.config.VERIFY_PARSER`).
 CORE_KEYS = ("plugins", "block", "verify")
 
 
@@ -24,18 +24,10 @@ def block_advice(name: str, block: Iterable[str] = ()) -> str:
 
 
 class Catalog:
-    """The declarations of the available plugins: the flag table, options and trainers.
-
-    Args:
-        specs (`dict[str, PluginSpec]`): the registered (not blocked) plugins, in registration order.
-        builtin (`set[str]`): which of them ship with trl-ext.
-        blocked (`set[str]`): names blocked by the configuration.
-        blocked_specs (`dict[str, PluginSpec]`, *optional*): declarations of blocked built-ins, for error messages.
-        broken (`dict[str, str]`, *optional*): third-party plugins that could not be loaded or registered, each with
-            the reason and what to do; they are skipped, and enabling one is a `UsageError`.
-        broken_flags (`dict[str, str]`, *optional*): `{flag: plugin}` for the flags of broken plugins whose
-            declaration could be read.
-        plugins (`dict[str, Any]`, *optional*): `{name: declaring module or object}` of the registered plugins.
+    """The declarations of the available plugins: `specs` of the registered (not blocked) ones in registration order,
+    which are `builtin`, their declaring `plugins`, the `blocked` names (`blocked_specs`: those of blocked built-ins,
+    for error messages), the `broken` third-party plugins with the reason and what to do, and `broken_flags`
+    (`{flag: plugin}` for those whose declaration could be read). `flags` is the flag table: `{flag: (Flag, owner)}`.
     """
 
     def __init__(
@@ -68,9 +60,6 @@ class Catalog:
 
     def defaults(self) -> dict[str, Any]:
         return {name: flag.default for name, (flag, _) in self.flags.items()}
-
-    def owner(self, flag: str) -> str:
-        return self.flags[flag][1]
 
     def trl_flag_owners(self) -> dict[str, str]:
         """`{TRL config field: plugin}` for plugins that serve a TRL flag TRL ignores."""

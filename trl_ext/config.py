@@ -1,22 +1,9 @@
-"""trl-ext's configuration, built from the flags and options that the plugins declare.
+"""trl-ext's configuration: the flags the available plugins declare, their options, and the core keys.
 
-The flags are not written here: every plugin declares its own (`trl_ext.PluginSpec`), and the flag table is the union
-of the declarations of the available plugins. The same table and the same parsers serve every source.
-
-Precedence, highest first (each source only overrides the keys it sets; `plugins:` merges per plugin):
-
-1. keyword flags passed to `trl_ext.install(**flags)`;
-2. `TRL_EXT_<FLAG>` environment variables (read here and nowhere else), plus `TRL_EXT_PLUGINS` (JSON, or a comma
-   list of names) and `TRL_EXT_BLOCK` (a comma list);
-3. the `config` argument of `install()`: a `TrlExtConfig`, a mapping, or the path of a YAML file; when it is `None`,
-   the YAML file named by `TRL_EXT_CONFIG`, if set;
-4. each flag's declared default.
-
-`trl-ext dpo` / `online-dpo` pass the command line as (1) and the recipe's `trl_ext:` section as (3), merge once, and
-install the result as it is (`trl_ext.installation.install_config`).
-
-A YAML file holds the same keys at its top level, or under a top-level `trl_ext:` key so that the flags can sit in
-a TRL recipe next to `DPOConfig` fields.
+Precedence, highest first (docs/configuration.md): keyword flags (`install(**flags)`, the command line), the
+`TRL_EXT_<FLAG>` environment variables (read here and nowhere else), the `config` argument (a `TrlExtConfig`, a
+mapping, a YAML path, or `$TRL_EXT_CONFIG`; the keys at its top level or under `trl_ext:`), each flag's default.
+Each source overrides only the keys it sets; `plugins:` merges per plugin.
 """
 
 from __future__ import annotations
@@ -29,11 +16,9 @@ from typing import TYPE_CHECKING, Any
 
 from .catalog import CORE_KEYS
 from .errors import UsageError, did_you_mean
-from .setting_docs import refusal_note
 from .spec import Parser, boolean, either, positive_int
 
 if TYPE_CHECKING:  # pragma: no cover
-    from . import interfaces
     from .catalog import Catalog
 
 __all__ = ["ENV_PREFIX", "TrlExtConfig", "load_config"]
@@ -43,8 +28,7 @@ ENV_PREFIX = "TRL_EXT_"
 ENV_CONFIG_FILE = "TRL_EXT_CONFIG"
 ENV_LOG_LEVEL = "TRL_EXT_LOG_LEVEL"
 _ENV_NON_FLAGS = {ENV_CONFIG_FILE, ENV_LOG_LEVEL}
-#: `verify`: the first N optimizer steps of a trainer whose plugins change the math are checked against stock
-#: (`trl_ext.verify`); true is 1, false (or 0) turns it off.
+#: `verify` (`trl_ext.verify`): how many optimizer steps, from the first, are checked against stock; 0 is off.
 VERIFY_DEFAULT = 1
 VERIFY_PARSER = Parser(lambda v: int(either(boolean, positive_int)(v)), "true, false or a number of steps")
 VERIFY_HELP = (
@@ -60,23 +44,9 @@ def _catalog(block: list[str]) -> Catalog:
 
 
 class TrlExtConfig:
-    """The flags of the available plugins, options by plugin, and blocked plugins.
-
-    Flags are keyword arguments (`TrlExtConfig(padding_free=True)`) and read back as attributes
-    (`config.padding_free`) or from `config.flags`. Which flags exist, their parsers and defaults come from the
-    plugins' declarations: run `trl-ext plugins` to list them.
-
-    Args:
-        plugins (`dict[str, dict]`, *optional*, defaults to `{}`):
-            Options by plugin name, validated against the plugin's options dataclass. Naming a plugin that has no
-            flags enables it (use `{}` for no options); for a plugin with flags, its flag enables it.
-        block (`list[str]`, *optional*, defaults to `[]`):
-            Plugin names never to load, built-in or third-party (like pytest's `-p no:NAME`).
-        verify (`bool` or `int`, *optional*, defaults to `1`):
-            How many optimizer steps, from the first, compare the plugins' per-sequence log-probs with stock TRL's on
-            the same batch (`trl_ext.verify`); `False` or `0` turns it off, `True` is 1.
-        **flags:
-            Plugin flags, each parsed by its plugin's declared parser.
+    """The flags of the available plugins (`TrlExtConfig(padding_free=True)`, read back as `config.padding_free` or
+    in `config.flags`; `trl-ext plugins` lists them), `plugins` (options by plugin name; naming a plugin without
+    flags enables it), `block` (plugin names never to load) and `verify` (`VERIFY_PARSER`), validated on the way in.
     """
 
     def __init__(
@@ -91,7 +61,7 @@ class TrlExtConfig:
         **flags: Any,
     ) -> None:
         self.block: list[str] = _parse_block(block if block is not None else [], _source)
-        self.verify: int = parse_verify(verify, _source)
+        self.verify: int = VERIFY_PARSER.checked(verify, "verify", _source)
         catalog = _catalog_ if _catalog_ is not None else _catalog(self.block)
         self.catalog = catalog
         values = catalog.defaults()
@@ -115,8 +85,6 @@ class TrlExtConfig:
                 )
             self._options[name] = spec.make_options(raw, _source)
 
-    # ------------------------------------------------------------------------------------------------------------
-
     def __getattr__(self, name: str) -> Any:
         flags = self.__dict__.get("flags")
         if flags is not None and name in flags:
@@ -130,15 +98,7 @@ class TrlExtConfig:
         return mine == (other.flags, other.plugins, sorted(other.block), other.verify)
 
     def __repr__(self) -> str:
-        changed = {k: v for k, v in self.flags.items() if v != self.catalog.defaults().get(k)}
-        parts = [f"{k}={v!r}" for k, v in changed.items()]
-        if self.plugins:
-            parts.append(f"plugins={self.plugins!r}")
-        if self.block:
-            parts.append(f"block={self.block!r}")
-        if self.verify != VERIFY_DEFAULT:
-            parts.append(f"verify={self.verify!r}")
-        return f"TrlExtConfig({', '.join(parts)})"
+        return f"TrlExtConfig({', '.join(f'{k}={v!r}' for k, v in self.changed().items())})"
 
     @classmethod
     def flag_names(cls) -> tuple[str, ...]:
@@ -179,23 +139,16 @@ class TrlExtConfig:
         return any(self.flags[f.name] != f.default for f in spec.flags)
 
     def check_options_apply(self) -> None:
-        """A plugin with flags is enabled by its flag, never by naming it under `plugins:`: options (or an empty entry)
-        for such a plugin whose flags are all at their defaults would do nothing, so they are refused, whatever the
-        plugin.
-
-        A plugin that serves a TRL flag (`PluginSpec.trl_flag`) can still be enabled per trainer by that TRL flag; its
-        options are checked when each trainer is built (`Installation`), against the plugins that trainer gets.
-        """
+        """Refuse a `plugins:` entry for a plugin whose flags are all off: it would do nothing. One that serves a TRL
+        flag may still be enabled by it per trainer: checked when each trainer is built (`build.py`)."""
         for name in self.plugins:
             spec = self.catalog.specs[name]
             if spec.flags and not self.flag_is_set(name) and not spec.trl_flag:
                 raise UsageError(self.unused_options_message(name))
 
     def check_trl_flags(self, trainer_class: str, trl_args: Any) -> None:
-        """Refuse a plugin flag given explicitly off (`--trl-ext-padding-free false`) for a trainer whose TRL config
-        sets the TRL flag that plugin serves (`--padding_free true`, which the installed TRL ignores): that TRL flag
-        alone turns the plugin on, so one of the two would be silently overridden. The user says which one they mean.
-        """
+        """Refuse a plugin flag given explicitly off for a trainer whose TRL config sets the TRL flag that plugin
+        serves (and the installed TRL ignores): one of the two would be silently overridden."""
         from . import _compat
 
         ignored = _compat.trl_ignored_flags(trainer_class)
@@ -236,29 +189,10 @@ class TrlExtConfig:
         )
 
 
-# -------------------------------------------------------------------------------------------------------------------
-# Parsing
-# -------------------------------------------------------------------------------------------------------------------
-
-
 def _parse_flag(catalog: Catalog, name: str, value: Any, source: str) -> Any:
     if name not in catalog.flags:
         raise UsageError(unknown_flag_message(catalog, name, source))
-    flag, _ = catalog.flags[name]
-    try:
-        return flag.parse(value)
-    except ValueError:
-        note = refusal_note(flag.parse.expects, value)
-        raise UsageError(f"`{name}` must be {flag.parse.expects}, got {value!r}{note} (from {source}).") from None
-
-
-def parse_verify(value: Any, source: str) -> int:
-    """`verify` from any source: the number of optimizer steps to check (0: off)."""
-    try:
-        return VERIFY_PARSER(value)
-    except ValueError:
-        note = refusal_note(VERIFY_PARSER.expects, value)
-        raise UsageError(f"`verify` must be {VERIFY_PARSER.expects}, got {value!r}{note} (from {source}).") from None
+    return catalog.flags[name][0].parse.checked(value, name, source)
 
 
 def _parse_block(value: Any, source: str) -> list[str]:
@@ -318,11 +252,6 @@ def unknown_flag_message(catalog: Catalog, name: str, source: str) -> str:
     )
 
 
-# -------------------------------------------------------------------------------------------------------------------
-# Sources
-# -------------------------------------------------------------------------------------------------------------------
-
-
 def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Read the raw trl-ext keys of a YAML file (top level, or under a `trl_ext:` key)."""
     import yaml
@@ -356,15 +285,6 @@ def check_section_key(data: Mapping[str, Any], where: str) -> None:
             raise UsageError(f"{where} has a key `{key}:`. Did you mean `trl_ext:`? (trl-ext reads its flags there.)")
 
 
-def read_env(environ: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
-    """The raw `TRL_EXT_<KEY>` variables, as `{key: (value, source)}`."""
-    out = {}
-    for key, value in environ.items():
-        if key.startswith(ENV_PREFIX) and key not in _ENV_NON_FLAGS:
-            out[key[len(ENV_PREFIX) :].lower()] = (value, f"environment variable ${key}")
-    return out
-
-
 def load_config(
     config: TrlExtConfig | Mapping[str, Any] | str | os.PathLike[str] | None = None,
     flags: Mapping[str, Any] | None = None,
@@ -372,15 +292,8 @@ def load_config(
     sources: Mapping[str, str] | None = None,
     config_source: str | None = None,
 ) -> TrlExtConfig:
-    """Merge the sources in the documented precedence and return a validated `TrlExtConfig`.
-
-    Args:
-        config: the base configuration (a `TrlExtConfig`, a mapping, or a YAML path).
-        flags: the highest-precedence keys (`install(**flags)`, the command line).
-        environ: the environment (defaults to `os.environ`).
-        sources: optional `{key: description}` naming where each of `flags` came from (e.g. "the command line").
-        config_source: where a mapping `config` came from, for error messages (e.g. the recipe's path).
-    """
+    """Merge `config` < `environ` (default `os.environ`) < `flags` and return a validated `TrlExtConfig`; `sources`
+    (`{key: where}` for `flags`) and `config_source` (for a mapping `config`) name the sources in error messages."""
     environ = os.environ if environ is None else environ
     sources = sources or {}
     layers: list[tuple[dict[str, Any], Any]] = []  # (raw keys, source label or per-key labels)
@@ -397,8 +310,8 @@ def load_config(
         raise UsageError(
             f"`config` must be a TrlExtConfig, a mapping or the path of a YAML file, got {type(config).__name__}."
         )
-    env = read_env(environ)
-    layers.append(({k: v for k, (v, _) in env.items()}, {k: s for k, (_, s) in env.items()}))
+    env = {k[len(ENV_PREFIX) :].lower(): k for k in environ if k.startswith(ENV_PREFIX) and k not in _ENV_NON_FLAGS}
+    layers.append(({k: environ[v] for k, v in env.items()}, {k: f"environment variable ${v}" for k, v in env.items()}))
     layers.append((dict(flags or {}), {k: sources.get(k, "keyword flags of install()") for k in flags or {}}))
 
     def source_of(label: Any, key: str) -> str:
@@ -420,7 +333,7 @@ def load_config(
             if key == "block":
                 continue
             if key == "verify":
-                verify = parse_verify(value, source)
+                verify = VERIFY_PARSER.checked(value, "verify", source)
                 continue
             if key == "plugins":
                 for name, options in _parse_plugins(value, source).items():
@@ -432,7 +345,3 @@ def load_config(
     return TrlExtConfig(
         plugins=plugins, block=block, verify=verify, _catalog_=catalog, _sources=merged_sources, **merged
     )
-
-
-if TYPE_CHECKING:  # pragma: no cover
-    _IS_WHAT_HOOKS_RECEIVE: type[interfaces.TrlExtConfig] = TrlExtConfig  # checked by mypy

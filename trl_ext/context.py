@@ -20,8 +20,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["TrainerContext", "live_contexts", "output_head_module", "unwrap_causal_lm"]
 
-#: Every trainer that trl-ext attached to and that is still alive, whatever installation it was built under (an
-#: uninstalled installation's trainers keep their plugins, see `Installation.uninstall`).
+#: Every live trainer that trl-ext attached to, whatever installation built it (an uninstalled one's included).
 _LIVE: weakref.WeakSet = weakref.WeakSet()
 #: `{key: undo stack}` of the process-wide changes that attached trainers hold (`TrainerContext.patch("process")`).
 _HELD_PATCHERS: dict[str, Patcher] = {}
@@ -31,12 +30,8 @@ SCOPES = ("run", "trainer", "process")
 
 def live_contexts() -> list[TrainerContext]:
     """The contexts of every live, attached trainer, across installations (oldest first)."""
-    out = []
-    for trainer in list(_LIVE):
-        ctx = trainer.__dict__.get("_trl_ext")
-        if ctx is not None and ctx.attached:
-            out.append(ctx)
-    return sorted(out, key=lambda c: c.serial)
+    contexts = [trainer.__dict__.get("_trl_ext") for trainer in list(_LIVE)]
+    return sorted((ctx for ctx in contexts if ctx is not None and ctx.attached), key=lambda c: c.serial)
 
 
 class _SubsetHooks:
@@ -51,24 +46,16 @@ class _SubsetHooks:
 
 
 class TrainerContext:
-    """trl-ext's view of one trainer, stored on it as `trainer._trl_ext`.
-
-    Attributes:
-        installation: the `Installation` that attached to the trainer.
-        config, plugin_manager: the installation's configuration and plugins.
-        trainer_class: `"DPOTrainer"` or `"OnlineDPOTrainer"` (the stock class the trainer derives from).
-        enabled: names of the plugins enabled for this trainer, in registration order.
-        state: per-plugin objects, by plugin name. A plugin keeps its per-trainer state here, never in globals.
-        patcher: undo stack for changes to this trainer and its models. They stay for the trainer's whole life, also
-            after `Installation.uninstall()`, and are undone by `Installation.detach(trainer)`.
-        attached: False once detached (the trainer is then stock again).
-    """
+    """trl-ext's view of one trainer, stored on it as `trainer._trl_ext`: the installation that attached to it (its
+    `config` and `plugin_manager`), the stock `trainer_class`, the `enabled` plugins in registration order, their
+    per-trainer `state` by plugin name (never in globals), the trainer's undo stack `patcher` (undone by
+    `Installation.detach(trainer)`), and `attached` (False once detached: the trainer is stock again)."""
 
     _serial = 0
 
     def __deepcopy__(self, memo: dict) -> Any:
-        # `copy.deepcopy(trainer)` reaches here: the plugins' wrappers on the trainer and its models are bound to this
-        # trainer, its models and their state, so a copy would train the original's models or half of its plugins.
+        # `copy.deepcopy(trainer)`: the plugins' wrappers are bound to this trainer, its models and their state, so a
+        # copy would train the original's models or half of its plugins.
         if not self.attached:
             return self  # a detached trainer is stock: its inert record is shared, the rest copies as stock does
         raise UsageError(
@@ -107,9 +94,8 @@ class TrainerContext:
         self._run_patcher = Patcher(f"trl-ext[{trainer_class}] while running")
         self._run_depth = 0
         self.held: set[str] = set()
-        #: The enabled plugins whose answers change how this trainer computes its log-probs (packed, head, model
-        #: forwards; token_budget adds itself), and the scoring methods as the trainer held them before any plugin
-        #: took part in their calls: what `trl_ext.verify` checks and runs as stock.
+        #: What `trl_ext.verify` checks and runs as stock: the plugins whose answers change the log-probs, and the
+        #: scoring methods as the trainer held them before any plugin took part in their calls.
         self.math_plugins: list[str] = []
         self.stock_methods: dict[str, Callable[..., Any]] = {}
         #: `{method: plugins}`: the chain of each method wrapped for `trl_ext_call`, outermost first (`trl_ext.calls`).
@@ -140,8 +126,8 @@ class TrainerContext:
         return call_exclusive(getattr(self.hook, hook_name), **kwargs)
 
     def call_math(self, hook_name: str, **kwargs: Any) -> Any:
-        """`call_exclusive` for a hook whose answer changes the math; the plugins implementing it (wrappers
-        included) are recorded in `math_plugins` when it is answered."""
+        """`call_exclusive` for a hook whose answer changes the math: when answered, its implementers (wrappers
+        included) join `math_plugins`."""
         caller = getattr(self.hook, hook_name)
         result = call_exclusive(caller, **kwargs)
         if result is not None:
@@ -150,26 +136,15 @@ class TrainerContext:
                     self.math_plugins.append(impl.plugin_name)
         return result
 
-    # ------------------------------------------------------------------------------------------------------------
-    # every change to TRL, transformers, the trainer or its models: one undo mechanism, by scope
-    # ------------------------------------------------------------------------------------------------------------
-
     def patch(self, scope: str, apply: Callable[[Patcher], None], *, key: str | None = None) -> None:
-        """Make changes through an undo stack of `scope`: `apply(patcher)` makes them with `patcher.setattr`,
-        `patcher.wrap` and `patcher.defer` (what to run when they are undone, e.g. unregistering a function).
+        """Make changes through an undo stack of `scope` (docs/lifecycle.md): `apply(patcher)` makes them with
+        `patcher.setattr`, `wrap` and `defer`.
 
-        - `"run"`: module- or class-level changes only while this trainer runs, i.e. during TRL's `__init__` and every
-          outermost `train()`, `evaluate()` and `predict()`: `apply` runs on each entry and its changes are undone on
-          exit, so TRL's modules are stock between calls and after `Installation.uninstall()`. Its wrappers must pass
-          other trainers' calls through.
-        - `"trainer"`: changes to this trainer and its models, now, on `patcher`: kept for the trainer's whole life,
-          also after `Installation.uninstall()`, undone by `Installation.detach(trainer)`.
-        - `"process"`: process-wide changes (a name in a TRL module, an attention function registered with
-          transformers) shared by every trainer holding `key`: `apply` runs when the first of them takes it, and the
-          changes are undone when the last attached one is detached (a trainer garbage-collected without being
-          detached leaves them: its models may still use them).
-
-        For one call, a local `with Patcher(...) as patcher:` is the shortest scope.
+        - `"run"`: module- or class-level changes applied on each entry of TRL's `__init__` and every outermost
+          `train()`, `evaluate()`, `predict()`, undone on exit; its wrappers must pass other trainers' calls through.
+        - `"trainer"`: changes to this trainer and its models, on `patcher`, until `Installation.detach(trainer)`.
+        - `"process"`: process-wide changes shared by the trainers holding `key`: applied when the first takes it,
+          undone when the last attached one is detached (a trainer garbage-collected undetached leaves them).
         """
         if scope == "trainer":
             apply(self.patcher)
@@ -263,7 +238,3 @@ def unwrap_causal_lm(model: Any) -> Any:
             continue
         break
     return model
-
-
-if TYPE_CHECKING:  # pragma: no cover
-    _IS_WHAT_HOOKS_RECEIVE: type[interfaces.TrainerContext] = TrainerContext  # checked by mypy

@@ -11,8 +11,7 @@ REPORT = "this is a trl-ext bug; please report it"
 
 
 def did_you_mean(name: str, known: Iterable[str]) -> str:
-    """` Did you mean `X`?` for the entry of `known` closest to a misspelled `name` (a flag, a plugin, a loss type),
-    or "" when none is close: the one hint every unknown name of the user's gets."""
+    """` Did you mean `X`?` for the entry of `known` closest to a misspelled `name`, or "" when none is close."""
     import difflib
 
     close = difflib.get_close_matches(name, list(known), n=1)
@@ -20,18 +19,13 @@ def did_you_mean(name: str, known: Iterable[str]) -> str:
 
 
 class UsageError(ValueError):
-    """A flag, option, value, TRL version or combination that trl-ext cannot run correctly.
-
-    The message always names the flag (or plugin) and says what to do instead. It subclasses `ValueError` so code
-    that already catches TRL's own configuration errors keeps working.
-    """
+    """A flag, option, value, TRL version or combination that trl-ext cannot run correctly; the message names it and
+    says what to do instead. A `ValueError`, as TRL's own configuration errors are."""
 
 
 class InternalError(RuntimeError):
-    """An invariant of trl-ext's own that does not hold: nothing the user set can cause it, so nothing the user sets
-    fixes it. The message says what broke and ends with `REPORT` (a message on several lines gets it on a line of its
-    own). A `RuntimeError`, as Python's own errors of this kind are.
-    """
+    """An invariant of trl-ext's own that does not hold (nothing the user sets causes or fixes it); the message ends
+    with `REPORT`, on a line of its own after several lines. A `RuntimeError`, as Python's own errors of this kind."""
 
     def __init__(self, message: str) -> None:
         message = message.rstrip()

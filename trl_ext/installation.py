@@ -5,20 +5,16 @@ from __future__ import annotations
 import functools
 import inspect
 import os
-import weakref
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from . import _compat, attach, build
 from ._logging import NOTICE, get_logger, is_main_process
 from .config import TrlExtConfig, load_config
-from .context import _LIVE, TrainerContext
+from .context import _LIVE, TrainerContext, live_contexts
 from .errors import UsageError
 from .manager import TrlExtPluginManager, make_plugin_manager
 from .patching import Patcher, resolve
-
-if TYPE_CHECKING:  # pragma: no cover
-    from . import interfaces
 
 __all__ = ["Installation", "current", "install", "install_config"]
 
@@ -28,19 +24,11 @@ _ATTR = "_trl_ext"  # the attribute that holds a trainer's TrainerContext
 
 
 class Installation:
-    """An active trl-ext installation. Use it as a context manager, or call `uninstall()` when done.
+    """An active trl-ext installation; a context manager (`uninstall()` at the end of the block).
 
-    Lifecycle: while installed, every stock trainer constructed gets its plugins. Everything a trainer needs later
-    lives on the trainer itself (instance attributes of the trainer, its models and its collator, through the
-    trainer's own undo stack), so a trainer keeps its plugins for `train()`, `evaluate()`, `predict()` and a resumed
-    `train(resume_from_checkpoint=...)` whenever they are called, also after `uninstall()` and under a later
-    installation. `uninstall()` makes TRL's classes and modules stock again (new trainers are stock) and leaves live
-    trainers as they are; `detach(trainer)` (or `uninstall(detach=True)`) makes a trainer and its models stock.
-
-    Attributes:
-        config (`TrlExtConfig`): the merged configuration.
-        plugin_manager (`pluggy.PluginManager`): the registered plugins (built-in and third-party).
-        trl_version (`str`): the TRL version the patches were applied to.
+    While installed, every stock trainer constructed gets its plugins, attached to the trainer itself, so it keeps
+    them for its whole life, also after `uninstall()` (docs/lifecycle.md). `uninstall()` makes TRL stock again for new
+    trainers; `detach(trainer)` makes a trainer and its models stock.
     """
 
     _active: Installation | None = None
@@ -50,53 +38,33 @@ class Installation:
         self.plugin_manager = plugin_manager
         self.trl_version = trl_version
         self.patcher = Patcher("trl-ext")
-        self._contexts: list[weakref.ref] = []
         self._installed = False
-        #: Keep every trainer context (and so its plugins' state) after the trainer is gone, for `records`. Off by
-        #: default because plugin state may reference models; the `trl-ext dpo` job turns it on.
+        #: Keep every trainer context after the trainer is gone, for `records` (plugin state may reference models:
+        #: off by default; the `trl-ext dpo` job turns it on).
         self.keep_records = False
         self._kept: list[TrainerContext] = []
-
-    # ------------------------------------------------------------------------------------------------------------
-    # public API
-    # ------------------------------------------------------------------------------------------------------------
 
     @property
     def installed(self) -> bool:
         return self._installed
 
     def enabled_plugins(self, trainer: str | type | Any, trl_args: Any = None) -> list[str]:
-        """The plugins that a trainer gets, in registration order.
+        """The plugins a trainer gets, in registration order (`build.enabled_plugins` says which).
 
-        A plugin is enabled when it applies to the trainer (`PluginSpec.trainers`) and one of its flags is set, or,
-        for a plugin without flags, when it is named under `plugins:`, or when the trainer's TRL config sets the TRL
-        flag it serves (`PluginSpec.trl_flag`) and the installed TRL ignores that flag. Of the enabled plugins that
-        serve one role (`PluginSpec.serves`), only the one of highest precedence is kept.
-
-        Args:
-            trainer (`str`, `type` or trainer instance):
-                A stock trainer class name (`"DPOTrainer"`), a trainer class (stock or derived from one), or a trainer.
-                For a class or name, the plugins a trainer built now would get; for a trainer instance, the plugins
-                it actually runs (`[]` for a trainer built before `install()`, or detached: it is stock).
-            trl_args (TRL config, *optional*):
-                The trainer's TRL config, for the TRL flags plugins serve. With an instance, asks what a trainer of
-                that class built now with `trl_args` would get.
-
-        Raises:
-            `TypeError`: `trainer` is none of these. `trl_ext.UsageError`: not a trainer trl-ext attaches to.
+        `trainer` is a stock trainer class name, a trainer class (or a subclass) or an instance: for a class or name,
+        what a trainer built now (with the TRL config `trl_args`) would get; for an instance without `trl_args`, what
+        it runs (`[]` if built before `install()` or detached). A `TypeError` for anything else; a `UsageError` for a
+        trainer trl-ext does not attach to.
         """
         trainer_class = attach.stock_trainer_class(trainer)
         if not isinstance(trainer, (str, type)) and trl_args is None:
-            # An instance runs what was attached when it was built: nothing if it was built before `install()` (or
-            # detached), whatever this installation would give a new trainer.
             ctx = getattr(trainer, "__dict__", {}).get(_ATTR)
             return list(ctx.enabled) if ctx is not None and ctx.attached else []
         return build.enabled_plugins(self.config, trainer_class, trl_args)[0]
 
     def _wrapped_trainers(self) -> list[str]:
-        """The stock trainer classes to attach to: those that a registered plugin applies to and that the
-        configuration enables (or that a TRL flag it serves could enable per trainer), and those a registered plugin
-        that is off may advise about (`trl_ext_advise_unused`: a TRL setting it would serve better)."""
+        """The stock trainer classes that a registered plugin applies to and is enabled for (or could be, by a TRL
+        flag it serves), or may advise about (`trl_ext_advise_unused`)."""
         pm = self.plugin_manager
         advising = {impl.plugin_name for impl in pm.hook.trl_ext_advise_unused.get_hookimpls()}
         out: list[str] = []
@@ -108,13 +76,7 @@ class Installation:
 
     def contexts(self) -> list[TrainerContext]:
         """Contexts of the live trainers this installation attached to (and that were not detached)."""
-        out = []
-        for ref in self._contexts:
-            trainer = ref()
-            ctx = trainer.__dict__.get(_ATTR) if trainer is not None else None
-            if ctx is not None and ctx.installation is self and ctx.attached:
-                out.append(ctx)
-        return out
+        return [ctx for ctx in live_contexts() if ctx.installation is self]
 
     @property
     def records(self) -> list[dict[str, Any]]:
@@ -128,11 +90,8 @@ class Installation:
         return out
 
     def detach(self, trainer: Any = None) -> None:
-        """Make `trainer` (default: every live trainer this installation attached to) and its models stock again.
-
-        Undoes every change trl-ext made to the trainer, its models and its collator; it then trains as stock TRL.
-        Detaching a trainer twice, or one trl-ext never attached to, does nothing.
-        """
+        """Undo every change made to `trainer` (default: every live trainer this installation attached to), its
+        models and its collator: it trains as stock TRL. Detaching twice, or a trainer never attached, does nothing."""
         if trainer is None:
             for ctx in reversed(self.contexts()):
                 ctx.detach()
@@ -142,11 +101,8 @@ class Installation:
             ctx.detach()
 
     def uninstall(self, *, detach: bool = False) -> None:
-        """Make TRL's classes and modules stock again: trainers constructed from now on get no plugins.
-
-        Trainers constructed while installed keep their plugins (for `train()`, `evaluate()`, `predict()`, resuming)
-        until they are garbage-collected or detached; `detach=True` detaches them all now (see `detach`). A second
-        call does nothing.
+        """Make TRL's classes and modules stock again for new trainers. Trainers built while installed keep their
+        plugins until garbage-collected or detached (`detach=True` detaches them all now). A second call does nothing.
         """
         if not self._installed:
             if detach:
@@ -182,10 +138,6 @@ class Installation:
         state = "installed" if self._installed else "uninstalled"
         return f"<trl_ext.Installation {state} plugins={[n for n, _ in self.plugin_manager.list_name_plugin()]}>"
 
-    # ------------------------------------------------------------------------------------------------------------
-    # patching: TRL's classes only get an `__init__` wrapper; everything else is per trainer
-    # ------------------------------------------------------------------------------------------------------------
-
     def _apply(self) -> None:
         """Patch TRL: the `__init__` of each stock trainer class, nothing else (the rest is per trainer)."""
         wrapped = self._wrapped_trainers()
@@ -208,7 +160,6 @@ class Installation:
         trainer = ctx.trainer
         trainer.__dict__[_ATTR] = ctx
         _LIVE.add(trainer)
-        self._contexts.append(weakref.ref(trainer))
         if self.keep_records:
             self._kept.append(ctx)
 
@@ -239,41 +190,17 @@ def install(
 ) -> Installation:
     """Attach trl-ext's plugins to every stock `DPOTrainer` / `OnlineDPOTrainer` constructed from now on.
 
-    Args:
-        config (`TrlExtConfig`, mapping, or path of a YAML file, *optional*):
-            Base configuration. When `None`, the YAML file named by `$TRL_EXT_CONFIG` is read, if set.
-        **flags:
-            `TrlExtConfig` fields; they override `TRL_EXT_*` environment variables, which override `config`.
-
-    Returns:
-        `Installation`: a context manager; `uninstall()` restores TRL exactly. Calling `install()` again with the same
-        resulting configuration while installed returns the active installation (re-running a notebook cell is
-        harmless); `trl_ext.current()` returns it too.
-
-    Raises:
-        `trl_ext.UsageError`: unknown flag or option, bad value, unsupported TRL, a blocked or missing plugin that a
-            flag needs, a combination a plugin cannot run correctly, or trl-ext already installed with another
-            configuration.
-
-    Example:
-    ```python
-    import trl_ext
-    from trl import DPOConfig, DPOTrainer
-
-    with trl_ext.install(padding_free=True):
-        trainer = DPOTrainer(model, args=DPOConfig(...), train_dataset=ds, processing_class=tok)
-        trainer.train()
-    ```
+    `config` (a `TrlExtConfig`, a mapping or a YAML path; default `$TRL_EXT_CONFIG`) is overridden by `TRL_EXT_*`
+    variables, overridden by `flags`. Returns the `Installation`, a context manager; while installed, the same
+    resulting configuration returns the active one (`trl_ext.current()`), another is a `UsageError`, as is every
+    setting trl-ext cannot run correctly. Example: `with trl_ext.install(padding_free=True): DPOTrainer(...).train()`.
     """
     return install_config(load_config(config, flags))
 
 
 def install_config(config: TrlExtConfig) -> Installation:
-    """Install exactly `config`, an already merged configuration: no environment variable or file is read.
-
-    The command line (`trl-ext dpo`) merges its sources itself (command line > `TRL_EXT_*` environment > recipe) and
-    installs the result with this function. Same return value and errors as `install()`.
-    """
+    """`install()` of exactly `config`, already merged (no environment variable or file is read): `trl-ext dpo`
+    merges its own sources."""
     trl_version = _compat.check_trl_version()
     active = current()
     if active is not None:
@@ -302,7 +229,3 @@ def current() -> Installation | None:
     """The active installation (the one `install()` returned and that is not uninstalled), or None."""
     active = Installation._active
     return active if active is not None and active.installed else None
-
-
-if TYPE_CHECKING:  # pragma: no cover
-    _IS_WHAT_HOOKS_RECEIVE: type[interfaces.Installation] = Installation  # checked by mypy

@@ -1,9 +1,5 @@
-"""Plugin discovery and registration, and the exclusive roles and hooks resolved among the registered plugins.
-
-Built-in plugins are the modules and subpackages of `trl_ext.plugins` that declare a `TRL_EXT_PLUGIN`; third-party
-plugins are the entry points of the `trl_ext` group. Both are loaded, checked and registered by the same code
-(`_register`), and nothing here names a plugin: a new plugin is a new module, nothing else.
-"""
+"""Plugin discovery and registration (the public modules of `trl_ext.plugins` and the `trl_ext` entry points, by
+the same code; nothing here names a plugin), and the exclusive roles and hooks resolved among them."""
 
 from __future__ import annotations
 
@@ -44,14 +40,10 @@ logger = get_logger(__name__)
 
 
 class TrlExtPluginManager(pluggy.PluginManager):
-    """A pluggy manager for the `trl_ext` project.
+    """A pluggy manager for the `trl_ext` project, with the `catalog` of the registered plugins' declarations.
 
-    Like pytest, every function whose name starts with `trl_ext_` is taken as a hook implementation even without the
-    `@trl_ext.hookimpl` marker, so that `check_pending()` catches a misspelled hook name at start-up instead of the
-    function being silently ignored.
-
-    Attributes:
-        catalog (`Catalog`): the declarations of the registered plugins.
+    Like pytest, every function named `trl_ext_*` is a hook implementation even without `@trl_ext.hookimpl`, so that
+    `check_pending()` catches a misspelled hook name instead of the function being silently ignored.
     """
 
     def __init__(self) -> None:
@@ -66,11 +58,6 @@ class TrlExtPluginManager(pluggy.PluginManager):
             if callable(method) and not isinstance(method, type):
                 opts = cast("pluggy.HookimplOpts", {})
         return opts
-
-
-# -------------------------------------------------------------------------------------------------------------------
-# Discovery
-# -------------------------------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -93,60 +80,45 @@ def builtin_plugin_modules() -> dict[str, str]:
     }
 
 
-def _dist_name(dist: Any) -> str:
-    name = (getattr(dist, "metadata", None) or {}).get("Name") or getattr(dist, "name", None) or "?"
-    return str(name)
-
-
-def _entry_points() -> tuple[list[tuple[importlib.metadata.EntryPoint, str]], dict[str, list[str]]]:
-    """The `trl_ext` entry points, each with its distribution's name, and `{name: [distributions]}` for names that
-    several distributions provide.
-
-    A distribution found twice on the path (an editable and a regular install, or a `--target` directory) counts once:
-    the first one on the path, the one Python imports.
-    """
+def _sources() -> tuple[list[_Source], dict[str, str]]:
+    """Every plugin source, and `{name: why it cannot be used}` for names two sources claim. A distribution found
+    twice on the path (editable and regular) counts once: the first, the one imported."""
+    builtins = builtin_plugin_modules()
+    sources = [
+        _Source(name, module, True, functools.partial(importlib.import_module, module))
+        for name, module in builtins.items()
+    ]
     seen_dists: set[str] = set()
     found: dict[str, list[tuple[importlib.metadata.EntryPoint, str]]] = {}
     for dist in importlib.metadata.distributions():
         eps = [ep for ep in dist.entry_points if ep.group == ENTRY_POINT_GROUP]
         if not eps:
             continue
-        dist_name = _dist_name(dist)
+        dist_name = str((getattr(dist, "metadata", None) or {}).get("Name") or getattr(dist, "name", None) or "?")
         key = dist_name.lower().replace("_", "-").replace(".", "-")
         if key in seen_dists:
             continue
         seen_dists.add(key)
         for ep in eps:
             found.setdefault(ep.name, []).append((ep, dist_name))
-    first = sorted((providers[0] for providers in found.values()), key=lambda pair: pair[0].name)
-    conflicts = {name: [d for _, d in providers] for name, providers in found.items() if len(providers) > 1}
-    return first, conflicts
-
-
-def _sources() -> tuple[list[_Source], dict[str, str]]:
-    """Every plugin source, and `{name: why it cannot be used}` for names two sources claim."""
-    builtins = builtin_plugin_modules()
-    sources = [
-        _Source(name, module, True, functools.partial(importlib.import_module, module))
-        for name, module in builtins.items()
-    ]
-    eps, conflicts = _entry_points()
     clashes: dict[str, str] = {}
-    for name, dists in conflicts.items():
-        clashes[name] = (
-            f"the packages {', '.join(f'`{d}`' for d in dists)} each provide a trl-ext plugin named `{name}`, so "
-            "which one runs would depend on the install order. Uninstall all but one of them (`pip uninstall ...`)"
-        )
-    for ep, dist in eps:
+    for name, providers in found.items():
+        if len(providers) > 1:
+            clashes[name] = (
+                f"the packages {', '.join(f'`{d}`' for _, d in providers)} each provide a trl-ext plugin named "
+                f"`{name}`, so which one runs would depend on the install order. Uninstall all but one of them "
+                "(`pip uninstall ...`)"
+            )
+    for ep, provider in sorted((providers[0] for providers in found.values()), key=lambda pair: pair[0].name):
         if ep.name in builtins:
-            if dist == "trl-ext":
+            if provider == "trl-ext":
                 continue  # trl-ext's own metadata, should it ever list its built-ins
             clashes[ep.name] = (
-                f"the package `{dist}` provides a trl-ext plugin named `{ep.name}`, the name of a built-in plugin. "
-                "Rename its entry point, or uninstall it"
+                f"the package `{provider}` provides a trl-ext plugin named `{ep.name}`, the name of a built-in "
+                "plugin. Rename its entry point, or uninstall it"
             )
             continue
-        sources.append(_Source(ep.name, ep.value, False, ep.load, dist))
+        sources.append(_Source(ep.name, ep.value, False, ep.load, provider))
     return sources, clashes
 
 
@@ -188,21 +160,10 @@ def spec_of(name: str, plugin: Any) -> PluginSpec:
     return spec
 
 
-def _validate_hooks(name: str, plugin: Any) -> None:
-    """Register `plugin` on a scratch manager: a hook name or signature that does not match the specs raises."""
-    pm = TrlExtPluginManager()
-    _register(pm, name, plugin)
-    _check_pending(pm)
-
-
 def load_catalog(block: Iterable[str] = (), *, warn: bool = True) -> tuple[Catalog, dict[str, Any]]:
-    """Load every available plugin except blocked ones; return the catalog and `{name: plugin object}`.
-
-    A built-in plugin that fails is a bug and raises. A third-party plugin that cannot be imported, declared or
-    registered, or whose name or flag another plugin claims too, is *broken*: it is skipped (with one warning per
-    process naming it and the exact `block` setting that silences it, if `warn`), the other plugins work, and enabling
-    it is a `UsageError` with the same advice.
-    """
+    """Load every available plugin except blocked ones; return the catalog and `{name: plugin object}`. A built-in
+    plugin that fails raises; a third-party one is *broken* (docs/writing-plugins.md): skipped, with one warning per
+    process if `warn`."""
     block = set(block)
     sources, clashes = _sources()
     known = list(dict.fromkeys(s.name for s in sources))
@@ -250,7 +211,9 @@ def load_catalog(block: Iterable[str] = (), *, warn: bool = True) -> tuple[Catal
                 continue
             try:
                 if spec.hooks is None:  # hooks in a separate module are checked when the plugin is registered
-                    _validate_hooks(source.name, plugin)
+                    scratch = TrlExtPluginManager()  # a hook name or signature that does not match the specs raises
+                    _register(scratch, source.name, plugin)
+                    _check_pending(scratch)
             except UsageError as exc:
                 broken[source.name] = f"{exc}".rstrip(".") + f" (package `{source.dist}`)"
                 broken_flags.update({flag: source.name for flag in spec.flag_names})
@@ -282,11 +245,8 @@ def load_catalog(block: Iterable[str] = (), *, warn: bool = True) -> tuple[Catal
 
 
 def make_plugin_manager(block: Iterable[str] = (), *, catalog: Catalog | None = None) -> TrlExtPluginManager:
-    """A fresh manager with every available plugin but the blocked and broken ones registered and validated.
-
-    `catalog` (from `load_catalog`, or a configuration's `catalog`) is used as it is instead of discovering the
-    plugins again; `block` is then ignored. This is where a plugin's `PluginSpec.hooks` module is imported.
-    """
+    """A fresh manager with every available plugin but the blocked and broken ones registered and validated, from
+    `catalog` when given (`block` is then ignored); this is where a `PluginSpec.hooks` module is imported."""
     if catalog is None:
         catalog = load_catalog(block)[0]
     pm = TrlExtPluginManager()
@@ -338,11 +298,6 @@ def _register(pm: TrlExtPluginManager, name: str, plugin: Any) -> None:
         raise UsageError(f"trl-ext plugin `{name}` could not be registered: {exc}.") from exc
 
 
-# -------------------------------------------------------------------------------------------------------------------
-# Exclusive roles and hooks
-# -------------------------------------------------------------------------------------------------------------------
-
-
 def resolve_roles(specs: dict[str, PluginSpec], enabled: Iterable[str]) -> tuple[list[str], dict[str, str]]:
     """Keep, for each role that enabled plugins serve (`PluginSpec.serves`), the one of highest precedence.
 
@@ -365,12 +320,8 @@ def resolve_roles(specs: dict[str, PluginSpec], enabled: Iterable[str]) -> tuple
 
 
 def call_exclusive(caller: pluggy.HookCaller, **kwargs: Any) -> Any:
-    """Call an exclusive (`trl_ext_make_*`) hook through pluggy; return its single answer, or None.
-
-    pluggy runs every implementation, wrappers and hook-call monitoring included, and returns the list of non-None
-    results. Two answers for the same call would otherwise be resolved silently by registration order, so that is a
-    `UsageError` naming the plugins that implement the hook for this call.
-    """
+    """Call an exclusive hook through pluggy (wrappers and monitoring included); return its single answer, or None.
+    Two answers would otherwise be resolved silently by registration order: a `UsageError` naming the implementers."""
     results = caller(**kwargs)
     if len(results) > 1:
         implementers = [impl.plugin_name for impl in caller.get_hookimpls() if not (impl.wrapper or impl.hookwrapper)]

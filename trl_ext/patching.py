@@ -1,16 +1,11 @@
 """The one undo stack through which trl-ext changes anything in TRL (or in a user's model).
 
-Modelled on pytest's `MonkeyPatch`: a patch records the target's *own* `__dict__` entry (or its absence), so undoing
-restores exactly the object that was there, and a class that inherited the attribute gets the inheritance back.
-Undo runs in reverse order, and undoing twice is a no-op.
-
-Several patchers may change the same attribute of a module or class (two trainers whose `train()` calls overlap in
-threads, a trainer's run-time wrapper over a process-wide one that `uninstall()` releases while the trainer trains).
-Every such change is a layer of that attribute, process-wide (`_LAYERS`), in the order applied; undoing one removes its
-layer wherever it is: the attribute becomes what the remaining layers make of the original (the wrappers above it
-applied again in order), and the original object itself once none is left. Undone in reverse order, that is exactly the
-stack above. An object's own attributes (a trainer's methods, a model's `forward`) have one owner and are not
-registered: a garbage-collected trainer is not kept alive by its patches.
+Like pytest's `MonkeyPatch`, a patch records the target's *own* `__dict__` entry (or its absence), so undoing restores
+exactly what was there (a class that inherited the attribute inherits it again); undo runs newest first, twice is a
+no-op. Several patchers may change one attribute of a module or class (overlapping `train()` calls in threads, a run
+wrapper over a process-wide one released meanwhile): each change is a process-wide layer (`_LAYERS`), and undoing one
+removes it wherever it is, the wrappers above it applied again on what is below. An object's own attributes (a
+trainer's methods, a model's `forward`) have one owner and are not registered, so patches keep no trainer alive.
 """
 
 from __future__ import annotations
@@ -123,27 +118,19 @@ def _remove(target: Any, attr: str, layer: _Layer | None, own: Any) -> None:
 
 
 class Patcher:
-    """Records `setattr` changes and undoes them in reverse order; used as a context manager (`with Patcher(...) as
-    patcher:`), at the end of the block.
-
-    Args:
-        name (`str`, *optional*, defaults to `"trl-ext"`):
-            Shown in error messages.
-    """
+    """Records `setattr` changes and undoes them newest first (`undo()`, or at the end of a `with` block); `name` is
+    shown in error messages."""
 
     def __init__(self, name: str = "trl-ext") -> None:
         self.name = name
-        self._undo: list[tuple[Any, str, Any, Any]] = []
-        self._set: list[Any] = []  # the value each entry of `_undo` set (None: a deferred call)
+        self._undo: list[tuple[Any, str, Any, Any, Any]] = []  # (target, attr, own entry, layer, value set)
 
     def __len__(self) -> int:
         return len(self._undo)
 
     def setattr(self, target: Any, attr: str, value: Any, *, raising: bool = True) -> Any:
-        """Set `target.attr = value` and remember how to undo it. Returns the value that was visible before.
-
-        With `raising=True` (the default) a missing attribute is an error: it means TRL renamed what trl-ext patches.
-        """
+        """Set `target.attr = value`, undoably; return the value visible before. With `raising`, a missing attribute
+        is an error: TRL renamed what trl-ext patches."""
         if raising and not hasattr(target, attr):
             where = getattr(target, "__qualname__", None) or getattr(target, "__name__", type(target).__name__)
             raise UsageError(_renamed_message(f"{getattr(target, '__module__', '?')}.{where}.{attr}"))
@@ -154,8 +141,7 @@ class Patcher:
         own = target.__dict__.get(attr, _ABSENT) if hasattr(target, "__dict__") else _ABSENT
         if not isinstance(target, (type, types.ModuleType)):  # an object's own attribute: one owner, a plain stack
             _assign(target, attr, value)
-            self._undo.append((target, attr, own, None))
-            self._set.append(value)
+            self._undo.append((target, attr, own, None, value))
             return previous
         key = (id(target), attr)
         stack = _LAYERS.get(key)
@@ -166,8 +152,7 @@ class Patcher:
         layer = _Layer(value, make_wrapper)
         stack.layers.append(layer)
         _assign(target, attr, value)
-        self._undo.append((target, attr, own, layer))
-        self._set.append(value)
+        self._undo.append((target, attr, own, layer, value))
         return previous
 
     def wrap(self, target: Any, attr: str, make_wrapper: Callable[[Any], Any]) -> Any:
@@ -181,15 +166,12 @@ class Patcher:
     def defer(self, fn: Callable[[], None]) -> None:
         """Run `fn()` when this point of the stack is undone: after every change recorded later is undone, before the
         earlier ones (a plugin hands back what it held for TRL while its wrappers were in place)."""
-        self._undo.append((None, "", _ABSENT, fn))
-        self._set.append(None)
+        self._undo.append((None, "", _ABSENT, fn, None))
 
     def undo(self) -> None:
-        """Undo every recorded change, newest first (each removes its own layer: see the module docstring). Calling it
-        again does nothing."""
+        """Undo every recorded change, newest first (each removes its own layer). Calling it again does nothing."""
         while self._undo:
-            target, attr, own, layer = self._undo.pop()
-            self._set.pop()
+            target, attr, own, layer, _ = self._undo.pop()
             if target is None:
                 layer()
             else:
@@ -218,7 +200,7 @@ class Patcher:
         as it is: what replaced it may call the value set here."""
         first: dict[tuple[int, str], tuple[Any, str, Any]] = {}
         last: dict[tuple[int, str], Any] = {}
-        for (target, attr, own, _), value in zip(self._undo, self._set, strict=True):
+        for target, attr, own, _, value in self._undo:
             if target is None:  # a deferred call
                 continue
             first.setdefault((id(target), attr), (target, attr, own))

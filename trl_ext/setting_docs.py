@@ -13,15 +13,8 @@ __all__ = ["SettingDoc", "first_sentence", "parse_args_docstring", "refusal_note
 
 @dataclass(frozen=True)
 class SettingDoc:
-    """One flag or option of a plugin, as `trl-ext plugins` lists it.
-
-    Args:
-        kind (`str`): `"flag"` or `"option"`.
-        name (`str`): the flag, or the option's name under `plugins: {<plugin>: {...}}`.
-        accepts (`str`): what a valid value looks like (the parser's `expects`, or the field's type).
-        default (`Any`): the declared default.
-        help (`str`): one line.
-    """
+    """One flag or option (`kind`) of a plugin as `trl-ext plugins` lists it: what it `accepts` (the parser's
+    `expects`, or the field's type), its declared `default` and one line of `help`."""
 
     kind: str
     name: str

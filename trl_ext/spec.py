@@ -1,16 +1,5 @@
-"""How a plugin declares itself: its flags, its options, the trainers it applies to and the TRL flag it serves.
-
-A plugin module (built-in or third-party) sets one module attribute, `TRL_EXT_PLUGIN = PluginSpec(...)`, next to its
-hook implementations; docs/writing-plugins.md holds the example plugin (tested as printed). A plugin whose hooks import
-heavy modules declares `hooks="my_pkg.hooks"` (or `".hooks"`): discovery reads only the declaration.
-
-From these declarations trl-ext builds the flag table shared by `install(**flags)`, `TRL_EXT_<FLAG>` environment
-variables, YAML files, the `--trl_ext_<flag>` command-line flags and `trl-ext plugins`, and it validates every value
-with the declared parser. Every mistake is the same `trl_ext.UsageError`, naming the flag and where it came from.
-
-Parsers take a Python value or a string (from the environment, YAML or the command line) and return the normalised
-value, or raise `ValueError`. Each parser has an `expects` text used in error messages ("true or false").
-
+"""How a plugin declares itself (`TRL_EXT_PLUGIN = PluginSpec(...)`, docs/writing-plugins.md), and the parsers that
+validate its flags and options from every source (Python values, or strings from the environment, YAML, the CLI).
 This module imports nothing heavy.
 """
 
@@ -43,18 +32,9 @@ __all__ = [
 ]
 
 
-# -------------------------------------------------------------------------------------------------------------------
-# Parsers: one grammar for flags and options, whatever their source
-# -------------------------------------------------------------------------------------------------------------------
-
-
 class Parser:
-    """A value parser: `parser(value)` returns the normalised value or raises `ValueError`.
-
-    Args:
-        function (`Callable[[Any], Any]`): does the parsing.
-        expects (`str`): what a valid value looks like, for error messages ("a positive integer").
-    """
+    """`parser(value)` returns the normalised value or raises `ValueError`; `expects` says what a valid value looks
+    like, for error messages ("a positive integer")."""
 
     def __init__(self, function: Callable[[Any], Any], expects: str) -> None:
         self.function = function
@@ -63,8 +43,20 @@ class Parser:
     def __call__(self, value: Any) -> Any:
         return self.function(value)
 
+    def checked(self, value: Any, name: str, source: str) -> Any:
+        """`self(value)`; a refused value is a `UsageError` naming the setting `name` and where it came from."""
+        try:
+            return self.function(value)
+        except ValueError:
+            note = refusal_note(self.expects, value)
+            raise UsageError(f"`{name}` must be {self.expects}, got {value!r}{note} (from {source}).") from None
+
     def __repr__(self) -> str:
         return f"<Parser {self.expects}>"
+
+
+def _parser(expects: str) -> Callable[[Callable[[Any], Any]], Parser]:
+    return lambda function: Parser(function, expects)
 
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -72,7 +64,9 @@ _FALSE = {"0", "false", "no", "off"}
 _NONE = {"none", "null"}
 
 
-def _boolean(value: Any) -> bool:
+@_parser("true or false")
+def boolean(value: Any) -> bool:
+    """`True`/`False`, `1`/`0`, or `"true"/"false"/"1"/"0"/"yes"/"no"/"on"/"off"` in any case."""
     if isinstance(value, bool):
         return value
     if isinstance(value, int) and value in (0, 1):
@@ -82,12 +76,9 @@ def _boolean(value: Any) -> bool:
     raise ValueError(value)
 
 
-#: `True`/`False`, `1`/`0`, or `"true"/"false"/"1"/"0"/"yes"/"no"/"on"/"off"` in any case.
-boolean = Parser(_boolean, "true or false")
-
-
-def _positive_int(value: Any) -> int:
-    # An integral float (`256.0` from YAML or a computation, `"256.0"`) is that integer in every source; 256.5 is not.
+@_parser("a positive integer")
+def positive_int(value: Any) -> int:
+    """An integer > 0 (`8`, `8.0`, `"8"`: an integral float from YAML or a computation is that integer; 8.5 is not)."""
     try:
         number = float(value.strip()) if isinstance(value, str) else value
     except ValueError:
@@ -99,11 +90,9 @@ def _positive_int(value: Any) -> int:
     raise ValueError(value)
 
 
-#: An integer > 0 (`8`, `8.0`, `"8"`); `8.5` is refused.
-positive_int = Parser(_positive_int, "a positive integer")
-
-
-def _non_negative_float(value: Any) -> float:
+@_parser("a number >= 0")
+def non_negative_float(value: Any) -> float:
+    """A finite number >= 0."""
     if isinstance(value, str):
         try:
             value = float(value.strip())
@@ -114,20 +103,14 @@ def _non_negative_float(value: Any) -> float:
     raise ValueError(value)
 
 
-#: A finite number >= 0.
-non_negative_float = Parser(_non_negative_float, "a number >= 0")
-
-
-def _text(value: Any) -> str:
+@_parser("a non-empty string")
+def text(value: Any) -> str:
+    """A non-empty string (a path, a name)."""
     if isinstance(value, str) and value.strip():
         return value
     if hasattr(value, "__fspath__"):
         return str(value.__fspath__())
     raise ValueError(value)
-
-
-#: A non-empty string (a path, a name).
-text = Parser(_text, "a non-empty string")
 
 
 def one_of(*choices: str) -> Parser:
@@ -193,13 +176,8 @@ _UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
 
 
 def parse_size(value: Any) -> Size:
-    """The one size grammar of trl-ext.
-
-    - bytes: an `int` or whole `float` > 1 (`1 << 30`, `4e9`), a string with a unit: `"4GB"`, `"512MiB"`, `"1000"`;
-    - a fraction: a `float` in (0, 1] (`0.25`), the same as a string (`"0.25"`), or a percentage (`"25%"`).
-
-    Raises `ValueError` for anything else (booleans, zero, negative sizes, unknown units).
-    """
+    """The one size grammar of trl-ext: bytes (an `int` or whole `float` > 1, `4e9`; a string with a unit, `"4GB"`,
+    `"512MiB"`, `"1000"`) or a fraction (a `float` in (0, 1], `"0.25"`, `"25%"`); anything else is a `ValueError`."""
     if isinstance(value, bool) or value is None:
         raise ValueError(value)
     if isinstance(value, int):
@@ -234,28 +212,11 @@ def parse_size(value: Any) -> Size:
 size = Parser(parse_size, 'a size ("4GB", "512MiB", a number of bytes) or a fraction (0.25 or "25%")')
 
 
-# -------------------------------------------------------------------------------------------------------------------
-# Declarations
-# -------------------------------------------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class Flag:
-    """A top-level trl-ext flag owned by one plugin. Setting it to anything but its default enables the plugin.
-
-    Args:
-        name (`str`):
-            The flag, the same in Python (`install(name=...)`), the environment (`TRL_EXT_<NAME>`), YAML and the
-            command line (`--trl_ext_<name>`).
-        default (`Any`):
-            The value that leaves the plugin off. Must be accepted by `parse`.
-        parse (`Parser`):
-            Parses values from any source (Python values, or strings from the environment, YAML, the CLI).
-        help (`str`):
-            One line for `--help` and `trl-ext plugins`.
-        cli_const (`Any`, *optional*, defaults to `True`):
-            The value of a bare `--trl_ext_<name>` given without a value.
-    """
+    """A top-level flag owned by one plugin, the same in Python, `TRL_EXT_<NAME>`, YAML and `--trl_ext_<name>`. Any
+    value but `default` (a normalised value of `parse`) enables the plugin; `help` is one line for `--help` and
+    `trl-ext plugins`; `cli_const` is the value of a bare `--trl_ext_<name>`."""
 
     name: str
     default: Any
@@ -269,43 +230,23 @@ class PluginSpec:
     """What a plugin is, declared in its own module as `TRL_EXT_PLUGIN = PluginSpec(...)`.
 
     Args:
-        name (`str`):
-            The plugin's name: the same as its module (built-in) or entry-point name (third-party), its key under
-            `plugins:` and in log lines.
-        summary (`str`):
-            One line for `trl-ext plugins`.
-        flags (`tuple[Flag, ...]`, *optional*, defaults to `()`):
-            The flags it owns. A plugin with flags is enabled when one of them is not at its default; a plugin
-            without flags is enabled by naming it under `plugins:`.
-        options (`type`, *optional*):
-            A frozen dataclass of its options, every field with a default, documented in an HF-style `Args:`
-            docstring. A field's `metadata["parse"]` (a `Parser`) validates values given by the user; the dataclass'
-            `__post_init__` may check combinations and raise `ValueError` or `UsageError`. `None`: no options.
-        trainers (`tuple[str, ...]`, *optional*):
-            Stock trainer class names it applies to (`"DPOTrainer"`, `"OnlineDPOTrainer"`, ...); `None`: all of them.
-        trl_flag (`str`, *optional*):
-            A TRL config field that TRL accepts but ignores and this plugin implements (`DPOConfig.padding_free`).
-            Setting it on a trainer's TRL config enables the plugin for that trainer.
-        serves (`tuple[str, ...]`, *optional*, defaults to `()`):
-            Exclusive roles the plugin fills for a trainer, e.g. `"packing"` (it owns the collator and the packed
-            forward). When several plugins enabled for one trainer serve a role, the core keeps the one of highest
-            `precedence` for that trainer and leaves the others out (the trainer's log line says so); equal
-            precedence is a `UsageError`. Plugins never name each other.
-        precedence (`int`, *optional*, defaults to `0`):
-            Rank among the plugins that serve one of the same roles: the highest is kept.
-        hooks (`str`, *optional*):
-            The module that holds the hook implementations, absolute (`"my_pkg.hooks"`) or relative to the package of
-            the declaring module (`".hooks"`). It is imported only when the plugin is registered for an installation,
-            so reading the declarations (`TrlExtConfig`, `trl-ext plugins`, `--help`) imports nothing heavy even when
-            the implementations need torch. `None`: the declaring module holds its hook implementations.
-        calls (`tuple[str, ...]`, *optional*, defaults to `()`):
-            The trainer methods its `trl_ext_call` implementation takes part in (`trl_ext.calls`): `"training_step"`,
-            `"DPOTrainer._compute_loss"` (one stock trainer class only), `"accelerator.gather"`.
-        replaces (`tuple[str, ...]`, *optional*, defaults to `()`):
-            Methods whose TRL code it replaces: its `trl_ext_call` answers their calls itself (`call.proceed()` only
-            for calls it leaves to TRL). Two enabled plugins replacing one method of a trainer are a `UsageError`. A
-            plugin that answers a call itself only in a state of its own (sync_metrics' and token_budget's gathers)
-            lists it under `calls`: the chain's order decides.
+        name: the same as its module (built-in) or entry point (third-party), its key under `plugins:`, in log lines.
+        summary: one line for `trl-ext plugins`.
+        flags: the flags it owns; it is enabled when one is not at its default. Without flags, naming it under
+            `plugins:` enables it.
+        options: a frozen dataclass, every field with a default, documented in an HF-style `Args:` docstring; a
+            field's `metadata["parse"]` validates user values, `__post_init__` may raise `ValueError`/`UsageError`.
+        trainers: the stock trainer class names it applies to; `None`: all of them.
+        trl_flag: a TRL config field TRL accepts but ignores and this plugin implements (`DPOConfig.padding_free`);
+            setting it on a trainer's TRL config enables the plugin for that trainer.
+        serves, precedence: exclusive roles it fills (`"packing"`); of the plugins enabled for one trainer serving a
+            role, the highest `precedence` is kept and the others are left out (equal precedence: `UsageError`).
+        hooks: the module of its hook implementations (`"my_pkg.hooks"`, or `".hooks"` relative to the declaring
+            package), imported only at registration so that reading declarations imports nothing heavy.
+        calls: the trainer methods its `trl_ext_call` takes part in (`trl_ext.calls`): `"training_step"`,
+            `"DPOTrainer._compute_loss"` (one stock class only), `"accelerator.gather"`.
+        replaces: the methods whose calls its `trl_ext_call` answers itself; two enabled plugins replacing one method
+            of a trainer are a `UsageError`. One answering only in a state of its own lists it under `calls`.
     """
 
     name: str
@@ -367,16 +308,11 @@ class PluginSpec:
     def option_names(self) -> tuple[str, ...]:
         return tuple(f.name for f in dataclasses.fields(self.options)) if self.options is not None else ()
 
-    def option_help(self) -> dict[str, str]:
-        """Each option's description, read from the options dataclass' `Args:` docstring."""
-        return parse_args_docstring(self.options.__doc__ or "") if self.options is not None else {}
-
     def docs(self) -> tuple[SettingDoc, ...]:
-        """The plugin's flags and options, each with its accepted values, default and one line of help, from the
-        declarations (`trl-ext plugins` prints them)."""
+        """The plugin's flags and options as `trl-ext plugins` prints them."""
         out = [SettingDoc("flag", f.name, f.parse.expects, f.default, first_sentence(f.help)) for f in self.flags]
         if self.options is not None:
-            helps = self.option_help()
+            helps = parse_args_docstring(self.options.__doc__ or "")
             for f in dataclasses.fields(self.options):
                 parser = f.metadata.get("parse")
                 kind = parser.expects if parser is not None else str(getattr(f.type, "__name__", f.type))
@@ -414,15 +350,7 @@ class PluginSpec:
         fields = {f.name: f for f in dataclasses.fields(self.options)}
         for key, value in raw.items():
             parser = fields[key].metadata.get("parse")
-            if parser is not None:
-                try:
-                    value = parser(value)
-                except ValueError:
-                    raise UsageError(
-                        f"`plugins.{self.name}.{key}` must be {parser.expects}, got {value!r}"
-                        f"{refusal_note(parser.expects, value)} (from {source})."
-                    ) from None
-            values[key] = value
+            values[key] = value if parser is None else parser.checked(value, f"plugins.{self.name}.{key}", source)
         try:
             return self.options(**values)
         except UsageError:

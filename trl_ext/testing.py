@@ -1,12 +1,7 @@
-"""Fixtures for tests and plugin authors: tiny models, a local tokenizer and synthetic preference data, a length
-reward for OnlineDPO and a counter of `torch.distributed` calls (the workload `trl-ext bench` measures).
-
-Nothing here touches a model hub: models are built from configs with random weights, the tokenizer is a word-level
-`tokenizers` tokenizer over a synthetic vocabulary, and the data is generated with skewed (lognormal) lengths like
-real preference data. The library never imports this module.
-
-`python -m trl_ext.testing DIR` writes a ready offline setup for trying `trl-ext dpo` / `trl-ext online-dpo`
-without a model hub (see `write_demo`).
+"""Fixtures for tests and plugin authors, without a model hub (the workload `trl-ext bench` measures): tiny models
+with random weights, a word-level tokenizer, synthetic preference data with skewed lengths, a length reward for
+OnlineDPO, a counter of `torch.distributed` calls. The library never imports this module. `python -m trl_ext.testing
+DIR` writes an offline setup for trying `trl-ext dpo` / `online-dpo` (`write_demo`).
 """
 
 from __future__ import annotations
@@ -40,19 +35,10 @@ __all__ = [
 
 
 def write_demo(directory: str | Path, pairs: int = 12, prompts: int = 8) -> Path:
-    """Write a tiny model with its tokenizer and two datasets under `directory`, for the CLI without a hub.
-
-    Args:
-        directory (`str` or `Path`): created if missing; files already there are overwritten.
-        pairs (`int`, *optional*, defaults to `12`): preference pairs in `preferences/train.jsonl`.
-        prompts (`int`, *optional*, defaults to `8`): conversational prompts in `prompts/train.jsonl`.
-
-    Returns:
-        The directory, holding `model/` (a 2-layer Llama and its tokenizer, for `--model_name_or_path`),
-        `preferences/` (`prompt`/`chosen`/`rejected` rows, for `trl-ext dpo --dataset_name`) and `prompts/`
-        (`prompt` rows, for `trl-ext online-dpo --dataset_name`; reward: `--reward_funcs
-        trl_ext.testing:length_reward`).
-    """
+    """Write under `directory` (overwriting) and return it: `model/` (a 2-layer Llama and its tokenizer, for
+    `--model_name_or_path`), `preferences/train.jsonl` (`pairs` rows, for `trl-ext dpo --dataset_name`) and
+    `prompts/train.jsonl` (`prompts` conversational rows, for `trl-ext online-dpo`, with `--reward_funcs
+    trl_ext.testing:length_reward`)."""
     root = Path(directory)
     make_model(seed=0).save_pretrained(root / "model")
     make_tokenizer().save_pretrained(root / "model")
