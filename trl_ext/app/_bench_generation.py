@@ -69,12 +69,7 @@ def main():
     from .bench.workload import length_reward, make_model, make_prompt_dataset, make_tokenizer
 
     model_kwargs = dict(
-        hidden_size=args.hidden,
-        num_layers=args.layers,
-        num_heads=8,
-        num_kv_heads=4,
-        vocab_size=args.vocab,
-        intermediate_size=2 * args.hidden,
+        hidden_size=args.hidden, num_layers=args.layers, num_heads=8, num_kv_heads=4, vocab_size=args.vocab
     )
     ds_config = {
         "train_micro_batch_size_per_gpu": "auto",
@@ -180,12 +175,8 @@ def main():
         if state.is_main_process and args.json:
             import json
 
-            report = {
-                "model_bytes": model_bytes,
-                "world_size": dist.get_world_size(),
-                "new_tokens": args.new_tokens,
-                "repeats": args.repeats,  # each mode's time is the best of this many runs
-            }
+            report = dict(model_bytes=model_bytes, world_size=dist.get_world_size(), new_tokens=args.new_tokens)
+            report["repeats"] = args.repeats  # each mode's time is the best of this many runs
             report["modes"] = [
                 {
                     "mode": row["mode"],
