@@ -20,7 +20,6 @@ inside every module's forward; the local shard is not counted. Ratios are agains
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
 import time
@@ -47,15 +46,12 @@ def parse_args():
 def main():
     args = parse_args()
     import torch
-
-    if not torch.cuda.is_available():
-        # DeepSpeed's CPU backend JIT-compiles an shm op that ZeRO never uses; accelerate needs the gloo backend
-        # named explicitly on CPU.
-        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     from accelerate import PartialState
 
-    state = PartialState(backend="gloo" if not torch.cuda.is_available() else None)
+    from .jobs import _prepare_cpu_deepspeed
 
+    _prepare_cpu_deepspeed()  # on CPU: no shm op build, the gloo state first
+    state = PartialState()
     import torch.distributed as dist
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
     from tqdm.auto import tqdm

@@ -1,12 +1,5 @@
-"""`trl-ext dpo` and `trl-ext online-dpo`: TRL's own training scripts, run with trl-ext installed.
-
-`trl-ext dpo` accepts everything `trl dpo` accepts (script arguments, `DPOConfig`, `ModelConfig`, dataset mixtures,
-a YAML `--config`) plus trl-ext flags, given as `--trl_ext_<flag> VALUE` on the command line or under a `trl_ext:`
-key in the YAML recipe (command line > `TRL_EXT_*` environment > YAML). TRL has no Online DPO script, so
-`trl-ext online-dpo` runs a small one of ours with the usual setup (policy, optional reference, reward functions or
-a reward model, `OnlineDPOConfig`). Both work under `accelerate launch` (`accelerate launch $(which trl-ext) dpo ...`)
-with several processes and a DeepSpeed config.
-"""
+"""`trl-ext dpo` (TRL's own DPO script) and `trl-ext online-dpo` (a small one of ours: TRL has none), run with trl-ext
+installed, also under `accelerate launch` with several processes and a DeepSpeed config (docs/configuration.md)."""
 
 from __future__ import annotations
 
@@ -34,13 +27,9 @@ def _deepspeed() -> bool:
 
 
 def _prepare_cpu_deepspeed() -> bool:
-    """Under a DeepSpeed launch on a machine without CUDA, apply what DeepSpeed needs on CPU; True if it did.
-
-    (1) skip DeepSpeed's g++ build of its shm comm op, which ZeRO does not use; (2) create the gloo state before
-    anything else (accelerate otherwise computes no backend for DeepSpeed on CPU and every rank believes it is rank 0),
-    and let the trainer reuse it (`accelerator_config.use_configured_state`, set by the caller); (3) the caller ends
-    the process with `destroy_process_group()` then `os._exit`, since gloo can abort at interpreter exit.
-    """
+    """Under a DeepSpeed launch without CUDA, skip DeepSpeed's g++ build of its shm comm op (ZeRO does not use it) and
+    create the gloo state first (accelerate otherwise computes no backend for DeepSpeed on CPU and every rank believes
+    it is rank 0), for the trainer to reuse; True if it did. Such a job ends with `os._exit` (`_exit_distributed`)."""
     if not _deepspeed():
         return False
     import torch

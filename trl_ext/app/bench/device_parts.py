@@ -215,64 +215,46 @@ def _dpo_setup(opts: argparse.Namespace) -> tuple[dict[str, Any], tuple[Any, Any
     return preset, models, data
 
 
-def _settings(opts: argparse.Namespace, build: Any, record: dict[str, Any]) -> dict[str, Any]:
-    """`build()` -> (steppers, real tokens per step); both checkpointing settings measured, the JSON after each."""
-    steppers, tokens = build()
+def _settings(opts: argparse.Namespace, steppers: dict[str, Stepper], tokens: float, record: dict[str, Any]) -> None:
+    """Both checkpointing settings measured (`tokens`: real tokens per step), the JSON written after each."""
     for key, on in SETTINGS:
         for s in steppers.values():
             set_checkpointing(s.trainer, on)
         opts.what = f"{opts.part}, gradient checkpointing {'on' if on else 'off'}"
         record["settings"][key] = measure(steppers, opts, tokens)
         _write(record, opts)
-    return record
 
 
-def packing(opts: argparse.Namespace, record: dict[str, Any]) -> dict[str, Any]:
-    def build():
-        preset, models, data = _dpo_setup(opts)
-        steppers = {"stock": Stepper(dpo_trainer(preset, models, data, opts, {}), opts.device)}
-        for name in ("padding_free", "prompt_sharing"):
-            steppers[name] = Stepper(dpo_trainer(preset, models, data, opts, {name: True}), opts.device)
-        real, padded = steppers["stock"].tokens()
-        record.update(
-            token_bound=padded / real, real_tokens=real, padded_tokens=padded, steps=len(steppers["stock"].steps)
-        )
-        return steppers, real / len(steppers["stock"].steps)
-
-    return _settings(opts, build, record)
+def packing(opts: argparse.Namespace, record: dict[str, Any]) -> None:
+    preset, models, data = _dpo_setup(opts)
+    steppers = {"stock": Stepper(dpo_trainer(preset, models, data, opts, {}), opts.device)}
+    for name in ("padding_free", "prompt_sharing"):
+        steppers[name] = Stepper(dpo_trainer(preset, models, data, opts, {name: True}), opts.device)
+    real, padded = steppers["stock"].tokens()
+    steps = len(steppers["stock"].steps)
+    record.update(token_bound=padded / real, real_tokens=real, padded_tokens=padded, steps=steps)
+    _settings(opts, steppers, real / steps, record)
 
 
-def token_budget(opts: argparse.Namespace, record: dict[str, Any]) -> dict[str, Any]:
+def token_budget(opts: argparse.Namespace, record: dict[str, Any]) -> None:
     from .plugin_sections import token_bound
 
-    def build():
-        preset, models, data = _dpo_setup(opts)
-        micro, ga = preset["micro_pairs"], preset["pairs"] // preset["micro_pairs"]
-        shape = dict(per_device_train_batch_size=micro, gradient_accumulation_steps=ga)
-        fixed = dpo_trainer(preset, models, data, opts, {"padding_free": True}, **shape)
-        bound, sizes = token_bound(fixed, micro)
-        budget = dpo_trainer(preset, models, data, opts, {"padding_free": True, "token_budget": bound}, **shape)
-        steppers = {"padding_free": Stepper(fixed, opts.device), "token_budget": Stepper(budget, opts.device)}
-        record.update(token_bound_tokens=bound, pairs_per_step=preset["pairs"], micro_pairs=micro)
-        held.append(budget)
-        return steppers, sum(sizes) / len(steppers["padding_free"].steps)
-
-    held: list[Any] = []
-    _settings(opts, build, record)
-    state = held[0]._trl_ext.state["token_budget"]
-    record["micro_batches_per_step"] = {"padding_free": record["pairs_per_step"] // record["micro_pairs"]}
-    record["micro_batches_per_step"]["token_budget"] = sorted(set(state.micro_batch_counts))
-    return record
+    preset, models, data = _dpo_setup(opts)
+    micro, ga = preset["micro_pairs"], preset["pairs"] // preset["micro_pairs"]
+    shape = dict(per_device_train_batch_size=micro, gradient_accumulation_steps=ga)
+    fixed = dpo_trainer(preset, models, data, opts, {"padding_free": True}, **shape)
+    bound, sizes = token_bound(fixed, micro)
+    budget = dpo_trainer(preset, models, data, opts, {"padding_free": True, "token_budget": bound}, **shape)
+    steppers = {"padding_free": Stepper(fixed, opts.device), "token_budget": Stepper(budget, opts.device)}
+    record.update(token_bound_tokens=bound, pairs_per_step=preset["pairs"], micro_pairs=micro)
+    _settings(opts, steppers, sum(sizes) / len(steppers["padding_free"].steps), record)
+    counts = budget._trl_ext.state["token_budget"].micro_batch_counts
+    record["micro_batches_per_step"] = {"padding_free": ga, "token_budget": sorted(set(counts))}
 
 
-def fused_logprobs(opts: argparse.Namespace, record: dict[str, Any]) -> dict[str, Any]:
-    def build():
-        steppers = {
-            name: OnlineStepper(online_trainer(opts, name), opts.device) for name in ("stock", "fused_logprobs")
-        }
-        return steppers, steppers["stock"].real_tokens
-
-    return _settings(opts, build, record)
+def fused_logprobs(opts: argparse.Namespace, record: dict[str, Any]) -> None:
+    steppers = {name: OnlineStepper(online_trainer(opts, name), opts.device) for name in ("stock", "fused_logprobs")}
+    _settings(opts, steppers, steppers["stock"].real_tokens, record)
 
 
 class OnlineStepper(Stepper):
