@@ -130,7 +130,7 @@ class Stepper:
         return seconds
 
 
-def measure(steppers: dict[str, Stepper], opts: argparse.Namespace, tokens: int) -> dict[str, Any]:
+def measure(steppers: dict[str, Stepper], opts: argparse.Namespace, tokens: float) -> dict[str, Any]:
     """Each variant's first step (its loss), then warm-up and interleaved rounds; per variant the median step, real
     tokens per second, the step peak and the speed-up over the first variant (median of per-round ratios, IQR)."""
     base = next(iter(steppers))
@@ -215,7 +215,7 @@ def _dpo_setup(opts: argparse.Namespace) -> tuple[dict[str, Any], tuple[Any, Any
     return preset, models, data
 
 
-def _settings(opts: argparse.Namespace, steppers: dict[str, Stepper], tokens: float, record: dict[str, Any]) -> None:
+def _settings(opts: argparse.Namespace, steppers: dict[str, Any], tokens: float, record: dict[str, Any]) -> None:
     """Both checkpointing settings measured (`tokens`: real tokens per step), the JSON written after each."""
     for key, on in SETTINGS:
         for s in steppers.values():
