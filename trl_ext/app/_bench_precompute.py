@@ -213,24 +213,11 @@ def main():
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     tokenizer = make_tokenizer(args.vocab)
-    data_kwargs = dict(
-        vocab_size=args.vocab,
-        prompt_median=args.prompt_median,
-        completion_median=args.completion_median,
-        sigma=args.sigma,
-        max_prompt=args.max_length,
-        max_completion=args.max_length,
-        seed=0,
-    )
-    model_kwargs = dict(
-        vocab_size=args.vocab,
-        hidden_size=args.hidden,
-        num_layers=args.layers,
-        num_heads=max(4, args.hidden // 64),
-        num_kv_heads=max(2, args.hidden // 128),
-        max_position_embeddings=2 * args.max_length,
-        dtype=dtype,
-    )
+    lengths = dict(prompt_median=args.prompt_median, completion_median=args.completion_median, sigma=args.sigma)
+    data_kwargs = dict(vocab_size=args.vocab, max_prompt=args.max_length, max_completion=args.max_length, **lengths)
+    heads = dict(num_heads=max(4, args.hidden // 64), num_kv_heads=max(2, args.hidden // 128))
+    model_kwargs = dict(vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers, dtype=dtype, **heads)
+    model_kwargs["max_position_embeddings"] = 2 * args.max_length
     policy = make_model(seed=0, **model_kwargs)
     reference = make_model(seed=1, **model_kwargs)
     if cuda:
@@ -248,10 +235,8 @@ def main():
     reference_cols = None
     for repeat in range(args.repeats):
         for variant in variants:
-            if variant == "plugin-cached":
-                cache = work / f"cache-{repeat}-plugin"  # written by this repeat's `plugin` run
-            else:
-                cache = work / f"cache-{repeat}-{variant}"
+            # plugin-cached: the cache this repeat's `plugin` run wrote
+            cache = work / f"cache-{repeat}-{'plugin' if variant == 'plugin-cached' else variant}"
             box, run, cols, dataset = rig.run(variant, cache)
             if variant == "trl":
                 reference_cols = cols
@@ -259,12 +244,8 @@ def main():
             else:
                 err = max(float(np.abs(a - b).max()) for a, b in zip(cols, reference_cols, strict=True))
                 box.update(max_abs_diff_vs_trl=err, padded_tokens=run.get("padded_tokens"))
-            box.update(
-                pairs=len(dataset),
-                batches=run.get("batches"),
-                batch_tokens=run.get("batch_tokens"),
-                source=run.get("source", "trl"),
-            )
+            box.update(pairs=len(dataset), batches=run.get("batches"), batch_tokens=run.get("batch_tokens"))
+            box["source"] = run.get("source", "trl")
             print(
                 f"[repeat {repeat}] {variant:14s} {box['seconds']:8.3f} s wall {box['cpu_seconds']:8.3f} s cpu  "
                 f"peak {box['peak'] / 2**20:8.1f} MiB",
