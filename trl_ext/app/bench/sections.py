@@ -336,12 +336,7 @@ def collectives_verdict(results: dict[str, Any]) -> dict[str, Any]:
         f"{stock['collectives_total']} -> {counted} collectives in {ext['optimizer_steps']} steps: "
         f"one per logging step ({ext['logging_steps']}) + the final summary log"
     )
-    if counted == expected:
-        return {"same": True, "expected": expected, "text": text, "flags": []}
-    flag = f"EXPECTED {expected} COLLECTIVES (one per logging step + 1), COUNTED {counted}"
-    return {
-        "same": False,
-        "expected": expected,
-        "text": f"{stock['collectives_total']} -> {counted} collectives",
-        "flags": [flag],
-    }
+    same = counted == expected
+    flags = [] if same else [f"EXPECTED {expected} COLLECTIVES (one per logging step + 1), COUNTED {counted}"]
+    text = text if same else f"{stock['collectives_total']} -> {counted} collectives"
+    return {"same": same, "expected": expected, "text": text, "flags": flags}
