@@ -203,10 +203,11 @@ def token_budget(setup: Setup, rounds: int, quick: bool) -> dict[str, Any]:
 
 def bound_verdict(largest: int, bound: int) -> dict[str, Any]:
     """Whether token_budget's largest micro-batch stayed within its bound (a pair over it would run alone)."""
-    if largest <= bound:
-        return {"same": True, "text": f"largest micro-batch {largest} <= bound {bound} tokens", "flags": []}
-    text = f"OVER THE BOUND: largest micro-batch {largest} > {bound} tokens (a pair longer than the bound)"
-    return {"same": False, "text": text, "flags": [text]}
+    same = largest <= bound
+    text = f"largest micro-batch {largest} <= bound {bound} tokens"
+    if not same:
+        text = f"OVER THE BOUND: largest micro-batch {largest} > {bound} tokens (a pair longer than the bound)"
+    return {"same": same, "text": text, "flags": [] if same else [text]}
 
 
 # -------------------------------------------------------------------------------------------------------------------
@@ -226,8 +227,6 @@ def _online_trainer(setup: Setup, label: str, z: dict[str, Any]) -> Any:
     from .workload import length_reward, make_model
 
     prompts, width, vocab = z["prompts"], z["completion"], z["vocab"]
-    s = setup.size
-    shape = dict(hidden_size=s["hidden"], num_layers=s["layers"], num_heads=s["heads"], num_kv_heads=s["kv"])
     args = OnlineDPOConfig(
         output_dir=str(setup.out / "runs" / f"fused_logprobs-{label}"),
         per_device_train_batch_size=prompts,
@@ -242,8 +241,8 @@ def _online_trainer(setup: Setup, label: str, z: dict[str, Any]) -> Any:
     )
     reward: Any = length_reward
     trainer: Any = OnlineDPOTrainer(
-        model=make_model(vocab_size=vocab, seed=0, **shape),
-        ref_model=make_model(vocab_size=vocab, seed=1, **shape),
+        model=make_model(vocab_size=vocab, seed=0, **setup.shape),
+        ref_model=make_model(vocab_size=vocab, seed=1, **setup.shape),
         reward_funcs=reward,
         args=args,
         train_dataset=Dataset.from_list([{"prompt": "w1"}] * prompts),

@@ -53,8 +53,9 @@ class Setup:
     def __init__(self, args: argparse.Namespace) -> None:
         from .workload import make_model, make_preference_dataset, make_tokenizer
 
-        self.size = dict(heads=4, kv=2, batch=8, **_SIZES[args.quick])
-        s = self.size
+        self.size = s = dict(batch=8, **_SIZES[args.quick])
+        #: The built-in model's shape (the fused_logprobs section's models too).
+        self.shape = dict(hidden_size=s["hidden"], num_layers=s["layers"], num_heads=4, num_kv_heads=2)
         if args.model:
             from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -66,26 +67,13 @@ class Setup:
             self.tokenizer = make_tokenizer(s["vocab"])
             vocab = s["vocab"]
             self.model_fn = lambda: make_model(
-                vocab_size=vocab,
-                hidden_size=s["hidden"],
-                num_layers=s["layers"],
-                num_heads=s["heads"],
-                num_kv_heads=s["kv"],
-                intermediate_size=4 * s["hidden"],
-                seed=0,
+                vocab_size=vocab, intermediate_size=4 * s["hidden"], seed=0, **self.shape
             )
             n_params = sum(p.numel() for p in self.model_fn().parameters())
             self.model_desc = f"llama hidden={s['hidden']} layers={s['layers']} vocab={vocab} ({n_params / 1e6:.1f}M)"
-        self.dataset = make_preference_dataset(
-            s["pairs"],
-            vocab_size=min(vocab, s["vocab"]),
-            prompt_median=s["prompt"],
-            completion_median=s["completion"],
-            sigma=0.8,
-            max_prompt=s["max_len"],
-            max_completion=s["max_len"],
-            seed=0,
-        )
+        lengths = dict(prompt_median=s["prompt"], completion_median=s["completion"], sigma=0.8, seed=0)
+        cut = dict(max_prompt=s["max_len"], max_completion=s["max_len"])
+        self.dataset = make_preference_dataset(s["pairs"], vocab_size=min(vocab, s["vocab"]), **lengths, **cut)
         self.out = Path(args.out)
         self.out.mkdir(parents=True, exist_ok=True)
 
