@@ -20,7 +20,6 @@ inside every module's forward; the local shard is not counted. Ratios are agains
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
 import time
@@ -47,15 +46,12 @@ def parse_args():
 def main():
     args = parse_args()
     import torch
-
-    if not torch.cuda.is_available():
-        # DeepSpeed's CPU backend JIT-compiles an shm op that ZeRO never uses; accelerate needs the gloo backend
-        # named explicitly on CPU.
-        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     from accelerate import PartialState
 
-    state = PartialState(backend="gloo" if not torch.cuda.is_available() else None)
+    from .jobs import _prepare_cpu_deepspeed
 
+    _prepare_cpu_deepspeed()  # on CPU: no shm op build, the gloo state first
+    state = PartialState()
     import torch.distributed as dist
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
     from tqdm.auto import tqdm
@@ -69,12 +65,7 @@ def main():
     from .bench.workload import length_reward, make_model, make_prompt_dataset, make_tokenizer
 
     model_kwargs = dict(
-        hidden_size=args.hidden,
-        num_layers=args.layers,
-        num_heads=8,
-        num_kv_heads=4,
-        vocab_size=args.vocab,
-        intermediate_size=2 * args.hidden,
+        hidden_size=args.hidden, num_layers=args.layers, num_heads=8, num_kv_heads=4, vocab_size=args.vocab
     )
     ds_config = {
         "train_micro_batch_size_per_gpu": "auto",
@@ -180,12 +171,8 @@ def main():
         if state.is_main_process and args.json:
             import json
 
-            report = {
-                "model_bytes": model_bytes,
-                "world_size": dist.get_world_size(),
-                "new_tokens": args.new_tokens,
-                "repeats": args.repeats,  # each mode's time is the best of this many runs
-            }
+            report = dict(model_bytes=model_bytes, world_size=dist.get_world_size(), new_tokens=args.new_tokens)
+            report["repeats"] = args.repeats  # each mode's time is the best of this many runs
             report["modes"] = [
                 {
                     "mode": row["mode"],

@@ -42,6 +42,8 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from .._peak_memory import reset_peak_rss, rss_mib  # noqa: E402
+
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -78,23 +80,13 @@ class _Peak:
     def __init__(self, cuda: bool) -> None:
         self.cuda = cuda
 
-    @staticmethod
-    def _status(key: str) -> int:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(key):
-                    return int(line.split()[1]) * 1024
-        return 0
-
     def __enter__(self):
         if self.cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             self.base = torch.cuda.memory_allocated()
         else:
-            self.base = self._status("VmRSS:")
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")  # reset VmHWM (proc(5))
+            self.base = (reset_peak_rss() or 0) * 2**20
         return self
 
     def __exit__(self, *exc):
@@ -102,7 +94,7 @@ class _Peak:
             torch.cuda.synchronize()
             self.peak = torch.cuda.max_memory_allocated() - self.base
         else:
-            self.peak = max(0, self._status("VmHWM:") - self.base)
+            self.peak = max(0, (rss_mib("VmHWM") or 0) * 2**20 - self.base)
 
 
 def native_padded_tokens(dataset, batch_size: int, max_length: int) -> int:
@@ -119,12 +111,9 @@ def native_padded_tokens(dataset, batch_size: int, max_length: int) -> int:
 
 @contextlib.contextmanager
 def timed_precompute(box: dict, cuda: bool):
-    """Time DPO's reference precompute, stock or trl-ext's, and record its peak memory.
-
-    Stock TRL runs `DPOTrainer._precompute_ref_logps`; a trainer with trl-ext runs the instance wrapper that trl-ext
-    attaches before TRL's `__init__` (it keeps its plugins for its whole life), which may never call the class
-    method. Both are timed here; only the outermost timed call counts, so nothing is counted twice.
-    """
+    """Time DPO's reference precompute and record its peak memory: stock TRL's `DPOTrainer._precompute_ref_logps`
+    and the instance wrapper trl-ext attaches before TRL's `__init__` (which may never call the class method); only
+    the outermost timed call counts."""
     from trl import DPOTrainer
 
     from .. import build
@@ -178,6 +167,8 @@ class PrecomputeRig:
 
         import trl_ext
 
+        from .bench.workload import make_preference_dataset
+
         args, cuda = self.args, self.cuda
         dpo_args = DPOConfig(
             output_dir=str(self.work / "out"),
@@ -190,7 +181,7 @@ class PrecomputeRig:
             save_strategy="no",
         )
         # A new in-memory dataset each time: TRL's cache for those is a fresh temp file, so it always recomputes.
-        dataset = make_dataset(args.pairs, **self.data_kwargs)
+        dataset = make_preference_dataset(args.pairs, **self.data_kwargs)
         box: dict = {}
         kwargs = dict(args=dpo_args, train_dataset=dataset, processing_class=self.tokenizer, ref_model=self.reference)
         if variant == "trl":
@@ -211,12 +202,6 @@ class PrecomputeRig:
         return box, runs[0], cols, ds
 
 
-def make_dataset(pairs: int, **kwargs):
-    from .bench.workload import make_preference_dataset
-
-    return make_preference_dataset(pairs, **kwargs)
-
-
 def main():
     args = parse_args()
     import trl
@@ -228,24 +213,11 @@ def main():
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     tokenizer = make_tokenizer(args.vocab)
-    data_kwargs = dict(
-        vocab_size=args.vocab,
-        prompt_median=args.prompt_median,
-        completion_median=args.completion_median,
-        sigma=args.sigma,
-        max_prompt=args.max_length,
-        max_completion=args.max_length,
-        seed=0,
-    )
-    model_kwargs = dict(
-        vocab_size=args.vocab,
-        hidden_size=args.hidden,
-        num_layers=args.layers,
-        num_heads=max(4, args.hidden // 64),
-        num_kv_heads=max(2, args.hidden // 128),
-        max_position_embeddings=2 * args.max_length,
-        dtype=dtype,
-    )
+    lengths = dict(prompt_median=args.prompt_median, completion_median=args.completion_median, sigma=args.sigma)
+    data_kwargs = dict(vocab_size=args.vocab, max_prompt=args.max_length, max_completion=args.max_length, **lengths)
+    heads = dict(num_heads=max(4, args.hidden // 64), num_kv_heads=max(2, args.hidden // 128))
+    model_kwargs = dict(vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers, dtype=dtype, **heads)
+    model_kwargs["max_position_embeddings"] = 2 * args.max_length
     policy = make_model(seed=0, **model_kwargs)
     reference = make_model(seed=1, **model_kwargs)
     if cuda:
@@ -263,10 +235,8 @@ def main():
     reference_cols = None
     for repeat in range(args.repeats):
         for variant in variants:
-            if variant == "plugin-cached":
-                cache = work / f"cache-{repeat}-plugin"  # written by this repeat's `plugin` run
-            else:
-                cache = work / f"cache-{repeat}-{variant}"
+            # plugin-cached: the cache this repeat's `plugin` run wrote
+            cache = work / f"cache-{repeat}-{'plugin' if variant == 'plugin-cached' else variant}"
             box, run, cols, dataset = rig.run(variant, cache)
             if variant == "trl":
                 reference_cols = cols
@@ -274,12 +244,8 @@ def main():
             else:
                 err = max(float(np.abs(a - b).max()) for a, b in zip(cols, reference_cols, strict=True))
                 box.update(max_abs_diff_vs_trl=err, padded_tokens=run.get("padded_tokens"))
-            box.update(
-                pairs=len(dataset),
-                batches=run.get("batches"),
-                batch_tokens=run.get("batch_tokens"),
-                source=run.get("source", "trl"),
-            )
+            box.update(pairs=len(dataset), batches=run.get("batches"), batch_tokens=run.get("batch_tokens"))
+            box["source"] = run.get("source", "trl")
             print(
                 f"[repeat {repeat}] {variant:14s} {box['seconds']:8.3f} s wall {box['cpu_seconds']:8.3f} s cpu  "
                 f"peak {box['peak'] / 2**20:8.1f} MiB",

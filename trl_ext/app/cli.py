@@ -30,20 +30,12 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
     trl_version = _compat.installed_version("trl")
     trl_ok = _compat.is_supported_trl(trl_version)
     rows = []
+    applies = "yes" if trl_ok else f"no (trl {trl_version} is not {_compat.SUPPORTED_TRL_SPEC})"
     for name in catalog.specs:
         info = plugin_info(catalog, name)
-        applies = "yes" if trl_ok else f"no (trl {trl_version} is not {_compat.SUPPORTED_TRL_SPEC})"
-        rows.append(
-            (
-                info.name,
-                "built-in" if info.builtin else f"third-party ({info.source})",
-                ", ".join(info.flags) or f"plugins.{info.name}",
-                ", ".join(info.options) or "-",
-                ", ".join(info.trainers) if info.trainers else "all",
-                applies,
-                info.summary,
-            )
-        )
+        flags, options = ", ".join(info.flags) or f"plugins.{info.name}", ", ".join(info.options) or "-"
+        trainers = ", ".join(info.trainers) if info.trainers else "all"
+        rows.append((info.name, _kind(info), flags, options, trainers, applies, info.summary))
     for name in args.block or ():
         rows.append((name, "blocked", "-", "-", "-", "no (blocked)", ""))
     if not rows:
@@ -57,8 +49,6 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
     for name in catalog.specs:
         info = plugin_info(catalog, name)
         print(f"\n{name}: {info.summary}" if info.summary else f"\n{name}:")
-        if not info.flags:
-            print(f"  enabled by naming it: `plugins: {{{name}: {{...}}}}`")
         _print_settings(info)
     for name, why in sorted(catalog.broken.items()):
         print(f"\n{name}: NOT LOADED ({why})")
@@ -66,6 +56,10 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
 
     print(f"\ncore settings:\n  flag   verify: {VERIFY_PARSER.expects}; default true. {VERIFY_HELP}")
     return 0
+
+
+def _kind(info) -> str:
+    return "built-in" if info.builtin else f"third-party ({info.source})"
 
 
 def _print_order(catalog) -> int:
@@ -97,6 +91,8 @@ def _print_order(catalog) -> int:
 
 
 def _print_settings(info) -> None:
+    if not info.flags:
+        print(f"  enabled by naming it: `plugins: {{{info.name}: {{...}}}}`")
     for doc in info.settings:
         key = doc.name if doc.kind == "flag" else f"plugins.{info.name}.{doc.name}"
         print(f"  {doc.kind:<6} {key}: {doc.accepts}; default {doc.default_text()}. {doc.help}".rstrip())
@@ -118,14 +114,11 @@ def _plugin_page(catalog, name: str) -> int:
             "(`trl-ext plugins` lists them)."
         )
     info = plugin_info(catalog, name)
-    kind = "built-in" if info.builtin else f"third-party ({info.source})"
     trainers = ", ".join(info.trainers) if info.trainers else "every trainer trl-ext attaches to"
-    print(f"{name} ({kind}; applies to {trainers})\n")
+    print(f"{name} ({_kind(info)}; applies to {trainers})\n")
     doc = inspect.getdoc(catalog.plugins[name]) or info.summary or "(no documentation)"
     print(doc.rstrip() + "\n")
     print("Flags and options (what each accepts, its default):")
-    if not info.flags:
-        print(f"  enabled by naming it: `plugins: {{{name}: {{...}}}}`")
     _print_settings(info)
     return 0
 
@@ -258,26 +251,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
-    if argv and argv[0] == "bench":
-        from .bench import main as bench_main
-
-        try:
-            return bench_main(argv[1:])
-        except UsageError as exc:
-            print(f"trl-ext: error: {exc}", file=sys.stderr)
-            return 2
-    if argv and argv[0] in ("dpo", "online-dpo"):
-        # Everything after the command belongs to TRL's parser (plus --trl_ext_* flags).
-        from .jobs import main_job
-
-        try:
-            return main_job(argv[0], argv[1:])
-        except UsageError as exc:
-            print(f"trl-ext: error: {exc}", file=sys.stderr)
-            return 2
-    args = parser.parse_args(argv)
     try:
+        if argv and argv[0] == "bench":
+            from .bench import main as bench_main
+
+            return bench_main(argv[1:])
+        if argv and argv[0] in ("dpo", "online-dpo"):
+            # Everything after the command belongs to TRL's parser (plus --trl_ext_* flags).
+            from .jobs import main_job
+
+            return main_job(argv[0], argv[1:])
+        args = build_parser().parse_args(argv)
         return args.func(args)
     except UsageError as exc:
         print(f"trl-ext: error: {exc}", file=sys.stderr)

@@ -3,18 +3,8 @@ declarations and the recorded benchmark runs; `python -m trl_ext.app.docs --chec
 date and exits 1 (tests/test_figures.py runs the check).
 
 A generated part sits between `<!-- generated: KEY -->` and `<!-- end generated: KEY -->`, where KEY names what
-fills it (`GENERATORS`):
-
-- `plugins`: the table of built-in plugins (README.md), from their `PluginSpec` declarations;
-- `settings NAME`: plugin NAME's flags and options with what they accept, default and help (docs/plugins/NAME.md);
-- `flags`: every built-in flag with its plugin (docs/configuration.md);
-- `hooks`: every hook of `trl_ext.hookspecs` with its first sentence (docs/writing-plugins.md);
-- `bench`: the recorded `trl-ext bench --quick` run, `benchmarks/results/bench_quick.json` (docs/benchmarks.md);
-- `gpu`: the recorded `trl-ext bench --device cuda` run, `benchmarks/results/gpu_bench.json`, or "not measured";
-- `fused_logprobs`: the recorded `benchmarks/fused_logprobs.py` run, `benchmarks/results/fused_logprobs.json`;
-- `fused_dpo_packing`: the recorded `benchmarks/fused_dpo_packing.py` run, `benchmarks/results/fused_dpo_packing.json`.
-
-Only the built-in plugins are documented, whatever third-party plugins are installed.
+fills it (`GENERATORS`, each function says what it writes). Only the built-in plugins are documented, whatever
+third-party plugins are installed.
 """
 
 from __future__ import annotations

@@ -47,12 +47,8 @@ def _cli_name(token: str) -> str | None:
 
 
 def split_argv(argv: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
-    """Take `--trl_ext_<flag> VALUE` / `--trl_ext_<flag>=VALUE` (dashes or underscores) out of `argv`.
-
-    The flags are those the installed plugins declare, plus `--trl_ext_plugins JSON`, `--trl_ext_block A,B`,
-    `--trl_ext_verify N` and `--trl_ext_config PATH`. A flag given without a value takes its declared `cli_const`
-    (usually `true`).
-    """
+    """Take `--trl_ext_<flag> VALUE` / `--trl_ext_<flag>=VALUE` (dashes or underscores; the installed plugins' flags
+    and the core keys) out of `argv`. A flag given without a value takes its declared `cli_const` (usually `true`)."""
     from ..manager import load_catalog
 
     catalog = load_catalog(warn=False)[0]  # broken plugins are reported once, when the configuration is loaded
@@ -165,11 +161,8 @@ def _flag_lines() -> list[tuple[str, str]]:
 
 
 def add_trl_ext_help(parser: Any, command: str) -> None:
-    """Give `trl-ext <command> --help` a short usage line and a first argument group with one line per trl-ext flag.
-
-    The group is built from the flag table, so a third-party plugin's flags appear too. Its entries are
-    documentation only (`split_argv` takes the flags out of the command line before TRL's parser sees it).
-    """
+    """Give `trl-ext <command> --help` a short usage line and a first argument group with one line per trl-ext flag
+    (from the flag table, third-party plugins' included; documentation only: `split_argv` takes the flags out)."""
     import argparse
 
     parser.usage = f"%(prog)s [-h] [--config RECIPE.yaml] [--trl-ext-<flag> VALUE ...] [{command} arguments below ...]"
@@ -228,12 +221,9 @@ def _has_accelerator() -> bool:
 def _cpu_defaults(
     parser: Any, argv: Sequence[str], recipe: dict[str, Any] | None, deepspeed: bool
 ) -> dict[str, Any] | None:
-    """On a machine with no accelerator, default to CPU and fp32 (TRL defaults to bf16, which then fails); return
-    the defaults chosen (`cpu_note` says so once the arguments are parsed).
-
-    Only arguments the user did not give are defaulted. Under DeepSpeed, `use_cpu` is left alone: it would turn
-    DeepSpeed off.
-    """
+    """On a machine with no accelerator, default the arguments the user did not give to CPU and fp32 (TRL defaults to
+    bf16, which then fails; under DeepSpeed `use_cpu` is left alone: it would turn DeepSpeed off); the defaults chosen
+    (`cpu_note` says so once the arguments are parsed)."""
     if _has_accelerator():
         return None
     wanted = {"bf16": False} if deepspeed else {"use_cpu": True, "bf16": False}
@@ -256,11 +246,12 @@ def cpu_note(chosen: dict[str, Any], training_args: Any) -> str:
 
 
 def _read_recipe(argv: Sequence[str]) -> dict[str, Any] | None:
-    if "--config" not in argv:
+    path = recipe_path(argv)
+    if path is None:
         return None
     import yaml
 
-    with open(argv[list(argv).index("--config") + 1]) as f:
+    with open(path) as f:
         recipe = yaml.safe_load(f)
     return recipe if isinstance(recipe, dict) else None
 
@@ -274,7 +265,8 @@ def parse_job_args(
 
     add_trl_ext_help(parser, command)
 
-    recipe_keys = set(_read_recipe(rest) or ())
+    recipe_values = _read_recipe(rest)
+    recipe_keys = set(recipe_values or ())
 
     def error(message: str) -> None:
         # argparse names the argument ("argument --learning_rate/--learning-rate: invalid float value"); a value the
@@ -287,7 +279,7 @@ def parse_job_args(
 
     parser.error = error
     helping = any(token in ("-h", "--help") for token in rest)
-    cpu_chosen = None if helping else _cpu_defaults(parser, rest, _read_recipe(rest), deepspeed)
+    cpu_chosen = None if helping else _cpu_defaults(parser, rest, recipe_values, deepspeed)
     # Warnings raised while the configs are built (e.g. transformers' deprecations) are shown only if the arguments
     # are good: a bad argument gets one error line.
     with warnings.catch_warnings(record=True) as caught:

@@ -1,13 +1,7 @@
 """What `trl-ext dpo` and `trl-ext online-dpo` check before a model is loaded, so that a common data or path mistake is
 one `UsageError` line naming the fix instead of a traceback (or, for a model folder that does not exist, a minute of
-Hub retries when offline):
-
-- the output folder can be created and written;
-- a model or dataset that looks like a local path exists, and a model path is a folder, not a file; a Hub model id
-  must be in the local cache or the Hub reachable (offline, or with no connection, that is said at once);
-- the dataset: a folder written by `Dataset.save_to_disk` / `DatasetDict.save_to_disk` is read with
-  `load_from_disk` (`load_dataset` cannot read it); the training split exists, has rows (an empty data file
-  included), and has the columns the trainer needs.
+Hub retries when offline): the output folder, the model and dataset paths or Hub ids, and the dataset's splits, rows
+and columns (a `save_to_disk` folder is read with `load_from_disk`, which `load_dataset` cannot do).
 """
 
 from __future__ import annotations

@@ -1,12 +1,5 @@
-"""`trl-ext dpo` and `trl-ext online-dpo`: TRL's own training scripts, run with trl-ext installed.
-
-`trl-ext dpo` accepts everything `trl dpo` accepts (script arguments, `DPOConfig`, `ModelConfig`, dataset mixtures,
-a YAML `--config`) plus trl-ext flags, given as `--trl_ext_<flag> VALUE` on the command line or under a `trl_ext:`
-key in the YAML recipe (command line > `TRL_EXT_*` environment > YAML). TRL has no Online DPO script, so
-`trl-ext online-dpo` runs a small one of ours with the usual setup (policy, optional reference, reward functions or
-a reward model, `OnlineDPOConfig`). Both work under `accelerate launch` (`accelerate launch $(which trl-ext) dpo ...`)
-with several processes and a DeepSpeed config.
-"""
+"""`trl-ext dpo` (TRL's own DPO script) and `trl-ext online-dpo` (a small one of ours: TRL has none), run with trl-ext
+installed, also under `accelerate launch` with several processes and a DeepSpeed config (docs/configuration.md)."""
 
 from __future__ import annotations
 
@@ -34,13 +27,9 @@ def _deepspeed() -> bool:
 
 
 def _prepare_cpu_deepspeed() -> bool:
-    """Under a DeepSpeed launch on a machine without CUDA, apply what DeepSpeed needs on CPU; True if it did.
-
-    (1) skip DeepSpeed's g++ build of its shm comm op, which ZeRO does not use; (2) create the gloo state before
-    anything else (accelerate otherwise computes no backend for DeepSpeed on CPU and every rank believes it is rank 0),
-    and let the trainer reuse it (`accelerator_config.use_configured_state`, set by the caller); (3) the caller ends
-    the process with `destroy_process_group()` then `os._exit`, since gloo can abort at interpreter exit.
-    """
+    """Under a DeepSpeed launch without CUDA, skip DeepSpeed's g++ build of its shm comm op (ZeRO does not use it) and
+    create the gloo state first (accelerate otherwise computes no backend for DeepSpeed on CPU and every rank believes
+    it is rank 0), for the trainer to reuse; True if it did. Such a job ends with `os._exit` (`_exit_distributed`)."""
     if not _deepspeed():
         return False
     import torch
@@ -56,11 +45,21 @@ def _prepare_cpu_deepspeed() -> bool:
     return True
 
 
-def _use_configured_state(parser: Any) -> None:
-    """Make the trainer reuse the gloo state. It must be in place before the config is parsed: `TrainingArguments`
-    sets up its devices while being built and would otherwise reset the state. A user's own `accelerator_config`
-    (recipe or command line) replaces this default and must then say `use_configured_state: true` itself."""
-    parser.set_defaults_with_config(accelerator_config={"use_configured_state": True})
+def _job_args(argv: Sequence[str], command: str, make_parser: Any) -> tuple[TrlExtConfig, bool, tuple[Any, ...]]:
+    """The job's trl-ext configuration (merged once), whether it runs DeepSpeed on CPU, and TRL's parsed arguments."""
+    config, rest, stripped = resolve_config(argv)
+    cpu_deepspeed = _prepare_cpu_deepspeed()
+    parser = make_parser()
+    if cpu_deepspeed:
+        # The trainer reuses the gloo state. It must be in place before the config is parsed: `TrainingArguments`
+        # sets up its devices while being built and would otherwise reset the state. A user's own
+        # `accelerator_config` replaces this default and must then say `use_configured_state: true` itself.
+        parser.set_defaults_with_config(accelerator_config={"use_configured_state": True})
+    try:
+        return config, cpu_deepspeed, parse_job_args(parser, command, rest, _deepspeed(), recipe_path(argv))
+    finally:
+        if stripped:
+            os.unlink(stripped)
 
 
 def _report(installation, trainer_class: str, peak: PeakMemory) -> None:
@@ -86,22 +85,12 @@ def _report(installation, trainer_class: str, peak: PeakMemory) -> None:
 def run_dpo(argv: Sequence[str]) -> int:
     """`trl-ext dpo ...`: TRL's `trl/scripts/dpo.py` with trl-ext installed."""
 
-    config, rest, stripped = resolve_config(argv)
-    cpu_deepspeed = _prepare_cpu_deepspeed()
-    dpo_script = importlib.import_module("trl.scripts.dpo")
-    parser = dpo_script.make_parser(prog="trl-ext dpo")
-    if cpu_deepspeed:
-        _use_configured_state(parser)
-    try:
-        script_args, training_args, model_args, dataset_args = parse_job_args(
-            parser, "dpo", rest, _deepspeed(), recipe_path(argv)
-        )
-    finally:
-        if stripped:
-            os.unlink(stripped)
-    # Before a model is loaded: a data, path or settings mistake is one line that names the fix.
-    _check_paths(training_args, model_args.model_name_or_path, "dpo")
-    _check_settings(config, "DPOTrainer", training_args)
+    # TRL's script is imported once the DeepSpeed-on-CPU state is in place (`_prepare_cpu_deepspeed`).
+    config, cpu_deepspeed, parsed = _job_args(
+        argv, "dpo", lambda: importlib.import_module("trl.scripts.dpo").make_parser(prog="trl-ext dpo")
+    )
+    script_args, training_args, model_args, dataset_args = parsed
+    _check_job(config, "DPOTrainer", training_args, model_args.model_name_or_path, "dpo")
     dataset = None
     if script_args.dataset_name and not dataset_args.datasets:
         dataset = _job_dataset(script_args, training_args, "dpo", getattr(script_args, "dataset_streaming", False))
@@ -109,22 +98,20 @@ def run_dpo(argv: Sequence[str]) -> int:
         _installed_for_job(config, cpu_deepspeed, "DPOTrainer", _job_device(training_args)),
         _handed_to_trl(dataset, script_args.dataset_name),
     ):
-        dpo_script.main(script_args, training_args, model_args, dataset_args)
+        importlib.import_module("trl.scripts.dpo").main(script_args, training_args, model_args, dataset_args)
     return 0
 
 
-def _check_paths(training_args: Any, model: str | None, command: str) -> None:
+def _check_job(config: TrlExtConfig, trainer_class: str, training_args: Any, model: str | None, command: str) -> None:
+    """Before a model is loaded, a path or settings mistake is one line that names the fix: the model and output
+    folder, and what the job's trainer would refuse for its settings when built (options of a plugin that stays off,
+    a plugin flag given off against the TRL flag it serves)."""
+    from ..build import check_trainer_settings
+
     if not model:
         raise UsageError(f"`trl-ext {command}` needs `--model_name_or_path` (a model folder or a Hub id).")
     check_path(model, "--model_name_or_path", "model")
     check_output_dir(training_args.output_dir)
-
-
-def _check_settings(config: TrlExtConfig, trainer_class: str, training_args: Any) -> None:
-    """What the job's trainer would refuse for its settings when built (options of a plugin that stays off, a plugin
-    flag given off against the TRL flag it serves), refused now, before a model loads."""
-    from ..build import check_trainer_settings
-
     check_trainer_settings(config, trainer_class, training_args)
 
 
@@ -211,26 +198,16 @@ def run_online_dpo(argv: Sequence[str]) -> int:
         warnings.filterwarnings("ignore", message=".*trl.experimental.*")
         from trl.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
 
-    config, rest, stripped = resolve_config(argv)
-    cpu_deepspeed = _prepare_cpu_deepspeed()
     dataclass_types: Any = (OnlineDPOScriptArguments, OnlineDPOConfig, ModelConfig)
-    parser = TrlParser(dataclass_types, prog="trl-ext online-dpo")
-    if cpu_deepspeed:
-        _use_configured_state(parser)
-    try:
-        script_args, training_args, model_args = parse_job_args(
-            parser, "online-dpo", rest, _deepspeed(), recipe_path(argv)
-        )
-    finally:
-        if stripped:
-            os.unlink(stripped)
+    config, cpu_deepspeed, parsed = _job_args(
+        argv, "online-dpo", lambda: TrlParser(dataclass_types, prog="trl-ext online-dpo")
+    )
+    script_args, training_args, model_args = parsed
     if not script_args.dataset_name:
         raise UsageError("`trl-ext online-dpo` needs `--dataset_name` (a dataset with a `prompt` column).")
     if not script_args.reward_funcs:
         raise UsageError("`trl-ext online-dpo` needs `--reward_funcs` (`module:function` or a reward model path).")
-    # Before a model is loaded: a data or path mistake is one line that names the fix.
-    _check_paths(training_args, model_args.model_name_or_path, "online-dpo")
-    _check_settings(config, "OnlineDPOTrainer", training_args)
+    _check_job(config, "OnlineDPOTrainer", training_args, model_args.model_name_or_path, "online-dpo")
     check_path(script_args.ref_model_name_or_path, "--ref_model_name_or_path", "model")
     reward_funcs = [_load_reward(spec) for spec in script_args.reward_funcs]
     dataset = _job_dataset(script_args, training_args, "online-dpo")

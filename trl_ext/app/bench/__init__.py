@@ -1,27 +1,8 @@
 """`trl-ext bench`: stock TRL against trl-ext, side by side, on one machine, in one run.
 
-With no arguments it builds a small Llama from a config and a synthetic preference dataset with realistic skewed
-(lognormal) lengths, so nothing is downloaded. For each plugin that applies it measures stock and trl-ext on the same
-data and weights in a fixed number of interleaved rounds (stock, trl-ext, trl-ext, stock, ...), and prints the
-median of the per-round ratios with its spread, flagging a ratio above its theoretical bound, slower (its whole
-interquartile range below 1), or with a wide spread. Every verdict is computed from the numbers: results that should
-agree ("same losses", "same values", "same tokens") are compared against a stated tolerance and flagged when they do
-not, and a speed ratio says "faster" or "slower" only when its interquartile range is on one side of 1:
-
-- DPO training step throughput (`padding_free`), plus the per-batch losses of both sides (they must agree);
-- reference precompute time (`precompute_ref_batch_size`, same batch size as stock, and `"auto"`);
-- collectives per optimizer step and per logging step in a 2-process run (`sync_metrics`, torchrun, gloo);
-- generation memory and time under DeepSpeed ZeRO-3 (`generation`), when DeepSpeed is installed;
-- DPO `train()` time and peak memory, padding_free with a fixed pair count against `token_budget` at the same
-  memory, micro-batches per step, and one step's loss, metrics and gradient against stock;
-- the Online DPO training step without generation, stock against `fused_logprobs`: time, peak memory, log-probs,
-  loss and gradients.
-
-It writes `report.json` and `table.md` (the table in Markdown) to `--out` as each section finishes, and at the end
-`bench.png` (one panel per section, error bars = interquartile range) where matplotlib is installed
-(`pip install "trl-ext[bench]"`); a section that needs what is not installed (DeepSpeed, for ZeRO-3 generation) is
-a "skipped" row of the table that says what to install. The statistics live in `stats`, the sections in `sections`
-and `plugin_sections`, the table and headline in `report`, the plot in `plot`; this module is the command line.
+What each section measures, the statistics and the verdicts are in docs/benchmarks.md. The statistics live in `stats`,
+the sections in `sections` and `plugin_sections`, the table and headline in `report`, the plot in `plot`, the device
+run (`--device`) in `device`; this module is the command line.
 """
 
 from __future__ import annotations
@@ -60,17 +41,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--rounds",
         type=int,
-        default=None,
         help="interleaved rounds per comparison, a fixed count (default 5; the 2-process step time: at most 3 with "
         "--quick; with --device, the preset's: 10 for 1b)",
     )
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: steadiest when shared)")
-    parser.add_argument(
-        "--only",
-        action="append",
-        choices=sections.SECTIONS,
-        help="sections",
-    )
+    parser.add_argument("--only", action="append", choices=sections.SECTIONS, help="sections")
     parser.add_argument(
         "--device",
         choices=("cuda", "cpu"),
@@ -86,7 +61,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--time-limit",
         type=float,
-        default=None,
         help="with --device: seconds for the whole run, every part's timeout within it (default 440)",
     )
     args = parser.parse_args(argv)
@@ -135,15 +109,6 @@ def _bench(args: argparse.Namespace, rounds: int, started: float) -> int:
         "sections": {},
     }
     wanted = args.only or list(sections.SECTIONS)
-    # Each section measures the flag it is named after; the flag table says whether a plugin provides it.
-    flag_of = {
-        "padding_free": "padding_free",
-        "precompute": "precompute_ref_batch_size",
-        "sync_metrics": "sync_metrics",
-        "generation": "ds3_gather_for_generation",
-        "token_budget": "token_budget",
-        "fused_logprobs": "fused_logprobs",
-    }
     available = load_catalog()[0].flags
     can_plot = output.matplotlib_missing() is None
     progress(
@@ -155,7 +120,7 @@ def _bench(args: argparse.Namespace, rounds: int, started: float) -> int:
         progress(output.matplotlib_missing() or "")
     finished = False
     try:
-        _run_sections(report, wanted, flag_of, available, setup, args, rounds, started, load_start)
+        _run_sections(report, wanted, available, setup, args, rounds, started, load_start)
         finished = True
     finally:
         # Whatever happens (a crash, Ctrl-C), the sections that finished are in report.json and table.md.
@@ -191,28 +156,24 @@ def _write(report: dict[str, Any], out: Any, started: float, load_start: float |
     (out / "table.md").write_text(output.markdown_table(report) + "\n")
 
 
-def _run_sections(report, wanted, flag_of, available, setup, args, rounds, started, load_start) -> None:
+def _run_sections(report, wanted, available, setup, args, rounds, started, load_start) -> None:
     """Run the wanted sections in turn, writing report.json and table.md after each."""
+    # Its headline (collectives per step) is exact; the step-time ratio of sync_metrics needs fewer rounds in --quick.
+    run = {
+        "padding_free": lambda: sections.padding_free(setup, rounds),
+        "precompute": lambda: sections.precompute(setup, rounds),
+        "sync_metrics": lambda: sections.sync_metrics(setup, args.quick, min(rounds, 3) if args.quick else rounds),
+        "generation": lambda: sections.generation(setup, args.quick),
+        "token_budget": lambda: plugin_sections.token_budget(setup, rounds, args.quick),
+        "fused_logprobs": lambda: plugin_sections.fused_logprobs(setup, rounds, args.quick),
+    }
     for section in wanted:
-        if flag_of[section] not in available:
-            report["sections"][section] = {"skipped": f"no installed plugin provides `{flag_of[section]}`"}
+        # Each section measures the flag it is named after; the flag table says whether a plugin provides it.
+        if sections.SECTIONS[section] not in available:
+            report["sections"][section] = {"skipped": f"no installed plugin provides `{sections.SECTIONS[section]}`"}
             continue
         try:
-            if section == "padding_free":
-                report["sections"][section] = sections.padding_free(setup, rounds)
-            elif section == "precompute":
-                report["sections"][section] = sections.precompute(setup, rounds)
-            elif section == "sync_metrics":
-                # Its headline (collectives per step) is exact; the step-time ratio needs fewer rounds in --quick.
-                report["sections"][section] = sections.sync_metrics(
-                    setup, args.quick, min(rounds, 3) if args.quick else rounds
-                )
-            elif section == "generation":
-                report["sections"][section] = sections.generation(setup, args.quick)
-            elif section == "token_budget":
-                report["sections"][section] = plugin_sections.token_budget(setup, rounds, args.quick)
-            else:
-                report["sections"][section] = plugin_sections.fused_logprobs(setup, rounds, args.quick)
+            report["sections"][section] = run[section]()
         except Exception as exc:  # noqa: BLE001 - one failing section must not hide the others
             report["sections"][section] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
         _write(report, setup.out, started, load_start, plot=False, complete=False)

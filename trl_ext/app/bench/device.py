@@ -1,19 +1,12 @@
-"""`trl-ext bench --device cuda`: the one GPU proof command. In one run, each part in a process of its own under its
-own timeout (and all of them within `--time-limit`), each part's JSON written as soon as it is done:
-
-- `kernel_probe`: every installed fused kernel and call pattern probed on the device;
-- `gpu_tests`: `pytest -m gpu tests/plugins/test_varlen_gpu.py` (from a source checkout);
-- `packing`, `fused_logprobs`, `token_budget`: every plugin against its baseline in interleaved rounds, gradient
-  checkpointing off and on (`device_parts`): step time, tokens per second, step peak of allocated memory, and for
-  packing the token bound of the whole step (padded / real tokens: the most a padding-free step can gain).
-
-`report.json` (every part, the targets of issue 34 each with its measured value and computed verdict), `table.md` and
-`bench.png` (where matplotlib is installed) go to `--out`, the parts' own JSON to `--out/parts/`. `--device cpu
---preset tiny` runs the same pipeline in seconds (the tests).
+"""`trl-ext bench --device cuda`: the one GPU proof command (docs/benchmarks.md). Each part (`PARTS`) runs in a process
+of its own under its own timeout, all within `--time-limit`, each part's JSON written to `--out/parts/` as soon as it
+is done; `report.json` (every part, the targets of issue 34 with their verdicts), `table.md` and `bench.png` go to
+`--out`. `--device cpu --preset tiny` runs the same pipeline in seconds (the tests).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -40,8 +33,6 @@ TIME_LIMIT = 440
 MIN_PART_SECONDS = 15
 ROOT = Path(__file__).resolve().parents[3]
 GPU_TESTS = ROOT / "tests" / "plugins" / "test_varlen_gpu.py"
-#: The targets of issue 34, each checked against the measured numbers.
-MEMORY_SLACK = 1.10
 
 
 def check(device: str, preset: str | None, model: str | None) -> str:
@@ -114,50 +105,43 @@ def _header(device: str, preset: str, rounds: int | None, time_limit: float) -> 
     }
 
 
-def _kill(proc: subprocess.Popen) -> None:
+def _run(command: list[str], limit: float, **popen: Any) -> tuple[subprocess.Popen, str, str]:
+    """`command` in its own process session, killed with everything it started after `limit` seconds: the process,
+    its status and its output (when piped)."""
+    proc = subprocess.Popen(command, start_new_session=True, **popen)
     try:
-        os.killpg(proc.pid, signal.SIGKILL)  # the part and anything it started
-    except ProcessLookupError:  # pragma: no cover - already gone
-        pass
+        output, _ = proc.communicate(timeout=limit)
+        status = "done" if proc.returncode == 0 else "failed"
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):  # already gone
+            os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        status = "timeout"
+    return proc, status, output or ""
 
 
 def _worker(part: str, device: str, preset: str, rounds: int | None, path: Path, limit: float) -> dict[str, Any]:
-    """`device_parts PART` in its own process session, killed with its children after `limit` seconds; its JSON (what
-    it measured so far, if it was cut short) with the status."""
+    """`device_parts PART` under `limit`; its JSON (what it measured so far, if it was cut short) with the status."""
     path.unlink(missing_ok=True)
     command = [sys.executable, "-m", "trl_ext.app.bench.device_parts", part, "--device", device, "--preset", preset]
     command += ["--out", str(path)] + (["--rounds", str(rounds)] if rounds else [])
     progress(f"{part}: started (timeout {limit:.0f} s)")
     start = time.perf_counter()
-    proc = subprocess.Popen(command, start_new_session=True)
-    try:
-        status = "done" if proc.wait(timeout=limit) == 0 else "failed"
-    except subprocess.TimeoutExpired:
-        _kill(proc)
-        proc.wait()
-        status = "timeout"
+    status = _run(command, limit)[1]
     result: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
     result.update(status=status, seconds=time.perf_counter() - start, timeout=limit)
     return result
 
 
 def _gpu_tests(limit: float) -> dict[str, Any]:
-    """The `gpu`-marked tests, run by pytest in its own process session; its counts and the end of its output."""
+    """The `gpu`-marked tests, run by pytest under `limit`; its counts and the end of its output."""
     if not GPU_TESTS.exists():
         return {"status": "skipped", "reason": f"{GPU_TESTS} not found (not a source checkout)"}
     command = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", str(GPU_TESTS), "-p", "no:cacheprovider"]
     progress(f"gpu_tests: {' '.join(command[1:])} (timeout {limit:.0f} s)")
     start = time.perf_counter()
-    proc = subprocess.Popen(
-        command, cwd=ROOT, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    try:
-        output, _ = proc.communicate(timeout=limit)
-        status = "done" if proc.returncode == 0 else "failed"
-    except subprocess.TimeoutExpired:
-        _kill(proc)
-        output, _ = proc.communicate()
-        status = "timeout"
+    pipe = dict(cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc, status, output = _run(command, limit, **pipe)
     print(output[-4000:], flush=True)
     summary = output.strip().splitlines()[-1] if output.strip() else ""
     counts = {word: int(n) for n, word in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected)", summary)}

@@ -1,19 +1,11 @@
-"""The measured parts of `trl-ext bench --device`, each run in a process of its own by `bench.device`, under its own
-timeout: `python -m trl_ext.app.bench.device_parts PART --device D --preset P --rounds R --warmup W --out FILE`.
-
-- `packing`: DPO steps of stock, padding_free and prompt_sharing, each its own `DPOTrainer` on copies of the same
-  weights, 8 pairs per step;
-- `token_budget`: DPO steps of padding_free with a fixed pair count per micro-batch against token_budget bounded by
-  the largest micro-batch padding_free forms (the same memory), both consuming the same pairs per optimizer step;
-- `fused_logprobs`: Online DPO steps without generation (a stored batch: scoring forwards, loss, backward), stock
-  against fused_logprobs;
-- `kernel_probe`: the fused-kernel probe (`trl_ext.toolkit.packing.probe.probe_installed_kernels`) on the device.
+"""The measured parts of `trl-ext bench --device` (`PARTS`; docs/benchmarks.md says what each measures), each run in
+a process of its own by `bench.device`, under its own timeout:
+`python -m trl_ext.app.bench.device_parts PART --device D --preset P --rounds R --warmup W --out FILE`.
 
 A step is what the Trainer's loop runs for one optimizer step: `get_batch_samples` (token_budget cuts its micro-batches
-there), `training_step` per batch (forward, loss, backward) and an AdamW step, between `torch.cuda.synchronize()`
-calls, with `torch.cuda.max_memory_allocated` reset before it. For gradient checkpointing off and on: warm-up rounds,
-then interleaved rounds of a fixed count (`stats.interleave`: every variant once per round, the order flipping every
-round); the JSON is written after each setting, so a part cut short by its timeout keeps what it measured.
+there), `training_step` per batch and an AdamW step, between `torch.cuda.synchronize()` calls, with
+`torch.cuda.max_memory_allocated` reset before it. The JSON is written after each checkpointing setting, so a part cut
+short by its timeout keeps what it measured.
 """
 
 from __future__ import annotations
@@ -74,25 +66,30 @@ class Stepper:
     """One variant's trainer, its optimizer and its steps' batches; `step(i)` runs step `i mod len(steps)` and
     records its peak."""
 
-    def __init__(self, trainer: Any, device: str, optimizer: bool = True) -> None:
+    def __init__(self, trainer: Any, device: str) -> None:
         import torch
+        from transformers.trainer_callback import PrinterCallback
 
         self.trainer, self.device = trainer, device
-        trainer.remove_callback(__import__("transformers").trainer_callback.PrinterCallback)
-        ga = trainer.args.gradient_accumulation_steps
-        trainer.current_gradient_accumulation_steps = ga  # set by the Trainer's loop; read by training_step
-        loader = iter(trainer.get_train_dataloader())  # built through the plugins' loader collators
-        self.steps: list[list[Any]] = []
-        try:
-            while True:
-                self.steps.append([next(loader) for _ in range(ga)])
-        except StopIteration:
-            pass
+        trainer.remove_callback(PrinterCallback)
+        self.steps = self._batches()
         params = [p for p in trainer.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=1e-6, fused=_cuda(device)) if optimizer else None
+        self.optimizer = torch.optim.AdamW(params, lr=1e-6, fused=_cuda(device))
         self.peaks: list[float] = []
         self.losses: list[float] = []
         self.checked: list[bool] = []  # per step: whether `verify` checked it (train() checks the first only)
+
+    def _batches(self) -> list[list[Any]]:
+        """Every optimizer step's micro-batches, through the plugins' loader collators."""
+        trainer = self.trainer
+        ga = trainer.args.gradient_accumulation_steps
+        trainer.current_gradient_accumulation_steps = ga  # set by the Trainer's loop; read by training_step
+        loader = iter(trainer.get_train_dataloader())
+        steps: list[list[Any]] = []
+        with contextlib.suppress(StopIteration):
+            while True:
+                steps.append([next(loader) for _ in range(ga)])
+        return steps
 
     def tokens(self) -> tuple[int, int]:
         """(real, padded) tokens of every step's stock batches, as the collator padded them."""
@@ -118,13 +115,10 @@ class Stepper:
         batches = self.steps[index % len(self.steps)]
         samples, items = trainer.get_batch_samples(iter(batches), len(batches), trainer.args.device)
         losses = [trainer.training_step(trainer.model, inputs, items).detach() for inputs in samples]
-        if self.optimizer is not None:
-            self.optimizer.step()
+        self.optimizer.step()
         _sync(self.device)
         seconds = time.perf_counter() - start
-        trainer.state.global_step += (
-            1  # as the Trainer's loop does: `verify` checks the first step only, as in train()
-        )
+        trainer.state.global_step += 1  # as the Trainer's loop does: `verify` checks the first step only
         self.checked.append(_checks(trainer) > checks)
         loss = float(sum(losses))  # read after the step: no host synchronisation inside it
         if keep:
@@ -136,7 +130,7 @@ class Stepper:
         return seconds
 
 
-def measure(steppers: dict[str, Stepper], opts: argparse.Namespace, tokens: int) -> dict[str, Any]:
+def measure(steppers: dict[str, Stepper], opts: argparse.Namespace, tokens: float) -> dict[str, Any]:
     """Each variant's first step (its loss), then warm-up and interleaved rounds; per variant the median step, real
     tokens per second, the step peak and the speed-up over the first variant (median of per-round ratios, IQR)."""
     base = next(iter(steppers))
@@ -221,85 +215,57 @@ def _dpo_setup(opts: argparse.Namespace) -> tuple[dict[str, Any], tuple[Any, Any
     return preset, models, data
 
 
-def _settings(opts: argparse.Namespace, build: Any, record: dict[str, Any]) -> dict[str, Any]:
-    """`build()` -> (steppers, real tokens per step); both checkpointing settings measured, the JSON after each."""
-    steppers, tokens = build()
+def _settings(opts: argparse.Namespace, steppers: dict[str, Any], tokens: float, record: dict[str, Any]) -> None:
+    """Both checkpointing settings measured (`tokens`: real tokens per step), the JSON written after each."""
     for key, on in SETTINGS:
         for s in steppers.values():
             set_checkpointing(s.trainer, on)
         opts.what = f"{opts.part}, gradient checkpointing {'on' if on else 'off'}"
         record["settings"][key] = measure(steppers, opts, tokens)
         _write(record, opts)
-    return record
 
 
-def packing(opts: argparse.Namespace, record: dict[str, Any]) -> dict[str, Any]:
-    def build():
-        preset, models, data = _dpo_setup(opts)
-        steppers = {"stock": Stepper(dpo_trainer(preset, models, data, opts, {}), opts.device)}
-        for name in ("padding_free", "prompt_sharing"):
-            steppers[name] = Stepper(dpo_trainer(preset, models, data, opts, {name: True}), opts.device)
-        real, padded = steppers["stock"].tokens()
-        record.update(
-            token_bound=padded / real, real_tokens=real, padded_tokens=padded, steps=len(steppers["stock"].steps)
-        )
-        return steppers, real / len(steppers["stock"].steps)
-
-    return _settings(opts, build, record)
+def packing(opts: argparse.Namespace, record: dict[str, Any]) -> None:
+    preset, models, data = _dpo_setup(opts)
+    steppers = {"stock": Stepper(dpo_trainer(preset, models, data, opts, {}), opts.device)}
+    for name in ("padding_free", "prompt_sharing"):
+        steppers[name] = Stepper(dpo_trainer(preset, models, data, opts, {name: True}), opts.device)
+    real, padded = steppers["stock"].tokens()
+    steps = len(steppers["stock"].steps)
+    record.update(token_bound=padded / real, real_tokens=real, padded_tokens=padded, steps=steps)
+    _settings(opts, steppers, real / steps, record)
 
 
-def token_budget(opts: argparse.Namespace, record: dict[str, Any]) -> dict[str, Any]:
-    from .plugin_sections import _pair_tokens
+def token_budget(opts: argparse.Namespace, record: dict[str, Any]) -> None:
+    from .plugin_sections import token_bound
 
-    def build():
-        preset, models, data = _dpo_setup(opts)
-        micro, ga = preset["micro_pairs"], preset["pairs"] // preset["micro_pairs"]
-        shape = dict(per_device_train_batch_size=micro, gradient_accumulation_steps=ga)
-        fixed = dpo_trainer(preset, models, data, opts, {"padding_free": True}, **shape)
-        tokenized: Any = fixed.train_dataset
-        sizes = [_pair_tokens(tokenized[i], fixed.args.max_length) for i in range(len(tokenized))]
-        bound = max(sum(sizes[k : k + micro]) for k in range(0, len(sizes), micro))
-        budget = dpo_trainer(preset, models, data, opts, {"padding_free": True, "token_budget": bound}, **shape)
-        steppers = {"padding_free": Stepper(fixed, opts.device), "token_budget": Stepper(budget, opts.device)}
-        record.update(token_bound_tokens=bound, pairs_per_step=preset["pairs"], micro_pairs=micro)
-        held.append(budget)
-        return steppers, sum(sizes) / len(steppers["padding_free"].steps)
-
-    held: list[Any] = []
-    _settings(opts, build, record)
-    state = held[0]._trl_ext.state["token_budget"]
-    record["micro_batches_per_step"] = {"padding_free": record["pairs_per_step"] // record["micro_pairs"]}
-    record["micro_batches_per_step"]["token_budget"] = sorted(set(state.micro_batch_counts))
-    return record
+    preset, models, data = _dpo_setup(opts)
+    micro, ga = preset["micro_pairs"], preset["pairs"] // preset["micro_pairs"]
+    shape = dict(per_device_train_batch_size=micro, gradient_accumulation_steps=ga)
+    fixed = dpo_trainer(preset, models, data, opts, {"padding_free": True}, **shape)
+    bound, sizes = token_bound(fixed, micro)
+    budget = dpo_trainer(preset, models, data, opts, {"padding_free": True, "token_budget": bound}, **shape)
+    steppers = {"padding_free": Stepper(fixed, opts.device), "token_budget": Stepper(budget, opts.device)}
+    record.update(token_bound_tokens=bound, pairs_per_step=preset["pairs"], micro_pairs=micro)
+    _settings(opts, steppers, sum(sizes) / len(steppers["padding_free"].steps), record)
+    counts = budget._trl_ext.state["token_budget"].micro_batch_counts
+    record["micro_batches_per_step"] = {"padding_free": ga, "token_budget": sorted(set(counts))}
 
 
-def fused_logprobs(opts: argparse.Namespace, record: dict[str, Any]) -> dict[str, Any]:
-    def build():
-        steppers = {
-            name: OnlineStepper(online_trainer(opts, name), opts.device) for name in ("stock", "fused_logprobs")
-        }
-        return steppers, steppers["stock"].real_tokens
-
-    return _settings(opts, build, record)
+def fused_logprobs(opts: argparse.Namespace, record: dict[str, Any]) -> None:
+    steppers = {name: OnlineStepper(online_trainer(opts, name), opts.device) for name in ("stock", "fused_logprobs")}
+    _settings(opts, steppers, steppers["stock"].real_tokens, record)
 
 
 class OnlineStepper(Stepper):
     """A `Stepper` over an Online DPO trainer whose generation returns its stored batch: a step is
     `training_step` on the prompts (scoring, loss, backward) and the optimizer's step."""
 
-    def __init__(self, trainer: Any, device: str) -> None:  # no loader: the batch is stored
-        import torch
-
-        self.trainer, self.device = trainer, device
-        trainer.remove_callback(__import__("transformers").trainer_callback.PrinterCallback)
-        params = [p for p in trainer.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=1e-6, fused=_cuda(device))
-        self.peaks: list[float] = []
-        self.losses: list[float] = []
-        self.checked: list[bool] = []
+    def _batches(self) -> list[list[Any]]:  # no loader: the batch is stored
+        trainer = self.trainer
         self.real_tokens = trainer._bench_tokens
-        self.steps = [[{"prompt": ["w1"] * trainer.args.per_device_train_batch_size}]]
         trainer.get_batch_samples = lambda it, n, device: (list(it), None)
+        return [[{"prompt": ["w1"] * trainer.args.per_device_train_batch_size}]]
 
     def step(self, index: int, keep: bool = True) -> float:
         for values in self.trainer.stats.values():

@@ -5,7 +5,6 @@ Online DPO trainer whose generation returns one stored batch."""
 from __future__ import annotations
 
 import contextlib
-import math
 import random
 from typing import Any
 
@@ -52,13 +51,13 @@ def cuda(device: str) -> bool:
 
 def rows(n: int, preset: dict[str, Any], seed: int = 0) -> list[dict[str, str]]:
     """Preference pairs of the tokenizer's words with log-normal (long-tailed) lengths clipped to the preset's."""
-    from .workload import SPECIAL_TOKENS
+    from .workload import SPECIAL_TOKENS, _lognormal_len
 
     rng = random.Random(seed)
     words = preset["model"]["vocab"] - len(SPECIAL_TOKENS)
 
     def text(low: int, high: int, median: int) -> str:
-        n = int(min(high, max(low, round(math.exp(rng.gauss(math.log(median), preset["sigma"]))))))
+        n = _lognormal_len(rng, median, preset["sigma"], low, high)
         return " ".join(f"w{rng.randrange(words)}" for _ in range(n))
 
     return [
@@ -72,37 +71,20 @@ def rows(n: int, preset: dict[str, Any], seed: int = 0) -> list[dict[str, str]]:
 
 
 def make_model(preset: dict[str, Any], device: str, seed: int) -> Any:
+    """The preset's Llama, initialised on `device` (seconds for the 1b preset there), in the preset's dtype."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from .workload import make_model as build
 
     m = preset["model"]
-    config = LlamaConfig(
-        vocab_size=m["vocab"],
-        hidden_size=m["hidden_size"],
-        intermediate_size=m["intermediate_size"],
-        num_hidden_layers=m["num_layers"],
-        num_attention_heads=m["num_heads"],
-        num_key_value_heads=m["num_kv_heads"],
-        max_position_embeddings=4096,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=2,
-        tie_word_embeddings=False,
-    )
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(seed)
-    with torch.device(device):  # initialised on the device: seconds for the 1b preset there
-        model = LlamaForCausalLM(config)
-    return model.to(getattr(torch, preset["dtype"]))
+    shape = {key: m[key] for key in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size")}
+    dtype = getattr(torch, preset["dtype"])
+    return build(vocab_size=m["vocab"], max_position_embeddings=4096, dtype=dtype, seed=seed, device=device, **shape)
 
 
 def online_trainer(opts: Any, name: str) -> Any:
-    """An `OnlineDPOTrainer` on the preset's models whose generation returns one stored batch (prompts of 80 to 120
-    tokens, 2 completions each of a third of the width to the width, padded after their end)."""
-    import inspect
-    import types
-
-    import torch
+    """An `OnlineDPOTrainer` on the preset's models whose generation returns one stored batch (`stored_generation`,
+    prompts of 80 to 120 tokens)."""
     from datasets import Dataset
     from trl.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
 
@@ -134,28 +116,34 @@ def online_trainer(opts: Any, name: str) -> Any:
             train_dataset=Dataset.from_list([{"prompt": "w1"}] * prompts),
             processing_class=make_tokenizer(vocab),
         )
-    g = torch.Generator().manual_seed(0)
     lengths = [random.Random(i).randint(min(80, width), min(120, 8 * width)) for i in range(prompts)]
+    stored_generation(trainer, lengths, vocab, width)
+    return trainer
+
+
+def stored_generation(trainer: Any, lengths: list[int], words: int, width: int) -> None:
+    """Make `trainer`'s generation return one stored batch, so that a step is scoring, loss and backward: prompts of
+    `lengths` tokens (left padded, as TRL's generation returns them), 2 completions each of a third of `width` to
+    `width` tokens, padded after their end, of ids below `words`; `trainer._bench_tokens` counts its real tokens."""
+    import inspect
+    import types
+
+    import torch
+    from trl.experimental.online_dpo import OnlineDPOTrainer
+
+    prompts, g = len(lengths), torch.Generator().manual_seed(0)
     prompt_ids = torch.zeros(prompts, max(lengths), dtype=torch.long)
     prompt_mask = torch.zeros_like(prompt_ids)
-    for row, n in enumerate(lengths):  # left padded, as TRL's generation returns them
-        prompt_ids[row, -n:] = torch.randint(4, vocab, (n,), generator=g)
+    for row, n in enumerate(lengths):
+        prompt_ids[row, -n:] = torch.randint(4, words, (n,), generator=g)
         prompt_mask[row, -n:] = 1
-    completion_ids = torch.randint(4, vocab, (2 * prompts, width), generator=g)
+    completion_ids = torch.randint(4, words, (2 * prompts, width), generator=g)
     ends = torch.randint(max(1, width // 3), width + 1, (2 * prompts,), generator=g)
     completion_mask = (torch.arange(width)[None] < ends[:, None]).long()
-    device = trainer.accelerator.device
-    batch: tuple[Any, ...] = tuple(
-        t.to(device)
-        for t in (
-            prompt_ids.repeat(2, 1),
-            prompt_mask.repeat(2, 1),
-            completion_ids.masked_fill(completion_mask == 0, 0),
-            completion_mask,
-        )
-    ) + (None,)
+    completions = completion_ids.masked_fill(completion_mask == 0, 0)
+    tensors = (prompt_ids.repeat(2, 1), prompt_mask.repeat(2, 1), completions, completion_mask)
+    batch: tuple[Any, ...] = (*(t.to(trainer.accelerator.device) for t in tensors), None)
     if "vision_inputs = self._generate(" not in inspect.getsource(OnlineDPOTrainer.training_step):
         batch = batch[:4]  # TRL < 1.16 generates no vision inputs
     trainer._generate = types.MethodType(lambda self, model, prompts, images=None: batch, trainer)
     trainer._bench_tokens = 2 * int(prompt_mask.sum()) + int(completion_mask.sum())
-    return trainer

@@ -1,8 +1,6 @@
-"""What a bench run changes around it and puts back: the log levels of the libraries while its own trainers run (one
-progress line per step of the bench, not three notices per trainer it builds), and the folders it made and left empty
-(trainers' `output_dir`s that `save_strategy="no"` never writes to, torchrun's per-attempt folders, torch's cache
-folder) once it finishes or fails. A folder that was there before the run is never removed.
-"""
+"""What a bench run changes around it and puts back: the libraries' log levels while its own trainers run, and the
+folders it made and left empty (trainers' unused `output_dir`s, torchrun's per-attempt folders, torch's cache folder)
+once it finishes or fails. A folder that was there before the run is never removed."""
 
 from __future__ import annotations
 
@@ -22,24 +20,11 @@ LOG_LEVEL_ENV = "TRL_EXT_LOG_LEVEL"
 DEEPSPEED_LOGGER = "DeepSpeed"
 
 
-class _Below(logging.Filter):
-    """Drops the records under a level (a logger's own level would be reset by the library that creates it)."""
-
-    def __init__(self, level: int) -> None:
-        super().__init__()
-        self.level = level
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno >= self.level
-
-
 @contextlib.contextmanager
 def quiet_logs() -> Iterator[None]:
-    """The bench's trainers are the bench's business: while it runs, trl-ext logs at `warning` (not the notices of
-    every trainer it builds: which plugins it got, what `"auto"` chose, what `uninstall()` leaves; a warning a user
-    must act on still shows), transformers at `error` and DeepSpeed at `error`; the libraries' `FutureWarning`s and
-    TRL's note on `trl.experimental` are not shown. `TRL_EXT_LOG_LEVEL`, when set, wins.
-    Everything is put back on exit."""
+    """While the bench runs, trl-ext logs at `warning` (not the notices of every trainer it builds; a warning a user
+    must act on still shows), transformers and DeepSpeed at `error`, and the libraries' `FutureWarning`s and TRL's
+    note on `trl.experimental` are not shown; `TRL_EXT_LOG_LEVEL`, when set, wins. All put back on exit."""
     from transformers.utils import logging as hf_logging
 
     from ..._logging import get_logger
@@ -51,7 +36,10 @@ def quiet_logs() -> Iterator[None]:
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     deepspeed = logging.getLogger(DEEPSPEED_LOGGER)
-    below = _Below(logging.ERROR)
+
+    def below(record: logging.LogRecord) -> bool:  # not its level: the library that creates it would reset that
+        return record.levelno >= logging.ERROR
+
     deepspeed.addFilter(below)
     try:
         with warnings.catch_warnings():
@@ -66,10 +54,9 @@ def quiet_logs() -> Iterator[None]:
 
 @contextlib.contextmanager
 def no_empty_folders(out: Path) -> Iterator[Path]:
-    """Runs the bench with a temporary folder of its own (`TMPDIR` for it and the processes it launches; yielded) and
-    afterwards, whether it finished or failed, removes the empty folders it made: in `out` (what it added there, and
-    `out` itself when it made it and left it empty) and its temporary folder (at exit, when a library still holds a
-    file there: `datasets` keeps its cache files until the process ends)."""
+    """Runs the bench with a temporary folder of its own (`TMPDIR`, for the processes it launches too; yielded), then
+    removes the empty folders it made in `out` (and `out` itself, if it made it), and its temporary folder (at exit
+    if a library still holds a file there: `datasets` keeps its cache files until the process ends)."""
     made_out = not out.exists()
     before = set(os.listdir(out)) if out.is_dir() else set()
     scratch = Path(tempfile.mkdtemp(prefix="trl-ext-bench-"))

@@ -1,7 +1,5 @@
 """The bench's figure, `bench.png`: one panel per section (error bars = interquartile range of the per-round
-ratios); a panel whose section has nothing to draw (not run, skipped, failed, no rows) says why in one line instead
-of standing empty.
-"""
+ratios); a panel whose section has nothing to draw says why in one line instead of standing empty."""
 
 from __future__ import annotations
 
@@ -69,16 +67,8 @@ def figure(report: dict[str, Any]) -> Any:
         ax.errorbar(x, r["median"], yerr=err, fmt="none", ecolor="black", capsize=5, label=None)
         ax.plot([x] * len(r["ratios"]), r["ratios"], ".", color="black", alpha=0.4)
         if r["flags"]:
-            ax.annotate(
-                "!! " + r["flags"][0].split(":")[0],
-                (x, r["q3"]),
-                ha="center",
-                va="bottom",
-                color=COLOURS["flag"],
-                fontsize=8,
-                xytext=(0, 6),
-                textcoords="offset points",
-            )
+            note, offset = "!! " + r["flags"][0].split(":")[0], dict(xytext=(0, 6), textcoords="offset points")
+            ax.annotate(note, (x, r["q3"]), ha="center", va="bottom", color=COLOURS["flag"], fontsize=8, **offset)
 
     # 1. padding-free: speed-up with its bound as a line, and the per-batch losses of both sides.
     ax = axes[0]
@@ -116,18 +106,10 @@ def figure(report: dict[str, Any]) -> Any:
     ax = axes[2]
     co = sections.get("sync_metrics", {})
     if "stock" in co:
-        ax.bar(0, co["stock"]["collectives_per_step"], color=COLOURS["stock"], label="stock TRL", width=0.6)
-        ax.bar(
-            1, co["trl_ext"]["collectives_per_step"], color=COLOURS["trl_ext"], label="trl-ext sync_metrics", width=0.6
-        )
-        ax.errorbar(
-            [0, 1],
-            [co["stock"]["collectives_per_step"], co["trl_ext"]["collectives_per_step"]],
-            yerr=[0, 0],
-            fmt="none",
-            ecolor="black",
-            capsize=5,
-        )  # exact counts: zero error
+        counts = [co[side]["collectives_per_step"] for side in ("stock", "trl_ext")]
+        for x, side, label in ((0, "stock", "stock TRL"), (1, "trl_ext", "trl-ext sync_metrics")):
+            ax.bar(x, counts[x], color=COLOURS[side], label=label, width=0.6)
+        ax.errorbar([0, 1], counts, yerr=[0, 0], fmt="none", ecolor="black", capsize=5)  # exact counts: zero error
         r = co["step_time_ratio"]
         ax.set_xticks(
             [0, 1], ["stock", f"sync_metrics\n(step time {r['median']:.2f}x, IQR {r['q1']:.2f}-{r['q3']:.2f})"]

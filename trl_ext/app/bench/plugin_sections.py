@@ -1,12 +1,6 @@
-"""The bench's sections for the plugins that change how a step is cut or scored, each measuring trl-ext against its
-baseline on the same data and weights and returning its numbers with their computed verdicts:
-
-- `token_budget`: DPO `train()` time and peak memory, padding_free with a fixed pair count per micro-batch against
-  token_budget whose bound is the largest micro-batch padding_free forms (so at the same memory), micro-batches per
-  step, and the loss, metrics and gradient of one step against stock TRL;
-- `fused_logprobs`: the Online DPO training step without generation (scoring forwards of policy and reference, loss,
-  metrics, backward), stock against fused log-probs: step time, peak memory of the step, and the logged log-probs,
-  loss and gradients of both.
+"""The bench's sections for the plugins that change how a step is cut or scored: `token_budget` (against padding_free
+at the same memory, and one step's loss, metrics and gradient against stock) and `fused_logprobs` (the Online DPO step
+without generation against stock: time, peak memory, log-probs, loss and gradients).
 
 Peak memory on CPU is the growth of the process's resident set during the measured call (the kernel's high-water mark,
 reset before it; Linux only, else not reported).
@@ -14,13 +8,13 @@ reset before it; Linux only, else not reported).
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
-import types
 from typing import Any
 
 from ..._peak_memory import reset_peak_rss, rss_mib
-from .sections import Setup
+from .sections import Setup, reference
 from .stats import against, agreement, interleave, progress, ratios, summarize
 
 #: Largest difference, token_budget against stock on the same optimizer step (fp32, padded against packed
@@ -35,10 +29,29 @@ FUSED_RTOL = 1e-4
 MEMORY_SLACK = 1.10
 
 
-def _sizes(quick: bool) -> dict[str, Any]:
-    if quick:
-        return dict(pairs_per_step=32, pair_batch=2, steps=1, vocab=32000, prompts=2, completion=128)
-    return dict(pairs_per_step=16, pair_batch=2, steps=4, vocab=32000, prompts=2, completion=512)
+#: The sizes of both sections: `--quick`, and the default.
+_SIZES: dict[bool, dict[str, Any]] = {
+    True: dict(pairs_per_step=32, pair_batch=2, steps=1, vocab=32000, prompts=2, completion=128),
+    False: dict(pairs_per_step=16, pair_batch=2, steps=4, vocab=32000, prompts=2, completion=512),
+}
+
+
+def _measured(call: Any, peaks: list[float | None], index: int) -> tuple[Any, float]:
+    """`call()`'s result and seconds; its peak growth appended to `peaks` after the warm-up round (index 0)."""
+    before = reset_peak_rss()
+    start = time.perf_counter()
+    result = call()
+    elapsed = time.perf_counter() - start
+    if index >= 1:
+        peaks.append(_peak_growth(before))
+    return result, elapsed
+
+
+def _memory_ratio(peaks: dict[str, list[float | None]], this: str, base: str) -> tuple[float | None, float | None]:
+    """The median peak of `this` over `base`'s (None where not measured or `base`'s is 0), and `base`'s median."""
+    kept = {name: [v for v in peaks[name] if v is not None] for name in (this, base)}
+    top, bottom = (statistics.median(kept[name]) if kept[name] else None for name in (this, base))
+    return (top / bottom if top is not None and bottom else None), bottom
 
 
 def _peak_growth(before: float | None) -> float | None:
@@ -46,11 +59,12 @@ def _peak_growth(before: float | None) -> float | None:
     return None if before is None or peak is None else peak - before
 
 
-def relative_diff(a: dict[str, float], b: dict[str, float]) -> float:
-    """Largest |a - b| over the shared keys, each relative to the larger |value| of the two but at least 1 (a metric
-    near 0, e.g. a reward that is a difference of two log-probs, is compared absolutely). NaN if any is NaN."""
+def relative_diff(a: dict[str, float], b: dict[str, float], keys: Any = None) -> float:
+    """Largest |a - b| over the shared keys (those of `keys` only, when given), each relative to the larger |value| of
+    the two but at least 1 (a metric near 0, e.g. a reward that is a difference of two log-probs, is compared
+    absolutely). NaN if any is NaN."""
     worst = 0.0
-    for key in sorted(set(a) & set(b)):
+    for key in sorted(set(a) & set(b) & set(a if keys is None else keys)):
         diff = abs(a[key] - b[key])
         if diff != diff:  # NaN never agrees
             return float("nan")
@@ -81,11 +95,18 @@ def _gradient_diff(grads_a: list[Any], grads_b: list[Any]) -> tuple[float, float
 # -------------------------------------------------------------------------------------------------------------------
 
 
-def _pair_tokens(row: dict[str, Any], max_length: int | None) -> int:
-    """Real tokens of a tokenized pair, both sequences (the prompt counted in each), each cut at `max_length`."""
-    prompt = len(row["prompt_ids"])
-    lengths = [prompt + len(row["chosen_ids"]), prompt + len(row["rejected_ids"])]
-    return sum(min(n, max_length) if max_length else n for n in lengths)
+def token_bound(trainer: Any, pairs: int) -> tuple[int, list[int]]:
+    """The largest micro-batch, in real tokens, that `pairs` pairs per micro-batch form in the trainer's tokenized
+    dataset in order (both sequences of a pair, the prompt counted in each, each cut at `max_length`); and each pair's
+    tokens."""
+    rows: Any = trainer.train_dataset
+    cut = trainer.args.max_length
+    sizes = []
+    for i in range(len(rows)):
+        prompt = len(rows[i]["prompt_ids"])
+        lengths = [prompt + len(rows[i]["chosen_ids"]), prompt + len(rows[i]["rejected_ids"])]
+        sizes.append(sum(min(n, cut) if cut else n for n in lengths))
+    return max(sum(sizes[k : k + pairs]) for k in range(0, len(sizes), pairs)), sizes
 
 
 def token_budget(setup: Setup, rounds: int, quick: bool) -> dict[str, Any]:
@@ -97,7 +118,7 @@ def token_budget(setup: Setup, rounds: int, quick: bool) -> dict[str, Any]:
 
     import trl_ext
 
-    z = _sizes(quick)
+    z = _SIZES[quick]
     pairs, batch, steps = z["pairs_per_step"], z["pair_batch"], z["steps"]
     dataset = setup.dataset.select(range(pairs * steps))
     # Dataset order, so that the bound below is computed on the micro-batches padding_free really forms.
@@ -110,10 +131,10 @@ def token_budget(setup: Setup, rounds: int, quick: bool) -> dict[str, Any]:
             per_device_train_batch_size=batch, gradient_accumulation_steps=pairs // batch, max_steps=steps, **ordered
         )
         args = setup.dpo_args(f"token_budget-{label}", **{**options, **overrides})
-        with trl_ext.install(**flags) if flags else _nothing():
+        with trl_ext.install(**flags) if flags else contextlib.nullcontext():
             trainer = DPOTrainer(
                 setup.model_fn(),
-                ref_model=_reference(setup),
+                ref_model=reference(setup),
                 args=args,
                 train_dataset=dataset,
                 processing_class=setup.tokenizer,
@@ -125,24 +146,13 @@ def token_budget(setup: Setup, rounds: int, quick: bool) -> dict[str, Any]:
 
     progress(f"token_budget: {pairs} pairs per step, {steps} step(s): padding_free {batch} pairs/micro-batch")
     fixed = build("padding_free", {"padding_free": True})
-    rows: Any = fixed.train_dataset
-    sizes = [_pair_tokens(rows[i], fixed.args.max_length) for i in range(len(rows))]
-    bound = max(sum(sizes[k : k + batch]) for k in range(0, len(sizes), batch))
+    bound = token_bound(fixed, batch)[0]
     cut = build("token_budget", {"padding_free": True, "token_budget": bound})
     trainers = {"padding_free": fixed, "token_budget": cut}
     peaks: dict[str, list[float | None]] = {name: [] for name in trainers}
 
     def arm(name: str):
-        def run(index: int) -> float:
-            before = reset_peak_rss()
-            start = time.perf_counter()
-            trainers[name].train()
-            elapsed = time.perf_counter() - start
-            if index >= 1:
-                peaks[name].append(_peak_growth(before))
-            return elapsed
-
-        return run
+        return lambda index: _measured(trainers[name].train, peaks[name], index)[1]
 
     times = interleave({name: arm(name) for name in trainers}, rounds=rounds, warmup=1, what="token_budget")
     state = cut._trl_ext.state["token_budget"]
@@ -162,18 +172,13 @@ def token_budget(setup: Setup, rounds: int, quick: bool) -> dict[str, Any]:
         results[label] = (logged, grads)
     stock_logs, ext_logs = results["stock"][0], results["trl_ext"][0]
     metric_keys = sorted(k for k in set(stock_logs) & set(ext_logs) if k not in ("epoch", "step", "learning_rate"))
-    metrics_diff = relative_diff({k: stock_logs[k] for k in metric_keys}, {k: ext_logs[k] for k in metric_keys})
+    metrics_diff = relative_diff(stock_logs, ext_logs, metric_keys)
     grad_diff, grad_scale = _gradient_diff(results["stock"][1], results["trl_ext"][1])
     del results
 
-    median_peak = {name: _median(values) for name, values in peaks.items()}
-    memory = (
-        median_peak["token_budget"] / median_peak["padding_free"]
-        if median_peak["token_budget"] is not None and median_peak["padding_free"]
-        else None
-    )
+    memory, base_peak = _memory_ratio(peaks, "token_budget", "padding_free")
     memory_result = memory_verdict(memory, "padding_free")
-    if memory is None and median_peak["padding_free"] == 0:
+    if memory is None and base_peak == 0:
         # The allocator served padding_free's train() from memory it already held: no growth to divide by.
         text = "NOT COMPARED: padding_free's train() did not grow the resident set (median 0 MiB)"
         memory_result = {"ratio": None, "text": text, "flags": [text]}
@@ -198,36 +203,11 @@ def token_budget(setup: Setup, rounds: int, quick: bool) -> dict[str, Any]:
 
 def bound_verdict(largest: int, bound: int) -> dict[str, Any]:
     """Whether token_budget's largest micro-batch stayed within its bound (a pair over it would run alone)."""
-    if largest <= bound:
-        return {"same": True, "text": f"largest micro-batch {largest} <= bound {bound} tokens", "flags": []}
-    text = f"OVER THE BOUND: largest micro-batch {largest} > {bound} tokens (a pair longer than the bound)"
-    return {"same": False, "text": text, "flags": [text]}
-
-
-def _median(values: list[float | None]) -> float | None:
-    kept = [v for v in values if v is not None]
-    return statistics.median(kept) if kept else None
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
-
-
-def _reference(setup: Setup) -> Any:
-    """The policy's architecture with other weights: with equal weights every DPO loss is log 2 and agreement would
-    prove nothing."""
-    import torch
-
-    ref = setup.model_fn()
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.add_(0.05 * p.std().nan_to_num() * torch.randn(p.shape, generator=generator, dtype=p.dtype))
-    return ref
+    same = largest <= bound
+    text = f"largest micro-batch {largest} <= bound {bound} tokens"
+    if not same:
+        text = f"OVER THE BOUND: largest micro-batch {largest} > {bound} tokens (a pair longer than the bound)"
+    return {"same": same, "text": text, "flags": [] if same else [text]}
 
 
 # -------------------------------------------------------------------------------------------------------------------
@@ -236,20 +216,17 @@ def _reference(setup: Setup) -> Any:
 
 
 def _online_trainer(setup: Setup, label: str, z: dict[str, Any]) -> Any:
-    """An `OnlineDPOTrainer` whose generation returns a stored batch (prompts of 80 to 120 tokens, 2 completions
-    each of a third of the width to the width, padded after their end), so a step is scoring, loss and backward."""
-    import inspect
+    """An `OnlineDPOTrainer` whose generation returns a stored batch (`stored_generation`, prompts of 80 to 120
+    tokens)."""
     import random
 
-    import torch
     from datasets import Dataset
     from trl.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
 
+    from .device_workload import stored_generation
     from .workload import length_reward, make_model
 
     prompts, width, vocab = z["prompts"], z["completion"], z["vocab"]
-    s = setup.size
-    shape = dict(hidden_size=s["hidden"], num_layers=s["layers"], num_heads=s["heads"], num_kv_heads=s["kv"])
     args = OnlineDPOConfig(
         output_dir=str(setup.out / "runs" / f"fused_logprobs-{label}"),
         per_device_train_batch_size=prompts,
@@ -264,35 +241,16 @@ def _online_trainer(setup: Setup, label: str, z: dict[str, Any]) -> Any:
     )
     reward: Any = length_reward
     trainer: Any = OnlineDPOTrainer(
-        model=make_model(vocab_size=vocab, seed=0, **shape),
-        ref_model=make_model(vocab_size=vocab, seed=1, **shape),
+        model=make_model(vocab_size=vocab, seed=0, **setup.shape),
+        ref_model=make_model(vocab_size=vocab, seed=1, **setup.shape),
         reward_funcs=reward,
         args=args,
         train_dataset=Dataset.from_list([{"prompt": "w1"}] * prompts),
         processing_class=setup.tokenizer,
     )
     rng = random.Random(0)
-    generator = torch.Generator().manual_seed(0)
-    words = min(vocab, len(setup.tokenizer))  # ids the tokenizer decodes for the reward
-    lengths = [rng.randint(80, 120) for _ in range(prompts)]
-    prompt_ids = torch.zeros(prompts, max(lengths), dtype=torch.long)
-    prompt_mask = torch.zeros_like(prompt_ids)
-    for row, n in enumerate(lengths):  # left padded, as TRL's generation returns them
-        prompt_ids[row, -n:] = torch.randint(4, words, (n,), generator=generator)
-        prompt_mask[row, -n:] = 1
-    completion_ids = torch.randint(4, words, (2 * prompts, width), generator=generator)
-    ends = torch.randint(width // 3, width + 1, (2 * prompts,), generator=generator)
-    completion_mask = (torch.arange(width)[None] < ends[:, None]).long()
-    batch: tuple[Any, ...] = (
-        prompt_ids.repeat(2, 1),
-        prompt_mask.repeat(2, 1),
-        completion_ids.masked_fill(completion_mask == 0, 0),
-        completion_mask,
-        None,
-    )
-    if "vision_inputs = self._generate(" not in inspect.getsource(OnlineDPOTrainer.training_step):
-        batch = batch[:4]  # TRL < 1.16 generates no vision inputs
-    trainer._generate = types.MethodType(lambda self, model, prompts, images=None: batch, trainer)
+    # ids the tokenizer decodes for the reward
+    stored_generation(trainer, [rng.randint(80, 120) for _ in range(prompts)], min(vocab, len(setup.tokenizer)), width)
     return trainer
 
 
@@ -302,7 +260,7 @@ def fused_logprobs(setup: Setup, rounds: int, quick: bool) -> dict[str, Any]:
     the same weights (a step computes gradients and leaves the weights alone)."""
     import trl_ext
 
-    z = _sizes(quick)
+    z = _SIZES[quick]
     progress(
         f"fused_logprobs: Online DPO step without generation, vocab {z['vocab']}, {2 * z['prompts']} completions of "
         f"up to {z['completion']} tokens: stock and fused_logprobs"
@@ -323,13 +281,9 @@ def fused_logprobs(setup: Setup, rounds: int, quick: bool) -> dict[str, Any]:
             trainer.model.zero_grad(set_to_none=True)
             for values in trainer.stats.values():
                 values.clear()
-            before = reset_peak_rss()
-            start = time.perf_counter()
-            loss = trainer.training_step(trainer.model, {"prompt": ["w1"] * z["prompts"]})
-            elapsed = time.perf_counter() - start
+            batch = {"prompt": ["w1"] * z["prompts"]}
+            loss, elapsed = _measured(lambda: trainer.training_step(trainer.model, batch), peaks[name], index)
             trainer.state.global_step += 1  # as train() does: `verify` checks the first step only
-            if index >= 1:
-                peaks[name].append(_peak_growth(before))
             if name not in first:
                 logged = {key: float(values[-1]) for key, values in trainer.stats.items() if values}
                 logged["loss"] = float(loss.detach())
@@ -343,21 +297,12 @@ def fused_logprobs(setup: Setup, rounds: int, quick: bool) -> dict[str, Any]:
         return run
 
     times = interleave({name: arm(name) for name in trainers}, rounds=rounds, warmup=1, what="fused_logprobs")
-    logps_keys = sorted(k for k in first["stock"][0] if k.startswith("logps/"))
-    logps_diff = relative_diff(
-        {k: first["stock"][0][k] for k in logps_keys}, {k: first["trl_ext"][0][k] for k in logps_keys}
-    )
-    metric_keys = sorted(set(first["stock"][0]) & set(first["trl_ext"][0]))
-    metrics_diff = relative_diff(
-        {k: first["stock"][0][k] for k in metric_keys}, {k: first["trl_ext"][0][k] for k in metric_keys}
-    )
-    grad_diff, grad_scale = _gradient_diff(first["stock"][1], first["trl_ext"][1])
-    median_peak = {name: _median(values) for name, values in peaks.items()}
-    memory = (
-        median_peak["trl_ext"] / median_peak["stock"]
-        if median_peak["trl_ext"] is not None and median_peak["stock"]
-        else None
-    )
+    (stock_logs, stock_grads), (ext_logs, ext_grads) = first["stock"], first["trl_ext"]
+    logps_diff = relative_diff(stock_logs, ext_logs, [k for k in stock_logs if k.startswith("logps/")])
+    metric_keys = sorted(set(stock_logs) & set(ext_logs))
+    metrics_diff = relative_diff(stock_logs, ext_logs)
+    grad_diff, grad_scale = _gradient_diff(stock_grads, ext_grads)
+    memory = _memory_ratio(peaks, "trl_ext", "stock")[0]
     return {
         "vocab": z["vocab"],
         "completions": 2 * z["prompts"],

@@ -22,84 +22,75 @@ def _times_text(ratio: float, baseline: str) -> str:
     return f"{ratio:.2f}x {baseline}'s (no clear difference)"
 
 
-def _rows(report: dict[str, Any]) -> list[tuple[str, str, str, str, list[str]]]:
+Row = tuple[str, str, str, str, list[str]]
+
+
+def _ran(section: dict[str, Any] | None) -> bool:
+    return bool(section) and not {"error", "skipped"} & set(section or ())
+
+
+def _timed(
+    measure: str,
+    section: dict[str, Any],
+    key: str,
+    text: str,
+    ratio: str = "speedup",
+    base: str = "stock",
+    digits=3,
+    named="",
+) -> Row:
+    """A timing row: the median seconds `key` of the baseline (`named`: its name before the number) and of trl-ext,
+    `text` on the ratio, and the flags of the ratio `ratio`."""
+    seconds = [f"{statistics.median(section[side][key]):.{digits}f}" for side in (base, "trl_ext")]
+    return (measure, named + seconds[0], seconds[1], text, section[ratio]["flags"])
+
+
+def _peaks(measure: str, section: dict[str, Any], base: str, named: str = "") -> Row:
+    """A peak memory row: the median peaks of the baseline and of trl-ext, and the memory verdict."""
+    stock, ext = _peak(section[base]["peak_mb"]), _peak(section["trl_ext"]["peak_mb"])
+    return (measure, named + stock, ext, section["memory"]["text"], section["memory"]["flags"])
+
+
+def _agree(measure: str, section: dict[str, Any], keys: tuple[str, ...], digits: str, tolerance: str) -> Row:
+    """A row of agreement verdicts: each one's largest difference, their texts (the last followed by `tolerance`)."""
+    verdicts = [section[key] for key in keys]
+    values = ", ".join(f"{v['max_abs_diff']:{digits}}" for v in verdicts)
+    text = "; ".join(v["text"] for v in verdicts) + tolerance
+    return (measure, "", values, text, [flag for v in verdicts for flag in v["flags"]])
+
+
+def _rows(report: dict[str, Any]) -> list[Row]:
     """The table's rows: `(measure, stock TRL, trl-ext, ratio or verdict, flags)`."""
-    rows: list[tuple[str, str, str, str, list[str]]] = []
+    rows: list[Row] = []
     sections = report["sections"]
     pf = sections.get("padding_free")
-    if pf and "error" not in pf and "skipped" not in pf:
-        rows.append(
-            (
-                f"DPO step fwd+bwd, {pf['batches']} batches, padding_free (s)",
-                f"{statistics.median(pf['stock']['pass_seconds']):.3f}",
-                f"{statistics.median(pf['trl_ext']['pass_seconds']):.3f}",
-                f"{ratio_text(pf['speedup'])}; bound {pf['bound']:.2f}x ({pf['padding_fraction']:.0%} padding: "
-                f"tokens {pf['token_bound']:.2f}x, attention {pf['attention_bound']:.2f}x; "
-                f"{pf['fraction_of_bound']:.0%} of bound)",
-                pf["speedup"]["flags"],
-            )
+    if _ran(pf):
+        bound = (
+            f"{ratio_text(pf['speedup'])}; bound {pf['bound']:.2f}x ({pf['padding_fraction']:.0%} padding: "
+            f"tokens {pf['token_bound']:.2f}x, attention {pf['attention_bound']:.2f}x; "
+            f"{pf['fraction_of_bound']:.0%} of bound)"
         )
-        rows.append(
-            (
-                "same step: max |loss diff| per batch (fp32)",
-                "",
-                f"{pf['losses']['max_abs_diff']:.2e}",
-                pf["losses"]["text"],
-                pf["losses"]["flags"],
-            )
-        )
+        rows.append(_timed(f"DPO step fwd+bwd, {pf['batches']} batches, padding_free (s)", pf, "pass_seconds", bound))
+        rows.append(_agree("same step: max |loss diff| per batch (fp32)", pf, ("losses",), ".2e", ""))
     pc = sections.get("precompute")
-    if pc and "error" not in pc and "skipped" not in pc:
+    if _ran(pc):
         cpu = pc.get("clock") == "cpu"  # process CPU time (recorded runs before it: wall time)
         unit = "CPU s" if cpu else "s"
         wall = f"; wall time {pc['wall_speedup']:.2f}x (shared machine: for reference)" if cpu else ""
-        rows.append(
-            (
-                f"ref precompute, {pc['pairs']} pairs, batch {pc['batch_size']} ({unit})",
-                f"{statistics.median(pc['stock']['seconds']):.2f}",
-                f"{statistics.median(pc['trl_ext']['seconds']):.2f}",
-                ratio_text(pc["speedup"]) + wall,
-                pc["speedup"]["flags"],
-            )
-        )
-        rows.append(
-            (
-                f'ref precompute, "auto" ({unit})',
-                "",
-                f"{statistics.median(pc['trl_ext_auto']['seconds']):.2f}",
-                ratio_text(pc["speedup_auto"]) + _auto_choice(pc["trl_ext_auto"].get("batch_tokens")),
-                pc["speedup_auto"]["flags"],
-            )
-        )
-        rows.append(
-            (
-                "max |ref logp diff| (fp32)",
-                "",
-                f"{pc['values']['max_abs_diff']:.2e}",
-                f"{pc['values']['text']}: {REF_LOGP_RTOL:.0e} of the largest |logp|, {pc['max_abs_ref_logp']:.0f}",
-                pc["values"]["flags"],
-            )
-        )
+        measure = f"ref precompute, {pc['pairs']} pairs, batch {pc['batch_size']} ({unit})"
+        rows.append(_timed(measure, pc, "seconds", ratio_text(pc["speedup"]) + wall, digits=2))
+        auto = ratio_text(pc["speedup_auto"]) + _auto_choice(pc["trl_ext_auto"].get("batch_tokens"))
+        seconds = f"{statistics.median(pc['trl_ext_auto']['seconds']):.2f}"
+        rows.append((f'ref precompute, "auto" ({unit})', "", seconds, auto, pc["speedup_auto"]["flags"]))
+        largest = f": {REF_LOGP_RTOL:.0e} of the largest |logp|, {pc['max_abs_ref_logp']:.0f}"
+        rows.append(_agree("max |ref logp diff| (fp32)", pc, ("values",), ".2e", largest))
     co = sections.get("sync_metrics")
-    if co and "error" not in co and "skipped" not in co:
-        rows.append(
-            (
-                "collectives / optimizer step, 2 processes",
-                f"{co['stock']['collectives_per_step']:.1f}",
-                f"{co['trl_ext']['collectives_per_step']:.1f}",
-                co["collectives"]["text"],
-                co["collectives"]["flags"],
-            )
-        )
-        rows.append(
-            (
-                "2-process step time, sync_metrics (s)",
-                f"{statistics.median(co['stock']['step_seconds']):.3f}",
-                f"{statistics.median(co['trl_ext']['step_seconds']):.3f}",
-                ratio_text(co["step_time_ratio"]),
-                co["step_time_ratio"]["flags"],
-            )
-        )
+    if _ran(co):
+        per_step = [f"{co[side]['collectives_per_step']:.1f}" for side in ("stock", "trl_ext")]
+        verdict = co["collectives"]
+        rows.append(("collectives / optimizer step, 2 processes", *per_step, verdict["text"], verdict["flags"]))
+        ratio = ratio_text(co["step_time_ratio"])
+        rows.append(_timed("2-process step time, sync_metrics (s)", co, "step_seconds", ratio, "step_time_ratio"))
     ge = sections.get("generation")
     if ge and "modes" in ge and not ge["modes"]:
         # Never an empty ZeRO-3 part: one row that says so (and is flagged: the run should have measured every mode).
@@ -109,24 +100,49 @@ def _rows(report: dict[str, Any]) -> list[tuple[str, str, str, str, list[str]]]:
         repeats = ge.get("repeats", 1)
         runs = "one run" if repeats == 1 else f"best of {repeats} runs"
         for index, mode in enumerate(ge["modes"]):
-            if index == 0:
-                text = f"the baseline ({runs})"
-            else:
+            text = f"the baseline ({runs})"
+            if index:
                 text = (
                     f"memory {mode['peak_vs_gather']:.2f}x TRL gather's (counted bytes); time "
                     f"{_times_text(mode['time_vs_gather'], 'TRL gather')} ({runs})"
                 )
-            rows.append(
-                (
-                    f"ZeRO-3 generation, 2 ranks: {mode['mode']}",
-                    "",
-                    f"{max(mode['peak_bytes_per_rank']) / 2**20:.1f} MiB/rank",
-                    text,
-                    [] if mode["same_tokens"] else ["TOKENS DIFFER from TRL gather's"],
-                )
-            )
+            peak = f"{max(mode['peak_bytes_per_rank']) / 2**20:.1f} MiB/rank"
+            flags = [] if mode["same_tokens"] else ["TOKENS DIFFER from TRL gather's"]
+            rows.append((f"ZeRO-3 generation, 2 ranks: {mode['mode']}", "", peak, text, flags))
         rows.append(("ZeRO-3 generation: greedy tokens", "", "", ge["tokens"]["text"], []))
-    rows.extend(_plugin_rows(sections))
+    tb = sections.get("token_budget")
+    if _ran(tb):
+        counts = tb["micro_batches_per_step"]
+        measure = (
+            f"DPO train(), {tb['pairs_per_step']} pairs/step: padding_free {tb['pair_batch']} pairs/micro-batch "
+            f"vs token_budget={tb['token_bound']} (s)"
+        )
+        versus = f"{ratio_text(tb['speedup'])} (vs padding_free)"
+        rows.append(_timed(measure, tb, "train_seconds", versus, base="padding_free", named="padding_free: "))
+        measure = "token_budget: peak RSS growth of train(), vs padding_free"
+        rows.append(_peaks(measure, tb, "padding_free", "padding_free: "))
+        rows.append(
+            (
+                "token_budget: micro-batches per step; largest micro-batch (tokens)",
+                f"padding_free: {counts['padding_free']}",
+                f"{', '.join(str(c) for c in counts['token_budget'])}",
+                tb["bound"]["text"],
+                tb["bound"]["flags"],
+            )
+        )
+        measure = "token_budget vs stock, one SGD step: loss, metrics (rel.), gradient (fp32)"
+        rows.append(_agree(measure, tb, ("metrics", "gradient"), ".1e", f": {BUDGET_RTOL:.0e} of the largest |grad|"))
+    fl = sections.get("fused_logprobs")
+    if _ran(fl):
+        measure = (
+            f"Online DPO step without generation, vocab {fl['vocab']}, {fl['completions']} completions "
+            f"<= {fl['completion_width']} tokens, fused_logprobs (s)"
+        )
+        rows.append(_timed(measure, fl, "step_seconds", ratio_text(fl["speedup"])))
+        rows.append(_peaks("fused_logprobs: peak RSS growth of the step", fl, "stock"))
+        measure = "fused_logprobs vs stock: log-probs, loss and metrics (rel.), gradient (fp32)"
+        tolerance = f": {FUSED_RTOL:.0e} of the largest |grad|"
+        rows.append(_agree(measure, fl, ("logps", "metrics", "gradient"), ".1e", tolerance))
     for name, section in sections.items():
         if "skipped" in section:
             rows.append((f"{name}: skipped", "", "", section["skipped"], []))
@@ -159,74 +175,6 @@ def _auto_choice(tokens: list[Any] | None) -> str:
 def _peak(values: list[float | None]) -> str:
     kept = [v for v in values if v is not None]
     return f"{statistics.median(kept):.0f} MiB" if kept else "n/a"
-
-
-def _plugin_rows(sections: dict[str, Any]) -> list[tuple[str, str, str, str, list[str]]]:
-    """The rows of the token_budget and fused_logprobs sections."""
-    rows: list[tuple[str, str, str, str, list[str]]] = []
-    tb = sections.get("token_budget")
-    if tb and "error" not in tb and "skipped" not in tb:
-        counts = tb["micro_batches_per_step"]
-        rows += [
-            (
-                f"DPO train(), {tb['pairs_per_step']} pairs/step: padding_free {tb['pair_batch']} pairs/micro-batch "
-                f"vs token_budget={tb['token_bound']} (s)",
-                f"padding_free: {statistics.median(tb['padding_free']['train_seconds']):.3f}",
-                f"{statistics.median(tb['trl_ext']['train_seconds']):.3f}",
-                f"{ratio_text(tb['speedup'])} (vs padding_free)",
-                tb["speedup"]["flags"],
-            ),
-            (
-                "token_budget: peak RSS growth of train(), vs padding_free",
-                f"padding_free: {_peak(tb['padding_free']['peak_mb'])}",
-                _peak(tb["trl_ext"]["peak_mb"]),
-                tb["memory"]["text"],
-                tb["memory"]["flags"],
-            ),
-            (
-                "token_budget: micro-batches per step; largest micro-batch (tokens)",
-                f"padding_free: {counts['padding_free']}",
-                f"{', '.join(str(c) for c in counts['token_budget'])}",
-                tb["bound"]["text"],
-                tb["bound"]["flags"],
-            ),
-            (
-                "token_budget vs stock, one SGD step: loss, metrics (rel.), gradient (fp32)",
-                "",
-                f"{tb['metrics']['max_abs_diff']:.1e}, {tb['gradient']['max_abs_diff']:.1e}",
-                f"{tb['metrics']['text']}; {tb['gradient']['text']}: {BUDGET_RTOL:.0e} of the largest |grad|",
-                tb["metrics"]["flags"] + tb["gradient"]["flags"],
-            ),
-        ]
-    fl = sections.get("fused_logprobs")
-    if fl and "error" not in fl and "skipped" not in fl:
-        rows += [
-            (
-                f"Online DPO step without generation, vocab {fl['vocab']}, {fl['completions']} completions "
-                f"<= {fl['completion_width']} tokens, fused_logprobs (s)",
-                f"{statistics.median(fl['stock']['step_seconds']):.3f}",
-                f"{statistics.median(fl['trl_ext']['step_seconds']):.3f}",
-                ratio_text(fl["speedup"]),
-                fl["speedup"]["flags"],
-            ),
-            (
-                "fused_logprobs: peak RSS growth of the step",
-                _peak(fl["stock"]["peak_mb"]),
-                _peak(fl["trl_ext"]["peak_mb"]),
-                fl["memory"]["text"],
-                fl["memory"]["flags"],
-            ),
-            (
-                "fused_logprobs vs stock: log-probs, loss and metrics (rel.), gradient (fp32)",
-                "",
-                f"{fl['logps']['max_abs_diff']:.1e}, {fl['metrics']['max_abs_diff']:.1e}, "
-                f"{fl['gradient']['max_abs_diff']:.1e}",
-                f"{fl['logps']['text']}; {fl['metrics']['text']}; {fl['gradient']['text']}: "
-                f"{FUSED_RTOL:.0e} of the largest |grad|",
-                fl["logps"]["flags"] + fl["metrics"]["flags"] + fl["gradient"]["flags"],
-            ),
-        ]
-    return rows
 
 
 _HEADER = (

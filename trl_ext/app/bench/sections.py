@@ -1,11 +1,6 @@
-"""The bench's sections: the shared setup (a small Llama from a config, a synthetic preference dataset with skewed
-lengths, the DPO arguments) and one function per section, each measuring stock TRL against trl-ext on the same data
-and weights and returning its numbers with their computed verdicts:
-
-- `padding_free`: DPO training step throughput, and the per-batch losses of both sides;
-- `precompute`: reference precompute time (`precompute_ref_batch_size`, same batch size as stock, and `"auto"`);
-- `sync_metrics`: collectives per optimizer step and step time in a 2-process run (torchrun, gloo);
-- `generation`: generation memory and time under DeepSpeed ZeRO-3.
+"""The bench's sections on the shared setup (a small Llama from a config, synthetic preference data with skewed
+lengths, the DPO arguments): `padding_free`, `precompute`, `sync_metrics` and `generation`, each measuring stock TRL
+against trl-ext on the same data and weights and returning its numbers with their computed verdicts.
 """
 
 from __future__ import annotations
@@ -26,8 +21,15 @@ from ...errors import InternalError
 from .stats import agreement, interleave, padding_bounds, progress, ratios, summarize
 
 _WORKER = "trl_ext.app._bench_worker"
-#: The sections, in the order they run and are reported.
-SECTIONS = ("padding_free", "precompute", "sync_metrics", "generation", "token_budget", "fused_logprobs")
+#: The sections, in the order they run and are reported, and the flag each measures.
+SECTIONS = {
+    "padding_free": "padding_free",
+    "precompute": "precompute_ref_batch_size",
+    "sync_metrics": "sync_metrics",
+    "generation": "ds3_gather_for_generation",
+    "token_budget": "token_budget",
+    "fused_logprobs": "fused_logprobs",
+}
 
 #: Largest |loss difference| per batch, stock against `padding_free`, that still counts as the same losses: both run
 #: in fp32 on the same batches and weights (DPO losses ~0.7; a reordered sum moves them by ~1e-7).
@@ -40,42 +42,20 @@ REF_LOGP_RTOL = 1e-4
 WARMUP_ROUNDS = 1
 
 
-def _sizes(quick: bool) -> dict[str, Any]:
-    if quick:
-        return dict(
-            vocab=2048,
-            hidden=128,
-            layers=2,
-            heads=4,
-            kv=2,
-            pairs=48,
-            batch=8,
-            steps=3,
-            prompt=40,
-            completion=40,
-            max_len=128,
-        )
-    return dict(
-        vocab=32000,
-        hidden=256,
-        layers=4,
-        heads=4,
-        kv=2,
-        pairs=128,
-        batch=8,
-        steps=10,
-        prompt=60,
-        completion=60,
-        max_len=400,
-    )
+#: The workload's sizes: `--quick`, and the default.
+_SIZES: dict[bool, dict[str, Any]] = {
+    True: dict(vocab=2048, hidden=128, layers=2, pairs=48, steps=3, prompt=40, completion=40, max_len=128),
+    False: dict(vocab=32000, hidden=256, layers=4, pairs=128, steps=10, prompt=60, completion=60, max_len=400),
+}
 
 
 class Setup:
     def __init__(self, args: argparse.Namespace) -> None:
         from .workload import make_model, make_preference_dataset, make_tokenizer
 
-        self.size = _sizes(args.quick)
-        s = self.size
+        self.size = s = dict(batch=8, **_SIZES[args.quick])
+        #: The built-in model's shape (the fused_logprobs section's models too).
+        self.shape = dict(hidden_size=s["hidden"], num_layers=s["layers"], num_heads=4, num_kv_heads=2)
         if args.model:
             from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -87,26 +67,13 @@ class Setup:
             self.tokenizer = make_tokenizer(s["vocab"])
             vocab = s["vocab"]
             self.model_fn = lambda: make_model(
-                vocab_size=vocab,
-                hidden_size=s["hidden"],
-                num_layers=s["layers"],
-                num_heads=s["heads"],
-                num_kv_heads=s["kv"],
-                intermediate_size=4 * s["hidden"],
-                seed=0,
+                vocab_size=vocab, intermediate_size=4 * s["hidden"], seed=0, **self.shape
             )
             n_params = sum(p.numel() for p in self.model_fn().parameters())
             self.model_desc = f"llama hidden={s['hidden']} layers={s['layers']} vocab={vocab} ({n_params / 1e6:.1f}M)"
-        self.dataset = make_preference_dataset(
-            s["pairs"],
-            vocab_size=min(vocab, s["vocab"]),
-            prompt_median=s["prompt"],
-            completion_median=s["completion"],
-            sigma=0.8,
-            max_prompt=s["max_len"],
-            max_completion=s["max_len"],
-            seed=0,
-        )
+        lengths = dict(prompt_median=s["prompt"], completion_median=s["completion"], sigma=0.8, seed=0)
+        cut = dict(max_prompt=s["max_len"], max_completion=s["max_len"])
+        self.dataset = make_preference_dataset(s["pairs"], vocab_size=min(vocab, s["vocab"]), **lengths, **cut)
         self.out = Path(args.out)
         self.out.mkdir(parents=True, exist_ok=True)
 
@@ -137,10 +104,22 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def padding_free(setup: Setup, rounds: int) -> dict[str, Any]:
-    """Forward + backward of a DPO training step (`trainer.training_step`, TRL's real loss) on the same batches and
-    weights, stock trainer against a `padding_free` trainer, one pass over the batches per arm and round."""
+def reference(setup: Setup) -> Any:
+    """The policy's architecture with other weights: with equal weights every DPO loss is log 2, and a comparison of
+    losses would prove nothing."""
     import torch
+
+    ref = setup.model_fn()
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(0.05 * p.std().nan_to_num() * torch.randn(p.shape, generator=generator, dtype=p.dtype))
+    return ref
+
+
+def padding_free(setup: Setup, rounds: int) -> dict[str, Any]:
+    """Forward + backward of a DPO training step (TRL's real loss) on the same batches and weights, stock against
+    `padding_free`, one pass over the batches per arm and round."""
     from trl import DPOTrainer
 
     import trl_ext
@@ -148,16 +127,9 @@ def padding_free(setup: Setup, rounds: int) -> dict[str, Any]:
     n_batches = setup.size["steps"]
 
     def build(label: str) -> Any:
-        # A reference that differs from the policy: with equal weights every DPO loss is exactly log 2, and the
-        # loss comparison below would prove nothing.
-        ref = setup.model_fn()
-        generator = torch.Generator().manual_seed(1)
-        with torch.no_grad():
-            for p in ref.parameters():
-                p.add_(0.05 * p.std().nan_to_num() * torch.randn(p.shape, generator=generator, dtype=p.dtype))
         trainer = DPOTrainer(
             setup.model_fn(),
-            ref_model=ref,
+            ref_model=reference(setup),
             args=setup.dpo_args(label),
             train_dataset=setup.dataset,
             processing_class=setup.tokenizer,
@@ -218,13 +190,10 @@ def padding_free(setup: Setup, rounds: int) -> dict[str, Any]:
 
 
 def precompute(setup: Setup, rounds: int) -> dict[str, Any]:
-    """TRL's reference precompute against trl-ext's (same batch size, and `"auto"`), timed by the measuring code of
-    `benchmarks/precompute.py` (`PrecomputeRig`), one trainer build per arm and round.
-
-    Each arm is timed in process CPU time (torch on one thread, no data-loader workers: the CPU time is the work),
-    which a busy shared machine leaves alone, where wall time also counts the waits for a core (kept as
-    `wall_seconds`). One warm-up round (first calls, allocator growth) runs first and is not kept; the cache folders
-    are removed at the end."""
+    """TRL's reference precompute against trl-ext's (same batch size, and `"auto"`), timed by `PrecomputeRig` of
+    `benchmarks/precompute.py`, one trainer build per arm and round, in process CPU time (torch on one thread: the CPU
+    time is the work, which a busy shared machine leaves alone; wall time, which counts the waits for a core, is kept
+    as `wall_seconds`)."""
     import shutil
     from types import SimpleNamespace
 
@@ -295,19 +264,13 @@ def generation(setup: Setup, quick: bool) -> dict[str, Any]:
             "skipped": 'needs DeepSpeed, which is not installed (pip install "trl-ext[deepspeed]"; from a clone: '
             'pip install -c constraints.txt -e ".[deepspeed]")'
         }
-    torchrun = Path(sys.executable).with_name("torchrun")
     out = setup.out / "generation.json"
-    cmd = [str(torchrun), "--standalone", "--nproc_per_node", "2", "-m", "trl_ext.app._bench_generation"]
-    cmd += ["--json", str(out), "--output-dir", str(setup.out / "runs" / "generation")]
+    cmd = ["trl_ext.app._bench_generation", "--json", str(out), "--output-dir", str(setup.out / "runs" / "generation")]
     cmd += (
         ["--repeats", "1", "--layers", "4", "--hidden", "256", "--new-tokens", "16"] if quick else ["--repeats", "2"]
     )
     progress("generation: 2-process ZeRO-3 OnlineDPO, every mode (stock gather/no-gather, trl-ext modes)")
-    env = dict(os.environ, OMP_NUM_THREADS="1", TQDM_DISABLE="1", ACCELERATE_USE_DEEPSPEED="true")
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1200)
-    if proc.returncode != 0 or not out.exists():
-        raise InternalError(f"ZeRO-3 generation run failed:\n{proc.stderr[-3000:]}")
-    report = json.loads(out.read_text())
+    report = _torchrun(cmd, out, "ZeRO-3 generation run", 1200, ACCELERATE_USE_DEEPSPEED="true")
     base = report["modes"][0]
     for mode in report["modes"]:
         mode["peak_vs_gather"] = max(mode["peak_bytes_per_rank"]) / max(base["peak_bytes_per_rank"])
@@ -321,15 +284,20 @@ def generation(setup: Setup, quick: bool) -> dict[str, Any]:
     return report
 
 
+def _torchrun(args: list[str], out: Path, what: str, timeout: int, **env: str) -> dict[str, Any]:
+    """`torchrun -m ARGS` with 2 processes; the JSON report it wrote to `out`."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    cmd = [str(torchrun), "--standalone", "--nproc_per_node", "2", "-m", *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", TQDM_DISABLE="1", **env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    if proc.returncode != 0 or not out.exists():
+        raise InternalError(f"{what} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(out.read_text())
+
+
 def run_collectives(out: Path, extra: Sequence[str] = ()) -> dict[str, Any]:
     """Run the 2-process `collectives` worker (stock and `sync_metrics`, interleaved) under torchrun; its report."""
-    torchrun = Path(sys.executable).with_name("torchrun")
-    cmd = [str(torchrun), "--standalone", "--nproc_per_node", "2", "-m", _WORKER, "collectives", "--out", str(out)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", TQDM_DISABLE="1")
-    proc = subprocess.run([*cmd, *extra], capture_output=True, text=True, env=env, timeout=1800)
-    if proc.returncode != 0 or not out.exists():
-        raise InternalError(f"2-process run failed:\n{proc.stderr[-3000:]}")
-    return json.loads(out.read_text())
+    return _torchrun([_WORKER, "collectives", "--out", str(out), *extra], out, "2-process run", 1800)
 
 
 def sync_metrics(setup: Setup, quick: bool, rounds: int) -> dict[str, Any]:
@@ -356,12 +324,7 @@ def collectives_verdict(results: dict[str, Any]) -> dict[str, Any]:
         f"{stock['collectives_total']} -> {counted} collectives in {ext['optimizer_steps']} steps: "
         f"one per logging step ({ext['logging_steps']}) + the final summary log"
     )
-    if counted == expected:
-        return {"same": True, "expected": expected, "text": text, "flags": []}
-    flag = f"EXPECTED {expected} COLLECTIVES (one per logging step + 1), COUNTED {counted}"
-    return {
-        "same": False,
-        "expected": expected,
-        "text": f"{stock['collectives_total']} -> {counted} collectives",
-        "flags": [flag],
-    }
+    same = counted == expected
+    flags = [] if same else [f"EXPECTED {expected} COLLECTIVES (one per logging step + 1), COUNTED {counted}"]
+    text = text if same else f"{stock['collectives_total']} -> {counted} collectives"
+    return {"same": same, "expected": expected, "text": text, "flags": flags}

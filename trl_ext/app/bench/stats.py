@@ -1,7 +1,5 @@
-"""The bench's statistics: interleaved rounds of a fixed count, the median of per-round ratios with its spread, and
-the computed verdicts (faster/slower from the interquartile range, agreement within a stated tolerance, the work
-bound of dropping padding). `trl-ext bench` and the scripts in `benchmarks/` measure with these.
-"""
+"""The bench's statistics (`trl-ext bench` and `benchmarks/` measure with these): interleaved rounds of a fixed count,
+the median of per-round ratios with its spread, and the verdicts computed from them."""
 
 from __future__ import annotations
 
@@ -59,12 +57,10 @@ def agreement(max_abs_diff: float, tolerance: float, what: str) -> dict[str, Any
     """The verdict on two results that should agree: the same `what` when the largest absolute difference is within
     `tolerance` (a NaN difference never is); otherwise a flag that names both numbers."""
     same = bool(max_abs_diff <= tolerance)
-    if same:
-        text = f"same {what} (within {tolerance:.1e})"
-        flags: list[str] = []
-    else:
+    text = f"same {what} (within {tolerance:.1e})"
+    if not same:
         text = f"{what.upper()} DIFFER: max |diff| {max_abs_diff:.2e} > tolerance {tolerance:.1e}"
-        flags = [text]
+    flags = [] if same else [text]
     return {"same": same, "max_abs_diff": max_abs_diff, "tolerance": tolerance, "text": text, "flags": flags}
 
 
@@ -92,16 +88,12 @@ def interleave(
     warmup: int = 0,
     report: Callable[[str], None] | None = progress,
 ) -> dict[str, list[float]]:
-    """Time every arm once per round, in turn, for exactly `rounds` rounds (stock, trl-ext, trl-ext, stock, ...: the
-    order flips every round so that neither side always runs first).
-
-    The count is fixed in advance: stopping once the ratios agree would stop on a lucky streak and bias the reported
-    spread low. `arms` maps a name to `fn(round_index) -> seconds`; the first arm is the baseline. A comparison that
-    interleaves more finely inside a round passes `paired(round_index) -> {name: seconds}` instead (and the arm names
-    in `arms`, values unused). The first `warmup` rounds run the same way and are not kept (round indices count them:
-    the timed rounds are `warmup .. warmup + rounds - 1`). Returns the seconds per arm and timed round; `report`
-    receives one line with the count and the time taken (None: silent).
-    """
+    """Time every arm (`name -> fn(round_index) -> seconds`, the first the baseline) once per round for exactly
+    `rounds` rounds, the order flipping every round (stock, trl-ext, trl-ext, stock, ...); the seconds per arm and
+    timed round. The count is fixed in advance: stopping once the ratios agree would stop on a lucky streak and bias
+    the spread low. `paired(round_index) -> {name: seconds}` replaces the arms' functions for a comparison that
+    interleaves inside a round. The first `warmup` rounds are not kept (round indices count them). `report` gets one
+    line with the count and the time taken (None: silent)."""
     names = list(arms)
     times: dict[str, list[float]] = {name: [] for name in names}
     start = time.perf_counter()
@@ -124,12 +116,9 @@ def ratios(times: dict[str, list[float]], base: str, arm: str) -> list[float]:
 
 
 def padding_bounds(masks: Sequence[Any]) -> dict[str, float]:
-    """The speed-up bound of dropping the padding of batches with these 2D attention masks.
-
-    A step costs `a * tokens + b * sum(len^2)` (attention) with `a, b >= 0`, and a padded row costs its padded length
-    in both, so the speed-up is at most the larger of the token ratio and the attention ratio (`bound`). Also returns
-    each ratio and the padding fraction.
-    """
+    """The speed-up bound of dropping the padding of batches with these 2D attention masks: a step costs
+    `a * tokens + b * sum(len^2)` (attention) with `a, b >= 0`, a padded row its padded length in both, so the speed-up
+    is at most the larger of the token and attention ratios (`bound`). Also each ratio and the padding fraction."""
     real = sum(int(m.sum()) for m in masks)
     padded = sum(m.numel() for m in masks)
     attn_real = sum(int(row.sum()) ** 2 for m in masks for row in m)

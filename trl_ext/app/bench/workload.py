@@ -1,14 +1,11 @@
-"""The bench's workload: tiny models, a local tokenizer and synthetic preference data, a length reward and a
-collective counter. `trl-ext bench` and its workers build what they measure from these; `trl_ext.testing` offers
-them to tests and plugin authors.
-
-Nothing here touches a model hub: models are built from configs with random weights, the tokenizer is a word-level
-`tokenizers` tokenizer over a synthetic vocabulary, and the data is generated with skewed (lognormal) lengths like
-real preference data.
+"""The bench's workload: tiny models built from configs, a local word-level tokenizer, synthetic preference data with
+skewed (lognormal) lengths, a length reward and a collective counter; nothing touches a model hub. `trl-ext bench` and
+its workers build what they measure from these; `trl_ext.testing` offers them to tests and plugin authors.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 from typing import Any
@@ -59,8 +56,9 @@ def make_model(
     attn_implementation: str = "sdpa",
     dtype: Any = None,
     seed: int = 0,
+    device: Any = None,
 ):
-    """A randomly initialised `LlamaForCausalLM` or `Qwen2ForCausalLM` built from a config."""
+    """A randomly initialised `LlamaForCausalLM` or `Qwen2ForCausalLM` built from a config (on `device`, if given)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
@@ -83,7 +81,8 @@ def make_model(
     )
     config._attn_implementation = attn_implementation
     torch.manual_seed(seed)
-    model = model_cls(config)
+    with torch.device(device) if device is not None else contextlib.nullcontext():
+        model = model_cls(config)
     if dtype is not None:
         model = model.to(dtype)
     model.generation_config.pad_token_id = 0
@@ -150,33 +149,13 @@ def length_reward(completions: list[Any], **kwargs: Any) -> list[float]:
 
 #: Every collective and point-to-point call `torch.distributed` exposes (checked on torch 2.13, where recent code
 #: prefers the newer names such as `all_gather_single`; a counter that misses one silently undercounts).
-COLLECTIVE_NAMES = (
-    "all_gather",
-    "all_gather_coalesced",
-    "all_gather_into_tensor",
-    "all_gather_object",
-    "all_gather_single",
-    "_all_gather_base",
-    "all_reduce",
-    "all_reduce_coalesced",
-    "all_to_all",
-    "all_to_all_single",
-    "barrier",
-    "broadcast",
-    "broadcast_object_list",
-    "gather",
-    "gather_object",
-    "monitored_barrier",
-    "reduce",
-    "reduce_scatter",
-    "reduce_scatter_single",
-    "reduce_scatter_tensor",
-    "scatter",
-    "scatter_object_list",
-    "send",
-    "recv",
-    "isend",
-    "irecv",
+COLLECTIVE_NAMES = tuple(
+    """
+    all_gather all_gather_coalesced all_gather_into_tensor all_gather_object all_gather_single _all_gather_base
+    all_reduce all_reduce_coalesced all_to_all all_to_all_single barrier broadcast broadcast_object_list gather
+    gather_object monitored_barrier reduce reduce_scatter reduce_scatter_single reduce_scatter_tensor scatter
+    scatter_object_list send recv isend irecv
+    """.split()
 )
 
 
