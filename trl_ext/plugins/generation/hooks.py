@@ -23,10 +23,6 @@ from . import _DEFAULT_AUTO_MARGIN, NAME, TRL_EXT_PLUGIN, GenerationOptions
 
 logger = get_logger(__name__)
 
-# ---------------------------------------------------------------------------------------------------------------
-# configuration
-# ---------------------------------------------------------------------------------------------------------------
-
 
 @hookimpl
 def trl_ext_validate_config(config: TrlExtConfig, trl_version: str) -> None:
@@ -42,11 +38,6 @@ def trl_ext_validate_config(config: TrlExtConfig, trl_version: str) -> None:
             '`plugins.generation.auto_margin` only applies to `ds3_gather_for_generation="auto"`, but it is '
             f'{flag!r}. Remove the option or set the flag to "auto".'
         )
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# per-trainer state
-# ---------------------------------------------------------------------------------------------------------------
 
 
 class GenerationState:

@@ -23,10 +23,6 @@ CACHE_FORMAT = 1
 TOKEN_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
 REF_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
 
-# -------------------------------------------------------------------------------------------------------------------
-# Dataset lengths and content hash
-# -------------------------------------------------------------------------------------------------------------------
-
 
 def scan_dataset(dataset, want_hash: bool):
     """Per-row token counts of the three token columns, and (optionally) a SHA-256 of their content."""
@@ -55,11 +51,6 @@ def scan_dataset(dataset, want_hash: bool):
                     digest.update(np.ascontiguousarray(flat, dtype="<i8").tobytes())
     out = {c: (np.concatenate(v) if v else np.zeros(0, dtype=np.int64)).astype(np.int64) for c, v in lengths.items()}
     return out, (digest.hexdigest() if digest is not None else None)
-
-
-# -------------------------------------------------------------------------------------------------------------------
-# Cache entries: <cache_dir>/<key>/{ref_logps.npz, meta.json, parts/part-*.npz}
-# -------------------------------------------------------------------------------------------------------------------
 
 
 def sha256_file(path: Path) -> str:
@@ -209,11 +200,6 @@ class CacheEntry:
         # Written last: an entry without a matching meta.json is never used.
         atomic_write_text(self.meta, json.dumps(meta, indent=1, sort_keys=True))
         shutil.rmtree(self.parts, ignore_errors=True)
-
-
-# -------------------------------------------------------------------------------------------------------------------
-# The key
-# -------------------------------------------------------------------------------------------------------------------
 
 
 def _check_finite(*arrays) -> None:

@@ -19,10 +19,6 @@ from . import NAME, PrecomputeOptions
 
 logger = get_logger(__name__)
 
-# -------------------------------------------------------------------------------------------------------------------
-# Hooks
-# -------------------------------------------------------------------------------------------------------------------
-
 
 @hookimpl
 def trl_ext_trainer_init_start(trainer: Trainer, context: TrainerContext, init_kwargs: dict[str, Any]) -> None:
@@ -70,10 +66,11 @@ def trl_ext_describe(trainer: Trainer, context: TrainerContext) -> str | None:
     elif state.options.cache_dir is not None:
         parts.append(f"cache {state.options.cache_dir}")
     # TRL precomputes in `__init__` on the versions that do it eagerly: say what already ran.
-    how = {"cache": "from the cache", "computed": "computed"}
-    for run in state.runs:
-        parts.append(f"{run['name']}: {run['n_pairs']} pairs {how.get(run.get('source', ''), 'computed')}")
-    return ", ".join(parts)
+    return ", ".join(parts + [_ran(run) for run in state.runs])
+
+
+def _ran(run: dict[str, Any]) -> str:
+    return f"{run['name']}: {run['n_pairs']} pairs {'from the cache' if run.get('source') == 'cache' else 'computed'}"
 
 
 @hookimpl
@@ -118,10 +115,7 @@ class PrecomputeState:
             return f"did nothing: {self.idle}"
         if not self.runs:
             return "did nothing: TRL asked for no reference precompute"
-        how = {"cache": "from the cache", "computed": "computed"}
-        runs = [
-            f"{run['name']}: {run['n_pairs']} pairs {how.get(run.get('source', ''), 'computed')}" for run in self.runs
-        ]
+        runs = [_ran(run) for run in self.runs]
         caches = sorted({run["cache_dir"] for run in self.runs if "cache_dir" in run})
         cache = self.cache_problem or (f"cache {', '.join(caches)}" if caches else "no cache")
         return f"{', '.join(runs)}; {cache}"

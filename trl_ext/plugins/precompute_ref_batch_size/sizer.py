@@ -35,20 +35,10 @@ def lockstep(trainer, ranks) -> bool:
 
 
 def probe(run, model, todo, store, progress):
-    """Find the largest useful batch that fits; keep what the probes computed; set the token budget.
-
-    Probes run the heaviest pairs first (each probe the next heaviest ones, and their values are kept, so no
-    pair is computed twice), doubling the pairs per rank until a batch no longer fits (over the memory
-    budget, or out of memory; then two bisection steps between the last size that fit and the first that did
-    not), or until doubling stops paying: past 4096 tokens per batch, real tokens per second grew by less than
-    10%, so a bigger batch would only hold more memory (and, padded, mix more lengths). Every rank probes its own
-    share of the heaviest pairs and all ranks take each decision from everyone's outcome, so they run the same
-    forwards (ZeRO-3 lockstep).
-
-    Under `lockstep` (several DeepSpeed or FSDP processes) an out-of-memory error cannot be caught safely, so the
-    probe stops at the budget check instead: a probe whose memory, extrapolated from the largest probe that fit, would
-    exceed the budget is not run and counts as the first size that does not fit; an out-of-memory error is re-raised.
-    """
+    """Find the largest useful batch that fits (docs/plugins/precompute_ref_batch_size.md, `"auto"`); keep what the
+    probes computed (each probe takes the next heaviest pairs, so none is computed twice); set the token budget.
+    Every rank probes its share of the heaviest pairs and all take each decision from everyone's outcome, so they
+    run the same forwards (ZeRO-3 lockstep)."""
     import numpy as np
 
     state = run.state

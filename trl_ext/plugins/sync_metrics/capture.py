@@ -4,8 +4,9 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -126,6 +127,15 @@ class SyncMetricsState:
 
     # -- capture -------------------------------------------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def capture(self) -> Iterator[list[torch.Tensor]]:
+        """Record what `gather`/`gather_for_metrics` are given while it runs (a nested capture restores the outer)."""
+        previous, self.captured = self.captured, []
+        try:
+            yield self.captured
+        finally:
+            self.captured = previous
+
     def record(self, data: Any) -> torch.Tensor:
         if not isinstance(data, torch.Tensor):
             raise UsageError(
@@ -136,19 +146,6 @@ class SyncMetricsState:
         self.captured.append(data.detach())
         # CPU zeros: TRL's `.item()` on them is free, and the values it derives from them are discarded.
         return torch.zeros(data.shape if data.dim() else (1,), dtype=data.dtype)
-
-
-class _Capture:
-    def __init__(self, state: SyncMetricsState) -> None:
-        self.state = state
-
-    def __enter__(self) -> list[torch.Tensor]:
-        self.previous = self.state.captured
-        self.state.captured = []
-        return self.state.captured
-
-    def __exit__(self, *exc: object) -> None:
-        self.state.captured = self.previous
 
 
 def _input_data(input_data: Any, *args: Any, **kwargs: Any) -> Any:
@@ -172,25 +169,15 @@ def _get_batch_samples(trainer: Any, state: SyncMetricsState, call: Call) -> Any
     state.fetched.clear()
     state.close_step()  # a new optimizer step begins
     epoch_iterator, args, kwargs = _epoch_iterator(*call.args, **call.kwargs)
-    wrapped = _RecordingIterator(epoch_iterator, state, trainer.accelerator.gradient_state)
+    wrapped = _recording(epoch_iterator, state, trainer.accelerator.gradient_state)
     return call.proceed(wrapped, *args, **kwargs)
 
 
-class _RecordingIterator:
-    """Wraps the Trainer's epoch iterator to note, for each fetched batch, whether it holds duplicates."""
-
-    def __init__(self, iterator: Any, state: SyncMetricsState, gradient_state: Any) -> None:
-        self._iterator = iterator
-        self._state = state
-        self._gradient_state = gradient_state
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        batch = next(self._iterator)
-        self._state.fetched.append(self._state.remainder_now(self._gradient_state))
-        return batch
+def _recording(iterator: Any, state: SyncMetricsState, gradient_state: Any) -> Iterator[Any]:
+    """The Trainer's epoch iterator, noting for each fetched batch whether it holds duplicates."""
+    for batch in iterator:
+        state.fetched.append(state.remainder_now(gradient_state))
+        yield batch
 
 
 #: `trl_ext_call` handlers, by method name (`call.name`), for both trainers

@@ -1,12 +1,6 @@
-"""`token_budget="auto"`: the budget measured when the trainer is built, with the memory probe of
-`precompute_ref_batch_size` (`sizer`: the peak memory a call adds, on GPU the allocator, on CPU the kernel's peak-RSS
-counter; the memory budget; the linear projection that skips a probe which would not fit).
-
-Probes are training steps (the trainer's `compute_loss` under its autocast, and the backward) on micro-batches of the
-dataset's heaviest pairs, 1, 2, 4, ... up to the pairs of one optimizer step, collated by the trainer's collator.
-They stop when a probe does not fit the memory budget (or is projected not to, or runs out of memory). The budget is
-the most tokens that a line through the two largest probes that fit (peak memory against tokens) keeps within
-`HEADROOM` of the memory budget, capped at the heaviest step's tokens and kept below the first size that did not fit.
+"""`token_budget="auto"`: the budget measured when the trainer is built (docs/plugins/token_budget.md), with the
+memory probe `toolkit.memory` shares with `precompute_ref_batch_size`: training steps on the dataset's heaviest 1, 2,
+4, ... pairs, up to one optimizer step's, until one does not fit (or is projected not to); then `choose`.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""Several processes: the same number of micro-batches on every rank, and the exchange of each step's metrics.
-
-TRL's `_compute_loss` gathers its metrics across ranks on every call, DDP reduces gradients on the synchronised
-backward, and ZeRO-3 and FSDP2 gather parameters on every forward: every rank must run the same number of forwards and
-backwards per step, in the same slots. A rank whose pairs cut into fewer micro-batches than another's runs extra ones:
-its smallest micro-batch again with loss weight 0 (no gradient, its metrics not recorded). The collectives themselves
-are `trl_ext._shared.Ranks`, shared with the other plugins.
+"""Several processes: the cut of every rank's pairs, balanced, and the same number of micro-batches on every rank
+(TRL's gathers, DDP's reduction and ZeRO-3/FSDP2's parameter gathers need as many forwards and backwards on each): a
+rank with fewer runs its smallest again with loss weight 0 (`Padding`: no gradient, its metrics not recorded).
 """
 
 from __future__ import annotations

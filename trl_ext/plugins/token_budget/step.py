@@ -1,20 +1,10 @@
 """Running one optimizer step's re-cut micro-batches inside transformers' training loop, unchanged.
 
-The training loader's collator also hands over the examples of each batch (`cut.KeepExamples`, set only while
-`get_train_dataloader` builds the loader). transformers' `Trainer._inner_training_loop` fetches a step's stock
-micro-batches with `get_batch_samples`, then runs `training_step` once per fetched batch; its gradient
-synchronisation, callbacks and epoch position count those calls. The plugin keeps that count: `get_batch_samples`
-returns one `Slot` per stock batch (a dict equal to the stock batch, so the Trainer's FLOs and token counting see
-stock's inputs), and the step's budget-cut micro-batches, collated by the trainer's collator, are spread over the
-slots. `training_step` runs a slot's micro-batches one after another (possibly none).
-
-Loss scaling uses transformers' own hook: `Trainer.loss_is_scaled_for_ga = True` says `compute_loss` already scaled
-the loss for accumulation, so `training_step` does not divide it again; the plugin's `compute_loss` multiplies each
-micro-batch's mean loss by its weight (its pairs' share of the step as stock weighs them).
-
-On several processes the step's pairs of every rank are cut together and shared out with tokens balanced
-(`cut_across_ranks`); every rank runs as many micro-batches as the rank with most (`ranks.Padding`), and only the
-step's last runs with gradient synchronisation (`unsynced`).
+transformers' `_inner_training_loop` counts its `training_step` calls (gradient synchronisation, callbacks, epoch
+position), so `get_batch_samples` returns one `Slot` per stock batch (equal to it, so FLOs and token counting see
+stock's inputs) and spreads the step's micro-batches over the slots; `training_step` runs a slot's in turn (possibly
+none). `compute_loss` returns each micro-batch's mean loss times its weight (`Trainer.loss_is_scaled_for_ga` keeps
+`training_step` from dividing it again). See docs/plugins/token_budget.md.
 """
 
 from __future__ import annotations
@@ -96,7 +86,8 @@ class TokenBudgetState:
         self.empty_slots = 0
         self.warned_nonfinite = False
         self.warned_over = False
-        #: `(mode, calls, sizes)` not yet told to the other plugins (`trl_ext_stock_batches`, `.calls`)
+        #: `(mode, calls, sizes)` not yet told to the other plugins (`trl_ext_stock_batches`, `.calls`): the `calls`
+        #: re-cut micro-batches just run stand for stock's batches of `sizes` pairs (for a metrics reducer)
         self.stock_batches: list[tuple[str, int, list[int]]] = []
         #: while `compute_loss` runs a micro-batch (`capture`): the tensors TRL gathered, with what `gather` returned
         self.gathered: list[tuple[torch.Tensor, Any]] | None = None
@@ -176,14 +167,9 @@ class TokenBudgetState:
         return slots
 
     def cut_across_ranks(self, examples: list[list[Any]]) -> tuple[list[MicroBatch], int, int, MicroBatch | None]:
-        """Cut the step's pairs of every rank together (one all-gather of the examples) and run this rank's share of
-        the micro-batches, tokens balanced across ranks (`ranks.balanced_plan`, the same on every rank).
-
-        A pair keeps the weight stock gives it on its own rank (`1 / (pairs in its stock micro-batch x stock
-        micro-batches in the step)`): the engine averages gradients over ranks, as stock's. Returns this rank's
-        micro-batches, the pairs over the budget, the most micro-batches a rank runs, and (for a rank given none)
-        the step's smallest micro-batch, to repeat with weight 0.
-        """
+        """Cut the step's pairs of every rank together (one all-gather of the examples), tokens balanced across ranks
+        (`ranks.balanced_plan`), each pair keeping its stock weight. Returns this rank's micro-batches, the pairs over
+        the budget, the most micro-batches a rank runs, and (for a rank given none) the step's smallest to repeat."""
         collate, max_length = self.trainer.data_collator, self.trainer.args.max_length
         everyone = self.ranks.all_gather(examples)
         pairs, sizes = global_pairs(everyone, self.packed, max_length, self.multiple)
@@ -258,12 +244,9 @@ class TokenBudgetState:
         return total
 
     def filter_like_stock(self) -> None:
-        """transformers' `logging_nan_inf_filter` (on by default) replaces a non-finite `training_step` loss by the
-        mean of the window so far (`_tr_loss += _tr_loss / steps`, `Trainer._inner_training_loop`). A step whose
-        micro-batches were all non-finite had every stock call non-finite: the slots that ran no micro-batch returned
-        0 (added as it is), so their replacements are applied here. A step with finite and non-finite micro-batches
-        cannot tell which stock calls were non-finite: one warning says that its logged loss may differ from stock's
-        (its gradients are non-finite in both, its metrics equal stock's)."""
+        """transformers' `logging_nan_inf_filter` replaces a non-finite `training_step` loss by the window's mean so
+        far (`_tr_loss += _tr_loss / steps`). If every micro-batch of the step was non-finite, so was every stock call:
+        the slots that ran none returned 0, so their replacements are applied here. A mixed step warns instead."""
         losses, empty = self.step_losses, self.empty_slots
         self.step_losses, self.empty_slots = [], 0
         trainer = self.trainer
@@ -321,7 +304,7 @@ class TokenBudgetState:
                 # `compute_loss` weighted it already: `mb.weight` is its share of this batch's pairs
                 total = loss if total is None else total + loss
             metrics = getattr(self.trainer, _compat.DPO_METRICS_BUFFER)["eval"]
-            self.stock_batches_for_reducers("eval", len(micro_batches), [len(examples)])
+            self.stock_batches.append(("eval", len(micro_batches), [len(examples)]))
             ranks = self.ranks.all_gather(([len(examples)], self.record.local()))
             for values in stock_values(ranks):
                 for name, value in values.items():
@@ -375,28 +358,15 @@ class TokenBudgetState:
                 metrics[name].append(value)
         self.record = StepRecord()
         self.padding_tokens = 0
-        self.stock_batches_for_reducers("train", self.micro_batch_counts[-1], self.sizes)
-
-    def stock_batches_for_reducers(self, mode: str, calls: int, sizes: list[int]) -> None:
-        """The `calls` re-cut micro-batches just run stand for stock's batches of `sizes` pairs: said to the other
-        plugins (`trl_ext_stock_batches`; a metrics reducer counting the pairs of each `_compute_loss` call, such as
-        sync_metrics, counts stock's batches instead, which stock's means are taken over)."""
-        self.stock_batches.append((mode, calls, list(sizes)))
+        self.stock_batches.append(("train", self.micro_batch_counts[-1], list(self.sizes)))
 
     # -- compute_loss --
 
     @contextlib.contextmanager
     def capture(self, model: Any, inputs: dict[str, torch.Tensor]) -> Iterator[list[Any]]:
-        """Record, for the micro-batch TRL's `_compute_loss` runs now, what its metrics are made of, and take the
-        values TRL appends back out of its buffer.
-
-        TRL's per-pair metrics are the tensors it passes to `accelerator.gather`; they are recorded for the duration
-        of the call (`gathered`, filled by `gather`), and identified by checking each against what TRL appends.
-
-        On several processes TRL's gathers are answered locally (its tensors as they are): the ranks' micro-batches
-        at one position hold different numbers of pairs, which `accelerator.gather` cannot join, and the plugin
-        exchanges the step's per-pair values itself once the step is done (`finish_step`, `run_eval_batch`).
-        """
+        """Record what the metrics of the micro-batch TRL's `_compute_loss` runs now are made of (the tensors it
+        passes to `accelerator.gather`, checked against what it appends; the policy forward's output), and take the
+        values TRL appends back out of its buffer."""
         trainer = self.trainer
         metrics = getattr(trainer, _compat.DPO_METRICS_BUFFER)[
             "train" if trainer.model.training else "eval"
