@@ -9,8 +9,9 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from trl_ext import _compat
 from trl_ext.api import InternalError, Ranks, free_memory_bytes, unwrap_causal_lm
+from trl_ext.api import size_text as fmt
 
-from .budget import BudgetPlan, fmt, param_bytes
+from .budget import BudgetPlan, param_bytes
 from .deepspeed import gather_all, is_zero3_engine, stream, zero3_offload
 
 if TYPE_CHECKING:

@@ -76,27 +76,22 @@ class SyncMetricsState:
             return self.fetched.popleft()
         return self.remainder_now(gradient_state)
 
-    def real_count(self, remainder: int | None, n: int) -> int:
-        """Real samples in this rank's batch of `n`: the first `remainder` of the rank-major concatenation are real
-        (accelerate's `gather_for_metrics` rule, accelerator.py `_adjust_samples`)."""
+    def real_count(self, remainder: int | None, n: int, rank: int | None = None) -> int:
+        """Real samples in the batch of `n` of this rank (or `rank`): the first `remainder` of the rank-major
+        concatenation are real (accelerate's `gather_for_metrics` rule, accelerator.py `_adjust_samples`)."""
         if remainder is None:
             return n
-        return min(max(remainder - self.rank * n, 0), n)
+        return min(max(remainder - (self.rank if rank is None else rank) * n, 0), n)
 
     def global_real_count(self, remainder: int | None, n: int) -> int:
         """Real samples in the batches of `n` of all ranks (every rank knows it: same remainder, same rule)."""
-        if remainder is None:
-            return n * self.world
-        return sum(min(max(remainder - rank * n, 0), n) for rank in range(self.world))
+        return sum(self.real_count(remainder, n, rank) for rank in range(self.world))
 
-    # -- the logged training loss over real pairs --------------------------------------------------------------------
+    # -- the logged training loss over real pairs (docs/plugins/sync_metrics.md, "The loss of an epoch's last step") --
     #
-    # The Trainer adds each micro-batch's loss (`training_step`'s return value) to its running loss and logs the mean
-    # over ranks. At the last step of an epoch with duplicates, that mean counts the duplicated pairs. The real-pair
-    # mean of a step is `sum over ranks and micro-batches of (real pairs x their mean loss) / all real pairs`; every
-    # rank knows the denominator, so each rank can hold back `world x (its share) - (what the Trainer added)` and the
-    # mean over ranks, taken in the plugin's one collective, becomes the real-pair mean. Only the logged loss changes:
-    # the gradients (training itself) keep accelerate's behaviour.
+    # The real-pair mean of a step is `sum over ranks and micro-batches of (real pairs x their mean loss) / all real
+    # pairs`; every rank knows the denominator, so each holds back `world x (its share) - (what the Trainer added)` and
+    # the mean over ranks in the one collective is the real-pair mean. The gradients keep accelerate's behaviour.
 
     def add_step_loss(self, real_sum: Any, real_count: int, duplicates: bool) -> None:
         """One micro-batch of the current optimizer step: `real_sum` = real pairs x their mean loss (a tensor),
@@ -148,15 +143,11 @@ class SyncMetricsState:
         return torch.zeros(data.shape if data.dim() else (1,), dtype=data.dtype)
 
 
-def _input_data(input_data: Any, *args: Any, **kwargs: Any) -> Any:
-    return input_data
-
-
 def _gather(trainer: Any, state: SyncMetricsState, call: Call) -> Any:
     """`accelerator.gather` / `gather_for_metrics`: local during a capture (the tensor is recorded)."""
     if state.captured is None:
         return call.proceed()
-    return state.record(_input_data(*call.args, **call.kwargs))
+    return state.record(call.args[0] if call.args else call.kwargs.get("input_data", call.kwargs.get("tensor")))
 
 
 def _epoch_iterator(epoch_iterator: Any, *args: Any, **kwargs: Any) -> tuple[Any, tuple, dict]:

@@ -120,13 +120,9 @@ def _step_values(state: SyncMetricsState, trainer: Any, batch_size: int, k: int)
     return items, losses[:k].sum()
 
 
-def _step_inputs(model: Any, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> dict[str, Any]:
-    return inputs
-
-
 def _training_step(trainer: Any, state: SyncMetricsState, call: Call) -> Any:
     remainder = state.batch_remainder("train", trainer.accelerator.gradient_state)
-    batch_size = len(_step_inputs(*call.args, **call.kwargs)["prompt"])
+    batch_size = len((call.args[1] if len(call.args) > 1 else call.kwargs["inputs"])["prompt"])
     state.online = {"forward": [], "completion": None, "rewards": None}
     try:
         with state.capture():

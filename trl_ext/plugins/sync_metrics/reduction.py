@@ -87,9 +87,8 @@ def reduce_logs(trainer: Any, state: SyncMetricsState, logs: dict[str, Any]) -> 
         setattr(trainer, _compat.TRAINER_TOTAL_LOSS_ATTR, running + global_loss - local_loss.item())
     # allowed write: the FLOs held back since the last log, summed over ranks
     trainer.state.total_flos += total[schema.flos]
-    if (
-        "total_flos" in out
-    ):  # the final summary read `state.total_flos` before this log (trainer.py `_inner_training_loop`)
+    # the final summary read `state.total_flos` before this log (trainer.py `_inner_training_loop`)
+    if "total_flos" in out:
         out["total_flos"] = trainer.state.total_flos
     if state.trainer_class == "DPOTrainer":
         tokens = getattr(trainer, _compat.DPO_TOTAL_TRAIN_TOKENS) + int(round(total[schema.tokens]))

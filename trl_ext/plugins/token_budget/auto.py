@@ -108,7 +108,9 @@ def resolve(trainer: Any, context: Any, packed: bool | Layout) -> int:
     return result.budget
 
 
-def _rows(trainer: Any) -> tuple[Any, list[str]]:
+def heaviest(trainer: Any, kind: Layout) -> tuple[Any, list[str], list[int], list[int]]:
+    """The training dataset, the columns passed to the collator, its rows' indices from the heaviest pair down
+    (stable) and each row's length."""
     from datasets import Dataset
 
     dataset = trainer.train_dataset
@@ -117,13 +119,7 @@ def _rows(trainer: Any) -> tuple[Any, list[str]]:
             f'`{NAME}="auto"` measures the heaviest pairs of the training dataset, which needs a `datasets.Dataset` '
             f"(got {type(dataset).__name__}). Set a number of tokens instead."
         )
-    fields = TEXT_FIELDS + OPTIONAL_FIELDS + VISION_FIELDS
-    return dataset, [c for c in dataset.column_names if c in fields]
-
-
-def heaviest(trainer: Any, kind: Layout) -> tuple[Any, list[int], list[int]]:
-    """The training dataset, its rows' indices from the heaviest pair down (stable) and each row's length."""
-    dataset, columns = _rows(trainer)
+    columns = [c for c in dataset.column_names if c in TEXT_FIELDS + OPTIONAL_FIELDS + VISION_FIELDS]
     if len(dataset) == 0:
         raise UsageError(f'`{NAME}="auto"` has no training pairs to measure.')
     check_example({c: dataset[0][c] for c in columns})
@@ -134,7 +130,7 @@ def heaviest(trainer: Any, kind: Layout) -> tuple[Any, list[int], list[int]]:
             example = dict(zip(TEXT_FIELDS, values, strict=True))
             lengths.append(pair_length(example, kind, trainer.args.max_length, multiple))
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    return dataset, order, lengths
+    return dataset, columns, order, lengths
 
 
 @contextlib.contextmanager
@@ -159,11 +155,6 @@ def _untouched(trainer: Any) -> Iterator[None]:
             values.clear()
             values.update(metrics.get(mode, {}))
         trainer._total_train_tokens = total_tokens  # _compat.DPO_TOTAL_TRAIN_TOKENS
-
-
-def _optimizer_state_bytes(model: Any) -> int:
-    """Adam's two moments per trainable parameter, allocated at the first optimizer step (after the probes)."""
-    return 2 * sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
 
 def _train_step(trainer: Any, inputs: dict[str, Any]) -> None:
@@ -194,12 +185,11 @@ def measure(trainer: Any, kind: Layout, options: Any) -> AutoBudget:
     device = args.device
     ranks = Ranks.of(trainer.accelerator)
     memory = budget_bytes(options, device, ranks)
-    if device.type == "cuda":
-        memory -= _optimizer_state_bytes(trainer.model)
-    dataset, order, lengths = heaviest(trainer, kind)
+    if device.type == "cuda":  # Adam's two moments per trainable parameter, allocated at the first optimizer step
+        memory -= 2 * sum(p.numel() * p.element_size() for p in trainer.model.parameters() if p.requires_grad)
+    dataset, columns, order, lengths = heaviest(trainer, kind)
     limit = min(len(order), args.per_device_train_batch_size * args.gradient_accumulation_steps)
     cap = tokens([Pair(0, i, lengths[i]) for i in order[:limit]], kind)
-    _, columns = _rows(trainer)
     fill_ref = bool(trainer.args.precompute_ref_log_probs) and "ref_chosen_logps" not in columns
 
     def example(i: int) -> dict[str, Any]:
