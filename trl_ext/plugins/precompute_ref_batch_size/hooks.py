@@ -90,23 +90,18 @@ def trl_ext_advise_unused(trainer: Trainer, trainer_class: str, trl_args: Any) -
 
 @dataclass
 class PrecomputeState:
-    """Per-trainer state, `context.state["precompute_ref_batch_size"]`.
-
-    Attributes:
-        options: the validated options.
-        runs: one record per precompute call (split name, where the values came from, batch plan, timings), for logs,
-            tests and benchmarks.
-        batch_tokens: the per-batch token budget `"auto"` chose (kept for later `evaluate()` precomputes).
-        model_hash: the hash of the reference weights, taken at the first precompute.
-        idle: why the plugin has nothing to do for this trainer (no `precompute_ref_log_probs`), or None.
-        cache_problem: what became of a cache directory that cannot be used (created, written), or None.
-    """
+    """Per-trainer state, `context.state["precompute_ref_batch_size"]`."""
 
     options: PrecomputeOptions
+    #: one record per precompute call (split name, where the values came from, batch plan, timings)
     runs: list[dict[str, Any]] = field(default_factory=list)
+    #: the per-batch token budget `"auto"` chose (kept for later `evaluate()` precomputes)
     batch_tokens: float | None = None
+    #: the hash of the reference weights, taken at the first precompute
     model_hash: str | None = None
+    #: why the plugin has nothing to do for this trainer (no `precompute_ref_log_probs`), or None
     idle: str | None = None
+    #: what became of a cache directory that cannot be used (created, written), or None
     cache_problem: str | None = None
 
     def summary(self) -> str:

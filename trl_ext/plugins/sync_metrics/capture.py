@@ -58,8 +58,6 @@ class SyncMetricsState:
         #: the `trl_ext_call` handlers of this trainer's class, by method name
         self.calls: dict[str, Callable[[Any, SyncMetricsState, Call], Any]] = {}
 
-    # -- duplicates ----------------------------------------------------------------------------------------------
-
     def remainder_now(self, gradient_state: Any) -> int | None:
         """The dataloader remainder when the current batch is the last one of a dataloader that added duplicates."""
         if not self.even_batches or self.world == 1:
@@ -87,11 +85,10 @@ class SyncMetricsState:
         """Real samples in the batches of `n` of all ranks (every rank knows it: same remainder, same rule)."""
         return sum(self.real_count(remainder, n, rank) for rank in range(self.world))
 
-    # -- the logged training loss over real pairs (docs/plugins/sync_metrics.md, "The loss of an epoch's last step") --
-    #
-    # The real-pair mean of a step is `sum over ranks and micro-batches of (real pairs x their mean loss) / all real
-    # pairs`; every rank knows the denominator, so each holds back `world x (its share) - (what the Trainer added)` and
-    # the mean over ranks in the one collective is the real-pair mean. The gradients keep accelerate's behaviour.
+    # The logged training loss over real pairs (docs/plugins/sync_metrics.md, "The loss of an epoch's last step"): the
+    # real-pair mean of a step is `sum over ranks and micro-batches of (real pairs x mean loss) / all real pairs`;
+    # every rank knows the denominator, so each holds back `world x (its share) - (what the Trainer added)` and the
+    # mean over ranks in the one collective is the real-pair mean. The gradients keep accelerate's behaviour.
 
     def add_step_loss(self, real_sum: Any, real_count: int, duplicates: bool) -> None:
         """One micro-batch of the current optimizer step: `real_sum` = real pairs x their mean loss (a tensor),
@@ -119,8 +116,6 @@ class SyncMetricsState:
     def take_loss_correction(self) -> torch.Tensor | float:
         value, self.loss_correction = self.loss_correction, 0.0
         return value
-
-    # -- capture -------------------------------------------------------------------------------------------------
 
     @contextlib.contextmanager
     def capture(self) -> Iterator[list[torch.Tensor]]:

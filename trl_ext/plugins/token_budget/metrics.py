@@ -153,11 +153,6 @@ class StepRecord:
             return None
         return {name: torch.cat(parts).cpu() for name, parts in self.values.items()}
 
-    def stock_values(self, sizes: Sequence[int]) -> list[dict[str, float]]:
-        """For each stock micro-batch (of `sizes` pairs, in order), the values TRL would have appended (none when
-        another plugin reduces the metrics)."""
-        return stock_values([(list(sizes), self.local())])
-
 
 def same_value(a: float, b: float) -> bool:
     """Equal, NaN equal to NaN (a NaN metric is what stock logs too)."""

@@ -96,8 +96,6 @@ class TokenBudgetState:
         #: `len(micro_batch_counts)` when the current `train()` started (`report.summary`)
         self.first_step = 0
 
-    # -- accelerator.gather / gather_for_metrics, while `capture` runs a micro-batch --
-
     def gather(self, gather: Callable[[], Any], tensor: Any) -> Any:
         """Record a tensor TRL gathers (its per-pair metrics: `accelerate`'s `gather_for_metrics` calls `gather` too,
         not recorded); on several processes answer it locally: the ranks' micro-batches hold different numbers of
@@ -116,8 +114,6 @@ class TokenBudgetState:
             return gather_for_metrics()
         finally:
             self.inside_for_metrics -= 1
-
-    # -- get_batch_samples --
 
     def cut(self, batches: list[dict[str, Any]]) -> list[Slot]:
         if any(EXAMPLES_KEY not in batch for batch in batches):
@@ -216,8 +212,6 @@ class TokenBudgetState:
         return cut_step(
             examples, self.budget, trainer.data_collator, self.packed, trainer.args.max_length, self.multiple
         )
-
-    # -- training_step --
 
     def run_slot(self, training_step: Any, model: Any, slot: Slot, args: tuple, kwargs: dict) -> torch.Tensor:
         total: torch.Tensor | None = None
@@ -344,7 +338,7 @@ class TokenBudgetState:
         trainer = self.trainer
         metrics = getattr(trainer, _compat.DPO_METRICS_BUFFER)["train"]
         if self.ranks.world == 1:
-            step_values = self.record.stock_values(self.sizes)
+            step_values = stock_values([(list(self.sizes), self.record.local())])
         else:
             counted = getattr(trainer, _compat.DPO_TOTAL_TRAIN_TOKENS) - self.tokens_before - self.padding_tokens
             ranks = self.ranks.all_gather((self.recorded, self.record.local(), counted))
@@ -359,8 +353,6 @@ class TokenBudgetState:
         self.record = StepRecord()
         self.padding_tokens = 0
         self.stock_batches.append(("train", self.micro_batch_counts[-1], list(self.sizes)))
-
-    # -- compute_loss --
 
     @contextlib.contextmanager
     def capture(self, model: Any, inputs: dict[str, torch.Tensor]) -> Iterator[list[Any]]:
