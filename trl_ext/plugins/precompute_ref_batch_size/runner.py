@@ -103,11 +103,8 @@ class Precompute:
         )
 
     def _open_entry(self, key: str, n: int, details: dict[str, Any]) -> CacheEntry | None:
-        """The main process's cache entry, or None (with a warning) when the cache directory cannot be created.
-
-        Only the main process touches the disk, so a failure here must not raise: the other ranks would be left
-        waiting in the next collective.
-        """
+        """The main process's cache entry, or None (with a warning) when the cache directory cannot be created (never
+        raises: the other ranks would be left waiting in the next collective)."""
         if self.opts.cache_dir is None:
             import datasets.config
 
@@ -146,10 +143,8 @@ class Precompute:
         return CacheEntry(root, key, n, details)
 
     def _guarded(self, write, *args) -> None:
-        """Run a cache write on the main process; a full disk or a read-only directory costs the cache, not the run.
-
-        The first failure is reported and ends the cache writes of this split (one warning, not one per shard).
-        """
+        """Run a cache write on the main process; a full disk or a read-only directory costs the cache, not the run
+        (the first failure is reported and ends the cache writes of this split)."""
         if not self.cache_writable:
             return
         try:
@@ -209,11 +204,8 @@ class Precompute:
         )
 
     def _forward_or_split(self, model, batch):
-        """Forward one batch; on out-of-memory, halve it and retry (one pair that does not fit is an error).
-
-        Not under multi-process DeepSpeed or FSDP (`lockstep`): there every rank must run the same forwards (they
-        gather parameters in each), and a rank cannot add forwards on its own.
-        """
+        """Forward one batch; on out-of-memory, halve it and retry (one pair that does not fit is an error). Not under
+        `lockstep`, where every rank must run the same forwards and a rank cannot add forwards on its own."""
         import torch
 
         try:
