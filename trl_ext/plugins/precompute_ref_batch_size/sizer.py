@@ -41,10 +41,6 @@ def probe(run, model, todo, store, progress):
     run the same forwards (ZeRO-3 lockstep)."""
     import numpy as np
 
-    state = run.state
-    if state.batch_tokens is not None:  # chosen by an earlier split of this trainer
-        run.record["batch_tokens"] = state.batch_tokens
-        return todo
     device = run.trainer.accelerator.device
     budget = budget_bytes(run.opts, device, run.ranks)
     world, rank = run.ranks.world, run.ranks.rank
@@ -151,7 +147,7 @@ def probe(run, model, todo, store, progress):
         projected = largest["cost"] * 0.9 * budget / largest["used"] if largest["used"] > 0 else math.inf
         batch_tokens = max(largest["cost"], min(projected, fail["cost"] - 1))
     batch_tokens = run.ranks.broadcast(batch_tokens)
-    state.batch_tokens = batch_tokens
+    run.state.batch_tokens = batch_tokens
     if reason == "memory" and projected_stops:
         reason = "memory (projected from the largest probe)"
     run.record.update(
