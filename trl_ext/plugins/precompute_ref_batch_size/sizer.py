@@ -40,6 +40,7 @@ def probe(run, model, todo, store, progress):
     Every rank probes its share of the heaviest pairs and all take each decision from everyone's outcome, so they
     run the same forwards (ZeRO-3 lockstep)."""
     import numpy as np
+    import torch
 
     device = run.trainer.accelerator.device
     budget = budget_bytes(run.opts, device, run.ranks)
@@ -75,7 +76,17 @@ def probe(run, model, todo, store, progress):
         # CPU: process CPU time, which other jobs on a shared machine barely disturb; GPU: wall time.
         clock = time.process_time if device.type == "cpu" else time.perf_counter
         start = clock()
-        result, used = measured_forward(run, model, batch, device, strict)
+        try:
+            with ExtraMemory(device) as peak:
+                result = run.forward(model, batch)
+            used = float(peak.used)
+        except torch.OutOfMemoryError as exc:
+            if strict:  # `lockstep`
+                exc.add_note(OOM_ADVICE)
+                raise
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            result, used = None, 0.0
         seconds = clock() - start
         fits = result is not None and used <= budget
         real = float(run.plan.real_tokens[batch].sum())
@@ -169,21 +180,3 @@ def probe(run, model, todo, store, progress):
         )
     covered = np.concatenate([heavy[r::world][:taken] for r in range(world)]) if taken else np.zeros(0, np.int64)
     return np.setdiff1d(todo, covered, assume_unique=True)
-
-
-def measured_forward(run, model, batch, device, strict: bool):
-    """`((chosen, rejected), extra bytes)` of one forward, or `(None, 0)` when it ran out of memory (re-raised under
-    `lockstep`, `strict`)."""
-    import torch
-
-    try:
-        with ExtraMemory(device) as peak:
-            result = run.forward(model, batch)
-    except torch.OutOfMemoryError as exc:
-        if strict:
-            exc.add_note(OOM_ADVICE)
-            raise
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        return None, 0.0
-    return result, float(peak.used)
