@@ -75,6 +75,7 @@ class TokenBudgetState:
         self.padding_tokens = 0
         #: per optimizer step on several processes: the most and the mean tokens (by the budget's count) per rank
         self.rank_tokens: list[tuple[int, float]] = []
+        self.warned_logits = False
         self.max_tokens: list[int] = []
         #: per optimizer step: `(rows, width)` of stock's largest batch (`report.largest_stock_batch`)
         self.stock_largest: list[tuple[int, int] | None] = []
@@ -83,8 +84,8 @@ class TokenBudgetState:
         #: the current step's micro-batch losses and slots without micro-batches (`filter_like_stock`)
         self.step_losses: list[torch.Tensor] = []
         self.empty_slots = 0
-        #: the warnings given once per trainer already given (`warn_once`)
-        self.warned: set[str] = set()
+        self.warned_nonfinite = False
+        self.warned_over = False
         #: `(mode, calls, sizes)` not yet told to the other plugins (`trl_ext_stock_batches`, `.calls`): the `calls`
         #: re-cut micro-batches just run stand for stock's batches of `sizes` pairs (for a metrics reducer)
         self.stock_batches: list[tuple[str, int, list[int]]] = []
@@ -94,11 +95,6 @@ class TokenBudgetState:
         self.inside_for_metrics = 0
         #: `len(micro_batch_counts)` when the current `train()` started (`report.summary`)
         self.first_step = 0
-
-    def warn_once(self, key: str, message: str, *args: Any) -> None:
-        if key not in self.warned:
-            self.warned.add(key)
-            logger.warning(message, *args)
 
     def gather(self, gather: Callable[[], Any], tensor: Any) -> Any:
         """Record a tensor TRL gathers (its per-pair metrics: `accelerate`'s `gather_for_metrics` calls `gather` too,
@@ -133,10 +129,10 @@ class TokenBudgetState:
         else:
             micro_batches, over = self.cut_step(examples)
             count, smallest = len(micro_batches), None
-        if over and is_main_process(self.trainer.accelerator):
+        if over and not self.warned_over and is_main_process(self.trainer.accelerator):
             # once per run (on several processes every rank counts all pairs): the end line gives the run's count
-            self.warn_once(
-                "over",
+            self.warned_over = True
+            logger.warning(
                 "token_budget: %d pair(s) of this step exceed the budget of %d %s tokens; each runs alone (said once: "
                 "the line at the end of train() counts them all).",
                 over,
@@ -256,11 +252,12 @@ class TokenBudgetState:
         if bool(finite.all()):
             return
         if bool(finite.any()) or not hasattr(trainer, "_tr_loss"):
-            self.warn_once(
-                "nonfinite",
-                "token_budget: a step's losses were partly non-finite; with `logging_nan_inf_filter` the logged "
-                "`loss` of this window may differ from stock TRL's (the metrics do not).",
-            )
+            if not self.warned_nonfinite:
+                self.warned_nonfinite = True
+                logger.warning(
+                    "token_budget: a step's losses were partly non-finite; with `logging_nan_inf_filter` the logged "
+                    "`loss` of this window may differ from stock TRL's (the metrics do not)."
+                )
             return
         windows = 1 + trainer.state.global_step - trainer._globalstep_last_logged
         for _ in range(empty):
@@ -280,11 +277,12 @@ class TokenBudgetState:
         if count == 1:
             return prediction_step(model, inputs, loss_only, *args, **kwargs)
         if not loss_only:
-            self.warn_once(
-                "logits",
-                "token_budget: prediction batches are not cut when logits are asked for "
-                "(`prediction_loss_only=False` or `compute_metrics`); batches over the budget run whole.",
-            )
+            if not self.warned_logits:
+                self.warned_logits = True
+                logger.warning(
+                    "token_budget: prediction batches are not cut when logits are asked for "
+                    "(`prediction_loss_only=False` or `compute_metrics`); batches over the budget run whole."
+                )
             return prediction_step(model, inputs, loss_only, *args, **kwargs)
         record, self.record = self.record, StepRecord()
         micro_batches = pad_to(micro_batches, count)
