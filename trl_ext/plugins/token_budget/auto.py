@@ -69,13 +69,9 @@ class AutoBudget:
 
 
 def choose(fitting: Sequence[Probe], memory: float, cap: int, failed: int | None) -> int:
-    """The budget from the probes that fit (in increasing size), the memory budget in bytes, the heaviest step's tokens
-    `cap` and the tokens of the first probe that did not fit (`None`: every probe fit).
-
-    Peak memory is taken as linear in tokens through the two largest fitting probes (through zero with one probe, or
-    when the line does not rise); the budget is where it reaches `HEADROOM x memory`, at least the largest probe that
-    fit, at most `cap` and below `failed`.
-    """
+    """The budget where peak memory, linear in tokens through the two largest probes that fit (through zero with one,
+    or when the line does not rise), reaches `HEADROOM x memory`: at least the largest probe that fit, at most the
+    heaviest step's tokens `cap`, below the first probe that did not (`failed`; None: every probe fit)."""
     if not fitting:
         raise ValueError("no probe fit")
     largest = fitting[-1]

@@ -57,13 +57,9 @@ def global_pairs(
 def balanced_plan(
     pairs: Sequence[Pair], sizes: Sequence[int], budget: int, packed: bool | Layout, ranks: int
 ) -> tuple[list[list[Pair]], list[int]]:
-    """Cut a step's pairs of every rank (`global_pairs`) into micro-batches of at most `budget` tokens and give each
-    to a rank, balancing tokens; the same on every rank (deterministic). Returns the micro-batches and their ranks.
-
-    Pairs are cut in order of their stock weight (pairs of stock micro-batches of one size weigh the same) and
-    length, so that similar lengths share a micro-batch; micro-batches go, the most tokens first, to the rank holding
-    the fewest tokens so far (then the fewest micro-batches, then the lowest rank).
-    """
+    """Cut a step's pairs of every rank (`global_pairs`) into micro-batches of at most `budget` tokens, by stock weight
+    then length (similar lengths share one), and give each, most tokens first, to the least-loaded rank; the same on
+    every rank (deterministic). Returns the micro-batches and their ranks."""
     order = sorted(pairs, key=lambda p: (sizes[p.batch], -p.length, p.batch, p.row))
     runs = plan(order, sizes, budget, packed)
     load = [0] * ranks
