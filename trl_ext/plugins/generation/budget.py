@@ -7,6 +7,7 @@ from typing import Any
 
 from trl_ext import _compat
 from trl_ext.api import UsageError
+from trl_ext.api import size_text as fmt
 
 
 def param_bytes(param: Any) -> int:
@@ -116,17 +117,8 @@ class BudgetPlan:
 
     def describe(self) -> str:
         return (
-            f"budget {fmt(self.budget_bytes)} per rank keeps {len(self.gathered_layers)} of {self.num_layers} "
-            "decoder "
+            f"budget {fmt(self.budget_bytes)} per rank keeps {len(self.gathered_layers)} of {self.num_layers} decoder "
             f"layers gathered ({fmt(self.gathered_bytes)} of a {fmt(self.model_bytes)} model) and streams the rest "
             f"one module at a time (largest {fmt(self.reserve_bytes)}; persistent {fmt(self.persistent_bytes)}; "
             f"held for a whole forward {fmt(self.external_bytes)})"
         )
-
-
-def fmt(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} TiB"  # pragma: no cover

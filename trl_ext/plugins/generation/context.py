@@ -9,8 +9,9 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from trl_ext import _compat
 from trl_ext.api import InternalError, Ranks, free_memory_bytes, unwrap_causal_lm
+from trl_ext.api import size_text as fmt
 
-from .budget import BudgetPlan, fmt, param_bytes
+from .budget import BudgetPlan, param_bytes
 from .deepspeed import gather_all, is_zero3_engine, stream, zero3_offload
 
 if TYPE_CHECKING:
@@ -160,13 +161,9 @@ def _pause_gradient_checkpointing(stack: ExitStack, model: Any) -> None:
 
 
 def _keep_generation_config(stack: ExitStack, model: Any, generation_kwargs: dict | None) -> None:
-    """Give generation a private copy of `generation_config`, so changes made inside the context do not stick.
-
-    OnlineDPO sets `unwrapped_model.generation_config.cache_implementation` inside the context; TRL only swaps in a
-    copy where it also applies the trainer's `generation_kwargs` (`_compat.TRL_GENERATION_CONFIG_OVERRIDE`,
-    transformers below `_compat.TRL_GENERATION_KWARGS_BELOW_TRANSFORMERS`), and they are applied here on the same
-    versions.
-    """
+    """Give generation a private copy of `generation_config`, so changes made inside the context (OnlineDPO sets
+    `cache_implementation`) do not stick; the trainer's `generation_kwargs` are applied to it on the versions where TRL
+    applies them (`_compat.TRL_GENERATION_CONFIG_OVERRIDE`)."""
     base = unwrap_causal_lm(model)
     original = getattr(base, "generation_config", None)
     if original is None:

@@ -13,19 +13,10 @@ if TYPE_CHECKING:  # pragma: no cover
 def check_fsdp_generation(state: GenerationState, accelerator: Any) -> None:
     """Under FSDP, accept only the flag value that means what FSDP does, and refuse the others (`UsageError`).
 
-    `ds3_gather_for_generation` is a DeepSpeed ZeRO-3 setting. Under FSDP2 nothing is gathered for generation (TRL's
-    `unwrap_model_for_generation` only unwraps): each `fully_shard` unit all-gathers its parameters in its own
-    forward and, with `reshard_after_forward=True` (accelerate's and transformers' default), frees them after it. A
-    rank then holds its shards, the units kept unsharded on purpose (accelerate 1.15 keeps the final norm + lm_head
-    unit unsharded after forward) and one more unit at a time, which is what `False` asks for under ZeRO-3
-    (tests/scale checks the peak). So:
-
-    - `False` is accepted and logged, if units reshard after forward. With `reshard_after_forward=False` every unit
-      stays unsharded from its first generation forward to the next backward, so each rank holds the whole model:
-      `False` would mean nothing, and is refused.
-    - `True` and `"auto"` ask to gather the whole model, which this plugin does only for ZeRO-3, and the `budget`
-      option keeps ZeRO-3 layers gathered: accepted under FSDP they would do nothing, so they are refused.
-    """
+    Under FSDP2 each `fully_shard` unit is unsharded for its own forward only (TRL's `unwrap_model_for_generation` just
+    unwraps), which is what `False` asks for under ZeRO-3 (tests/scale checks the peak; docs/plugins/generation.md,
+    "Under FSDP2"): `False` is accepted unless `reshard_after_forward=False` keeps every unit unsharded; `True`,
+    `"auto"` and the `budget` option would do nothing and are refused."""
     from accelerate.utils import DistributedType
 
     state_ = getattr(accelerator, "state", None)

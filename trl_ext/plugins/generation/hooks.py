@@ -23,10 +23,6 @@ from . import _DEFAULT_AUTO_MARGIN, NAME, TRL_EXT_PLUGIN, GenerationOptions
 
 logger = get_logger(__name__)
 
-# ---------------------------------------------------------------------------------------------------------------
-# configuration
-# ---------------------------------------------------------------------------------------------------------------
-
 
 @hookimpl
 def trl_ext_validate_config(config: TrlExtConfig, trl_version: str) -> None:
@@ -44,24 +40,10 @@ def trl_ext_validate_config(config: TrlExtConfig, trl_version: str) -> None:
         )
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# per-trainer state
-# ---------------------------------------------------------------------------------------------------------------
-
-
 class GenerationState:
-    """What the plugin decided for one trainer (kept in `context.state["generation"]`).
-
-    Attributes:
-        flag: the `ds3_gather_for_generation` value (`True`, `False` or `"auto"`).
-        budget: parsed `budget` option, `(kind, value)` or None.
-        auto_margin: headroom for `"auto"`.
-        auto_gather: the `"auto"` decision, once made.
-        plan: the latest budget plan (which decoder layers stay gathered).
-        logged: one-time log lines already written.
-        generations: number of generation contexts entered (for tests and reports).
-        modes: how many generations ran in each mode ("gather", "stream", "budget", "passthrough").
-    """
+    """What the plugin decided for one trainer (kept in `context.state["generation"]`): the flag, the `budget` option
+    as `(kind, value)`, the `"auto"` margin and decision (`auto_gather`, once made), the latest budget `plan`, the
+    one-time log lines written, and for tests and reports the generations entered, in all and by mode."""
 
     def __init__(self, flag: Any, options: GenerationOptions | dict[str, Any]) -> None:
         if isinstance(options, dict):  # raw options (benchmarks, tests): parsed like the user's

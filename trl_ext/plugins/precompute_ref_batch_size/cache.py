@@ -23,10 +23,6 @@ CACHE_FORMAT = 1
 TOKEN_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
 REF_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
 
-# -------------------------------------------------------------------------------------------------------------------
-# Dataset lengths and content hash
-# -------------------------------------------------------------------------------------------------------------------
-
 
 def scan_dataset(dataset, want_hash: bool):
     """Per-row token counts of the three token columns, and (optionally) a SHA-256 of their content."""
@@ -57,11 +53,6 @@ def scan_dataset(dataset, want_hash: bool):
     return out, (digest.hexdigest() if digest is not None else None)
 
 
-# -------------------------------------------------------------------------------------------------------------------
-# Cache entries: <cache_dir>/<key>/{ref_logps.npz, meta.json, parts/part-*.npz}
-# -------------------------------------------------------------------------------------------------------------------
-
-
 def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -70,20 +61,18 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def atomic_write_npz(path: Path, **arrays) -> None:
+def atomic_write(path: Path, content: str | dict[str, Any]) -> None:
+    """Write `content` (text, or arrays for an `.npz`) to a temporary file beside `path`, sync it, rename it over."""
     import numpy as np
 
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with open(tmp, "wb") as f:
-        np.savez(f, **arrays)
+        if isinstance(content, str):
+            f.write(content.encode())
+        else:
+            np.savez(f, **content)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
     os.replace(tmp, path)
 
 
@@ -168,7 +157,7 @@ class CacheEntry:
     def write_plan(self, plan: dict[str, Any]) -> None:
         """The `"auto"` decision of this split (token budget, pairs left after the probes), for an exact resume."""
         self.parts.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(self.parts / "plan.json", json.dumps(plan))
+        atomic_write(self.parts / "plan.json", json.dumps(plan))
 
     def _load_plan(self) -> dict[str, Any] | None:
         path = self.parts / "plan.json"
@@ -192,12 +181,12 @@ class CacheEntry:
         """One resume shard, then its checksum (`part-*.sha256`, written last: a shard without one is not used)."""
         self.parts.mkdir(parents=True, exist_ok=True)
         path = self.parts / f"part-{number:06d}-{os.getpid()}.npz"
-        atomic_write_npz(path, indices=indices, chosen=chosen, rejected=rejected)
-        atomic_write_text(path.with_suffix(".sha256"), self._seal(path))
+        atomic_write(path, {"indices": indices, "chosen": chosen, "rejected": rejected})
+        atomic_write(path.with_suffix(".sha256"), self._seal(path))
 
     def write(self, chosen, rejected) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_npz(self.data, chosen=chosen, rejected=rejected)
+        atomic_write(self.data, {"chosen": chosen, "rejected": rejected})
         meta = {
             "format": CACHE_FORMAT,
             "key": self.key,
@@ -207,13 +196,8 @@ class CacheEntry:
             "details": self.details,
         }
         # Written last: an entry without a matching meta.json is never used.
-        atomic_write_text(self.meta, json.dumps(meta, indent=1, sort_keys=True))
+        atomic_write(self.meta, json.dumps(meta, indent=1, sort_keys=True))
         shutil.rmtree(self.parts, ignore_errors=True)
-
-
-# -------------------------------------------------------------------------------------------------------------------
-# The key
-# -------------------------------------------------------------------------------------------------------------------
 
 
 def _check_finite(*arrays) -> None:

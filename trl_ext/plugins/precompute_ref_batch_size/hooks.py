@@ -19,10 +19,6 @@ from . import NAME, PrecomputeOptions
 
 logger = get_logger(__name__)
 
-# -------------------------------------------------------------------------------------------------------------------
-# Hooks
-# -------------------------------------------------------------------------------------------------------------------
-
 
 @hookimpl
 def trl_ext_trainer_init_start(trainer: Trainer, context: TrainerContext, init_kwargs: dict[str, Any]) -> None:
@@ -70,10 +66,11 @@ def trl_ext_describe(trainer: Trainer, context: TrainerContext) -> str | None:
     elif state.options.cache_dir is not None:
         parts.append(f"cache {state.options.cache_dir}")
     # TRL precomputes in `__init__` on the versions that do it eagerly: say what already ran.
-    how = {"cache": "from the cache", "computed": "computed"}
-    for run in state.runs:
-        parts.append(f"{run['name']}: {run['n_pairs']} pairs {how.get(run.get('source', ''), 'computed')}")
-    return ", ".join(parts)
+    return ", ".join(parts + [_ran(run) for run in state.runs])
+
+
+def _ran(run: dict[str, Any]) -> str:
+    return f"{run['name']}: {run['n_pairs']} pairs {'from the cache' if run.get('source') == 'cache' else 'computed'}"
 
 
 @hookimpl
@@ -93,23 +90,18 @@ def trl_ext_advise_unused(trainer: Trainer, trainer_class: str, trl_args: Any) -
 
 @dataclass
 class PrecomputeState:
-    """Per-trainer state, `context.state["precompute_ref_batch_size"]`.
-
-    Attributes:
-        options: the validated options.
-        runs: one record per precompute call (split name, where the values came from, batch plan, timings), for logs,
-            tests and benchmarks.
-        batch_tokens: the per-batch token budget `"auto"` chose (kept for later `evaluate()` precomputes).
-        model_hash: the hash of the reference weights, taken at the first precompute.
-        idle: why the plugin has nothing to do for this trainer (no `precompute_ref_log_probs`), or None.
-        cache_problem: what became of a cache directory that cannot be used (created, written), or None.
-    """
+    """Per-trainer state, `context.state["precompute_ref_batch_size"]`."""
 
     options: PrecomputeOptions
+    #: one record per precompute call (split name, where the values came from, batch plan, timings)
     runs: list[dict[str, Any]] = field(default_factory=list)
+    #: the per-batch token budget `"auto"` chose (kept for later `evaluate()` precomputes)
     batch_tokens: float | None = None
+    #: the hash of the reference weights, taken at the first precompute
     model_hash: str | None = None
+    #: why the plugin has nothing to do for this trainer (no `precompute_ref_log_probs`), or None
     idle: str | None = None
+    #: what became of a cache directory that cannot be used (created, written), or None
     cache_problem: str | None = None
 
     def summary(self) -> str:
@@ -118,10 +110,7 @@ class PrecomputeState:
             return f"did nothing: {self.idle}"
         if not self.runs:
             return "did nothing: TRL asked for no reference precompute"
-        how = {"cache": "from the cache", "computed": "computed"}
-        runs = [
-            f"{run['name']}: {run['n_pairs']} pairs {how.get(run.get('source', ''), 'computed')}" for run in self.runs
-        ]
+        runs = [_ran(run) for run in self.runs]
         caches = sorted({run["cache_dir"] for run in self.runs if "cache_dir" in run})
         cache = self.cache_problem or (f"cache {', '.join(caches)}" if caches else "no cache")
         return f"{', '.join(runs)}; {cache}"

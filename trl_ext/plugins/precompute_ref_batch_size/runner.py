@@ -45,8 +45,6 @@ class Precompute:
         if self.ranks.is_main:  # every rank plans the same, so one copy of each message is enough
             logger.info(*args)
 
-    # ---------------------------------------------------------------------------------------------------------------
-
     def run(self):
         start = time.perf_counter()
         dataset = self.dataset
@@ -104,14 +102,9 @@ class Precompute:
             new_fingerprint=Hasher.hash((fingerprint, "rejected")),
         )
 
-    # ---------------------------------------------------------------------------------------------------------------
-
     def _open_entry(self, key: str, n: int, details: dict[str, Any]) -> CacheEntry | None:
-        """The main process's cache entry, or None (with a warning) when the cache directory cannot be created.
-
-        Only the main process touches the disk, so a failure here must not raise: the other ranks would be left
-        waiting in the next collective.
-        """
+        """The main process's cache entry, or None (with a warning) when the cache directory cannot be created (never
+        raises: the other ranks would be left waiting in the next collective)."""
         if self.opts.cache_dir is None:
             import datasets.config
 
@@ -150,10 +143,8 @@ class Precompute:
         return CacheEntry(root, key, n, details)
 
     def _guarded(self, write, *args) -> None:
-        """Run a cache write on the main process; a full disk or a read-only directory costs the cache, not the run.
-
-        The first failure is reported and ends the cache writes of this split (one warning, not one per shard).
-        """
+        """Run a cache write on the main process; a full disk or a read-only directory costs the cache, not the run
+        (the first failure is reported and ends the cache writes of this split)."""
         if not self.cache_writable:
             return
         try:
@@ -183,21 +174,16 @@ class Precompute:
     def _model_hash(self) -> str:
         """TRL's hash of the reference weights, taken once per trainer, before any precompute forward.
 
-        trl 1.16 hashes in `__init__` before sharding (`_precompute_model_hash`, dpo_trainer.py:980). trl 1.12 hashes
-        at every precompute call (dpo_trainer.py:1139), so under ZeRO-3 its eval-split hash is taken after the train
-        split's inference engine partitioned the weights and changes from run to run; the first hash is the stable one
-        (the reference does not change afterwards: TRL refuses a precompute after training unless the reference is a
-        separate model or the PEFT base).
-        """
+        trl 1.16 hashes in `__init__` before sharding (`_precompute_model_hash`, dpo_trainer.py:980); trl 1.12 at every
+        precompute call (dpo_trainer.py:1139), under ZeRO-3 after the train split's engine partitioned the weights,
+        which changes from run to run. The first hash is the stable one (TRL refuses a later precompute unless the
+        reference is a separate model or the PEFT base, which training leaves alone)."""
         if self.state.model_hash is None:
             model_hash = getattr(self.trainer, _compat.DPO_PRECOMPUTE_HASH_ATTR, None)
             if model_hash is None:
                 model_hash = hash_module_full(self.trainer.ref_model or self.trainer.model)
             self.state.model_hash = model_hash
         return self.state.model_hash
-
-    # ---------------------------------------------------------------------------------------------------------------
-    # running
 
     def forward(self, model, batch_indices):
         """TRL's own per-batch math (`compute_ref_log_probs`) on one collated batch; returns float32 numpy arrays."""
@@ -218,11 +204,8 @@ class Precompute:
         )
 
     def _forward_or_split(self, model, batch):
-        """Forward one batch; on out-of-memory, halve it and retry (one pair that does not fit is an error).
-
-        Not under multi-process DeepSpeed or FSDP (`lockstep`): there every rank must run the same forwards (they
-        gather parameters in each), and a rank cannot add forwards on its own.
-        """
+        """Forward one batch; on out-of-memory, halve it and retry (one pair that does not fit is an error). Not under
+        `lockstep`, where every rank must run the same forwards and a rank cannot add forwards on its own."""
         import torch
 
         try:
@@ -271,12 +254,9 @@ class Precompute:
 
         def store(results) -> None:
             """Every rank gets every rank's results; rank 0 also saves them as a resume shard."""
-            gathered = self.ranks.all_gather(results)
-            idx = np.concatenate([g[0] for g in gathered]) if gathered else np.zeros(0, dtype=np.int64)
+            idx, c, r = concat_results(self.ranks.all_gather(results))
             if len(idx) == 0:
                 return
-            c = np.concatenate([g[1] for g in gathered])
-            r = np.concatenate([g[2] for g in gathered])
             chosen[idx], rejected[idx], done[idx] = c, r, True
             if entry is not None:
                 part_number[0] += 1
@@ -284,11 +264,8 @@ class Precompute:
 
         progress = self._progress(n, int(done.sum()))
         try:
-            # The batches are planned over every pair the uninterrupted run would have planned (`rest`), and those an
-            # interrupted run finished are skipped, so a resumed run computes every other batch exactly as the
-            # uninterrupted one: the same pairs together, the same values, bit for bit. ("auto": once its probes are
-            # done, the budget and the pairs they left are saved with the shards; only a run interrupted during its
-            # probes re-plans the rest, within float rounding.)
+            # Batches are planned over every pair the uninterrupted run would plan (`rest`) and those already saved are
+            # skipped, so a resumed run is bit-identical (docs/plugins/precompute_ref_batch_size.md, "Resume").
             rest = np.arange(n, dtype=np.int64)
             if len(todo) and self.requested == "auto":
                 if self.state.batch_tokens is not None:  # chosen by an earlier split of this trainer: no probe
@@ -372,18 +349,12 @@ class Precompute:
                 pending, pending_pairs = [], 0
                 last_store = time.monotonic()
 
-    # ---------------------------------------------------------------------------------------------------------------
-    # "auto"
-
 
 def hash_module_full(module: Any) -> str:
-    """TRL's `hash_module` (`_compat.DPO_HASH_MODULE`), also for a reference that FSDP2 already sharded.
-
-    trl 1.12 shards the reference with `prepare_fsdp` before the precompute (dpo_trainer.py:959 vs :986), and TRL's
-    `hash_module` then fails on the sharded `DTensor`s (`.numpy() is not supported for tensor subclasses`; stock TRL
-    1.12 fails the same way). Sharded entries are hashed at full size (`full_tensor()`, a collective: every rank
-    hashes), so the hash equals the unsharded model's and cache entries stay valid across engines.
-    """
+    """TRL's `hash_module` (`_compat.DPO_HASH_MODULE`), also for a reference that FSDP2 already sharded: trl 1.12
+    shards it before the precompute (dpo_trainer.py:959 vs :986), where TRL's `hash_module` fails on `DTensor`s (as in
+    stock). Sharded entries are hashed at full size (`full_tensor()`, a collective: every rank hashes), so the hash is
+    the unsharded model's and cache entries stay valid across engines."""
     import hashlib
 
     import torch

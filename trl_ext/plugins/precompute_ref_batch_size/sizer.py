@@ -35,26 +35,13 @@ def lockstep(trainer, ranks) -> bool:
 
 
 def probe(run, model, todo, store, progress):
-    """Find the largest useful batch that fits; keep what the probes computed; set the token budget.
-
-    Probes run the heaviest pairs first (each probe the next heaviest ones, and their values are kept, so no
-    pair is computed twice), doubling the pairs per rank until a batch no longer fits (over the memory
-    budget, or out of memory; then two bisection steps between the last size that fit and the first that did
-    not), or until doubling stops paying: past 4096 tokens per batch, real tokens per second grew by less than
-    10%, so a bigger batch would only hold more memory (and, padded, mix more lengths). Every rank probes its own
-    share of the heaviest pairs and all ranks take each decision from everyone's outcome, so they run the same
-    forwards (ZeRO-3 lockstep).
-
-    Under `lockstep` (several DeepSpeed or FSDP processes) an out-of-memory error cannot be caught safely, so the
-    probe stops at the budget check instead: a probe whose memory, extrapolated from the largest probe that fit, would
-    exceed the budget is not run and counts as the first size that does not fit; an out-of-memory error is re-raised.
-    """
+    """Find the largest useful batch that fits (docs/plugins/precompute_ref_batch_size.md, `"auto"`); keep what the
+    probes computed (each probe takes the next heaviest pairs, so none is computed twice); set the token budget.
+    Every rank probes its share of the heaviest pairs and all take each decision from everyone's outcome, so they
+    run the same forwards (ZeRO-3 lockstep)."""
     import numpy as np
+    import torch
 
-    state = run.state
-    if state.batch_tokens is not None:  # chosen by an earlier split of this trainer
-        run.record["batch_tokens"] = state.batch_tokens
-        return todo
     device = run.trainer.accelerator.device
     budget = budget_bytes(run.opts, device, run.ranks)
     world, rank = run.ranks.world, run.ranks.rank
@@ -89,7 +76,17 @@ def probe(run, model, todo, store, progress):
         # CPU: process CPU time, which other jobs on a shared machine barely disturb; GPU: wall time.
         clock = time.process_time if device.type == "cpu" else time.perf_counter
         start = clock()
-        result, used = measured_forward(run, model, batch, device, strict)
+        try:
+            with ExtraMemory(device) as peak:
+                result = run.forward(model, batch)
+            used = float(peak.used)
+        except torch.OutOfMemoryError as exc:
+            if strict:  # `lockstep`
+                exc.add_note(OOM_ADVICE)
+                raise
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            result, used = None, 0.0
         seconds = clock() - start
         fits = result is not None and used <= budget
         real = float(run.plan.real_tokens[batch].sum())
@@ -161,7 +158,7 @@ def probe(run, model, todo, store, progress):
         projected = largest["cost"] * 0.9 * budget / largest["used"] if largest["used"] > 0 else math.inf
         batch_tokens = max(largest["cost"], min(projected, fail["cost"] - 1))
     batch_tokens = run.ranks.broadcast(batch_tokens)
-    state.batch_tokens = batch_tokens
+    run.state.batch_tokens = batch_tokens
     if reason == "memory" and projected_stops:
         reason = "memory (projected from the largest probe)"
     run.record.update(
@@ -183,21 +180,3 @@ def probe(run, model, todo, store, progress):
         )
     covered = np.concatenate([heavy[r::world][:taken] for r in range(world)]) if taken else np.zeros(0, np.int64)
     return np.setdiff1d(todo, covered, assume_unique=True)
-
-
-def measured_forward(run, model, batch, device, strict: bool):
-    """`((chosen, rejected), extra bytes)` of one forward, or `(None, 0)` when it ran out of memory (re-raised under
-    `lockstep`, `strict`)."""
-    import torch
-
-    try:
-        with ExtraMemory(device) as peak:
-            result = run.forward(model, batch)
-    except torch.OutOfMemoryError as exc:
-        if strict:
-            exc.add_note(OOM_ADVICE)
-            raise
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        return None, 0.0
-    return result, float(peak.used)

@@ -4,8 +4,9 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -57,8 +58,6 @@ class SyncMetricsState:
         #: the `trl_ext_call` handlers of this trainer's class, by method name
         self.calls: dict[str, Callable[[Any, SyncMetricsState, Call], Any]] = {}
 
-    # -- duplicates ----------------------------------------------------------------------------------------------
-
     def remainder_now(self, gradient_state: Any) -> int | None:
         """The dataloader remainder when the current batch is the last one of a dataloader that added duplicates."""
         if not self.even_batches or self.world == 1:
@@ -75,27 +74,21 @@ class SyncMetricsState:
             return self.fetched.popleft()
         return self.remainder_now(gradient_state)
 
-    def real_count(self, remainder: int | None, n: int) -> int:
-        """Real samples in this rank's batch of `n`: the first `remainder` of the rank-major concatenation are real
-        (accelerate's `gather_for_metrics` rule, accelerator.py `_adjust_samples`)."""
+    def real_count(self, remainder: int | None, n: int, rank: int | None = None) -> int:
+        """Real samples in the batch of `n` of this rank (or `rank`): the first `remainder` of the rank-major
+        concatenation are real (accelerate's `gather_for_metrics` rule, accelerator.py `_adjust_samples`)."""
         if remainder is None:
             return n
-        return min(max(remainder - self.rank * n, 0), n)
+        return min(max(remainder - (self.rank if rank is None else rank) * n, 0), n)
 
     def global_real_count(self, remainder: int | None, n: int) -> int:
         """Real samples in the batches of `n` of all ranks (every rank knows it: same remainder, same rule)."""
-        if remainder is None:
-            return n * self.world
-        return sum(min(max(remainder - rank * n, 0), n) for rank in range(self.world))
+        return sum(self.real_count(remainder, n, rank) for rank in range(self.world))
 
-    # -- the logged training loss over real pairs --------------------------------------------------------------------
-    #
-    # The Trainer adds each micro-batch's loss (`training_step`'s return value) to its running loss and logs the mean
-    # over ranks. At the last step of an epoch with duplicates, that mean counts the duplicated pairs. The real-pair
-    # mean of a step is `sum over ranks and micro-batches of (real pairs x their mean loss) / all real pairs`; every
-    # rank knows the denominator, so each rank can hold back `world x (its share) - (what the Trainer added)` and the
-    # mean over ranks, taken in the plugin's one collective, becomes the real-pair mean. Only the logged loss changes:
-    # the gradients (training itself) keep accelerate's behaviour.
+    # The logged training loss over real pairs (docs/plugins/sync_metrics.md, "The loss of an epoch's last step"): the
+    # real-pair mean of a step is `sum over ranks and micro-batches of (real pairs x mean loss) / all real pairs`;
+    # every rank knows the denominator, so each holds back `world x (its share) - (what the Trainer added)` and the
+    # mean over ranks in the one collective is the real-pair mean. The gradients keep accelerate's behaviour.
 
     def add_step_loss(self, real_sum: Any, real_count: int, duplicates: bool) -> None:
         """One micro-batch of the current optimizer step: `real_sum` = real pairs x their mean loss (a tensor),
@@ -124,7 +117,14 @@ class SyncMetricsState:
         value, self.loss_correction = self.loss_correction, 0.0
         return value
 
-    # -- capture -------------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def capture(self) -> Iterator[list[torch.Tensor]]:
+        """Record what `gather`/`gather_for_metrics` are given while it runs (a nested capture restores the outer)."""
+        previous, self.captured = self.captured, []
+        try:
+            yield self.captured
+        finally:
+            self.captured = previous
 
     def record(self, data: Any) -> torch.Tensor:
         if not isinstance(data, torch.Tensor):
@@ -138,28 +138,11 @@ class SyncMetricsState:
         return torch.zeros(data.shape if data.dim() else (1,), dtype=data.dtype)
 
 
-class _Capture:
-    def __init__(self, state: SyncMetricsState) -> None:
-        self.state = state
-
-    def __enter__(self) -> list[torch.Tensor]:
-        self.previous = self.state.captured
-        self.state.captured = []
-        return self.state.captured
-
-    def __exit__(self, *exc: object) -> None:
-        self.state.captured = self.previous
-
-
-def _input_data(input_data: Any, *args: Any, **kwargs: Any) -> Any:
-    return input_data
-
-
 def _gather(trainer: Any, state: SyncMetricsState, call: Call) -> Any:
     """`accelerator.gather` / `gather_for_metrics`: local during a capture (the tensor is recorded)."""
     if state.captured is None:
         return call.proceed()
-    return state.record(_input_data(*call.args, **call.kwargs))
+    return state.record(call.args[0] if call.args else call.kwargs.get("input_data", call.kwargs.get("tensor")))
 
 
 def _epoch_iterator(epoch_iterator: Any, *args: Any, **kwargs: Any) -> tuple[Any, tuple, dict]:
@@ -172,25 +155,15 @@ def _get_batch_samples(trainer: Any, state: SyncMetricsState, call: Call) -> Any
     state.fetched.clear()
     state.close_step()  # a new optimizer step begins
     epoch_iterator, args, kwargs = _epoch_iterator(*call.args, **call.kwargs)
-    wrapped = _RecordingIterator(epoch_iterator, state, trainer.accelerator.gradient_state)
+    wrapped = _recording(epoch_iterator, state, trainer.accelerator.gradient_state)
     return call.proceed(wrapped, *args, **kwargs)
 
 
-class _RecordingIterator:
-    """Wraps the Trainer's epoch iterator to note, for each fetched batch, whether it holds duplicates."""
-
-    def __init__(self, iterator: Any, state: SyncMetricsState, gradient_state: Any) -> None:
-        self._iterator = iterator
-        self._state = state
-        self._gradient_state = gradient_state
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        batch = next(self._iterator)
-        self._state.fetched.append(self._state.remainder_now(self._gradient_state))
-        return batch
+def _recording(iterator: Any, state: SyncMetricsState, gradient_state: Any) -> Iterator[Any]:
+    """The Trainer's epoch iterator, noting for each fetched batch whether it holds duplicates."""
+    for batch in iterator:
+        state.fetched.append(state.remainder_now(gradient_state))
+        yield batch
 
 
 #: `trl_ext_call` handlers, by method name (`call.name`), for both trainers

@@ -11,7 +11,7 @@ import torch
 from trl_ext import _compat
 from trl_ext.api import UsageError
 
-from .capture import SyncMetricsState, _Capture
+from .capture import SyncMetricsState
 from .schema import Metric, Schema
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -93,23 +93,22 @@ def _compute_loss(trainer: Any, state: SyncMetricsState, call: Call) -> Any:
     n = inputs["input_ids"].shape[0] // 2
     remainder = state.batch_remainder(mode, trainer.accelerator.gradient_state)
     captured: list[torch.Tensor] | None
-    with _Capture(state) as captured:
+    with state.capture() as captured:
         result = call.proceed(model, inputs, return_outputs)
     loss = result[0] if isinstance(result, tuple) else result
     real_loss = loss
+    k = state.real_count(remainder, n)
     if remainder is not None:
         # Last batch of a dataloader with duplicates (the same step on every rank). Per-token sums cannot be split
         # by row, so recompute the metrics on the real rows alone; every rank runs this forward so that collectives
         # inside it (DDP buffer broadcast, ZeRO-3 gathers) stay matched.
-        k = state.real_count(remainder, n)
         devices = [trainer.accelerator.device] if trainer.accelerator.device.type == "cuda" else []
-        with torch.no_grad(), torch.random.fork_rng(devices=devices), _Capture(state) as real:
+        with torch.no_grad(), torch.random.fork_rng(devices=devices), state.capture() as real:
             real_loss = call.proceed(model, _slice_pairs(inputs, max(k, 1)), False)
         captured = real if k > 0 else None
     if mode == "train":
-        k = state.real_count(remainder, n)
         state.add_step_loss(real_loss.detach() * k, state.global_real_count(remainder, n), remainder is not None)
-    state.batch_pairs[mode].append(state.real_count(remainder, n))
+    state.batch_pairs[mode].append(k)
     if captured is not None:
         state.windows[mode].add(_items(state, trainer, captured, mode))
     else:

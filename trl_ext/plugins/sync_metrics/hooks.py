@@ -17,10 +17,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
 logger = get_logger(__name__)
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Hooks
-# ---------------------------------------------------------------------------------------------------------------------
-
 
 @hookimpl
 def trl_ext_trainer_init_start(trainer: Trainer, context: TrainerContext, init_kwargs: dict[str, Any]) -> None:

@@ -9,7 +9,7 @@ import torch
 from trl_ext import _compat
 from trl_ext.api import UsageError
 
-from .capture import SyncMetricsState, _Capture
+from .capture import SyncMetricsState
 from .schema import Metric, Schema
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -37,9 +37,11 @@ def _eos_ids(trainer: Any) -> list[int]:
     return list(ids) if isinstance(ids, (list, tuple)) else [ids]
 
 
-def _items(state: SyncMetricsState, trainer: Any, batch_size: int, k: int) -> list:
-    """Re-derive TRL's OnlineDPO metrics per completion (online_dpo_trainer.py 1.16.0:1218-1294) for the `k` real
-    prompts of this step, as (slot, value) additions."""
+def _step_values(state: SyncMetricsState, trainer: Any, batch_size: int, k: int) -> tuple[list, torch.Tensor]:
+    """For the `k` real prompts of this step: TRL's OnlineDPO metrics re-derived per completion
+    (online_dpo_trainer.py 1.16.0:1218-1294) as (slot, value) additions, and the sum of TRL's per-pair losses
+    (1.16.0:1218-1256, sigmoid or IPO), so that the logged loss of an epoch's last step counts real pairs only. The
+    step's own loss (and gradients) is TRL's."""
     cap = state.online
     assert cap is not None  # set when the training step started
     if len(cap["forward"]) != 2 or cap["completion"] is None or cap["rewards"] is None:
@@ -50,9 +52,9 @@ def _items(state: SyncMetricsState, trainer: Any, batch_size: int, k: int) -> li
     s = state.schema
     beta = float(trainer.beta)
     items: list = [(s.calls, 1)]
-    if k == 0:
-        return items
     logprobs, ref_logprobs = (t.detach() for t in cap["forward"])
+    if k == 0:
+        return items, logprobs.new_zeros(())
     completion_ids, completion_mask = cap["completion"]
     rewards = cap["rewards"].detach()  # missing-EOS penalty already applied in place by TRL
     B = batch_size
@@ -61,11 +63,11 @@ def _items(state: SyncMetricsState, trainer: Any, batch_size: int, k: int) -> li
     contain_eos = torch.isin(completion_ids, eos).any(dim=-1)
 
     first, second = rewards.split(B)
-    chosen_first = first >= second
+    chosen_first = (first >= second).to(device)
     rng = torch.arange(B, device=device)
-    chosen_idx = rng + (~chosen_first).long().to(device) * B
-    rejected_idx = rng + chosen_first.long().to(device) * B
-    mask = completion_mask.to(logprobs.dtype)
+    chosen_idx = rng + (~chosen_first).long() * B
+    rejected_idx = rng + chosen_first.long() * B
+    mask = completion_mask.to(device=device, dtype=logprobs.dtype)
     logps_sum = (logprobs * mask).sum(1)
     ref_logps_sum = (ref_logprobs * mask).sum(1)
     kl = (logprobs - ref_logprobs).sum(1)  # TRL sums over every completion position (online_dpo_trainer.py:1270)
@@ -101,29 +103,10 @@ def _items(state: SyncMetricsState, trainer: Any, batch_size: int, k: int) -> li
             items += [(s.sum_slot(name), pair[name][:k].sum()), (s.count_slot(name), k)]
         elif name in completion:
             items += [(s.sum_slot(name), completion[name][real_rows].sum()), (s.count_slot(name), 2 * k)]
-    return items
 
-
-def _real_loss_sum(state: SyncMetricsState, trainer: Any, batch_size: int, k: int) -> torch.Tensor:
-    """The sum of TRL's per-pair OnlineDPO losses over the `k` real prompts of this step (online_dpo_trainer.py
-    1.16.0:1218-1256: chosen/rejected by reward, log-prob sums over the completion mask, sigmoid or IPO loss), so that
-    the logged loss of an epoch's last step counts real pairs only. The step's own loss (and gradients) is TRL's."""
-    cap = state.online
-    assert cap is not None
-    logprobs, ref_logprobs = (t.detach() for t in cap["forward"])
-    if k == 0:
-        return logprobs.new_zeros(())
-    first, second = cap["rewards"].detach().split(batch_size)
-    device = logprobs.device
-    chosen_first = (first >= second).to(device)
-    rng = torch.arange(batch_size, device=device)
-    chosen_idx = rng + (~chosen_first).long() * batch_size
-    rejected_idx = rng + chosen_first.long() * batch_size
-    mask = cap["completion"][1].to(device=device, dtype=torch.bool)
-    logps = (logprobs * mask).sum(1)
-    ref_logps = (ref_logprobs * mask).sum(1)
-    logits = (logps[chosen_idx] - logps[rejected_idx]) - (ref_logps[chosen_idx] - ref_logps[rejected_idx])
-    beta = float(trainer.beta)
+    logits = (logps_sum[chosen_idx] - logps_sum[rejected_idx]) - (
+        ref_logps_sum[chosen_idx] - ref_logps_sum[rejected_idx]
+    )
     loss_type = trainer.args.loss_type
     if loss_type == "sigmoid":
         losses = -torch.nn.functional.logsigmoid(beta * logits)
@@ -134,23 +117,18 @@ def _real_loss_sum(state: SyncMetricsState, trainer: Any, batch_size: int, k: in
             f"sync_metrics: cannot re-derive OnlineDPO's loss for loss_type={loss_type!r} (it knows 'sigmoid' and "
             "'ipo'): use one of those or disable sync_metrics"
         )
-    return losses[:k].sum()
-
-
-def _step_inputs(model: Any, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> dict[str, Any]:
-    return inputs
+    return items, losses[:k].sum()
 
 
 def _training_step(trainer: Any, state: SyncMetricsState, call: Call) -> Any:
     remainder = state.batch_remainder("train", trainer.accelerator.gradient_state)
-    batch_size = len(_step_inputs(*call.args, **call.kwargs)["prompt"])
+    batch_size = len((call.args[1] if len(call.args) > 1 else call.kwargs["inputs"])["prompt"])
     state.online = {"forward": [], "completion": None, "rewards": None}
     try:
-        with _Capture(state):
+        with state.capture():
             loss = call.proceed()
-        k = state.real_count(remainder, batch_size)
-        state.windows["train"].add(_items(state, trainer, batch_size, k))
-        real_sum = _real_loss_sum(state, trainer, batch_size, k)
+        items, real_sum = _step_values(state, trainer, batch_size, state.real_count(remainder, batch_size))
+        state.windows["train"].add(items)
         state.add_step_loss(real_sum, state.global_real_count(remainder, batch_size), remainder is not None)
         state.add_trainer_loss(loss)
     finally:

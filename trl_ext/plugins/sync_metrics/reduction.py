@@ -87,9 +87,8 @@ def reduce_logs(trainer: Any, state: SyncMetricsState, logs: dict[str, Any]) -> 
         setattr(trainer, _compat.TRAINER_TOTAL_LOSS_ATTR, running + global_loss - local_loss.item())
     # allowed write: the FLOs held back since the last log, summed over ranks
     trainer.state.total_flos += total[schema.flos]
-    if (
-        "total_flos" in out
-    ):  # the final summary read `state.total_flos` before this log (trainer.py `_inner_training_loop`)
+    # the final summary read `state.total_flos` before this log (trainer.py `_inner_training_loop`)
+    if "total_flos" in out:
         out["total_flos"] = trainer.state.total_flos
     if state.trainer_class == "DPOTrainer":
         tokens = getattr(trainer, _compat.DPO_TOTAL_TRAIN_TOKENS) + int(round(total[schema.tokens]))
@@ -103,12 +102,10 @@ def reduce_logs(trainer: Any, state: SyncMetricsState, logs: dict[str, Any]) -> 
 
 
 def hand_back(trainer: Any, state: SyncMetricsState) -> None:
-    """Detached in the middle of a logging window (`installation.detach`, `uninstall(detach=True)`): what the windows
-    hold goes back to TRL's own buffers as stock would have filled them, so the stock log at the end of the window
-    covers its whole span: each batch's metrics (from that batch's sums and counts, as TRL computes them), the
-    window's training tokens added to TRL's running count, the held-back FLOs to the Trainer's. On several processes
-    the batches before the detach are this process's (no collective here: a detach need not run on every rank at
-    once), and a warning says so."""
+    """Detached mid-window (`installation.detach`, `uninstall(detach=True)`): each batch's metrics, the training
+    tokens and the held-back FLOs go back to TRL's and the Trainer's buffers as stock would have filled them, so the
+    stock log at the window's end covers its whole span. No collective (a detach need not run on every rank at once):
+    on several processes the batches before the detach are this process's, and a warning says so."""
     schema = state.schema
     dpo = state.trainer_class == "DPOTrainer"
     buffers = getattr(trainer, _compat.DPO_METRICS_BUFFER) if dpo else None

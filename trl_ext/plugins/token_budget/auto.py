@@ -1,12 +1,6 @@
-"""`token_budget="auto"`: the budget measured when the trainer is built, with the memory probe of
-`precompute_ref_batch_size` (`sizer`: the peak memory a call adds, on GPU the allocator, on CPU the kernel's peak-RSS
-counter; the memory budget; the linear projection that skips a probe which would not fit).
-
-Probes are training steps (the trainer's `compute_loss` under its autocast, and the backward) on micro-batches of the
-dataset's heaviest pairs, 1, 2, 4, ... up to the pairs of one optimizer step, collated by the trainer's collator.
-They stop when a probe does not fit the memory budget (or is projected not to, or runs out of memory). The budget is
-the most tokens that a line through the two largest probes that fit (peak memory against tokens) keeps within
-`HEADROOM` of the memory budget, capped at the heaviest step's tokens and kept below the first size that did not fit.
+"""`token_budget="auto"`: the budget measured when the trainer is built (docs/plugins/token_budget.md), with the
+memory probe `toolkit.memory` shares with `precompute_ref_batch_size`: training steps on the dataset's heaviest 1, 2,
+4, ... pairs, up to one optimizer step's, until one does not fit (or is projected not to); then `choose`.
 """
 
 from __future__ import annotations
@@ -75,13 +69,9 @@ class AutoBudget:
 
 
 def choose(fitting: Sequence[Probe], memory: float, cap: int, failed: int | None) -> int:
-    """The budget from the probes that fit (in increasing size), the memory budget in bytes, the heaviest step's tokens
-    `cap` and the tokens of the first probe that did not fit (`None`: every probe fit).
-
-    Peak memory is taken as linear in tokens through the two largest fitting probes (through zero with one probe, or
-    when the line does not rise); the budget is where it reaches `HEADROOM x memory`, at least the largest probe that
-    fit, at most `cap` and below `failed`.
-    """
+    """The budget where peak memory, linear in tokens through the two largest probes that fit (through zero with one,
+    or when the line does not rise), reaches `HEADROOM x memory`: at least the largest probe that fit, at most the
+    heaviest step's tokens `cap`, below the first probe that did not (`failed`; None: every probe fit)."""
     if not fitting:
         raise ValueError("no probe fit")
     largest = fitting[-1]
@@ -114,7 +104,9 @@ def resolve(trainer: Any, context: Any, packed: bool | Layout) -> int:
     return result.budget
 
 
-def _rows(trainer: Any) -> tuple[Any, list[str]]:
+def heaviest(trainer: Any, kind: Layout) -> tuple[Any, list[str], list[int], list[int]]:
+    """The training dataset, the columns passed to the collator, its rows' indices from the heaviest pair down
+    (stable) and each row's length."""
     from datasets import Dataset
 
     dataset = trainer.train_dataset
@@ -123,13 +115,7 @@ def _rows(trainer: Any) -> tuple[Any, list[str]]:
             f'`{NAME}="auto"` measures the heaviest pairs of the training dataset, which needs a `datasets.Dataset` '
             f"(got {type(dataset).__name__}). Set a number of tokens instead."
         )
-    fields = TEXT_FIELDS + OPTIONAL_FIELDS + VISION_FIELDS
-    return dataset, [c for c in dataset.column_names if c in fields]
-
-
-def heaviest(trainer: Any, kind: Layout) -> tuple[Any, list[int], list[int]]:
-    """The training dataset, its rows' indices from the heaviest pair down (stable) and each row's length."""
-    dataset, columns = _rows(trainer)
+    columns = [c for c in dataset.column_names if c in TEXT_FIELDS + OPTIONAL_FIELDS + VISION_FIELDS]
     if len(dataset) == 0:
         raise UsageError(f'`{NAME}="auto"` has no training pairs to measure.')
     check_example({c: dataset[0][c] for c in columns})
@@ -140,7 +126,7 @@ def heaviest(trainer: Any, kind: Layout) -> tuple[Any, list[int], list[int]]:
             example = dict(zip(TEXT_FIELDS, values, strict=True))
             lengths.append(pair_length(example, kind, trainer.args.max_length, multiple))
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    return dataset, order, lengths
+    return dataset, columns, order, lengths
 
 
 @contextlib.contextmanager
@@ -165,11 +151,6 @@ def _untouched(trainer: Any) -> Iterator[None]:
             values.clear()
             values.update(metrics.get(mode, {}))
         trainer._total_train_tokens = total_tokens  # _compat.DPO_TOTAL_TRAIN_TOKENS
-
-
-def _optimizer_state_bytes(model: Any) -> int:
-    """Adam's two moments per trainable parameter, allocated at the first optimizer step (after the probes)."""
-    return 2 * sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
 
 def _train_step(trainer: Any, inputs: dict[str, Any]) -> None:
@@ -200,12 +181,11 @@ def measure(trainer: Any, kind: Layout, options: Any) -> AutoBudget:
     device = args.device
     ranks = Ranks.of(trainer.accelerator)
     memory = budget_bytes(options, device, ranks)
-    if device.type == "cuda":
-        memory -= _optimizer_state_bytes(trainer.model)
-    dataset, order, lengths = heaviest(trainer, kind)
+    if device.type == "cuda":  # Adam's two moments per trainable parameter, allocated at the first optimizer step
+        memory -= 2 * sum(p.numel() * p.element_size() for p in trainer.model.parameters() if p.requires_grad)
+    dataset, columns, order, lengths = heaviest(trainer, kind)
     limit = min(len(order), args.per_device_train_batch_size * args.gradient_accumulation_steps)
     cap = tokens([Pair(0, i, lengths[i]) for i in order[:limit]], kind)
-    _, columns = _rows(trainer)
     fill_ref = bool(trainer.args.precompute_ref_log_probs) and "ref_chosen_logps" not in columns
 
     def example(i: int) -> dict[str, Any]:

@@ -1,19 +1,9 @@
-"""`token_budget`'s part in the trainer's method calls (its `trl_ext_call`, innermost: `.step` says what each does).
+"""`token_budget`'s part in the trainer's method calls (its `trl_ext_call`, innermost; `.step` does the work).
 
-- `get_train_dataloader`, `get_eval_dataloader`, `get_test_dataloader`: while one builds its loader (a loader
-  captures its collate function when built), `trainer.data_collator` is `cut.KeepExamples` around it, which also
-  hands over each batch's examples (encoded in one tensor when accelerate dispatches the batches: `.dispatch`);
-- `get_batch_samples`: the fetched batches become one `step.Slot` per stock batch (the Trainer counts its
-  `training_step` calls by them), carrying the step's re-cut micro-batches; the Trainer gets `num_items_in_batch=None`;
-- `training_step`: a slot's micro-batches, one after another (a plain batch from outside the loop: stock's scaling);
-- `compute_loss`: one micro-batch's loss, weighted for the step (`Trainer.loss_is_scaled_for_ga` is set True);
-- `prediction_step`: an evaluation batch over the budget, in parts;
-- `accelerator.gather`, `gather_for_metrics`: while `compute_loss` runs a micro-batch, TRL's per-pair tensors are
-  recorded (on several processes answered locally); otherwise passed on;
-- `train`: one line (level notice, main process) on this call's micro-batches when it returns.
-
-After each `training_step` and `prediction_step`, what the re-cut `compute_loss` calls stood for in stock's batches is
-announced through `trl_ext_stock_batches` (a metrics reducer counting pairs per call counts stock's batches).
+While a `get_*_dataloader` builds its loader (which captures its collate function), `trainer.data_collator` is
+`cut.KeepExamples`, so each batch also hands over its examples. After each `training_step` and `prediction_step`, what
+the re-cut `compute_loss` calls stood for in stock's batches is announced through `trl_ext_stock_batches`; `train`
+logs one line (notice, main process) when it returns.
 """
 
 from __future__ import annotations

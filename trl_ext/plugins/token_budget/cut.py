@@ -1,9 +1,5 @@
-"""Re-cutting the pairs of one optimizer step into micro-batches of at most `token_budget` tokens.
-
-The cut works on the examples the trainer's collator received (tokenized pairs: `prompt_ids`, `chosen_ids`,
-`rejected_ids`, and `ref_chosen_logps` / `ref_rejected_logps` with precomputed reference log-probs). Each micro-batch
-is collated by the trainer's own collator (TRL's, or a packing plugin's), so its inputs are exactly what that collator
-gives for those pairs.
+"""Re-cutting the pairs of one optimizer step into micro-batches of at most `token_budget` tokens: the examples the
+trainer's collator received, each micro-batch collated by that collator (TRL's, or a packing plugin's).
 """
 
 from __future__ import annotations
@@ -23,15 +19,9 @@ OPTIONAL_FIELDS = ("ref_chosen_logps", "ref_rejected_logps")
 
 
 class Layout(str, enum.Enum):
-    """How the trainer's collator lays out a micro-batch, so what the budget counts.
-
-    - `padded` (no packing plugin): `2 x pairs x longest sequence`;
-    - `packed` (padding_free): the real tokens of both sequences of every pair;
-    - `prompt-shared` (prompt_sharing): the tokens of a pair's shared row, its prompt counted once (prompt, then
-      each completion after a copy of the prompt's last token).
-
-    Truthy when the collator packs (`packed` and `prompt-shared`), so it stands where a "packed" flag is expected.
-    """
+    """How the trainer's collator lays out a micro-batch, so what the budget counts (`pair_length`): `padded` (no
+    packing plugin), `packed` (padding_free), `prompt-shared` (prompt_sharing). Truthy when the collator packs, so it
+    stands where a "packed" flag is expected."""
 
     PADDED = "padded"
     PACKED = "packed"
@@ -123,12 +113,9 @@ def pair_length(
     example: Mapping[str, Any], packed: bool | Layout, max_length: int | None, multiple: int | None = None
 ) -> int:
     """The tokens one pair costs in `packed`'s layout (`Layout`): padded, its longer sequence rounded up to the
-    collator's `pad_to_multiple_of` (`multiple`; a micro-batch then costs `2 x pairs x longest`, the width the model
-    sees); packed, both sequences; prompt-shared, both sequences less the prompt's second copy.
-
-    Sequences are capped at `max_length` as the collator truncates. A truncated pair is counted as packed under
-    prompt sharing: with `truncation_mode="keep_end"` its two prompts may differ, and the pair then runs unshared.
-    """
+    collator's `pad_to_multiple_of` (`multiple`; a micro-batch costs `2 x pairs x longest`); packed, both sequences;
+    prompt-shared, both less the prompt's second copy. Sequences are capped at `max_length`; a truncated pair counts
+    as packed under prompt sharing (with `truncation_mode="keep_end"` its two prompts may differ: it runs unshared)."""
     kind = as_layout(packed)
     prompt = len(example["prompt_ids"])
     lengths = [prompt + len(example["chosen_ids"]), prompt + len(example["rejected_ids"])]

@@ -1,19 +1,14 @@
 """The examples of a batch that accelerate dispatches (`dispatch_batches=True`, or an `IterableDataset` on several
 processes), carried as one tensor whose rows follow the batch's.
 
-accelerate's `DataLoaderDispatcher` collates every process's batch on process 0, joins them with `concatenate` (which
-takes tensors only) and gives each process the rows `[p x n, (p + 1) x n)` of every tensor, `n` being the first
-tensor's rows per process (`find_batch_size`). TRL's collator lays a batch of `B` pairs out as `2B` rows (chosen rows,
-then rejected rows), so the examples travel as `2B` rows too: each row is the sequence of that row as the collator
-truncates it (`max_length`, `truncation_mode`), a token `t` stored as `4t + kind` (kind 1: prompt, 2: completion, 0:
-padding), after a header `(batch tag, row, rows)` by which the receiving process checks that it got one whole batch.
-The row width is `max_length` (the same for every batch, so that batches of different lengths join), or without a
-`max_length` the longest row rounded up to `pad_to_multiple_of` (stock TRL then needs batches of one padded width as
-well). Reference log-probs (`precompute_ref_log_probs`) travel in a second, float tensor of the same rows.
-
-A decoded pair is the truncated pair: collated again it gives the rows of the original, so the micro-batches cut from
-it run the inputs stock runs. Prompts truncated differently in the two rows (`truncation_mode="keep_end"`) keep the
-longer one, of which the other is the end.
+accelerate's `DataLoaderDispatcher` joins the processes' batches with `concatenate` (tensors only) and gives each
+process the rows `[p x n, (p + 1) x n)` of every tensor (`n`: `find_batch_size`). So the examples travel as the
+batch's `2B` rows (chosen, then rejected): each row the sequence as the collator truncates it, a token `t` stored as
+`4t + kind` (1: prompt, 2: completion, 0: padding), after a header `(batch tag, row, rows)` by which the receiver
+checks that it got one whole batch. The width is `max_length` (batches of different lengths join), or without one the
+longest row rounded up to `pad_to_multiple_of`; reference log-probs travel in a float tensor of the same rows. A
+decoded pair is the truncated pair, so its micro-batches run the inputs stock runs; prompts truncated differently in
+the two rows (`truncation_mode="keep_end"`) keep the longer one, of which the other is the end.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
-"""TRL's DPO metrics on the stock partition of a step, from per-pair values recorded on the re-cut micro-batches.
-
-Stock `DPOTrainer._compute_loss` appends, per micro-batch, means over its pairs (rewards, log-probs) and token-weighted
-means (entropy, logits, token accuracy); `DPOTrainer.log` averages those per-micro-batch values. A micro-batch cut by
-the budget is not one of stock's, so its appended values are removed, and the plugin records instead what lies
-behind them per pair: the per-pair tensors TRL passes to `accelerator.gather`, and per-row token sums of the policy
-forward. At the end of the step it appends, for each stock micro-batch in order, the value stock would have appended.
-On several processes those values come from every rank (stock's micro-batch `i` is the `i`-th of every rank, joined by
-TRL's gather), wherever the plugin ran its pairs.
+"""TRL's DPO metrics on the stock partition of a step, from per-pair values recorded on the re-cut micro-batches:
+the per-pair tensors TRL passes to `accelerator.gather` and per-row token sums of the policy forward. At the end of
+the step it appends, for each stock micro-batch in order, the value stock would have appended (on several processes:
+stock's micro-batch `i` is the `i`-th of every rank, joined by TRL's gather, wherever the plugin ran its pairs).
 """
 
 from __future__ import annotations
@@ -157,11 +152,6 @@ class StepRecord:
         if not self.count:
             return None
         return {name: torch.cat(parts).cpu() for name, parts in self.values.items()}
-
-    def stock_values(self, sizes: Sequence[int]) -> list[dict[str, float]]:
-        """For each stock micro-batch (of `sizes` pairs, in order), the values TRL would have appended (none when
-        another plugin reduces the metrics)."""
-        return stock_values([(list(sizes), self.local())])
 
 
 def same_value(a: float, b: float) -> bool:

@@ -1,10 +1,6 @@
-"""Several processes: the same number of micro-batches on every rank, and the exchange of each step's metrics.
-
-TRL's `_compute_loss` gathers its metrics across ranks on every call, DDP reduces gradients on the synchronised
-backward, and ZeRO-3 and FSDP2 gather parameters on every forward: every rank must run the same number of forwards and
-backwards per step, in the same slots. A rank whose pairs cut into fewer micro-batches than another's runs extra ones:
-its smallest micro-batch again with loss weight 0 (no gradient, its metrics not recorded). The collectives themselves
-are `trl_ext._shared.Ranks`, shared with the other plugins.
+"""Several processes: the cut of every rank's pairs, balanced, and the same number of micro-batches on every rank
+(TRL's gathers, DDP's reduction and ZeRO-3/FSDP2's parameter gathers need as many forwards and backwards on each): a
+rank with fewer runs its smallest again with loss weight 0 (`Padding`: no gradient, its metrics not recorded).
 """
 
 from __future__ import annotations
@@ -61,13 +57,9 @@ def global_pairs(
 def balanced_plan(
     pairs: Sequence[Pair], sizes: Sequence[int], budget: int, packed: bool | Layout, ranks: int
 ) -> tuple[list[list[Pair]], list[int]]:
-    """Cut a step's pairs of every rank (`global_pairs`) into micro-batches of at most `budget` tokens and give each
-    to a rank, balancing tokens; the same on every rank (deterministic). Returns the micro-batches and their ranks.
-
-    Pairs are cut in order of their stock weight (pairs of stock micro-batches of one size weigh the same) and
-    length, so that similar lengths share a micro-batch; micro-batches go, the most tokens first, to the rank holding
-    the fewest tokens so far (then the fewest micro-batches, then the lowest rank).
-    """
+    """Cut a step's pairs of every rank (`global_pairs`) into micro-batches of at most `budget` tokens, by stock weight
+    then length (similar lengths share one), and give each, most tokens first, to the least-loaded rank; the same on
+    every rank (deterministic). Returns the micro-batches and their ranks."""
     order = sorted(pairs, key=lambda p: (sizes[p.batch], -p.length, p.batch, p.row))
     runs = plan(order, sizes, budget, packed)
     load = [0] * ranks

@@ -8,9 +8,7 @@ weight `w_k` (its pairs' share of the step), weighs them by `w_k / T_k` instead.
 its graph, `c x sum over the chosen tokens t of log p(t) x (w_k / T_k - 1 / (T_m(t) x A))` (`c`: the sft loss weight),
 so each token counts as stock counts it: the gradient and the step's summed loss are stock's. `T_m` is counted on the
 collated micro-batches (`completion_mask`, as TRL counts), on several processes exchanged (one all-gather per step).
-
-Refused with `use_weighting=True` (`hooks.check_loss_types`): TRL multiplies the token mean by the micro-batch's mean
-pair weight, a product that no per-token weight reproduces.
+Refused with `use_weighting=True` (`hooks.check_loss_types` says why).
 """
 
 from __future__ import annotations

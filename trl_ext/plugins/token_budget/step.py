@@ -1,20 +1,10 @@
 """Running one optimizer step's re-cut micro-batches inside transformers' training loop, unchanged.
 
-The training loader's collator also hands over the examples of each batch (`cut.KeepExamples`, set only while
-`get_train_dataloader` builds the loader). transformers' `Trainer._inner_training_loop` fetches a step's stock
-micro-batches with `get_batch_samples`, then runs `training_step` once per fetched batch; its gradient
-synchronisation, callbacks and epoch position count those calls. The plugin keeps that count: `get_batch_samples`
-returns one `Slot` per stock batch (a dict equal to the stock batch, so the Trainer's FLOs and token counting see
-stock's inputs), and the step's budget-cut micro-batches, collated by the trainer's collator, are spread over the
-slots. `training_step` runs a slot's micro-batches one after another (possibly none).
-
-Loss scaling uses transformers' own hook: `Trainer.loss_is_scaled_for_ga = True` says `compute_loss` already scaled
-the loss for accumulation, so `training_step` does not divide it again; the plugin's `compute_loss` multiplies each
-micro-batch's mean loss by its weight (its pairs' share of the step as stock weighs them).
-
-On several processes the step's pairs of every rank are cut together and shared out with tokens balanced
-(`cut_across_ranks`); every rank runs as many micro-batches as the rank with most (`ranks.Padding`), and only the
-step's last runs with gradient synchronisation (`unsynced`).
+transformers' `_inner_training_loop` counts its `training_step` calls (gradient synchronisation, callbacks, epoch
+position), so `get_batch_samples` returns one `Slot` per stock batch (equal to it, so FLOs and token counting see
+stock's inputs) and spreads the step's micro-batches over the slots; `training_step` runs a slot's in turn (possibly
+none). `compute_loss` returns each micro-batch's mean loss times its weight (`Trainer.loss_is_scaled_for_ga` keeps
+`training_step` from dividing it again). See docs/plugins/token_budget.md.
 """
 
 from __future__ import annotations
@@ -96,7 +86,8 @@ class TokenBudgetState:
         self.empty_slots = 0
         self.warned_nonfinite = False
         self.warned_over = False
-        #: `(mode, calls, sizes)` not yet told to the other plugins (`trl_ext_stock_batches`, `.calls`)
+        #: `(mode, calls, sizes)` not yet told to the other plugins (`trl_ext_stock_batches`, `.calls`): the `calls`
+        #: re-cut micro-batches just run stand for stock's batches of `sizes` pairs (for a metrics reducer)
         self.stock_batches: list[tuple[str, int, list[int]]] = []
         #: while `compute_loss` runs a micro-batch (`capture`): the tensors TRL gathered, with what `gather` returned
         self.gathered: list[tuple[torch.Tensor, Any]] | None = None
@@ -104,8 +95,6 @@ class TokenBudgetState:
         self.inside_for_metrics = 0
         #: `len(micro_batch_counts)` when the current `train()` started (`report.summary`)
         self.first_step = 0
-
-    # -- accelerator.gather / gather_for_metrics, while `capture` runs a micro-batch --
 
     def gather(self, gather: Callable[[], Any], tensor: Any) -> Any:
         """Record a tensor TRL gathers (its per-pair metrics: `accelerate`'s `gather_for_metrics` calls `gather` too,
@@ -126,8 +115,6 @@ class TokenBudgetState:
         finally:
             self.inside_for_metrics -= 1
 
-    # -- get_batch_samples --
-
     def cut(self, batches: list[dict[str, Any]]) -> list[Slot]:
         if any(EXAMPLES_KEY not in batch for batch in batches):
             raise UsageError(
@@ -141,9 +128,6 @@ class TokenBudgetState:
             micro_batches, over, count, smallest = self.cut_across_ranks(examples)
         else:
             micro_batches, over = self.cut_step(examples)
-            if self.sft_weight:
-                counts = {pair: n for mb in micro_batches for pair, n in sft.chosen_tokens(mb).items()}
-                sft.assign_scales(micro_batches, counts, len(examples))
             count, smallest = len(micro_batches), None
         if over and not self.warned_over and is_main_process(self.trainer.accelerator):
             # once per run (on several processes every rank counts all pairs): the end line gives the run's count
@@ -176,14 +160,9 @@ class TokenBudgetState:
         return slots
 
     def cut_across_ranks(self, examples: list[list[Any]]) -> tuple[list[MicroBatch], int, int, MicroBatch | None]:
-        """Cut the step's pairs of every rank together (one all-gather of the examples) and run this rank's share of
-        the micro-batches, tokens balanced across ranks (`ranks.balanced_plan`, the same on every rank).
-
-        A pair keeps the weight stock gives it on its own rank (`1 / (pairs in its stock micro-batch x stock
-        micro-batches in the step)`): the engine averages gradients over ranks, as stock's. Returns this rank's
-        micro-batches, the pairs over the budget, the most micro-batches a rank runs, and (for a rank given none)
-        the step's smallest micro-batch, to repeat with weight 0.
-        """
+        """Cut the step's pairs of every rank together (one all-gather of the examples), tokens balanced across ranks
+        (`ranks.balanced_plan`), each pair keeping its stock weight. Returns this rank's micro-batches, the pairs over
+        the budget, the most micro-batches a rank runs, and (for a rank given none) the step's smallest to repeat."""
         collate, max_length = self.trainer.data_collator, self.trainer.args.max_length
         everyone = self.ranks.all_gather(examples)
         pairs, sizes = global_pairs(everyone, self.packed, max_length, self.multiple)
@@ -226,12 +205,15 @@ class TokenBudgetState:
         return mine, over, count, smallest
 
     def cut_step(self, examples: list[list[Any]]) -> tuple[list[MicroBatch], int]:
+        """`cut.cut_step` on this rank's stock micro-batches, with the micro-batches' sft token weights."""
         trainer = self.trainer
-        return cut_step(
+        micro_batches, over = cut_step(
             examples, self.budget, trainer.data_collator, self.packed, trainer.args.max_length, self.multiple
         )
-
-    # -- training_step --
+        if self.sft_weight:
+            counts = {pair: n for mb in micro_batches for pair, n in sft.chosen_tokens(mb).items()}
+            sft.assign_scales(micro_batches, counts, len(examples))
+        return micro_batches, over
 
     def run_slot(self, training_step: Any, model: Any, slot: Slot, args: tuple, kwargs: dict) -> torch.Tensor:
         total: torch.Tensor | None = None
@@ -258,12 +240,9 @@ class TokenBudgetState:
         return total
 
     def filter_like_stock(self) -> None:
-        """transformers' `logging_nan_inf_filter` (on by default) replaces a non-finite `training_step` loss by the
-        mean of the window so far (`_tr_loss += _tr_loss / steps`, `Trainer._inner_training_loop`). A step whose
-        micro-batches were all non-finite had every stock call non-finite: the slots that ran no micro-batch returned
-        0 (added as it is), so their replacements are applied here. A step with finite and non-finite micro-batches
-        cannot tell which stock calls were non-finite: one warning says that its logged loss may differ from stock's
-        (its gradients are non-finite in both, its metrics equal stock's)."""
+        """transformers' `logging_nan_inf_filter` replaces a non-finite `training_step` loss by the window's mean so
+        far (`_tr_loss += _tr_loss / steps`). If every micro-batch of the step was non-finite, so was every stock call:
+        the slots that ran none returned 0, so their replacements are applied here. A mixed step warns instead."""
         losses, empty = self.step_losses, self.empty_slots
         self.step_losses, self.empty_slots = [], 0
         trainer = self.trainer
@@ -293,9 +272,6 @@ class TokenBudgetState:
         gathered over the ranks, as stock's)."""
         examples = examples_of(inputs.pop(EXAMPLES_KEY))
         micro_batches, _ = self.cut_step([examples])
-        if self.sft_weight:
-            counts = {pair: n for mb in micro_batches for pair, n in sft.chosen_tokens(mb).items()}
-            sft.assign_scales(micro_batches, counts, 1)
         count = self.ranks.max(len(micro_batches), self.trainer.args.device)
         self.eval_micro_batch_counts.append(count)
         if count == 1:
@@ -321,7 +297,7 @@ class TokenBudgetState:
                 # `compute_loss` weighted it already: `mb.weight` is its share of this batch's pairs
                 total = loss if total is None else total + loss
             metrics = getattr(self.trainer, _compat.DPO_METRICS_BUFFER)["eval"]
-            self.stock_batches_for_reducers("eval", len(micro_batches), [len(examples)])
+            self.stock_batches.append(("eval", len(micro_batches), [len(examples)]))
             ranks = self.ranks.all_gather(([len(examples)], self.record.local()))
             for values in stock_values(ranks):
                 for name, value in values.items():
@@ -361,7 +337,7 @@ class TokenBudgetState:
         trainer = self.trainer
         metrics = getattr(trainer, _compat.DPO_METRICS_BUFFER)["train"]
         if self.ranks.world == 1:
-            step_values = self.record.stock_values(self.sizes)
+            step_values = stock_values([(list(self.sizes), self.record.local())])
         else:
             counted = getattr(trainer, _compat.DPO_TOTAL_TRAIN_TOKENS) - self.tokens_before - self.padding_tokens
             ranks = self.ranks.all_gather((self.recorded, self.record.local(), counted))
@@ -375,28 +351,13 @@ class TokenBudgetState:
                 metrics[name].append(value)
         self.record = StepRecord()
         self.padding_tokens = 0
-        self.stock_batches_for_reducers("train", self.micro_batch_counts[-1], self.sizes)
-
-    def stock_batches_for_reducers(self, mode: str, calls: int, sizes: list[int]) -> None:
-        """The `calls` re-cut micro-batches just run stand for stock's batches of `sizes` pairs: said to the other
-        plugins (`trl_ext_stock_batches`; a metrics reducer counting the pairs of each `_compute_loss` call, such as
-        sync_metrics, counts stock's batches instead, which stock's means are taken over)."""
-        self.stock_batches.append((mode, calls, list(sizes)))
-
-    # -- compute_loss --
+        self.stock_batches.append(("train", self.micro_batch_counts[-1], list(self.sizes)))
 
     @contextlib.contextmanager
     def capture(self, model: Any, inputs: dict[str, torch.Tensor]) -> Iterator[list[Any]]:
-        """Record, for the micro-batch TRL's `_compute_loss` runs now, what its metrics are made of, and take the
-        values TRL appends back out of its buffer.
-
-        TRL's per-pair metrics are the tensors it passes to `accelerator.gather`; they are recorded for the duration
-        of the call (`gathered`, filled by `gather`), and identified by checking each against what TRL appends.
-
-        On several processes TRL's gathers are answered locally (its tensors as they are): the ranks' micro-batches
-        at one position hold different numbers of pairs, which `accelerator.gather` cannot join, and the plugin
-        exchanges the step's per-pair values itself once the step is done (`finish_step`, `run_eval_batch`).
-        """
+        """Record what the metrics of the micro-batch TRL's `_compute_loss` runs now are made of (the tensors it
+        passes to `accelerator.gather`, checked against what it appends; the policy forward's output), and take the
+        values TRL appends back out of its buffer."""
         trainer = self.trainer
         metrics = getattr(trainer, _compat.DPO_METRICS_BUFFER)[
             "train" if trainer.model.training else "eval"
