@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["RandomDraw", "describe_draws", "random_draws", "training_draws"]
+__all__ = ["RandomDraw", "describe_draws", "dropout_attribute", "random_draws", "training_draws"]
 
 _LAYER_DROP = ("layerdrop", "layer_drop", "drop_path", "drop_path_rate")
 
@@ -38,16 +38,19 @@ class RandomDraw:
         return f"`{self.name}` ({self.cls})" if self.name else f"({self.cls})"
 
 
-def _drops_out(module: torch.nn.Module) -> bool:
-    """A dropout module, or a module holding a positive dropout / layer-drop probability (OPT's decoder layer applies
+def dropout_attribute(name: str, value: Any) -> bool:
+    """Whether a module attribute holds a positive dropout / layer-drop probability (OPT's decoder layer applies
     `nn.functional.dropout` with `self.dropout`)."""
+    lowered = name.lower()
+    positive = isinstance(value, (float, int)) and not isinstance(value, bool) and value > 0
+    return positive and ("dropout" in lowered or lowered in _LAYER_DROP)
+
+
+def _drops_out(module: torch.nn.Module) -> bool:
+    """A dropout module, or a module holding a positive dropout / layer-drop probability."""
     if isinstance(module, torch.nn.modules.dropout._DropoutNd) or "dropout" in type(module).__name__.lower():
         return True
-    return any(
-        isinstance(value, (float, int)) and not isinstance(value, bool) and value > 0
-        and ("dropout" in name.lower() or name.lower() in _LAYER_DROP)
-        for name, value in vars(module).items()
-    )  # fmt: skip
+    return any(dropout_attribute(name, value) for name, value in vars(module).items())
 
 
 def _generator_state(device: torch.device) -> Callable[[], torch.Tensor]:

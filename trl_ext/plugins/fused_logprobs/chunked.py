@@ -1,30 +1,19 @@
 """Per-token log-probs of scored tokens without the `[rows, length, vocab]` logits.
 
-`token_logprobs(hidden, targets, head, chunk=...)` equals
-`head(hidden).log_softmax(-1).gather(-1, targets[..., None])[..., 0]` but never holds more than `chunk` rows of
-logits: the positions are flattened, the LM head is applied `chunk` positions at a time, the log-sum-exp runs in
-float32 (float64 stays float64) and only the target token's log-prob is kept.
-
-Backward: each chunk is a non-reentrant `torch.utils.checkpoint` of a function that calls `head`. Its forward keeps
-only the chunk's hidden states; its backward recomputes the chunk's logits, so one chunk of logits (and its gradient)
-is alive at a time. Calling the head's own code, rather than a hand-written gradient of `hidden @ weight.T`, keeps
-whatever it does on the way: a bias, a PEFT adapter or `modules_to_save` copy on the head. `head` is either the head
-module or (Online DPO, `online.py`) its original `forward`, called from inside the module's own call so that the
-parameters DeepSpeed ZeRO-3 or FSDP2 gather for that call are in place, in forward and in the recomputation. After the
-head, `_TargetLogprobs` takes the chunk's logits to the target log-probs with a hand-written gradient (one `[n, V]`
-buffer instead of autograd's five, bitwise the same values), and the recomputation reuses the log-sum-exp the forward
-computed. Head matmuls per chunk (`tests/plugins/test_fused_logprobs_matmuls.py` counts them):
+`token_logprobs(hidden, targets, head, chunk=...)` equals `head(hidden).log_softmax(-1).gather(-1, targets[...,
+None])[..., 0]` but holds at most `chunk` rows of logits at a time, with the log-sum-exp in float32 (float64 stays
+float64). Each chunk is a non-reentrant checkpoint of a call of `head` itself (a bias, a PEFT adapter or
+`modules_to_save` copy on the head keep working; Online DPO's head forward runs inside the module's own call, so the
+parameters ZeRO-3 or FSDP2 gather for it are in place, in forward and recomputation); `_TargetLogprobs` writes the
+gradient of the target log-probs by hand (one `[n, V]` buffer instead of autograd's five, bitwise the same) and the
+recompute reuses the forward's log-sum-exp. Head matmuls per chunk (`tests/plugins/test_fused_logprobs_matmuls.py`):
 - a trainable head: one in the forward; the recomputed logits, d(hidden) and d(weight) in the backward (stock: 3);
-- a frozen head (no parameter needs a gradient) on hidden states that need one: the logits and d(hidden) for a unit
-  gradient, both in the forward, and no checkpoint: the backward scales that d(hidden) per row (`frozen_head_chunk`;
-  stock: 2);
-- nothing needs a gradient (the reference model's forward under `no_grad`, a frozen head on inputs without
-  gradients): plain chunks, one each, nothing saved.
+- a frozen head on hidden states that need a gradient: the logits and d(hidden) for a unit gradient, both in the
+  forward, no checkpoint; the backward scales that d(hidden) per row (`frozen_head_chunk`; stock: 2);
+- nothing needs a gradient: plain chunks, one each, nothing saved.
 
-Positions: `scored` (a bool mask shaped like `targets`) names the positions whose log-probs take part in the loss. With
-gradients on, only they go through the checkpointed chunks; the other positions are computed without gradients
-(`rest="detach"`, their values as stock, their gradient zero as under a stock mask) or not at all and filled with 0
-(`rest="skip"`). Without gradients every computed position runs in plain chunks.
+With gradients on, only the `scored` positions go through the checkpointed chunks; the others are computed without
+gradients (`rest="detach"`: stock's values, zero gradient as under a stock mask) or filled with 0 (`rest="skip"`).
 """
 
 from __future__ import annotations

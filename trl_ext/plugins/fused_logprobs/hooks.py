@@ -24,14 +24,10 @@ def _state(context: Any) -> FusedState:
     return state
 
 
-def _dpo_has_fused_head() -> bool:
-    return _compat.dpo_has_fused_head()
-
-
 @hookimpl
 def trl_ext_trainer_init_start(trainer: Any, context: Any, init_kwargs: dict[str, Any]) -> None:
     state = _state(context)
-    if context.trainer_class == "DPOTrainer" and _dpo_has_fused_head():
+    if context.trainer_class == "DPOTrainer" and _compat.dpo_has_fused_head():
         state.left_to_trl = True
         logger.info(
             "fused_logprobs: this TRL's DPOTrainer already scores with its own fused LM head (no full-vocabulary "
@@ -105,7 +101,7 @@ def _check_engine(trainer: Any, context: Any, state: FusedState) -> None:
 
 def _scores(context: Any) -> bool:
     """Whether the plugin scores this trainer (not a DPOTrainer that TRL's own fused LM head scores already)."""
-    return not (context.trainer_class == "DPOTrainer" and _dpo_has_fused_head())
+    return not (context.trainer_class == "DPOTrainer" and _compat.dpo_has_fused_head())
 
 
 @hookimpl
@@ -133,10 +129,7 @@ def trl_ext_trainer_models_ready(trainer: Any, context: Any) -> None:
     if not _scores(context):
         return
     state = _state(context)
-    # Both trainers score inside the head's call (with a packing plugin too: the head reads its positions from the
-    # packed row through the positions the plugin announces around its packed call). The head's forward is this
-    # plugin's answer to `trl_ext_make_head_forward`, installed by the core, and the scoring methods go through its
-    # `trl_ext_call`; here the trainer and its models are checked.
+    # The head's forward and the scoring methods are installed by the core; here the trainer and its models are checked
     _check_engine(trainer, context, state)
     models = context.models()
     packing = tuple(n for n in context.plugins_serving(PACKING) if context.is_enabled(n))

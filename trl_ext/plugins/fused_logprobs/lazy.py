@@ -1,27 +1,18 @@
 """`LazyLogits`: stands for `head(hidden)` (`[..., V]`) without computing it; each reduction TRL applies to the logits
 runs chunk by chunk, on the scored positions only.
 
-TRL's DPO scoring (TRL < 1.15) reads its logits only through a few operations, each a per-position reduction over the
-vocabulary: slicing and boolean selection of positions, `detach`, `chunk` over rows, `selective_log_softmax`,
-`entropy_from_logits` (1.10-1.13) or `selective_log_softmax_and_entropy` (1.14), `.mean(-1)`, `.argmax(-1)`,
-`torch.logsumexp(x, -1)`, `2.0 * x`, `F.cross_entropy`. Those are given here; any other operation raises a `UsageError`
-naming it (a TRL that reads its logits another way).
+TRL's DPO scoring (TRL < 1.15) reads its logits only through: slicing and boolean selection of positions, `detach`,
+`chunk` over rows, `selective_log_softmax` (every loss type), `entropy_from_logits` (1.10-1.13) or
+`selective_log_softmax_and_entropy` (1.14), `.mean(-1)` (`logits/chosen|rejected`), `.argmax(-1)`
+(`mean_token_accuracy`), `torch.logsumexp(x, -1)` and `2.0 * x` (WPO weights), `F.cross_entropy` (the `sft` loss).
+Those are given here; any other operation raises a `UsageError` naming it.
 
-Scored positions. A `LazyLogits` knows which of its positions TRL keeps (the shifted completion mask): every reduction
-computes those only and gives 0 elsewhere, which TRL's masking turns into the stock values (it zeroes the log-probs
-outside the completion and multiplies the entropy, the WPO log-sum-exps and the token accuracy by the mask; the mean
-logits and the `sft` cross-entropy select completion positions).
-
-One pass. The positions of all derived `LazyLogits` (slices, chunks, selections) are tracked as indices into the
-model output they come from, whose per-position results are kept (`Root.cache`). When the policy's log-probs are
-computed (`stats`), the same chunk pass, on the logits it already holds, stores without gradients the entropy, the
-mean logit, the argmax and the log-sum-exps TRL asks for next, so the head runs once per chunk in the forward (and
-once more per chunk in the backward, recomputed); the `sft` cross-entropy reuses the log-probs (and their graph).
-
-Inside the head's call (`dpo.DpoScoreCall`). That pass runs inside the output head module's own call, with the head's
-original `forward`; the model's output is the log-probs, and the `LazyLogits` TRL reads is built on a root that holds
-them and the statistics (`Root.precomputed`): it keeps no hidden states, and any reduction it does not hold is
-refused.
+Every reduction computes the scored positions (the shifted completion mask) only and gives 0 elsewhere, which TRL's
+masking turns into the stock values. Derived `LazyLogits` (slices, chunks, selections) track their positions as
+indices into the model output, whose per-position results are kept (`Root.cache`): the policy's log-prob pass also
+stores, without gradients, the statistics TRL asks for next, so the head runs once per chunk in the forward (and once
+more in the backward's recompute). Built inside the head's call (`dpo.DpoScoreCall`), a root holds only those results
+(`Root.precomputed`): no hidden states, and a reduction it does not hold is refused.
 """
 
 from __future__ import annotations
@@ -37,7 +28,7 @@ from torch.utils.checkpoint import checkpoint
 
 from trl_ext.api import UsageError
 
-from .chunked import accumulation_dtype, frozen_head_chunk, target_logprobs
+from .chunked import _params, accumulation_dtype, frozen_head_chunk, target_logprobs
 
 __all__ = ["STATS", "LazyLogits", "Root", "entropy", "logprobs_and_entropy", "selective_logprobs"]
 
@@ -400,8 +391,3 @@ def logprobs_and_entropy(original: Callable) -> Callable:
         return _zero_outside(logprobs, row_mask), _zero_outside(logits.entropy(), row_mask)
 
     return selective_log_softmax_and_entropy
-
-
-def _params(head: Any) -> list[torch.Tensor]:
-    parameters = getattr(head, "parameters", None)
-    return list(parameters()) if callable(parameters) else []

@@ -1,27 +1,19 @@
 """Online DPO's scoring forward with fused log-probs, and the output-head patch it relies on.
 
-`OnlineDPOTrainer._forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask, vision_inputs=None)`
-(TRL 1.12 and 1.16) cuts the prompt on the left so that prompt + completion <= `max_length`, runs
-`model(prompt_completion_ids, attention_mask=...)`, keeps the logits of the columns that predict the completion
-(`[P - 1, P + C - 1)`, or `[0, C)` without a prompt) and returns `log_softmax(logits)` gathered at the completion
-tokens, `[rows, C]`. No temperature is applied there. `fused_forward` returns the same tensor from the same model call
-(through every wrapper: DDP, DeepSpeed, FSDP2, PEFT, another plugin's forward).
+`make_fused_forward` returns what `OnlineDPOTrainer._forward` returns (TRL 1.12 and 1.16: the completion tokens'
+`log_softmax` gathered, `[rows, C]`, no temperature; its steps are `toolkit.online_forward`'s) from the same model
+call, through every wrapper (DDP, DeepSpeed, FSDP2, PEFT, another plugin's forward).
 
-The output head's `forward` is replaced once per model (`trl_ext_make_head_forward`, installed by the core through the
-trainer's undo stack); what it does depends on a context variable set around one model call:
+The output head's `forward` is replaced once per model (`trl_ext_make_head_forward`); around one model call a
+`ScoreCall` tells it what to do:
 
-- scoring (`scoring()`, the default): the head receives the hidden states of every position, takes the completion
-  columns and returns their log-probs, `[rows, C]`, computed chunk by chunk (`chunked.token_logprobs`) with the head's
-  original `forward`. This runs inside the head module's own call, once per model forward on every rank as stock, so
-  DeepSpeed ZeRO-3's gathered parameters (its pre-forward hook, and its pre-backward hook on the head's output for the
-  recomputation of each chunk in backward) and FSDP2's unsharded root parameters are in place. The model passes the
-  head's output through as its `logits`. When a packing plugin (prompt_sharing) runs the call on one packed row, it
-  announces which packed position computes each padded position (`toolkit.packing.positions`): the head gathers the
-  hidden states of the scored columns from the packed row, returns them as `[rows, C]` and tells the plugin that its
-  output is padded already.
-- DPO on TRL < 1.15 (`dpo.DpoScoreCall`, a `ScoreCall`): the same inside the head's call, over every position of
-  the DPO batch, with the statistics TRL's metrics read stored on the way.
-- recording (a `ScoreCall` without targets, the self-check): the head runs as stock and keeps its output.
+- scoring (`scoring()`): the head takes the completion columns of the hidden states it receives and returns their
+  log-probs, `[rows, C]`, chunk by chunk (`chunked.token_logprobs`) with its original `forward`, inside its own call,
+  once per model forward on every rank as stock, so DeepSpeed ZeRO-3's and FSDP2's gathered parameters are in place
+  (in the backward's recomputation too). Inside a packed call (prompt_sharing) it gathers the scored columns from the
+  packed row through the announced positions (`toolkit.packing.positions`) and marks its output padded.
+- DPO on TRL < 1.15 (`dpo.DpoScoreCall`): the same over every position of the DPO batch, with TRL's metric statistics.
+- recording (no targets, the self-check): the head runs as stock and keeps its output.
 """
 
 from __future__ import annotations
@@ -108,17 +100,20 @@ class ScoreCall:
             vocab, dtype = self._chunk_out
             self.stock_logits = (rows, positions, vocab, dtype)
 
+    def refuse_arguments(self, head: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        if args or kwargs:
+            raise UsageError(
+                f"fused_logprobs: the {self.role} model calls its output head ({type(head).__name__}) with more than "
+                "the hidden states; the fused path cannot reproduce that call. Train it without fused_logprobs."
+            )
+
     def run(self, head: torch.nn.Module, forward: Callable, hidden: torch.Tensor, args: tuple, kwargs: dict) -> Any:
         if self.targets is None:
             self.output = forward(hidden, *args, **kwargs)
             if self.reference is not None and not args and not kwargs:
                 self.referenced = self.reference(head, hidden)
             return self.output
-        if args or kwargs:
-            raise UsageError(
-                f"fused_logprobs: the {self.role} model calls its output head ({type(head).__name__}) with more than "
-                "the hidden states; the fused path cannot reproduce that call. Train it without fused_logprobs."
-            )
+        self.refuse_arguments(head, args, kwargs)
         rows = self.targets.size(0)
         packed = current_packed_positions()
         if packed is not None:

@@ -1,28 +1,18 @@
 """Shared-prompt attention: each branch attends to its group's prefix and to itself, never to another branch.
 
-Registered in transformers' `AttentionInterface` as `trl_ext_shared_sdpa` / `trl_ext_shared_eager`; a model with
-prompt_sharing enabled is switched to it (for as long as trl-ext is installed). It acts only on calls that carry the
-layout's segments (the `trl_ext_shared_groups` keyword, which transformers hands through the model to every attention
-call, also when gradient checkpointing re-runs a layer); every other call goes to the shared varlen attention of
-`toolkit.packing.attention` when that is registered (it runs packed calls), else to the model's own attention with the
-mask transformers builds for it, so generation and plain forwards are unchanged.
+Registered in transformers' `AttentionInterface` as `trl_ext_shared_sdpa` / `trl_ext_shared_eager`. It acts only on
+calls that carry the layout's segments (the `trl_ext_shared_groups` keyword, which transformers hands through the model
+to every attention call, also when gradient checkpointing re-runs a layer); every other call goes to the varlen
+attention of `toolkit.packing.attention` when that is registered, else to the model's own attention with its mask.
 
-CPU (sdpa / eager): one attention call per segment (SDPA for plain SDPA layers; the layer's own attention function,
-with an explicit mask, for eager layers and for softcapping or attention sinks). The prefix attends to itself
-causally; a branch's queries run against the prefix's keys/values followed by its own, with a bottom-right causal
-mask (every prefix key visible, the branch causal), so the cost is `P^2 + sum_b B_b (P + B_b)` per group, the cost
-of the shared layout, not of a dense mask over the row. Sliding windows are applied by position (a key at `j` is
-visible from `i` when `i - window < j <= i`), as transformers' `sliding_window_overlay` does.
+Per segment (CPU, or what the kernels lack): the prefix attends to itself causally; a branch's queries run against the
+prefix's keys/values followed by its own, with a bottom-right causal mask, so the cost is `P^2 + sum_b B_b (P + B_b)`
+per group. Sliding windows are applied by position, as transformers' `sliding_window_overlay` does.
 
-CUDA (bf16/fp16, plain sdpa; `toolkit/packing/kernels.py` chooses, once per trainer and model): one fused varlen kernel
-call per layer (`shared_segments`, `run_shared`). Its segments are every prefix (its own keys) and every branch (the
-prefix's keys followed by its own), in row order, so the queries are the row itself; the flash kernels align a causal
-mask to the bottom right when a segment has more keys than queries, which is exactly "the whole prefix, then causal",
-windows included (`window_size` counts positions the same way). The keys are gathered once per layer (`kv_index`: a
-prefix's keys once per branch). Online DPO's trailing padding (queries over the real keys only) is a second,
-non-causal call, merged back by position. The segment plan is host work on the layout's groups, built once per batch
-and cached (the reference forward and the recomputed layers reuse it). One kernel call computes each query's whole
-softmax, so no log-sum-exp merge of partial attentions is needed.
+Fused (CUDA, bf16/fp16, plain sdpa; chosen by `toolkit/packing/kernels.py`): one varlen kernel call per layer whose
+segments are every prefix and every branch (the prefix's keys then its own; the kernels' bottom-right causal alignment
+is exactly "the whole prefix, then causal", windows included), built once per batch and cached (`shared_segments`).
+Online DPO's trailing padding is a second, non-causal call, merged back by position.
 """
 
 from __future__ import annotations
@@ -48,6 +38,7 @@ from trl_ext.toolkit.packing.attention import (
     skip_mask_while,
     unregister_attention,
     varlen_attention_name,
+    visible_keys,
 )
 
 from .layout import Groups
@@ -91,21 +82,6 @@ def shared_call() -> Iterator[None]:
         yield
 
 
-def _visible(
-    q: int, k: int, offset: int, sliding_window: int | None, valid_keys: int | None, device: torch.device
-) -> torch.Tensor:
-    """Bool mask `[q, k]` of `q` queries at positions `offset..offset+q-1` over `k` keys at `0..k-1`: causal, within
-    the window, and none from `valid_keys` on."""
-    q_pos = torch.arange(offset, offset + q, device=device)[:, None]
-    k_pos = torch.arange(k, device=device)[None, :]
-    mask = k_pos <= q_pos
-    if sliding_window is not None and k > sliding_window:
-        mask = mask & (k_pos > q_pos - sliding_window)
-    if valid_keys is not None and valid_keys < k:
-        mask = mask & (k_pos < valid_keys)
-    return mask
-
-
 def _attend(
     base: str,
     module: torch.nn.Module,
@@ -134,7 +110,8 @@ def _attend(
             query, key, value, dropout_p=dropout, is_causal=True, scale=scaling,
             enable_gqa=query.shape[1] != key.shape[1],
         )  # fmt: skip
-    mask = _visible(q, k, offset, sliding_window, valid_keys, query.device)[None, None]
+    window = sliding_window if sliding_window is not None and k > sliding_window else None
+    mask = visible_keys(q, k, query.device, offset, window, valid_keys)[None, None]
     if plain:
         return F.scaled_dot_product_attention(
             query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling,

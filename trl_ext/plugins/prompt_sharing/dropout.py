@@ -21,14 +21,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["config_dropouts", "describe", "disable_dropout", "dropout_sites"]
+from trl_ext.toolkit.randomness import dropout_attribute
 
-_LAYER_DROP = ("layerdrop", "layer_drop", "drop_path", "drop_path_rate")
-
-
-def _dropout_name(name: str) -> bool:
-    lowered = name.lower()
-    return "dropout" in lowered or lowered in _LAYER_DROP
+__all__ = ["describe", "disable_dropout", "dropout_sites"]
 
 
 def dropout_sites(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, str]]:
@@ -43,18 +38,9 @@ def dropout_sites(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, st
                 sites.append((module, "p", f"{type(module).__name__}.p"))
             continue
         for name, value in vars(module).items():
-            if isinstance(value, (float, int)) and not isinstance(value, bool) and value > 0 and _dropout_name(name):
+            if dropout_attribute(name, value):
                 sites.append((module, name, f"{type(module).__name__}.{name}"))
     return sites
-
-
-def config_dropouts(config: Any) -> dict[str, float]:
-    """Positive dropout probabilities a config declares (`dropout`, `attention_dropout`, `layerdrop`, ...)."""
-    found = {}
-    for name, value in vars(config).items():
-        if isinstance(value, (float, int)) and not isinstance(value, bool) and value > 0 and _dropout_name(name):
-            found[name] = float(value)
-    return found
 
 
 def describe(sites: list[tuple[torch.nn.Module, str, str]]) -> str:

@@ -1,30 +1,18 @@
 """The shared layout: how a padded `[rows, length]` batch maps to one row in which every prompt appears once.
 
-Rows whose prompt parts are identical (same tokens, starting at the same column, so at the same positions) form a
-*group*. A group is laid out as
+Rows whose prompt parts are identical (same tokens from the same column, so at the same positions) form a *group*,
+laid out as `prompt[:-1]` (the prefix, once), then per row a branch `(prompt[-1], completion)`; the groups follow each
+other in one packed row `[1, N]`. A row whose prompt no other row shares is a group of one branch and no prefix. Each
+branch repeats the last prompt token, so the hidden state that predicts its first completion token sits in the branch
+and the usual shift of a packed row stays right (Wang & Hegde 2024, arXiv 2410.20305). Positions are the tokens'
+columns in the padded batch, as a padded forward without `position_ids` uses. A prefix token attends to the prefix
+causally; a branch token to the whole prefix and causally to its own branch. Built on the host, in the data loader
+(`PromptSharingCollator`).
 
-    prefix = prompt[:-1]        (once)
-    branch = (prompt[-1], completion of row a)
-    branch = (prompt[-1], completion of row b)
-    ...
-
-and the groups follow each other in one packed row `[1, N]`. A row whose prompt no other row shares is a group of
-one branch and no prefix (one causal segment, as plain packing lays it out). Each branch repeats the last prompt
-token, so that the hidden state which predicts the branch's first completion token sits in the branch and the usual
-`hidden[:, :-1]` / `labels[:, 1:]` shift of a packed row stays right (the layout of Wang & Hegde 2024, arXiv
-2410.20305). Positions are the tokens' columns in the padded batch,
-which is what a padded forward without `position_ids` uses (transformers' `arange`), so both branches continue from
-the prompt.
-
-A prefix token attends to the prefix causally; a branch token attends to the whole prefix and causally to its own
-branch, never to another branch. Everything is computed on the host, in the data loader (`PromptSharingCollator`),
-so the training step does no host work to build it.
-
-In the batch, the layout travels as two tensors (`SharedLayout.to_batch`): `prompt_end`, one entry per row, and
-`layout`, the whole layout serialized into one 1-D integer tensor. accelerate's batch dispatching
-(`dispatch_batches=True`, iterable datasets) concatenates batches and slices every tensor along dim 0: `prompt_end`
-stays with its rows, the serialized layout does not (a slice is shorter than any serialized layout, so it is
-recognized), and the forward rebuilds the layout from `input_ids`, `attention_mask` and `prompt_end`.
+In the batch the layout travels as two tensors (`SharedLayout.to_batch`): `prompt_end`, one entry per row, and
+`layout`, the whole layout serialized into one 1-D tensor. accelerate's batch dispatching (`dispatch_batches=True`,
+iterable datasets) slices every tensor along dim 0: `prompt_end` stays with its rows, a slice of the serialized layout
+is recognized, and the forward rebuilds the layout from `input_ids`, `attention_mask` and `prompt_end`.
 """
 
 from __future__ import annotations
@@ -49,8 +37,6 @@ LAYOUT_KEY = "trl_ext_prompt_sharing"
 #: `keys_end` on are trailing padding whose outputs the caller reads (Online DPO): they attend to the real tokens
 #: only, as in the padded forward, and no token attends to them.
 Groups = tuple[tuple[int, int, tuple[tuple[int, int, int], ...]], ...]
-
-# Batch keys of vision-language collators (images are matched to placeholder tokens per row).
 
 
 @dataclasses.dataclass

@@ -58,6 +58,7 @@ __all__ = [
     "unregister_attention",
     "unregister_varlen_attention",
     "varlen_attention_name",
+    "visible_keys",
 ]
 
 #: Attention implementations the per-segment varlen attention can stand in for.
@@ -86,15 +87,25 @@ def base_attention(base: str, module: torch.nn.Module) -> Callable:
     return ALL_ATTENTION_FUNCTIONS[base]
 
 
-def _segment_mask(n: int, sliding_window: int | None, device: torch.device) -> torch.Tensor:
-    """Causal (and sliding-window) bool mask `[1, 1, n, n]` of one sequence, as transformers builds it: key kv is
-    visible from query q when kv <= q and, with a window, q - sliding_window < kv (`sliding_window_overlay`)."""
-    q_idx = torch.arange(n, device=device)[:, None]
-    kv_idx = torch.arange(n, device=device)[None, :]
-    mask = kv_idx <= q_idx
+def visible_keys(
+    q: int,
+    k: int,
+    device: torch.device,
+    offset: int = 0,
+    sliding_window: int | None = None,
+    valid_keys: int | None = None,
+) -> torch.Tensor:
+    """Bool mask `[q, k]` of queries at positions `offset..offset+q-1` over keys at `0..k-1`, as transformers builds
+    it: key j is visible from query i when j <= i and, with a window, i - sliding_window < j
+    (`sliding_window_overlay`); none from `valid_keys` on."""
+    q_pos = torch.arange(offset, offset + q, device=device)[:, None]
+    k_pos = torch.arange(k, device=device)[None, :]
+    mask = k_pos <= q_pos
     if sliding_window is not None:
-        mask = mask & (kv_idx > q_idx - sliding_window)
-    return mask[None, None]
+        mask = mask & (k_pos > q_pos - sliding_window)
+    if valid_keys is not None and valid_keys < k:
+        mask = mask & (k_pos < valid_keys)
+    return mask
 
 
 def _segment_attention(
@@ -127,7 +138,7 @@ def _segment_attention(
             enable_gqa=query.shape[1] != key.shape[1],
         )
         return out.transpose(1, 2)
-    mask = _segment_mask(n, window, query.device)
+    mask = visible_keys(n, n, query.device, sliding_window=window)[None, None]
     if block is not None:
         mask = mask & block
     if base == "eager":
@@ -351,7 +362,10 @@ def _packed_mask(kwargs: dict[str, Any], bounds: list[int] | None, base: str) ->
 def _causal(spans: list[tuple[int, int]], patterns: list[torch.Tensor], window: int | None) -> bool:
     """Whether every sequence's pattern is causal (within `window`): one host synchronisation per row, where a
     `torch.equal` per sequence costs one each on a GPU (16 per forward in the first H200 profile)."""
-    same = [(p == _segment_mask(e - s, window, p.device)).all() for (s, e), p in zip(spans, patterns, strict=True)]
+    same = [
+        (p == visible_keys(e - s, e - s, p.device, sliding_window=window)[None, None]).all()
+        for (s, e), p in zip(spans, patterns, strict=True)
+    ]
     return bool(torch.stack(same).all()) if same else True
 
 

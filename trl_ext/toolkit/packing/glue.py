@@ -34,7 +34,6 @@ VISION_KEYS = (
     "token_type_ids",
     "mm_token_type_ids",
 )
-#: Per-token outputs of TRL's fused LM head (TRL >= 1.15), `[B, L - 1]` each, put back into the padded layout.
 
 
 def check_packable_trainer(trainer: Any, plugin: str) -> None:
