@@ -1,22 +1,16 @@
 """What a causal LM's layers do to a packed row: the mechanisms that decide whether packing is exact.
 
-Packing is exact when every layer is per-token except attention, and attention is kept inside each sequence (the
-varlen attention of `packing.attention`, flash-attention's varlen kernels, or transformers' block-diagonal
-mask) with positions that restart per sequence (`position_ids`). `inspect_model` reads the model's modules and
-config and either returns the mechanisms it found or the reason packing cannot be exact (a layer that carries state
-from token to token, attention outside transformers' attention interface whose mask packing cannot build, a dynamic
-mask, queries scaled by the row index, ALiBi biases rounded at the row index, capacity-limited routing, a window or
-chunk that only the mask applies under flash-attention, a layer that mixes the whole row: a sparse-attention indexer,
-a KV compressor, byte patches, prepended prompt tokens). Architectures checked end to end (packed == padded in
-float64, loss, MoE auxiliary loss and gradients) by the architecture sweep are listed in `VERIFIED_MODEL_TYPES`; a
-plugin that packs more selectively declares its own table with `verified_except`. Any other model is measured by the
-plugin's self-check before its first step. The refusals name the plugin that asked (`plugin`).
+Packing is exact when every layer is per-token except attention, and attention is kept inside each sequence with
+positions that restart per sequence. `inspect_model` reads the model's modules and config and returns the mechanisms
+it found or the reason packing cannot be exact, naming the layer and the plugin that asked (the refusals are listed
+in docs/plugins/padding_free.md). `VERIFIED_MODEL_TYPES` are checked end to end by the architecture sweep; a plugin
+that packs more selectively declares its own table with `verified_except`; any other model is measured by the
+plugin's self-check before its first step.
 
-ALiBi: within a block-diagonal attention the bias of a key depends on its distance to the query only up to a
-per-query constant, which softmax ignores, so Bloom and MPT pack exactly on sdpa/eager (`packing.attention` gives
-their own attention the per-sequence mask). transformers runs none of the ALiBi models with flash-attention (Falcon
-raises for `alibi=True`); a model that did would pass its slopes to the varlen kernels (`flash_attn_varlen_func(...,
-alibi_slopes=...)`), which bias by the distance inside each sequence of `cu_seqlens`, exact per sequence as well.
+ALiBi: within a block-diagonal attention a key's bias depends on its distance to the query only up to a per-query
+constant, which softmax ignores, so Bloom and MPT pack exactly on sdpa/eager (`packing.attention` gives their own
+attention the per-sequence mask). transformers runs no ALiBi model with flash-attention (Falcon raises for
+`alibi=True`); one that did would pass its slopes to the varlen kernels, which bias per sequence of `cu_seqlens`.
 """
 
 from __future__ import annotations

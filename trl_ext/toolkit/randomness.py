@@ -53,12 +53,6 @@ def _drops_out(module: torch.nn.Module) -> bool:
     return any(dropout_attribute(name, value) for name, value in vars(module).items())
 
 
-def _generator_state(device: torch.device) -> Callable[[], torch.Tensor]:
-    if device.type == "cuda":
-        return lambda: torch.cuda.get_rng_state(device)
-    return torch.get_rng_state
-
-
 def _gather(module: torch.nn.Module) -> Any:
     """Enter DeepSpeed's `GatheredParameters` for `module`'s own ZeRO-3 partitioned parameters, or None."""
     own = [p for p in module.parameters(recurse=False) if hasattr(p, "ds_id")]
@@ -83,7 +77,7 @@ def random_draws(model: torch.nn.Module, run: Callable[[], Any], training: bool 
     its submodules (the innermost drawing layer), in execution order, each once. The caller's generator state and
     the modules' modes are restored."""
     device = next(model.parameters()).device
-    state = _generator_state(device)
+    state = (lambda: torch.cuda.get_rng_state(device)) if device.type == "cuda" else torch.get_rng_state
     names = {module: name for name, module in model.named_modules()}
     frames: list[list[Any]] = []  # per call: [module, generator state after its last child returned, gathered]
     found: dict[str, RandomDraw] = {}

@@ -53,8 +53,6 @@ HELPERS: dict[str, Callable[[Callable], Callable]] = {
     _ENTROPY: entropy,  # TRL 1.10-1.13
     _LOGPROBS_AND_ENTROPY: logprobs_and_entropy,  # TRL 1.14
 }
-#: The trainer methods whose model calls return `LazyLogits`.
-SCORING_METHODS = _compat.DPO_SCORING_METHODS
 
 
 @dataclasses.dataclass

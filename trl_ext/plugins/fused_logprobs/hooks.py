@@ -68,35 +68,24 @@ def _check_model(context: Any, role: str, model: Any, trainer: Any) -> None:
     )
 
 
-def _sharded_engine(trainer: Any) -> str | None:
-    """The engine that gathers a module's parameters around its call ("DeepSpeed ZeRO-3", "FSDP"), or None."""
-    deepspeed_flag, fsdp_flag = _compat.TRAINER_SHARDING_FLAGS
-    plugin = getattr(getattr(getattr(trainer, "accelerator", None), "state", None), "deepspeed_plugin", None)
-    if getattr(trainer, deepspeed_flag, False) and getattr(plugin, "zero_stage", None) == 3:
-        return "DeepSpeed ZeRO-3"
-    if getattr(trainer, fsdp_flag, False):
-        return "FSDP"
-    return None
-
-
 def _check_engine(trainer: Any, context: Any, state: FusedState) -> None:
-    """Refuse what the head's parameter gathering under ZeRO-3 does not keep in step across ranks: a head with
-    sub-modules of its own (each chunk's call of such a sub-module would gather its parameters)."""
-    engine = _sharded_engine(trainer)
-    if engine is None:
+    """Refuse, under DeepSpeed ZeRO-3, an output head with sub-modules of its own: ZeRO-3 would gather their
+    parameters on each chunk's call, and the chunk count differs between ranks."""
+    deepspeed_flag, _ = _compat.TRAINER_SHARDING_FLAGS
+    plugin = getattr(getattr(getattr(trainer, "accelerator", None), "state", None), "deepspeed_plugin", None)
+    if not (getattr(trainer, deepspeed_flag, False) and getattr(plugin, "zero_stage", None) == 3):
         return
-    if engine == "DeepSpeed ZeRO-3":
-        for role, model in context.models().items():
-            head = output_head(model, role)
-            inner = [n for n, m in head.named_modules() if n and any(True for _ in m.parameters(recurse=False))]
-            if inner:
-                raise UsageError(
-                    f"fused_logprobs does not run under DeepSpeed ZeRO-3 with the {role} model's output head "
-                    f"({type(head).__name__}), which calls sub-modules with parameters of their own ({inner[:3]}; "
-                    "e.g. a PEFT adapter on the head): ZeRO-3 gathers their parameters on each call, once per "
-                    "chunk, and the chunk count differs between ranks. Keep adapters off the output head, use ZeRO-2 "
-                    "or DDP, or train without fused_logprobs."
-                )
+    for role, model in context.models().items():
+        head = output_head(model, role)
+        inner = [n for n, m in head.named_modules() if n and any(True for _ in m.parameters(recurse=False))]
+        if inner:
+            raise UsageError(
+                f"fused_logprobs does not run under DeepSpeed ZeRO-3 with the {role} model's output head "
+                f"({type(head).__name__}), which calls sub-modules with parameters of their own ({inner[:3]}; "
+                "e.g. a PEFT adapter on the head): ZeRO-3 gathers their parameters on each call, once per "
+                "chunk, and the chunk count differs between ranks. Keep adapters off the output head, use ZeRO-2 "
+                "or DDP, or train without fused_logprobs."
+            )
 
 
 def _scores(context: Any) -> bool:

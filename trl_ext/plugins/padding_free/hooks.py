@@ -10,12 +10,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from trl_ext import _compat
-from trl_ext.api import Patcher, UsageError, current_call, get_logger, hookimpl
+from trl_ext.api import UsageError, current_call, get_logger, hookimpl
 from trl_ext.toolkit.packing.attention import (
     VARLEN_BASES,
     register_varlen_attention,
     switch_attention,
-    unregister_varlen_attention,
     varlen_attention_name,
 )
 from trl_ext.toolkit.packing.glue import (
@@ -159,7 +158,7 @@ def _configure_model(context, role: str, model) -> str:
     if state.attention == "dense":
         return impl
     # Held per trainer (not per installation): the trainer keeps its plugins after `uninstall()`.
-    context.patch("process", _register_attention, key="varlen_attention")
+    context.patch("process", register_varlen_attention, key="varlen_attention")
     switch_attention(context.patcher, config, varlen_attention_name(impl))
     return varlen_attention_name(impl)
 
@@ -192,24 +191,16 @@ def trl_ext_make_model_forward(trainer: Trainer, context: TrainerContext, role: 
 def trl_ext_trainer_models_ready(trainer: Trainer, context: TrainerContext) -> None:
     state = _check_trainer(trainer, context)
     for role, model in context.models().items():
-        _choose_kernel(state, role, model, trainer, context)
+        # models switched to the varlen attention: one fused kernel per layer where it runs (`toolkit.packing.kernels`)
+        impl = state.attn_implementations[role]
+        base = next((b for b in VARLEN_BASES if impl == varlen_attention_name(b)), None)
+        if base is not None:
+            state.kernels[role] = choose_for_model(
+                model, base, state.attention, trainer, NAME, patcher=context.patcher
+            )
         check_model(state, role, model, trainer)
     logger.info("padding_free: packing %s", state.attn_implementations)
     log_choices(logger, NAME, state.kernels)
-
-
-def _choose_kernel(state: PaddingFreeState, role: str, model, trainer, context: TrainerContext) -> None:
-    """The kernel of a model switched to the varlen attention (`toolkit.packing.kernels`): one fused varlen kernel per
-    layer on CUDA in bf16/fp16, else the per-segment loop; `attention: fused` where it cannot run raises here."""
-    impl = state.attn_implementations[role]
-    base = next((b for b in VARLEN_BASES if impl == varlen_attention_name(b)), None)
-    if base is not None:
-        state.kernels[role] = choose_for_model(model, base, state.attention, trainer, NAME, patcher=context.patcher)
-
-
-def _register_attention(patcher: Patcher) -> None:
-    register_varlen_attention()
-    patcher.defer(unregister_varlen_attention)
 
 
 def row_limit(model) -> int | None:
@@ -280,14 +271,7 @@ def trl_ext_describe(trainer: Trainer, context: TrainerContext) -> str | None:
 
 
 class PaddingFreeCollator(AnnotatingCollator):
-    """Wraps a preference collator and adds the packing metadata under `trl_ext_packing`.
-
-    The padded batch is kept as it is (TRL reads `completion_mask` and `attention_mask` from it); the metadata is
-    computed here, in the data-loader process, so the training step does no host work to pack.
-
-    Args:
-        collator (`Callable`): the collator to wrap (TRL's `DataCollatorForPreference` or a user's).
-    """
+    """Wraps a preference collator and adds the packing metadata under `trl_ext_packing` (see `AnnotatingCollator`)."""
 
     plugin = NAME
 
@@ -387,17 +371,7 @@ def _make_backbone_forward(original: Callable, state: PaddingFreeState, limit: i
         outputs.last_hidden_state = unpack_rows(outputs.last_hidden_state, info)
         return outputs
 
-    @functools.wraps(original)
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        meta = kwargs.pop(PACKING_KEY, None)
-        args = positional_input_ids(args, kwargs)
-        if args or not scoring_call(kwargs):
-            return original(*args, **kwargs)
-        if limit is not None and (info := packing_metadata(kwargs["attention_mask"])).num_tokens > limit:
-            return _split_call(run, kwargs, info, limit)
-        return run(kwargs, meta)
-
-    return forward
+    return _packing_forward(original, run, limit)
 
 
 def _make_causal_lm_forward(original: Callable, state: PaddingFreeState, limit: int | None = None) -> Callable:
@@ -425,21 +399,31 @@ def _make_causal_lm_forward(original: Callable, state: PaddingFreeState, limit: 
         fused = bool(kwargs.get("fused_lm_head"))
         return repad_outputs(outputs, fused, lambda x: unpack_rows(x, info), lambda x: unpack_shifted(x, info))
 
-    @functools.wraps(original)
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        meta = kwargs.pop(PACKING_KEY, None)
-        args = positional_input_ids(args, kwargs)
-        if args or not scoring_call(kwargs):
-            if (
-                kwargs.get("use_cache") is False
-                and isinstance(kwargs.get("attention_mask"), torch.Tensor)
-                and not current_call().stock
-            ):
+    def unpacked(kwargs: dict[str, Any]) -> None:
+        if kwargs.get("use_cache") is False and isinstance(kwargs.get("attention_mask"), torch.Tensor):
+            if not current_call().stock:
                 # A scoring call on a padded batch that packing cannot reproduce (e.g. `output_hidden_states`): it
                 # runs padded, which is correct; say so once instead of hiding it.
                 state.unpacked_calls += 1
                 if state.unpacked_calls == 1:
                     logger.warning("padding_free: a forward with %s ran padded (not packable)", sorted(kwargs))
+
+    return _packing_forward(original, run, limit, unpacked)
+
+
+def _packing_forward(
+    original: Callable, run: Callable, limit: int | None, unpacked: Callable | None = None
+) -> Callable:
+    """`original`, its packable scoring calls run by `run(kwargs, meta)` (split by `_split_call` where the model has a
+    row `limit`); any other call runs as it came, seen first by `unpacked(kwargs)`."""
+
+    @functools.wraps(original)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        meta = kwargs.pop(PACKING_KEY, None)
+        args = positional_input_ids(args, kwargs)
+        if args or not scoring_call(kwargs):
+            if unpacked is not None:
+                unpacked(kwargs)
             return original(*args, **kwargs)
         if limit is not None and (info := packing_metadata(kwargs["attention_mask"])).num_tokens > limit:
             return _split_call(run, kwargs, info, limit)

@@ -30,6 +30,7 @@ from trl_ext.api import CallSlot, InternalError, UsageError
 from trl_ext.toolkit.packing import kernels, segments
 from trl_ext.toolkit.packing.attention import (
     VARLEN_BASES,
+    additive_mask,
     base_attention,
     fused_kernel,
     packed_or_base_attention,
@@ -118,9 +119,7 @@ def _attend(
             enable_gqa=query.shape[1] != key.shape[1],
         )  # fmt: skip
     if base == "eager":
-        mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill_(
-            ~mask, torch.finfo(query.dtype).min
-        )
+        mask = additive_mask(mask, query.dtype)
     out, _ = base_attention(base, module)(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
     return out.transpose(1, 2)
 
@@ -304,12 +303,15 @@ def _make_shared_attention(base: str) -> Callable:
     return shared_attention_forward
 
 
-def register_shared_attention() -> None:
-    """Register `trl_ext_shared_sdpa` / `trl_ext_shared_eager` with transformers (idempotent)."""
+def register_shared_attention(patcher: Any = None) -> None:
+    """Register `trl_ext_shared_sdpa` / `trl_ext_shared_eager` with transformers (idempotent); removed again when
+    `patcher` (if given) is undone."""
     for base in SHARED_BASES:
         name = shared_attention_name(base)
         mask = skip_mask_while(_SHARED_CALL.get, name, functools.partial(packed_or_base_mask, base))
         register_attention(name, _make_shared_attention(base), mask)
+    if patcher is not None:
+        patcher.defer(unregister_shared_attention)
 
 
 def unregister_shared_attention() -> None:

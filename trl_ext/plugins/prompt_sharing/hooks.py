@@ -62,10 +62,15 @@ def trl_ext_make_model_forward(
 
 @hookimpl
 def trl_ext_call(trainer: Trainer, context: TrainerContext, call: Any) -> Any:
-    # Online DPO's `_forward`; outside fused_logprobs' when both take part (registered later: called first).
-    from .setup import online_forward_call
+    # Online DPO's `_forward`; outside fused_logprobs' when both take part (registered later: called first). The model
+    # call inside learns its prompt columns (`forward.online_forward`).
+    from trl_ext import _compat
 
-    return online_forward_call(trainer, context, call)
+    from .forward import online_forward
+    from .setup import state_of
+
+    max_length = getattr(trainer, _compat.ONLINE_DPO_MAX_LENGTH_ATTR, None)
+    return online_forward(call, state_of(context).online_own, max_length)
 
 
 @hookimpl(trylast=True)

@@ -374,15 +374,8 @@ def prompt_end_from_labels(labels: torch.Tensor, attention_mask: torch.Tensor) -
 
 
 class PromptSharingCollator(AnnotatingCollator):
-    """Wraps a preference collator and adds the shared layout under `trl_ext_prompt_sharing`.
-
-    The padded batch is kept as it is (TRL reads `completion_mask`, `attention_mask` and the reference columns from
-    it); the layout is computed here, in the data-loader process.
-
-    Args:
-        collator (`Callable`): the collator to wrap (TRL's `DataCollatorForPreference` or a user's): it must return
-            `input_ids`, a 2D `attention_mask` and a `completion_mask`.
-    """
+    """Wraps a preference collator (it must return `input_ids`, a 2D `attention_mask` and a `completion_mask`) and adds
+    the shared layout under `trl_ext_prompt_sharing` (see `AnnotatingCollator`)."""
 
     plugin = "prompt_sharing"
     token_layout = "prompt-shared"

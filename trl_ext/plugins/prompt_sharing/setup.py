@@ -6,7 +6,7 @@ import dataclasses
 from typing import Any
 
 from trl_ext import _compat
-from trl_ext.api import Patcher, UsageError, get_logger
+from trl_ext.api import UsageError, get_logger
 from trl_ext.toolkit.architecture import inspect_model, verified_except
 from trl_ext.toolkit.online_forward import verify_against_trl
 from trl_ext.toolkit.packing.attention import switch_attention
@@ -16,9 +16,9 @@ from trl_ext.toolkit.probe import model_probe_lengths, training_max_length
 from trl_ext.toolkit.randomness import describe_draws, training_draws
 from trl_ext.toolkit.roles import PACKING as PACKING_ROLE
 
-from .attention import base_of, register_shared_attention, shared_attention_name, unregister_shared_attention
+from .attention import base_of, register_shared_attention, shared_attention_name
 from .dropout import describe, disable_dropout, dropout_sites
-from .forward import is_trl_online_forward, make_causal_lm_forward, online_forward
+from .forward import is_trl_online_forward, make_causal_lm_forward
 from .layout import SharedLayout
 from .moe import MoeAuxLoss
 from .selfcheck import SelfCheckResult, self_check
@@ -146,11 +146,6 @@ NOT_VERIFIED = {
 VERIFIED_MODEL_TYPES = verified_except(NOT_VERIFIED)
 
 
-def _register_attention(patcher: Patcher) -> None:
-    register_shared_attention()
-    patcher.defer(unregister_shared_attention)
-
-
 def configure_model(context: Any, role: str, model: Any) -> str:
     """Check one causal LM and switch its attention to the shared attention; returns the implementation it runs.
 
@@ -194,11 +189,9 @@ def configure_model(context: Any, role: str, model: Any) -> str:
             f'`{impl}`. Load it with `attn_implementation="sdpa"`, {instead}.'
         )
     # Held per trainer (not per installation): the trainer keeps its plugins after `uninstall()`.
-    context.patch("process", _register_attention, key="prompt_sharing_attention")
+    context.patch("process", register_shared_attention, key="prompt_sharing_attention")
     name = shared_attention_name(base)
     if impl != name:
-        # A property over `_attn_implementation_internal` (transformers 5); never serialized, so checkpoints keep the
-        # user's choice (configuration_utils.py `_remove_keys_not_serialized`).
         switch_attention(context.patcher, config, name)
     return name
 
@@ -330,13 +323,6 @@ def model_forward(trainer: Any, context: Any, role: str, model: Any) -> Any:
     base = base_of(state.attn_implementations[role]) or "sdpa"
     state.kernels[role] = choose_for_model(model, base, state.attention, trainer, NAME, patcher=context.patcher)
     return make_causal_lm_forward(model.forward, state, role, None, MoeAuxLoss.of(model))
-
-
-def online_forward_call(trainer: Any, context: Any, call: Any) -> Any:
-    """One call of Online DPO's `_forward` (prompt_sharing's `trl_ext_call`): the model call inside learns its prompt
-    columns (`forward.online_forward`)."""
-    state = state_of(context)
-    return online_forward(call, state.online_own, getattr(trainer, _compat.ONLINE_DPO_MAX_LENGTH_ATTR, None))
 
 
 def check_models(trainer: Any, context: Any) -> None:
