@@ -1,16 +1,11 @@
 """Sizing and reference of the packing plugins' self-checks: what training will feed, and the stock forward.
 
-A self-check can only see a locality (a sliding window, a chunk, any mask function) that is shorter than one of its
-probe sequences. So its probe is sized from what the trainer will feed, not from a fixed constant:
-
-- one probe sequence is as long as the longest sequence the trainer will feed (`training_max_length`): any locality
-  shorter than a training sequence then acts inside the probe, whether the config declares it or not;
-- the other probe sequences are longer than every locality the config declares (`declared_localities`), capped at that
-  longest length (a window longer than every training sequence never acts, in stock TRL or packed).
-
-The reference is the model's own *stock padded* forward (`stock_forward`): its original attention implementation, the
-padded batch with its `attention_mask`, `use_cache=False`, as TRL's scoring forward calls it; never another trl-ext
-path.
+A self-check only sees a locality (a window, a chunk, any mask function) shorter than one of its probe sequences, so
+one probe sequence is as long as the longest sequence the trainer will feed (`training_max_length`) and the others are
+longer than every locality the config declares (`declared_localities`), capped at that length (a window longer than
+every training sequence never acts, stock or packed). The reference is the model's own *stock padded* forward
+(`stock_forward`: its original attention, the padded batch with its `attention_mask`, `use_cache=False`, as TRL's
+scoring forward calls it), never another trl-ext path.
 """
 
 from __future__ import annotations

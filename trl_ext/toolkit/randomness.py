@@ -1,15 +1,10 @@
 """Random numbers a model draws in its forward in training mode, found by measurement and named by layer.
 
-Dropout is found by its sites (`prompt_sharing/dropout.py`: `nn.Dropout` modules and dropout attributes); other
-training-mode randomness has no such sign. PhiMoE's router, for one, samples its experts (`sparsemixer`: Gumbel
-sampling and a random Heun mask, drawn only when `self.training`), and DBRX's router jitters its input
-(`moe_jitter_eps`). Such a draw changes the forward's values only now and then (PhiMoE's only where two experts'
-scores are within `router_jitter_noise` of each other), so comparing two forwards may not see it. What does show it,
-always, is the random number generator: `random_draws` runs one forward and reports each module that advanced the
-generator of the model's device while it ran (outside the calls of its own submodules), in execution order.
-
-Packed or shared rows draw those numbers on other tensor shapes than the padded batch, so they get other samples
-than stock TRL for the same batch, and a shared prompt gets one sample where the padded batch draws two.
+Besides dropout, layers may sample in training (PhiMoE's router: Gumbel sampling and a random Heun mask; DBRX's router
+jitters its input), which changes the forward's values only now and then, so comparing two forwards may not see it.
+The random number generator always does: `random_draws` runs one forward and reports each module that advanced the
+generator of the model's device while it ran (outside its submodules' calls), in execution order. Packed or shared
+rows draw on other tensor shapes than the padded batch, so they get other samples than stock TRL.
 """
 
 from __future__ import annotations

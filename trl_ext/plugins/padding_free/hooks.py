@@ -95,11 +95,6 @@ class PaddingFreeState:
         return text + (f"; {self.unpacked_calls} calls ran padded" if self.unpacked_calls else "")
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Configuration
-# ---------------------------------------------------------------------------------------------------------------------
-
-
 def _state(context) -> PaddingFreeState:
     state = context.state.get(NAME)
     if state is None:

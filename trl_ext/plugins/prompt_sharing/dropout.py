@@ -1,18 +1,10 @@
-"""Dropout under prompt sharing: every dropout a model applies is found, and turned off or refused.
+"""Dropout under prompt sharing: every dropout a model applies is found, and turned off or refused (a shared prompt
+would see one dropout mask where the padded forward draws two).
 
-A shared prompt is computed once for both responses, so in training mode both would see one dropout mask on the
-prompt where the padded forward draws two independent ones: the loss would follow another distribution. So a model
-that drops anything in training mode is not shared as it is:
-
-- with `disable_dropout=True` (TRL's default) every dropout site is set to 0 for as long as the trainer keeps its
-  plugins, including those TRL's `disable_dropout` misses (it zeroes `nn.Dropout` modules only; OPT, for one, applies
-  `nn.functional.dropout` with float attributes taken from `config.dropout`, and a layer drop);
-- with `disable_dropout=False`, a model with a dropout site is refused.
-
-A site is an `nn.Dropout*` module with `p > 0`, or a positive float attribute of a module whose name says dropout
-(`dropout`, `attention_dropout`, `activation_dropout`, ...) or layer drop (`layerdrop`). Dropout read from the config
-inside `forward` has no module attribute to set; `setup.refuse_random_draws` finds it by the random numbers the
-forward draws in training mode (`trl_ext.toolkit.randomness`) and refuses the model, naming the layer.
+A site is an `nn.Dropout*` module with `p > 0`, or a positive float attribute of a module whose name says dropout or
+layer drop (`toolkit.randomness.dropout_attribute`): TRL's `disable_dropout` zeroes `nn.Dropout` modules only, OPT
+for one applies `nn.functional.dropout` with float attributes taken from `config.dropout`. Dropout read from the
+config inside `forward` has no attribute to set: `setup.refuse_random_draws` finds it by the random numbers drawn.
 """
 
 from __future__ import annotations

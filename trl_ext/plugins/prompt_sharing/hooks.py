@@ -1,4 +1,5 @@
-"""The hook implementations of `prompt_sharing` (declared in its package), imported when the plugin is registered."""
+"""The hook implementations of `prompt_sharing` (declared in its package), imported when the plugin is registered;
+the behaviour lives in .setup, .layout, .attention, .forward and .selfcheck."""
 
 from __future__ import annotations
 
@@ -14,10 +15,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from trl_ext.api import TrainerContext
 
 logger = get_logger(__name__)
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Hooks (behaviour lives in .setup, .layout, .attention, .forward, .selfcheck)
-# ---------------------------------------------------------------------------------------------------------------------
 
 
 @hookimpl

@@ -49,17 +49,15 @@ class SharedLayout:
         position_ids (`torch.LongTensor` of shape `(1, N)`): the column of each shared token (its padded position).
         real_flat (`torch.LongTensor` of shape `(M,)`), real_shared (`(M,)`): every real token of the padded batch
             (flat position) and the shared token that stands for it.
-        shift_flat (`torch.LongTensor` of shape `(K,)`), shift_shared (`(K,)`): every position `(r, p)` of a shifted
-            per-token output (`[:, :-1]` predicting `[:, 1:]`, flat in `rows * (length - 1)`) whose two tokens are
-            real, and the shared position whose hidden state predicts it.
-        label_starts (`torch.LongTensor`): shared positions whose label must be -100 (the first token of every segment
-            that no shared hidden state predicts: a group's first token, and the repeated prompt token of every branch
-            after the first).
+        shift_flat (`(K,)`), shift_shared (`(K,)`): every position of a shifted per-token output (flat in
+            `rows * (length - 1)`) whose two tokens are real, and the shared position whose hidden state predicts it.
+        label_starts (`torch.LongTensor`): shared positions whose label must be -100 (a group's first token, and the
+            repeated prompt token of every branch after the first: no shared hidden state predicts them).
         groups (`Groups`): the segments, as host ints, for the attention.
-        shared_rows (`int`): rows that share their prompt with another row; unshared_rows: the others.
+        shared_rows (`int`), unshared_rows (`int`): rows that share their prompt with another row, and the others.
         padded_tokens (`int`): real tokens of the padded batch (`M`).
-        prompt_end (`torch.LongTensor` of shape `(rows,)`, on the host): the `prompt_end` the layout was built from,
-            -1 where none was given; what the layout is rebuilt from when accelerate's dispatching cut it.
+        prompt_end (`torch.LongTensor` of shape `(rows,)`, on the host): the `prompt_end` built from (-1: none given),
+            what the layout is rebuilt from when accelerate's dispatching cut it.
     """
 
     rows: int
@@ -195,31 +193,22 @@ def build_layout(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     prompt_end: torch.Tensor | list[int] | None,
-    share: bool = True,
     trailing_padding: bool = False,
 ) -> SharedLayout:
-    """The shared layout of a padded batch.
+    """The `SharedLayout` of a padded batch `input_ids` (`[rows, length]`, its `attention_mask` 1 on real tokens,
+    contiguous in every row), on the device of `input_ids`.
 
-    Args:
-        input_ids (`torch.LongTensor` of shape `(rows, length)`): the padded batch.
-        attention_mask (`torch.Tensor` of shape `(rows, length)`): 1 on real tokens (contiguous in every row).
-        prompt_end (`torch.Tensor` or `list[int]` of length `rows`, or `None`): for each row, the column where its
-            completion starts (the row's end when it has no completion token). `None`: nothing is shared.
-        share (`bool`, *optional*, defaults to `True`): `False` gives the unshared packed layout (every row one
-            segment), which the self-check compares with.
-        trailing_padding (`bool`, *optional*, defaults to `False`): also compute the padding after each row's real
-            tokens (as queries over the real tokens only, exactly what a padded forward gives there). Online DPO logs
-            metrics summed over every completion column, padding included (online_dpo_trainer.py `objective/kl`,
-            `objective/entropy`, `objective/non_score_reward`, checked 1.12.0 and 1.16.0).
-
-    Returns:
-        `SharedLayout`, on the device of `input_ids`.
+    `prompt_end`: for each row, the column where its completion starts (the row's end without a completion token);
+    `None`: nothing is shared (every row one segment).
+    `trailing_padding`: also compute the padding after each row's real tokens (queries over the real tokens only, what
+    a padded forward gives there): Online DPO logs metrics summed over every completion column, padding included
+    (online_dpo_trainer.py `objective/kl`, `objective/entropy`, `objective/non_score_reward`, checked 1.12.0, 1.16.0).
     """
     device = input_ids.device
     rows, length = input_ids.shape
     starts, ends = _row_bounds(attention_mask)
+    share = prompt_end is not None
     if prompt_end is None:
-        share = False
         ends_of_prompt = ends
     else:
         ends_of_prompt = prompt_end.tolist() if isinstance(prompt_end, torch.Tensor) else list(prompt_end)

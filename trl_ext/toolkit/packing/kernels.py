@@ -410,11 +410,6 @@ def kernel_inputs(kernel: Kernel, *tensors: torch.Tensor) -> list[torch.Tensor]:
     return [t[0].transpose(0, 1).to(dtype).contiguous() for t in tensors]
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# One packed row in one call
-# ---------------------------------------------------------------------------------------------------------------------
-
-
 def run_packed(
     kernel: Kernel,
     query: torch.Tensor,

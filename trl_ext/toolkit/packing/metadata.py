@@ -1,11 +1,9 @@
 """Packing metadata: how a padded batch maps to one packed row, and back.
 
-A padded batch `input_ids [R, L]` with an `attention_mask` is packed into one row `[1, N]` (N = the number of real
-tokens) whose `position_ids` restart at 0 for every sequence. The model runs on the packed row and its outputs are put
-back into the padded layout, so everything above the model (TRL's loss, metrics, token counts) is unchanged.
-
-`packed_call` marks a forward as packed in the call context, for the attention of `attention.py`. Nothing here
-imports TRL or transformers.
+A padded batch `input_ids [R, L]` with an `attention_mask` is packed into one row `[1, N]` of its real tokens, whose
+`position_ids` restart at 0 for every sequence; the outputs are put back into the padded layout, so everything above
+the model (TRL's loss, metrics, token counts) is unchanged. `packed_call` marks a forward as packed in the call
+context, for the attention of `attention.py`. Nothing here imports TRL or transformers.
 """
 
 from __future__ import annotations

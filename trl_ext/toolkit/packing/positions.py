@@ -1,12 +1,9 @@
 """Where a packed model call computes each position of the padded batch it stands for.
 
-A packing plugin that runs a padded `[rows, length]` call on one packed row `[1, N]` announces, around that call
-(`packed_positions`), which packed position computes each padded position. A module inside the model that works on
-per-position inputs (fused_logprobs' output head, which scores chosen padded positions) reads the announcement
-(`current_packed_positions`) and, when it returns its output in the padded layout already, says so
-(`PackedPositions.padded_output`): the packing plugin then leaves that output as it is instead of unpacking it.
-
-Nothing here imports TRL or transformers; torch is imported at module level.
+A packing plugin that runs a padded `[rows, length]` call on one packed row `[1, N]` announces around it
+(`packed_positions`) which packed position computes each padded position. A module inside that works on per-position
+inputs (fused_logprobs' output head) reads it (`current_packed_positions`) and, when it returns the padded layout
+itself, says so (`PackedPositions.padded_output`): the packing plugin then leaves that output as it is.
 """
 
 from __future__ import annotations

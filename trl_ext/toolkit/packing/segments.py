@@ -42,8 +42,7 @@ _CACHE_SIZE = 8
 
 
 def cached_segments(key: tuple, device: torch.device, build: Callable[[], _T]) -> _T:
-    """The segments of `key` (host ints that describe the row) on `device`: built once, then reused by every layer,
-    by the reference forward of the same batch and by the layers gradient checkpointing recomputes."""
+    """The segments of `key` (host ints that describe the row) on `device`, built once by `build()`."""
     full = (key, str(device))
     if full in _CACHE:
         _CACHE.move_to_end(full)
