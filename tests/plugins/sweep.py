@@ -685,7 +685,7 @@ def shared_model(context, state, model) -> None:
     setup.handle_dropout(context, "policy", model, trainer)
     setup.refuse_acting_chunks(context, "policy", model, trainer)
     setup.refuse_random_draws(context, "policy", model)
-    forward = make_causal_lm_forward(model.forward, state, "policy", None, MoeAuxLoss.of(model))
+    forward = make_causal_lm_forward(model.forward, state, MoeAuxLoss.of(model))
     context.patcher.setattr(model, "forward", forward)
     if state.self_check is True or model.config.model_type not in setup.VERIFIED_MODEL_TYPES:
         setup.run_self_check(context, state, "policy", model, trainer)

@@ -90,10 +90,6 @@ def verified_except(excluded: Mapping[str, str]) -> tuple[str, ...]:
     return tuple(t for t in VERIFIED_MODEL_TYPES if t not in excluded)
 
 
-def _advice(plugin: str) -> str:
-    return f"Train this model without {plugin} (leave `{plugin}` unset)."
-
-
 @dataclasses.dataclass
 class Inspection:
     """What `inspect_model` found.
@@ -148,16 +144,9 @@ def _stateful_module(model: torch.nn.Module) -> tuple[str, torch.nn.Module] | No
 
 
 def _row_mixing_layer(model: torch.nn.Module) -> tuple[str, str, str] | None:
-    """A layer that mixes the tokens of a row outside attention's per-sequence keys, found by the module it runs: the
-    layer, the mechanism's name and what it does; None when there is none. A packed row would mix its sequences there:
-
-    - a sparse-attention indexer (DeepSeek-V3.2, GLM-MoE-DSA, ...): picks each query's top `index_topk` keys of the
-      row by learned scores, against the padded attention mask (the packed row has none);
-    - a KV compressor (DeepSeek-V4): appends entries that each summarize a window of the row's tokens;
-    - a byte patcher with a global transformer (BLT): groups the row's bytes into patches and attends across them;
-    - prepended prompt tokens (CPM-Ant): learned tokens before every row, and a mask derived from the token ids;
-    - positions numbered from the padding id (RoBERTa and its copies): offsets the packed position ids do not carry.
-    """
+    """A layer that would mix the sequences of a packed row outside attention's per-sequence keys (a sparse-attention
+    indexer: DeepSeek-V3.2, GLM-MoE-DSA; a KV compressor: DeepSeek-V4; byte patches: BLT; prepended prompt tokens:
+    CPM-Ant; positions numbered from the padding id: RoBERTa): the layer, the mechanism's name and what it does."""
     config = model.config
     for name, module in model.named_modules():
         cls = type(module).__name__
@@ -288,7 +277,7 @@ def inspect_model(
     config = model.config
     model_type = getattr(config, "model_type", None)
     verified = model_type in verified_types
-    _ADVICE = _advice(plugin)
+    _ADVICE = f"Train this model without {plugin} (leave `{plugin}` unset)."
     stateful = _stateful_module(model)
     if stateful is not None:
         name, module = stateful

@@ -61,20 +61,11 @@ _CROSS_ENTROPY_DEFAULTS = {
 
 
 class Root:
-    """What the `LazyLogits` derived from one model output share: the head, its autocast state, the chunk, the scored
-    positions (flat, over the output's positions) and the per-position results computed so far.
-
-    Args:
-        head (`Callable`): the output head module.
-        autocast (`Callable`): returns the autocast context the head ran under in the model's forward.
-        chunk (`int`): positions per chunk.
-        scored (`torch.Tensor`): flat bool mask over the output's positions: those TRL keeps.
-        stats (`Iterable[str]`, *optional*): names of `STATS` to store during the first log-prob pass.
-        grad (`bool`, *optional*, defaults to `True`): whether the model's forward ran with gradients enabled (stock
-            logits of a forward under `no_grad`, the reference's, carry none, so neither do these).
-        vocab (`int`, *optional*): the vocabulary size (default: read from `head`).
-        parameters (`Iterable[torch.Tensor]`, *optional*): the head's parameters (default: `head.parameters()`).
-    """
+    """What the `LazyLogits` derived from one model output share: the `head`, a factory of the `autocast` context it
+    ran under, the `chunk`, the `scored` positions (a flat bool mask over the output's positions: those TRL keeps), the
+    `STATS` to store during the first log-prob pass, whether the model's forward ran with gradients (`grad`: the
+    reference's under `no_grad` carries none), the `vocab` size and the head's `parameters` (default: read from
+    `head`), and the per-position results computed so far (`cache`)."""
 
     def __init__(
         self,

@@ -232,16 +232,10 @@ def _unpack_outputs(outputs: Any, layout: SharedLayout, fused: bool) -> Any:
     return repad_outputs(outputs, fused, lambda x: unpack(x, layout), lambda x: unpack_shifted(x, layout))
 
 
-def make_causal_lm_forward(
-    original: Callable, state: Any, role: str, check: Callable | None, aux_loss: MoeAuxLoss | None = None
-) -> Callable:
-    """Causal-LM forward: run the shared row, return outputs in the padded layout.
-
-    `check(run, kwargs, layout, outputs, role)` (the self-check) is called on the first shared call, with `run` a
-    function that runs the wrapped forward on another layout. `aux_loss` (MoE models whose auxiliary loss is on,
-    `moe.MoeAuxLoss`) captures the router logits of the shared call and recomputes the auxiliary loss in the padded
-    layout.
-    """
+def make_causal_lm_forward(original: Callable, state: Any, aux_loss: MoeAuxLoss | None = None) -> Callable:
+    """Causal-LM forward: run the shared row, return outputs in the padded layout. `aux_loss` (MoE models whose
+    auxiliary loss is on, `moe.MoeAuxLoss`) captures the router logits of the shared call and recomputes the auxiliary
+    loss in the padded layout."""
 
     def run(kwargs: dict[str, Any], layout: SharedLayout) -> Any:
         # announced to the modules inside (fused_logprobs' output head scores padded positions from the shared row)
@@ -273,8 +267,6 @@ def make_causal_lm_forward(
             return original(*args, **kwargs)
         outputs = run(kwargs, layout)
         state.record(layout)
-        if check is not None:
-            check(run, kwargs, layout, outputs, role)
         return outputs
 
     return forward

@@ -322,7 +322,7 @@ def model_forward(trainer: Any, context: Any, role: str, model: Any) -> Any:
     refuse_random_draws(context, role, model)
     base = base_of(state.attn_implementations[role]) or "sdpa"
     state.kernels[role] = choose_for_model(model, base, state.attention, trainer, NAME, patcher=context.patcher)
-    return make_causal_lm_forward(model.forward, state, role, None, MoeAuxLoss.of(model))
+    return make_causal_lm_forward(model.forward, state, MoeAuxLoss.of(model))
 
 
 def check_models(trainer: Any, context: Any) -> None:

@@ -60,16 +60,8 @@ FUSED_DTYPES = (torch.bfloat16, torch.float16)
 
 @dataclasses.dataclass(frozen=True)
 class Kernel:
-    """A fused varlen attention kernel.
-
-    Args:
-        name (`str`): as logged (`"varlen_attn"`, `"flash_attn"`).
-        devices (`tuple[str, ...]`): device types it runs on.
-        dtypes (`tuple[torch.dtype, ...]`): dtypes it runs in.
-        windows (`bool`): whether it applies causal sliding windows itself.
-        call (`Callable`): `(q, k, v, cu_q, cu_k, max_q, max_k, *, causal, window, scale) -> out [T_q, H_q, D]`.
-        scales (`bool`): whether it takes a scale other than `head_dim ** -0.5`.
-    """
+    """A fused varlen attention kernel: its `name` as logged, the device types and dtypes it runs on, whether it
+    applies causal sliding `windows` itself and takes a scale other than `head_dim ** -0.5` (`scales`), its `call`."""
 
     name: str
     devices: tuple[str, ...]
