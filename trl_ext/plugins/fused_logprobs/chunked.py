@@ -94,14 +94,13 @@ def cuda_free_bytes(device: torch.device) -> int:
 
 class _TargetLogprobs(torch.autograd.Function):
     """`(logits.gather(targets) - logsumexp(logits), logsumexp(logits))` of `[n, V]` logits in the accumulation dtype,
-    the logits upcast inside (not kept as a second `[n, V]` copy) and its gradient written in one `[n, V]` buffer.
+    the logits upcast inside (not kept as a second copy), the log-sum-exp without gradient.
 
-    Autograd's own graph of the same expression (cast, gather, logsumexp, subtraction) allocates in its backward the
-    softmax, its product with the gradient, a zero tensor for the gather, their sum and the cast back: five `[n, V]`
-    tensors per chunk. This backward computes `exp(logits - lse) * -g`, adds `g` at the targets in place and casts
-    once. The operations and their order per element are autograd's (`logsumexp_backward`, then the sum of the two
-    gradients), so the gradient is bitwise the same (`test_target_logprobs_gradient_bitwise`). The log-sum-exp is
-    returned without gradient (the statistics `lazy.py` stores read it)."""
+    Autograd's backward of the same expression allocates five `[n, V]` tensors per chunk (the softmax, its product with
+    the gradient, a zero tensor for the gather, their sum, the cast back); this one computes `exp(logits - lse) * -g`,
+    adds `g` at the targets in place and casts once: autograd's operations in its order per element (its
+    `logsumexp_backward`, then the sum), so the gradient is bitwise the same (`test_target_logprobs_gradient_bitwise`).
+    """
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, known: torch.Tensor | None):  # type: ignore[override]
@@ -163,13 +162,11 @@ def frozen_head_chunk(
 ) -> torch.Tensor:
     """A chunk through a head none of whose parameters needs a gradient, the hidden states needing one.
 
-    Each log-prob depends on its own row of hidden states only, so its gradient is `g_i * d(value_i)/d(hidden_i)`:
-    the forward computes `d(value_i)/d(hidden_i)` for every row at once (the head's own backward of the logits'
-    gradient for `g = 1`, `[n, H]`, as large as the hidden states a checkpoint keeps) and the backward scales it by
-    the incoming gradient. Two head matmuls per chunk, both in the forward, none in the backward (no recompute): a
-    frozen head (a LoRA backbone, a frozen output layer) costs what stock's logits and d(hidden) cost. Equal to the
-    checkpointed path up to the order of one multiplication by `g_i` (float64: 1e-15 relative;
-    `test_frozen_head_no_backward_matmul`). `observe(logits, lse)` sees the chunk's logits (detached) and
+    Each log-prob depends on its own row of hidden states only, so its gradient is `g_i * d(value_i)/d(hidden_i)`: the
+    forward computes `d(value_i)/d(hidden_i)` for every row at once (`[n, H]`, the size of what a checkpoint keeps) and
+    the backward scales it by the incoming gradient: two head matmuls per chunk, both in the forward, as stock's logits
+    and d(hidden). Equal to the checkpointed path up to the order of one multiplication by `g_i` (float64: 1e-15
+    relative; `test_frozen_head_no_backward_matmul`). `observe(logits, lse)` sees the chunk's logits (detached) and
     log-sum-exp, without gradients (`lazy.py` stores its statistics from them).
     """
     with torch.enable_grad():
@@ -225,24 +222,14 @@ def token_logprobs(
     rest: str = "detach",
     parameters: Iterable[torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Log-probs of `targets` under `log_softmax(head(hidden))`, `chunk` positions of logits at a time.
+    """`[...]` log-probs (float32; float64 for float64 logits) of `targets` (`[...]` token ids) under
+    `log_softmax(head(hidden))` (`hidden`: `[..., H]`; `head`: a module or its forward, `[n, H]` -> `[n, V]`), `chunk`
+    positions of logits at a time.
 
-    Args:
-        hidden (`torch.Tensor`): `[..., H]` hidden states (the head's input) of the positions to score.
-        targets (`torch.Tensor`): `[...]` token ids, one per position.
-        head (`Callable`): the output head (a module or its forward, called on `[n, H]` rows), returning `[n, V]`
-            logits.
-        chunk (`int`): positions per chunk (at most `chunk * V` logits are alive at once).
-        scored (`torch.Tensor`, *optional*): bool mask shaped like `targets`; the positions whose log-probs carry
-            gradients. `None`: every position.
-        rest (`str`, *optional*, defaults to `"detach"`): the positions outside `scored`: `"detach"` computes them
-            without gradients, `"skip"` fills them with 0 without computing them.
-        parameters (`Iterable[torch.Tensor]`, *optional*): the head's parameters (whether any needs a gradient:
-            none does, the chunks take the frozen-head path, `frozen_head_chunk`); `None`: `head.parameters()`
-            where `head` is a module. The head must read no other tensor that needs a gradient.
-
-    Returns:
-        `torch.Tensor`: `[...]` log-probs, float32 (float64 for float64 logits).
+    `scored`: bool mask shaped like `targets`, the positions whose log-probs carry gradients (`None`: every one); the
+    others are computed without gradients (`rest="detach"`) or filled with 0 (`"skip"`). `parameters`: the head's
+    (default: `head.parameters()` of a module); when none needs a gradient the chunks take the frozen-head path
+    (`frozen_head_chunk`). The head must read no other tensor that needs a gradient.
     """
     if chunk < 1:
         raise ValueError(f"chunk must be a positive number of positions, got {chunk}")

@@ -92,15 +92,8 @@ class Root:
 
 
 class LazyLogits:
-    """`scale * head(hidden)` over the leading dimensions of `hidden`, never materialised as a whole.
-
-    Args:
-        hidden (`torch.Tensor`): `[..., H]` hidden states (the head's input).
-        root (`Root`): what the logits derived from one model output share.
-        ids (`torch.Tensor`, *optional*): `hidden.shape[:-1]` indices of these positions among the root's (default:
-            all of them, in order: a model output).
-        scale (`float`, *optional*, defaults to `1.0`): a factor applied to the logits.
-    """
+    """`scale * head(hidden)` over the leading dimensions of `hidden` (`[..., H]`), never materialised as a whole;
+    `ids` (`hidden.shape[:-1]`) are these positions among the `root`'s (default: all, in order: a model output)."""
 
     def __init__(self, hidden: torch.Tensor, root: Root, ids: torch.Tensor | None = None, scale: float = 1.0) -> None:
         if ids is None:

@@ -27,9 +27,7 @@ from trl_ext.toolkit.packing.glue import AnnotatingCollator
 
 __all__ = ["LAYOUT_KEY", "Groups", "PromptSharingCollator", "SharedLayout", "build_layout", "prompt_end_of"]
 
-#: Batch key under which the collator hands the layout to the model wrappers. TRL 1.x passes every batch key except
-#: `completion_mask` and `ref_*` into `model(...)` (dpo_trainer.py `_compute_loss` / `compute_ref_log_probs`, checked
-#: 1.12.0 and 1.16.0); the wrappers pop it before the model sees its kwargs.
+#: Batch key under which the collator hands the layout to the model wrappers (which pop it), as `metadata.PACKING_KEY`.
 LAYOUT_KEY = "trl_ext_prompt_sharing"
 
 #: Groups of a shared row as host ints: `((prefix_start, prefix_end, ((branch_start, branch_end, keys_end), ...)),

@@ -56,15 +56,10 @@ def check_packable_trainer(trainer: Any, plugin: str) -> None:
 
 
 class AnnotatingCollator:
-    """Wraps a preference collator and adds a plugin's metadata to each batch, computed in the data-loader process.
-
-    The padded batch is kept as it is (TRL reads `completion_mask`, `attention_mask` and the reference columns from
-    it); the model wrappers pop the metadata before the model sees its kwargs. Attributes of the wrapped collator
-    (`max_length`, `truncation_mode`, `pad_token_id`, read by other plugins) are read through. Subclasses set
-    `plugin` and implement `annotate(batch)`.
-
-    Args:
-        collator (`Callable`): the collator to wrap (TRL's `DataCollatorForPreference` or a user's).
+    """Wraps a preference collator (TRL's `DataCollatorForPreference` or a user's) and adds a plugin's metadata to each
+    batch, computed in the data-loader process; the padded batch is kept as it is, and the model wrappers pop the
+    metadata before the model sees its kwargs. Attributes of the wrapped collator (`max_length`, `truncation_mode`,
+    `pad_token_id`, read by other plugins) are read through. Subclasses set `plugin` and implement `annotate(batch)`.
     """
 
     plugin = "trl-ext"
