@@ -57,9 +57,8 @@ _LOCALITY_NAMES = ("window", "chunk", "compress")
 
 def declared_localities(config: Any) -> dict[str, int]:
     """Every positive length a config declares under a name that says window, chunk or compress (`sliding_window`,
-    `attention_chunk_size`, `local_attention_window_len`, `compress_rates`, ...), in a value, a list or a dict, by
-    attribute name. Deliberately broad: a name that is not a locality only makes the probe longer (up to the longest
-    training sequence), a missed one would hide a window from the self-check."""
+    `attention_chunk_size`, `compress_rates`, ...; a value, list or dict), by attribute name. Deliberately broad: a
+    name that is not a locality only makes the probe longer, a missed one would hide a window from the self-check."""
     found: dict[str, int] = {}
     for sub in _configs(config):
         for name, value in vars(sub).items():
@@ -204,9 +203,8 @@ class ProbeRun:
 
     def without_degenerate_rows(self, stock: Any, ids: Any, mask: Any, run: Callable[[Any, Any], Any]) -> Any:
         """`stock` (the stock padded forward's logits of the right-padded `ids`) with each row that is not finite at
-        its real tokens replaced by its sequence run alone (`run(input_ids, attention_mask)` returns the logits): the
-        padded forward itself is degenerate there (eager attention over a query whose window holds only padding gives
-        NaN in some models, stock TRL included), and the sequence alone has no padding."""
+        its real tokens (a degenerate padded forward, as the self-checks' docstrings say) replaced by its sequence run
+        alone (`run(input_ids, attention_mask)` returns the logits)."""
         import torch
 
         real = mask.bool()

@@ -124,15 +124,17 @@ class ScoreCall:
                 f"the hidden states of its {rows} rows of {self.columns} positions; the fused path cannot tell which "
                 "positions it holds. Train it without fused_logprobs."
             )
+        return self._score(head, forward, hidden[:, self.start : self.end], self.scored, hidden)
+
+    def _score(
+        self, head: torch.nn.Module, forward: Callable, hidden: torch.Tensor, scored: Any, full: torch.Tensor
+    ) -> torch.Tensor:
+        """`token_logprobs` of the targets at `hidden` (the scored columns' hidden states, `full` the head's input)."""
+        assert self.targets is not None
         values = token_logprobs(
-            hidden[:, self.start : self.end],
-            self.targets,
-            self.head_of(forward),
-            chunk=self.chunk,
-            scored=self.scored,
-            parameters=head.parameters(),
+            hidden, self.targets, self.head_of(forward), chunk=self.chunk, scored=scored, parameters=head.parameters()
         )
-        self.note_stock_logits(forward, hidden, rows, self.columns)
+        self.note_stock_logits(forward, full, self.targets.size(0), self.columns)
         return values
 
     def _run_packed(
@@ -151,15 +153,7 @@ class ScoreCall:
         missing = index < 0
         gathered = hidden[0].index_select(0, index.clamp(min=0).reshape(-1)).view(*index.shape, hidden.size(-1))
         scored = ~missing if self.scored is None else self.scored.bool() & ~missing
-        values = token_logprobs(
-            gathered,
-            self.targets,
-            self.head_of(forward),
-            chunk=self.chunk,
-            scored=scored,
-            parameters=head.parameters(),
-        )
-        self.note_stock_logits(forward, gathered, rows, self.columns)
+        values = self._score(head, forward, gathered, scored, gathered)
         if bool(missing.any()):
             # a column the packed row does not compute (a row without tokens there): the packing plugin gives it zero
             # logits, whose log_softmax is -log(vocab)

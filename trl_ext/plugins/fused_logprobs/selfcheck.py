@@ -157,17 +157,14 @@ def self_check(model: Any, trainer: Any, role: str, chunk: int) -> SelfCheckResu
     kwargs = dict(input_ids=ids, attention_mask=mask, use_cache=False)
     targets = torch.randint(0, vocab, ids.shape, generator=g).to(device)
     try:
-        with torch.no_grad():
-            with stock_forward(causal_lm):
-                stock = causal_lm(**kwargs).logits
+        with torch.no_grad(), stock_forward(causal_lm):  # a packing plugin's wrapper passes the probe through
+            stock = causal_lm(**kwargs).logits
             # the head runs as stock and keeps its output (and, for a 16-bit head, the same head in float32)
             record = ScoreCall(role, reference=float32_head)
-            with stock_forward(causal_lm):  # a packing plugin's wrapper passes the probe through as well
-                run_scoring(causal_lm, record, **kwargs)
+            run_scoring(causal_lm, record, **kwargs)
             applied = record.output
             request = ScoreCall(role, targets, None, width, 0, None, chunk)
-            with stock_forward(causal_lm):
-                fused = run_scoring(causal_lm, request, **kwargs).logits
+            fused = run_scoring(causal_lm, request, **kwargs).logits
     finally:
         causal_lm.train(was_training)
     acc = accumulation_dtype(stock.dtype)

@@ -121,16 +121,12 @@ def self_check(
     training: bool = False,
 ) -> SelfCheckResult:
     """Measure whether `packed_forward` (the model's wrapped forward) keeps packed sequences apart and equals
-    `stock_forward` (the model's stock padded forward; default: `model.forward` under
-    `trl_ext.toolkit.probe.stock_forward`, i.e. the model's original attention and no packing wrapper).
+    `stock_forward` (default: the model under `trl_ext.toolkit.probe.stock_forward`) on probe sequences of `lengths`.
 
-    `lengths`: the probe sequence lengths (`trl_ext.toolkit.probe.probe_lengths`).
-    `moe`: the model routes tokens to experts. Changing one sequence's tokens then changes how many tokens each expert
-    multiplies at once, and a matmul kernel may round another token's row differently. For MoE models the isolation
-    check therefore allows 16 units of round-off of the dtype (relative to the largest logit) instead of
-    bit-identity; a leak smaller than that (possible only in 16-bit dtypes) would pass.
-    `autocast`: the 16-bit dtype training autocasts a float32 model to (`bf16=True` / `fp16=True`): the probe's
-    forwards run under the same `torch.autocast`, and the 16-bit tolerance applies.
+    `moe`: the model routes tokens to experts, so changing one sequence changes how many tokens each expert multiplies
+    at once, and a matmul kernel may round another token's row differently: the isolation check then allows 16 units
+    of the dtype's round-off (relative to the largest logit) instead of bit-identity (a smaller leak, possible only in
+    16 bits, would pass). `autocast`: the 16-bit dtype training autocasts a float32 model to; the probe runs under it.
     """
     lengths = tuple(int(n) for n in lengths)
     run = ProbeRun(model, training)

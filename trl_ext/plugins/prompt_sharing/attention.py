@@ -96,11 +96,9 @@ def _attend(
     valid_keys: int | None = None,
 ) -> torch.Tensor:
     """Attention `[1, heads, q, head_dim]` of `q` queries over `offset + q` keys: all of the first `offset`, causal
-    over the rest, and none from `valid_keys` on (trailing padding that is read back but never attended to).
-
-    Plain SDPA models run `F.scaled_dot_product_attention` directly; every other layer (eager, softcapping, attention
-    sinks) runs the attention function it would run without trl-ext, with this mask, so whatever that function does
-    per key (softcap, sink logits, its own softmax precision) is done exactly as in the padded forward."""
+    over the rest, and none from `valid_keys` on (trailing padding that is read back but never attended to). Layers
+    other than plain SDPA (eager, softcapping, sinks) run the attention function they run without trl-ext, with this
+    mask, so whatever it does per key is done exactly as in the padded forward."""
     q, k = query.shape[2], key.shape[2]
     sliding_window = kwargs.get("sliding_window")
     plain = base == "sdpa" and kwargs.get("softcap") is None and kwargs.get("s_aux") is None
@@ -126,15 +124,10 @@ def _attend(
 
 @dataclasses.dataclass(frozen=True)
 class SharedSegments:
-    """The kernel calls of one shared row, built once per batch from its groups (`layout.Groups`, host ints).
-
-    Attributes:
-        main (`segments.Segments`): every prefix (its own keys, causal) and every branch's real tokens (the prefix's
-            keys then the branch's own, causal aligned to the bottom right: the whole prefix, the branch causally).
-        tail (`segments.Segments` or `None`): the trailing padding of branches (Online DPO reads its outputs): the
-            prefix's and the branch's real keys, all visible (not causal), as in the padded forward.
-        inverse (`torch.LongTensor` or `None`): where each row token's output is in `cat(main, tail)` (None: in order).
-    """
+    """The kernel calls of one shared row, built once per batch from its groups (`layout.Groups`, host ints): `main`,
+    every prefix (its own keys) and every branch's real tokens (the prefix's keys then its own), causal aligned to the
+    bottom right; `tail`, branches' trailing padding (Online DPO reads it) over the prefix's and the branch's real
+    keys, not causal; `inverse`, where each row token's output is in `cat(main, tail)` (None: in order)."""
 
     main: segments.Segments
     tail: segments.Segments | None
