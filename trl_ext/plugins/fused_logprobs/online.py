@@ -18,11 +18,10 @@ The output head's `forward` is replaced once per model (`trl_ext_make_head_forwa
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -255,11 +254,8 @@ def head_forward(head: torch.nn.Module) -> Callable:
     return forward
 
 
-@contextlib.contextmanager
-def scoring(request: ScoreCall) -> Iterator[ScoreCall]:
-    """The patched heads run `request` on the first head call of the block."""
-    with _SCORE.entered(request):
-        yield request
+#: `with scoring(request):` the patched heads run `request` on the first head call of the block.
+scoring = _SCORE.entered
 
 
 def run_scoring(model: Any, request: ScoreCall, *args: Any, **kwargs: Any) -> Any:

@@ -17,10 +17,9 @@ Online DPO's trailing padding is a second, non-causal call, merged back by posit
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -76,11 +75,9 @@ def base_of(impl: str) -> str | None:
     return None
 
 
-@contextlib.contextmanager
-def shared_call() -> Iterator[None]:
-    """Mark the enclosed forward as a shared call (the mask interface of the shared attention then builds no mask)."""
-    with _SHARED_CALL.entered(True):
-        yield
+#: `with shared_call():` marks the enclosed forward as a shared call (the shared attention's mask interface then
+#: builds no mask).
+shared_call = functools.partial(_SHARED_CALL.entered, True)
 
 
 def _attend(

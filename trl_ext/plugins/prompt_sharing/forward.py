@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -158,11 +158,9 @@ def _row_runs(index: torch.Tensor) -> list[int] | None:
 _ONLINE_SCORE: CallSlot[OnlineScore] = CallSlot("prompt_sharing.online_score")
 
 
-@contextlib.contextmanager
-def online_prompt_columns(columns: int) -> Iterator[None]:
-    """Announce that the model calls inside are Online DPO scoring calls whose first `columns` columns are prompt."""
-    with _ONLINE_PROMPT_COLUMNS.entered(columns):
-        yield
+#: `with online_prompt_columns(columns):` the model calls inside are Online DPO scoring calls whose first `columns`
+#: columns are prompt.
+online_prompt_columns = _ONLINE_PROMPT_COLUMNS.entered
 
 
 def _layout_for(kwargs: dict[str, Any], meta: Any, online: int | None) -> SharedLayout | None:

@@ -22,17 +22,10 @@ __all__ = ["PackedPositions", "current_packed_positions", "packed_positions"]
 
 @dataclasses.dataclass
 class PackedPositions:
-    """The packed positions of a padded `[rows, length]` call run on one packed row.
-
-    Attributes:
-        rows (`int`), length (`int`): the padded shape.
-        padded (`torch.LongTensor` of shape `(M,)`): flat padded positions (`row * length + column`) that the packed
-            row computes.
-        packed (`torch.LongTensor` of shape `(M,)`): the packed position that computes each of them (several padded
-            positions may share one, e.g. a prompt token computed once for two rows).
-        padded_output (`bool`): set by a module inside the call that returned its output in the padded layout; the
-            packing plugin then does not unpack the model's output.
-    """
+    """The packed positions of a padded `[rows, length]` call run on one packed row: `padded` (`(M,)`), the flat
+    padded positions (`row * length + column`) the packed row computes, and `packed` (`(M,)`), the packed position
+    computing each (several may share one: a prompt token computed once for two rows). `padded_output` is set by a
+    module inside the call that returned the padded layout itself; the packing plugin then leaves the output."""
 
     rows: int
     length: int

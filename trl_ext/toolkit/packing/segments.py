@@ -16,15 +16,9 @@ __all__ = ["BUILDS", "Segments", "cached_segments", "packed_segments", "to_devic
 
 @dataclasses.dataclass(frozen=True)
 class Segments:
-    """The kernel arguments of one packed or shared row, built once per batch on the host and copied to the device.
-
-    Attributes:
-        cu_q (`torch.IntTensor` of shape `(S + 1,)`), cu_k (`(S + 1,)`): cumulative query / key lengths.
-        max_q (`int`), max_k (`int`): the longest query / key segment.
-        kv_index (`torch.LongTensor` or `None`): the row positions of the keys, segment after segment (None: the row
-            itself, in order).
-        q_index (`torch.LongTensor` or `None`): the row positions of the queries (None: the row itself).
-    """
+    """The kernel arguments of one packed or shared row: cumulative query / key lengths (`cu_q`, `cu_k`, int32,
+    `(S + 1,)`), the longest query / key segment, and the row positions of the keys (segment after segment) and of the
+    queries (`kv_index`, `q_index`; None: the row itself, in order)."""
 
     cu_q: torch.Tensor
     cu_k: torch.Tensor
