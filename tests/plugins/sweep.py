@@ -737,7 +737,7 @@ class Row:
 
 def sweep_row(model_type: str) -> Row:
     """Build `model_type` once and classify it for both plugins."""
-    from trl_ext.plugins.padding_free.architecture import inspect_model
+    from trl_ext.plugins.padding_free.hooks import inspect_model
 
     start = time.perf_counter()
     reason = exclusion(model_type)

@@ -92,13 +92,8 @@ def verified_except(excluded: Mapping[str, str]) -> tuple[str, ...]:
 
 @dataclasses.dataclass
 class Inspection:
-    """What `inspect_model` found.
-
-    Attributes:
-        mechanisms (`list[str]`): the sequence-related mechanisms found (positions, windows, sinks, MoE...).
-        refusal (`str` or `None`): why packing cannot be exact, naming the layer; None when it can be.
-        verified (`bool`): whether `config.model_type` is in `VERIFIED_MODEL_TYPES`.
-    """
+    """What `inspect_model` found: the sequence-related `mechanisms` (positions, windows, sinks, MoE...), the `refusal`
+    (why packing cannot be exact, naming the layer; None when it can be), and whether the model type is `verified`."""
 
     mechanisms: list[str]
     refusal: str | None
@@ -238,10 +233,8 @@ def _first_attention(model: torch.nn.Module) -> str:
 
 
 def _layers_receive_window(model: torch.nn.Module, window: int) -> bool:
-    """Whether the attention modules hand a window to the attention function, read from their code: a
-    `sliding_window` attribute equal to the declared window, or `sliding_window=` in their `forward` (the argument
-    transformers' attention functions and the flash kernels read). PhiMoE's attention does neither: its window lives
-    only in the mask."""
+    """Whether the attention modules hand a window to the attention function (a `sliding_window` attribute equal to the
+    declared window, or `sliding_window=` in their `forward`); PhiMoE's does neither: its window lives in the mask."""
     for _, module in _attention_modules(model):
         if getattr(module, "sliding_window", None) == window:
             return True

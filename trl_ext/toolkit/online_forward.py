@@ -29,15 +29,9 @@ __all__ = ["ScoringCall", "verify_against_trl"]
 
 @dataclasses.dataclass(frozen=True)
 class ScoringCall:
-    """One Online DPO scoring call of a text batch, after TRL's left cut.
-
-    Attributes:
-        ids (`torch.Tensor`): `[rows, P + C]` prompt (cut on the left) and completion ids, the model's input.
-        mask (`torch.Tensor`): their attention mask.
-        completion_ids (`torch.Tensor`): `[rows, C]`, the tokens scored.
-        prompt_columns (`int`): `P`, the prompt columns kept.
-        start (`int`), end (`int` or `None`): the logit columns `[start, end)` that score the completion.
-    """
+    """One Online DPO scoring call of a text batch, after TRL's left cut: the model's input `ids` (`[rows, P + C]`,
+    prompt cut on the left then completion) and `mask`, the `completion_ids` scored (`[rows, C]`), the `prompt_columns`
+    kept (`P`), and the logit columns `[start, end)` that score the completion."""
 
     ids: torch.Tensor
     mask: torch.Tensor

@@ -11,6 +11,8 @@ import torch
 
 from trl_ext import _compat
 from trl_ext.api import UsageError, current_call, get_logger, hookimpl
+from trl_ext.toolkit import architecture
+from trl_ext.toolkit.architecture import Inspection
 from trl_ext.toolkit.packing.attention import (
     VARLEN_BASES,
     register_varlen_attention,
@@ -21,6 +23,7 @@ from trl_ext.toolkit.packing.glue import (
     AnnotatingCollator,
     check_packable_trainer,
     positional_input_ids,
+    refuse_liger,
     repad_outputs,
     scoring_call,
 )
@@ -39,7 +42,6 @@ from trl_ext.toolkit.probe import model_probe_lengths
 from trl_ext.toolkit.randomness import RandomDraw, training_draws
 
 from . import NAME, PaddingFreeOptions
-from .architecture import Inspection, inspect_model
 from .selfcheck import SelfCheckResult, random_draws_notice, self_check
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -50,6 +52,13 @@ if TYPE_CHECKING:  # pragma: no cover
 logger = get_logger(__name__)
 
 _FLASH = ("flash_attention_2", "flash_attention_3", "flash_attention_4")
+#: The model types padding_free packs without a self-check: the shared table, whole.
+VERIFIED_MODEL_TYPES = architecture.VERIFIED_MODEL_TYPES
+
+
+def inspect_model(model: Any) -> Inspection:
+    """The packing mechanisms of `model`, or why padding_free refuses it (`toolkit.architecture`)."""
+    return architecture.inspect_model(model, NAME, VERIFIED_MODEL_TYPES)
 
 
 @dataclasses.dataclass
@@ -111,12 +120,7 @@ def _state(context) -> PaddingFreeState:
 @hookimpl
 def trl_ext_trainer_init_start(trainer: Trainer, context: TrainerContext, init_kwargs: dict[str, Any]) -> None:
     _state(context)
-    args = init_kwargs.get("args")
-    if args is not None and getattr(args, "use_liger_kernel", False):
-        raise UsageError(
-            "padding_free does not support `use_liger_kernel=True` (not verified; on TRL <= 1.14 the Liger DPO loss "
-            "calls the backbone directly). Set `use_liger_kernel=False` or disable padding_free."
-        )
+    refuse_liger(init_kwargs, NAME, "not verified; on TRL <= 1.14 the Liger DPO loss calls the backbone directly")
 
 
 def _check_trainer(trainer, context) -> PaddingFreeState:
@@ -207,9 +211,8 @@ def row_limit(model) -> int | None:
 
 
 def check_model(state: PaddingFreeState, role: str, model, trainer) -> None:
-    """What padding_free measures of a wrapped model before the first step: the layers that draw random numbers in
-    training mode (the policy; reported in one notice), then the self-check where it runs (models outside the
-    verified table, or `self_check: true`), in the mode the model trains in."""
+    """Before the first step: the layers of a wrapped model that draw random numbers in training mode (one notice),
+    then the self-check where it runs (outside the verified table, or `self_check: true`), in its training mode."""
     # TRL trains the policy in training mode (`Trainer.train` calls `model.train()`) and runs a separate reference
     # model in the mode it was given (eval after `from_pretrained`; TRL never changes it)
     training = role == "policy" or model.training
@@ -330,10 +333,9 @@ def _row_groups(info: PackInfo, limit: int) -> list[tuple[int, int]]:
 
 
 def _split_call(run: Callable, kwargs: dict[str, Any], info: PackInfo, limit: int) -> Any:
-    """`run(kwargs, None)` on each group of rows that fits a packed row of `limit` tokens, the outputs concatenated
-    along the rows: one packed row per group, as many packed rows as the row limit needs. Per-row outputs are
-    concatenated; `loss` (a mean over the whole call, which TRL's DPO does not read) is dropped; any other field,
-    which could not be combined exactly, is refused."""
+    """`run(kwargs, None)` on each group of rows that fits a packed row of `limit` tokens, the per-row outputs
+    concatenated along the rows; `loss` (a mean over the whole call, which TRL's DPO does not read) is dropped, any
+    other field (not combinable exactly) refused."""
     outputs = []
     for start, end in _row_groups(info, limit):
         part = {k: v[start:end] if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == info.rows else v

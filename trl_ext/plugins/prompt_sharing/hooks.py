@@ -8,10 +8,11 @@ from typing import TYPE_CHECKING, Any
 
 from trl_ext import _compat
 from trl_ext.api import hookimpl
+from trl_ext.toolkit.packing.glue import refuse_liger
 
 from .forward import make_backbone_forward, online_forward
 from .layout import PromptSharingCollator
-from .setup import check_init_kwargs, check_models, check_trainer, model_forward, state_of
+from .setup import check_models, check_trainer, model_forward, state_of
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -23,7 +24,8 @@ if TYPE_CHECKING:  # pragma: no cover
 @hookimpl
 def trl_ext_trainer_init_start(trainer: Trainer, context: TrainerContext, init_kwargs: dict[str, Any]) -> None:
     state_of(context)
-    check_init_kwargs(init_kwargs)
+    why = "on TRL <= 1.14 the Liger DPO loss calls the backbone directly with its own layout"
+    refuse_liger(init_kwargs, "prompt_sharing", why)
 
 
 @hookimpl

@@ -69,10 +69,6 @@ class PromptSharingState:
                 layout.rows,
             )
 
-    @property
-    def unshared_fraction(self) -> float:
-        return self.unshared_rows / self.rows if self.rows else 0.0
-
     def summary(self) -> str:
         """The end-of-run line of `trl-ext dpo` / `online-dpo`, in words (the numbers: `counts()`)."""
         if not self.shared_calls:
@@ -96,7 +92,7 @@ class PromptSharingState:
             "unshared_calls": self.unshared_calls,
             "sequences": self.rows,
             "unshared_sequences": self.unshared_rows,
-            "unshared_fraction": self.unshared_fraction,
+            "unshared_fraction": self.unshared_rows / self.rows if self.rows else 0.0,
             "padded_tokens": self.padded_tokens,
             "shared_tokens": self.shared_tokens,
             "self_checked": sorted(self.checked),
@@ -110,15 +106,6 @@ def state_of(context: Any) -> PromptSharingState:
         options = context.options(NAME)
         state = context.state[NAME] = PromptSharingState(self_check=options.self_check, attention=options.attention)
     return state
-
-
-def check_init_kwargs(init_kwargs: dict[str, Any]) -> None:
-    args = init_kwargs.get("args")
-    if args is not None and getattr(args, "use_liger_kernel", False):
-        raise UsageError(
-            "prompt_sharing does not support `use_liger_kernel=True` (on TRL <= 1.14 the Liger DPO loss calls the "
-            "backbone directly with its own layout). Set `use_liger_kernel=False` or disable prompt_sharing."
-        )
 
 
 def check_trainer(trainer: Any, context: Any) -> PromptSharingState:

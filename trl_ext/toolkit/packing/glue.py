@@ -20,6 +20,7 @@ __all__ = [
     "AnnotatingCollator",
     "check_packable_trainer",
     "positional_input_ids",
+    "refuse_liger",
     "repad_outputs",
     "scoring_call",
 ]
@@ -53,6 +54,16 @@ def check_packable_trainer(trainer: Any, plugin: str) -> None:
                 f"{plugin} does not support prompt-learning PEFT methods (prompt tuning, prefix tuning, P-tuning): "
                 f"they prepend virtual tokens to every row. Use a weight adapter such as LoRA, or disable {plugin}."
             )
+
+
+def refuse_liger(init_kwargs: dict[str, Any], plugin: str, why: str) -> None:
+    """Refuse a trainer built with `use_liger_kernel=True` (TRL's Liger DPO loss bypasses the packed model forward)."""
+    args = init_kwargs.get("args")
+    if args is not None and getattr(args, "use_liger_kernel", False):
+        raise UsageError(
+            f"{plugin} does not support `use_liger_kernel=True` ({why}). Set `use_liger_kernel=False` or disable "
+            f"{plugin}."
+        )
 
 
 class AnnotatingCollator:
