@@ -194,10 +194,9 @@ class Verify:
         stock: bool = True,
         float32: bool = False,
     ) -> list:
-        """`method` once more on the same arguments, without gradients, from the random state `start`: as stock
-        (`stock`: the plugins' forwards and attention put back, the call context's `stock` set), in float32
-        (`float32`: outside accelerate's autocast); its gathers answered by this rank; its captured per-sequence
-        log-probs."""
+        """The captured per-sequence log-probs of `method` run once more on the same arguments, without gradients, from
+        the random state `start`, its gathers answered by this rank: as stock (`stock`: the plugins' forwards and
+        attention put back, the call context's `stock` set), in float32 (`float32`: outside accelerate's autocast)."""
         import torch
 
         state.set_rng_states(start)
@@ -268,8 +267,7 @@ class Verify:
     # -- float32 reference under autocast ----------------------------------------------------------------------------
 
     def _autocast_modules(self) -> list:
-        """The trainer's modules whose `forward` accelerate wrapped in 16-bit autocast (their own forward kept as
-        `_original_forward`)."""
+        """The trainer's modules whose `forward` accelerate wrapped in 16-bit autocast (kept: `_original_forward`)."""
         trainer = self.ctx.trainer
         if state.mixed_precision(trainer) not in ("bf16", "fp16"):
             return []

@@ -35,9 +35,9 @@ def _cpu_rss(field: str = "VmRSS:") -> int:
 
 
 def _release_free_heap() -> None:
-    """Give the C allocator's free memory back to the kernel (glibc `malloc_trim`), so that work measured by the
-    resident set next touches fresh pages: memory freed by earlier work and kept by the allocator would otherwise be
-    reused without the resident set growing, and the work would look free. A no-op without glibc."""
+    """Give the C allocator's free memory back to the kernel (glibc `malloc_trim`; a no-op without glibc), so that
+    work measured by the resident set touches fresh pages instead of reusing what earlier work freed (it would look
+    free)."""
     global _MALLOC_TRIM
     if _MALLOC_TRIM is None:
         try:

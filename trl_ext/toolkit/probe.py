@@ -161,9 +161,8 @@ def stock_attention(name: str) -> str:
 
 @contextlib.contextmanager
 def stock_forward(model: Any, base_impl: str | None = None) -> Iterator[None]:
-    """Run `model` as stock transformers would for the duration of the block: its attention implementation set back
-    to `base_impl` (default: the one its trl-ext attention stands in for) and the packing wrappers passing calls
-    through (the call context's `stock` set)."""
+    """Run `model` as stock transformers would for the block: its attention set back to `base_impl` (default: the one
+    its trl-ext attention stands in for), the packing wrappers passing calls through (the call context's `stock`)."""
     config = model.config
     current = config._attn_implementation
     base_impl = base_impl or stock_attention(current)
@@ -179,9 +178,8 @@ def stock_forward(model: Any, base_impl: str | None = None) -> Iterator[None]:
 
 
 class ProbeRun:
-    """One run of a packing self-check on `model` (padding_free's and prompt_sharing's): the clock, the model's device
-    and vocabulary, the forwards run so far; inside the `with` block the model is in training mode if `training`, else
-    in eval mode, and its modules' modes are put back after."""
+    """One run of a packing self-check on `model`: the clock, the model's device and vocabulary, the forwards run so
+    far; inside the `with` block the model is in training mode if `training` (else eval), its modes put back after."""
 
     def __init__(self, model: Any, training: bool) -> None:
         self.start, self.model, self.training, self.forwards = time.perf_counter(), model, training, 0

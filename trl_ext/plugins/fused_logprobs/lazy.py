@@ -342,8 +342,8 @@ def selective_logprobs(original: Callable) -> Callable:
 
 
 def entropy(original: Callable) -> Callable:
-    """An `entropy_from_logits(logits, chunk_size=...)` that reduces `LazyLogits` chunk by chunk (the entropy of
-    `softmax(logits)` in nats, on the scored positions, 0 elsewhere) and passes any other call to `original`."""
+    """An `entropy_from_logits(logits, chunk_size=...)` that reduces `LazyLogits` chunk by chunk (on the scored
+    positions, 0 elsewhere) and passes any other call to `original`."""
 
     @functools.wraps(original)
     def entropy_from_logits(logits: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -357,9 +357,9 @@ def entropy(original: Callable) -> Callable:
 
 
 def logprobs_and_entropy(original: Callable) -> Callable:
-    """A `selective_log_softmax_and_entropy(logits, index, entropy_requires_grad, temperature, row_mask)` (TRL 1.14:
-    `(log-probs, entropy)` in one pass) that answers `LazyLogits` from the same chunk pass as the two helpers above
-    (the entropy without gradients: TRL asks `entropy_requires_grad=False`) and passes any other call to `original`."""
+    """A `selective_log_softmax_and_entropy(logits, index, entropy_requires_grad, temperature, row_mask)` (TRL 1.14)
+    that answers `LazyLogits` from the same chunk pass as the two helpers above (the entropy without gradients, as TRL
+    asks) and passes any other call to `original`."""
 
     @functools.wraps(original)
     def selective_log_softmax_and_entropy(logits: Any, index: torch.Tensor, *args: Any, **kwargs: Any) -> Any:

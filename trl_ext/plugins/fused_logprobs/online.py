@@ -54,10 +54,9 @@ def head_chunk(forward: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Te
 @dataclasses.dataclass
 class ScoreCall:
     """A scoring request for the next output-head call: the log-probs of `targets` at the head input's columns
-    `[start, end)`, `chunk` positions at a time; `scored` (bool, shaped like `targets`) names those with gradients.
-    Without `targets` the head runs as stock and keeps its output in `output` (the self-check). Inside a packed call
-    (`toolkit.packing.positions`) the head input is the packed row `[1, N, H]` and the columns are read through the
-    announced positions."""
+    `[start, end)`, `chunk` positions at a time, `scored` (bool, like `targets`) with gradients; inside a packed call
+    the columns are read from the packed row through the announced positions. Without `targets` the head runs as
+    stock and keeps its `output` (the self-check)."""
 
     role: str
     targets: torch.Tensor | None = None
@@ -68,18 +67,16 @@ class ScoreCall:
     chunk: int = 1
     calls: int = 0
     output: torch.Tensor | None = None
-    #: recording only: `reference(head, hidden)` runs inside the head's call too (its parameters in place under
-    #: ZeRO-3/FSDP2) and its result is kept in `referenced` (the self-check's float32 head, `selfcheck.float32_head`)
+    #: recording: `reference(head, hidden)` (`selfcheck.float32_head`) runs inside the head's call, into `referenced`
     reference: Callable[[torch.nn.Module, torch.Tensor], Any] | None = None
     referenced: Any = None
-    #: scoring: `(rows, positions, vocab, dtype)` of the logits stock's model call returns for this request (its head
-    #: on every position), vocab and dtype read from the chunks the head computed (`head_of`)
+    #: scoring: `(rows, positions, vocab, dtype)` of stock's logits for this request (vocab and dtype: `head_of`)
     stock_logits: tuple[int, int, int, torch.dtype] | None = None
     _chunk_out: tuple[int, torch.dtype] | None = None
 
     def head_of(self, forward: Callable) -> Callable[[torch.Tensor], torch.Tensor]:
-        """The head's original `forward` as the chunked passes call it (`head_chunk`), noting the vocabulary and the
-        dtype of the logits it returns: those of the full logits stock's call of the same head builds."""
+        """The head's original `forward` as the chunked passes call it (`head_chunk`), noting the vocabulary and dtype
+        of its logits (those of stock's full logits)."""
 
         def chunk(hidden: torch.Tensor) -> torch.Tensor:
             out = head_chunk(forward, hidden)
@@ -238,9 +235,8 @@ def output_head(model: Any, role: str = "model") -> torch.nn.Module:
 
 
 def head_forward(head: torch.nn.Module) -> Callable:
-    """The output head's `forward` for `trl_ext_make_head_forward`: it runs the scoring request (`scoring()`) on its
-    first call in such a block, and otherwise runs as before. A head patched twice (a model shared by two trainers)
-    is harmless: the outer patch consumes the request."""
+    """The output head's `forward` for `trl_ext_make_head_forward`: the scoring request (`scoring()`) on its first
+    call in such a block, else as before (patched twice, by two trainers, the outer patch consumes the request)."""
     original = head.forward
 
     @functools.wraps(original)

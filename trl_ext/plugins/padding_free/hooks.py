@@ -81,8 +81,7 @@ class PaddingFreeState:
     #: tokens of the packed calls' padded batches, and of their packed rows (the padding not computed)
     padded_tokens: int = 0
     packed_tokens: int = 0
-    #: the layers of each model that draw random numbers in training mode (`toolkit.randomness.training_draws`),
-    #: by role
+    #: the layers of each model that draw random numbers in training mode (`randomness.training_draws`), by role
     random_draws: dict[str, list[RandomDraw]] = dataclasses.field(default_factory=dict)
 
     def count(self, info: Any) -> None:

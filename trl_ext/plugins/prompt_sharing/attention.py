@@ -222,8 +222,7 @@ def run_shared(
     scaling: float | None,
     sliding_window: int | None,
 ) -> torch.Tensor:
-    """Shared attention of one shared row in one kernel call (two with trailing padding): `query [1, H, T, D]` ->
-    `[1, T, H, D]`."""
+    """Shared attention of one row in one kernel call (two with trailing padding): `[1, H, T, D]` -> `[1, T, H, D]`."""
     q, k, v = kernels.kernel_inputs(kernel, query, key, value)
     window = None if sliding_window is None else int(sliding_window) - 1
     out = _kernel_call(kernel, q, k, v, plan.main, True, window, scaling)

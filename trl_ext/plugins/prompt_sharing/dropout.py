@@ -44,8 +44,7 @@ def describe(sites: list[tuple[torch.nn.Module, str, str]]) -> str:
 
 
 def disable_dropout(patcher: Any, model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, str]]:
-    """Set every dropout site of `model` to 0 through `patcher` (undone when the trainer is detached); returns the
-    sites it set."""
+    """Set every dropout site of `model` to 0 through `patcher` (undone when the trainer is detached); the sites."""
     sites = dropout_sites(model)
     for module, name, _ in sites:
         value = getattr(module, name)

@@ -33,8 +33,7 @@ class PromptSharingState:
     """Per-trainer state of the plugin (`context.state["prompt_sharing"]`)."""
 
     self_check: str | bool = "auto"
-    #: the `attention` option, and the shared attention's kernel of each model, by role
-    #: (`toolkit.packing.kernels.Choice`)
+    #: the `attention` option, and the shared attention's kernel (`kernels.Choice`) of each model, by role
     attention: str = "auto"
     kernels: dict[str, Choice] = dataclasses.field(default_factory=dict)
     checked_trainer: bool = False
@@ -119,10 +118,8 @@ def check_trainer(trainer: Any, context: Any) -> PromptSharingState:
 
 
 #: Model types of the shared packing table (`toolkit.architecture.VERIFIED_MODEL_TYPES`) whose shared forward is not
-#: verified, with why. The others equal the stock padded forward in float64 (loss over per-sequence log-probs, MoE
-#: auxiliary loss with the router on, gradients; sliding windows shorter than prompt + response, attention sinks,
-#: softcapping), measured by tests/plugins/test_prompt_sharing_architectures.py. Model types outside the table are
-#: admitted through the self-check (`selfcheck.py`), before the first step.
+#: verified, with why. The others equal the stock padded forward in float64 (measured by
+#: tests/plugins/test_prompt_sharing_architectures.py); types outside the table are admitted by the self-check.
 NOT_VERIFIED = {
     "stablelm": "its decoder layer does not hand attention keyword arguments (the segments) to its attention",
     "dory": "not measured shared yet",

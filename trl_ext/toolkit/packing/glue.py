@@ -1,7 +1,5 @@
 """What every packing plugin needs around the model: the trainer refusals, the collator base that annotates batches,
-the predicate of a scoring call, and re-padding of a packed causal-LM output.
-
-Nothing here imports TRL or transformers; torch is imported at module level.
+the predicate of a scoring call, and re-padding of a packed causal-LM output (torch only: no TRL or transformers).
 """
 
 from __future__ import annotations

@@ -236,14 +236,10 @@ def choose(
     scales: set[float] | None = None,
 ) -> Choice:
     """The attention of a model's packed calls: a fused kernel of `KERNELS` where one runs on `device` in `dtype`,
-    else the per-segment loop, with the reasons (`Choice.fallbacks`).
-
-    `requested` is the plugin's `attention` option: `"segments"` forces the loop, `"fused"` the kernel (a
-    `UsageError` naming the reasons where it cannot run), anything else chooses. `prefer` names the kernel to try
-    first (`"flash_attn"` for a model loaded with `flash_attention_2`). `windows`: the model has sliding windows, which
-    a kernel without `window_size` leaves to the loop; `scales`: its layers' own attention scales, likewise for a
-    kernel without `scale`.
-    """
+    else the per-segment loop, with the reasons (`Choice.fallbacks`). `requested` is the plugin's `attention` option
+    (`"segments"` forces the loop, `"fused"` the kernel or a `UsageError` naming the reasons); `prefer` the kernel to
+    try first (`"flash_attn"` under `flash_attention_2`); `windows` / `scales`: the model's sliding windows and its
+    layers' own attention scales, which a kernel without `window_size` / `scale` leaves to the loop."""
     device = torch.device(device)
     device_type = device.type
     if requested == "segments":
@@ -351,9 +347,8 @@ def describe_choice(choice: Choice) -> str:
     return f"per-segment loop ({where}; not fused: {'; '.join(choice.fallbacks)})"
 
 
-# The choice of each model config switched to a trl-ext attention, weakly (a config is unhashable): the attention
-# functions read it through the layer's `config`. A stale entry is harmless: once a trainer is detached the config
-# names its own attention again, and the trl-ext functions no longer run for it.
+# The choice of each model config switched to a trl-ext attention, weakly (a config is unhashable), read through the
+# layer's `config`. A stale entry is harmless: a detached trainer's config names its own attention again.
 _CHOICES: dict[int, tuple[weakref.ref, Choice]] = {}
 
 

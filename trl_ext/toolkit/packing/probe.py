@@ -150,9 +150,8 @@ def reference_attention(
 
 @contextlib.contextmanager
 def _isolated(device: torch.device) -> Iterator[None]:
-    """Autograd on, autocast off, and no saved-tensor hooks of an enclosing activation checkpoint: the probe runs
-    inside a model's forward as if alone; the call context's `probing` set (a test's recording kernel tells the probe's
-    calls from the model's)."""
+    """Autograd on, autocast off, no saved-tensor hooks of an enclosing activation checkpoint (the probe runs inside a
+    model's forward as if alone), and the call context's `probing` set (for a test's recording kernel)."""
     with contextlib.ExitStack() as stack:
         stack.enter_context(call_entered(probing=True))
         stack.enter_context(torch.inference_mode(False))
