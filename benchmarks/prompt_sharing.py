@@ -370,8 +370,7 @@ def layout_only(args) -> None:
             dataset, index = _batches(tokenizer, shape, args.pairs, args.rounds, args.seed)
             trainer = _dpo_trainer(tokenizer, dataset, {})
             model = trainer.model
-            forward = fw.make_causal_lm_forward(model.forward.__wrapped__, trainer._trl_ext.state["prompt_sharing"],
-                                                "policy", None)  # fmt: skip
+            forward = fw.make_causal_lm_forward(model.forward.__wrapped__, trainer._trl_ext.state["prompt_sharing"])
             token_bounds, attention_bounds = [], []
 
             def one_round(

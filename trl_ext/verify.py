@@ -1,24 +1,15 @@
-"""`verify`: the first training steps of a trainer whose plugins change the math, checked against stock TRL.
+"""`verify`: the first training steps of a trainer whose plugins change the math (`TrainerContext.math_plugins`),
+checked against stock TRL (docs/lifecycle.md says what and why).
 
-A plugin changes the math when it answered `trl_ext_make_packed_forward`, `_head_forward` or `_model_forward` for the
-trainer, or says so itself (token_budget) (`TrainerContext.math_plugins`). In the first `verify` optimizer steps
-(default 1; `verify: false` turns it off), each call of the trainer's scoring method
-(`_compat.VERIFIED_SCORING_METHODS`) runs as always, the per-sequence log-probs of its model calls captured (policy,
-then reference), then once more as stock TRL, on the same batch, under `torch.no_grad()`, on the same device, dtype,
-kernels and engine: the method the trainer held before any plugin took part in its calls
-(`TrainerContext.stock_methods`), with the `forward`s and attention implementations the plugins changed put back
-(`Patcher.suspended`) and the call context's `stock` set (a plugin's wrapper that something else wrapped since,
+In the first `verify` optimizer steps each call of the trainer's scoring method (`_compat.VERIFIED_SCORING_METHODS`)
+runs as always, the per-sequence log-probs of its model calls captured (policy, then reference), then once more as
+stock TRL on the same batch under `torch.no_grad()`: the method the trainer held before any plugin took part in its
+calls (`TrainerContext.stock_methods`), with the `forward`s and attention implementations the plugins changed put back
+(`Patcher.suspended`) and the call context's `stock` set (a plugin's wrapper that something else wrapped since, or
 accelerate's autocast, then passes calls through). The random generators restart where the real call started and end
-where it left them, and the trainer's attributes are put back (plain data such as metric buffers, token counts and
-on-device metric sums with their contents, any other as the same object: `_verify_state.snapshot`): training goes on
-bit for bit as without verify.
-
-Tolerance per sequence, from stock's own round-off: under 16-bit autocast, `MARGIN` times stock's largest 16-bit vs
-float32 difference on the batch (the float32 call: accelerate's `forward` without its autocast) plus the float32
-floor; in float32/float64, `FLOOR_ULPS` units of float32 round-off times the sequence's sum of |log-prob| and token
-count; 16-bit without an autocast to leave, `FLOOR_ULPS_16` units of the 16-bit round-off. A sequence outside its
-tolerance on any rank stops the run before the optimizer step with a `UsageError` naming the plugins, the error and
-the tolerance; else one line says what was checked and its cost."""
+where it left them, and the trainer's attributes are put back (`_verify_state.snapshot`): training goes on bit for bit
+as without verify. The tolerance per sequence comes from stock's own round-off (`MARGIN`, `FLOOR_ULPS`,
+`FLOOR_ULPS_16`); a sequence outside it on any rank stops the run before the optimizer step with a `UsageError`."""
 
 from __future__ import annotations
 
@@ -203,10 +194,9 @@ class Verify:
         stock: bool = True,
         float32: bool = False,
     ) -> list:
-        """`method` once more on the same arguments, without gradients, from the random state `start`: as stock
-        (`stock`: the plugins' forwards and attention put back, the call context's `stock` set), in float32
-        (`float32`: outside accelerate's autocast); its gathers answered by this rank; its captured per-sequence
-        log-probs."""
+        """The captured per-sequence log-probs of `method` run once more on the same arguments, without gradients, from
+        the random state `start`, its gathers answered by this rank: as stock (`stock`: the plugins' forwards and
+        attention put back, the call context's `stock` set), in float32 (`float32`: outside accelerate's autocast)."""
         import torch
 
         state.set_rng_states(start)
@@ -277,8 +267,7 @@ class Verify:
     # -- float32 reference under autocast ----------------------------------------------------------------------------
 
     def _autocast_modules(self) -> list:
-        """The trainer's modules whose `forward` accelerate wrapped in 16-bit autocast (their own forward kept as
-        `_original_forward`)."""
+        """The trainer's modules whose `forward` accelerate wrapped in 16-bit autocast (kept: `_original_forward`)."""
         trainer = self.ctx.trainer
         if state.mixed_precision(trainer) not in ("bf16", "fp16"):
             return []

@@ -685,7 +685,7 @@ def shared_model(context, state, model) -> None:
     setup.handle_dropout(context, "policy", model, trainer)
     setup.refuse_acting_chunks(context, "policy", model, trainer)
     setup.refuse_random_draws(context, "policy", model)
-    forward = make_causal_lm_forward(model.forward, state, "policy", None, MoeAuxLoss.of(model))
+    forward = make_causal_lm_forward(model.forward, state, MoeAuxLoss.of(model))
     context.patcher.setattr(model, "forward", forward)
     if state.self_check is True or model.config.model_type not in setup.VERIFIED_MODEL_TYPES:
         setup.run_self_check(context, state, "policy", model, trainer)
@@ -737,7 +737,7 @@ class Row:
 
 def sweep_row(model_type: str) -> Row:
     """Build `model_type` once and classify it for both plugins."""
-    from trl_ext.plugins.padding_free.architecture import inspect_model
+    from trl_ext.plugins.padding_free.hooks import inspect_model
 
     start = time.perf_counter()
     reason = exclusion(model_type)

@@ -219,7 +219,7 @@ def test_architectures(model_type, attn):
     attention, sliding windows shorter than the sequences), through the causal-LM wrapper and the backbone wrapper."""
     from trl_ext.plugins import padding_free as pf
     from trl_ext.plugins.padding_free import PaddingFreeState
-    from trl_ext.plugins.padding_free.architecture import VERIFIED_MODEL_TYPES
+    from trl_ext.plugins.padding_free.hooks import VERIFIED_MODEL_TYPES
     from trl_ext.toolkit.packing.attention import (
         register_varlen_attention,
         unregister_varlen_attention,

@@ -20,7 +20,7 @@ from tests import equivalence as eq
 from tests import helpers
 from tests.plugins import sweep
 from trl_ext import UsageError
-from trl_ext.plugins.padding_free.architecture import VERIFIED_MODEL_TYPES, inspect_model
+from trl_ext.plugins.padding_free.hooks import VERIFIED_MODEL_TYPES, inspect_model
 
 REL = 1e-6
 WINDOW = 13  # > 11, the longest sequence of the old self-check probe

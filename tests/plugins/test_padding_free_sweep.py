@@ -20,7 +20,7 @@ import torch
 
 from tests.plugins import sweep
 from tests.plugins.sweep import AUX_COEF, REL, build_tiny, no_dropout  # noqa: F401 - imported by other test modules
-from trl_ext.plugins.padding_free.architecture import VERIFIED_MODEL_TYPES
+from trl_ext.plugins.padding_free.hooks import VERIFIED_MODEL_TYPES
 
 _SMALL = sweep._SMALL  # the same dict: tests that need another vocabulary patch it here
 ROOT = Path(__file__).resolve().parents[2]
@@ -268,7 +268,7 @@ def test_verified_table_gradient_checkpointing(model_type):
     find the same sequence bounds there (it raised `CheckpointError` before the bounds were read off the packed
     `position_ids`)."""
     from trl_ext.plugins import padding_free as pf
-    from trl_ext.plugins.padding_free.architecture import inspect_model
+    from trl_ext.plugins.padding_free.hooks import inspect_model
 
     model = build_tiny(model_type)
     if not model.supports_gradient_checkpointing:  # transformers refuses it for this model, packed or not

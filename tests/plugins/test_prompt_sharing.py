@@ -570,7 +570,7 @@ def test_architectures(model_type, attn):
     try:
         assert configure_model(Ctx, "policy", model) == f"trl_ext_shared_{attn}"
         state = PromptSharingState()
-        forward = fw.make_causal_lm_forward(model.forward, state, "policy", None)
+        forward = fw.make_causal_lm_forward(model.forward, state)
         backbone = fw.make_backbone_forward(model.base_model.forward, state)
         with torch.no_grad():
             kwargs = dict(

@@ -58,8 +58,8 @@ def test_moe_aux_loss_counts_each_prompt_per_response():
         assert sweep.prompt_sharing_outcome(build_tiny("mixtral"), moe=True).status == "exact"
     original = fw.make_causal_lm_forward
 
-    def without_recompute(original_forward, state, role, check, aux_loss=None):
-        return original(original_forward, state, role, check, None)
+    def without_recompute(original_forward, state, aux_loss=None):
+        return original(original_forward, state, None)
 
     fw.make_causal_lm_forward = without_recompute
     try:
@@ -188,7 +188,7 @@ def test_layer_that_drops_the_segments_is_refused_not_wrong():
         patcher.setattr(
             model.config, "_attn_implementation_internal", f"trl_ext_shared_{model.config._attn_implementation}"
         )
-        forward = fw.make_causal_lm_forward(model.forward, PromptSharingState(), "policy", None)
+        forward = fw.make_causal_lm_forward(model.forward, PromptSharingState())
         with pytest.raises(UsageError, match="StableLmAttention was called without the shared layout's segments"):
             forward(
                 input_ids=ids,

@@ -28,8 +28,7 @@ ACCELERATE_ORIGINAL_FORWARD = "_original_forward"
 #: packing self-checks read to find the longest pair training will feed. Checked on 1.12.0 and 1.16.0.
 DPO_TOKENIZED_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
 
-#: Supported TRL range: >= 1.10, < 1.17. The full suite runs on 1.12.0 and 1.16.0 (CI), the version matrix
-#: (tests/versions) on the latest patch of every minor: 1.10.0, 1.11.0, 1.13.0, 1.14.2, 1.15.0.
+#: Supported TRL range: >= 1.10, < 1.17 (which releases CI and the version matrix run: docs/versions.md).
 TRL_MIN = (1, 10)
 TRL_MAX_EXCLUSIVE = (1, 17)
 SUPPORTED_TRL_SPEC = ">=1.10,<1.17"
@@ -47,12 +46,9 @@ TRL_IGNORED_FLAGS: dict[str, tuple[str, ...]] = {"DPOTrainer": ("padding_free",)
 
 
 def dpo_honours_padding_free() -> bool:
-    """Whether the installed DPO implements `padding_free` itself.
-
-    False on TRL 0.29-1.16 (`DPOTrainer.__init__` forces it off; its `DataCollatorForPreference` has no
-    `padding_free` field: checked 1.12.0 and 1.16.0). True with `patches/0001-dpo-padding-free.patch` applied, or a
-    release that restores the feature with the collator field.
-    """
+    """Whether the installed DPO implements `padding_free` itself: False on TRL 0.29-1.16 (its
+    `DataCollatorForPreference` has no `padding_free` field: checked 1.12.0 and 1.16.0), True with
+    `patches/0001-dpo-padding-free.patch` applied or a release that restores the feature with the collator field."""
     from trl.trainer.dpo_trainer import DataCollatorForPreference
 
     return "padding_free" in getattr(DataCollatorForPreference, "__dataclass_fields__", {})
@@ -145,11 +141,8 @@ def dpo_uses_fused_lm_head(version: str | None = None) -> bool:
     return parse_version(version or "0")[:2] >= DPO_FUSED_LM_HEAD_SINCE
 
 
-# -------------------------------------------------------------------------------------------------------------------
-# Keywords TRL renamed (for a note on TRL's own "unexpected keyword argument" error; the error itself is TRL's)
-# -------------------------------------------------------------------------------------------------------------------
-
-#: `{trainer class: {old keyword: new spelling}}`. Extend when TRL renames a constructor keyword.
+#: Keywords TRL renamed, `{trainer class: {old keyword: new spelling}}`, for a note on TRL's own "unexpected keyword
+#: argument" error (the error itself is TRL's). Extend when TRL renames a constructor keyword.
 #: - `OnlineDPOTrainer(reward_model=..., reward_processing_class=...)`: removed in favour of `reward_funcs` /
 #:   `reward_processing_classes` (both absent from `OnlineDPOTrainer.__init__` on 1.12.0 and 1.16.0).
 TRL_RENAMED_KEYWORDS: dict[str, dict[str, str]] = {

@@ -1,16 +1,9 @@
 """TRL code layouts that trl-ext finds by probing the installed TRL, not by its version number: which names a trainer
 module imports, which of its helpers are importable. A new release's layout is then recognised by a probe, or refused
-by name before the first step, never met as a crash. Part of `_compat` (re-exported there, where the consumers read
-it); each fact says its consumer and the releases it was checked on (docs/versions.md has the whole table).
-
-Layouts of `DPOTrainer` in the supported range (1.10-1.16, every minor checked, tests/versions):
-
-- 1.10-1.13: `_compute_loss` runs `model(...).logits` and reads them through `selective_log_softmax(logits, index)` and
-  `entropy_from_logits(logits)`; `use_liger_kernel` runs `_compute_loss_liger`.
-- 1.14: `selective_log_softmax(logits, index, row_mask=...)` and `selective_log_softmax_and_entropy(logits, index,
-  entropy_requires_grad=False, row_mask=...)`; `use_liger_kernel` runs a chunked path on the backbone.
-- 1.15-1.16: TRL's fused LM head (`add_fused_lm_head`, `model(..., fused_lm_head=True)`) scores without logits; on
-  1.15 its chunked log-prob function comes from `trl.kernels` only where Triton imports.
+by name before the first step, never met as a crash. Part of `_compat` (re-exported there); each fact says its
+consumer and the releases it was checked on; docs/versions.md tables `DPOTrainer`'s layouts per TRL minor (1.10-1.13:
+logits read through `selective_log_softmax` and `entropy_from_logits`; 1.14: `row_mask=` and
+`selective_log_softmax_and_entropy`; 1.15-1.16: TRL's fused LM head).
 """
 
 from __future__ import annotations
@@ -44,11 +37,9 @@ DPO_MODULE = "trl.trainer.dpo_trainer"
 TRL_UTILS_MODULE = "trl.trainer.utils"
 
 #: TRL < 1.15: the module whose imported helpers DPOTrainer applies to the logits, those helpers (token log-probs,
-#: entropy), and the DPOTrainer methods whose model calls produce the logits they read. Consumers:
-#: `plugins.fused_logprobs.dpo` (replaces the helpers there, held while a trainer needs them) and
-#: `plugins.token_budget.metrics` (per-row entropy through the same name). Checked on 1.10.0-1.13.0; 1.14.x reads
-#: the entropy through `selective_log_softmax_and_entropy` instead (`dpo_logits_helpers` probes which); 1.15-1.16
-#: score DPO with the fused head and import neither (the methods exist on all).
+#: entropy; 1.14 reads the entropy otherwise, `DPO_ENTROPY_HELPERS`), and the DPOTrainer methods whose model calls
+#: produce the logits they read (on every release). Consumers: `plugins.fused_logprobs.dpo` (replaces the helpers
+#: there, held while a trainer needs them) and `plugins.token_budget.metrics`. Checked on 1.10.0-1.13.0.
 DPO_LOGITS_MODULE = DPO_MODULE
 DPO_LOGITS_HELPERS = ("selective_log_softmax", "entropy_from_logits")
 DPO_SCORING_METHODS = ("_compute_loss", "compute_ref_log_probs")

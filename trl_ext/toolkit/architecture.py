@@ -1,22 +1,16 @@
 """What a causal LM's layers do to a packed row: the mechanisms that decide whether packing is exact.
 
-Packing is exact when every layer is per-token except attention, and attention is kept inside each sequence (the
-varlen attention of `packing.attention`, flash-attention's varlen kernels, or transformers' block-diagonal
-mask) with positions that restart per sequence (`position_ids`). `inspect_model` reads the model's modules and
-config and either returns the mechanisms it found or the reason packing cannot be exact (a layer that carries state
-from token to token, attention outside transformers' attention interface whose mask packing cannot build, a dynamic
-mask, queries scaled by the row index, ALiBi biases rounded at the row index, capacity-limited routing, a window or
-chunk that only the mask applies under flash-attention, a layer that mixes the whole row: a sparse-attention indexer,
-a KV compressor, byte patches, prepended prompt tokens). Architectures checked end to end (packed == padded in
-float64, loss, MoE auxiliary loss and gradients) by the architecture sweep are listed in `VERIFIED_MODEL_TYPES`; a
-plugin that packs more selectively declares its own table with `verified_except`. Any other model is measured by the
-plugin's self-check before its first step. The refusals name the plugin that asked (`plugin`).
+Packing is exact when every layer is per-token except attention, and attention is kept inside each sequence with
+positions that restart per sequence. `inspect_model` reads the model's modules and config and returns the mechanisms
+it found or the reason packing cannot be exact, naming the layer and the plugin that asked (the refusals are listed
+in docs/plugins/padding_free.md). `VERIFIED_MODEL_TYPES` are checked end to end by the architecture sweep; a plugin
+that packs more selectively declares its own table with `verified_except`; any other model is measured by the
+plugin's self-check before its first step.
 
-ALiBi: within a block-diagonal attention the bias of a key depends on its distance to the query only up to a
-per-query constant, which softmax ignores, so Bloom and MPT pack exactly on sdpa/eager (`packing.attention` gives
-their own attention the per-sequence mask). transformers runs none of the ALiBi models with flash-attention (Falcon
-raises for `alibi=True`); a model that did would pass its slopes to the varlen kernels (`flash_attn_varlen_func(...,
-alibi_slopes=...)`), which bias by the distance inside each sequence of `cu_seqlens`, exact per sequence as well.
+ALiBi: within a block-diagonal attention a key's bias depends on its distance to the query only up to a per-query
+constant, which softmax ignores, so Bloom and MPT pack exactly on sdpa/eager (`packing.attention` gives their own
+attention the per-sequence mask). transformers runs no ALiBi model with flash-attention (Falcon raises for
+`alibi=True`); one that did would pass its slopes to the varlen kernels, which bias per sequence of `cu_seqlens`.
 """
 
 from __future__ import annotations
@@ -96,19 +90,10 @@ def verified_except(excluded: Mapping[str, str]) -> tuple[str, ...]:
     return tuple(t for t in VERIFIED_MODEL_TYPES if t not in excluded)
 
 
-def _advice(plugin: str) -> str:
-    return f"Train this model without {plugin} (leave `{plugin}` unset)."
-
-
 @dataclasses.dataclass
 class Inspection:
-    """What `inspect_model` found.
-
-    Attributes:
-        mechanisms (`list[str]`): the sequence-related mechanisms found (positions, windows, sinks, MoE...).
-        refusal (`str` or `None`): why packing cannot be exact, naming the layer; None when it can be.
-        verified (`bool`): whether `config.model_type` is in `VERIFIED_MODEL_TYPES`.
-    """
+    """What `inspect_model` found: the sequence-related `mechanisms` (positions, windows, sinks, MoE...), the `refusal`
+    (why packing cannot be exact, naming the layer; None when it can be), and whether the model type is `verified`."""
 
     mechanisms: list[str]
     refusal: str | None
@@ -154,16 +139,9 @@ def _stateful_module(model: torch.nn.Module) -> tuple[str, torch.nn.Module] | No
 
 
 def _row_mixing_layer(model: torch.nn.Module) -> tuple[str, str, str] | None:
-    """A layer that mixes the tokens of a row outside attention's per-sequence keys, found by the module it runs: the
-    layer, the mechanism's name and what it does; None when there is none. A packed row would mix its sequences there:
-
-    - a sparse-attention indexer (DeepSeek-V3.2, GLM-MoE-DSA, ...): picks each query's top `index_topk` keys of the
-      row by learned scores, against the padded attention mask (the packed row has none);
-    - a KV compressor (DeepSeek-V4): appends entries that each summarize a window of the row's tokens;
-    - a byte patcher with a global transformer (BLT): groups the row's bytes into patches and attends across them;
-    - prepended prompt tokens (CPM-Ant): learned tokens before every row, and a mask derived from the token ids;
-    - positions numbered from the padding id (RoBERTa and its copies): offsets the packed position ids do not carry.
-    """
+    """A layer that would mix the sequences of a packed row outside attention's per-sequence keys (a sparse-attention
+    indexer: DeepSeek-V3.2, GLM-MoE-DSA; a KV compressor: DeepSeek-V4; byte patches: BLT; prepended prompt tokens:
+    CPM-Ant; positions numbered from the padding id: RoBERTa): the layer, the mechanism's name and what it does."""
     config = model.config
     for name, module in model.named_modules():
         cls = type(module).__name__
@@ -255,10 +233,8 @@ def _first_attention(model: torch.nn.Module) -> str:
 
 
 def _layers_receive_window(model: torch.nn.Module, window: int) -> bool:
-    """Whether the attention modules hand a window to the attention function, read from their code: a
-    `sliding_window` attribute equal to the declared window, or `sliding_window=` in their `forward` (the argument
-    transformers' attention functions and the flash kernels read). PhiMoE's attention does neither: its window lives
-    only in the mask."""
+    """Whether the attention modules hand a window to the attention function (a `sliding_window` attribute equal to the
+    declared window, or `sliding_window=` in their `forward`); PhiMoE's does neither: its window lives in the mask."""
     for _, module in _attention_modules(model):
         if getattr(module, "sliding_window", None) == window:
             return True
@@ -294,7 +270,7 @@ def inspect_model(
     config = model.config
     model_type = getattr(config, "model_type", None)
     verified = model_type in verified_types
-    _ADVICE = _advice(plugin)
+    _ADVICE = f"Train this model without {plugin} (leave `{plugin}` unset)."
     stateful = _stateful_module(model)
     if stateful is not None:
         name, module = stateful

@@ -25,18 +25,19 @@ def over_budget(cost: float, ref_cost: float, ref_used: float, budget: float) ->
     return ref_used * cost / ref_cost > budget
 
 
-def _cpu_rss() -> int:
+def _cpu_rss(field: str = "VmRSS:") -> int:
+    """The resident set (or another `/proc/self/status` size `field`, such as the peak `VmHWM:`), in bytes."""
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field):
                 return int(line.split()[1]) * 1024
     return 0
 
 
 def _release_free_heap() -> None:
-    """Give the C allocator's free memory back to the kernel (glibc `malloc_trim`), so that work measured by the
-    resident set next touches fresh pages: memory freed by earlier work and kept by the allocator would otherwise be
-    reused without the resident set growing, and the work would look free. A no-op without glibc."""
+    """Give the C allocator's free memory back to the kernel (glibc `malloc_trim`; a no-op without glibc), so that
+    work measured by the resident set touches fresh pages instead of reusing what earlier work freed (it would look
+    free)."""
     global _MALLOC_TRIM
     if _MALLOC_TRIM is None:
         try:
@@ -85,12 +86,7 @@ class ExtraMemory:
             torch.cuda.synchronize(self.device)
             self.used = torch.cuda.max_memory_allocated(self.device) - self.base
         else:
-            hwm = 0
-            with open("/proc/self/status") as f:
-                for line in f:
-                    if line.startswith("VmHWM:"):
-                        hwm = int(line.split()[1]) * 1024
-            self.used = max(0, (hwm if self.cpu_ok else _cpu_rss()) - self.base)
+            self.used = max(0, (_cpu_rss("VmHWM:") if self.cpu_ok else _cpu_rss()) - self.base)
 
 
 def budget_bytes(options, device, ranks) -> float:

@@ -1,19 +1,15 @@
-"""Online DPO's scoring forward, written once: what `OnlineDPOTrainer._forward` does to a text batch, as steps the
-plugins that score it another way (prompt_sharing from its packed logits, fused_logprobs inside the output head) run
-with their own model call and their own last step.
+"""Online DPO's scoring forward, written once, for the plugins that score it another way (prompt_sharing from its
+packed logits, fused_logprobs inside the output head).
 
-TRL's `_forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask, vision_inputs=None)` (trl 1.10-1.16):
-
+TRL's `_forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask, vision_inputs=None)` (trl 1.10-1.16)
 1. cuts the prompt on the left so that prompt + completion <= `trainer.max_length` (text only);
 2. concatenates prompt and completion (ids and mask) and calls `model(ids, attention_mask=mask)`;
-3. keeps the logit columns `[P - 1, P + C - 1)` (`[0, C)` without a prompt: every logit) and returns their
-   `log_softmax` gathered at the completion tokens, `[rows, C]`.
+3. returns the `log_softmax` of the logit columns `[P - 1, P + C - 1)` (`[0, C)` without a prompt) gathered at the
+   completion tokens, `[rows, C]`.
 
-`ScoringCall.build` does 1 and the inputs of 2, `ScoringCall.log_probs` does 3 on logits. `verify_against_trl` runs
-TRL's own `_forward` and these steps on a probe with a stand-in model whose logits are a fixed function of the tokens
-and columns it sees, with and without the left cut and without a prompt, and raises `UsageError` if they differ: a TRL
-whose `_forward` changed is refused at attach time instead of being scored the old way. It is pure tensor arithmetic
-(no model, microseconds), so every plugin that re-implements a step runs it on every trainer it attaches to.
+`ScoringCall.build` does 1 and the inputs of 2, `ScoringCall.log_probs` does 3. `verify_against_trl` runs TRL's own
+`_forward` and these steps with a stand-in model whose logits are a fixed function of the tokens and columns it sees,
+with and without the left cut and without a prompt (microseconds), and refuses a TRL whose `_forward` differs.
 """
 
 from __future__ import annotations
@@ -33,15 +29,9 @@ __all__ = ["ScoringCall", "verify_against_trl"]
 
 @dataclasses.dataclass(frozen=True)
 class ScoringCall:
-    """One Online DPO scoring call of a text batch, after TRL's left cut.
-
-    Attributes:
-        ids (`torch.Tensor`): `[rows, P + C]` prompt (cut on the left) and completion ids, the model's input.
-        mask (`torch.Tensor`): their attention mask.
-        completion_ids (`torch.Tensor`): `[rows, C]`, the tokens scored.
-        prompt_columns (`int`): `P`, the prompt columns kept.
-        start (`int`), end (`int` or `None`): the logit columns `[start, end)` that score the completion.
-    """
+    """One Online DPO scoring call of a text batch, after TRL's left cut: the model's input `ids` (`[rows, P + C]`,
+    prompt cut on the left then completion) and `mask`, the `completion_ids` scored (`[rows, C]`), the `prompt_columns`
+    kept (`P`), and the logit columns `[start, end)` that score the completion."""
 
     ids: torch.Tensor
     mask: torch.Tensor

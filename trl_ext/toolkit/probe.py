@@ -1,16 +1,11 @@
 """Sizing and reference of the packing plugins' self-checks: what training will feed, and the stock forward.
 
-A self-check can only see a locality (a sliding window, a chunk, any mask function) that is shorter than one of its
-probe sequences. So its probe is sized from what the trainer will feed, not from a fixed constant:
-
-- one probe sequence is as long as the longest sequence the trainer will feed (`training_max_length`): any locality
-  shorter than a training sequence then acts inside the probe, whether the config declares it or not;
-- the other probe sequences are longer than every locality the config declares (`declared_localities`), capped at that
-  longest length (a window longer than every training sequence never acts, in stock TRL or packed).
-
-The reference is the model's own *stock padded* forward (`stock_forward`): its original attention implementation, the
-padded batch with its `attention_mask`, `use_cache=False`, as TRL's scoring forward calls it; never another trl-ext
-path.
+A self-check only sees a locality (a window, a chunk, any mask function) shorter than one of its probe sequences, so
+one probe sequence is as long as the longest sequence the trainer will feed (`training_max_length`) and the others are
+longer than every locality the config declares (`declared_localities`), capped at that length (a window longer than
+every training sequence never acts, stock or packed). The reference is the model's own *stock padded* forward
+(`stock_forward`: its original attention, the padded batch with its `attention_mask`, `use_cache=False`, as TRL's
+scoring forward calls it), never another trl-ext path.
 """
 
 from __future__ import annotations
@@ -62,9 +57,8 @@ _LOCALITY_NAMES = ("window", "chunk", "compress")
 
 def declared_localities(config: Any) -> dict[str, int]:
     """Every positive length a config declares under a name that says window, chunk or compress (`sliding_window`,
-    `attention_chunk_size`, `local_attention_window_len`, `compress_rates`, ...), in a value, a list or a dict, by
-    attribute name. Deliberately broad: a name that is not a locality only makes the probe longer (up to the longest
-    training sequence), a missed one would hide a window from the self-check."""
+    `attention_chunk_size`, `compress_rates`, ...; a value, list or dict), by attribute name. Deliberately broad: a
+    name that is not a locality only makes the probe longer, a missed one would hide a window from the self-check."""
     found: dict[str, int] = {}
     for sub in _configs(config):
         for name, value in vars(sub).items():
@@ -167,9 +161,8 @@ def stock_attention(name: str) -> str:
 
 @contextlib.contextmanager
 def stock_forward(model: Any, base_impl: str | None = None) -> Iterator[None]:
-    """Run `model` as stock transformers would for the duration of the block: its attention implementation set back
-    to `base_impl` (default: the one its trl-ext attention stands in for) and the packing wrappers passing calls
-    through (the call context's `stock` set)."""
+    """Run `model` as stock transformers would for the block: its attention set back to `base_impl` (default: the one
+    its trl-ext attention stands in for), the packing wrappers passing calls through (the call context's `stock`)."""
     config = model.config
     current = config._attn_implementation
     base_impl = base_impl or stock_attention(current)
@@ -185,9 +178,8 @@ def stock_forward(model: Any, base_impl: str | None = None) -> Iterator[None]:
 
 
 class ProbeRun:
-    """One run of a packing self-check on `model` (padding_free's and prompt_sharing's): the clock, the model's device
-    and vocabulary, the forwards run so far; inside the `with` block the model is in training mode if `training`, else
-    in eval mode, and its modules' modes are put back after."""
+    """One run of a packing self-check on `model`: the clock, the model's device and vocabulary, the forwards run so
+    far; inside the `with` block the model is in training mode if `training` (else eval), its modes put back after."""
 
     def __init__(self, model: Any, training: bool) -> None:
         self.start, self.model, self.training, self.forwards = time.perf_counter(), model, training, 0
@@ -209,9 +201,8 @@ class ProbeRun:
 
     def without_degenerate_rows(self, stock: Any, ids: Any, mask: Any, run: Callable[[Any, Any], Any]) -> Any:
         """`stock` (the stock padded forward's logits of the right-padded `ids`) with each row that is not finite at
-        its real tokens replaced by its sequence run alone (`run(input_ids, attention_mask)` returns the logits): the
-        padded forward itself is degenerate there (eager attention over a query whose window holds only padding gives
-        NaN in some models, stock TRL included), and the sequence alone has no padding."""
+        its real tokens (a degenerate padded forward, as the self-checks' docstrings say) replaced by its sequence run
+        alone (`run(input_ids, attention_mask)` returns the logits)."""
         import torch
 
         real = mask.bool()

@@ -1,15 +1,10 @@
 """Random numbers a model draws in its forward in training mode, found by measurement and named by layer.
 
-Dropout is found by its sites (`prompt_sharing/dropout.py`: `nn.Dropout` modules and dropout attributes); other
-training-mode randomness has no such sign. PhiMoE's router, for one, samples its experts (`sparsemixer`: Gumbel
-sampling and a random Heun mask, drawn only when `self.training`), and DBRX's router jitters its input
-(`moe_jitter_eps`). Such a draw changes the forward's values only now and then (PhiMoE's only where two experts'
-scores are within `router_jitter_noise` of each other), so comparing two forwards may not see it. What does show it,
-always, is the random number generator: `random_draws` runs one forward and reports each module that advanced the
-generator of the model's device while it ran (outside the calls of its own submodules), in execution order.
-
-Packed or shared rows draw those numbers on other tensor shapes than the padded batch, so they get other samples
-than stock TRL for the same batch, and a shared prompt gets one sample where the padded batch draws two.
+Besides dropout, layers may sample in training (PhiMoE's router: Gumbel sampling and a random Heun mask; DBRX's router
+jitters its input), which changes the forward's values only now and then, so comparing two forwards may not see it.
+The random number generator always does: `random_draws` runs one forward and reports each module that advanced the
+generator of the model's device while it ran (outside its submodules' calls), in execution order. Packed or shared
+rows draw on other tensor shapes than the padded batch, so they get other samples than stock TRL.
 """
 
 from __future__ import annotations
@@ -20,7 +15,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["RandomDraw", "describe_draws", "random_draws", "training_draws"]
+__all__ = ["RandomDraw", "describe_draws", "dropout_attribute", "random_draws", "training_draws"]
 
 _LAYER_DROP = ("layerdrop", "layer_drop", "drop_path", "drop_path_rate")
 
@@ -38,22 +33,19 @@ class RandomDraw:
         return f"`{self.name}` ({self.cls})" if self.name else f"({self.cls})"
 
 
-def _drops_out(module: torch.nn.Module) -> bool:
-    """A dropout module, or a module holding a positive dropout / layer-drop probability (OPT's decoder layer applies
+def dropout_attribute(name: str, value: Any) -> bool:
+    """Whether a module attribute holds a positive dropout / layer-drop probability (OPT's decoder layer applies
     `nn.functional.dropout` with `self.dropout`)."""
+    lowered = name.lower()
+    positive = isinstance(value, (float, int)) and not isinstance(value, bool) and value > 0
+    return positive and ("dropout" in lowered or lowered in _LAYER_DROP)
+
+
+def _drops_out(module: torch.nn.Module) -> bool:
+    """A dropout module, or a module holding a positive dropout / layer-drop probability."""
     if isinstance(module, torch.nn.modules.dropout._DropoutNd) or "dropout" in type(module).__name__.lower():
         return True
-    return any(
-        isinstance(value, (float, int)) and not isinstance(value, bool) and value > 0
-        and ("dropout" in name.lower() or name.lower() in _LAYER_DROP)
-        for name, value in vars(module).items()
-    )  # fmt: skip
-
-
-def _generator_state(device: torch.device) -> Callable[[], torch.Tensor]:
-    if device.type == "cuda":
-        return lambda: torch.cuda.get_rng_state(device)
-    return torch.get_rng_state
+    return any(dropout_attribute(name, value) for name, value in vars(module).items())
 
 
 def _gather(module: torch.nn.Module) -> Any:
@@ -80,7 +72,7 @@ def random_draws(model: torch.nn.Module, run: Callable[[], Any], training: bool 
     its submodules (the innermost drawing layer), in execution order, each once. The caller's generator state and
     the modules' modes are restored."""
     device = next(model.parameters()).device
-    state = _generator_state(device)
+    state = (lambda: torch.cuda.get_rng_state(device)) if device.type == "cuda" else torch.get_rng_state
     names = {module: name for name, module in model.named_modules()}
     frames: list[list[Any]] = []  # per call: [module, generator state after its last child returned, gathered]
     found: dict[str, RandomDraw] = {}

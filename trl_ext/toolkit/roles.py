@@ -1,8 +1,5 @@
-"""Exclusive roles that built-in plugins declare with `PluginSpec(serves=...)`; third-party plugins may use them too.
-
-Of the plugins enabled for one trainer that serve a role, the core keeps the one of highest `precedence` (see
-`trl_ext.manager.resolve_roles`). Plugins name roles, never each other.
-"""
+"""Exclusive roles that plugins declare with `PluginSpec(serves=...)`: of those enabled for one trainer that serve a
+role, the core keeps the one of highest `precedence` (`trl_ext.manager.resolve_roles`; docs/writing-plugins.md)."""
 
 from __future__ import annotations
 

@@ -1,30 +1,19 @@
 """Per-token log-probs of scored tokens without the `[rows, length, vocab]` logits.
 
-`token_logprobs(hidden, targets, head, chunk=...)` equals
-`head(hidden).log_softmax(-1).gather(-1, targets[..., None])[..., 0]` but never holds more than `chunk` rows of
-logits: the positions are flattened, the LM head is applied `chunk` positions at a time, the log-sum-exp runs in
-float32 (float64 stays float64) and only the target token's log-prob is kept.
-
-Backward: each chunk is a non-reentrant `torch.utils.checkpoint` of a function that calls `head`. Its forward keeps
-only the chunk's hidden states; its backward recomputes the chunk's logits, so one chunk of logits (and its gradient)
-is alive at a time. Calling the head's own code, rather than a hand-written gradient of `hidden @ weight.T`, keeps
-whatever it does on the way: a bias, a PEFT adapter or `modules_to_save` copy on the head. `head` is either the head
-module or (Online DPO, `online.py`) its original `forward`, called from inside the module's own call so that the
-parameters DeepSpeed ZeRO-3 or FSDP2 gather for that call are in place, in forward and in the recomputation. After the
-head, `_TargetLogprobs` takes the chunk's logits to the target log-probs with a hand-written gradient (one `[n, V]`
-buffer instead of autograd's five, bitwise the same values), and the recomputation reuses the log-sum-exp the forward
-computed. Head matmuls per chunk (`tests/plugins/test_fused_logprobs_matmuls.py` counts them):
+`token_logprobs(hidden, targets, head, chunk=...)` equals `head(hidden).log_softmax(-1).gather(-1, targets[...,
+None])[..., 0]` but holds at most `chunk` rows of logits at a time, with the log-sum-exp in float32 (float64 stays
+float64). Each chunk is a non-reentrant checkpoint of a call of `head` itself (a bias, a PEFT adapter or
+`modules_to_save` copy on the head keep working; Online DPO's head forward runs inside the module's own call, so the
+parameters ZeRO-3 or FSDP2 gather for it are in place, in forward and recomputation); `_TargetLogprobs` writes the
+gradient of the target log-probs by hand (one `[n, V]` buffer instead of autograd's five, bitwise the same) and the
+recompute reuses the forward's log-sum-exp. Head matmuls per chunk (`tests/plugins/test_fused_logprobs_matmuls.py`):
 - a trainable head: one in the forward; the recomputed logits, d(hidden) and d(weight) in the backward (stock: 3);
-- a frozen head (no parameter needs a gradient) on hidden states that need one: the logits and d(hidden) for a unit
-  gradient, both in the forward, and no checkpoint: the backward scales that d(hidden) per row (`frozen_head_chunk`;
-  stock: 2);
-- nothing needs a gradient (the reference model's forward under `no_grad`, a frozen head on inputs without
-  gradients): plain chunks, one each, nothing saved.
+- a frozen head on hidden states that need a gradient: the logits and d(hidden) for a unit gradient, both in the
+  forward, no checkpoint; the backward scales that d(hidden) per row (`frozen_head_chunk`; stock: 2);
+- nothing needs a gradient: plain chunks, one each, nothing saved.
 
-Positions: `scored` (a bool mask shaped like `targets`) names the positions whose log-probs take part in the loss. With
-gradients on, only they go through the checkpointed chunks; the other positions are computed without gradients
-(`rest="detach"`, their values as stock, their gradient zero as under a stock mask) or not at all and filled with 0
-(`rest="skip"`). Without gradients every computed position runs in plain chunks.
+With gradients on, only the `scored` positions go through the checkpointed chunks; the others are computed without
+gradients (`rest="detach"`: stock's values, zero gradient as under a stock mask) or filled with 0 (`rest="skip"`).
 """
 
 from __future__ import annotations
@@ -105,14 +94,13 @@ def cuda_free_bytes(device: torch.device) -> int:
 
 class _TargetLogprobs(torch.autograd.Function):
     """`(logits.gather(targets) - logsumexp(logits), logsumexp(logits))` of `[n, V]` logits in the accumulation dtype,
-    the logits upcast inside (not kept as a second `[n, V]` copy) and its gradient written in one `[n, V]` buffer.
+    the logits upcast inside (not kept as a second copy), the log-sum-exp without gradient.
 
-    Autograd's own graph of the same expression (cast, gather, logsumexp, subtraction) allocates in its backward the
-    softmax, its product with the gradient, a zero tensor for the gather, their sum and the cast back: five `[n, V]`
-    tensors per chunk. This backward computes `exp(logits - lse) * -g`, adds `g` at the targets in place and casts
-    once. The operations and their order per element are autograd's (`logsumexp_backward`, then the sum of the two
-    gradients), so the gradient is bitwise the same (`test_target_logprobs_gradient_bitwise`). The log-sum-exp is
-    returned without gradient (the statistics `lazy.py` stores read it)."""
+    Autograd's backward of the same expression allocates five `[n, V]` tensors per chunk (the softmax, its product with
+    the gradient, a zero tensor for the gather, their sum, the cast back); this one computes `exp(logits - lse) * -g`,
+    adds `g` at the targets in place and casts once: autograd's operations in its order per element (its
+    `logsumexp_backward`, then the sum), so the gradient is bitwise the same (`test_target_logprobs_gradient_bitwise`).
+    """
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, known: torch.Tensor | None):  # type: ignore[override]
@@ -174,13 +162,11 @@ def frozen_head_chunk(
 ) -> torch.Tensor:
     """A chunk through a head none of whose parameters needs a gradient, the hidden states needing one.
 
-    Each log-prob depends on its own row of hidden states only, so its gradient is `g_i * d(value_i)/d(hidden_i)`:
-    the forward computes `d(value_i)/d(hidden_i)` for every row at once (the head's own backward of the logits'
-    gradient for `g = 1`, `[n, H]`, as large as the hidden states a checkpoint keeps) and the backward scales it by
-    the incoming gradient. Two head matmuls per chunk, both in the forward, none in the backward (no recompute): a
-    frozen head (a LoRA backbone, a frozen output layer) costs what stock's logits and d(hidden) cost. Equal to the
-    checkpointed path up to the order of one multiplication by `g_i` (float64: 1e-15 relative;
-    `test_frozen_head_no_backward_matmul`). `observe(logits, lse)` sees the chunk's logits (detached) and
+    Each log-prob depends on its own row of hidden states only, so its gradient is `g_i * d(value_i)/d(hidden_i)`: the
+    forward computes `d(value_i)/d(hidden_i)` for every row at once (`[n, H]`, the size of what a checkpoint keeps) and
+    the backward scales it by the incoming gradient: two head matmuls per chunk, both in the forward, as stock's logits
+    and d(hidden). Equal to the checkpointed path up to the order of one multiplication by `g_i` (float64: 1e-15
+    relative; `test_frozen_head_no_backward_matmul`). `observe(logits, lse)` sees the chunk's logits (detached) and
     log-sum-exp, without gradients (`lazy.py` stores its statistics from them).
     """
     with torch.enable_grad():
@@ -236,24 +222,14 @@ def token_logprobs(
     rest: str = "detach",
     parameters: Iterable[torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Log-probs of `targets` under `log_softmax(head(hidden))`, `chunk` positions of logits at a time.
+    """`[...]` log-probs (float32; float64 for float64 logits) of `targets` (`[...]` token ids) under
+    `log_softmax(head(hidden))` (`hidden`: `[..., H]`; `head`: a module or its forward, `[n, H]` -> `[n, V]`), `chunk`
+    positions of logits at a time.
 
-    Args:
-        hidden (`torch.Tensor`): `[..., H]` hidden states (the head's input) of the positions to score.
-        targets (`torch.Tensor`): `[...]` token ids, one per position.
-        head (`Callable`): the output head (a module or its forward, called on `[n, H]` rows), returning `[n, V]`
-            logits.
-        chunk (`int`): positions per chunk (at most `chunk * V` logits are alive at once).
-        scored (`torch.Tensor`, *optional*): bool mask shaped like `targets`; the positions whose log-probs carry
-            gradients. `None`: every position.
-        rest (`str`, *optional*, defaults to `"detach"`): the positions outside `scored`: `"detach"` computes them
-            without gradients, `"skip"` fills them with 0 without computing them.
-        parameters (`Iterable[torch.Tensor]`, *optional*): the head's parameters (whether any needs a gradient:
-            none does, the chunks take the frozen-head path, `frozen_head_chunk`); `None`: `head.parameters()`
-            where `head` is a module. The head must read no other tensor that needs a gradient.
-
-    Returns:
-        `torch.Tensor`: `[...]` log-probs, float32 (float64 for float64 logits).
+    `scored`: bool mask shaped like `targets`, the positions whose log-probs carry gradients (`None`: every one); the
+    others are computed without gradients (`rest="detach"`) or filled with 0 (`"skip"`). `parameters`: the head's
+    (default: `head.parameters()` of a module); when none needs a gradient the chunks take the frozen-head path
+    (`frozen_head_chunk`). The head must read no other tensor that needs a gradient.
     """
     if chunk < 1:
         raise ValueError(f"chunk must be a positive number of positions, got {chunk}")

@@ -1,31 +1,22 @@
 """`DPOTrainer` on TRL < 1.15 (no fused LM head there): its scoring forwards return `LazyLogits` instead of logits.
 
 TRL's `_compute_loss` and `compute_ref_log_probs` (1.10-1.14, each checked by tests/versions) run `outputs =
-model(**model_kwargs)`, slice `outputs.logits[..., :-1, :]` and read it through `selective_log_softmax` (every loss
-type's log-probs), `F.cross_entropy` (the `sft` loss), `torch.logsumexp` of the logits and of `2.0 *` the logits (WPO
-weights, `use_weighting`), `entropy_from_logits` (`entropy`; 1.14 takes the log-probs and the entropy from
-`selective_log_softmax_and_entropy` instead), `.mean(-1)` over boolean-selected positions (`logits/chosen`,
-`logits/rejected`) and `.argmax(-1)` (`mean_token_accuracy`). While one of those two methods runs, each causal LM's
-forward returns a `LazyLogits` whose values were all computed inside the output head's own call, and the helpers TRL
-imports into `trl.trainer.dpo_trainer` (those this TRL has, found by a probe) are replaced by versions that read a
-`LazyLogits` (any other argument goes to TRL's own). The loss code itself is TRL's, unchanged: every loss type,
-`loss_weights`, `ld_alpha`, `use_weighting`.
+model(**model_kwargs)` and read `outputs.logits[..., :-1, :]` only through the reductions `lazy.py` lists. While one
+of those methods runs, each causal LM's forward returns a `LazyLogits` whose values were all computed inside the output
+head's own call, and the helpers TRL imports into `trl.trainer.dpo_trainer` (those this TRL has, found by a probe) are
+replaced by versions that read a `LazyLogits` (any other argument goes to TRL's own). The loss code itself is TRL's,
+unchanged: every loss type, `loss_weights`, `ld_alpha`, `use_weighting`.
 
-Inside the head's call. Before each model call the fused forward announces to the patched head (`DpoScoreCall`) the
-targets (`input_ids` shifted by one), the positions TRL keeps (the shifted completion mask) and, for the policy's call
-of `_compute_loss`, the statistics its metrics read (entropy, mean logit, argmax, and with `use_weighting` the WPO
-log-sum-exps). The head, called once per forward on every rank as stock, runs one chunked pass with its original
-`forward` (`lazy.LazyLogits.logprobs`): the log-probs of the scored positions with a per-chunk checkpoint (each chunk
-recomputed in the backward, where DeepSpeed ZeRO-3's pre-backward hook on the head's output has gathered the weight
-again and FSDP2's root has unsharded it) and, without gradients, the statistics. It returns the `[rows, length]`
-log-probs (0 elsewhere) as the model's `logits`; the fused forward wraps that output, and the statistics, in a
-`LazyLogits` that computes nothing more (a reduction it does not hold is refused with a `UsageError`).
+Before each model call the fused forward announces to the patched head (`DpoScoreCall`) the targets (`input_ids`
+shifted by one), the positions TRL keeps (the shifted completion mask) and, for the policy's call of `_compute_loss`,
+the statistics its metrics read. The head, called once per forward on every rank as stock, runs one chunked pass
+(`lazy.LazyLogits.logprobs`, each chunk recomputed in the backward, where ZeRO-3's pre-backward hook on the head's
+output has gathered the weight again and FSDP2's root has unsharded it) and returns the `[rows, length]` log-probs (0
+elsewhere) as the model's `logits`, which the fused forward wraps in a `LazyLogits` that computes nothing more.
 
-Packing (padding_free, prompt_sharing). The fused forward is put around each model's forward at the start of each
-scoring call, so it is the outermost wrapper, whatever order the plugins wrapped the model in. The packing plugin's
-forward inside it runs one packed row and announces which packed position computes each padded position
-(`toolkit.packing.positions`); the head gathers the hidden states of the padded positions from the packed row, returns
-the padded log-probs and marks its output padded, so the plugin leaves it.
+Packing: the fused forward is put around each model's forward at the start of each scoring call, so it is outermost;
+the packing plugin's forward inside it announces the packed positions (`toolkit.packing.positions`), and the head
+gathers the padded positions' hidden states from the packed row and marks its output padded.
 
 An evaluation that asks for the logits themselves (`prediction_loss_only=False`) gets them: that call runs stock.
 """
@@ -62,8 +53,6 @@ HELPERS: dict[str, Callable[[Callable], Callable]] = {
     _ENTROPY: entropy,  # TRL 1.10-1.13
     _LOGPROBS_AND_ENTROPY: logprobs_and_entropy,  # TRL 1.14
 }
-#: The trainer methods whose model calls return `LazyLogits`.
-SCORING_METHODS = _compat.DPO_SCORING_METHODS
 
 
 @dataclasses.dataclass
@@ -134,11 +123,7 @@ class DpoScoreCall(ScoreCall):
 
     def run(self, head: torch.nn.Module, forward: Callable, hidden: torch.Tensor, args: tuple, kwargs: dict) -> Any:
         assert self.targets is not None and self.scored is not None
-        if args or kwargs:
-            raise UsageError(
-                f"fused_logprobs: the {self.role} model calls its output head ({type(head).__name__}) with more than "
-                "the hidden states; the fused path cannot reproduce that call. Train it without fused_logprobs."
-            )
+        self.refuse_arguments(head, args, kwargs)
         rows, length = self.targets.shape
         packed = current_packed_positions()
         if packed is not None:

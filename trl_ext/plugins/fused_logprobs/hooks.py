@@ -24,14 +24,10 @@ def _state(context: Any) -> FusedState:
     return state
 
 
-def _dpo_has_fused_head() -> bool:
-    return _compat.dpo_has_fused_head()
-
-
 @hookimpl
 def trl_ext_trainer_init_start(trainer: Any, context: Any, init_kwargs: dict[str, Any]) -> None:
     state = _state(context)
-    if context.trainer_class == "DPOTrainer" and _dpo_has_fused_head():
+    if context.trainer_class == "DPOTrainer" and _compat.dpo_has_fused_head():
         state.left_to_trl = True
         logger.info(
             "fused_logprobs: this TRL's DPOTrainer already scores with its own fused LM head (no full-vocabulary "
@@ -72,40 +68,29 @@ def _check_model(context: Any, role: str, model: Any, trainer: Any) -> None:
     )
 
 
-def _sharded_engine(trainer: Any) -> str | None:
-    """The engine that gathers a module's parameters around its call ("DeepSpeed ZeRO-3", "FSDP"), or None."""
-    deepspeed_flag, fsdp_flag = _compat.TRAINER_SHARDING_FLAGS
-    plugin = getattr(getattr(getattr(trainer, "accelerator", None), "state", None), "deepspeed_plugin", None)
-    if getattr(trainer, deepspeed_flag, False) and getattr(plugin, "zero_stage", None) == 3:
-        return "DeepSpeed ZeRO-3"
-    if getattr(trainer, fsdp_flag, False):
-        return "FSDP"
-    return None
-
-
 def _check_engine(trainer: Any, context: Any, state: FusedState) -> None:
-    """Refuse what the head's parameter gathering under ZeRO-3 does not keep in step across ranks: a head with
-    sub-modules of its own (each chunk's call of such a sub-module would gather its parameters)."""
-    engine = _sharded_engine(trainer)
-    if engine is None:
+    """Refuse, under DeepSpeed ZeRO-3, an output head with sub-modules of its own: ZeRO-3 would gather their
+    parameters on each chunk's call, and the chunk count differs between ranks."""
+    deepspeed_flag, _ = _compat.TRAINER_SHARDING_FLAGS
+    plugin = getattr(getattr(getattr(trainer, "accelerator", None), "state", None), "deepspeed_plugin", None)
+    if not (getattr(trainer, deepspeed_flag, False) and getattr(plugin, "zero_stage", None) == 3):
         return
-    if engine == "DeepSpeed ZeRO-3":
-        for role, model in context.models().items():
-            head = output_head(model, role)
-            inner = [n for n, m in head.named_modules() if n and any(True for _ in m.parameters(recurse=False))]
-            if inner:
-                raise UsageError(
-                    f"fused_logprobs does not run under DeepSpeed ZeRO-3 with the {role} model's output head "
-                    f"({type(head).__name__}), which calls sub-modules with parameters of their own ({inner[:3]}; "
-                    "e.g. a PEFT adapter on the head): ZeRO-3 gathers their parameters on each call, once per "
-                    "chunk, and the chunk count differs between ranks. Keep adapters off the output head, use ZeRO-2 "
-                    "or DDP, or train without fused_logprobs."
-                )
+    for role, model in context.models().items():
+        head = output_head(model, role)
+        inner = [n for n, m in head.named_modules() if n and any(True for _ in m.parameters(recurse=False))]
+        if inner:
+            raise UsageError(
+                f"fused_logprobs does not run under DeepSpeed ZeRO-3 with the {role} model's output head "
+                f"({type(head).__name__}), which calls sub-modules with parameters of their own ({inner[:3]}; "
+                "e.g. a PEFT adapter on the head): ZeRO-3 gathers their parameters on each call, once per "
+                "chunk, and the chunk count differs between ranks. Keep adapters off the output head, use ZeRO-2 "
+                "or DDP, or train without fused_logprobs."
+            )
 
 
 def _scores(context: Any) -> bool:
     """Whether the plugin scores this trainer (not a DPOTrainer that TRL's own fused LM head scores already)."""
-    return not (context.trainer_class == "DPOTrainer" and _dpo_has_fused_head())
+    return not (context.trainer_class == "DPOTrainer" and _compat.dpo_has_fused_head())
 
 
 @hookimpl
@@ -133,10 +118,7 @@ def trl_ext_trainer_models_ready(trainer: Any, context: Any) -> None:
     if not _scores(context):
         return
     state = _state(context)
-    # Both trainers score inside the head's call (with a packing plugin too: the head reads its positions from the
-    # packed row through the positions the plugin announces around its packed call). The head's forward is this
-    # plugin's answer to `trl_ext_make_head_forward`, installed by the core, and the scoring methods go through its
-    # `trl_ext_call`; here the trainer and its models are checked.
+    # The head's forward and the scoring methods are installed by the core; here the trainer and its models are checked
     _check_engine(trainer, context, state)
     models = context.models()
     packing = tuple(n for n in context.plugins_serving(PACKING) if context.is_enabled(n))

@@ -1,27 +1,18 @@
 """`LazyLogits`: stands for `head(hidden)` (`[..., V]`) without computing it; each reduction TRL applies to the logits
 runs chunk by chunk, on the scored positions only.
 
-TRL's DPO scoring (TRL < 1.15) reads its logits only through a few operations, each a per-position reduction over the
-vocabulary: slicing and boolean selection of positions, `detach`, `chunk` over rows, `selective_log_softmax`,
-`entropy_from_logits` (1.10-1.13) or `selective_log_softmax_and_entropy` (1.14), `.mean(-1)`, `.argmax(-1)`,
-`torch.logsumexp(x, -1)`, `2.0 * x`, `F.cross_entropy`. Those are given here; any other operation raises a `UsageError`
-naming it (a TRL that reads its logits another way).
+TRL's DPO scoring (TRL < 1.15) reads its logits only through: slicing and boolean selection of positions, `detach`,
+`chunk` over rows, `selective_log_softmax` (every loss type), `entropy_from_logits` (1.10-1.13) or
+`selective_log_softmax_and_entropy` (1.14), `.mean(-1)` (`logits/chosen|rejected`), `.argmax(-1)`
+(`mean_token_accuracy`), `torch.logsumexp(x, -1)` and `2.0 * x` (WPO weights), `F.cross_entropy` (the `sft` loss).
+Those are given here; any other operation raises a `UsageError` naming it.
 
-Scored positions. A `LazyLogits` knows which of its positions TRL keeps (the shifted completion mask): every reduction
-computes those only and gives 0 elsewhere, which TRL's masking turns into the stock values (it zeroes the log-probs
-outside the completion and multiplies the entropy, the WPO log-sum-exps and the token accuracy by the mask; the mean
-logits and the `sft` cross-entropy select completion positions).
-
-One pass. The positions of all derived `LazyLogits` (slices, chunks, selections) are tracked as indices into the
-model output they come from, whose per-position results are kept (`Root.cache`). When the policy's log-probs are
-computed (`stats`), the same chunk pass, on the logits it already holds, stores without gradients the entropy, the
-mean logit, the argmax and the log-sum-exps TRL asks for next, so the head runs once per chunk in the forward (and
-once more per chunk in the backward, recomputed); the `sft` cross-entropy reuses the log-probs (and their graph).
-
-Inside the head's call (`dpo.DpoScoreCall`). That pass runs inside the output head module's own call, with the head's
-original `forward`; the model's output is the log-probs, and the `LazyLogits` TRL reads is built on a root that holds
-them and the statistics (`Root.precomputed`): it keeps no hidden states, and any reduction it does not hold is
-refused.
+Every reduction computes the scored positions (the shifted completion mask) only and gives 0 elsewhere, which TRL's
+masking turns into the stock values. Derived `LazyLogits` (slices, chunks, selections) track their positions as
+indices into the model output, whose per-position results are kept (`Root.cache`): the policy's log-prob pass also
+stores, without gradients, the statistics TRL asks for next, so the head runs once per chunk in the forward (and once
+more in the backward's recompute). Built inside the head's call (`dpo.DpoScoreCall`), a root holds only those results
+(`Root.precomputed`): no hidden states, and a reduction it does not hold is refused.
 """
 
 from __future__ import annotations
@@ -37,7 +28,7 @@ from torch.utils.checkpoint import checkpoint
 
 from trl_ext.api import UsageError
 
-from .chunked import accumulation_dtype, frozen_head_chunk, target_logprobs
+from .chunked import _params, accumulation_dtype, frozen_head_chunk, target_logprobs
 
 __all__ = ["STATS", "LazyLogits", "Root", "entropy", "logprobs_and_entropy", "selective_logprobs"]
 
@@ -70,20 +61,11 @@ _CROSS_ENTROPY_DEFAULTS = {
 
 
 class Root:
-    """What the `LazyLogits` derived from one model output share: the head, its autocast state, the chunk, the scored
-    positions (flat, over the output's positions) and the per-position results computed so far.
-
-    Args:
-        head (`Callable`): the output head module.
-        autocast (`Callable`): returns the autocast context the head ran under in the model's forward.
-        chunk (`int`): positions per chunk.
-        scored (`torch.Tensor`): flat bool mask over the output's positions: those TRL keeps.
-        stats (`Iterable[str]`, *optional*): names of `STATS` to store during the first log-prob pass.
-        grad (`bool`, *optional*, defaults to `True`): whether the model's forward ran with gradients enabled (stock
-            logits of a forward under `no_grad`, the reference's, carry none, so neither do these).
-        vocab (`int`, *optional*): the vocabulary size (default: read from `head`).
-        parameters (`Iterable[torch.Tensor]`, *optional*): the head's parameters (default: `head.parameters()`).
-    """
+    """What the `LazyLogits` derived from one model output share: the `head`, a factory of the `autocast` context it
+    ran under, the `chunk`, the `scored` positions (a flat bool mask over the output's positions: those TRL keeps), the
+    `STATS` to store during the first log-prob pass, whether the model's forward ran with gradients (`grad`: the
+    reference's under `no_grad` carries none), the `vocab` size and the head's `parameters` (default: read from
+    `head`), and the per-position results computed so far (`cache`)."""
 
     def __init__(
         self,
@@ -110,15 +92,8 @@ class Root:
 
 
 class LazyLogits:
-    """`scale * head(hidden)` over the leading dimensions of `hidden`, never materialised as a whole.
-
-    Args:
-        hidden (`torch.Tensor`): `[..., H]` hidden states (the head's input).
-        root (`Root`): what the logits derived from one model output share.
-        ids (`torch.Tensor`, *optional*): `hidden.shape[:-1]` indices of these positions among the root's (default:
-            all of them, in order: a model output).
-        scale (`float`, *optional*, defaults to `1.0`): a factor applied to the logits.
-    """
+    """`scale * head(hidden)` over the leading dimensions of `hidden` (`[..., H]`), never materialised as a whole;
+    `ids` (`hidden.shape[:-1]`) are these positions among the `root`'s (default: all, in order: a model output)."""
 
     def __init__(self, hidden: torch.Tensor, root: Root, ids: torch.Tensor | None = None, scale: float = 1.0) -> None:
         if ids is None:
@@ -367,8 +342,8 @@ def selective_logprobs(original: Callable) -> Callable:
 
 
 def entropy(original: Callable) -> Callable:
-    """An `entropy_from_logits(logits, chunk_size=...)` that reduces `LazyLogits` chunk by chunk (the entropy of
-    `softmax(logits)` in nats, on the scored positions, 0 elsewhere) and passes any other call to `original`."""
+    """An `entropy_from_logits(logits, chunk_size=...)` that reduces `LazyLogits` chunk by chunk (on the scored
+    positions, 0 elsewhere) and passes any other call to `original`."""
 
     @functools.wraps(original)
     def entropy_from_logits(logits: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -382,9 +357,9 @@ def entropy(original: Callable) -> Callable:
 
 
 def logprobs_and_entropy(original: Callable) -> Callable:
-    """A `selective_log_softmax_and_entropy(logits, index, entropy_requires_grad, temperature, row_mask)` (TRL 1.14:
-    `(log-probs, entropy)` in one pass) that answers `LazyLogits` from the same chunk pass as the two helpers above
-    (the entropy without gradients: TRL asks `entropy_requires_grad=False`) and passes any other call to `original`."""
+    """A `selective_log_softmax_and_entropy(logits, index, entropy_requires_grad, temperature, row_mask)` (TRL 1.14)
+    that answers `LazyLogits` from the same chunk pass as the two helpers above (the entropy without gradients, as TRL
+    asks) and passes any other call to `original`."""
 
     @functools.wraps(original)
     def selective_log_softmax_and_entropy(logits: Any, index: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -400,8 +375,3 @@ def logprobs_and_entropy(original: Callable) -> Callable:
         return _zero_outside(logprobs, row_mask), _zero_outside(logits.entropy(), row_mask)
 
     return selective_log_softmax_and_entropy
-
-
-def _params(head: Any) -> list[torch.Tensor]:
-    parameters = getattr(head, "parameters", None)
-    return list(parameters()) if callable(parameters) else []

@@ -1,36 +1,27 @@
 """Online DPO's scoring forward with fused log-probs, and the output-head patch it relies on.
 
-`OnlineDPOTrainer._forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask, vision_inputs=None)`
-(TRL 1.12 and 1.16) cuts the prompt on the left so that prompt + completion <= `max_length`, runs
-`model(prompt_completion_ids, attention_mask=...)`, keeps the logits of the columns that predict the completion
-(`[P - 1, P + C - 1)`, or `[0, C)` without a prompt) and returns `log_softmax(logits)` gathered at the completion
-tokens, `[rows, C]`. No temperature is applied there. `fused_forward` returns the same tensor from the same model call
-(through every wrapper: DDP, DeepSpeed, FSDP2, PEFT, another plugin's forward).
+`make_fused_forward` returns what `OnlineDPOTrainer._forward` returns (TRL 1.12 and 1.16: the completion tokens'
+`log_softmax` gathered, `[rows, C]`, no temperature; its steps are `toolkit.online_forward`'s) from the same model
+call, through every wrapper (DDP, DeepSpeed, FSDP2, PEFT, another plugin's forward).
 
-The output head's `forward` is replaced once per model (`trl_ext_make_head_forward`, installed by the core through the
-trainer's undo stack); what it does depends on a context variable set around one model call:
+The output head's `forward` is replaced once per model (`trl_ext_make_head_forward`); around one model call a
+`ScoreCall` tells it what to do:
 
-- scoring (`scoring()`, the default): the head receives the hidden states of every position, takes the completion
-  columns and returns their log-probs, `[rows, C]`, computed chunk by chunk (`chunked.token_logprobs`) with the head's
-  original `forward`. This runs inside the head module's own call, once per model forward on every rank as stock, so
-  DeepSpeed ZeRO-3's gathered parameters (its pre-forward hook, and its pre-backward hook on the head's output for the
-  recomputation of each chunk in backward) and FSDP2's unsharded root parameters are in place. The model passes the
-  head's output through as its `logits`. When a packing plugin (prompt_sharing) runs the call on one packed row, it
-  announces which packed position computes each padded position (`toolkit.packing.positions`): the head gathers the
-  hidden states of the scored columns from the packed row, returns them as `[rows, C]` and tells the plugin that its
-  output is padded already.
-- DPO on TRL < 1.15 (`dpo.DpoScoreCall`, a `ScoreCall`): the same inside the head's call, over every position of
-  the DPO batch, with the statistics TRL's metrics read stored on the way.
-- recording (a `ScoreCall` without targets, the self-check): the head runs as stock and keeps its output.
+- scoring (`scoring()`): the head takes the completion columns of the hidden states it receives and returns their
+  log-probs, `[rows, C]`, chunk by chunk (`chunked.token_logprobs`) with its original `forward`, inside its own call,
+  once per model forward on every rank as stock, so DeepSpeed ZeRO-3's and FSDP2's gathered parameters are in place
+  (in the backward's recomputation too). Inside a packed call (prompt_sharing) it gathers the scored columns from the
+  packed row through the announced positions (`toolkit.packing.positions`) and marks its output padded.
+- DPO on TRL < 1.15 (`dpo.DpoScoreCall`): the same over every position of the DPO batch, with TRL's metric statistics.
+- recording (no targets, the self-check): the head runs as stock and keeps its output.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -63,10 +54,9 @@ def head_chunk(forward: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Te
 @dataclasses.dataclass
 class ScoreCall:
     """A scoring request for the next output-head call: the log-probs of `targets` at the head input's columns
-    `[start, end)`, `chunk` positions at a time; `scored` (bool, shaped like `targets`) names those with gradients.
-    Without `targets` the head runs as stock and keeps its output in `output` (the self-check). Inside a packed call
-    (`toolkit.packing.positions`) the head input is the packed row `[1, N, H]` and the columns are read through the
-    announced positions."""
+    `[start, end)`, `chunk` positions at a time, `scored` (bool, like `targets`) with gradients; inside a packed call
+    the columns are read from the packed row through the announced positions. Without `targets` the head runs as
+    stock and keeps its `output` (the self-check)."""
 
     role: str
     targets: torch.Tensor | None = None
@@ -77,18 +67,16 @@ class ScoreCall:
     chunk: int = 1
     calls: int = 0
     output: torch.Tensor | None = None
-    #: recording only: `reference(head, hidden)` runs inside the head's call too (its parameters in place under
-    #: ZeRO-3/FSDP2) and its result is kept in `referenced` (the self-check's float32 head, `selfcheck.float32_head`)
+    #: recording: `reference(head, hidden)` (`selfcheck.float32_head`) runs inside the head's call, into `referenced`
     reference: Callable[[torch.nn.Module, torch.Tensor], Any] | None = None
     referenced: Any = None
-    #: scoring: `(rows, positions, vocab, dtype)` of the logits stock's model call returns for this request (its head
-    #: on every position), vocab and dtype read from the chunks the head computed (`head_of`)
+    #: scoring: `(rows, positions, vocab, dtype)` of stock's logits for this request (vocab and dtype: `head_of`)
     stock_logits: tuple[int, int, int, torch.dtype] | None = None
     _chunk_out: tuple[int, torch.dtype] | None = None
 
     def head_of(self, forward: Callable) -> Callable[[torch.Tensor], torch.Tensor]:
-        """The head's original `forward` as the chunked passes call it (`head_chunk`), noting the vocabulary and the
-        dtype of the logits it returns: those of the full logits stock's call of the same head builds."""
+        """The head's original `forward` as the chunked passes call it (`head_chunk`), noting the vocabulary and dtype
+        of its logits (those of stock's full logits)."""
 
         def chunk(hidden: torch.Tensor) -> torch.Tensor:
             out = head_chunk(forward, hidden)
@@ -108,17 +96,20 @@ class ScoreCall:
             vocab, dtype = self._chunk_out
             self.stock_logits = (rows, positions, vocab, dtype)
 
+    def refuse_arguments(self, head: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        if args or kwargs:
+            raise UsageError(
+                f"fused_logprobs: the {self.role} model calls its output head ({type(head).__name__}) with more than "
+                "the hidden states; the fused path cannot reproduce that call. Train it without fused_logprobs."
+            )
+
     def run(self, head: torch.nn.Module, forward: Callable, hidden: torch.Tensor, args: tuple, kwargs: dict) -> Any:
         if self.targets is None:
             self.output = forward(hidden, *args, **kwargs)
             if self.reference is not None and not args and not kwargs:
                 self.referenced = self.reference(head, hidden)
             return self.output
-        if args or kwargs:
-            raise UsageError(
-                f"fused_logprobs: the {self.role} model calls its output head ({type(head).__name__}) with more than "
-                "the hidden states; the fused path cannot reproduce that call. Train it without fused_logprobs."
-            )
+        self.refuse_arguments(head, args, kwargs)
         rows = self.targets.size(0)
         packed = current_packed_positions()
         if packed is not None:
@@ -129,15 +120,17 @@ class ScoreCall:
                 f"the hidden states of its {rows} rows of {self.columns} positions; the fused path cannot tell which "
                 "positions it holds. Train it without fused_logprobs."
             )
+        return self._score(head, forward, hidden[:, self.start : self.end], self.scored, hidden)
+
+    def _score(
+        self, head: torch.nn.Module, forward: Callable, hidden: torch.Tensor, scored: Any, full: torch.Tensor
+    ) -> torch.Tensor:
+        """`token_logprobs` of the targets at `hidden` (the scored columns' hidden states, `full` the head's input)."""
+        assert self.targets is not None
         values = token_logprobs(
-            hidden[:, self.start : self.end],
-            self.targets,
-            self.head_of(forward),
-            chunk=self.chunk,
-            scored=self.scored,
-            parameters=head.parameters(),
+            hidden, self.targets, self.head_of(forward), chunk=self.chunk, scored=scored, parameters=head.parameters()
         )
-        self.note_stock_logits(forward, hidden, rows, self.columns)
+        self.note_stock_logits(forward, full, self.targets.size(0), self.columns)
         return values
 
     def _run_packed(
@@ -156,15 +149,7 @@ class ScoreCall:
         missing = index < 0
         gathered = hidden[0].index_select(0, index.clamp(min=0).reshape(-1)).view(*index.shape, hidden.size(-1))
         scored = ~missing if self.scored is None else self.scored.bool() & ~missing
-        values = token_logprobs(
-            gathered,
-            self.targets,
-            self.head_of(forward),
-            chunk=self.chunk,
-            scored=scored,
-            parameters=head.parameters(),
-        )
-        self.note_stock_logits(forward, gathered, rows, self.columns)
+        values = self._score(head, forward, gathered, scored, gathered)
         if bool(missing.any()):
             # a column the packed row does not compute (a row without tokens there): the packing plugin gives it zero
             # logits, whose log_softmax is -log(vocab)
@@ -250,9 +235,8 @@ def output_head(model: Any, role: str = "model") -> torch.nn.Module:
 
 
 def head_forward(head: torch.nn.Module) -> Callable:
-    """The output head's `forward` for `trl_ext_make_head_forward`: it runs the scoring request (`scoring()`) on its
-    first call in such a block, and otherwise runs as before. A head patched twice (a model shared by two trainers)
-    is harmless: the outer patch consumes the request."""
+    """The output head's `forward` for `trl_ext_make_head_forward`: the scoring request (`scoring()`) on its first
+    call in such a block, else as before (patched twice, by two trainers, the outer patch consumes the request)."""
     original = head.forward
 
     @functools.wraps(original)
@@ -266,11 +250,8 @@ def head_forward(head: torch.nn.Module) -> Callable:
     return forward
 
 
-@contextlib.contextmanager
-def scoring(request: ScoreCall) -> Iterator[ScoreCall]:
-    """The patched heads run `request` on the first head call of the block."""
-    with _SCORE.entered(request):
-        yield request
+#: `with scoring(request):` the patched heads run `request` on the first head call of the block.
+scoring = _SCORE.entered
 
 
 def run_scoring(model: Any, request: ScoreCall, *args: Any, **kwargs: Any) -> Any:

@@ -47,17 +47,15 @@ HEAD_MECHANISMS = {
 PROBE_CAP = 32
 #: Relative tolerance of the log-prob comparison, by accumulation dtype (heads computing in float32 or float64).
 LOGPROB_RTOL = {torch.float64: 1e-10, torch.float32: 1e-5}
-#: A 16-bit head (bf16/fp16 logits): the chunked head matmuls may round a logit one ulp away from the full matmul's
-#: (another kernel, another accumulation order), about 1e-3 on a bf16 logit, far above `LOGPROB_RTOL`. The tolerance
-#: is then derived from the probe itself: `ROUNDOFF_MARGIN` times stock's own round-off (the largest difference between
-#: the log-probs of the head's 16-bit logits and of the same head computed in float32 from the same hidden states,
-#: `float32_head`), and at least `ROUNDOFF_FLOOR_UNITS` unit round-offs of the dtype times the largest logit (two ulps
-#: of it: a correct chunked path differs by at most one ulp on the target's logit and one through the log-sum-exp, 4
-#: unit round-offs). Relative, like the other tolerances, to the largest stock log-prob. Measured on the tests' tiny
-#: sharpened Llama (tests/plugins/test_fused_logprobs_16bit.py): stock's round-off 2.0e-3 (bf16) / 2.1e-4 (fp16),
-#: tolerance 2.7e-2 / 3.3e-3 (the floor), every logit of the chunks one ulp off 4.9e-3 / 6.0e-4; a wrong head row, a
-#: shifted target, a 0.9 logit scale on the chunks: 0.38, 0.62, 0.08 in both. Below the floor a systematic change
-#: cannot be told from round-off (bf16: a logit scale within about 3 %).
+#: A 16-bit head (bf16/fp16 logits): the chunked matmuls may round a logit one ulp away from the full matmul's (about
+#: 1e-3 on a bf16 logit, far above `LOGPROB_RTOL`), so the tolerance, relative to the largest stock log-prob, is
+#: `ROUNDOFF_MARGIN` times stock's own round-off (its 16-bit log-probs against the same head in float32 on the same
+#: hidden states, `float32_head`), at least `ROUNDOFF_FLOOR_UNITS` unit round-offs of the dtype times the largest logit
+#: (a correct chunked path is at most one ulp off on the target's logit and one through the log-sum-exp: 4 units).
+#: Measured on the tests' sharpened Llama (tests/plugins/test_fused_logprobs_16bit.py): stock's round-off 2.0e-3 (bf16)
+#: / 2.1e-4 (fp16), tolerance 2.7e-2 / 3.3e-3 (the floor), every chunk logit one ulp off 4.9e-3 / 6.0e-4; a wrong head
+#: row, a shifted target, a 0.9 logit scale on the chunks: 0.38, 0.62, 0.08 in both. Below the floor a systematic
+#: change cannot be told from round-off (bf16: a logit scale within about 3 %).
 ROUNDOFF_MARGIN = 4.0
 ROUNDOFF_FLOOR_UNITS = 8.0
 SIXTEEN_BIT = (torch.bfloat16, torch.float16)
@@ -97,10 +95,9 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def float32_head(head: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor | None:
-    """The logits of a plain `torch.nn.Linear` head computed in float32 (autocast off) from the hidden states it
-    received (run inside the head's call: `ScoreCall.reference`), `FLOAT32_HEAD_ROWS` vocabulary rows at a time, where
-    the head computes in 16 bits (16-bit weights, or autocast); None otherwise, and for any other head (a subclass, an
-    adapter, a quantised layer: its float32 computation is not known here)."""
+    """The logits of a plain `torch.nn.Linear` head that computes in 16 bits (weights or autocast), computed in float32
+    (autocast off, `FLOAT32_HEAD_ROWS` vocabulary rows at a time) from the hidden states it received, inside its call
+    (`ScoreCall.reference`); None otherwise, and for any other head (its float32 computation is not known here)."""
     if type(head) is not torch.nn.Linear:
         return None
     weight, bias = head.weight, head.bias
@@ -141,8 +138,7 @@ def sixteen_bit_tolerance(
 
 
 def self_check(model: Any, trainer: Any, role: str, chunk: int) -> SelfCheckResult:
-    """Compare the fused path (scoring inside the head's call) with `model`'s stock forward on a probe; `failure` says
-    what differs."""
+    """Compare the fused path (scoring inside the head's call) with `model`'s stock forward on a probe (`failure`)."""
     started = time.perf_counter()
     causal_lm = unwrap_causal_lm(model)
     lengths = tuple(min(n, PROBE_CAP) for n in model_probe_lengths(causal_lm, trainer, "fused_logprobs"))
@@ -157,17 +153,14 @@ def self_check(model: Any, trainer: Any, role: str, chunk: int) -> SelfCheckResu
     kwargs = dict(input_ids=ids, attention_mask=mask, use_cache=False)
     targets = torch.randint(0, vocab, ids.shape, generator=g).to(device)
     try:
-        with torch.no_grad():
-            with stock_forward(causal_lm):
-                stock = causal_lm(**kwargs).logits
+        with torch.no_grad(), stock_forward(causal_lm):  # a packing plugin's wrapper passes the probe through
+            stock = causal_lm(**kwargs).logits
             # the head runs as stock and keeps its output (and, for a 16-bit head, the same head in float32)
             record = ScoreCall(role, reference=float32_head)
-            with stock_forward(causal_lm):  # a packing plugin's wrapper passes the probe through as well
-                run_scoring(causal_lm, record, **kwargs)
+            run_scoring(causal_lm, record, **kwargs)
             applied = record.output
             request = ScoreCall(role, targets, None, width, 0, None, chunk)
-            with stock_forward(causal_lm):
-                fused = run_scoring(causal_lm, request, **kwargs).logits
+            fused = run_scoring(causal_lm, request, **kwargs).logits
     finally:
         causal_lm.train(was_training)
     acc = accumulation_dtype(stock.dtype)

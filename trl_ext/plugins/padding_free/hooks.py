@@ -10,18 +10,20 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from trl_ext import _compat
-from trl_ext.api import Patcher, UsageError, current_call, get_logger, hookimpl
+from trl_ext.api import UsageError, current_call, get_logger, hookimpl
+from trl_ext.toolkit import architecture
+from trl_ext.toolkit.architecture import Inspection
 from trl_ext.toolkit.packing.attention import (
     VARLEN_BASES,
     register_varlen_attention,
     switch_attention,
-    unregister_varlen_attention,
     varlen_attention_name,
 )
 from trl_ext.toolkit.packing.glue import (
     AnnotatingCollator,
     check_packable_trainer,
     positional_input_ids,
+    refuse_liger,
     repad_outputs,
     scoring_call,
 )
@@ -40,7 +42,6 @@ from trl_ext.toolkit.probe import model_probe_lengths
 from trl_ext.toolkit.randomness import RandomDraw, training_draws
 
 from . import NAME, PaddingFreeOptions
-from .architecture import Inspection, inspect_model
 from .selfcheck import SelfCheckResult, random_draws_notice, self_check
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -51,6 +52,13 @@ if TYPE_CHECKING:  # pragma: no cover
 logger = get_logger(__name__)
 
 _FLASH = ("flash_attention_2", "flash_attention_3", "flash_attention_4")
+#: The model types padding_free packs without a self-check: the shared table, whole.
+VERIFIED_MODEL_TYPES = architecture.VERIFIED_MODEL_TYPES
+
+
+def inspect_model(model: Any) -> Inspection:
+    """The packing mechanisms of `model`, or why padding_free refuses it (`toolkit.architecture`)."""
+    return architecture.inspect_model(model, NAME, VERIFIED_MODEL_TYPES)
 
 
 @dataclasses.dataclass
@@ -73,8 +81,7 @@ class PaddingFreeState:
     #: tokens of the packed calls' padded batches, and of their packed rows (the padding not computed)
     padded_tokens: int = 0
     packed_tokens: int = 0
-    #: the layers of each model that draw random numbers in training mode (`toolkit.randomness.training_draws`),
-    #: by role
+    #: the layers of each model that draw random numbers in training mode (`randomness.training_draws`), by role
     random_draws: dict[str, list[RandomDraw]] = dataclasses.field(default_factory=dict)
 
     def count(self, info: Any) -> None:
@@ -96,11 +103,6 @@ class PaddingFreeState:
         return text + (f"; {self.unpacked_calls} calls ran padded" if self.unpacked_calls else "")
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Configuration
-# ---------------------------------------------------------------------------------------------------------------------
-
-
 def _state(context) -> PaddingFreeState:
     state = context.state.get(NAME)
     if state is None:
@@ -117,12 +119,7 @@ def _state(context) -> PaddingFreeState:
 @hookimpl
 def trl_ext_trainer_init_start(trainer: Trainer, context: TrainerContext, init_kwargs: dict[str, Any]) -> None:
     _state(context)
-    args = init_kwargs.get("args")
-    if args is not None and getattr(args, "use_liger_kernel", False):
-        raise UsageError(
-            "padding_free does not support `use_liger_kernel=True` (not verified; on TRL <= 1.14 the Liger DPO loss "
-            "calls the backbone directly). Set `use_liger_kernel=False` or disable padding_free."
-        )
+    refuse_liger(init_kwargs, NAME, "not verified; on TRL <= 1.14 the Liger DPO loss calls the backbone directly")
 
 
 def _check_trainer(trainer, context) -> PaddingFreeState:
@@ -159,7 +156,7 @@ def _configure_model(context, role: str, model) -> str:
     if state.attention == "dense":
         return impl
     # Held per trainer (not per installation): the trainer keeps its plugins after `uninstall()`.
-    context.patch("process", _register_attention, key="varlen_attention")
+    context.patch("process", register_varlen_attention, key="varlen_attention")
     switch_attention(context.patcher, config, varlen_attention_name(impl))
     return varlen_attention_name(impl)
 
@@ -192,24 +189,16 @@ def trl_ext_make_model_forward(trainer: Trainer, context: TrainerContext, role: 
 def trl_ext_trainer_models_ready(trainer: Trainer, context: TrainerContext) -> None:
     state = _check_trainer(trainer, context)
     for role, model in context.models().items():
-        _choose_kernel(state, role, model, trainer, context)
+        # models switched to the varlen attention: one fused kernel per layer where it runs (`toolkit.packing.kernels`)
+        impl = state.attn_implementations[role]
+        base = next((b for b in VARLEN_BASES if impl == varlen_attention_name(b)), None)
+        if base is not None:
+            state.kernels[role] = choose_for_model(
+                model, base, state.attention, trainer, NAME, patcher=context.patcher
+            )
         check_model(state, role, model, trainer)
     logger.info("padding_free: packing %s", state.attn_implementations)
     log_choices(logger, NAME, state.kernels)
-
-
-def _choose_kernel(state: PaddingFreeState, role: str, model, trainer, context: TrainerContext) -> None:
-    """The kernel of a model switched to the varlen attention (`toolkit.packing.kernels`): one fused varlen kernel per
-    layer on CUDA in bf16/fp16, else the per-segment loop; `attention: fused` where it cannot run raises here."""
-    impl = state.attn_implementations[role]
-    base = next((b for b in VARLEN_BASES if impl == varlen_attention_name(b)), None)
-    if base is not None:
-        state.kernels[role] = choose_for_model(model, base, state.attention, trainer, NAME, patcher=context.patcher)
-
-
-def _register_attention(patcher: Patcher) -> None:
-    register_varlen_attention()
-    patcher.defer(unregister_varlen_attention)
 
 
 def row_limit(model) -> int | None:
@@ -221,9 +210,8 @@ def row_limit(model) -> int | None:
 
 
 def check_model(state: PaddingFreeState, role: str, model, trainer) -> None:
-    """What padding_free measures of a wrapped model before the first step: the layers that draw random numbers in
-    training mode (the policy; reported in one notice), then the self-check where it runs (models outside the
-    verified table, or `self_check: true`), in the mode the model trains in."""
+    """Before the first step: the layers of a wrapped model that draw random numbers in training mode (one notice),
+    then the self-check where it runs (outside the verified table, or `self_check: true`), in its training mode."""
     # TRL trains the policy in training mode (`Trainer.train` calls `model.train()`) and runs a separate reference
     # model in the mode it was given (eval after `from_pretrained`; TRL never changes it)
     training = role == "policy" or model.training
@@ -280,14 +268,7 @@ def trl_ext_describe(trainer: Trainer, context: TrainerContext) -> str | None:
 
 
 class PaddingFreeCollator(AnnotatingCollator):
-    """Wraps a preference collator and adds the packing metadata under `trl_ext_packing`.
-
-    The padded batch is kept as it is (TRL reads `completion_mask` and `attention_mask` from it); the metadata is
-    computed here, in the data-loader process, so the training step does no host work to pack.
-
-    Args:
-        collator (`Callable`): the collator to wrap (TRL's `DataCollatorForPreference` or a user's).
-    """
+    """Wraps a preference collator and adds the packing metadata under `trl_ext_packing` (see `AnnotatingCollator`)."""
 
     plugin = NAME
 
@@ -351,10 +332,9 @@ def _row_groups(info: PackInfo, limit: int) -> list[tuple[int, int]]:
 
 
 def _split_call(run: Callable, kwargs: dict[str, Any], info: PackInfo, limit: int) -> Any:
-    """`run(kwargs, None)` on each group of rows that fits a packed row of `limit` tokens, the outputs concatenated
-    along the rows: one packed row per group, as many packed rows as the row limit needs. Per-row outputs are
-    concatenated; `loss` (a mean over the whole call, which TRL's DPO does not read) is dropped; any other field,
-    which could not be combined exactly, is refused."""
+    """`run(kwargs, None)` on each group of rows that fits a packed row of `limit` tokens, the per-row outputs
+    concatenated along the rows; `loss` (a mean over the whole call, which TRL's DPO does not read) is dropped, any
+    other field (not combinable exactly) refused."""
     outputs = []
     for start, end in _row_groups(info, limit):
         part = {k: v[start:end] if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == info.rows else v
@@ -387,17 +367,7 @@ def _make_backbone_forward(original: Callable, state: PaddingFreeState, limit: i
         outputs.last_hidden_state = unpack_rows(outputs.last_hidden_state, info)
         return outputs
 
-    @functools.wraps(original)
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        meta = kwargs.pop(PACKING_KEY, None)
-        args = positional_input_ids(args, kwargs)
-        if args or not scoring_call(kwargs):
-            return original(*args, **kwargs)
-        if limit is not None and (info := packing_metadata(kwargs["attention_mask"])).num_tokens > limit:
-            return _split_call(run, kwargs, info, limit)
-        return run(kwargs, meta)
-
-    return forward
+    return _packing_forward(original, run, limit)
 
 
 def _make_causal_lm_forward(original: Callable, state: PaddingFreeState, limit: int | None = None) -> Callable:
@@ -425,21 +395,31 @@ def _make_causal_lm_forward(original: Callable, state: PaddingFreeState, limit: 
         fused = bool(kwargs.get("fused_lm_head"))
         return repad_outputs(outputs, fused, lambda x: unpack_rows(x, info), lambda x: unpack_shifted(x, info))
 
-    @functools.wraps(original)
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        meta = kwargs.pop(PACKING_KEY, None)
-        args = positional_input_ids(args, kwargs)
-        if args or not scoring_call(kwargs):
-            if (
-                kwargs.get("use_cache") is False
-                and isinstance(kwargs.get("attention_mask"), torch.Tensor)
-                and not current_call().stock
-            ):
+    def unpacked(kwargs: dict[str, Any]) -> None:
+        if kwargs.get("use_cache") is False and isinstance(kwargs.get("attention_mask"), torch.Tensor):
+            if not current_call().stock:
                 # A scoring call on a padded batch that packing cannot reproduce (e.g. `output_hidden_states`): it
                 # runs padded, which is correct; say so once instead of hiding it.
                 state.unpacked_calls += 1
                 if state.unpacked_calls == 1:
                     logger.warning("padding_free: a forward with %s ran padded (not packable)", sorted(kwargs))
+
+    return _packing_forward(original, run, limit, unpacked)
+
+
+def _packing_forward(
+    original: Callable, run: Callable, limit: int | None, unpacked: Callable | None = None
+) -> Callable:
+    """`original`, its packable scoring calls run by `run(kwargs, meta)` (split by `_split_call` where the model has a
+    row `limit`); any other call runs as it came, seen first by `unpacked(kwargs)`."""
+
+    @functools.wraps(original)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        meta = kwargs.pop(PACKING_KEY, None)
+        args = positional_input_ids(args, kwargs)
+        if args or not scoring_call(kwargs):
+            if unpacked is not None:
+                unpacked(kwargs)
             return original(*args, **kwargs)
         if limit is not None and (info := packing_metadata(kwargs["attention_mask"])).num_tokens > limit:
             return _split_call(run, kwargs, info, limit)

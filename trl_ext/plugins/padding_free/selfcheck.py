@@ -1,28 +1,20 @@
 """The padding_free self-check: does a model's packed forward equal its stock padded forward? Decided by measurement.
 
 The probe is sized from what training will feed (`trl_ext.toolkit.probe`): three random sequences, the first as long
-as the longest sequence the trainer will feed, the others longer than every window or chunk the config declares. Run
-without gradients, in the model's dtype, in the mode the model runs in: training mode for the policy (which trains in
-it), eval mode for a reference model, and eval mode for a policy whose forward draws random numbers in training mode
-(`trl_ext.toolkit.randomness`; its draws fall on other shapes packed than padded, so only the forward without them
-can be compared, and the plugin says so in a notice):
+as the longest training sequence, the others longer than every window or chunk the config declares. Run without
+gradients, in the model's dtype, in the mode the model runs in (eval mode for a policy whose forward draws random
+numbers in training, `trl_ext.toolkit.randomness`: packed, its draws fall on other shapes):
 
-1. isolation: the tokens of the middle sequence are replaced; the packed logits of the two other sequences must stay
-   bit-identical. A packed row runs every per-token operation row by row and attention per sequence, so nothing
-   else can change them, in any dtype (bf16 included); any change is a leak. The leaking layer is named: the first
-   module (in execution order) whose output at the other sequences' tokens changed.
-2. stock: the same three sequences as a right-padded batch through the model's own stock forward (its original
-   attention implementation, the `attention_mask`, `use_cache=False`: TRL's scoring call) must give the packed
-   logits at every real token, to the round-off of the lowest precision the model computes in (relative to the
-   largest logit: 1e-7 for a float64 forward that is float64 throughout, 1e-4 where any of its operations computes in
-   float32, 5e-2 in 16-bit or under 16-bit autocast). This catches positions that do not restart per sequence and any
-   locality (window, chunk, mask function) the packed call loses: the longest probe sequence is as long as a training
-   sequence, so a locality that acts in training acts in the probe. What a float64 model computes in is observed on
-   its stock forward (`_LowestFloat`): MPT's float32 attention softmax, Llama-family float32 RMSNorm and float32 MoE
-   routers make a float64 forward a float32 one where they act, and their packed and padded rows round differently
-   there (MPT, 512 wide, 256-token probe: 6.2e-7); a position or window bug is order 1e-1. Where the padded forward
-   itself is degenerate on a row (eager attention over a query whose window holds only padding gives NaN in some
-   models, stock TRL included), that row's reference is the sequence run alone.
+1. isolation: the middle sequence's tokens are replaced; the packed logits of the two others must stay bit-identical
+   (a packed row runs every per-token operation row by row and attention per sequence, in any dtype). A leak names
+   the first module, in execution order, whose output at the other sequences' tokens changed.
+2. stock: the same sequences as a right-padded batch through the model's stock forward (TRL's scoring call) must give
+   the packed logits at every real token, to the round-off of the lowest precision the model computes in, relative to
+   the largest logit: 1e-7 for a forward float64 throughout, 1e-4 where any operation computes in float32 (observed on
+   the stock forward, `_LowestFloat`: MPT's float32 softmax, float32 RMSNorm and MoE routers; MPT, 512 wide,
+   256-token probe: 6.2e-7), 5e-2 in 16-bit or under 16-bit autocast; a position or window bug is order 1e-1. A row
+   where the padded forward itself is degenerate (NaN from eager attention over a window of only padding, stock TRL
+   included) is compared with the sequence run alone.
 
 Cost: two packed forwards of the probe's total length and one padded forward of three rows (timed and logged).
 """
@@ -129,16 +121,12 @@ def self_check(
     training: bool = False,
 ) -> SelfCheckResult:
     """Measure whether `packed_forward` (the model's wrapped forward) keeps packed sequences apart and equals
-    `stock_forward` (the model's stock padded forward; default: `model.forward` under
-    `trl_ext.toolkit.probe.stock_forward`, i.e. the model's original attention and no packing wrapper).
+    `stock_forward` (default: the model under `trl_ext.toolkit.probe.stock_forward`) on probe sequences of `lengths`.
 
-    `lengths`: the probe sequence lengths (`trl_ext.toolkit.probe.probe_lengths`).
-    `moe`: the model routes tokens to experts. Changing one sequence's tokens then changes how many tokens each expert
-    multiplies at once, and a matmul kernel may round another token's row differently. For MoE models the isolation
-    check therefore allows 16 units of round-off of the dtype (relative to the largest logit) instead of
-    bit-identity; a leak smaller than that (possible only in 16-bit dtypes) would pass.
-    `autocast`: the 16-bit dtype training autocasts a float32 model to (`bf16=True` / `fp16=True`): the probe's
-    forwards run under the same `torch.autocast`, and the 16-bit tolerance applies.
+    `moe`: the model routes tokens to experts, so changing one sequence changes how many tokens each expert multiplies
+    at once, and a matmul kernel may round another token's row differently: the isolation check then allows 16 units
+    of the dtype's round-off (relative to the largest logit) instead of bit-identity (a smaller leak, possible only in
+    16 bits, would pass). `autocast`: the 16-bit dtype training autocasts a float32 model to; the probe runs under it.
     """
     lengths = tuple(int(n) for n in lengths)
     run = ProbeRun(model, training)

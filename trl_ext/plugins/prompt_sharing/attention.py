@@ -1,36 +1,25 @@
 """Shared-prompt attention: each branch attends to its group's prefix and to itself, never to another branch.
 
-Registered in transformers' `AttentionInterface` as `trl_ext_shared_sdpa` / `trl_ext_shared_eager`; a model with
-prompt_sharing enabled is switched to it (for as long as trl-ext is installed). It acts only on calls that carry the
-layout's segments (the `trl_ext_shared_groups` keyword, which transformers hands through the model to every attention
-call, also when gradient checkpointing re-runs a layer); every other call goes to the shared varlen attention of
-`toolkit.packing.attention` when that is registered (it runs packed calls), else to the model's own attention with the
-mask transformers builds for it, so generation and plain forwards are unchanged.
+Registered in transformers' `AttentionInterface` as `trl_ext_shared_sdpa` / `trl_ext_shared_eager`. It acts only on
+calls that carry the layout's segments (the `trl_ext_shared_groups` keyword, which transformers hands through the model
+to every attention call, also when gradient checkpointing re-runs a layer); every other call goes to the varlen
+attention of `toolkit.packing.attention` when that is registered, else to the model's own attention with its mask.
 
-CPU (sdpa / eager): one attention call per segment (SDPA for plain SDPA layers; the layer's own attention function,
-with an explicit mask, for eager layers and for softcapping or attention sinks). The prefix attends to itself
-causally; a branch's queries run against the prefix's keys/values followed by its own, with a bottom-right causal
-mask (every prefix key visible, the branch causal), so the cost is `P^2 + sum_b B_b (P + B_b)` per group, the cost
-of the shared layout, not of a dense mask over the row. Sliding windows are applied by position (a key at `j` is
-visible from `i` when `i - window < j <= i`), as transformers' `sliding_window_overlay` does.
+Per segment (CPU, or what the kernels lack): the prefix attends to itself causally; a branch's queries run against the
+prefix's keys/values followed by its own, with a bottom-right causal mask, so the cost is `P^2 + sum_b B_b (P + B_b)`
+per group. Sliding windows are applied by position, as transformers' `sliding_window_overlay` does.
 
-CUDA (bf16/fp16, plain sdpa; `toolkit/packing/kernels.py` chooses, once per trainer and model): one fused varlen kernel
-call per layer (`shared_segments`, `run_shared`). Its segments are every prefix (its own keys) and every branch (the
-prefix's keys followed by its own), in row order, so the queries are the row itself; the flash kernels align a causal
-mask to the bottom right when a segment has more keys than queries, which is exactly "the whole prefix, then causal",
-windows included (`window_size` counts positions the same way). The keys are gathered once per layer (`kv_index`: a
-prefix's keys once per branch). Online DPO's trailing padding (queries over the real keys only) is a second,
-non-causal call, merged back by position. The segment plan is host work on the layout's groups, built once per batch
-and cached (the reference forward and the recomputed layers reuse it). One kernel call computes each query's whole
-softmax, so no log-sum-exp merge of partial attentions is needed.
+Fused (CUDA, bf16/fp16, plain sdpa; chosen by `toolkit/packing/kernels.py`): one varlen kernel call per layer whose
+segments are every prefix and every branch (the prefix's keys then its own; the kernels' bottom-right causal alignment
+is exactly "the whole prefix, then causal", windows included), built once per batch and cached (`shared_segments`).
+Online DPO's trailing padding is a second, non-causal call, merged back by position.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -40,6 +29,7 @@ from trl_ext.api import CallSlot, InternalError, UsageError
 from trl_ext.toolkit.packing import kernels, segments
 from trl_ext.toolkit.packing.attention import (
     VARLEN_BASES,
+    additive_mask,
     base_attention,
     fused_kernel,
     packed_or_base_attention,
@@ -48,6 +38,7 @@ from trl_ext.toolkit.packing.attention import (
     skip_mask_while,
     unregister_attention,
     varlen_attention_name,
+    visible_keys,
 )
 
 from .layout import Groups
@@ -84,26 +75,9 @@ def base_of(impl: str) -> str | None:
     return None
 
 
-@contextlib.contextmanager
-def shared_call() -> Iterator[None]:
-    """Mark the enclosed forward as a shared call (the mask interface of the shared attention then builds no mask)."""
-    with _SHARED_CALL.entered(True):
-        yield
-
-
-def _visible(
-    q: int, k: int, offset: int, sliding_window: int | None, valid_keys: int | None, device: torch.device
-) -> torch.Tensor:
-    """Bool mask `[q, k]` of `q` queries at positions `offset..offset+q-1` over `k` keys at `0..k-1`: causal, within
-    the window, and none from `valid_keys` on."""
-    q_pos = torch.arange(offset, offset + q, device=device)[:, None]
-    k_pos = torch.arange(k, device=device)[None, :]
-    mask = k_pos <= q_pos
-    if sliding_window is not None and k > sliding_window:
-        mask = mask & (k_pos > q_pos - sliding_window)
-    if valid_keys is not None and valid_keys < k:
-        mask = mask & (k_pos < valid_keys)
-    return mask
+#: `with shared_call():` marks the enclosed forward as a shared call (the shared attention's mask interface then
+#: builds no mask).
+shared_call = functools.partial(_SHARED_CALL.entered, True)
 
 
 def _attend(
@@ -119,11 +93,9 @@ def _attend(
     valid_keys: int | None = None,
 ) -> torch.Tensor:
     """Attention `[1, heads, q, head_dim]` of `q` queries over `offset + q` keys: all of the first `offset`, causal
-    over the rest, and none from `valid_keys` on (trailing padding that is read back but never attended to).
-
-    Plain SDPA models run `F.scaled_dot_product_attention` directly; every other layer (eager, softcapping, attention
-    sinks) runs the attention function it would run without trl-ext, with this mask, so whatever that function does
-    per key (softcap, sink logits, its own softmax precision) is done exactly as in the padded forward."""
+    over the rest, and none from `valid_keys` on (trailing padding that is read back but never attended to). Layers
+    other than plain SDPA (eager, softcapping, sinks) run the attention function they run without trl-ext, with this
+    mask, so whatever it does per key is done exactly as in the padded forward."""
     q, k = query.shape[2], key.shape[2]
     sliding_window = kwargs.get("sliding_window")
     plain = base == "sdpa" and kwargs.get("softcap") is None and kwargs.get("s_aux") is None
@@ -134,31 +106,25 @@ def _attend(
             query, key, value, dropout_p=dropout, is_causal=True, scale=scaling,
             enable_gqa=query.shape[1] != key.shape[1],
         )  # fmt: skip
-    mask = _visible(q, k, offset, sliding_window, valid_keys, query.device)[None, None]
+    window = sliding_window if sliding_window is not None and k > sliding_window else None
+    mask = visible_keys(q, k, query.device, offset, window, valid_keys)[None, None]
     if plain:
         return F.scaled_dot_product_attention(
             query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling,
             enable_gqa=query.shape[1] != key.shape[1],
         )  # fmt: skip
     if base == "eager":
-        mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill_(
-            ~mask, torch.finfo(query.dtype).min
-        )
+        mask = additive_mask(mask, query.dtype)
     out, _ = base_attention(base, module)(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
     return out.transpose(1, 2)
 
 
 @dataclasses.dataclass(frozen=True)
 class SharedSegments:
-    """The kernel calls of one shared row, built once per batch from its groups (`layout.Groups`, host ints).
-
-    Attributes:
-        main (`segments.Segments`): every prefix (its own keys, causal) and every branch's real tokens (the prefix's
-            keys then the branch's own, causal aligned to the bottom right: the whole prefix, the branch causally).
-        tail (`segments.Segments` or `None`): the trailing padding of branches (Online DPO reads its outputs): the
-            prefix's and the branch's real keys, all visible (not causal), as in the padded forward.
-        inverse (`torch.LongTensor` or `None`): where each row token's output is in `cat(main, tail)` (None: in order).
-    """
+    """The kernel calls of one shared row, built once per batch from its groups (`layout.Groups`, host ints): `main`,
+    every prefix (its own keys) and every branch's real tokens (the prefix's keys then its own), causal aligned to the
+    bottom right; `tail`, branches' trailing padding (Online DPO reads it) over the prefix's and the branch's real
+    keys, not causal; `inverse`, where each row token's output is in `cat(main, tail)` (None: in order)."""
 
     main: segments.Segments
     tail: segments.Segments | None
@@ -256,8 +222,7 @@ def run_shared(
     scaling: float | None,
     sliding_window: int | None,
 ) -> torch.Tensor:
-    """Shared attention of one shared row in one kernel call (two with trailing padding): `query [1, H, T, D]` ->
-    `[1, T, H, D]`."""
+    """Shared attention of one row in one kernel call (two with trailing padding): `[1, H, T, D]` -> `[1, T, H, D]`."""
     q, k, v = kernels.kernel_inputs(kernel, query, key, value)
     window = None if sliding_window is None else int(sliding_window) - 1
     out = _kernel_call(kernel, q, k, v, plan.main, True, window, scaling)
@@ -327,12 +292,15 @@ def _make_shared_attention(base: str) -> Callable:
     return shared_attention_forward
 
 
-def register_shared_attention() -> None:
-    """Register `trl_ext_shared_sdpa` / `trl_ext_shared_eager` with transformers (idempotent)."""
+def register_shared_attention(patcher: Any = None) -> None:
+    """Register `trl_ext_shared_sdpa` / `trl_ext_shared_eager` with transformers (idempotent); removed again when
+    `patcher` (if given) is undone."""
     for base in SHARED_BASES:
         name = shared_attention_name(base)
         mask = skip_mask_while(_SHARED_CALL.get, name, functools.partial(packed_or_base_mask, base))
         register_attention(name, _make_shared_attention(base), mask)
+    if patcher is not None:
+        patcher.defer(unregister_shared_attention)
 
 
 def unregister_shared_attention() -> None:

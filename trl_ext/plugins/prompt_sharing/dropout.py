@@ -1,18 +1,10 @@
-"""Dropout under prompt sharing: every dropout a model applies is found, and turned off or refused.
+"""Dropout under prompt sharing: every dropout a model applies is found, and turned off or refused (a shared prompt
+would see one dropout mask where the padded forward draws two).
 
-A shared prompt is computed once for both responses, so in training mode both would see one dropout mask on the
-prompt where the padded forward draws two independent ones: the loss would follow another distribution. So a model
-that drops anything in training mode is not shared as it is:
-
-- with `disable_dropout=True` (TRL's default) every dropout site is set to 0 for as long as the trainer keeps its
-  plugins, including those TRL's `disable_dropout` misses (it zeroes `nn.Dropout` modules only; OPT, for one, applies
-  `nn.functional.dropout` with float attributes taken from `config.dropout`, and a layer drop);
-- with `disable_dropout=False`, a model with a dropout site is refused.
-
-A site is an `nn.Dropout*` module with `p > 0`, or a positive float attribute of a module whose name says dropout
-(`dropout`, `attention_dropout`, `activation_dropout`, ...) or layer drop (`layerdrop`). Dropout read from the config
-inside `forward` has no module attribute to set; `setup.refuse_random_draws` finds it by the random numbers the
-forward draws in training mode (`trl_ext.toolkit.randomness`) and refuses the model, naming the layer.
+A site is an `nn.Dropout*` module with `p > 0`, or a positive float attribute of a module whose name says dropout or
+layer drop (`toolkit.randomness.dropout_attribute`): TRL's `disable_dropout` zeroes `nn.Dropout` modules only, OPT
+for one applies `nn.functional.dropout` with float attributes taken from `config.dropout`. Dropout read from the
+config inside `forward` has no attribute to set: `setup.refuse_random_draws` finds it by the random numbers drawn.
 """
 
 from __future__ import annotations
@@ -21,14 +13,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["config_dropouts", "describe", "disable_dropout", "dropout_sites"]
+from trl_ext.toolkit.randomness import dropout_attribute
 
-_LAYER_DROP = ("layerdrop", "layer_drop", "drop_path", "drop_path_rate")
-
-
-def _dropout_name(name: str) -> bool:
-    lowered = name.lower()
-    return "dropout" in lowered or lowered in _LAYER_DROP
+__all__ = ["describe", "disable_dropout", "dropout_sites"]
 
 
 def dropout_sites(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, str]]:
@@ -43,18 +30,9 @@ def dropout_sites(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, st
                 sites.append((module, "p", f"{type(module).__name__}.p"))
             continue
         for name, value in vars(module).items():
-            if isinstance(value, (float, int)) and not isinstance(value, bool) and value > 0 and _dropout_name(name):
+            if dropout_attribute(name, value):
                 sites.append((module, name, f"{type(module).__name__}.{name}"))
     return sites
-
-
-def config_dropouts(config: Any) -> dict[str, float]:
-    """Positive dropout probabilities a config declares (`dropout`, `attention_dropout`, `layerdrop`, ...)."""
-    found = {}
-    for name, value in vars(config).items():
-        if isinstance(value, (float, int)) and not isinstance(value, bool) and value > 0 and _dropout_name(name):
-            found[name] = float(value)
-    return found
 
 
 def describe(sites: list[tuple[torch.nn.Module, str, str]]) -> str:
@@ -66,8 +44,7 @@ def describe(sites: list[tuple[torch.nn.Module, str, str]]) -> str:
 
 
 def disable_dropout(patcher: Any, model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, str]]:
-    """Set every dropout site of `model` to 0 through `patcher` (undone when the trainer is detached); returns the
-    sites it set."""
+    """Set every dropout site of `model` to 0 through `patcher` (undone when the trainer is detached); the sites."""
     sites = dropout_sites(model)
     for module, name, _ in sites:
         value = getattr(module, name)

@@ -1,26 +1,17 @@
 """The shared forward: run a model on the shared row and hand its outputs back in the padded layout.
 
 Wrapped are the causal LM's `forward` (TRL's fused LM head on TRL >= 1.15, the model's own logits before) and its
-backbone's (`model.base_model`). A wrapped forward that gets a padded scoring call (`use_cache=False`, a 2D
-`attention_mask`, nothing that needs per-row outputs such as a cache or hidden states) takes the layout from the batch
-(the collator's), or builds it from what the call carries: TRL's DPO labels (-100 exactly outside the completion), or
-the prompt width that Online DPO's `_forward` announces (`online_prompt_columns`). A call with none of these (e.g.
-generation, a user's own forward) runs as it came. It then runs the model once on the
-shared row, with the segments for the shared attention, and scatters the per-token outputs back:
+backbone's (`model.base_model`). A padded scoring call (`glue.scoring_call`) takes its layout from the batch (the
+collator's), or builds it from TRL's DPO labels (-100 exactly outside the completion) or the prompt width Online DPO's
+`_forward` announces (`online_prompt_columns`); a call with none of these (generation, a user's own forward) runs as it
+came. The per-token outputs are scattered back by `index_select`, so a shared prompt token's gradient is the sum of
+what both branches send it: the fused head's fields as `[rows, length - 1]`, logits as `[rows, length, vocab]` (zeros
+at padding), the backbone's `last_hidden_state` as `[rows, length, hidden]`.
 
-- fused LM head: `log_probs`, `entropy`, `mean_logits`, `is_top1`, `log_sum_sq_probs`, `label_mask` as
-  `[rows, length - 1]`;
-- logits: `[rows, length, vocab]` (zeros at padding);
-- backbone: `last_hidden_state` as `[rows, length, hidden]`.
-
-Around the causal LM's shared call, the padded position each shared token computes is announced
-(`toolkit.packing.positions`); a module inside that returns its output in the padded layout already (fused_logprobs'
-output head, scoring Online DPO's completion columns) says so, and that output is returned as it is. Otherwise Online
-DPO's scoring call (run by the `_forward` wrapper, `OnlineScore`) returns the completion log-probs `[rows, C]` taken
-from the packed logits, not padded logits.
-
-Every real token of a row reads the shared token that stands for it; the scatter is an `index_select`, so the
-gradient that reaches a shared prompt token is the sum of what both branches send it.
+Around the shared call the padded position of each shared token is announced (`toolkit.packing.positions`); a module
+that returns the padded layout itself (fused_logprobs' head) says so and its output is returned as it is. Online DPO's
+scoring call run by the `_forward` wrapper (`OnlineScore`) returns the completion log-probs taken from the packed
+logits, never padded logits.
 """
 
 from __future__ import annotations
@@ -28,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -69,17 +60,14 @@ _ONLINE_PROMPT_COLUMNS: CallSlot[int] = CallSlot("prompt_sharing.online_prompt_c
 
 @dataclasses.dataclass
 class OnlineScore:
-    """Online DPO's scoring of one model call, done from the shared call's packed logits.
+    """Online DPO's scoring of one model call, from the shared call's packed logits.
 
-    TRL's `_forward` keeps the logits of the columns `[start, end)` of the padded `[rows, columns, vocab]` logits
-    and returns `log_softmax` of them gathered at `targets` (`[rows, C]`). Here the shared call leaves its packed
-    logits (`[1, N, vocab]`) as its output and records where each padded position sits in the packed row
-    (`capture`); the `_forward` wrapper then takes those positions from the packed logits *as the model call
-    returned them* (`finish`): after whatever the layers around the model did to its outputs, as they would to the
-    padded logits (accelerate's mixed precision casts a 16-bit model output to float32), so the `log_softmax` runs
-    in the dtype stock's runs in. The same rows of logits (zeros where the padded logits are zeros, at a position
-    the packed row does not compute), the same `log_softmax` and gather, without the padded logits. `calls` counts
-    the model calls that captured it (the first shared call does; at most one).
+    TRL's `_forward` returns `log_softmax` of the padded logits' columns `[start, end)` gathered at `targets`
+    (`[rows, C]`). Here the shared call returns its packed logits `[1, N, vocab]` and records where each padded
+    position sits in the packed row (`capture`); the `_forward` wrapper then scores those positions of the logits *as
+    the model call returned them* (`finish`), after whatever the layers around the model did (accelerate's mixed
+    precision casts a 16-bit output to float32), so the `log_softmax` runs in stock's dtype. `calls` counts the model
+    calls that captured it (at most one).
     """
 
     targets: torch.Tensor
@@ -170,11 +158,9 @@ def _row_runs(index: torch.Tensor) -> list[int] | None:
 _ONLINE_SCORE: CallSlot[OnlineScore] = CallSlot("prompt_sharing.online_score")
 
 
-@contextlib.contextmanager
-def online_prompt_columns(columns: int) -> Iterator[None]:
-    """Announce that the model calls inside are Online DPO scoring calls whose first `columns` columns are prompt."""
-    with _ONLINE_PROMPT_COLUMNS.entered(columns):
-        yield
+#: `with online_prompt_columns(columns):` the model calls inside are Online DPO scoring calls whose first `columns`
+#: columns are prompt.
+online_prompt_columns = _ONLINE_PROMPT_COLUMNS.entered
 
 
 def _layout_for(kwargs: dict[str, Any], meta: Any, online: int | None) -> SharedLayout | None:
@@ -244,16 +230,10 @@ def _unpack_outputs(outputs: Any, layout: SharedLayout, fused: bool) -> Any:
     return repad_outputs(outputs, fused, lambda x: unpack(x, layout), lambda x: unpack_shifted(x, layout))
 
 
-def make_causal_lm_forward(
-    original: Callable, state: Any, role: str, check: Callable | None, aux_loss: MoeAuxLoss | None = None
-) -> Callable:
-    """Causal-LM forward: run the shared row, return outputs in the padded layout.
-
-    `check(run, kwargs, layout, outputs, role)` (the self-check) is called on the first shared call, with `run` a
-    function that runs the wrapped forward on another layout. `aux_loss` (MoE models whose auxiliary loss is on,
-    `moe.MoeAuxLoss`) captures the router logits of the shared call and recomputes the auxiliary loss in the padded
-    layout.
-    """
+def make_causal_lm_forward(original: Callable, state: Any, aux_loss: MoeAuxLoss | None = None) -> Callable:
+    """Causal-LM forward: run the shared row, return outputs in the padded layout. `aux_loss` (MoE models whose
+    auxiliary loss is on, `moe.MoeAuxLoss`) captures the router logits of the shared call and recomputes the auxiliary
+    loss in the padded layout."""
 
     def run(kwargs: dict[str, Any], layout: SharedLayout) -> Any:
         # announced to the modules inside (fused_logprobs' output head scores padded positions from the shared row)
@@ -285,8 +265,6 @@ def make_causal_lm_forward(
             return original(*args, **kwargs)
         outputs = run(kwargs, layout)
         state.record(layout)
-        if check is not None:
-            check(run, kwargs, layout, outputs, role)
         return outputs
 
     return forward
@@ -318,16 +296,14 @@ def is_trl_online_forward(method: Callable) -> bool:
 
 
 def online_forward(call: Any, own: bool, max_length: int | None) -> Any:
-    """One call of `OnlineDPOTrainer._forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask, ...)`
-    (`trl_ext_call`): the model call inside learns how many of its columns are prompt (after TRL's left truncation to
-    `max_length`).
+    """One call of `OnlineDPOTrainer._forward` (`trl_ext_call`): the model call inside learns how many of its columns
+    are prompt (after TRL's left truncation to `max_length`).
 
-    When the rest of the chain is TRL's own `_forward` (`own`) and the call carries no images, TRL's steps run here
-    (the left truncation, the concatenation, the model call, the completion columns `[P - 1, P + C - 1)`, or `[0, C)`
-    without a prompt, their `log_softmax` gathered at the completion tokens), with the last three done by the shared
-    call on its packed logits (`OnlineScore`): the padded `[rows, P + C, vocab]` logits are never built. A call that
-    does not share (nothing to share, or a model that is not wrapped) returns its padded logits and is finished here
-    as TRL does. Otherwise (fused_logprobs', a subclass's `_forward`) the rest of the chain runs as it is."""
+    When the rest of the chain is TRL's own `_forward` (`own`) and the call carries no images, TRL's steps
+    (`toolkit.online_forward.ScoringCall`) run here, the last three by the shared call on its packed logits
+    (`OnlineScore`), so the padded `[rows, P + C, vocab]` logits are never built; a call that does not share returns
+    padded logits, finished here as TRL does. Otherwise (fused_logprobs', a subclass's `_forward`) the rest of the
+    chain runs as it is."""
 
     def _forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask, *args, **kwargs):
         vision_inputs = args[0] if args else kwargs.get("vision_inputs")

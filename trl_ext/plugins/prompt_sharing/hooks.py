@@ -1,11 +1,18 @@
-"""The hook implementations of `prompt_sharing` (declared in its package), imported when the plugin is registered."""
+"""The hook implementations of `prompt_sharing` (declared in its package), imported when the plugin is registered;
+the behaviour lives in .setup, .layout, .attention, .forward and .selfcheck."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from trl_ext.api import get_logger, hookimpl
+from trl_ext import _compat
+from trl_ext.api import hookimpl
+from trl_ext.toolkit.packing.glue import refuse_liger
+
+from .forward import make_backbone_forward, online_forward
+from .layout import PromptSharingCollator
+from .setup import check_models, check_trainer, model_forward, state_of
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -13,26 +20,16 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from trl_ext.api import TrainerContext
 
-logger = get_logger(__name__)
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Hooks (behaviour lives in .setup, .layout, .attention, .forward, .selfcheck)
-# ---------------------------------------------------------------------------------------------------------------------
-
 
 @hookimpl
 def trl_ext_trainer_init_start(trainer: Trainer, context: TrainerContext, init_kwargs: dict[str, Any]) -> None:
-    from .setup import check_init_kwargs, state_of
-
     state_of(context)
-    check_init_kwargs(init_kwargs)
+    why = "on TRL <= 1.14 the Liger DPO loss calls the backbone directly with its own layout"
+    refuse_liger(init_kwargs, "prompt_sharing", why)
 
 
 @hookimpl
 def trl_ext_make_collator(trainer: Trainer, context: TrainerContext, collator: Callable) -> Callable | None:
-    from .layout import PromptSharingCollator
-    from .setup import check_trainer
-
     check_trainer(trainer, context)
     if context.trainer_class != "DPOTrainer":
         return None  # Online DPO's collator hands prompts to generation; its scoring calls are shared in `_forward`
@@ -43,9 +40,6 @@ def trl_ext_make_collator(trainer: Trainer, context: TrainerContext, collator: C
 def trl_ext_make_packed_forward(
     trainer: Trainer, context: TrainerContext, role: str, backbone: torch.nn.Module
 ) -> Callable | None:
-    from .forward import make_backbone_forward
-    from .setup import check_trainer
-
     state = check_trainer(trainer, context)
     # The model's attention is switched in `trl_ext_make_model_forward`.
     return make_backbone_forward(backbone.forward, state)
@@ -55,32 +49,26 @@ def trl_ext_make_packed_forward(
 def trl_ext_make_model_forward(
     trainer: Trainer, context: TrainerContext, role: str, model: torch.nn.Module
 ) -> Callable:
-    from .setup import model_forward
-
     return model_forward(trainer, context, role, model)
 
 
 @hookimpl
 def trl_ext_call(trainer: Trainer, context: TrainerContext, call: Any) -> Any:
-    # Online DPO's `_forward`; outside fused_logprobs' when both take part (registered later: called first).
-    from .setup import online_forward_call
-
-    return online_forward_call(trainer, context, call)
+    # Online DPO's `_forward`; outside fused_logprobs' when both take part (registered later: called first). The model
+    # call inside learns its prompt columns (`forward.online_forward`).
+    max_length = getattr(trainer, _compat.ONLINE_DPO_MAX_LENGTH_ATTR, None)
+    return online_forward(call, state_of(context).online_own, max_length)
 
 
 @hookimpl(trylast=True)
 def trl_ext_trainer_models_ready(trainer: Trainer, context: TrainerContext) -> None:
     # The shared forwards are installed (`trl_ext_make_model_forward`). trylast: the self-checks (a few forwards each)
     # run after the other plugins' checks, so that a refusal comes before them, as it did.
-    from .setup import check_models
-
     check_models(trainer, context)
 
 
 @hookimpl
 def trl_ext_describe(trainer: Trainer, context: TrainerContext) -> str | None:
-    from .setup import state_of
-
     state = state_of(context)
     parts = [f"{role}: {impl}" for role, impl in state.attn_implementations.items()]
     if state.self_check is False:

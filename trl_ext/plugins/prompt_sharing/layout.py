@@ -1,30 +1,18 @@
 """The shared layout: how a padded `[rows, length]` batch maps to one row in which every prompt appears once.
 
-Rows whose prompt parts are identical (same tokens, starting at the same column, so at the same positions) form a
-*group*. A group is laid out as
+Rows whose prompt parts are identical (same tokens from the same column, so at the same positions) form a *group*,
+laid out as `prompt[:-1]` (the prefix, once), then per row a branch `(prompt[-1], completion)`; the groups follow each
+other in one packed row `[1, N]`. A row whose prompt no other row shares is a group of one branch and no prefix. Each
+branch repeats the last prompt token, so the hidden state that predicts its first completion token sits in the branch
+and the usual shift of a packed row stays right (Wang & Hegde 2024, arXiv 2410.20305). Positions are the tokens'
+columns in the padded batch, as a padded forward without `position_ids` uses. A prefix token attends to the prefix
+causally; a branch token to the whole prefix and causally to its own branch. Built on the host, in the data loader
+(`PromptSharingCollator`).
 
-    prefix = prompt[:-1]        (once)
-    branch = (prompt[-1], completion of row a)
-    branch = (prompt[-1], completion of row b)
-    ...
-
-and the groups follow each other in one packed row `[1, N]`. A row whose prompt no other row shares is a group of
-one branch and no prefix (one causal segment, as plain packing lays it out). Each branch repeats the last prompt
-token, so that the hidden state which predicts the branch's first completion token sits in the branch and the usual
-`hidden[:, :-1]` / `labels[:, 1:]` shift of a packed row stays right (the layout of Wang & Hegde 2024, arXiv
-2410.20305). Positions are the tokens' columns in the padded batch,
-which is what a padded forward without `position_ids` uses (transformers' `arange`), so both branches continue from
-the prompt.
-
-A prefix token attends to the prefix causally; a branch token attends to the whole prefix and causally to its own
-branch, never to another branch. Everything is computed on the host, in the data loader (`PromptSharingCollator`),
-so the training step does no host work to build it.
-
-In the batch, the layout travels as two tensors (`SharedLayout.to_batch`): `prompt_end`, one entry per row, and
-`layout`, the whole layout serialized into one 1-D integer tensor. accelerate's batch dispatching
-(`dispatch_batches=True`, iterable datasets) concatenates batches and slices every tensor along dim 0: `prompt_end`
-stays with its rows, the serialized layout does not (a slice is shorter than any serialized layout, so it is
-recognized), and the forward rebuilds the layout from `input_ids`, `attention_mask` and `prompt_end`.
+In the batch the layout travels as two tensors (`SharedLayout.to_batch`): `prompt_end`, one entry per row, and
+`layout`, the whole layout serialized into one 1-D tensor. accelerate's batch dispatching (`dispatch_batches=True`,
+iterable datasets) slices every tensor along dim 0: `prompt_end` stays with its rows, a slice of the serialized layout
+is recognized, and the forward rebuilds the layout from `input_ids`, `attention_mask` and `prompt_end`.
 """
 
 from __future__ import annotations
@@ -39,9 +27,7 @@ from trl_ext.toolkit.packing.glue import AnnotatingCollator
 
 __all__ = ["LAYOUT_KEY", "Groups", "PromptSharingCollator", "SharedLayout", "build_layout", "prompt_end_of"]
 
-#: Batch key under which the collator hands the layout to the model wrappers. TRL 1.x passes every batch key except
-#: `completion_mask` and `ref_*` into `model(...)` (dpo_trainer.py `_compute_loss` / `compute_ref_log_probs`, checked
-#: 1.12.0 and 1.16.0); the wrappers pop it before the model sees its kwargs.
+#: Batch key under which the collator hands the layout to the model wrappers (which pop it), as `metadata.PACKING_KEY`.
 LAYOUT_KEY = "trl_ext_prompt_sharing"
 
 #: Groups of a shared row as host ints: `((prefix_start, prefix_end, ((branch_start, branch_end, keys_end), ...)),
@@ -49,8 +35,6 @@ LAYOUT_KEY = "trl_ext_prompt_sharing"
 #: `keys_end` on are trailing padding whose outputs the caller reads (Online DPO): they attend to the real tokens
 #: only, as in the padded forward, and no token attends to them.
 Groups = tuple[tuple[int, int, tuple[tuple[int, int, int], ...]], ...]
-
-# Batch keys of vision-language collators (images are matched to placeholder tokens per row).
 
 
 @dataclasses.dataclass
@@ -63,17 +47,15 @@ class SharedLayout:
         position_ids (`torch.LongTensor` of shape `(1, N)`): the column of each shared token (its padded position).
         real_flat (`torch.LongTensor` of shape `(M,)`), real_shared (`(M,)`): every real token of the padded batch
             (flat position) and the shared token that stands for it.
-        shift_flat (`torch.LongTensor` of shape `(K,)`), shift_shared (`(K,)`): every position `(r, p)` of a shifted
-            per-token output (`[:, :-1]` predicting `[:, 1:]`, flat in `rows * (length - 1)`) whose two tokens are
-            real, and the shared position whose hidden state predicts it.
-        label_starts (`torch.LongTensor`): shared positions whose label must be -100 (the first token of every segment
-            that no shared hidden state predicts: a group's first token, and the repeated prompt token of every branch
-            after the first).
+        shift_flat (`(K,)`), shift_shared (`(K,)`): every position of a shifted per-token output (flat in
+            `rows * (length - 1)`) whose two tokens are real, and the shared position whose hidden state predicts it.
+        label_starts (`torch.LongTensor`): shared positions whose label must be -100 (a group's first token, and the
+            repeated prompt token of every branch after the first: no shared hidden state predicts them).
         groups (`Groups`): the segments, as host ints, for the attention.
-        shared_rows (`int`): rows that share their prompt with another row; unshared_rows: the others.
+        shared_rows (`int`), unshared_rows (`int`): rows that share their prompt with another row, and the others.
         padded_tokens (`int`): real tokens of the padded batch (`M`).
-        prompt_end (`torch.LongTensor` of shape `(rows,)`, on the host): the `prompt_end` the layout was built from,
-            -1 where none was given; what the layout is rebuilt from when accelerate's dispatching cut it.
+        prompt_end (`torch.LongTensor` of shape `(rows,)`, on the host): the `prompt_end` built from (-1: none given),
+            what the layout is rebuilt from when accelerate's dispatching cut it.
     """
 
     rows: int
@@ -209,31 +191,22 @@ def build_layout(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     prompt_end: torch.Tensor | list[int] | None,
-    share: bool = True,
     trailing_padding: bool = False,
 ) -> SharedLayout:
-    """The shared layout of a padded batch.
+    """The `SharedLayout` of a padded batch `input_ids` (`[rows, length]`, its `attention_mask` 1 on real tokens,
+    contiguous in every row), on the device of `input_ids`.
 
-    Args:
-        input_ids (`torch.LongTensor` of shape `(rows, length)`): the padded batch.
-        attention_mask (`torch.Tensor` of shape `(rows, length)`): 1 on real tokens (contiguous in every row).
-        prompt_end (`torch.Tensor` or `list[int]` of length `rows`, or `None`): for each row, the column where its
-            completion starts (the row's end when it has no completion token). `None`: nothing is shared.
-        share (`bool`, *optional*, defaults to `True`): `False` gives the unshared packed layout (every row one
-            segment), which the self-check compares with.
-        trailing_padding (`bool`, *optional*, defaults to `False`): also compute the padding after each row's real
-            tokens (as queries over the real tokens only, exactly what a padded forward gives there). Online DPO logs
-            metrics summed over every completion column, padding included (online_dpo_trainer.py `objective/kl`,
-            `objective/entropy`, `objective/non_score_reward`, checked 1.12.0 and 1.16.0).
-
-    Returns:
-        `SharedLayout`, on the device of `input_ids`.
+    `prompt_end`: for each row, the column where its completion starts (the row's end without a completion token);
+    `None`: nothing is shared (every row one segment).
+    `trailing_padding`: also compute the padding after each row's real tokens (queries over the real tokens only, what
+    a padded forward gives there): Online DPO logs metrics summed over every completion column, padding included
+    (online_dpo_trainer.py `objective/kl`, `objective/entropy`, `objective/non_score_reward`, checked 1.12.0, 1.16.0).
     """
     device = input_ids.device
     rows, length = input_ids.shape
     starts, ends = _row_bounds(attention_mask)
+    share = prompt_end is not None
     if prompt_end is None:
-        share = False
         ends_of_prompt = ends
     else:
         ends_of_prompt = prompt_end.tolist() if isinstance(prompt_end, torch.Tensor) else list(prompt_end)
@@ -388,15 +361,8 @@ def prompt_end_from_labels(labels: torch.Tensor, attention_mask: torch.Tensor) -
 
 
 class PromptSharingCollator(AnnotatingCollator):
-    """Wraps a preference collator and adds the shared layout under `trl_ext_prompt_sharing`.
-
-    The padded batch is kept as it is (TRL reads `completion_mask`, `attention_mask` and the reference columns from
-    it); the layout is computed here, in the data-loader process.
-
-    Args:
-        collator (`Callable`): the collator to wrap (TRL's `DataCollatorForPreference` or a user's): it must return
-            `input_ids`, a 2D `attention_mask` and a `completion_mask`.
-    """
+    """Wraps a preference collator (it must return `input_ids`, a 2D `attention_mask` and a `completion_mask`) and adds
+    the shared layout under `trl_ext_prompt_sharing` (see `AnnotatingCollator`)."""
 
     plugin = "prompt_sharing"
     token_layout = "prompt-shared"

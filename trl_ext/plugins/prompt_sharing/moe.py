@@ -1,13 +1,10 @@
 """The MoE router auxiliary loss of a shared forward, computed as the padded forward computes it.
 
-transformers' MoE causal LMs compute `aux_loss = load_balancing_loss_func(router_logits, num_experts,
-num_experts_per_tok, attention_mask)`: a mask-weighted mean over the batch's tokens, one router-logit row per token
-(TRL >= 1.15's fused LM head computes the same from the backbone's router logits; `trl_ext._compat.MOE_AUX_LOSS`). A
-shared row routes each prompt once, so the shared forward's own auxiliary loss counts a prompt once where the padded
-batch counts it once per response. Routing is per token, so the router logits of the shared row, scattered back to
-the padded layout (every response's prompt rows read the shared prompt's), are exactly the padded batch's; the loss
-function applied to them with the padded `attention_mask` gives the padded value, and its gradient reaches each shared
-prompt token as the sum over the rows that read it.
+A shared row routes each prompt once, so the shared forward's own auxiliary loss (`_compat.MOE_AUX_LOSS`, a
+mask-weighted mean over the batch's tokens) counts a prompt once where the padded batch counts it once per response.
+Routing is per token, so the router logits of the shared row scattered back to the padded layout are exactly the
+padded batch's: the loss function applied to them with the padded `attention_mask` gives the padded value, and its
+gradient reaches each shared prompt token as the sum over the rows that read it.
 """
 
 from __future__ import annotations

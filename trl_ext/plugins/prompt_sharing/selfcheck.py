@@ -1,25 +1,17 @@
 """The prompt_sharing self-check: does a model's shared forward equal its stock padded forward? Decided by measurement.
 
-Run before the first step, for every model outside the verified table (and for every model with `self_check: true`),
-on a probe sized from what training will feed (`trl_ext.toolkit.probe`): three pairs of random sequences, each pair
-a chosen and a rejected row with the same prompt and different completions (the rows TRL's DPO collator makes). The
-first pair is as long as the longest sequence the trainer will feed, the others longer than every window or chunk the
-config declares, so any locality that acts in training acts in the probe. Each prompt is half its sequence, so a
-completion attends across the shared prefix.
+Run before the first step for every model outside the verified table (every model with `self_check: true`), on a
+probe sized from what training will feed (`trl_ext.toolkit.probe`): three pairs of random sequences, a chosen and a
+rejected row each, with the same prompt (half the sequence) and different completions; the first pair as long as the
+longest training sequence, the others longer than every window or chunk the config declares.
 
-The probe runs through the model's wrapped forward (shared: each prompt once) and through its *stock padded* forward
-(its original attention implementation, the padded batch with its `attention_mask`, `use_cache=False`: TRL's scoring
-call), without gradients, in the training dtype (the trainer's autocast), in the mode the model trains in (the policy
-in training mode, its dropout turned off by `dropout.py`; a separate reference model in eval mode). The logits of
-every real token of every sequence must agree to the dtype's round-off, relative to the sequence's largest logit
-(1e-6 in float64, 1e-4 in float32, 5e-2 in 16-bit); a position off by one, a response seeing the other, or a window
-lost in the shared row moves them by order 1e-1. A difference raises `UsageError` naming the model, the output and
-the position. (A policy that draws random numbers in training mode never gets here: `setup.refuse_random_draws`
-refuses it by layer first.) Where the padded forward itself is degenerate on a row (eager attention over a query
-whose sliding window holds only padding gives NaN, which the next layer spreads to the real tokens, in stock TRL as
-well), that row's reference is the sequence run alone, which has no padding.
-
-Cost: one shared and one padded forward of six sequences (timed and logged).
+The probe runs through the model's wrapped forward (shared) and its *stock padded* forward (`stock_forward`),
+without gradients, in the training dtype (the trainer's autocast), in the mode the model trains in (a policy that
+draws random numbers in training never gets here: `setup.refuse_random_draws` refuses it first).
+The logits of every real token must agree to the dtype's round-off relative to the sequence's largest logit
+(`TOLERANCES`); a position off by one, a response seeing the other, or a lost window moves them by order 1e-1. A row
+where the padded forward itself is degenerate (NaN from eager attention over a window of only padding, in stock TRL as
+well) is compared with the sequence run alone. Cost: one shared and one padded forward of six sequences.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ import dataclasses
 from typing import Any
 
 from trl_ext import _compat
-from trl_ext.api import Patcher, UsageError, get_logger
+from trl_ext.api import UsageError, get_logger
 from trl_ext.toolkit.architecture import inspect_model, verified_except
 from trl_ext.toolkit.online_forward import verify_against_trl
 from trl_ext.toolkit.packing.attention import switch_attention
@@ -16,9 +16,9 @@ from trl_ext.toolkit.probe import model_probe_lengths, training_max_length
 from trl_ext.toolkit.randomness import describe_draws, training_draws
 from trl_ext.toolkit.roles import PACKING as PACKING_ROLE
 
-from .attention import base_of, register_shared_attention, shared_attention_name, unregister_shared_attention
+from .attention import base_of, register_shared_attention, shared_attention_name
 from .dropout import describe, disable_dropout, dropout_sites
-from .forward import is_trl_online_forward, make_causal_lm_forward, online_forward
+from .forward import is_trl_online_forward, make_causal_lm_forward
 from .layout import SharedLayout
 from .moe import MoeAuxLoss
 from .selfcheck import SelfCheckResult, self_check
@@ -33,8 +33,7 @@ class PromptSharingState:
     """Per-trainer state of the plugin (`context.state["prompt_sharing"]`)."""
 
     self_check: str | bool = "auto"
-    #: the `attention` option, and the shared attention's kernel of each model, by role
-    #: (`toolkit.packing.kernels.Choice`)
+    #: the `attention` option, and the shared attention's kernel (`kernels.Choice`) of each model, by role
     attention: str = "auto"
     kernels: dict[str, Choice] = dataclasses.field(default_factory=dict)
     checked_trainer: bool = False
@@ -69,10 +68,6 @@ class PromptSharingState:
                 layout.rows,
             )
 
-    @property
-    def unshared_fraction(self) -> float:
-        return self.unshared_rows / self.rows if self.rows else 0.0
-
     def summary(self) -> str:
         """The end-of-run line of `trl-ext dpo` / `online-dpo`, in words (the numbers: `counts()`)."""
         if not self.shared_calls:
@@ -96,7 +91,7 @@ class PromptSharingState:
             "unshared_calls": self.unshared_calls,
             "sequences": self.rows,
             "unshared_sequences": self.unshared_rows,
-            "unshared_fraction": self.unshared_fraction,
+            "unshared_fraction": self.unshared_rows / self.rows if self.rows else 0.0,
             "padded_tokens": self.padded_tokens,
             "shared_tokens": self.shared_tokens,
             "self_checked": sorted(self.checked),
@@ -112,15 +107,6 @@ def state_of(context: Any) -> PromptSharingState:
     return state
 
 
-def check_init_kwargs(init_kwargs: dict[str, Any]) -> None:
-    args = init_kwargs.get("args")
-    if args is not None and getattr(args, "use_liger_kernel", False):
-        raise UsageError(
-            "prompt_sharing does not support `use_liger_kernel=True` (on TRL <= 1.14 the Liger DPO loss calls the "
-            "backbone directly with its own layout). Set `use_liger_kernel=False` or disable prompt_sharing."
-        )
-
-
 def check_trainer(trainer: Any, context: Any) -> PromptSharingState:
     """Refuse what sharing cannot do correctly; runs once, before the first shared forward."""
     state = state_of(context)
@@ -132,10 +118,8 @@ def check_trainer(trainer: Any, context: Any) -> PromptSharingState:
 
 
 #: Model types of the shared packing table (`toolkit.architecture.VERIFIED_MODEL_TYPES`) whose shared forward is not
-#: verified, with why. The others equal the stock padded forward in float64 (loss over per-sequence log-probs, MoE
-#: auxiliary loss with the router on, gradients; sliding windows shorter than prompt + response, attention sinks,
-#: softcapping), measured by tests/plugins/test_prompt_sharing_architectures.py. Model types outside the table are
-#: admitted through the self-check (`selfcheck.py`), before the first step.
+#: verified, with why. The others equal the stock padded forward in float64 (measured by
+#: tests/plugins/test_prompt_sharing_architectures.py); types outside the table are admitted by the self-check.
 NOT_VERIFIED = {
     "stablelm": "its decoder layer does not hand attention keyword arguments (the segments) to its attention",
     "dory": "not measured shared yet",
@@ -144,11 +128,6 @@ NOT_VERIFIED = {
     "phimoe": "not measured shared yet",
 }
 VERIFIED_MODEL_TYPES = verified_except(NOT_VERIFIED)
-
-
-def _register_attention(patcher: Patcher) -> None:
-    register_shared_attention()
-    patcher.defer(unregister_shared_attention)
 
 
 def configure_model(context: Any, role: str, model: Any) -> str:
@@ -194,11 +173,9 @@ def configure_model(context: Any, role: str, model: Any) -> str:
             f'`{impl}`. Load it with `attn_implementation="sdpa"`, {instead}.'
         )
     # Held per trainer (not per installation): the trainer keeps its plugins after `uninstall()`.
-    context.patch("process", _register_attention, key="prompt_sharing_attention")
+    context.patch("process", register_shared_attention, key="prompt_sharing_attention")
     name = shared_attention_name(base)
     if impl != name:
-        # A property over `_attn_implementation_internal` (transformers 5); never serialized, so checkpoints keep the
-        # user's choice (configuration_utils.py `_remove_keys_not_serialized`).
         switch_attention(context.patcher, config, name)
     return name
 
@@ -329,14 +306,7 @@ def model_forward(trainer: Any, context: Any, role: str, model: Any) -> Any:
     refuse_random_draws(context, role, model)
     base = base_of(state.attn_implementations[role]) or "sdpa"
     state.kernels[role] = choose_for_model(model, base, state.attention, trainer, NAME, patcher=context.patcher)
-    return make_causal_lm_forward(model.forward, state, role, None, MoeAuxLoss.of(model))
-
-
-def online_forward_call(trainer: Any, context: Any, call: Any) -> Any:
-    """One call of Online DPO's `_forward` (prompt_sharing's `trl_ext_call`): the model call inside learns its prompt
-    columns (`forward.online_forward`)."""
-    state = state_of(context)
-    return online_forward(call, state.online_own, getattr(trainer, _compat.ONLINE_DPO_MAX_LENGTH_ATTR, None))
+    return make_causal_lm_forward(model.forward, state, MoeAuxLoss.of(model))
 
 
 def check_models(trainer: Any, context: Any) -> None:

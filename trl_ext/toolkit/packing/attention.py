@@ -1,24 +1,14 @@
 """Per-segment ("varlen") attention for packed rows, and the attention registrations with transformers.
 
-Two things keep the sequences of a packed row apart:
+flash_attention_2/3/4 models keep packed sequences apart with the varlen arguments `cu_seq_lens_q/k`, `max_length_q/k`
+(`transformers/modeling_flash_attention_utils.py`). `sdpa`/`eager` models use either transformers' block-diagonal mask
+(built when `position_ids` restart and no `attention_mask` is given; "dense", (sum of lengths)^2 per layer) or the
+attention of this module, registered as `trl_ext_varlen_<base>` ("varlen", the sum of the squared lengths): one fused
+varlen kernel call per layer where `kernels.py` chose one (CUDA, bf16/fp16; a sliding window is the kernel's
+`window_size`, also where only the mask applies it: `_packed_mask` marks such a mask), else per segment.
 
-- with `flash_attention_2/3/4`, the varlen arguments `cu_seq_lens_q/k` and `max_length_q/k` that transformers hands to
-  the flash-attention varlen kernels (`transformers/modeling_flash_attention_utils.py`);
-- with `sdpa` or `eager`, either transformers' own block-diagonal mask, built when `position_ids` restart and no
-  `attention_mask` is given (`transformers/masking_utils.py::_preprocess_mask_arguments`, "dense"), or the per-segment
-  attention of this module ("varlen"), registered in transformers' `AttentionInterface` as `trl_ext_varlen_<base>`.
-  The dense mask costs (sum of lengths)^2 per layer, varlen only the sum of the squared lengths.
-
-On CUDA in bf16/fp16 the varlen attention runs each layer's packed call as one fused varlen kernel (`kernels.py`:
-chosen once per trainer and model, logged, `attention: fused` / `segments` to force either): with the batch's device
-`cu_seq_lens_q` and host `max_length_q` as the layers receive them (built once per batch), so no host work runs per
-layer; a sliding window is the kernel's `window_size`, also where only the mask applies it (`_packed_mask` marks a
-block-diagonal mask that is exactly the config's window). Elsewhere, and for calls with softcapping, sinks, dropout or
-another mask pattern, it runs per segment.
-
-The varlen attention only acts on packed calls (those that carry `cu_seq_lens_q` and no mask, or run inside
-`metadata.packed_call`); every other call is handed to the base implementation with the mask transformers builds for
-it, so a model switched to varlen attention behaves exactly as before outside packed calls. The registry helpers
+It acts only on packed calls (those that carry `cu_seq_lens_q` and no mask, or run inside `metadata.packed_call`);
+every other call goes to the base implementation with the mask transformers builds for it. The registry helpers
 (`register_attention`, `switch_attention`, `attention_users`, `unregister_attention`) serve every trl-ext attention.
 """
 
@@ -46,6 +36,7 @@ from .segments import packed_segments
 
 __all__ = [
     "VARLEN_BASES",
+    "additive_mask",
     "attention_users",
     "base_attention",
     "fused_kernel",
@@ -58,6 +49,7 @@ __all__ = [
     "unregister_attention",
     "unregister_varlen_attention",
     "varlen_attention_name",
+    "visible_keys",
 ]
 
 #: Attention implementations the per-segment varlen attention can stand in for.
@@ -86,15 +78,25 @@ def base_attention(base: str, module: torch.nn.Module) -> Callable:
     return ALL_ATTENTION_FUNCTIONS[base]
 
 
-def _segment_mask(n: int, sliding_window: int | None, device: torch.device) -> torch.Tensor:
-    """Causal (and sliding-window) bool mask `[1, 1, n, n]` of one sequence, as transformers builds it: key kv is
-    visible from query q when kv <= q and, with a window, q - sliding_window < kv (`sliding_window_overlay`)."""
-    q_idx = torch.arange(n, device=device)[:, None]
-    kv_idx = torch.arange(n, device=device)[None, :]
-    mask = kv_idx <= q_idx
+def visible_keys(
+    q: int,
+    k: int,
+    device: torch.device,
+    offset: int = 0,
+    sliding_window: int | None = None,
+    valid_keys: int | None = None,
+) -> torch.Tensor:
+    """Bool mask `[q, k]` of queries at positions `offset..offset+q-1` over keys at `0..k-1`, as transformers builds
+    it: key j is visible from query i when j <= i and, with a window, i - sliding_window < j
+    (`sliding_window_overlay`); none from `valid_keys` on."""
+    q_pos = torch.arange(offset, offset + q, device=device)[:, None]
+    k_pos = torch.arange(k, device=device)[None, :]
+    mask = k_pos <= q_pos
     if sliding_window is not None:
-        mask = mask & (kv_idx > q_idx - sliding_window)
-    return mask[None, None]
+        mask = mask & (k_pos > q_pos - sliding_window)
+    if valid_keys is not None and valid_keys < k:
+        mask = mask & (k_pos < valid_keys)
+    return mask
 
 
 def _segment_attention(
@@ -108,10 +110,9 @@ def _segment_attention(
     kwargs: dict[str, Any],
     block: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention of one sequence, `[1, n, heads, head_dim]`: exactly what the base implementation computes for that
-    sequence alone (its own eager function with softcapping, sinks, ...), with a plain SDPA fast path. `block` is the
-    sequence's bool mask `[1, 1 or heads, n, n]` when the model's mask carries more than causality (a window or chunk
-    that only the mask applies)."""
+    """Attention of one sequence, `[1, n, heads, head_dim]`: what the base implementation computes for it alone (its
+    own eager function with softcapping, sinks, ...), with a plain SDPA fast path; `block`: the sequence's bool mask
+    `[1, 1 or heads, n, n]` where the model's mask carries more than causality (a mask-only window or chunk)."""
     n = query.shape[2]
     sliding_window = kwargs.get("sliding_window")
     window = sliding_window if sliding_window is not None and n > sliding_window else None
@@ -127,26 +128,25 @@ def _segment_attention(
             enable_gqa=query.shape[1] != key.shape[1],
         )
         return out.transpose(1, 2)
-    mask = _segment_mask(n, window, query.device)
+    mask = visible_keys(n, n, query.device, sliding_window=window)[None, None]
     if block is not None:
         mask = mask & block
     if base == "eager":
-        mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill_(
-            ~mask, torch.finfo(query.dtype).min
-        )
+        mask = additive_mask(mask, query.dtype)
     out, _ = base_attention(base, module)(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
     return out
 
 
+def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool mask as eager attention adds it: 0 where visible, the lowest `dtype` value elsewhere."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
+
+
 def _bounds_from_positions(position_ids: Any, query: torch.Tensor, key: torch.Tensor) -> list[int] | None:
     """Sequence bounds of a packed row read off its `position_ids` (a new sequence wherever the position does not
-    continue the previous one), or None if the call is not one packed row without a cache or holds one sequence.
-
-    Gradient checkpointing recomputes a decoder layer during the backward, outside `packed_call`. A layer that drops
-    `cu_seq_lens_q` on the way to its attention (StableLM's decoder layer) then has only the packed `position_ids`,
-    which restart at every sequence of the packed row: the bounds read here are those of the original
-    forward, so the recomputation runs the same attention (transformers reads packed rows off `position_ids` the
-    same way when it builds masks)."""
+    continue the previous one), or None if the call is not one packed row without a cache or holds one sequence:
+    what a layer recomputed by gradient checkpointing (outside `packed_call`) that dropped `cu_seq_lens_q` on the way
+    to its attention (StableLM's) has, as transformers reads packed rows when it builds masks."""
     if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2 or position_ids.shape[0] != 1:
         return None
     n = position_ids.shape[1]
@@ -175,10 +175,8 @@ def fused_kernel(
     kwargs: dict[str, Any],
     shared: bool = False,
 ) -> kernels.Kernel | None:
-    """The fused kernel chosen for this layer's model (`kernels.choice_for`) when this call can run it: the tensors it
-    was chosen for, nothing the kernel does not compute (softcapping, sinks, dropout, a window it lacks), and a call
-    pattern the kernel passed its probe on, on this device (`probe.checked_kernel`); None: the call runs per segment,
-    exactly."""
+    """The fused kernel chosen for this layer's model (`kernels.choice_for`) when this call can run it (its tensors,
+    nothing the kernel lacks, a pattern it passed its probe on: `probe.checked_kernel`); None: it runs per segment."""
     choice = kernels.choice_for(module)
     kernel = kernels.runs_fused(choice, qkv[0])
     if kernel is None or choice is None or dropout or kwargs.get("softcap") is not None:
@@ -257,7 +255,7 @@ def _make_varlen_attention(base: str) -> Callable:
                 dropout,
                 scaling,
                 rest,
-                None if blocks is None else _as_bool_mask(blocks[:, :, s:e, s:e]),
+                None if blocks is None else _as_bool(blocks[:, :, s:e, s:e]),
             )
             for s, e in zip(bounds[:-1], bounds[1:], strict=True)
             if e > s
@@ -277,17 +275,15 @@ _BLOCK_DIAGONAL = "_trl_ext_block_diagonal"
 _WINDOW = "_trl_ext_sliding_window"
 
 
-def _as_bool_mask(mask: torch.Tensor) -> torch.Tensor:
+def _as_bool(mask: torch.Tensor) -> torch.Tensor:
     return mask if mask.dtype == torch.bool else mask == 0
 
 
 def _mask_pattern(kwargs: dict[str, Any], start: int, end: int) -> torch.Tensor:
-    """The bool pattern `[1, 1 or heads, n, n]` of the call's mask function (transformers' `(batch_idx, head_idx,
-    q_idx, kv_idx)` functions: causal, windows, chunks, a model's own overlays) on the packed sequence
-    `[start, end)`, evaluated by transformers' `sdpa_mask` at its row indices. transformers remaps row indices to each
-    sequence's own positions when the model hands the packed `position_ids` to its mask creation; otherwise the
-    pattern is taken at row indices, which equals the per-sequence pattern for causal masks and sliding windows
-    (functions of `q_idx - kv_idx`); chunked masks are accepted only on models of the first kind (inspection)."""
+    """The bool pattern `[1, 1 or heads, n, n]` of the call's mask function (causal, windows, chunks, a model's own
+    overlays) on the packed sequence `[start, end)`, by transformers' `sdpa_mask` at its row indices: remapped to the
+    sequence's own positions where the model hands the packed `position_ids` to its mask creation, else equal to the
+    per-sequence pattern for functions of `q_idx - kv_idx` (chunked masks: only the first kind, by inspection)."""
     n = end - start
     pattern = sdpa_mask(
         batch_size=1,
@@ -341,7 +337,7 @@ def _packed_mask(kwargs: dict[str, Any], bounds: list[int] | None, base: str) ->
         mask[:, :, s:e, s:e] = pattern
     if own or base == "eager":
         dtype = kwargs.get("dtype", torch.float32)
-        mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, torch.finfo(dtype).min)
+        mask = additive_mask(mask, dtype)
     setattr(mask, _BLOCK_DIAGONAL, True)
     if windowed:  # causal within the config's window on every sequence: a fused kernel applies it itself
         setattr(mask, _WINDOW, window)
@@ -351,7 +347,10 @@ def _packed_mask(kwargs: dict[str, Any], bounds: list[int] | None, base: str) ->
 def _causal(spans: list[tuple[int, int]], patterns: list[torch.Tensor], window: int | None) -> bool:
     """Whether every sequence's pattern is causal (within `window`): one host synchronisation per row, where a
     `torch.equal` per sequence costs one each on a GPU (16 per forward in the first H200 profile)."""
-    same = [(p == _segment_mask(e - s, window, p.device)).all() for (s, e), p in zip(spans, patterns, strict=True)]
+    same = [
+        (p == visible_keys(e - s, e - s, p.device, sliding_window=window)[None, None]).all()
+        for (s, e), p in zip(spans, patterns, strict=True)
+    ]
     return bool(torch.stack(same).all()) if same else True
 
 
@@ -393,8 +392,6 @@ _SWITCHED: dict[int, weakref.ref] = {}
 def switch_attention(patcher: Any, config: Any, name: str) -> None:
     """Switch `config` to the registered attention `name` through `patcher` (undone when the trainer is detached),
     and remember the config so that `unregister_attention(name)` leaves the registration while it still uses it."""
-    # `_attn_implementation` is a property over `_attn_implementation_internal` (transformers 5); the private field is
-    # never serialized (configuration_utils.py `_remove_keys_not_serialized`), so checkpoints keep the user's choice.
     patcher.setattr(config, _compat.ATTN_IMPLEMENTATION_FIELD, name)
     _SWITCHED[id(config)] = weakref.ref(config)
 
@@ -421,12 +418,15 @@ def unregister_attention(name: str) -> bool:
     return True
 
 
-def register_varlen_attention() -> None:
-    """Register `trl_ext_varlen_sdpa` / `trl_ext_varlen_eager` with transformers (idempotent)."""
+def register_varlen_attention(patcher: Any = None) -> None:
+    """Register `trl_ext_varlen_sdpa` / `trl_ext_varlen_eager` with transformers (idempotent); removed again when
+    `patcher` (if given) is undone."""
     for base in VARLEN_BASES:
         name = varlen_attention_name(base)
         mask = skip_mask_while(operator.attrgetter("packed"), name, base)
         register_attention(name, _make_varlen_attention(base), mask)
+    if patcher is not None:
+        patcher.defer(unregister_varlen_attention)
 
 
 def unregister_varlen_attention() -> None:

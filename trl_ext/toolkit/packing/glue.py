@@ -1,7 +1,5 @@
 """What every packing plugin needs around the model: the trainer refusals, the collator base that annotates batches,
-the predicate of a scoring call, and re-padding of a packed causal-LM output.
-
-Nothing here imports TRL or transformers; torch is imported at module level.
+the predicate of a scoring call, and re-padding of a packed causal-LM output (torch only: no TRL or transformers).
 """
 
 from __future__ import annotations
@@ -20,6 +18,7 @@ __all__ = [
     "AnnotatingCollator",
     "check_packable_trainer",
     "positional_input_ids",
+    "refuse_liger",
     "repad_outputs",
     "scoring_call",
 ]
@@ -34,7 +33,6 @@ VISION_KEYS = (
     "token_type_ids",
     "mm_token_type_ids",
 )
-#: Per-token outputs of TRL's fused LM head (TRL >= 1.15), `[B, L - 1]` each, put back into the padded layout.
 
 
 def check_packable_trainer(trainer: Any, plugin: str) -> None:
@@ -56,16 +54,21 @@ def check_packable_trainer(trainer: Any, plugin: str) -> None:
             )
 
 
+def refuse_liger(init_kwargs: dict[str, Any], plugin: str, why: str) -> None:
+    """Refuse a trainer built with `use_liger_kernel=True` (TRL's Liger DPO loss bypasses the packed model forward)."""
+    args = init_kwargs.get("args")
+    if args is not None and getattr(args, "use_liger_kernel", False):
+        raise UsageError(
+            f"{plugin} does not support `use_liger_kernel=True` ({why}). Set `use_liger_kernel=False` or disable "
+            f"{plugin}."
+        )
+
+
 class AnnotatingCollator:
-    """Wraps a preference collator and adds a plugin's metadata to each batch, computed in the data-loader process.
-
-    The padded batch is kept as it is (TRL reads `completion_mask`, `attention_mask` and the reference columns from
-    it); the model wrappers pop the metadata before the model sees its kwargs. Attributes of the wrapped collator
-    (`max_length`, `truncation_mode`, `pad_token_id`, read by other plugins) are read through. Subclasses set
-    `plugin` and implement `annotate(batch)`.
-
-    Args:
-        collator (`Callable`): the collator to wrap (TRL's `DataCollatorForPreference` or a user's).
+    """Wraps a preference collator (TRL's `DataCollatorForPreference` or a user's) and adds a plugin's metadata to each
+    batch, computed in the data-loader process; the padded batch is kept as it is, and the model wrappers pop the
+    metadata before the model sees its kwargs. Attributes of the wrapped collator (`max_length`, `truncation_mode`,
+    `pad_token_id`, read by other plugins) are read through. Subclasses set `plugin` and implement `annotate(batch)`.
     """
 
     plugin = "trl-ext"

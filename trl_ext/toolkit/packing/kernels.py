@@ -1,32 +1,24 @@
 """Fused varlen attention kernels for packed rows: which kernel runs a model's packed attention, and the call.
 
-On a GPU the per-segment attention of `attention.py` (one SDPA call per sequence of the packed row) leaves most of the
-device idle: a batch of 8 pairs is 16 small kernels per layer, per forward, recompute and backward. One fused varlen
+On a GPU the per-segment attention (one SDPA call per sequence) leaves most of the device idle; one fused varlen
 kernel per layer does the same work in one launch. Two are known (`KERNELS`):
 
-- `varlen_attn`: PyTorch's `torch.nn.attention.varlen.varlen_attn` (flash-attention kernels, CUDA only; torch >= 2.10);
-  `scale` (2.11+), `window_size` (2.11+) and `enable_gqa` (2.12+) are used when the installed signature has them: on
-  2.10 a layer with its own scale runs per segment, before 2.12 GQA repeats the key/value heads, before 2.11 sliding
-  windows run per segment;
-- `flash_attn`: flash-attn >= 2.3's `flash_attn_varlen_func` (an older one has no `window_size` and is not used),
-  preferred when the model was loaded with `attn_implementation="flash_attention_2"`.
+- `varlen_attn`: PyTorch's `torch.nn.attention.varlen.varlen_attn` (CUDA only; torch >= 2.10); `scale` (2.11+),
+  `window_size` (2.11+) and `enable_gqa` (2.12+) are used when the installed signature has them: on 2.10 a layer with
+  its own scale runs per segment, before 2.12 GQA repeats the key/value heads, before 2.11 windows run per segment;
+- `flash_attn`: flash-attn >= 2.3's `flash_attn_varlen_func` (older: no `window_size`, not used), preferred for a
+  model loaded with `attn_implementation="flash_attention_2"`.
 
 Both align a causal mask to the bottom right when a segment has more keys than queries (query `i` of `n` sees keys
-`j <= i + k - n`), which is the shared-prompt pattern: a response's queries over the prompt's keys followed by its own.
-
-The choice is made once per trainer and model (`choose`, then `set_choice` on the model's config, read back by the
-attention functions through `choice_for(module)`), and logged once. It falls back to the per-segment loop (exact) on
-CPU, in float32/float64, on ROCm (not measured there) and for what the kernels lack, each named: eager attention,
-softcapping, attention sinks, ALiBi, custom attention masks, dropout in attention, unequal q/k/v head dims; per call
-as well (a call with a softcap, sinks, dropout or a
-mask pattern other than causal/window runs per segment). A user who asks for `attention: fused` where it cannot run
-gets a `UsageError` before the first step. Before a kernel computes anything that trains, each of its call
-patterns is measured on the device against a float64 reference (`probe.py`); a pattern that fails runs per segment.
+`j <= i + k - n`): the shared-prompt pattern. The choice is made once per trainer and model (`choose`, `set_choice`,
+read back through `choice_for(module)`) and logged once; it falls back to the exact per-segment loop on CPU, in
+float32/float64, on ROCm (not measured) and for what the kernels lack, each named (`unsupported_features`), and per
+call for a softcap, sinks, dropout or another mask pattern. `attention: fused` where it cannot run is a `UsageError`
+before the first step. Each call pattern is measured on the device before it trains (`probe.py`).
 
 Every kernel call goes through `Kernel.call(q, k, v, cu_q, cu_k, max_q, max_k, causal=, window=, scale=)` (`q`
-`[T_q, H_q, D]`, `k`/`v` `[T_k, H_kv, D]`, `cu_*` int32 on the device, `window` the number of earlier keys a query
-sees besides its own or None): a unit test substitutes a CPU reference there (`KERNELS`) to test the dispatch and
-the metadata on CPU.
+`[T_q, H_q, D]`, `k`/`v` `[T_k, H_kv, D]`, `window` the number of earlier keys a query sees or None): unit tests
+substitute a CPU reference there (`KERNELS`).
 """
 
 from __future__ import annotations
@@ -68,16 +60,8 @@ FUSED_DTYPES = (torch.bfloat16, torch.float16)
 
 @dataclasses.dataclass(frozen=True)
 class Kernel:
-    """A fused varlen attention kernel.
-
-    Args:
-        name (`str`): as logged (`"varlen_attn"`, `"flash_attn"`).
-        devices (`tuple[str, ...]`): device types it runs on.
-        dtypes (`tuple[torch.dtype, ...]`): dtypes it runs in.
-        windows (`bool`): whether it applies causal sliding windows itself.
-        call (`Callable`): `(q, k, v, cu_q, cu_k, max_q, max_k, *, causal, window, scale) -> out [T_q, H_q, D]`.
-        scales (`bool`): whether it takes a scale other than `head_dim ** -0.5`.
-    """
+    """A fused varlen attention kernel: its `name` as logged, the device types and dtypes it runs on, whether it
+    applies causal sliding `windows` itself and takes a scale other than `head_dim ** -0.5` (`scales`), its `call`."""
 
     name: str
     devices: tuple[str, ...]
@@ -94,11 +78,6 @@ def _varlen_parameters() -> frozenset[str]:
     return frozenset(inspect.signature(varlen_attn).parameters)
 
 
-def _repeat_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    groups = q.shape[1] // k.shape[1]
-    return k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-
-
 def _torch_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, causal: bool, window: int | None, scale: float | None):
     from torch.nn.attention.varlen import varlen_attn
 
@@ -113,7 +92,8 @@ def _torch_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, causal: bool, window: in
         if "enable_gqa" in params:
             kwargs["enable_gqa"] = True
         else:
-            k, v = _repeat_kv(q, k, v)
+            groups = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     if "window_size" in params:
         # a tuple: varlen_attn tests `window_size == (-1, 0)` for its causal flag
         kwargs["window_size"] = (window, 0) if window is not None else (-1, 0) if causal else (-1, -1)
@@ -256,14 +236,10 @@ def choose(
     scales: set[float] | None = None,
 ) -> Choice:
     """The attention of a model's packed calls: a fused kernel of `KERNELS` where one runs on `device` in `dtype`,
-    else the per-segment loop, with the reasons (`Choice.fallbacks`).
-
-    `requested` is the plugin's `attention` option: `"segments"` forces the loop, `"fused"` the kernel (a
-    `UsageError` naming the reasons where it cannot run), anything else chooses. `prefer` names the kernel to try
-    first (`"flash_attn"` for a model loaded with `flash_attention_2`). `windows`: the model has sliding windows, which
-    a kernel without `window_size` leaves to the loop; `scales`: its layers' own attention scales, likewise for a
-    kernel without `scale`.
-    """
+    else the per-segment loop, with the reasons (`Choice.fallbacks`). `requested` is the plugin's `attention` option
+    (`"segments"` forces the loop, `"fused"` the kernel or a `UsageError` naming the reasons); `prefer` the kernel to
+    try first (`"flash_attn"` under `flash_attention_2`); `windows` / `scales`: the model's sliding windows and its
+    layers' own attention scales, which a kernel without `window_size` / `scale` leaves to the loop."""
     device = torch.device(device)
     device_type = device.type
     if requested == "segments":
@@ -321,17 +297,6 @@ def training_dtype(model: torch.nn.Module, trainer: Any) -> torch.dtype:
     return dtype
 
 
-def training_device_dtype(model: torch.nn.Module, trainer: Any) -> tuple[torch.device, torch.dtype]:
-    """Where and in what dtype (`training_dtype`) `model`'s attention runs in training: the trainer's device (the
-    model may be moved there only when accelerate prepares it)."""
-    param = next(model.parameters(), None)
-    device = param.device if param is not None else torch.device("cpu")
-    trainer_device = getattr(getattr(trainer, "args", None), "device", None)
-    if device.type == "cpu" and isinstance(trainer_device, torch.device):
-        device = trainer_device
-    return device, training_dtype(model, trainer)
-
-
 def has_windows(config: Any) -> bool:
     """Whether `config` declares sliding-window layers."""
     layer_types = getattr(config, "layer_types", None) or ()
@@ -343,7 +308,13 @@ def choose_for_model(
 ) -> Choice:
     """`choose` for `model` (loaded with attention `base`) in `trainer`, made its packed attention (`set_choice`);
     forgotten when `patcher` (the trainer's undo stack) is undone."""
-    device, dtype = training_device_dtype(model, trainer)
+    # the trainer's device: the model may be moved there only when accelerate prepares it
+    param = next(model.parameters(), None)
+    device = param.device if param is not None else torch.device("cpu")
+    trainer_device = getattr(getattr(trainer, "args", None), "device", None)
+    if device.type == "cpu" and isinstance(trainer_device, torch.device):
+        device = trainer_device
+    dtype = training_dtype(model, trainer)
     features = unsupported_features(model, base)
     choice = choose(requested, device, dtype, features, prefer, has_windows(model.config), plugin, own_scales(model))
     set_choice(model.config, choice)
@@ -376,9 +347,8 @@ def describe_choice(choice: Choice) -> str:
     return f"per-segment loop ({where}; not fused: {'; '.join(choice.fallbacks)})"
 
 
-# The choice of each model config switched to a trl-ext attention, weakly (a config is unhashable): the attention
-# functions read it through the layer's `config`. A stale entry is harmless: once a trainer is detached the config
-# names its own attention again, and the trl-ext functions no longer run for it.
+# The choice of each model config switched to a trl-ext attention, weakly (a config is unhashable), read through the
+# layer's `config`. A stale entry is harmless: a detached trainer's config names its own attention again.
 _CHOICES: dict[int, tuple[weakref.ref, Choice]] = {}
 
 
@@ -425,11 +395,6 @@ def kernel_inputs(kernel: Kernel, *tensors: torch.Tensor) -> list[torch.Tensor]:
     dtype (`call_dtype`)."""
     dtype = call_dtype(kernel, tensors[0])
     return [t[0].transpose(0, 1).to(dtype).contiguous() for t in tensors]
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# One packed row in one call
-# ---------------------------------------------------------------------------------------------------------------------
 
 
 def run_packed(

@@ -1,11 +1,9 @@
 """Packing metadata: how a padded batch maps to one packed row, and back.
 
-A padded batch `input_ids [R, L]` with an `attention_mask` is packed into one row `[1, N]` (N = the number of real
-tokens) whose `position_ids` restart at 0 for every sequence. The model runs on the packed row and its outputs are put
-back into the padded layout, so everything above the model (TRL's loss, metrics, token counts) is unchanged.
-
-`packed_call` marks a forward as packed in the call context, for the attention of `attention.py`. Nothing here
-imports TRL or transformers.
+A padded batch `input_ids [R, L]` with an `attention_mask` is packed into one row `[1, N]` of its real tokens, whose
+`position_ids` restart at 0 for every sequence; the outputs are put back into the padded layout, so everything above
+the model (TRL's loss, metrics, token counts) is unchanged. `packed_call` marks a forward as packed in the call
+context, for the attention of `attention.py`. Nothing here imports TRL or transformers.
 """
 
 from __future__ import annotations
@@ -63,12 +61,8 @@ class PackInfo:
         return self.indices.numel()
 
     def to_batch(self) -> dict[str, Any]:
-        """Row-major metadata for the batch: `row_starts` and `row_lengths`, one entry per row (`[rows]` each).
-
-        Every tensor of a batch has the rows on dim 0, so accelerate's `DataLoaderDispatcher` (iterable datasets,
-        `dispatch_batches=True`), which concatenates batches and slices them along dim 0, keeps each row's metadata
-        with its row. `from_batch` still checks it against the batch's `attention_mask` before using it.
-        """
+        """Row-major metadata for the batch, `row_starts` and `row_lengths` (`[rows]` each): accelerate's batch
+        dispatching, which concatenates and slices batches along dim 0, keeps each row's metadata with its row."""
         lengths = self.cu_seq_lens[1:].long() - self.cu_seq_lens[:-1].long()
         starts = self.indices.new_zeros(self.rows)
         if self.num_tokens:

@@ -1,12 +1,9 @@
 """Where a packed model call computes each position of the padded batch it stands for.
 
-A packing plugin that runs a padded `[rows, length]` call on one packed row `[1, N]` announces, around that call
-(`packed_positions`), which packed position computes each padded position. A module inside the model that works on
-per-position inputs (fused_logprobs' output head, which scores chosen padded positions) reads the announcement
-(`current_packed_positions`) and, when it returns its output in the padded layout already, says so
-(`PackedPositions.padded_output`): the packing plugin then leaves that output as it is instead of unpacking it.
-
-Nothing here imports TRL or transformers; torch is imported at module level.
+A packing plugin that runs a padded `[rows, length]` call on one packed row `[1, N]` announces around it
+(`packed_positions`) which packed position computes each padded position. A module inside that works on per-position
+inputs (fused_logprobs' output head) reads it (`current_packed_positions`) and, when it returns the padded layout
+itself, says so (`PackedPositions.padded_output`): the packing plugin then leaves that output as it is.
 """
 
 from __future__ import annotations
@@ -25,17 +22,10 @@ __all__ = ["PackedPositions", "current_packed_positions", "packed_positions"]
 
 @dataclasses.dataclass
 class PackedPositions:
-    """The packed positions of a padded `[rows, length]` call run on one packed row.
-
-    Attributes:
-        rows (`int`), length (`int`): the padded shape.
-        padded (`torch.LongTensor` of shape `(M,)`): flat padded positions (`row * length + column`) that the packed
-            row computes.
-        packed (`torch.LongTensor` of shape `(M,)`): the packed position that computes each of them (several padded
-            positions may share one, e.g. a prompt token computed once for two rows).
-        padded_output (`bool`): set by a module inside the call that returned its output in the padded layout; the
-            packing plugin then does not unpack the model's output.
-    """
+    """The packed positions of a padded `[rows, length]` call run on one packed row: `padded` (`(M,)`), the flat
+    padded positions (`row * length + column`) the packed row computes, and `packed` (`(M,)`), the packed position
+    computing each (several may share one: a prompt token computed once for two rows). `padded_output` is set by a
+    module inside the call that returned the padded layout itself; the packing plugin then leaves the output."""
 
     rows: int
     length: int

@@ -1,27 +1,19 @@
 """The kernel probe: a fused varlen kernel is measured on the training device before it computes anything that trains.
 
-The first time a model's attention would run a call pattern through a fused kernel (`kernels.Kernel`) — its device and
-dtype, the layer's head counts and head dims read from the query/key/value of that call, its window and scale, packed
-(equal query and key segments, one `cu_seqlens` tensor) or shared (a response's queries over its prompt's keys then its
-own, bottom-right causal, plus the non-causal call of trailing padding) — `checked_kernel` runs the same kernel call on
-random inputs of those shapes in that dtype on that device, forward and backward, and compares output and the three
-gradients with a float64 reference computed on the same rounded inputs (`reference_attention`: per segment, the flash
-kernels' documented semantics). Milliseconds, once per pattern and model; the verdict is kept on the model's
-`kernels.Choice`.
-
-- Passed (error within `TOLERANCES[dtype]` of the largest entry of the reference): the kernel runs that pattern; one
-  `info` line names the pattern and the measured error.
-- Failed, or raised (a torch release without an argument the call needs, a backend that refuses the shapes, head dims
-  the kernel does not take): that pattern runs on the per-segment loop instead (exact), and one warning says why with
-  the measured error; with `attention: fused` it is a `UsageError`, before any parameter changes.
+The first time a model's attention would run a call pattern (`Pattern`: device, dtype, head counts and dims of that
+call's query/key/value, window, scale, packed or shared) through a fused kernel, `checked_kernel` runs the same kernel
+call on random inputs of those shapes, forward and backward, and compares the output and the three gradients with a
+float64 reference on the same rounded inputs (`reference_attention`, the flash kernels' documented semantics).
+Milliseconds, once per pattern and model; the verdict is kept on the model's `kernels.Choice`. Passed: one `info`
+line; failed or raised: that pattern runs per segment (exact), with one warning (with `attention: fused`, a
+`UsageError` before any parameter changes).
 
 The tolerance is 4 machine epsilons of the dtype relative to the largest entry (bf16 3.1e-2, fp16 3.9e-3): a correct
-kernel's round-off is one rounding of the output and of the attention weights (about 1 epsilon), and every fault the
-tests plant (a window off by one, top-left causal alignment, the default scale instead of the layer's, a dropped
-grouped-query head) moves the output or a gradient by 24 times it or more on the probe's shapes, while emulated right
-kernels of every release measure at most 0.24 of it, in bf16 and fp16 (tests/plugins/test_varlen_releases.py). The
-probe shortens a window to at most `PROBE_WINDOW` earlier keys so that the window decides what its short segments see:
-the kernel's window arithmetic is the same for every width."""
+kernel's round-off is about 1 epsilon, every fault the tests plant (a window off by one, top-left alignment, the
+default scale instead of the layer's, a dropped grouped-query head) moves a result by 24 times it or more, and emulated
+right kernels of every release measure at most 0.24 of it (tests/plugins/test_varlen_releases.py). The probe shortens
+a window to at most `PROBE_WINDOW` keys so that it acts on the short segments: the kernel's window arithmetic is the
+same for every width."""
 
 from __future__ import annotations
 
@@ -158,9 +150,8 @@ def reference_attention(
 
 @contextlib.contextmanager
 def _isolated(device: torch.device) -> Iterator[None]:
-    """Autograd on, autocast off, and no saved-tensor hooks of an enclosing activation checkpoint: the probe runs
-    inside a model's forward as if alone; the call context's `probing` set (a test's recording kernel tells the probe's
-    calls from the model's)."""
+    """Autograd on, autocast off, no saved-tensor hooks of an enclosing activation checkpoint (the probe runs inside a
+    model's forward as if alone), and the call context's `probing` set (for a test's recording kernel)."""
     with contextlib.ExitStack() as stack:
         stack.enter_context(call_entered(probing=True))
         stack.enter_context(torch.inference_mode(False))

@@ -16,15 +16,9 @@ __all__ = ["BUILDS", "Segments", "cached_segments", "packed_segments", "to_devic
 
 @dataclasses.dataclass(frozen=True)
 class Segments:
-    """The kernel arguments of one packed or shared row, built once per batch on the host and copied to the device.
-
-    Attributes:
-        cu_q (`torch.IntTensor` of shape `(S + 1,)`), cu_k (`(S + 1,)`): cumulative query / key lengths.
-        max_q (`int`), max_k (`int`): the longest query / key segment.
-        kv_index (`torch.LongTensor` or `None`): the row positions of the keys, segment after segment (None: the row
-            itself, in order).
-        q_index (`torch.LongTensor` or `None`): the row positions of the queries (None: the row itself).
-    """
+    """The kernel arguments of one packed or shared row: cumulative query / key lengths (`cu_q`, `cu_k`, int32,
+    `(S + 1,)`), the longest query / key segment, and the row positions of the keys (segment after segment) and of the
+    queries (`kv_index`, `q_index`; None: the row itself, in order)."""
 
     cu_q: torch.Tensor
     cu_k: torch.Tensor
@@ -42,8 +36,7 @@ _CACHE_SIZE = 8
 
 
 def cached_segments(key: tuple, device: torch.device, build: Callable[[], _T]) -> _T:
-    """The segments of `key` (host ints that describe the row) on `device`: built once, then reused by every layer,
-    by the reference forward of the same batch and by the layers gradient checkpointing recomputes."""
+    """The segments of `key` (host ints that describe the row) on `device`, built once by `build()`."""
     full = (key, str(device))
     if full in _CACHE:
         _CACHE.move_to_end(full)
