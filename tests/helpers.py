@@ -425,3 +425,24 @@ def trl_ext_records():
     finally:
         root.removeHandler(handler)
         root.setLevel(level)
+
+
+def plant_attention(request, name: str, forward) -> Any:
+    """Put `forward` in transformers' attention registry under `name` for the test, and return the function it
+    replaces. At teardown the replaced one comes back only if `forward` is still registered: trl-ext may have removed
+    the registration since (its trainer detached), and `monkeypatch.setitem` would bring back a registration no
+    trainer holds, for every later test."""
+    from transformers import AttentionInterface
+
+    from trl_ext import _compat
+
+    registry = _compat.attention_registry(AttentionInterface)
+    replaced = registry[name]
+    registry[name] = forward
+
+    def restore() -> None:
+        if registry.get(name) is forward:
+            registry[name] = replaced
+
+    request.addfinalizer(restore)
+    return replaced

@@ -178,6 +178,25 @@ def test_one_undo_mechanism_by_scope(tokenizer, dpo_args):
     assert target.held == "stock" and applied == ["applied", "undone"]
 
 
+def test_uninstall_undoes_what_a_garbage_collected_trainer_held(tokenizer, dpo_args):
+    """A process-wide change (the varlen attention registration) held by a trainer garbage-collected undetached is
+    undone by the next `uninstall()`; while a live trainer holds it, it stays."""
+    from transformers import AttentionInterface
+
+    registry = _compat.attention_registry(AttentionInterface)
+    with trl_ext.install(padding_free=True):
+        trainer, kept = _dpo(tokenizer, dpo_args), _dpo(tokenizer, dpo_args)
+    del trainer
+    gc.collect()
+    trl_ext.install(padding_free=True).uninstall()  # `kept` still holds it
+    assert "trl_ext_varlen_sdpa" in registry and kept.model.config._attn_implementation == "trl_ext_varlen_sdpa"
+    del kept
+    gc.collect()
+    assert "trl_ext_varlen_sdpa" in registry  # left until the next release point
+    trl_ext.install(padding_free=True).uninstall()
+    assert "trl_ext_varlen_sdpa" not in registry
+
+
 def test_detach_makes_the_trainer_stock(tokenizer, dpo_args):
     from trl.trainer.dpo_trainer import DataCollatorForPreference
 

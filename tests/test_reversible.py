@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import gc
 import importlib
 import sys
 import types
@@ -32,6 +33,7 @@ import torch
 
 import trl_ext
 from trl_ext import _compat
+from trl_ext.context import release_unheld
 from trl_ext.testing import length_reward, make_model, make_preference_dataset, make_prompt_dataset
 
 DPO_CASES = {
@@ -266,6 +268,8 @@ def _online(tokenizer, online_dpo_args, flags):
 
 def _check(build, flags) -> None:
     """`build()` makes the same trainer (the same TRL config) for stock and for the plugins."""
+    gc.collect()  # an earlier test's trainer, garbage-collected undetached, may still hold process-wide changes:
+    release_unheld()  # undone here, as the next detach or uninstall would, so that they are not in `before`
     before, held = _snapshot(), _library_state()
     stock = build()
     stock.train()

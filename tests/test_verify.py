@@ -14,6 +14,7 @@ import torch
 
 import trl_ext
 from tests import equivalence as eq
+from tests import helpers
 from trl_ext import UsageError, _compat
 from trl_ext.api import current_call
 from trl_ext.config import TrlExtConfig, load_config
@@ -62,19 +63,16 @@ def build(dpo_args, tokenizer, pairs):
     return make
 
 
-def _plant_wrong_scale(monkeypatch, name: str, factor: float) -> None:
+def _plant_wrong_scale(request, name: str, factor: float) -> None:
     """The packed attention registered as `name` computes with its softmax scale off by `factor` (a wrong scale
     passed to a kernel): a path that stays silent everywhere but in its numbers."""
-    from transformers import AttentionInterface
-
-    registry = _compat.attention_registry(AttentionInterface)
-    right = registry[name]
+    right = None
 
     def wrong(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
         scaling = (query.shape[-1] ** -0.5 if scaling is None else scaling) * factor
         return right(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
-    monkeypatch.setitem(registry, name, wrong)
+    right = helpers.plant_attention(request, name, wrong)
 
 
 def _parameters(trainer) -> dict[str, torch.Tensor]:
@@ -88,10 +86,10 @@ def _parameters(trainer) -> dict[str, torch.Tensor]:
 
 @needs_dpo
 @pytest.mark.parametrize(("flags", "attention"), [({"padding_free": True}, "trl_ext_varlen_sdpa")])
-def test_a_planted_wrong_path_stops_before_any_parameter_changes(build, monkeypatch, flags, attention):
+def test_a_planted_wrong_path_stops_before_any_parameter_changes(build, request, flags, attention):
     with trl_ext.install(**flags):
         trainer = build(max_steps=2)
-    _plant_wrong_scale(monkeypatch, attention, 1.05)
+    _plant_wrong_scale(request, attention, 1.05)
     before = _parameters(trainer)
     with pytest.raises(UsageError) as error:
         trainer.train()
@@ -107,11 +105,11 @@ def test_a_planted_wrong_path_stops_before_any_parameter_changes(build, monkeypa
 
 @pytest.mark.slow  # the control of the test above: a second trainer and step
 @needs_dpo
-def test_the_same_fault_passes_with_verify_off(build, monkeypatch):
+def test_the_same_fault_passes_with_verify_off(build, request):
     """The control: without verify, the planted fault trains (what verify exists to stop)."""
     with trl_ext.install(padding_free=True, verify=False):
         trainer = build(max_steps=1)
-    _plant_wrong_scale(monkeypatch, "trl_ext_varlen_sdpa", 1.05)
+    _plant_wrong_scale(request, "trl_ext_varlen_sdpa", 1.05)
     trainer.train()
     assert trainer.state.global_step == 1
 
@@ -222,10 +220,10 @@ def test_stock_round_off_in_16_bits_passes(build, flags, precision, caplog):
 
 
 @needs_dpo
-def test_a_planted_wrong_path_is_stopped_in_bf16(build, monkeypatch):
+def test_a_planted_wrong_path_is_stopped_in_bf16(build, request):
     with trl_ext.install(padding_free=True):
         trainer = build("bf16", max_steps=1)
-    _plant_wrong_scale(monkeypatch, "trl_ext_varlen_sdpa", 3.0)
+    _plant_wrong_scale(request, "trl_ext_varlen_sdpa", 3.0)
     before = _parameters(trainer)
     with pytest.raises(UsageError, match=r"from stock bf16 vs float32\)\. Stopped before the optimizer step"):
         trainer.train()

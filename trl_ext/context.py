@@ -18,7 +18,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .config import TrlExtConfig
     from .manager import TrlExtPluginManager
 
-__all__ = ["TrainerContext", "live_contexts", "output_head_module", "unwrap_causal_lm"]
+__all__ = ["TrainerContext", "live_contexts", "output_head_module", "release_unheld", "unwrap_causal_lm"]
 
 #: Every live trainer that trl-ext attached to, whatever installation built it (an uninstalled one's included).
 _LIVE: weakref.WeakSet = weakref.WeakSet()
@@ -32,6 +32,14 @@ def live_contexts() -> list[TrainerContext]:
     """The contexts of every live, attached trainer, across installations (oldest first)."""
     contexts = [trainer.__dict__.get("_trl_ext") for trainer in list(_LIVE)]
     return sorted((ctx for ctx in contexts if ctx is not None and ctx.attached), key=lambda c: c.serial)
+
+
+def release_unheld() -> None:
+    """Undo the process-wide changes (`patch("process", ...)`) that no live, attached trainer holds any more: those of
+    a detached trainer, and those a trainer garbage-collected undetached left behind (run on detach and uninstall)."""
+    still_held = {key for ctx in live_contexts() for key in ctx.held}
+    for key in sorted(set(_HELD_PATCHERS) - still_held):
+        _HELD_PATCHERS.pop(key).undo()
 
 
 class _SubsetHooks:
@@ -144,7 +152,8 @@ class TrainerContext:
           `train()`, `evaluate()`, `predict()`, undone on exit; its wrappers must pass other trainers' calls through.
         - `"trainer"`: changes to this trainer and its models, on `patcher`, until `Installation.detach(trainer)`.
         - `"process"`: process-wide changes shared by the trainers holding `key`: applied when the first takes it,
-          undone when the last attached one is detached (a trainer garbage-collected undetached leaves them).
+          undone when the last attached one is detached (left by one garbage-collected undetached until the next
+          detach or `uninstall()`: `release_unheld`).
         """
         if scope == "trainer":
             apply(self.patcher)
@@ -191,11 +200,7 @@ class TrainerContext:
         if trainer is not None:
             trainer.__dict__.pop("_trl_ext", None)
             _LIVE.discard(trainer)
-        still_held = {key for ctx in live_contexts() for key in ctx.held}
-        for key in sorted(self.held - still_held):
-            patcher = _HELD_PATCHERS.pop(key, None)
-            if patcher is not None:
-                patcher.undo()
+        release_unheld()
 
     def models(self) -> dict[str, Any]:
         """The causal LMs this trainer runs, by role (`"policy"`, `"ref"`), unwrapped from DeepSpeed/DDP and PEFT."""

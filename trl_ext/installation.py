@@ -11,7 +11,7 @@ from typing import Any
 from . import _compat, attach, build
 from ._logging import NOTICE, get_logger, is_main_process
 from .config import TrlExtConfig, load_config
-from .context import _LIVE, TrainerContext, live_contexts
+from .context import _LIVE, TrainerContext, live_contexts, release_unheld
 from .errors import UsageError
 from .manager import TrlExtPluginManager, make_plugin_manager
 from .patching import Patcher, resolve
@@ -115,6 +115,7 @@ class Installation:
             if detach:
                 self.detach()
             self.patcher.undo()
+            release_unheld()
             if Installation._active is self:
                 Installation._active = None
             live = [ctx for ctx in self.contexts() if ctx.enabled]

@@ -11,7 +11,8 @@ import torch
 
 import trl_ext
 from tests import equivalence as eq
-from trl_ext import UsageError, _compat
+from tests import helpers
+from trl_ext import UsageError
 
 _one_thread = pytest.fixture(scope="module", autouse=True)(eq.one_thread)
 
@@ -39,19 +40,16 @@ def test_the_right_path_passes(online_build, flags, caplog):
     assert "(2 model calls: policy/reference; " in line and "from float32 floor" in line
 
 
-def test_a_planted_wrong_shared_attention_stops_before_any_parameter_changes(online_build, monkeypatch):
-    from transformers import AttentionInterface
-
+def test_a_planted_wrong_shared_attention_stops_before_any_parameter_changes(online_build, request):
     with trl_ext.install(prompt_sharing=True):
         trainer = online_build(max_steps=1)
-    registry = _compat.attention_registry(AttentionInterface)
-    right = registry["trl_ext_shared_sdpa"]
+    right = None
 
     def wrong(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
         scaling = (query.shape[-1] ** -0.5 if scaling is None else scaling) * 1.05
         return right(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
-    monkeypatch.setitem(registry, "trl_ext_shared_sdpa", wrong)
+    right = helpers.plant_attention(request, "trl_ext_shared_sdpa", wrong)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     with pytest.raises(UsageError, match=r"OnlineDPOTrainer with prompt_sharing does not compute stock TRL's log"):
         trainer.train()
