@@ -1,25 +1,40 @@
 """One trainer's build, as a script in call order (`build`): what trl-ext does while a stock trainer's `__init__`
-runs, on the trainer instance and through its own undo stack. Methods TRL's `__init__` calls are wrapped before it
-runs; `log`, the entry points, `verify` and the other `trl_ext_call` methods after it, each outside the one before (a
-chain of `training_step` runs outside verify's; verify outside the chains of the scoring methods).
+runs, on the trainer instance and through its own undo stack (so the trainer keeps it whatever happens to the
+installation). Methods TRL's `__init__` calls are wrapped before it runs; `log`, the entry points, `verify` and the
+other `trl_ext_call` methods after it, each outside the one before (a chain of `training_step` runs outside verify's;
+verify outside the chains of the scoring methods).
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
+import os
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from . import _compat, attach, calls, verify
+from . import _compat, calls, verify
 from ._logging import NOTICE, get_logger, is_main_process
-from .context import TrainerContext, output_head_module
+from ._peak_memory import PeakMemory
+from .context import TrainerContext, live_contexts, output_head_module
 from .errors import UsageError
 from .manager import resolve_roles
+from .patching import resolve
 
 if TYPE_CHECKING:  # pragma: no cover
     from .config import TrlExtConfig
     from .installation import Installation
 
-__all__ = ["announce", "build", "check_trainer_settings", "enabled_plugins", "hide_ignored_flags", "prepare_models"]
+__all__ = [
+    "announce",
+    "build",
+    "check_trainer_settings",
+    "check_world",
+    "enabled_plugins",
+    "generation_wrapper",
+    "hide_ignored_flags",
+    "prepare_models",
+]
 
 logger = get_logger(__name__)
 
@@ -29,7 +44,7 @@ def build(installation: Installation, trainer_class: str, original: Any, trainer
     trl_args = init_kwargs.get("args")
     enabled = check_trainer_settings(installation.config, trainer_class, trl_args)
     if enabled:
-        attach.check_world(trainer_class, trl_args, enabled)
+        check_world(trainer_class, trl_args, enabled)
     ctx = TrainerContext(
         installation,
         trainer,
@@ -48,9 +63,16 @@ def build(installation: Installation, trainer_class: str, original: Any, trainer
         if enabled:
             calls.attach(ctx, init=True)
             if trainer_class == "DPOTrainer":
+                fact = _compat.dpo_training_refusal()  # stock DPOTrainer cannot train with this TRL here: say so now
+                if fact is not None:
+                    raise UsageError(fact.refusal(f"trl-ext cannot run {', '.join(enabled)} on this DPOTrainer"))
                 method = _compat.DPO_PRECOMPUTE_METHOD
                 ctx.patcher.setattr(trainer, method, precompute_wrapper(ctx, getattr(trainer, method)))
-            attach.attach_before_init(ctx)
+            module_name = _compat.GENERATION_HELPER_MODULES.get(trainer_class)
+            if module_name is not None:
+                # Trainer modules look `unwrap_model_for_generation` up by name: swapped there while this trainer runs.
+                module, wrapper = resolve(module_name), generation_wrapper(ctx)
+                ctx.patch("run", lambda patcher: patcher.wrap(module, "unwrap_model_for_generation", wrapper))
         try:
             with ctx.running():
                 original(trainer, **init_kwargs)
@@ -58,8 +80,10 @@ def build(installation: Installation, trainer_class: str, original: Any, trainer
             for flag, value in hidden.items():
                 setattr(trl_args, flag, value)
         prepare_models(ctx)
-        if enabled:
-            attach.attach_after_init(ctx)
+        if enabled:  # for the trainer's life: metric reduction in `log`, the run scope of its entry points
+            ctx.patcher.setattr(trainer, "log", _log_wrapper(ctx, trainer.log))
+            for entry in ("train", "evaluate", "predict"):
+                ctx.patcher.setattr(trainer, entry, _running_wrapper(ctx, getattr(trainer, entry), entry == "train"))
             verify.attach(ctx)
             calls.attach(ctx, init=False)
         ctx.hook.trl_ext_trainer_init_end(trainer=trainer, context=ctx)
@@ -78,6 +102,78 @@ def precompute_wrapper(ctx: TrainerContext, original: Any) -> Any:
         return original(dataset, name, batch_size)
 
     return _precompute_ref_logps
+
+
+def _running_wrapper(ctx: TrainerContext, original, training: bool = False):
+    @functools.wraps(original)
+    def entry_point(*args, **kwargs):
+        if not training:
+            with ctx.running():
+                return original(*args, **kwargs)
+        with ctx.running(), PeakMemory(ctx.trainer.args.device) as peak:
+            result = original(*args, **kwargs)
+        if is_main_process():
+            logger.log(
+                NOTICE,
+                "trl-ext: %s trained with plugins %s; %s during train()",
+                ctx.trainer_class,
+                ", ".join(ctx.enabled) or "none",
+                peak.text(),
+            )
+        return result
+
+    return entry_point
+
+
+def _log_wrapper(ctx: TrainerContext, original):
+    @functools.wraps(original)
+    def log(logs, *args, **kwargs):
+        trainer = ctx.trainer
+        result = ctx.call_exclusive("trl_ext_reduce_metrics", trainer=trainer, context=ctx, logs=logs)
+        if result is not None:
+            # The plugin's values replace TRL's buffered ones for this window (DPOTrainer keeps them in
+            # `_metrics[mode]` and would otherwise merge its own local averages in).
+            buffers = getattr(trainer, "_metrics", None)
+            if isinstance(buffers, Mapping):
+                buffers["train" if trainer.model.training else "eval"].clear()
+            logs.clear()
+            logs.update(result)
+        return original(logs, *args, **kwargs)
+
+    return log
+
+
+def generation_wrapper(ctx: TrainerContext | None):
+    """`unwrap_model_for_generation` for one trainer's context, or (`None`) for whichever attached trainer owns the
+    accelerator it is called with; a pass-through for every other call."""
+
+    def make(original):
+        signature = inspect.signature(original)
+
+        @functools.wraps(original)
+        def unwrap_model_for_generation(model, accelerator, *args, **kwargs):
+            candidates = [ctx] if ctx is not None else live_contexts()
+            owner = next(
+                (c for c in candidates if c.attached and getattr(c.trainer, "accelerator", None) is accelerator), None
+            )
+            if owner is not None and owner.enabled:
+                bound = signature.bind(model, accelerator, *args, **kwargs)
+                bound.apply_defaults()
+                call_kwargs = {k: v for k, v in bound.arguments.items() if k != "model"}
+                manager = owner.call_exclusive(
+                    "trl_ext_make_generation_context",
+                    trainer=owner.trainer,
+                    context=owner,
+                    model=model,
+                    call_kwargs=call_kwargs,
+                )
+                if manager is not None:
+                    return manager
+            return original(model, accelerator, *args, **kwargs)
+
+        return unwrap_model_for_generation
+
+    return make
 
 
 def prepare_models(ctx: TrainerContext) -> None:
@@ -209,3 +305,31 @@ def check_trainer_settings(config: TrlExtConfig, trainer_class: str, trl_args: A
             trl_config = type(trl_args).__name__ if trl_args is not None else None
             raise UsageError(config.unused_options_message(name, trainer_class, trl_config))
     return enabled
+
+
+#: Variables through which launchers announce the number of processes (those accelerate reads, `state.py`).
+_WORLD_SIZE_VARS = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
+
+
+def check_world(trainer_class: str, trl_args: Any, enabled: list[str]) -> None:
+    """Refuse a launch of several processes in which this trainer runs alone: each would silently train its own model
+    (`torchrun --nproc_per_node 2` on CPU without `use_cpu=True`)."""
+    launched = {}
+    for var in _WORLD_SIZE_VARS:
+        value = os.environ.get(var, "").strip()
+        if value.isdigit() and int(value) > 1:
+            launched[var] = int(value)
+    if not launched or trl_args is None or not hasattr(trl_args, "world_size"):
+        return
+    world = trl_args.world_size  # the accelerate state the trainer's `Accelerator` will use
+    expected = max(launched.values())
+    if world == expected:
+        return
+    var = next(v for v, n in launched.items() if n == expected)
+    config = type(trl_args).__name__
+    raise UsageError(
+        f"{var}={expected} says this is one of {expected} processes, but this {trainer_class} runs a world of {world} "
+        f"(its {config} sees no distributed setup), so each process would train its own model; trl-ext's "
+        f"{', '.join(enabled)} would not be shared either. On CPU, set `use_cpu=True` in the {config}; on GPU, "
+        "give every process a device (check CUDA_VISIBLE_DEVICES); or launch a single process."
+    )

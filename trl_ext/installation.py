@@ -8,7 +8,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from . import _compat, attach, build
+from . import _compat, build
 from ._logging import NOTICE, get_logger, is_main_process
 from .config import TrlExtConfig, load_config
 from .context import _LIVE, TrainerContext, live_contexts, release_unheld
@@ -56,7 +56,7 @@ class Installation:
         it runs (`[]` if built before `install()` or detached). A `TypeError` for anything else; a `UsageError` for a
         trainer trl-ext does not attach to.
         """
-        trainer_class = attach.stock_trainer_class(trainer)
+        trainer_class = stock_trainer_class(trainer)
         if not isinstance(trainer, (str, type)) and trl_args is None:
             ctx = getattr(trainer, "__dict__", {}).get(_ATTR)
             return list(ctx.enabled) if ctx is not None and ctx.attached else []
@@ -152,8 +152,8 @@ class Installation:
             if trainer_class not in wrapped:
                 continue
             # While installed, the name serves every attached trainer (also when called from outside its methods);
-            # after `uninstall()` each trainer swaps it in only while it runs (`attach.attach_before_init`).
-            self.patcher.wrap(resolve(module_name), "unwrap_model_for_generation", attach.generation_wrapper(None))
+            # after `uninstall()` each trainer swaps it in only while it runs (`build.build`).
+            self.patcher.wrap(resolve(module_name), "unwrap_model_for_generation", build.generation_wrapper(None))
         self._installed = True
 
     def _track(self, ctx: TrainerContext) -> None:
@@ -178,12 +178,55 @@ class Installation:
                 bound = None
             if bound is None:
                 # The call does not match TRL's signature: let TRL raise its own error, word for word.
-                return attach.call_for_trl_error(original, trainer_class, trainer, args, kwargs)
+                return call_for_trl_error(original, trainer_class, trainer, args, kwargs)
             init_kwargs = dict(bound.arguments)
             init_kwargs.pop(next(iter(signature.parameters)))  # self
             build.build(installation, trainer_class, original, trainer, init_kwargs)
 
         return __init__
+
+
+def stock_trainer_class(trainer: str | type | Any) -> str:
+    """The name of the stock TRL trainer class (`_compat.TRAINERS`) that `trainer` (a name, class or instance) is."""
+    if isinstance(trainer, str):
+        if trainer not in _compat.TRAINERS:
+            raise UsageError(
+                f"`{trainer}` is not a trainer trl-ext attaches to; use one of {', '.join(_compat.TRAINERS)} (or a "
+                "trainer class or instance)."
+            )
+        return trainer
+    cls = trainer if isinstance(trainer, type) else type(trainer)
+    stock = {(module, name): key for key, (module, name) in _compat.TRAINERS.items()}
+    for klass in cls.__mro__:
+        key = stock.get((klass.__module__, klass.__qualname__))
+        if key is not None:
+            return key
+    if isinstance(trainer, type) or hasattr(trainer, "train"):
+        raise UsageError(
+            f"{cls.__qualname__} is not a trainer trl-ext attaches to (nor derived from one): "
+            f"{', '.join(_compat.TRAINERS)}."
+        )
+    raise TypeError(
+        f"expected a trainer class name, a trainer class or a trainer instance, got {type(trainer).__name__}: "
+        f"{trainer!r}"
+    )
+
+
+def call_for_trl_error(original, trainer_class: str, trainer: Any, args: tuple, kwargs: dict) -> None:
+    """Call TRL's `__init__` with arguments that do not fit its signature, so the user sees TRL's own `TypeError`, with
+    a note naming the new spelling of a keyword TRL renamed."""
+    try:
+        original(trainer, *args, **kwargs)
+    except TypeError as exc:
+        for note in _compat.renamed_keyword_notes(trainer_class, exc, kwargs):
+            if hasattr(exc, "add_note"):  # Python >= 3.11
+                exc.add_note(note)
+            else:
+                logger.warning("trl-ext: %s", note)
+        raise
+    # Only if the signature trl-ext read is not the one Python checks (a decorated `__init__`): then the trainer is
+    # built, without plugins, and that must not be silent.
+    logger.warning("trl-ext: could not read the arguments of this %s; it runs without plugins", trainer_class)
 
 
 def install(

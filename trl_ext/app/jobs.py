@@ -64,7 +64,7 @@ def _job_args(argv: Sequence[str], command: str, make_parser: Any) -> tuple[TrlE
 
 def _report(installation, trainer_class: str, peak: PeakMemory) -> None:
     """One line per trainer of the job's class: the plugins it ran with, then each plugin's summary. The peak memory
-    is said once: in the line each trainer logs when `train()` returns (`trl_ext.attach`), or, for a job trl-ext did
+    is said once: in the line each trainer logs when `train()` returns (`trl_ext.build`), or, for a job trl-ext did
     not attach to (no plugin applies), here, measured over the whole job (`peak`)."""
     if not is_main_process():
         return
