@@ -128,7 +128,7 @@ def test_bad_flag_is_one_clean_error_line_with_exit_code_2(argv, expected):
 def test_job_help_gives_each_flag_what_it_accepts_and_its_default(command, capsys):
     from trl_ext.app.cli import main
     from trl_ext.manager import load_catalog
-    from trl_ext.setting_docs import SettingDoc
+    from trl_ext.spec import SettingDoc
 
     with pytest.raises(SystemExit) as exit_info:
         main([command, "--help"])

@@ -8,8 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import UsageError
-from .setting_docs import SettingDoc
-from .spec import Flag, PluginSpec
+from .spec import Flag, PluginSpec, SettingDoc
 
 __all__ = ["CORE_KEYS", "Catalog", "PluginInfo", "block_advice", "flag_clash", "plugin_info"]
 

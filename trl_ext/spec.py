@@ -1,6 +1,7 @@
-"""How a plugin declares itself (`TRL_EXT_PLUGIN = PluginSpec(...)`, docs/writing-plugins.md), and the parsers that
-validate its flags and options from every source (Python values, or strings from the environment, YAML, the CLI).
-This module imports nothing heavy.
+"""How a plugin declares itself (`TRL_EXT_PLUGIN = PluginSpec(...)`, docs/writing-plugins.md), the parsers that
+validate its flags and options from every source (Python values, or strings from the environment, YAML, the CLI), and
+their documentation read from the declarations (`SettingDoc`, the options' HF-style `Args:` docstring). This module
+imports nothing heavy.
 """
 
 from __future__ import annotations
@@ -13,18 +14,20 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import UsageError
-from .setting_docs import SettingDoc, first_sentence, parse_args_docstring, refusal_note
 
 __all__ = [
     "Flag",
     "Parser",
     "PluginSpec",
+    "SettingDoc",
     "Size",
     "boolean",
     "either",
     "non_negative_float",
     "one_of",
     "optional",
+    "first_sentence",
+    "parse_args_docstring",
     "parse_size",
     "positive_int",
     "size",
@@ -210,6 +213,70 @@ def parse_size(value: Any) -> Size:
 
 #: `parse_size` as a parser.
 size = Parser(parse_size, 'a size ("4GB", "512MiB", a number of bytes) or a fraction (0.25 or "25%")')
+
+
+@dataclass(frozen=True)
+class SettingDoc:
+    """One flag or option (`kind`) of a plugin as `trl-ext plugins` lists it: what it `accepts` (the parser's
+    `expects`, or the field's type), its declared `default` and one line of `help`."""
+
+    kind: str
+    name: str
+    accepts: str
+    default: Any
+    help: str
+
+    def default_text(self) -> str:
+        value = self.default
+        if value is None or isinstance(value, bool):
+            return {None: "None", True: "true", False: "false"}[value]
+        return f'"{value}"' if isinstance(value, str) else str(value)
+
+
+def first_sentence(text: str) -> str:
+    text = " ".join(text.split())
+    head, dot, _ = text.partition(". ")
+    return head + "." if dot else text
+
+
+def parse_args_docstring(doc: str) -> dict[str, str]:
+    """`{name: description}` from an HF/Google-style `Args:` section."""
+    out: dict[str, str] = {}
+    lines = doc.expandtabs().splitlines()
+    try:
+        start = next(i for i, line in enumerate(lines) if line.strip() == "Args:")
+    except StopIteration:
+        return out
+    indent = None
+    current = None
+    for line in lines[start + 1 :]:
+        if not line.strip():
+            continue
+        depth = len(line) - len(line.lstrip())
+        if indent is None:
+            indent = depth
+        if depth < indent:
+            break
+        if depth == indent:
+            match = re.match(r"\s*(\w+)\s*(\(.*\))?\s*:\s*(.*)", line)
+            if not match:
+                break
+            current = match.group(1)
+            out[current] = match.group(3).strip()
+        elif current is not None:
+            out[current] = (out[current] + " " + line.strip()).strip()
+    return out
+
+
+def refusal_note(expects: str, value: Any) -> str:
+    """What to add to "must be <expects>, got <value>" when the value has a fraction where a whole number is
+    expected (`256.5` for "a positive integer")."""
+    try:
+        number = float(value) if isinstance(value, str) else value
+    except ValueError:
+        return ""
+    fractional = isinstance(number, float) and math.isfinite(number) and not number.is_integer()
+    return " (not a whole number)" if fractional and "integer" in expects else ""
 
 
 @dataclass(frozen=True)

@@ -100,7 +100,7 @@ def hooks_table(root: Path, argument: str) -> str:
     import inspect
 
     from .. import hookspecs
-    from ..setting_docs import first_sentence
+    from ..spec import first_sentence
 
     rows = ["| hook | called |", "|---|---|"]
     for name, function in vars(hookspecs).items():

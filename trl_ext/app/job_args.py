@@ -142,7 +142,7 @@ def resolve_config(argv: Sequence[str]) -> tuple[TrlExtConfig, list[str], str | 
 def _flag_lines() -> list[tuple[str, str]]:
     """`(option, help)` for every trl-ext flag the installed plugins declare, plus the core keys."""
     from ..manager import load_catalog
-    from ..setting_docs import SettingDoc
+    from ..spec import SettingDoc
 
     catalog = load_catalog(warn=False)[0]
     lines = []
