@@ -146,8 +146,7 @@ def test_plugins_name_prints_one_plugin_page(capsys):
     import inspect
 
     from trl_ext.app.cli import main
-    from trl_ext.catalog import plugin_info
-    from trl_ext.manager import load_catalog
+    from trl_ext.manager import load_catalog, plugin_info
 
     catalog = load_catalog()[0]
     for name in catalog.specs:

@@ -18,8 +18,8 @@ from .errors import UsageError
 if TYPE_CHECKING:  # pragma: no cover
     import pluggy
 
-    from .catalog import Catalog
     from .context import TrainerContext
+    from .manager import Catalog
 
 __all__ = ["Call", "attach", "chains", "declared"]
 

@@ -14,12 +14,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .catalog import CORE_KEYS
 from .errors import UsageError, did_you_mean
+from .manager import CORE_KEYS, load_catalog
 from .spec import Parser, boolean, either, positive_int
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .catalog import Catalog
+    from .manager import Catalog
 
 __all__ = ["ENV_PREFIX", "TrlExtConfig", "load_config"]
 
@@ -38,8 +38,6 @@ VERIFY_HELP = (
 
 
 def _catalog(block: list[str]) -> Catalog:
-    from .manager import load_catalog
-
     return load_catalog(block)[0]
 
 

@@ -1,5 +1,6 @@
 """Plugin discovery and registration (the public modules of `trl_ext.plugins` and the `trl_ext` entry points, by
-the same code; nothing here names a plugin), and the exclusive roles and hooks resolved among them."""
+the same code; nothing here names a plugin): the catalog of their declarations (the flag table, what `trl-ext plugins`
+shows), and the exclusive roles and hooks resolved among them."""
 
 from __future__ import annotations
 
@@ -8,25 +9,29 @@ import importlib
 import importlib.metadata
 import pkgutil
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import pluggy
 
 from . import hookspecs
 from ._logging import get_logger
-from .catalog import Catalog, block_advice, flag_clash
 from .errors import UsageError, did_you_mean
-from .spec import Flag, PluginSpec
+from .spec import Flag, PluginSpec, SettingDoc
 
 __all__ = [
+    "CORE_KEYS",
     "ENTRY_POINT_GROUP",
     "SPEC_ATTR",
+    "Catalog",
+    "PluginInfo",
     "TrlExtPluginManager",
     "builtin_plugin_modules",
+    "block_advice",
     "call_exclusive",
     "load_catalog",
     "make_plugin_manager",
+    "plugin_info",
     "resolve_roles",
 ]
 
@@ -39,6 +44,100 @@ _LEGACY_ATTRS = ("TRL_EXT_FLAGS", "TRL_EXT_TRAINERS")
 logger = get_logger(__name__)
 
 
+#: Top-level configuration keys that are not plugin flags (`verify`: `trl_ext.config.VERIFY_PARSER`).
+CORE_KEYS = ("plugins", "block", "verify")
+
+
+def block_advice(name: str, block: Iterable[str] = ()) -> str:
+    """The exact settings that block `name` (with the names already blocked)."""
+    names = sorted({*block, name})
+    return f"`TRL_EXT_BLOCK={','.join(names)}` (or `block: [{', '.join(names)}]` in YAML, `block=[...]` in Python)"
+
+
+@dataclass
+class Catalog:
+    """The declarations of the available plugins (`load_catalog` builds it; nothing here imports a plugin): `specs`
+    of the registered (not blocked) ones in registration order and their declaring `plugins`, which are `builtin`, the
+    `blocked` names (`blocked_specs`: those of blocked built-ins, for error messages), the `broken` third-party
+    plugins with the reason and what to do, and `broken_flags` (`{flag: plugin}` for those whose declaration could be
+    read). `flags` is the flag table: `{flag: (Flag, owner)}`."""
+
+    blocked: set[str] = field(default_factory=set)
+    specs: dict[str, PluginSpec] = field(default_factory=dict)
+    plugins: dict[str, Any] = field(default_factory=dict)
+    builtin: set[str] = field(default_factory=set)
+    blocked_specs: dict[str, PluginSpec] = field(default_factory=dict)
+    broken: dict[str, str] = field(default_factory=dict)
+    broken_flags: dict[str, str] = field(default_factory=dict)
+    flags: dict[str, tuple[Flag, str]] = field(default_factory=dict)
+
+    def add(self, name: str, plugin: Any, spec: PluginSpec, *, builtin: bool) -> str | None:
+        """Register a plugin's declaration, or return why not: it declares a core key or another plugin's flag."""
+        for flag in spec.flags:
+            if flag.name in CORE_KEYS:
+                return f"it declares the flag `{flag.name}`, a reserved trl-ext key"
+            if flag.name in self.flags:
+                owner = self.flags[flag.name][1]
+                return f"it declares the flag `{flag.name}`, which the plugin `{owner}` declares too"
+        self.specs[name], self.plugins[name] = spec, plugin
+        self.flags.update({flag.name: (flag, name) for flag in spec.flags})
+        if builtin:
+            self.builtin.add(name)
+        return None
+
+    def flag_names(self) -> tuple[str, ...]:
+        return tuple(self.flags)
+
+    def defaults(self) -> dict[str, Any]:
+        return {name: flag.default for name, (flag, _) in self.flags.items()}
+
+    def trl_flag_owners(self) -> dict[str, str]:
+        """`{TRL config field: plugin}` for plugins that serve a TRL flag TRL ignores."""
+        return {spec.trl_flag: name for name, spec in self.specs.items() if spec.trl_flag}
+
+    def blocked_owner(self, flag: str) -> str | None:
+        return next((name for name, spec in self.blocked_specs.items() if flag in spec.flag_names), None)
+
+    def broken_message(self, name: str) -> str:
+        """Why the broken plugin `name` cannot be used, and the two ways out (fix it, or block it)."""
+        return (
+            f"The trl-ext plugin `{name}` cannot be used: {self.broken[name]}. Or, if you do not need it, block it: "
+            f"{block_advice(name, self.blocked)}."
+        )
+
+
+@dataclass(frozen=True)
+class PluginInfo:
+    """What `trl-ext plugins` shows about one plugin."""
+
+    name: str
+    builtin: bool
+    flags: tuple[str, ...]
+    options: tuple[str, ...]
+    trainers: tuple[str, ...] | None  # None: every trainer trl-ext attaches to
+    trl_flag: str | None
+    source: str
+    summary: str
+    settings: tuple[SettingDoc, ...] = ()
+
+
+def plugin_info(catalog: Catalog, name: str) -> PluginInfo:
+    """What `trl-ext plugins` shows about `name`, from its declaration alone (nothing else is imported)."""
+    plugin = catalog.plugins[name]
+    spec = catalog.specs[name]
+    return PluginInfo(
+        name=name,
+        builtin=name in catalog.builtin,
+        flags=spec.flag_names,
+        options=spec.option_names(),
+        trainers=spec.trainers,
+        trl_flag=spec.trl_flag,
+        source=getattr(plugin, "__name__", type(plugin).__name__),
+        summary=spec.summary,
+        settings=spec.docs(),
+    )
+
+
 class TrlExtPluginManager(pluggy.PluginManager):
     """A pluggy manager for the `trl_ext` project, with the `catalog` of the registered plugins' declarations.
 
@@ -49,7 +148,7 @@ class TrlExtPluginManager(pluggy.PluginManager):
     def __init__(self) -> None:
         super().__init__(hookspecs.PROJECT_NAME)
         self.add_hookspecs(hookspecs)
-        self.catalog = Catalog({}, set(), set())
+        self.catalog = Catalog()
 
     def parse_hookimpl_opts(self, plugin: Any, name: str) -> Any:
         opts = super().parse_hookimpl_opts(plugin, name)
@@ -174,61 +273,48 @@ def load_catalog(block: Iterable[str] = (), *, warn: bool = True) -> tuple[Catal
             f"`block` names unknown plugin(s) {unknown}.{hint} Known plugins: {known}. Run `trl-ext plugins` to list "
             "them."
         )
-    specs: dict[str, PluginSpec] = {}
-    plugins: dict[str, Any] = {}
-    builtin: set[str] = set()
-    blocked_specs: dict[str, PluginSpec] = {}
-    broken: dict[str, str] = {}
-    broken_flags: dict[str, str] = {}
-    owned: dict[str, tuple[Flag, str]] = {}
+    catalog = Catalog(blocked=block)
+    broken = catalog.broken
     for source in sources:
         if source.name in block:
             if source.builtin:  # our own modules are safe to import, and their flags make better messages
-                blocked_specs[source.name] = spec_of(source.name, _load(source))
+                catalog.blocked_specs[source.name] = spec_of(source.name, _load(source))
             continue
         if source.name in clashes:
             broken[source.name] = clashes[source.name]
             if source.builtin:
-                spec = spec_of(source.name, _load(source))
-                broken_flags.update({flag: source.name for flag in spec.flag_names})
+                flags = spec_of(source.name, _load(source)).flag_names
+                catalog.broken_flags.update(dict.fromkeys(flags, source.name))
             continue
         if source.builtin:
             plugin = _load(source)
+            clash = catalog.add(source.name, plugin, spec_of(source.name, plugin), builtin=True)
+            if clash is not None:
+                raise UsageError(f"trl-ext plugin `{source.name}`: {clash}.")
+            continue
+        try:
+            plugin = source.load()
+        except Exception as exc:  # noqa: BLE001 - reported with the plugin's name, never raised for all
+            broken[source.name] = (
+                f"importing `{source.origin}` (package `{source.dist}`) failed with {type(exc).__name__}: {exc}. "
+                "Fix or uninstall that package"
+            )
+            continue
+        spec: PluginSpec | None = None
+        try:
             spec = spec_of(source.name, plugin)
+            if spec.hooks is None:  # hooks in a separate module are checked when the plugin is registered
+                scratch = TrlExtPluginManager()  # a hook name or signature that does not match the specs raises
+                _register(scratch, source.name, plugin)
+                _check_pending(scratch)
+        except UsageError as exc:
+            broken[source.name] = f"{exc}".rstrip(".") + f" (package `{source.dist}`)"
         else:
-            try:
-                plugin = source.load()
-            except Exception as exc:  # noqa: BLE001 - reported with the plugin's name, never raised for all
-                broken[source.name] = (
-                    f"importing `{source.origin}` (package `{source.dist}`) failed with {type(exc).__name__}: {exc}. "
-                    "Fix or uninstall that package"
-                )
-                continue
-            try:
-                spec = spec_of(source.name, plugin)
-            except UsageError as exc:
-                broken[source.name] = f"{exc}".rstrip(".") + f" (package `{source.dist}`)"
-                continue
-            try:
-                if spec.hooks is None:  # hooks in a separate module are checked when the plugin is registered
-                    scratch = TrlExtPluginManager()  # a hook name or signature that does not match the specs raises
-                    _register(scratch, source.name, plugin)
-                    _check_pending(scratch)
-            except UsageError as exc:
-                broken[source.name] = f"{exc}".rstrip(".") + f" (package `{source.dist}`)"
-                broken_flags.update({flag: source.name for flag in spec.flag_names})
-                continue
-            clash = flag_clash(owned, source.name, spec)
+            clash = catalog.add(source.name, plugin, spec, builtin=False)
             if clash is not None:
                 broken[source.name] = f"{clash} (package `{source.dist}`); only one plugin can own a flag"
-                broken_flags.update({f: source.name for f in spec.flag_names if f not in owned})
-                continue
-        specs[source.name] = spec
-        plugins[source.name] = plugin
-        owned.update({flag.name: (flag, source.name) for flag in spec.flags})
-        if source.builtin:
-            builtin.add(source.name)
-    catalog = Catalog(specs, builtin, block, blocked_specs, broken, broken_flags, plugins)
+        if source.name in broken and spec is not None:
+            catalog.broken_flags.update({f: source.name for f in spec.flag_names if f not in catalog.flags})
     if warn:
         for name in sorted(broken):
             key = (name, broken[name])
@@ -241,7 +327,7 @@ def load_catalog(block: Iterable[str] = (), *, warn: bool = True) -> tuple[Catal
                     broken[name],
                     block_advice(name, block),
                 )
-    return catalog, plugins
+    return catalog, catalog.plugins
 
 
 def make_plugin_manager(block: Iterable[str] = (), *, catalog: Catalog | None = None) -> TrlExtPluginManager:

@@ -15,9 +15,8 @@ _VERSIONED = ("trl", "transformers", "torch", "accelerate", "deepspeed", "peft",
 def _cmd_plugins(args: argparse.Namespace) -> int:
     import os
 
-    from ..catalog import plugin_info
     from ..config import _parse_block
-    from ..manager import load_catalog
+    from ..manager import load_catalog, plugin_info
 
     # `--block NAME` and `TRL_EXT_BLOCK`, as for every other command.
     env_block = _parse_block(os.environ.get("TRL_EXT_BLOCK", ""), "environment variable $TRL_EXT_BLOCK")
@@ -102,7 +101,7 @@ def _plugin_page(catalog, name: str) -> int:
     """`trl-ext plugins NAME`: the plugin's module docstring (a summary) and its flags and options."""
     import inspect
 
-    from ..catalog import plugin_info
+    from ..manager import plugin_info
 
     if name not in catalog.specs:
         if name in catalog.broken:

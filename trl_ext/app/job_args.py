@@ -12,9 +12,9 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from ..catalog import CORE_KEYS
 from ..config import VERIFY_HELP, TrlExtConfig, check_section_key, load_config
 from ..errors import UsageError
+from ..manager import CORE_KEYS
 
 __all__ = [
     "add_trl_ext_help",
