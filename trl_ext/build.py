@@ -188,27 +188,25 @@ def prepare_models(ctx: TrainerContext) -> None:
         new = ctx.call_exclusive("trl_ext_make_collator", trainer=trainer, context=ctx, collator=collator)
         if new is not None:
             ctx.patcher.setattr(trainer, "data_collator", new)
-    for role, model in ctx.models().items():
-        backbone = getattr(model, "base_model", None)
-        if backbone is None or backbone is model:
-            continue
-        forward = ctx.call_math(
-            "trl_ext_make_packed_forward", trainer=trainer, context=ctx, role=role, backbone=backbone
-        )
-        if forward is not None:
-            ctx.patcher.setattr(backbone, "forward", forward)
-    for role, model in ctx.models().items():
-        head = output_head_module(model)
-        if head is None:
-            continue
-        forward = ctx.call_math("trl_ext_make_head_forward", trainer=trainer, context=ctx, role=role, head=head)
-        if forward is not None:
-            ctx.patcher.setattr(head, "forward", forward)
-    for role, model in ctx.models().items():
-        forward = ctx.call_math("trl_ext_make_model_forward", trainer=trainer, context=ctx, role=role, model=model)
-        if forward is not None:
-            ctx.patcher.setattr(model, "forward", forward)
+    # Each model's backbone, then its output head, then the whole model (outermost): (hook, argument, module).
+    for hook, argument, module_of in (
+        ("trl_ext_make_packed_forward", "backbone", _backbone),
+        ("trl_ext_make_head_forward", "head", output_head_module),
+        ("trl_ext_make_model_forward", "model", lambda m: m),
+    ):
+        for role, model in ctx.models().items():
+            module = module_of(model)
+            if module is None:
+                continue
+            forward = ctx.call_math(hook, trainer=trainer, context=ctx, role=role, **{argument: module})
+            if forward is not None:
+                ctx.patcher.setattr(module, "forward", forward)
     ctx.hook.trl_ext_trainer_models_ready(trainer=trainer, context=ctx)
+
+
+def _backbone(model: Any) -> Any:
+    backbone = getattr(model, "base_model", None)
+    return None if backbone is model else backbone
 
 
 def hide_ignored_flags(ctx: TrainerContext, trl_args: Any) -> tuple[dict[str, Any], list[str]]:

@@ -18,8 +18,10 @@ if TYPE_CHECKING:  # pragma: no cover
     from .config import TrlExtConfig
     from .manager import TrlExtPluginManager
 
-__all__ = ["TrainerContext", "live_contexts", "output_head_module", "release_unheld", "unwrap_causal_lm"]
+__all__ = ["ATTR", "TrainerContext", "live_contexts", "output_head_module", "release_unheld", "unwrap_causal_lm"]
 
+#: The trainer attribute that holds its `TrainerContext`.
+ATTR = "_trl_ext"
 #: Every live trainer that trl-ext attached to, whatever installation built it (an uninstalled one's included).
 _LIVE: weakref.WeakSet = weakref.WeakSet()
 #: `{key: undo stack}` of the process-wide changes that attached trainers hold (`TrainerContext.patch("process")`).
@@ -30,7 +32,7 @@ SCOPES = ("run", "trainer", "process")
 
 def live_contexts() -> list[TrainerContext]:
     """The contexts of every live, attached trainer, across installations (oldest first)."""
-    contexts = [trainer.__dict__.get("_trl_ext") for trainer in list(_LIVE)]
+    contexts = [trainer.__dict__.get(ATTR) for trainer in list(_LIVE)]
     return sorted((ctx for ctx in contexts if ctx is not None and ctx.attached), key=lambda c: c.serial)
 
 
@@ -54,10 +56,10 @@ class _SubsetHooks:
 
 
 class TrainerContext:
-    """trl-ext's view of one trainer, stored on it as `trainer._trl_ext`: the installation that attached to it (its
-    `config` and `plugin_manager`), the stock `trainer_class`, the `enabled` plugins in registration order, their
-    per-trainer `state` by plugin name (never in globals), the trainer's undo stack `patcher` (undone by
-    `Installation.detach(trainer)`), and `attached` (False once detached: the trainer is stock again)."""
+    """trl-ext's view of one trainer, stored on it as `trainer._trl_ext` (`ATTR`) when made: the installation that
+    attached to it (its `config` and `plugin_manager`), the stock `trainer_class`, the `enabled` plugins in
+    registration order, their per-trainer `state` by plugin name (never in globals), the trainer's undo stack
+    `patcher` (undone by `Installation.detach(trainer)`), and `attached` (False once detached: stock again)."""
 
     _serial = 0
 
@@ -112,6 +114,8 @@ class TrainerContext:
         self.verified: Any = None
         disabled = {plugin for name, plugin in plugin_manager.list_name_plugin() if name not in self.enabled}
         self.hook = _SubsetHooks(plugin_manager, disabled)
+        trainer.__dict__[ATTR] = self
+        _LIVE.add(trainer)
 
     @property
     def trainer(self) -> Any:
@@ -198,7 +202,7 @@ class TrainerContext:
         self.patcher.undo()
         trainer = self.trainer
         if trainer is not None:
-            trainer.__dict__.pop("_trl_ext", None)
+            trainer.__dict__.pop(ATTR, None)
             _LIVE.discard(trainer)
         release_unheld()
 

@@ -11,7 +11,7 @@ from typing import Any
 from . import _compat, build
 from ._logging import NOTICE, get_logger, is_main_process
 from .config import TrlExtConfig, load_config
-from .context import _LIVE, TrainerContext, live_contexts, release_unheld
+from .context import ATTR, TrainerContext, live_contexts, release_unheld
 from .errors import UsageError
 from .manager import TrlExtPluginManager, make_plugin_manager
 from .patching import Patcher, resolve
@@ -19,8 +19,6 @@ from .patching import Patcher, resolve
 __all__ = ["Installation", "current", "install", "install_config"]
 
 logger = get_logger(__name__)
-
-_ATTR = "_trl_ext"  # the attribute that holds a trainer's TrainerContext
 
 
 class Installation:
@@ -58,7 +56,7 @@ class Installation:
         """
         trainer_class = stock_trainer_class(trainer)
         if not isinstance(trainer, (str, type)) and trl_args is None:
-            ctx = getattr(trainer, "__dict__", {}).get(_ATTR)
+            ctx = getattr(trainer, "__dict__", {}).get(ATTR)
             return list(ctx.enabled) if ctx is not None and ctx.attached else []
         return build.enabled_plugins(self.config, trainer_class, trl_args)[0]
 
@@ -96,7 +94,7 @@ class Installation:
             for ctx in reversed(self.contexts()):
                 ctx.detach()
             return
-        ctx = trainer.__dict__.get(_ATTR)
+        ctx = trainer.__dict__.get(ATTR)
         if ctx is not None and ctx.installation is self:
             ctx.detach()
 
@@ -157,10 +155,7 @@ class Installation:
         self._installed = True
 
     def _track(self, ctx: TrainerContext) -> None:
-        """Keep `ctx` (a trainer being built) among this installation's trainers."""
-        trainer = ctx.trainer
-        trainer.__dict__[_ATTR] = ctx
-        _LIVE.add(trainer)
+        """Keep `ctx` (a trainer being built) for `records` when `keep_records`."""
         if self.keep_records:
             self._kept.append(ctx)
 
@@ -170,7 +165,7 @@ class Installation:
 
         @functools.wraps(original)
         def __init__(trainer, *args, **kwargs):
-            if not installation._installed or _ATTR in trainer.__dict__:
+            if not installation._installed or ATTR in trainer.__dict__:
                 return original(trainer, *args, **kwargs)
             try:
                 bound = signature.bind(trainer, *args, **kwargs)
