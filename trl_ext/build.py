@@ -212,7 +212,7 @@ def _backbone(model: Any) -> Any:
 def hide_ignored_flags(ctx: TrainerContext, trl_args: Any) -> tuple[dict[str, Any], list[str]]:
     """Hide the TRL flags a plugin serves from TRL; return them, and notes on those left to TRL."""
     trainer_class, catalog = ctx.trainer_class, ctx.plugin_manager.catalog
-    owners = catalog.trl_flag_owners()
+    owners = {spec.trl_flag: name for name, spec in catalog.specs.items() if spec.trl_flag}
     # A flag TRL used to ignore but now honours (e.g. a patched TRL) must not be claimed by both.
     ignored_now = set(_compat.trl_ignored_flags(trainer_class))
     honoured = set(_compat.TRL_IGNORED_FLAGS.get(trainer_class, ())) - ignored_now

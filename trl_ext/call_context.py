@@ -1,25 +1,11 @@
-"""The call context: what the running call is, in one object for the core and every plugin.
-
-A model call runs inside layers that the core and the plugins enter: `verify` or a self-check runs the stock reference,
-the kernel probe calls attention, a packed or shared-prompt forward announces its layout, a plugin scores one call its
-own way. Each layer says so by entering the call context, and code called inside reads it:
-
-```python
-from trl_ext import call_context
-
-with call_context.call_entered(stock=True):  # a stock reference: plugins' forwards and attention pass calls through
-    model(**batch)
-...
-if call_context.current_call().packed:       # inside the model's attention
-    ...
-```
+"""The call context: what is in effect for the running call, in one object for the core and every plugin
+(docs/writing-plugins.md, "The plugin API"). A layer that runs a model call its own way (`verify` or a self-check
+running the stock reference, the kernel probe, a packed or shared-prompt forward) enters it for a block, `with
+call_entered(stock=True):`, and code called inside reads `current_call()`.
 
 `CallContext` is immutable; `call_entered(**changes)` puts a changed copy in effect for the block and restores the one
 before on exit, also on an error. One `contextvars.ContextVar` holds it, so it follows the call into threads and tasks
-started inside as a context variable does. `repr(current_call())` shows everything in effect.
-
-A plugin's own per-call state is a `CallSlot`: declared once at module level with a name, entered for a block
-(`with SLOT.entered(value):`) and read inside (`SLOT.get()`), typed by the value it holds.
+started inside as a context variable does. A plugin's own per-call state is a typed `CallSlot`.
 """
 
 from __future__ import annotations

@@ -37,10 +37,6 @@ VERIFY_HELP = (
 )
 
 
-def _catalog(block: list[str]) -> Catalog:
-    return load_catalog(block)[0]
-
-
 class TrlExtConfig:
     """The flags of the available plugins (`TrlExtConfig(padding_free=True)`, read back as `config.padding_free` or
     in `config.flags`; `trl-ext plugins` lists them), `plugins` (options by plugin name; naming a plugin without
@@ -60,7 +56,7 @@ class TrlExtConfig:
     ) -> None:
         self.block: list[str] = _parse_block(block if block is not None else [], _source)
         self.verify: int = VERIFY_PARSER.checked(verify, "verify", _source)
-        catalog = _catalog_ if _catalog_ is not None else _catalog(self.block)
+        catalog = _catalog_ if _catalog_ is not None else load_catalog(self.block)[0]
         self.catalog = catalog
         values = catalog.defaults()
         for name, value in flags.items():
@@ -97,11 +93,6 @@ class TrlExtConfig:
 
     def __repr__(self) -> str:
         return f"TrlExtConfig({', '.join(f'{k}={v!r}' for k, v in self.changed().items())})"
-
-    @classmethod
-    def flag_names(cls) -> tuple[str, ...]:
-        """The flags of every available plugin, and the core keys `plugins`, `block` and `verify`."""
-        return (*_catalog([]).flag_names(), *CORE_KEYS)
 
     def to_dict(self) -> dict[str, Any]:
         plugins = {k: dict(v) for k, v in self.plugins.items()}
@@ -232,13 +223,13 @@ def unknown_flag_message(catalog: Catalog, name: str, source: str) -> str:
     broken = catalog.broken_flags.get(name)
     if broken is not None:
         return f"`{name}` is set (from {source}), but its plugin cannot be loaded. {catalog.broken_message(broken)}"
-    owner = catalog.blocked_owner(name)
+    owner = next((plugin for plugin, spec in catalog.blocked_specs.items() if name in spec.flag_names), None)
     if owner is not None:
         return (
             f"`{name}` is set (from {source}), but the plugin `{owner}` that implements it is blocked. Unset `{name}` "
             f"or remove `{owner}` from `block`."
         )
-    known = [*catalog.flag_names(), *CORE_KEYS]
+    known = [*catalog.flags, *CORE_KEYS]
     hint = did_you_mean(name, known)
     note = ""
     if catalog.broken:
@@ -320,7 +311,7 @@ def load_config(
     for raw, label in layers:
         if "block" in raw:
             block = _parse_block(raw["block"], source_of(label, "block"))
-    catalog = _catalog(block)
+    catalog = load_catalog(block)[0]
     merged: dict[str, Any] = {}
     merged_sources: dict[str, str] = {}
     plugins: dict[str, dict[str, Any]] = {}

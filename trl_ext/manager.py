@@ -85,18 +85,8 @@ class Catalog:
             self.builtin.add(name)
         return None
 
-    def flag_names(self) -> tuple[str, ...]:
-        return tuple(self.flags)
-
     def defaults(self) -> dict[str, Any]:
         return {name: flag.default for name, (flag, _) in self.flags.items()}
-
-    def trl_flag_owners(self) -> dict[str, str]:
-        """`{TRL config field: plugin}` for plugins that serve a TRL flag TRL ignores."""
-        return {spec.trl_flag: name for name, spec in self.specs.items() if spec.trl_flag}
-
-    def blocked_owner(self, flag: str) -> str | None:
-        return next((name for name, spec in self.blocked_specs.items() if flag in spec.flag_names), None)
 
     def broken_message(self, name: str) -> str:
         """Why the broken plugin `name` cannot be used, and the two ways out (fix it, or block it)."""

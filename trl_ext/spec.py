@@ -51,7 +51,12 @@ class Parser:
         try:
             return self.function(value)
         except ValueError:
-            note = refusal_note(self.expects, value)
+            try:  # a fraction where a whole number is expected (256.5 for "a positive integer") is named
+                number = float(value) if isinstance(value, str) else value
+            except ValueError:
+                number = None
+            fractional = isinstance(number, float) and math.isfinite(number) and not number.is_integer()
+            note = " (not a whole number)" if fractional and "integer" in self.expects else ""
             raise UsageError(f"`{name}` must be {self.expects}, got {value!r}{note} (from {source}).") from None
 
     def __repr__(self) -> str:
@@ -266,17 +271,6 @@ def parse_args_docstring(doc: str) -> dict[str, str]:
         elif current is not None:
             out[current] = (out[current] + " " + line.strip()).strip()
     return out
-
-
-def refusal_note(expects: str, value: Any) -> str:
-    """What to add to "must be <expects>, got <value>" when the value has a fraction where a whole number is
-    expected (`256.5` for "a positive integer")."""
-    try:
-        number = float(value) if isinstance(value, str) else value
-    except ValueError:
-        return ""
-    fractional = isinstance(number, float) and math.isfinite(number) and not number.is_integer()
-    return " (not a whole number)" if fractional and "integer" in expects else ""
 
 
 @dataclass(frozen=True)

@@ -86,19 +86,15 @@ VERIFIED_SCORING_METHODS = {"DPOTrainer": "_compute_loss", "OnlineDPOTrainer": "
 VERIFY_LOCAL_GATHERS = ("gather", "gather_for_metrics")
 
 
-def _module(name: str):
-    return importlib.import_module(name)
-
-
 def dpo_has_fused_head() -> bool:
     """Whether the installed `DPOTrainer` scores with TRL's own fused LM head (probe: `DPO_FUSED_HEAD_HELPER`)."""
-    return hasattr(_module(DPO_MODULE), DPO_FUSED_HEAD_HELPER)
+    return hasattr(importlib.import_module(DPO_MODULE), DPO_FUSED_HEAD_HELPER)
 
 
 def dpo_logits_helpers() -> tuple[str, ...]:
     """The helpers the installed `DPOTrainer` reads its logits through (log-probs first), found in its module; `()`
     when it scores with the fused head or reads them through helpers trl-ext does not know."""
-    module = _module(DPO_MODULE)
+    module = importlib.import_module(DPO_MODULE)
     if dpo_has_fused_head() or not hasattr(module, DPO_LOGPROBS_HELPER):
         return ()
     entropy = tuple(name for name in DPO_ENTROPY_HELPERS if hasattr(module, name))
@@ -143,7 +139,7 @@ def dpo_training_refusal() -> TrlFact | None:
     """The fact that keeps stock `DPOTrainer` from training with the installed TRL here, or None."""
     if not dpo_has_fused_head():
         return None
-    utils = _module(TRL_UTILS_MODULE)
+    utils = importlib.import_module(TRL_UTILS_MODULE)
     if getattr(utils, DPO_FUSED_HEAD_FUNCTION, object()) is None:
         return DPO_FUSED_HEAD_WITHOUT_KERNEL
     return None
