@@ -76,22 +76,12 @@ class Ranks:
         return int(tensor.item())
 
     def all_true(self, flag: bool, device: Any) -> bool:
-        """True only if `flag` is True on every rank (one `all_reduce(MIN)` of a one-element tensor on `device`)."""
-        return self._reduce_flag(flag, device, "MIN")
+        """True only if `flag` is True on every rank (one `max` over the ranks)."""
+        return not self.max(0 if flag else 1, device)
 
     def any_true(self, flag: bool, device: Any) -> bool:
-        """True if `flag` is True on any rank (one `all_reduce(MAX)` of a one-element tensor on `device`)."""
-        return self._reduce_flag(flag, device, "MAX")
-
-    def _reduce_flag(self, flag: bool, device: Any, op: str) -> bool:
-        if self.world == 1:
-            return bool(flag)
-        import torch
-        import torch.distributed as dist
-
-        value = torch.tensor([1 if flag else 0], device=device)
-        dist.all_reduce(value, op=getattr(dist.ReduceOp, op))
-        return bool(value.item())
+        """True if `flag` is True on any rank (one `max` over the ranks)."""
+        return bool(self.max(1 if flag else 0, device))
 
 
 def free_memory_bytes(device: Any) -> int:
