@@ -284,51 +284,42 @@ def load_config(
     """Merge `config` < `environ` (default `os.environ`) < `flags` and return a validated `TrlExtConfig`; `sources`
     (`{key: where}` for `flags`) and `config_source` (for a mapping `config`) name the sources in error messages."""
     environ = os.environ if environ is None else environ
-    sources = sources or {}
-    layers: list[tuple[dict[str, Any], Any]] = []  # (raw keys, source label or per-key labels)
+    entries: list[tuple[str, Any, str]] = []  # (key, raw value, where it came from), lowest precedence first
     if config is None and environ.get(ENV_CONFIG_FILE):
         config = environ[ENV_CONFIG_FILE]
     if isinstance(config, TrlExtConfig):
         given = {k: config.flags[k] for k in config.given}  # an explicit `false` stays explicit
-        layers.append(({**config.changed(), **given}, "the `config` TrlExtConfig"))
+        entries += [(k, v, "the `config` TrlExtConfig") for k, v in {**config.changed(), **given}.items()]
     elif isinstance(config, Mapping):
-        layers.append((dict(config), config_source or "the `config` mapping"))
+        entries += [(k, v, config_source or "the `config` mapping") for k, v in config.items()]
     elif isinstance(config, (str, os.PathLike)):
-        layers.append((read_yaml(config), f"config file {str(config)!r}"))
+        entries += [(k, v, f"config file {str(config)!r}") for k, v in read_yaml(config).items()]
     elif config is not None:
         raise UsageError(
             f"`config` must be a TrlExtConfig, a mapping or the path of a YAML file, got {type(config).__name__}."
         )
-    env = {k[len(ENV_PREFIX) :].lower(): k for k in environ if k.startswith(ENV_PREFIX) and k not in _ENV_NON_FLAGS}
-    layers.append(({k: environ[v] for k, v in env.items()}, {k: f"environment variable ${v}" for k, v in env.items()}))
-    layers.append((dict(flags or {}), {k: sources.get(k, "keyword flags of install()") for k in flags or {}}))
-
-    def source_of(label: Any, key: str) -> str:
-        return label.get(key, "?") if isinstance(label, dict) else label
-
+    for var, value in environ.items():
+        if var.startswith(ENV_PREFIX) and var not in _ENV_NON_FLAGS:
+            entries.append((var[len(ENV_PREFIX) :].lower(), value, f"environment variable ${var}"))
+    entries += [(k, v, (sources or {}).get(k, "keyword flags of install()")) for k, v in (flags or {}).items()]
     # `block` first: it decides which plugins (and so which flags) exist.
     block: list[str] = []
-    for raw, label in layers:
-        if "block" in raw:
-            block = _parse_block(raw["block"], source_of(label, "block"))
+    for key, value, source in entries:
+        if key == "block":
+            block = _parse_block(value, source)
     catalog = load_catalog(block)[0]
     merged: dict[str, Any] = {}
     merged_sources: dict[str, str] = {}
     plugins: dict[str, dict[str, Any]] = {}
     verify = VERIFY_DEFAULT
-    for raw, label in layers:
-        for key, value in raw.items():
-            source = source_of(label, key)
-            if key == "block":
-                continue
-            if key == "verify":
-                verify = VERIFY_PARSER.checked(value, "verify", source)
-                continue
-            if key == "plugins":
-                for name, options in _parse_plugins(value, source).items():
-                    plugins[name] = options
-                    TrlExtConfig(plugins={name: options}, block=block, _source=source, _catalog_=catalog)
-                continue
+    for key, value, source in entries:
+        if key == "verify":
+            verify = VERIFY_PARSER.checked(value, "verify", source)
+        elif key == "plugins":
+            for name, options in _parse_plugins(value, source).items():
+                plugins[name] = options
+                TrlExtConfig(plugins={name: options}, block=block, _source=source, _catalog_=catalog)
+        elif key != "block":
             merged[key] = _parse_flag(catalog, key, value, source)
             merged_sources[key] = source
     return TrlExtConfig(

@@ -149,15 +149,11 @@ class TrainerContext:
         return result
 
     def patch(self, scope: str, apply: Callable[[Patcher], None], *, key: str | None = None) -> None:
-        """Make changes through an undo stack of `scope` (docs/lifecycle.md): `apply(patcher)` makes them with
-        `patcher.setattr`, `wrap` and `defer`.
-
-        - `"run"`: module- or class-level changes applied on each entry of TRL's `__init__` and every outermost
-          `train()`, `evaluate()`, `predict()`, undone on exit; its wrappers must pass other trainers' calls through.
-        - `"trainer"`: changes to this trainer and its models, on `patcher`, until `Installation.detach(trainer)`.
-        - `"process"`: process-wide changes shared by the trainers holding `key`: applied when the first takes it,
-          undone when the last attached one is detached (left by one garbage-collected undetached until the next
-          detach or `uninstall()`: `release_unheld`).
+        """Make changes through an undo stack of `scope` (docs/lifecycle.md, docs/writing-plugins.md): `apply(patcher)`
+        makes them with `patcher.setattr`, `wrap` and `defer`. `"run"`: applied on each entry of TRL's `__init__` and
+        every outermost `train()`, `evaluate()`, `predict()`, undone on exit (its wrappers pass other trainers' calls
+        through); `"trainer"`: on `patcher`, until detached; `"process"`: shared by the trainers holding `key`, undone
+        when no live, attached trainer holds it (`release_unheld`).
         """
         if scope == "trainer":
             apply(self.patcher)

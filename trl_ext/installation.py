@@ -254,11 +254,8 @@ def install_config(config: TrlExtConfig) -> Installation:
     config.check_options_apply()
     pm.hook.trl_ext_validate_config(config=config, trl_version=trl_version)
     installation = Installation(config, pm, trl_version)
-    try:
+    with installation.patcher.undone_on_error():
         installation._apply()
-    except BaseException:
-        installation.patcher.undo()
-        raise
     Installation._active = installation
     logger.info("trl-ext installed on trl %s with %s", trl_version, config)
     return installation
