@@ -8,9 +8,10 @@ Importing this module imports neither torch nor TRL: the packed positions' names
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import importlib
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
-from ._lazy import lazy_getattr
 from ._logging import NOTICE, get_logger, is_main_process
 from ._peak_memory import PeakMemory, reset_peak_rss, rss_mib, size_text
 from ._shared import Ranks, free_memory_bytes
@@ -113,6 +114,27 @@ __all__ = [
     "training_max_length",
     "unwrap_causal_lm",
 ]
+
+
+def lazy_getattr(owner: str, names: Mapping[str, str] | None = None, rest: str | None = None) -> Callable[[str], Any]:
+    """The one lazy module `__getattr__` (PEP 562) of trl-ext, `__getattr__ = lazy_getattr(__name__, names, rest)`,
+    so that a plugin's declaration stays cheap to import: each of `names` from its (absolute) module, imported on
+    first use; any other name from the submodule `rest` of `owner` (`"hooks"`, whose own name returns it). Other names
+    and dunders (`copy`, `pickle`, `inspect` probing `__path__`...) are an `AttributeError`, importing nothing."""
+    names = dict(names or {})
+
+    def __getattr__(name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(f"module {owner!r} has no attribute {name!r}")
+        if name in names:
+            return getattr(importlib.import_module(names[name]), name)
+        if rest is not None:
+            module = importlib.import_module(f"{owner}.{rest}")
+            return module if name == rest else getattr(module, name)
+        raise AttributeError(f"module {owner!r} has no attribute {name!r}")
+
+    return __getattr__
+
 
 _POSITIONS = "trl_ext.toolkit.packing.positions"
 # torch-backed names: imported on first use, so that `import trl_ext.api` stays as light as `import trl_ext`.

@@ -225,6 +225,10 @@ def output_head_module(model: Any) -> Any:
     return head
 
 
+#: The classes, by name, that hold the model they wrap as `.module`.
+_WRAPPERS = ("DeepSpeedEngine", "DistributedDataParallel", "DataParallel")
+
+
 def unwrap_causal_lm(model: Any) -> Any:
     """Strip DeepSpeed engines, DDP and PEFT wrappers: return the `*ForCausalLM` module (or None)."""
     seen = 0
@@ -234,11 +238,7 @@ def unwrap_causal_lm(model: Any) -> Any:
             model = model.get_base_model()
             continue
         inner = getattr(model, "module", None)
-        if inner is not None and type(model).__name__ in (
-            "DeepSpeedEngine",
-            "DistributedDataParallel",
-            "DataParallel",
-        ):
+        if inner is not None and type(model).__name__ in _WRAPPERS:
             model = inner
             continue
         break
