@@ -1,9 +1,6 @@
 """What a plugin may use: the one public, typed module for plugin authors, its names kept stable and re-exported from
-the modules that own them (docs/writing-plugins.md, "The plugin API", lists them by use).
-
-A third-party plugin imports `trl_ext`, `trl_ext.api` and the toolkit (`trl_ext.toolkit`), nothing else of trl-ext;
-the built-in plugins import the same, plus `trl_ext._compat` and their own package (tests/test_api.py checks both).
-Importing this module imports neither torch nor TRL: the packed positions' names resolve on first use.
+the modules that own them (docs/writing-plugins.md, "The plugin API", lists them by use and says what else a plugin
+imports). Importing this module imports neither torch nor TRL: the packed positions' names resolve on first use.
 """
 
 from __future__ import annotations

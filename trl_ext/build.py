@@ -54,7 +54,8 @@ def build(installation: Installation, trainer_class: str, original: Any, trainer
         config=installation.config,
         plugin_manager=installation.plugin_manager,
     )
-    installation._track(ctx)
+    if installation.keep_records:
+        installation._kept.append(ctx)
     try:
         ctx.hook.trl_ext_trainer_init_start(trainer=trainer, context=ctx, init_kwargs=init_kwargs)
         # A TRL flag that TRL ignores but a trl-ext plugin implements is hidden from TRL while its `__init__` runs

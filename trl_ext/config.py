@@ -1,9 +1,6 @@
-"""trl-ext's configuration: the flags the available plugins declare, their options, and the core keys.
-
-Precedence, highest first (docs/configuration.md): keyword flags (`install(**flags)`, the command line), the
-`TRL_EXT_<FLAG>` environment variables (read here and nowhere else), the `config` argument (a `TrlExtConfig`, a
-mapping, a YAML path, or `$TRL_EXT_CONFIG`; the keys at its top level or under `trl_ext:`), each flag's default.
-Each source overrides only the keys it sets; `plugins:` merges per plugin.
+"""trl-ext's configuration: the flags the available plugins declare, their options, and the core keys, merged from
+the sources in the precedence docs/configuration.md gives (keyword flags, the `TRL_EXT_<FLAG>` variables, read here
+and nowhere else, the `config` argument, the defaults), each overriding only the keys it sets; `plugins:` per plugin.
 """
 
 from __future__ import annotations

@@ -4,10 +4,7 @@ Rules for every hook here: parameters never have defaults (pluggy would not pass
 called only on the plugins enabled for that trainer, on every rank in the same order (so an implementation may issue
 collectives unconditionally); `trl_ext_make_*` and `trl_ext_reduce_metrics` are exclusive: plain pluggy hooks whose
 results trl-ext checks, two enabled plugins answering one call being a `trl_ext.UsageError` (a `wrapper=True`
-implementation does not count as an answer).
-
-The hook parameters are typed with the protocols of the leaf `trl_ext.interfaces`, so that the plugin manager, which
-imports this module, does not depend on the modules that use it.
+implementation does not count as an answer). The parameters are typed with the protocols of `trl_ext.interfaces`.
 """
 
 from __future__ import annotations

@@ -154,11 +154,6 @@ class Installation:
             self.patcher.wrap(resolve(module_name), "unwrap_model_for_generation", build.generation_wrapper(None))
         self._installed = True
 
-    def _track(self, ctx: TrainerContext) -> None:
-        """Keep `ctx` (a trainer being built) for `records` when `keep_records`."""
-        if self.keep_records:
-            self._kept.append(ctx)
-
     def _wrap_init(self, trainer_class: str, original):
         installation = self
         signature = inspect.signature(original)
