@@ -293,16 +293,32 @@ def enabled_plugins(config: TrlExtConfig, trainer_class: str, trl_args: Any) -> 
 
 def check_trainer_settings(config: TrlExtConfig, trainer_class: str, trl_args: Any) -> list[str]:
     """The plugins a `trainer_class` built with `trl_args` gets under `config`, once what would otherwise be silently
-    ignored is refused (`UsageError`): a plugin flag given off while the TRL config sets the TRL flag it serves, and
-    options for a plugin a TRL flag could enable that this trainer does not get. `trl-ext dpo` calls it before any
-    model loads."""
-    config.check_trl_flags(trainer_class, trl_args)
+    ignored is refused (`UsageError`): a plugin flag given off while the TRL config sets the TRL flag it serves (and
+    the installed TRL ignores: one of the two would be silently overridden), and options for a plugin a TRL flag could
+    enable that this trainer does not get. `trl-ext dpo` calls it before any model loads."""
+    ignored = _compat.trl_ignored_flags(trainer_class)
+    for name, spec in config.catalog.specs.items():
+        trl_flag = spec.trl_flag
+        if trl_flag is None or trl_flag not in ignored or not spec.applies_to(trainer_class):
+            continue
+        off = [f.name for f in spec.flags if f.name in config.given and config.flags[f.name] == f.default]
+        if not off or config.flag_is_set(name) or not getattr(trl_args, trl_flag, False):
+            continue
+        flag, given = off[0], config.flags[off[0]]
+        value = str(given).lower() if isinstance(given, bool) else repr(given)
+        trl_config = type(trl_args).__name__
+        raise UsageError(
+            f"`{flag}={value}` (from {config.given[flag]}) contradicts `{trl_flag}=True` in the {trl_config}: the "
+            f"installed TRL ignores that flag for {trainer_class} and trl-ext serves it with the plugin `{name}`, "
+            f"so one of the two would silently win. To train with `{name}`, remove `{flag}={value}`; to train "
+            f"without it, set `{trl_flag}=False` in the {trl_config} (`--{trl_flag} false`)."
+        )
     enabled = enabled_plugins(config, trainer_class, trl_args)[0]
     for name in config.plugins:
         spec = config.catalog.specs[name]
         if spec.flags and spec.trl_flag and spec.applies_to(trainer_class) and name not in enabled:
-            trl_config = type(trl_args).__name__ if trl_args is not None else None
-            raise UsageError(config.unused_options_message(name, trainer_class, trl_config))
+            trl_config_name = type(trl_args).__name__ if trl_args is not None else None
+            raise UsageError(config.unused_options_message(name, trainer_class, trl_config_name))
     return enabled
 
 

@@ -132,29 +132,6 @@ class TrlExtConfig:
             if spec.flags and not self.flag_is_set(name) and not spec.trl_flag:
                 raise UsageError(self.unused_options_message(name))
 
-    def check_trl_flags(self, trainer_class: str, trl_args: Any) -> None:
-        """Refuse a plugin flag given explicitly off for a trainer whose TRL config sets the TRL flag that plugin
-        serves (and the installed TRL ignores): one of the two would be silently overridden."""
-        from . import _compat
-
-        ignored = _compat.trl_ignored_flags(trainer_class)
-        for name, spec in self.catalog.specs.items():
-            trl_flag = spec.trl_flag
-            if trl_flag is None or trl_flag not in ignored or not spec.applies_to(trainer_class):
-                continue
-            off = [f.name for f in spec.flags if f.name in self.given and self.flags[f.name] == f.default]
-            if not off or self.flag_is_set(name) or not getattr(trl_args, trl_flag, False):
-                continue
-            flag = off[0]
-            value = str(self.flags[flag]).lower() if isinstance(self.flags[flag], bool) else repr(self.flags[flag])
-            config = type(trl_args).__name__
-            raise UsageError(
-                f"`{flag}={value}` (from {self.given[flag]}) contradicts `{trl_flag}=True` in the {config}: the "
-                f"installed TRL ignores that flag for {trainer_class} and trl-ext serves it with the plugin `{name}`, "
-                f"so one of the two would silently win. To train with `{name}`, remove `{flag}={value}`; to train "
-                f"without it, set `{trl_flag}=False` in the {config} (`--{trl_flag} false`)."
-            )
-
     def unused_options_message(
         self, plugin: str, trainer_class: str | None = None, trl_config: str | None = None
     ) -> str:
