@@ -124,14 +124,6 @@ class TrlExtConfig:
         spec = self.catalog.specs[plugin]
         return any(self.flags[f.name] != f.default for f in spec.flags)
 
-    def check_options_apply(self) -> None:
-        """Refuse a `plugins:` entry for a plugin whose flags are all off: it would do nothing. One that serves a TRL
-        flag may still be enabled by it per trainer: checked when each trainer is built (`build.py`)."""
-        for name in self.plugins:
-            spec = self.catalog.specs[name]
-            if spec.flags and not self.flag_is_set(name) and not spec.trl_flag:
-                raise UsageError(self.unused_options_message(name))
-
     def unused_options_message(
         self, plugin: str, trainer_class: str | None = None, trl_config: str | None = None
     ) -> str:

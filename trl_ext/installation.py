@@ -246,7 +246,11 @@ def install_config(config: TrlExtConfig) -> Installation:
             "Uninstall it first: `trl_ext.current().uninstall()` (or leave its `with` block), then install again."
         )
     pm = make_plugin_manager(catalog=config.catalog)
-    config.check_options_apply()
+    # A `plugins:` entry of a plugin whose flags are off would do nothing (one a TRL flag may enable: per trainer).
+    for name in config.plugins:
+        spec = config.catalog.specs[name]
+        if spec.flags and not config.flag_is_set(name) and not spec.trl_flag:
+            raise UsageError(config.unused_options_message(name))
     pm.hook.trl_ext_validate_config(config=config, trl_version=trl_version)
     installation = Installation(config, pm, trl_version)
     with installation.patcher.undone_on_error():
