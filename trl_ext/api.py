@@ -48,14 +48,14 @@ from .toolkit.probe import (
 from .toolkit.roles import METRICS, PACKING
 
 if TYPE_CHECKING:
-    from . import interfaces
+    from . import hookspecs
     from .toolkit.packing.positions import PackedPositions, current_packed_positions, packed_positions
 
-    # The classes hooks receive satisfy the protocols the hook specs name (`trl_ext.interfaces`): checked by mypy.
-    _CALL: type[interfaces.Call] = Call
-    _CONFIG: type[interfaces.TrlExtConfig] = TrlExtConfig
-    _CONTEXT: type[interfaces.TrainerContext] = TrainerContext
-    _INSTALLATION: type[interfaces.Installation] = Installation
+    # The classes hooks receive satisfy the protocols the hook specs name: checked by mypy.
+    _CALL: type[hookspecs.Call] = Call
+    _CONFIG: type[hookspecs.TrlExtConfig] = TrlExtConfig
+    _CONTEXT: type[hookspecs.TrainerContext] = TrainerContext
+    _INSTALLATION: type[hookspecs.Installation] = Installation
 
 __all__ = [
     "GPU_MEMORY_FRACTION",

@@ -14,7 +14,7 @@ from .patching import Patcher
 if TYPE_CHECKING:  # pragma: no cover
     import pluggy
 
-    from . import interfaces
+    from . import hookspecs
     from .config import TrlExtConfig
     from .manager import TrlExtPluginManager
 
@@ -77,7 +77,7 @@ class TrainerContext:
 
     def __init__(
         self,
-        installation: interfaces.Installation,
+        installation: hookspecs.Installation,
         trainer: Any,
         trainer_class: str,
         enabled: list[str],
