@@ -329,26 +329,21 @@ def make_plugin_manager(block: Iterable[str] = (), *, catalog: Catalog | None = 
     for name in catalog.blocked:
         pm.set_blocked(name)
     for name, plugin in catalog.plugins.items():
-        _register(pm, name, implementation(name, plugin, catalog.specs[name], catalog.blocked))
+        hooks = catalog.specs[name].hooks  # the module of its hook implementations, else the declaring object
+        if hooks is not None:
+            package = getattr(plugin, "__package__", None) or getattr(plugin, "__name__", None)
+            try:
+                plugin = importlib.import_module(hooks, package if hooks.startswith(".") else None)
+            except Exception as exc:  # noqa: BLE001 - the user must see which plugin failed
+                raise UsageError(
+                    f"Could not import the hook implementations of trl-ext plugin `{name}` (`{hooks}`): "
+                    f"{type(exc).__name__}: {exc}. Fix or uninstall the package that provides it, or block it: "
+                    f"{block_advice(name, catalog.blocked)}."
+                ) from exc
+        _register(pm, name, plugin)
     _check_pending(pm)
     pm.catalog = catalog
     return pm
-
-
-def implementation(name: str, plugin: Any, spec: PluginSpec, block: Iterable[str] = ()) -> Any:
-    """The object that holds the hook implementations of a plugin: its `spec.hooks` module, imported now, or the
-    declaring object itself."""
-    if spec.hooks is None:
-        return plugin
-    package = getattr(plugin, "__package__", None) or getattr(plugin, "__name__", None)
-    try:
-        return importlib.import_module(spec.hooks, package if spec.hooks.startswith(".") else None)
-    except Exception as exc:  # noqa: BLE001 - the user must see which plugin failed
-        raise UsageError(
-            f"Could not import the hook implementations of trl-ext plugin `{name}` (`{spec.hooks}`): "
-            f"{type(exc).__name__}: {exc}. Fix or uninstall the package that provides it, or block it: "
-            f"{block_advice(name, block)}."
-        ) from exc
 
 
 def _check_pending(pm: TrlExtPluginManager) -> None:

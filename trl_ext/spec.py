@@ -35,13 +35,13 @@ __all__ = [
 ]
 
 
+@dataclass(frozen=True, eq=False)
 class Parser:
     """`parser(value)` returns the normalised value or raises `ValueError`; `expects` says what a valid value looks
     like, for error messages ("a positive integer")."""
 
-    def __init__(self, function: Callable[[Any], Any], expects: str) -> None:
-        self.function = function
-        self.expects = expects
+    function: Callable[[Any], Any]
+    expects: str
 
     def __call__(self, value: Any) -> Any:
         return self.function(value)
