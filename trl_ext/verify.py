@@ -80,15 +80,10 @@ class Verify:
     def _step(self) -> int | None:
         """The optimizer step in progress when it is one to check (inside a `training_step`, training mode, within
         the first `steps`): a scoring call of the user's own (`trainer._forward(...)` before training) is not."""
-        if not self._in_training_step:
-            return None
         trainer = self.ctx.trainer
-        state = getattr(trainer, "state", None)
-        step = getattr(state, "global_step", None)
-        model = getattr(trainer, "model", None)
-        if not isinstance(step, int) or step >= self.steps or not getattr(model, "training", False):
+        if not self._in_training_step or trainer.state.global_step >= self.steps or not trainer.model.training:
             return None
-        return step
+        return trainer.state.global_step
 
     # -- wrappers ----------------------------------------------------------------------------------------------------
 
