@@ -204,15 +204,10 @@ class TrainerContext:
 
     def models(self) -> dict[str, Any]:
         """The causal LMs this trainer runs, by role (`"policy"`, `"ref"`), unwrapped from DeepSpeed/DDP and PEFT."""
-        trainer = self.trainer
-        out = {}
-        policy = unwrap_causal_lm(getattr(trainer, "model", None))
-        if policy is not None:
-            out["policy"] = policy
-        ref = unwrap_causal_lm(getattr(trainer, "ref_model", None))
-        if ref is not None and ref is not policy:
-            out["ref"] = ref
-        return out
+        policy = unwrap_causal_lm(getattr(self.trainer, "model", None))
+        ref = unwrap_causal_lm(getattr(self.trainer, "ref_model", None))
+        models = {"policy": policy, "ref": None if ref is policy else ref}
+        return {role: model for role, model in models.items() if model is not None}
 
 
 def output_head_module(model: Any) -> Any:
