@@ -24,27 +24,20 @@ def local(value: Any, *args: Any, **kwargs: Any) -> Any:
     return value
 
 
-def capture_output(original: Callable, captured: list) -> Callable:
+def capture(original: Callable, captured: list, *, fused: bool) -> Callable:
+    """`original`, appending to `captured` the per-token log-probs of each call: a model's fused-head `log_probs`
+    (`fused`: calls with `fused_lm_head=True`), or what a logits helper returns (its first item)."""
+
     @functools.wraps(original)
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        outputs = original(*args, **kwargs)
-        values = getattr(outputs, "log_probs", None)
-        if kwargs.get(_compat.FUSED_LM_HEAD_KWARG) and values is not None:
-            captured.append(values.detach())
-        return outputs
-
-    return forward
-
-
-def capture_result(original: Callable, captured: list) -> Callable:
-    @functools.wraps(original)
-    def helper(*args: Any, **kwargs: Any) -> Any:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
         result = original(*args, **kwargs)
-        values = result[0] if isinstance(result, tuple) else result
-        captured.append(values.detach())
+        if not fused:
+            captured.append((result[0] if isinstance(result, tuple) else result).detach())
+        elif kwargs.get(_compat.FUSED_LM_HEAD_KWARG) and getattr(result, "log_probs", None) is not None:
+            captured.append(result.log_probs.detach())
         return result
 
-    return helper
+    return wrapper
 
 
 def per_sequence(values: Any, mask: Any) -> tuple[torch.Tensor, torch.Tensor]:

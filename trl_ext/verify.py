@@ -240,12 +240,12 @@ class Verify:
         with Patcher("trl-ext verify: capture") as patcher:
             if _compat.dpo_has_fused_head():
                 for model in self.ctx.models().values():
-                    patcher.setattr(model, "forward", state.capture_output(model.forward, captured))
+                    patcher.setattr(model, "forward", state.capture(model.forward, captured, fused=True))
             else:
                 module = importlib.import_module(_compat.DPO_LOGITS_MODULE)
                 for helper in _compat.dpo_logits_helpers():
                     if helper != _compat.DPO_ENTROPY_HELPERS[0]:
-                        patcher.wrap(module, helper, functools.partial(state.capture_result, captured=captured))
+                        patcher.wrap(module, helper, functools.partial(state.capture, captured=captured, fused=False))
             yield captured
 
     def _sequences(self, captured: list, result: Any, args: tuple, kwargs: dict[str, Any], grad: bool) -> list:
