@@ -16,9 +16,8 @@ import pytest
 import torch
 
 from trl_ext._shared import Ranks
-from trl_ext.plugins.token_budget.cut import MicroBatch, Pair, tokens
+from trl_ext.plugins.token_budget.cut import MicroBatch, Padding, Pair, balanced_plan, global_pairs, pad_to, tokens
 from trl_ext.plugins.token_budget.metrics import PAIR_METRICS, ROW_SUMS, stock_values, stock_values_of_pairs
-from trl_ext.plugins.token_budget.ranks import Padding, balanced_plan, global_pairs, pad_to
 from trl_ext.testing import make_model
 
 

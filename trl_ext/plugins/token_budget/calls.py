@@ -13,9 +13,8 @@ from typing import TYPE_CHECKING, Any
 from trl_ext.api import NOTICE, Patcher, UsageError, get_logger, is_main_process
 
 from . import sft
-from .cut import EXAMPLES_KEY, KeepExamples
+from .cut import EXAMPLES_KEY, KeepExamples, Padding
 from .dispatch import Encoder, dispatches
-from .ranks import Padding
 from .report import summary
 from .step import Slot, TokenBudgetState
 

@@ -1,5 +1,9 @@
 """Re-cutting the pairs of one optimizer step into micro-batches of at most `token_budget` tokens: the examples the
 trainer's collator received, each micro-batch collated by that collator (TRL's, or a packing plugin's).
+
+Several processes: the cut of every rank's pairs, balanced, and the same number of micro-batches on every rank
+(TRL's gathers, DDP's reduction and ZeRO-3/FSDP2's parameter gathers need as many forwards and backwards on each): a
+rank with fewer runs its smallest again with loss weight 0 (`Padding`: no gradient, its metrics not recorded).
 """
 
 from __future__ import annotations
@@ -9,7 +13,7 @@ import enum
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from trl_ext.api import UsageError
+from trl_ext.api import InternalError, UsageError
 
 #: The batch key under which the training loader hands the plugin the examples of each stock micro-batch.
 EXAMPLES_KEY = "trl_ext_token_budget_examples"
@@ -175,12 +179,7 @@ def cut_step(
     """Re-cut one step (the examples of each stock micro-batch, in order) by `budget` in `packed`'s layout
     (`Layout`, or a boolean: packed or padded), collating each micro-batch with `collate`. Returns the micro-batches
     and how many pairs exceed the budget on their own. `multiple`: the padded layout's `pad_to_multiple_of`."""
-    pairs: list[Pair] = []
-    for b, batch in enumerate(examples):
-        for r, example in enumerate(batch):
-            check_example(example)
-            pairs.append(Pair(b, r, pair_length(example, packed, max_length, multiple)))
-    sizes = [len(batch) for batch in examples]
+    pairs, sizes = global_pairs([examples], packed, max_length, multiple)
     micro_batches = []
     for run in plan(pairs, sizes, budget, packed):
         weight = len(run) / (sizes[run[0].batch] * len(examples))
@@ -194,3 +193,62 @@ def spread(count: int, slots: int) -> list[range]:
     """Indices of `count` micro-batches spread over `slots` stock positions, in order; the last slot is never empty
     (when `count > 0`), so the Trainer's gradient synchronisation on its last micro-step still happens."""
     return [range(i * count // slots, (i + 1) * count // slots) for i in range(slots)]
+
+
+@dataclasses.dataclass
+class Padding(MicroBatch):
+    """A micro-batch run only to keep the ranks in step: weight 0, metrics and tokens not counted."""
+
+
+def pad_to(micro_batches: Sequence[MicroBatch], count: int, smallest: MicroBatch | None = None) -> list[MicroBatch]:
+    """`micro_batches` followed by `count - len(micro_batches)` zero-weight copies of `smallest`, by default the
+    smallest of them (fewest tokens, the first of equals)."""
+    if count < len(micro_batches):
+        raise ValueError(f"cannot pad {len(micro_batches)} micro-batches to {count}")
+    if smallest is None:
+        if not micro_batches:
+            raise ValueError("no micro-batch to repeat")
+        smallest = min(micro_batches, key=lambda mb: mb.tokens)
+    extra = [Padding(smallest.pairs, smallest.inputs, 0.0, smallest.tokens) for _ in range(count - len(micro_batches))]
+    return [*micro_batches, *extra]
+
+
+def global_pairs(
+    examples: Sequence[Sequence[Sequence[Mapping[str, Any]]]],
+    packed: bool | Layout,
+    max_length: int | None,
+    multiple: int | None = None,
+) -> tuple[list[Pair], list[int]]:
+    """The pairs of one step on every rank (`examples[rank][slot]`: the examples of that rank's stock micro-batch),
+    as `Pair`s whose `batch` is `rank * slots + slot`, and the size of each such stock micro-batch."""
+    slots = {len(part) for part in examples}
+    if len(slots) != 1:
+        raise InternalError(f"token_budget: ranks fetched different numbers of stock micro-batches in a step: {slots}")
+    pairs = []
+    sizes = []
+    for r, rank in enumerate(examples):
+        for i, batch in enumerate(rank):
+            sizes.append(len(batch))
+            for j, example in enumerate(batch):
+                check_example(example)
+                pairs.append(Pair(r * len(rank) + i, j, pair_length(example, packed, max_length, multiple)))
+    return pairs, sizes
+
+
+def balanced_plan(
+    pairs: Sequence[Pair], sizes: Sequence[int], budget: int, packed: bool | Layout, ranks: int
+) -> tuple[list[list[Pair]], list[int]]:
+    """Cut a step's pairs of every rank (`global_pairs`) into micro-batches of at most `budget` tokens, by stock weight
+    then length (similar lengths share one), and give each, most tokens first, to the least-loaded rank; the same on
+    every rank (deterministic). Returns the micro-batches and their ranks."""
+    order = sorted(pairs, key=lambda p: (sizes[p.batch], -p.length, p.batch, p.row))
+    runs = plan(order, sizes, budget, packed)
+    load = [0] * ranks
+    count = [0] * ranks
+    owner = [0] * len(runs)
+    for k in sorted(range(len(runs)), key=lambda k: (-tokens(runs[k], packed), k)):
+        r = min(range(ranks), key=lambda r: (load[r], count[r], r))
+        owner[k] = r
+        load[r] += tokens(runs[k], packed)
+        count[r] += 1
+    return runs, owner

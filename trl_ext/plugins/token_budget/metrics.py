@@ -161,28 +161,19 @@ def same_value(a: float, b: float) -> bool:
 
 def stock_values(ranks: Sequence[tuple[Sequence[int], dict[str, torch.Tensor] | None]]) -> list[dict[str, float]]:
     """The values TRL appends for each stock micro-batch of a step, from every rank's `(sizes, per-pair values)`
-    (`StepRecord.local`; rank order). Stock micro-batch `i` is the `i`-th batch of every rank, gathered by TRL: its
-    pair metrics are means over all those pairs, its token metrics ratios of sums over them. None: nothing to rebuild
-    (on every rank)."""
-    if any(values is None for _, values in ranks):
-        if not all(values is None for _, values in ranks):
-            raise InternalError("token_budget: TRL's metric buffer was emptied on some ranks only.")
-        return []
+    (`StepRecord.local`; rank order), each rank's pairs in stock's order (`stock_values_of_pairs`). Stock micro-batch
+    `i` is the `i`-th batch of every rank, gathered by TRL."""
     counts = {len(sizes) for sizes, _ in ranks}
     if len(counts) != 1:
         raise InternalError(f"token_budget: ranks ran different numbers of stock micro-batches in a step: {counts}.")
-    starts = [0] * len(ranks)
-    out = []
-    for i in range(counts.pop()):
-        pieces: dict[str, list[torch.Tensor]] = {}
-        for r, (sizes, values) in enumerate(ranks):
-            assert values is not None
-            for name, tensor in values.items():
-                pieces.setdefault(name, []).append(tensor[starts[r] : starts[r] + sizes[i]])
-            starts[r] += sizes[i]
-        part = {name: torch.cat(tensors) for name, tensors in pieces.items()}
-        out.append(_batch_values(part))
-    return out
+    slots = counts.pop()
+    ids = [
+        [(r * slots + i, j) for i, size in enumerate(sizes) for j in range(size)] for r, (sizes, _) in enumerate(ranks)
+    ]
+    every = [size for sizes, _ in ranks for size in sizes]
+    return stock_values_of_pairs(
+        [(pairs, values) for pairs, (_, values) in zip(ids, ranks, strict=True)], every, slots
+    )
 
 
 def _batch_values(part: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -206,7 +197,9 @@ def stock_values_of_pairs(
 
     `ranks`: per rank, the ids `(batch, row)` of the pairs it recorded, in order, with their values
     (`StepRecord.local`); `batch` is `rank * slots + slot` of the pair's stock micro-batch, of `sizes[batch]` pairs.
-    Stock micro-batch `i` joins the `i`-th micro-batch of every rank, in rank order (TRL's gather).
+    Stock micro-batch `i` joins the `i`-th micro-batch of every rank, in rank order (TRL's gather): its pair metrics
+    are means over all those pairs, its token metrics ratios of sums over them. None: nothing to rebuild (on every
+    rank).
     """
     if any(values is None for _, values in ranks):
         if not all(values is None for _, values in ranks):

@@ -20,10 +20,21 @@ from trl_ext import _compat
 from trl_ext.api import InternalError, Ranks, UsageError, get_logger, is_main_process
 
 from . import sft
-from .cut import EXAMPLES_KEY, Layout, MicroBatch, cut_step, padded_multiple, spread, tokens
+from .cut import (
+    EXAMPLES_KEY,
+    Layout,
+    MicroBatch,
+    Padding,
+    balanced_plan,
+    cut_step,
+    global_pairs,
+    pad_to,
+    padded_multiple,
+    spread,
+    tokens,
+)
 from .dispatch import examples_of
 from .metrics import StepRecord, row_sums, stock_values, stock_values_of_pairs
-from .ranks import Padding, balanced_plan, global_pairs, pad_to
 from .report import largest_stock_batch
 
 logger = get_logger(__name__)
@@ -64,7 +75,7 @@ class TokenBudgetState:
         self.micro_batch_counts: list[int] = []
         #: per optimizer step: the micro-batches stock runs (the Trainer's batches of the step)
         self.stock_micro_batch_counts: list[int] = []
-        #: per optimizer step: micro-batches of real pairs this rank ran (the rest are `ranks.Padding`)
+        #: per optimizer step: micro-batches of real pairs this rank ran (the rest are `cut.Padding`)
         self.local_micro_batch_counts: list[int] = []
         #: per optimizer step on several processes: pairs this rank ran that stock runs on another rank
         self.moved_pairs: list[int] = []
@@ -161,7 +172,7 @@ class TokenBudgetState:
 
     def cut_across_ranks(self, examples: list[list[Any]]) -> tuple[list[MicroBatch], int, int, MicroBatch | None]:
         """Cut the step's pairs of every rank together (one all-gather of the examples), tokens balanced across ranks
-        (`ranks.balanced_plan`), each pair keeping its stock weight. Returns this rank's micro-batches, the pairs over
+        (`cut.balanced_plan`), each pair keeping its stock weight. Returns this rank's micro-batches, the pairs over
         the budget, the most micro-batches a rank runs, and (for a rank given none) the step's smallest to repeat."""
         collate, max_length = self.trainer.data_collator, self.trainer.args.max_length
         everyone = self.ranks.all_gather(examples)
