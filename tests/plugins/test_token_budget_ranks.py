@@ -281,8 +281,8 @@ def test_train_summary_reports_the_rank_balance():
     """The line logged when `train()` returns: counts from the given step on, and most / mean tokens per rank."""
     from types import SimpleNamespace
 
+    from trl_ext.plugins.token_budget.calls import summary
     from trl_ext.plugins.token_budget.cut import Layout
-    from trl_ext.plugins.token_budget.report import summary
 
     state = SimpleNamespace(
         micro_batch_counts=[9, 3, 2],

@@ -3,19 +3,20 @@
 While a `get_*_dataloader` builds its loader (which captures its collate function), `trainer.data_collator` is
 `cut.KeepExamples`, so each batch also hands over its examples. After each `training_step` and `prediction_step`, what
 the re-cut `compute_loss` calls stood for in stock's batches is announced through `trl_ext_stock_batches`; `train`
-logs one line (notice, main process) when it returns.
+logs one line (notice, main process) when it returns (`summary`): what the cut did over that run, and the largest
+micro-batch it built against the largest one stock TRL builds from the same batches (the figure activation memory
+follows).
 """
 
 from __future__ import annotations
 
+import statistics
 from typing import TYPE_CHECKING, Any
 
 from trl_ext.api import NOTICE, Patcher, UsageError, get_logger, is_main_process
 
 from . import sft
-from .cut import EXAMPLES_KEY, KeepExamples, Padding
-from .dispatch import Encoder, dispatches
-from .report import summary
+from .cut import EXAMPLES_KEY, Encoder, KeepExamples, Padding, dispatches
 from .step import Slot, TokenBudgetState
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -81,7 +82,7 @@ def build_loader(trainer: Any, state: TokenBudgetState, call: Call) -> Any:
         scoped.setattr(trainer, "data_collator", collator)
         loader = call.proceed()
     if dispatches(loader):
-        # accelerate joins the batches: the examples travel as tensors (`.dispatch`), truncated as the collator
+        # accelerate joins the batches: the examples travel as tensors (`cut.Encoder`), truncated as the collator
         # truncates (`DataCollatorForPreference`'s fields; one without them does not)
         inner = collator.collator
         truncation = getattr(inner, "truncation_mode", "keep_start")
@@ -123,3 +124,48 @@ def compute_loss(state: TokenBudgetState, proceed: Any, model: Any, inputs: Any,
     if not state.sft_weight or isinstance(mb, Padding):
         return loss * mb.weight
     return loss * mb.weight + sft.correction(outputs[0], inputs, mb, state.sft_weight)
+
+
+def _stock_text(state: Any, first_step: int) -> str:
+    """The clause on stock's largest micro-batch of the steps from `first_step` on."""
+    shapes = state.stock_largest[first_step:]
+    where = " on this rank" if state.ranks.world > 1 else ""
+    if not shapes or any(shape is None for shape in shapes):
+        return f"; stock TRL's micro-batches{where} not measured (a batch of the collator has no 2D `input_ids`)"
+    rows, width = max(shapes, key=lambda s: s[0] * s[1])
+    return (
+        f"; stock TRL's largest micro-batch from the same batches{where}: {rows * width} padded tokens ({rows} rows x "
+        f"{width})"
+    )
+
+
+def summary(state: Any, first_step: int) -> str | None:
+    """What the optimizer steps from `first_step` on ran: micro-batches against stock's, the largest micro-batch
+    against the budget and against stock's largest, pairs over the budget, and on several processes the balance of
+    tokens across ranks (None when no step ran)."""
+    counts = state.micro_batch_counts[first_step:]
+    if not counts:
+        return None
+    stock = sum(state.stock_micro_batch_counts[first_step:])
+    largest = max(state.max_tokens[first_step:], default=0)
+    text = (
+        f"token_budget: {len(counts)} optimizer step(s) ran {sum(counts)} micro-batches (stock: {stock}) within the "
+        f"budget of {state.budget} {state.packed} tokens"
+    )
+    over = sum(state.over_budget[first_step:])
+    if over == 1 and largest > state.budget:
+        text += f"; a pair of {largest} tokens is over the budget of {state.budget} and ran alone"
+    elif over:
+        # on several processes the pairs over the budget may have run on other ranks than this one
+        text += f"; {over} pairs over the budget ran alone"
+        text += f", the largest of {largest} tokens" if largest > state.budget else ""
+    else:
+        text += f", the largest micro-batch {largest} tokens"
+    text += _stock_text(state, first_step)
+    balance = [most / mean for most, mean in state.rank_tokens[first_step:] if mean > 0]
+    if balance:
+        text += (
+            f"; tokens per rank, most / mean: median {statistics.median(balance):.2f}, worst {max(balance):.2f} "
+            f"over {state.ranks.world} ranks"
+        )
+    return text

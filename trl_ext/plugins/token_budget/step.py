@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -27,17 +27,31 @@ from .cut import (
     Padding,
     balanced_plan,
     cut_step,
+    examples_of,
     global_pairs,
     pad_to,
     padded_multiple,
     spread,
     tokens,
 )
-from .dispatch import examples_of
 from .metrics import StepRecord, row_sums, stock_values, stock_values_of_pairs
-from .report import largest_stock_batch
 
 logger = get_logger(__name__)
+
+
+def largest_stock_batch(batches: Sequence[Mapping[str, Any]]) -> tuple[int, int] | None:
+    """`(rows, width)` of the largest of one step's stock micro-batches, read from the `input_ids` the trainer's
+    collator built for them (TRL's `DataCollatorForPreference`: chosen and rejected rows, right-padded; a packing
+    plugin's collator keeps that padded batch), so `rows x width` are the tokens stock's model call runs. None when a
+    batch has no 2D `input_ids` tensor: then nothing is said about stock."""
+    shapes = []
+    for batch in batches:
+        ids = batch.get("input_ids")
+        shape = tuple(getattr(ids, "shape", ()))
+        if len(shape) != 2:
+            return None
+        shapes.append((int(shape[0]), int(shape[1])))
+    return max(shapes, key=lambda s: s[0] * s[1], default=None)
 
 
 class Slot(dict):
@@ -88,7 +102,7 @@ class TokenBudgetState:
         self.rank_tokens: list[tuple[int, float]] = []
         self.warned_logits = False
         self.max_tokens: list[int] = []
-        #: per optimizer step: `(rows, width)` of stock's largest batch (`report.largest_stock_batch`)
+        #: per optimizer step: `(rows, width)` of stock's largest batch (`largest_stock_batch`)
         self.stock_largest: list[tuple[int, int] | None] = []
         #: per optimizer step: pairs longer than the budget
         self.over_budget: list[int] = []
@@ -104,7 +118,7 @@ class TokenBudgetState:
         self.gathered: list[tuple[torch.Tensor, Any]] | None = None
         #: inside `accelerator.gather_for_metrics` (whose own `gather` calls are not TRL's per-pair ones)
         self.inside_for_metrics = 0
-        #: `len(micro_batch_counts)` when the current `train()` started (`report.summary`)
+        #: `len(micro_batch_counts)` when the current `train()` started (`calls.summary`)
         self.first_step = 0
 
     def gather(self, gather: Callable[[], Any], tensor: Any) -> Any:
