@@ -40,7 +40,7 @@ def trl_ext_trainer_init_start(trainer: Trainer, context: TrainerContext, init_k
 
 @hookimpl
 def trl_ext_trainer_init_end(trainer: Trainer, context: TrainerContext) -> None:
-    from . import capture, dpo, online_dpo, trainer_gathers
+    from . import capture, dpo, online_dpo
 
     config = getattr(trainer.accelerator, "parallelism_config", None)
     sizes = {name: getattr(config, f"{name}_size", 1) or 1 for name in ("tp", "cp", "sp")} if config else {}
@@ -52,15 +52,15 @@ def trl_ext_trainer_init_end(trainer: Trainer, context: TrainerContext) -> None:
     adapter = dpo if context.trainer_class == "DPOTrainer" else online_dpo
     schema = adapter.make_schema(trainer)
     state = SyncMetricsState(trainer, context.trainer_class, schema)
-    state.calls = {**capture.CALLS, **trainer_gathers.CALLS, **adapter.CALLS}
+    state.calls = {**capture.CALLS, **adapter.CALLS}
     context.state[NAME] = state
-    trainer_gathers.install(context)
+    capture.install(context)
     logger.info("sync_metrics: %s metrics %s", context.trainer_class, [m.name for m in schema.metrics])
 
 
 @hookimpl(tryfirst=True)  # outermost: one `training_step` per stock batch, outside any micro-batching
 def trl_ext_call(trainer: Trainer, context: TrainerContext, call: Call) -> Any:
-    """Every method in `PluginSpec.calls`, by `call.name` (`capture`, `trainer_gathers` and the trainer's adapter)."""
+    """Every method in `PluginSpec.calls`, by `call.name` (`capture` and the trainer's adapter)."""
     state = context.state.get(NAME)
     if state is None:  # between the core's wrapping and `trl_ext_trainer_init_end`
         return call.proceed()
