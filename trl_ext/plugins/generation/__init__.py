@@ -24,9 +24,7 @@ from trl_ext.api import (
     size,
 )
 
-from .budget import BudgetPlan, decoder_layers, external_params, param_bytes
-from .context import GenerationContext
-from .fsdp import check_fsdp_generation
+from .context import BudgetPlan, GenerationContext, decoder_layers, external_params, param_bytes
 
 __all__ = [
     "NAME",
