@@ -34,11 +34,15 @@ def chosen_tokens(mb: MicroBatch) -> dict[tuple[int, int], int]:
     return {(p.batch, p.row): int(c) for p, c in zip(mb.pairs, counts, strict=True)}
 
 
-def assign_scales(micro_batches: Sequence[MicroBatch], counts: dict[tuple[int, int], int], slots: int) -> None:
+def assign_scales(micro_batches: Sequence[MicroBatch], slots: int, ranks: Any = None) -> None:
     """Give each micro-batch the per-pair token weights stock gives (`MicroBatch.sft_scales`), from the chosen tokens
-    of every pair of the step (`counts`) and the stock micro-batches of the step (`slots`)."""
+    of every pair of the step (`chosen_tokens`; on several processes exchanged through `ranks`) and the stock
+    micro-batches of the step (`slots`)."""
+    counts = [chosen_tokens(mb) for mb in micro_batches]
+    if ranks is not None:
+        counts = [part for parts in ranks.all_gather(counts) for part in parts]
     per_batch: dict[int, int] = {}
-    for (batch, _), count in counts.items():
+    for (batch, _), count in (item for part in counts for item in part.items()):
         per_batch[batch] = per_batch.get(batch, 0) + count
     for mb in micro_batches:
         # a stock micro-batch without chosen tokens has a NaN sft loss in TRL (the mean of nothing): NaN here too

@@ -201,13 +201,7 @@ class TokenBudgetState:
 
         mine = [micro_batch(run) for run, r in zip(runs, owner, strict=True) if r == self.ranks.rank]
         if self.sft_weight:  # every rank's chosen tokens per pair, for the token weights of stock's micro-batches
-            counts = {
-                pair: n
-                for part in self.ranks.all_gather([sft.chosen_tokens(mb) for mb in mine])
-                for d in part
-                for pair, n in d.items()
-            }
-            sft.assign_scales(mine, counts, slots)
+            sft.assign_scales(mine, slots, self.ranks)
         self.moved_pairs.append(sum(1 for mb in mine for p in mb.pairs if p.batch // slots != self.ranks.rank))
         smallest = None
         if not mine:
@@ -236,8 +230,7 @@ class TokenBudgetState:
             examples, self.budget, trainer.data_collator, self.packed, trainer.args.max_length, self.multiple
         )
         if self.sft_weight:
-            counts = {pair: n for mb in micro_batches for pair, n in sft.chosen_tokens(mb).items()}
-            sft.assign_scales(micro_batches, counts, len(examples))
+            sft.assign_scales(micro_batches, len(examples))
         return micro_batches, over
 
     def run_slot(self, training_step: Any, model: Any, slot: Slot, args: tuple, kwargs: dict) -> torch.Tensor:
