@@ -9,8 +9,7 @@ import torch
 from trl_ext import _compat
 from trl_ext.api import UsageError
 
-from .capture import SyncMetricsState
-from .schema import Metric, Schema
+from .capture import Metric, Schema, SyncMetricsState
 
 if TYPE_CHECKING:  # pragma: no cover
     from trl_ext.api import Call
