@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 from trl_ext.api import NOTICE, Patcher, UsageError, get_logger, is_main_process
 
-from . import sft
 from .cut import EXAMPLES_KEY, Encoder, KeepExamples, Padding, dispatches
+from .metrics import sft_correction
 from .step import Slot, TokenBudgetState
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -123,7 +123,7 @@ def compute_loss(state: TokenBudgetState, proceed: Any, model: Any, inputs: Any,
         loss = proceed(model, inputs, *args, **kwargs)
     if not state.sft_weight or isinstance(mb, Padding):
         return loss * mb.weight
-    return loss * mb.weight + sft.correction(outputs[0], inputs, mb, state.sft_weight)
+    return loss * mb.weight + sft_correction(outputs[0], inputs, mb, state.sft_weight)
 
 
 def _stock_text(state: Any, first_step: int) -> str:

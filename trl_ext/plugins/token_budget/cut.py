@@ -111,8 +111,8 @@ class MicroBatch:
     weight: float
     #: tokens it holds by the budget's count (`tokens`)
     tokens: int
-    #: with `loss_type` "sft": per pair, the weight stock gives each of its chosen completion tokens
-    #: (`1 / (chosen tokens of the pair's stock micro-batch x stock micro-batches in the step)`; `.sft`)
+    #: with `loss_type` "sft": per pair, the weight stock gives each of its chosen completion tokens (`1 / (chosen
+    #: tokens of the pair's stock micro-batch x stock micro-batches in the step)`; `metrics.assign_sft_scales`)
     sft_scales: list[float] | None = None
 
 

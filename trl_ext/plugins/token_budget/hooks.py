@@ -34,8 +34,8 @@ PER_PAIR_LOSS_TYPES = frozenset(
         "sigmoid_norm",
     }
 )
-#: ... and means over the micro-batch's chosen completion tokens, which `.sft` re-weights per token by the tokens of
-#: the stock micro-batch each token belongs to.
+#: ... and means over the micro-batch's chosen completion tokens, which `metrics.sft_correction` re-weights per token
+#: by the tokens of the stock micro-batch each token belongs to.
 TOKEN_MEAN_LOSS_TYPES = frozenset({"sft"})
 #: Loss types whose value for one pair depends on the other pairs of its micro-batch in a way no weighting undoes,
 #: with the reason. Refused; so is any loss type TRL lists that is in none of these sets (not verified yet).

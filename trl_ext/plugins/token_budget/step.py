@@ -19,7 +19,6 @@ import torch
 from trl_ext import _compat
 from trl_ext.api import InternalError, Ranks, UsageError, get_logger, is_main_process
 
-from . import sft
 from .cut import (
     EXAMPLES_KEY,
     Layout,
@@ -34,7 +33,7 @@ from .cut import (
     spread,
     tokens,
 )
-from .metrics import StepRecord, row_sums, stock_values, stock_values_of_pairs
+from .metrics import StepRecord, assign_sft_scales, row_sums, sft_weight, stock_values, stock_values_of_pairs
 
 logger = get_logger(__name__)
 
@@ -71,8 +70,8 @@ class TokenBudgetState:
         self.packed = packed
         #: the padded layout's `pad_to_multiple_of` (the budget counts the padded width the model sees)
         self.multiple = padded_multiple(trainer.data_collator, packed)
-        #: the summed loss weight of `loss_type` "sft" (`.sft`; 0.0: none)
-        self.sft_weight = sft.sft_weight(trainer)
+        #: the summed loss weight of `loss_type` "sft" (`metrics.sft_weight`; 0.0: none)
+        self.sft_weight = sft_weight(trainer)
         #: the micro-batch `compute_loss` is running, or None
         self.active: MicroBatch | None = None
         #: the stock factor for a `training_step` called outside the loop with a plain batch
@@ -201,7 +200,7 @@ class TokenBudgetState:
 
         mine = [micro_batch(run) for run, r in zip(runs, owner, strict=True) if r == self.ranks.rank]
         if self.sft_weight:  # every rank's chosen tokens per pair, for the token weights of stock's micro-batches
-            sft.assign_scales(mine, slots, self.ranks)
+            assign_sft_scales(mine, slots, self.ranks)
         self.moved_pairs.append(sum(1 for mb in mine for p in mb.pairs if p.batch // slots != self.ranks.rank))
         smallest = None
         if not mine:
@@ -230,7 +229,7 @@ class TokenBudgetState:
             examples, self.budget, trainer.data_collator, self.packed, trainer.args.max_length, self.multiple
         )
         if self.sft_weight:
-            sft.assign_scales(micro_batches, len(examples))
+            assign_sft_scales(micro_batches, len(examples))
         return micro_batches, over
 
     def run_slot(self, training_step: Any, model: Any, slot: Slot, args: tuple, kwargs: dict) -> torch.Tensor:
