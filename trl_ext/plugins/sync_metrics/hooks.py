@@ -44,7 +44,7 @@ def trl_ext_trainer_init_start(trainer: Trainer, context: TrainerContext, init_k
 
 @hookimpl
 def trl_ext_trainer_init_end(trainer: Trainer, context: TrainerContext) -> None:
-    from . import capture, dpo, online_dpo
+    from . import capture, dpo
 
     config = getattr(trainer.accelerator, "parallelism_config", None)
     sizes = {name: getattr(config, f"{name}_size", 1) or 1 for name in ("tp", "cp", "sp")} if config else {}
@@ -53,10 +53,10 @@ def trl_ext_trainer_init_end(trainer: Trainer, context: TrainerContext) -> None:
             f"`sync_metrics=True` does not support tensor/context/sequence parallelism ({sizes}): ranks of one group "
             "see the same or split pairs. Disable `sync_metrics`."
         )
-    adapter = dpo if context.trainer_class == "DPOTrainer" else online_dpo
-    schema = adapter.make_schema(trainer)
+    dpo_trainer = context.trainer_class == "DPOTrainer"
+    schema = dpo.make_schema(trainer) if dpo_trainer else dpo.online_schema(trainer)
     state = SyncMetricsState(trainer, context.trainer_class, schema)
-    state.calls = {**capture.CALLS, **adapter.CALLS}
+    state.calls = {**capture.CALLS, **(dpo.CALLS if dpo_trainer else dpo.ONLINE_CALLS)}
     context.state[NAME] = state
     capture.install(context)
     logger.info("sync_metrics: %s metrics %s", context.trainer_class, [m.name for m in schema.metrics])
