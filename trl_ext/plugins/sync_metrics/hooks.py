@@ -39,7 +39,7 @@ def trl_ext_trainer_init_start(trainer: Trainer, context: TrainerContext, init_k
         )
     # first on the undo stack, so last undone: once every wrapper is gone, the window in progress goes back to TRL
     states = context.state
-    context.patcher.defer(lambda: _hand_back(states.get(NAME)))
+    context.patcher.defer(lambda: hand_back(states.get(NAME)))
 
 
 @hookimpl
@@ -69,22 +69,6 @@ def trl_ext_call(trainer: Trainer, context: TrainerContext, call: Call) -> Any:
     if state is None:  # between the core's wrapping and `trl_ext_trainer_init_end`
         return call.proceed()
     return state.calls[call.name](trainer, state, call)
-
-
-def _hand_back(state: SyncMetricsState | None) -> None:
-    trainer = state.trainer_ref() if state is not None else None
-    if state is not None and trainer is not None:
-        hand_back(trainer, state)
-
-
-@hookimpl
-def trl_ext_reduce_metrics(
-    trainer: Trainer, context: TrainerContext, logs: dict[str, float]
-) -> dict[str, float] | None:
-    state = context.state.get(NAME)
-    if state is None:
-        return None
-    return reduce_logs(trainer, state, logs)
 
 
 @hookimpl
@@ -124,8 +108,12 @@ def _say_uneven_batches(state: SyncMetricsState, mode: str) -> None:
     )
 
 
-def reduce_logs(trainer: Any, state: SyncMetricsState, logs: dict[str, Any]) -> dict[str, Any] | None:
+@hookimpl
+def trl_ext_reduce_metrics(trainer: Any, context: TrainerContext, logs: dict[str, float]) -> dict[str, float] | None:
     """The logs with every metric of the window replaced by its exact global value (None: leave TRL's logs)."""
+    state = context.state.get(NAME)
+    if state is None:
+        return None
     mode = "train" if trainer.model.training else "eval"
     if state.trainer_class == "OnlineDPOTrainer" and mode == "eval":
         return None  # OnlineDPO evaluation logs no `stats`; TRL's own evaluation metrics stay as they are
@@ -184,11 +172,14 @@ def reduce_logs(trainer: Any, state: SyncMetricsState, logs: dict[str, Any]) -> 
     return out
 
 
-def hand_back(trainer: Any, state: SyncMetricsState) -> None:
+def hand_back(state: SyncMetricsState | None) -> None:
     """Detached mid-window (`installation.detach`, `uninstall(detach=True)`): each batch's metrics, the training
     tokens and the held-back FLOs go back to TRL's and the Trainer's buffers as stock would have filled them, so the
     stock log at the window's end covers its whole span. No collective (a detach need not run on every rank at once):
     on several processes the batches before the detach are this process's, and a warning says so."""
+    trainer = state.trainer_ref() if state is not None else None
+    if state is None or trainer is None:
+        return
     schema = state.schema
     dpo = state.trainer_class == "DPOTrainer"
     buffers = getattr(trainer, _compat.DPO_METRICS_BUFFER) if dpo else None
