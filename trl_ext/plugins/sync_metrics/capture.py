@@ -217,10 +217,6 @@ class SyncMetricsState:
         real = step["real"] * self.world / step["count"]
         self.loss_correction = self.loss_correction + (real - step["trainer"]).detach().to(torch.float64)
 
-    def take_loss_correction(self) -> torch.Tensor | float:
-        value, self.loss_correction = self.loss_correction, 0.0
-        return value
-
     @contextlib.contextmanager
     def capture(self) -> Iterator[list[torch.Tensor]]:
         """Record what `gather`/`gather_for_metrics` are given while it runs (a nested capture restores the outer)."""

@@ -132,7 +132,7 @@ def trl_ext_reduce_metrics(trainer: Any, context: TrainerContext, logs: dict[str
     local_loss = state.pending_loss
     if local_loss is not None:
         state.close_step()
-        correction = state.take_loss_correction()  # last step of an epoch: count real pairs only (DPO)
+        correction, state.loss_correction = state.loss_correction, 0.0  # an epoch's last step: real pairs only (DPO)
         vec[schema.loss] = local_loss.to(vec.device, torch.float64) + (
             correction.to(vec.device) if isinstance(correction, torch.Tensor) else correction
         )

@@ -189,20 +189,6 @@ def stock_values(ranks: Sequence[tuple[Sequence[int], dict[str, torch.Tensor] | 
     )
 
 
-def _batch_values(part: dict[str, torch.Tensor]) -> dict[str, float]:
-    """TRL's appended values for one stock micro-batch, from the per-pair values of all its pairs."""
-    values = {name: part[name].mean().item() for name in PAIR_METRICS}
-    tokens = part["tokens_c"].sum() + part["tokens_r"].sum()
-    entropy = part["entropy_c"].sum() + part["entropy_r"].sum()
-    values["entropy"] = (entropy / tokens).item() if tokens > 0 else 0.0
-    tokens_c, tokens_r = part["tokens_c"].sum().item(), part["tokens_r"].sum().item()
-    values["logits/chosen"] = part["logits_c"].sum().item() / tokens_c if tokens_c > 0 else 0.0
-    values["logits/rejected"] = part["logits_r"].sum().item() / tokens_r if tokens_r > 0 else 0.0
-    correct = part["correct_c"].sum()
-    values["mean_token_accuracy"] = (correct / part["tokens_c"].sum()).item() if tokens_c > 0 else 0.0
-    return values
-
-
 def stock_values_of_pairs(
     ranks: Sequence[tuple[Sequence[tuple[int, int]], dict[str, torch.Tensor] | None]], sizes: Sequence[int], slots: int
 ) -> list[dict[str, float]]:
@@ -227,7 +213,17 @@ def stock_values_of_pairs(
     for i in range(slots):
         rows = [where[(b, j)] for b in range(i, len(sizes), slots) for j in range(sizes[b])]
         index = torch.tensor(rows, dtype=torch.long)
-        out.append(_batch_values({name: tensor[index] for name, tensor in flat.items()}))
+        part = {name: tensor[index] for name, tensor in flat.items()}  # stock micro-batch i's pairs, from every rank
+        values = {name: part[name].mean().item() for name in PAIR_METRICS}
+        tokens = part["tokens_c"].sum() + part["tokens_r"].sum()
+        entropy = part["entropy_c"].sum() + part["entropy_r"].sum()
+        values["entropy"] = (entropy / tokens).item() if tokens > 0 else 0.0
+        tokens_c, tokens_r = part["tokens_c"].sum().item(), part["tokens_r"].sum().item()
+        values["logits/chosen"] = part["logits_c"].sum().item() / tokens_c if tokens_c > 0 else 0.0
+        values["logits/rejected"] = part["logits_r"].sum().item() / tokens_r if tokens_r > 0 else 0.0
+        correct = part["correct_c"].sum()
+        values["mean_token_accuracy"] = (correct / part["tokens_c"].sum()).item() if tokens_c > 0 else 0.0
+        out.append(values)
     return out
 
 

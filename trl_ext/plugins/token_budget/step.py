@@ -366,8 +366,6 @@ class TokenBudgetState:
         for values in step_values:
             for name, value in values.items():
                 metrics[name].append(value)
-        self.record = StepRecord()
-        self.padding_tokens = 0
         self.stock_batches.append(("train", self.micro_batch_counts[-1], list(self.sizes)))
 
     @contextlib.contextmanager
