@@ -262,7 +262,17 @@ class Precompute:
                 part_number[0] += 1
                 self._guarded(entry.write_part, part_number[0], idx, c, r)
 
-        progress = self._progress(n, int(done.sum()))
+        from tqdm.auto import tqdm
+
+        hide = not self.ranks.is_main or bool(os.environ.get("TQDM_DISABLE", ""))
+        progress = tqdm(
+            total=n,
+            initial=int(done.sum()),
+            unit="pair",
+            desc=f"Reference log-probs ({self.name})",
+            dynamic_ncols=True,
+            disable=hide or bool(getattr(self.trainer.args, "disable_tqdm", False)),
+        )
         try:
             # Batches are planned over every pair the uninterrupted run would plan (`rest`) and those already saved are
             # skipped, so a resumed run is bit-identical (docs/plugins/precompute_ref_batch_size.md, "Resume").
@@ -287,25 +297,10 @@ class Precompute:
                 batches = [b for b in batches if not done[b].all()]
                 self._run_batches(model, batches, store, progress)
         finally:
-            if progress is not None:
-                progress.close()
+            progress.close()
         if not done.all():  # pragma: no cover - a planning bug; never hand out NaNs
             raise InternalError(f"trl-ext `{NAME}`: {int((~done).sum())} pairs were not computed")
         return chosen, rejected
-
-    def _progress(self, total: int, initial: int):
-        disable = (
-            not self.ranks.is_main
-            or bool(os.environ.get("TQDM_DISABLE", ""))
-            or bool(getattr(self.trainer.args, "disable_tqdm", False))
-        )
-        if disable:
-            return None
-        from tqdm.auto import tqdm
-
-        return tqdm(
-            total=total, initial=initial, unit="pair", desc=f"Reference log-probs ({self.name})", dynamic_ncols=True
-        )
 
     def _run_batches(self, model, batches, store, progress) -> None:
 
@@ -336,8 +331,7 @@ class Precompute:
             # Every rank knows every rank's plan, so all reach the same shard boundaries (collectives stay matched).
             step_pairs = sum(len(lst[j][0]) for lst in per_rank if not lst[j][1])
             pending_pairs += step_pairs
-            if progress is not None:
-                progress.update(step_pairs)
+            progress.update(step_pairs)
             due = pending_pairs >= shard or j == count - 1
             if not due:
                 # Also by elapsed time, so an interruption loses at most about `shard_interval` seconds of work

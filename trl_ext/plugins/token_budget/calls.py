@@ -40,13 +40,36 @@ def run(trainer: Any, context: Any, state: TokenBudgetState, call: Call) -> Any:
         return build_loader(trainer, state, call)
     if name == "get_batch_samples":
         batches, num_items_in_batch = call.proceed()
-        return cut(state, batches, num_items_in_batch), None
+        if num_items_in_batch is not None:
+            raise UsageError(
+                "token_budget: the training batches carry `labels` and the model takes loss kwargs (or a "
+                "`compute_loss_func` is set), so the Trainer counts their items for loss scaling "
+                "(`num_items_in_batch`), which DPO does not use and token_budget cannot keep for the micro-batches it "
+                "cuts. Use a data collator that returns no `labels` key, or disable token_budget."
+            )
+        return (state.cut(batches) if batches else batches), None
     if name == "compute_loss":
         (model, inputs), args, kwargs = _split(call, 2)
-        return compute_loss(state, call.proceed, model, inputs, args, kwargs)
+        mb = state.active
+        if mb is None:  # outside a re-cut step: stock, scaled as stock when `training_step` got a plain batch
+            result = call.proceed(model, inputs, *args, **kwargs)
+            return result if state.plain_scale is None else result * state.plain_scale
+        with state.capture(model, inputs) as outputs:
+            loss = call.proceed(model, inputs, *args, **kwargs)
+        if not state.sft_weight or isinstance(mb, Padding):
+            return loss * mb.weight
+        return loss * mb.weight + sft_correction(outputs[0], inputs, mb, state.sft_weight)
     if name == "training_step":
         (model, inputs), args, kwargs = _split(call, 2)
-        result = training_step(state, call.proceed, model, inputs, args, kwargs)
+        if isinstance(inputs, Slot):
+            result = state.run_slot(call.proceed, model, inputs, args, kwargs)
+        else:
+            # A plain batch from outside the loop: stock scaling (transformers divides by the accumulation steps).
+            state.plain_scale = 1.0 / state.trainer.current_gradient_accumulation_steps
+            try:
+                result = call.proceed(model, inputs, *args, **kwargs)
+            finally:
+                state.plain_scale = None
     elif name == "prediction_step":
         (model, inputs, loss_only), args, kwargs = _split(call, 3)
         if EXAMPLES_KEY not in inputs:
@@ -88,42 +111,6 @@ def build_loader(trainer: Any, state: TokenBudgetState, call: Call) -> Any:
         truncation = getattr(inner, "truncation_mode", "keep_start")
         collator.encoder = Encoder(getattr(inner, "max_length", None), truncation, state.multiple)
     return loader
-
-
-def cut(state: TokenBudgetState, batches: list[Any], num_items_in_batch: Any) -> list[Any]:
-    if num_items_in_batch is not None:
-        raise UsageError(
-            "token_budget: the training batches carry `labels` and the model takes loss kwargs (or a "
-            "`compute_loss_func` is set), so the Trainer counts their items for loss scaling "
-            "(`num_items_in_batch`), which DPO does not use and token_budget cannot keep for the micro-batches it "
-            "cuts. Use a data collator that returns no `labels` key, or disable token_budget."
-        )
-    return state.cut(batches) if batches else batches
-
-
-def training_step(state: TokenBudgetState, proceed: Any, model: Any, inputs: Any, args: tuple, kwargs: dict) -> Any:
-    if isinstance(inputs, Slot):
-        return state.run_slot(proceed, model, inputs, args, kwargs)
-    # A plain batch from outside the loop: stock scaling (transformers divides by the accumulation steps).
-    state.plain_scale = 1.0 / state.trainer.current_gradient_accumulation_steps
-    try:
-        return proceed(model, inputs, *args, **kwargs)
-    finally:
-        state.plain_scale = None
-
-
-def compute_loss(state: TokenBudgetState, proceed: Any, model: Any, inputs: Any, args: tuple, kwargs: dict) -> Any:
-    mb = state.active
-    if mb is None:
-        result = proceed(model, inputs, *args, **kwargs)
-        if state.plain_scale is None:
-            return result
-        return result * state.plain_scale
-    with state.capture(model, inputs) as outputs:
-        loss = proceed(model, inputs, *args, **kwargs)
-    if not state.sft_weight or isinstance(mb, Padding):
-        return loss * mb.weight
-    return loss * mb.weight + sft_correction(outputs[0], inputs, mb, state.sft_weight)
 
 
 def _stock_text(state: Any, first_step: int) -> str:
