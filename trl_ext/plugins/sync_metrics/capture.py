@@ -245,18 +245,14 @@ def _gather(trainer: Any, state: SyncMetricsState, call: Call) -> Any:
     return state.record(call.args[0] if call.args else call.kwargs.get("input_data", call.kwargs.get("tensor")))
 
 
-def _epoch_iterator(epoch_iterator: Any, *args: Any, **kwargs: Any) -> tuple[Any, tuple, dict]:
-    return epoch_iterator, args, kwargs
-
-
 def _get_batch_samples(trainer: Any, state: SyncMetricsState, call: Call) -> Any:
     # The Trainer fetches a whole gradient-accumulation window before computing it, so the dataloader's end-of-epoch
     # state must be read at fetch time (transformers trainer.py `get_batch_samples`).
     state.fetched.clear()
     state.close_step()  # a new optimizer step begins
-    epoch_iterator, args, kwargs = _epoch_iterator(*call.args, **call.kwargs)
-    wrapped = _recording(epoch_iterator, state, trainer.accelerator.gradient_state)
-    return call.proceed(wrapped, *args, **kwargs)
+    args, kwargs = list(call.args), dict(call.kwargs)
+    epoch_iterator = args.pop(0) if args else kwargs.pop("epoch_iterator")
+    return call.proceed(_recording(epoch_iterator, state, trainer.accelerator.gradient_state), *args, **kwargs)
 
 
 def _recording(iterator: Any, state: SyncMetricsState, gradient_state: Any) -> Iterator[Any]:

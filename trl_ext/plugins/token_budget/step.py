@@ -79,10 +79,9 @@ class TokenBudgetState:
         self.record = StepRecord()
         self.sizes: list[int] = []
         self.ranks = Ranks.of(trainer.accelerator)
-        #: several processes: the step's stock micro-batch sizes (`rank * slots + slot`), slots, and the ids
-        #: `(batch, row)` of the pairs this rank recorded, in order
+        #: several processes: the step's stock micro-batch sizes (`rank * slots + slot`) and the ids `(batch, row)`
+        #: of the pairs this rank recorded, in order
         self.global_sizes: list[int] = []
-        self.slots = 0
         self.recorded: list[tuple[int, int]] = []
         #: per optimizer step: micro-batches run (for logs and tests); on several processes the same on every rank
         self.micro_batch_counts: list[int] = []
@@ -192,7 +191,7 @@ class TokenBudgetState:
         pairs, sizes = global_pairs(everyone, self.packed, max_length, self.multiple)
         runs, owner = balanced_plan(pairs, sizes, self.budget, self.packed, self.ranks.world)
         slots = len(examples)
-        self.global_sizes, self.slots = sizes, slots
+        self.global_sizes = sizes
 
         def micro_batch(run: list[Any]) -> MicroBatch:
             inputs = collate([everyone[p.batch // slots][p.batch % slots][p.row] for p in run])
@@ -362,7 +361,7 @@ class TokenBudgetState:
             # (`_compat.DPO_TOTAL_TRAIN_TOKENS`)
             trainer._total_train_tokens = self.tokens_before + sum(r[2] for r in ranks)
             metrics["num_tokens"] = [trainer._total_train_tokens]
-            step_values = stock_values_of_pairs([(r[0], r[1]) for r in ranks], self.global_sizes, self.slots)
+            step_values = stock_values_of_pairs([(r[0], r[1]) for r in ranks], self.global_sizes, len(self.sizes))
         for values in step_values:
             for name, value in values.items():
                 metrics[name].append(value)
