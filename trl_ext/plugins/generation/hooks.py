@@ -114,15 +114,11 @@ def check_fsdp_generation(state: GenerationState, accelerator: Any) -> None:
 
 
 def _state(context: TrainerContext) -> GenerationState:
+    """The trainer's `GenerationState`, made by the first hook that needs it."""
     state = context.state.get(NAME)
     if state is None:
         state = context.state[NAME] = GenerationState(context.config.ds3_gather_for_generation, context.options(NAME))
     return state
-
-
-@hookimpl
-def trl_ext_trainer_init_start(trainer: Trainer, context: TrainerContext, init_kwargs: dict[str, Any]) -> None:
-    _state(context)
 
 
 @hookimpl
