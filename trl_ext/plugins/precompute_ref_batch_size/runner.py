@@ -70,15 +70,13 @@ class Precompute:
         )
         entry = self._open_entry(key, n, details) if self.ranks.is_main else None
         # Rank 0 alone touches the disk; the others get what it found (fixes TRL's multi-process in-memory crash, B7).
-        found = entry.load() if entry is not None else None
-        found = self.ranks.broadcast(found)
+        found = self.ranks.broadcast(entry.load() if entry is not None else None)
         if found is not None:
             chosen, rejected = found
             self.record.update(source="cache", seconds=time.perf_counter() - start, forward_batches=0)
             self.info("trl-ext `%s`: reused cached reference log-probs for %s (%d pairs).", NAME, self.name, n)
         else:
-            resumed = entry.load_parts() if entry is not None else None
-            resumed = self.ranks.broadcast(resumed)
+            resumed = self.ranks.broadcast(entry.load_parts() if entry is not None else None)
             chosen, rejected = self._compute(n, entry, resumed)
             if entry is not None:
                 self._guarded(entry.write, chosen, rejected)

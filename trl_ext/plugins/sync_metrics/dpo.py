@@ -113,22 +113,17 @@ def _compute_loss(trainer: Any, state: SyncMetricsState, call: Call) -> Any:
         state.windows[mode].add(_items(state, trainer, captured, mode))
     else:
         state.windows[mode].add([(state.schema.calls, 1)])
-    _check_and_clear_trl_buffer(trainer, mode)
-    return result
-
-
-def _check_and_clear_trl_buffer(trainer: Any, mode: str) -> None:
-    """TRL appended placeholder values (computed from the CPU zeros) to `_metrics[mode]`: check that it logged no
-    metric this plugin does not know, then drop them."""
+    # TRL appended placeholder values (computed from the CPU zeros): check that it logged no metric this plugin does
+    # not know, then drop them.
     buffer = getattr(trainer, _compat.DPO_METRICS_BUFFER)[mode]
-    known = {name for name, _ in _compat.DPO_METRIC_GATHERS}
-    unknown = set(buffer) - known
+    unknown = set(buffer) - {name for name, _ in _compat.DPO_METRIC_GATHERS}
     if unknown:
         raise UsageError(
             f"sync_metrics: TRL logged metrics {sorted(unknown)} that sync_metrics does not reduce: "
             f"{_compat.unexpected_trl('sync_metrics')}"
         )
     buffer.clear()
+    return result
 
 
 def _training_step(trainer: Any, state: SyncMetricsState, call: Call) -> Any:

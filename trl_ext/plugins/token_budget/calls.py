@@ -24,8 +24,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
 logger = get_logger(__name__)
 
-LOADERS = ("get_train_dataloader", "get_eval_dataloader", "get_test_dataloader")
-
 
 def run(trainer: Any, context: Any, state: TokenBudgetState, call: Call) -> Any:
     name = call.name
@@ -36,7 +34,7 @@ def run(trainer: Any, context: Any, state: TokenBudgetState, call: Call) -> Any:
         if name == "accelerator.gather":
             return state.gather(call.proceed, data)
         return state.gather_for_metrics(call.proceed, data)
-    if name in LOADERS:
+    if name.endswith("_dataloader"):  # get_train_dataloader, get_eval_dataloader, get_test_dataloader
         return build_loader(trainer, state, call)
     if name == "get_batch_samples":
         batches, num_items_in_batch = call.proceed()

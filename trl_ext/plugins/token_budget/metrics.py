@@ -180,13 +180,11 @@ def stock_values(ranks: Sequence[tuple[Sequence[int], dict[str, torch.Tensor] | 
     if len(counts) != 1:
         raise InternalError(f"token_budget: ranks ran different numbers of stock micro-batches in a step: {counts}.")
     slots = counts.pop()
-    ids = [
-        [(r * slots + i, j) for i, size in enumerate(sizes) for j in range(size)] for r, (sizes, _) in enumerate(ranks)
+    recorded = [
+        ([(r * slots + i, j) for i, size in enumerate(sizes) for j in range(size)], values)
+        for r, (sizes, values) in enumerate(ranks)
     ]
-    every = [size for sizes, _ in ranks for size in sizes]
-    return stock_values_of_pairs(
-        [(pairs, values) for pairs, (_, values) in zip(ids, ranks, strict=True)], every, slots
-    )
+    return stock_values_of_pairs(recorded, [size for sizes, _ in ranks for size in sizes], slots)
 
 
 def stock_values_of_pairs(
