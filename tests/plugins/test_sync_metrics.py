@@ -587,7 +587,7 @@ def test_uninstall_restores_trainer(dpo_args, online_dpo_args, tokenizer):
 def test_schema_reduce_mean_max_min():
     """The packed layout and the reduction of a gathered [world, size] matrix (sum/count means, min/max over ranks
     that saw the metric, metrics no rank saw are dropped)."""
-    from trl_ext.plugins.sync_metrics.schema import Metric, Schema, Window
+    from trl_ext.plugins.sync_metrics.capture import Metric, Schema, Window
 
     schema = Schema([Metric("b"), Metric("a", "max"), Metric("c", "min"), Metric("d")])
     assert [m.name for m in schema.metrics] == ["a", "b", "c", "d"]

@@ -1,6 +1,6 @@
 """`token_budget` against stock TRL in issue 33 §2's loss settings: NaN metrics (stock logs NaN and goes on), the
 allow-list of loss types read against TRL's own list, and `loss_type` "sft" (RPO and every combination with it), exact
-by per-token weights (`trl_ext.plugins.token_budget.sft`).
+by per-token weights (`trl_ext.plugins.token_budget.metrics`).
 
 The comparisons use tests/plugins/token_budget_harness.py (float64 models, SGD, two optimizer steps of 2 x
 2 pairs, the second the epoch's uneven last one, parameters to 1e-6 of a step's change, logs to 1e-6).

@@ -16,9 +16,8 @@ import pytest
 import torch
 
 from trl_ext._shared import Ranks
-from trl_ext.plugins.token_budget.cut import MicroBatch, Pair, tokens
+from trl_ext.plugins.token_budget.cut import MicroBatch, Padding, Pair, balanced_plan, global_pairs, pad_to, tokens
 from trl_ext.plugins.token_budget.metrics import PAIR_METRICS, ROW_SUMS, stock_values, stock_values_of_pairs
-from trl_ext.plugins.token_budget.ranks import Padding, balanced_plan, global_pairs, pad_to
 from trl_ext.testing import make_model
 
 
@@ -282,8 +281,8 @@ def test_train_summary_reports_the_rank_balance():
     """The line logged when `train()` returns: counts from the given step on, and most / mean tokens per rank."""
     from types import SimpleNamespace
 
+    from trl_ext.plugins.token_budget.calls import summary
     from trl_ext.plugins.token_budget.cut import Layout
-    from trl_ext.plugins.token_budget.report import summary
 
     state = SimpleNamespace(
         micro_batch_counts=[9, 3, 2],

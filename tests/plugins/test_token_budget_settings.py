@@ -188,8 +188,7 @@ def test_dispatch_batches_one_process_equals_stock(dpo_args, tokenizer):
     plugin = _train(dpo_args, tokenizer, {PLUGIN: 128}, **args)
     _assert_same_run(_train(dpo_args, tokenizer, None, **args), plugin)
     assert _state(plugin[0]).micro_batch_counts == [4, 3]  # one pair per micro-batch (2 x 64 tokens)
-    from trl_ext.plugins.token_budget.cut import EXAMPLES_KEY
-    from trl_ext.plugins.token_budget.dispatch import dispatches
+    from trl_ext.plugins.token_budget.cut import EXAMPLES_KEY, dispatches
 
     loader = plugin[0].get_train_dataloader()
     assert dispatches(loader) and isinstance(next(iter(loader))[EXAMPLES_KEY]["rows"], torch.Tensor)
@@ -200,8 +199,7 @@ def test_dispatched_examples_survive_concatenation_and_slicing(dpo_args, tokeniz
     and slices them, each process decodes its own pairs, which collate to its own batch (truncation included)."""
     from accelerate.utils import concatenate, slice_tensors
 
-    from trl_ext.plugins.token_budget.cut import EXAMPLES_KEY, KeepExamples
-    from trl_ext.plugins.token_budget.dispatch import Encoder, examples_of
+    from trl_ext.plugins.token_budget.cut import EXAMPLES_KEY, Encoder, KeepExamples, examples_of
 
     for mode in ("keep_start", "keep_end"):
         # one padded width, as stock TRL needs for accelerate to join its batches

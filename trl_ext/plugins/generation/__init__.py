@@ -16,30 +16,12 @@ from trl_ext.api import (
     Size,
     boolean,
     either,
-    free_memory_bytes,
     lazy_getattr,
     non_negative_float,
     one_of,
     optional,
     size,
 )
-
-from .budget import BudgetPlan, decoder_layers, external_params, param_bytes
-from .context import GenerationContext
-from .fsdp import check_fsdp_generation
-
-__all__ = [
-    "NAME",
-    "TRL_EXT_PLUGIN",
-    "BudgetPlan",
-    "GenerationContext",
-    "GenerationOptions",
-    "check_fsdp_generation",
-    "decoder_layers",
-    "external_params",
-    "free_memory_bytes",
-    "param_bytes",
-]
 
 NAME = "generation"
 _DEFAULT_AUTO_MARGIN = 0.25
@@ -79,4 +61,6 @@ TRL_EXT_PLUGIN = PluginSpec(
 )
 
 
-__getattr__ = lazy_getattr(__name__, rest="hooks")  # the implementation's names, imported on first use only
+#: the implementation's names, imported on first use: the memory arithmetic from `.context`, the rest from `.hooks`
+_CONTEXT_NAMES = ("BudgetPlan", "GenerationContext", "decoder_layers", "external_params", "param_bytes")
+__getattr__ = lazy_getattr(__name__, dict.fromkeys(_CONTEXT_NAMES, f"{__name__}.context"), rest="hooks")

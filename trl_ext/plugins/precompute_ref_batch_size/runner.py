@@ -70,15 +70,13 @@ class Precompute:
         )
         entry = self._open_entry(key, n, details) if self.ranks.is_main else None
         # Rank 0 alone touches the disk; the others get what it found (fixes TRL's multi-process in-memory crash, B7).
-        found = entry.load() if entry is not None else None
-        found = self.ranks.broadcast(found)
+        found = self.ranks.broadcast(entry.load() if entry is not None else None)
         if found is not None:
             chosen, rejected = found
             self.record.update(source="cache", seconds=time.perf_counter() - start, forward_batches=0)
             self.info("trl-ext `%s`: reused cached reference log-probs for %s (%d pairs).", NAME, self.name, n)
         else:
-            resumed = entry.load_parts() if entry is not None else None
-            resumed = self.ranks.broadcast(resumed)
+            resumed = self.ranks.broadcast(entry.load_parts() if entry is not None else None)
             chosen, rejected = self._compute(n, entry, resumed)
             if entry is not None:
                 self._guarded(entry.write, chosen, rejected)
@@ -262,7 +260,17 @@ class Precompute:
                 part_number[0] += 1
                 self._guarded(entry.write_part, part_number[0], idx, c, r)
 
-        progress = self._progress(n, int(done.sum()))
+        from tqdm.auto import tqdm
+
+        hide = not self.ranks.is_main or bool(os.environ.get("TQDM_DISABLE", ""))
+        progress = tqdm(
+            total=n,
+            initial=int(done.sum()),
+            unit="pair",
+            desc=f"Reference log-probs ({self.name})",
+            dynamic_ncols=True,
+            disable=hide or bool(getattr(self.trainer.args, "disable_tqdm", False)),
+        )
         try:
             # Batches are planned over every pair the uninterrupted run would plan (`rest`) and those already saved are
             # skipped, so a resumed run is bit-identical (docs/plugins/precompute_ref_batch_size.md, "Resume").
@@ -287,25 +295,10 @@ class Precompute:
                 batches = [b for b in batches if not done[b].all()]
                 self._run_batches(model, batches, store, progress)
         finally:
-            if progress is not None:
-                progress.close()
+            progress.close()
         if not done.all():  # pragma: no cover - a planning bug; never hand out NaNs
             raise InternalError(f"trl-ext `{NAME}`: {int((~done).sum())} pairs were not computed")
         return chosen, rejected
-
-    def _progress(self, total: int, initial: int):
-        disable = (
-            not self.ranks.is_main
-            or bool(os.environ.get("TQDM_DISABLE", ""))
-            or bool(getattr(self.trainer.args, "disable_tqdm", False))
-        )
-        if disable:
-            return None
-        from tqdm.auto import tqdm
-
-        return tqdm(
-            total=total, initial=initial, unit="pair", desc=f"Reference log-probs ({self.name})", dynamic_ncols=True
-        )
 
     def _run_batches(self, model, batches, store, progress) -> None:
 
@@ -336,8 +329,7 @@ class Precompute:
             # Every rank knows every rank's plan, so all reach the same shard boundaries (collectives stay matched).
             step_pairs = sum(len(lst[j][0]) for lst in per_rank if not lst[j][1])
             pending_pairs += step_pairs
-            if progress is not None:
-                progress.update(step_pairs)
+            progress.update(step_pairs)
             due = pending_pairs >= shard or j == count - 1
             if not due:
                 # Also by elapsed time, so an interruption loses at most about `shard_interval` seconds of work

@@ -94,8 +94,7 @@ def probe(run, model, todo, store, progress):
         if not any(o[1] for o in outcomes):
             # Nobody ran out of memory: keep the values (also from a probe that was merely over budget).
             store(concat_results([(batch, *result)]))
-            if progress is not None:
-                progress.update(k * world)
+            progress.update(k * world)
             taken += k
         else:
             store(concat_results([]))

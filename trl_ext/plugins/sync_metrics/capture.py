@@ -1,10 +1,15 @@
-"""Per-trainer state and the capture of what TRL gathers: during a loss computation the trainer's accelerator answers
-`gather`/`gather_for_metrics` locally and records the tensor; the end-of-epoch duplicates are counted at fetch time."""
+"""The fixed metric schema of a trainer, the packed vector it describes, and the local window of sums and counts;
+per-trainer state and the capture of what TRL gathers: during a loss computation the trainer's accelerator answers
+`gather`/`gather_for_metrics` locally and records the tensor; the end-of-epoch duplicates are counted at fetch time.
+The Trainer's own gathers at a logging step (the training loss in `nested_gather`, the FLOs in `store_flos`) are kept
+local and carried in sync_metrics' one collective instead."""
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
+import functools
 import weakref
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -12,12 +17,111 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from trl_ext import _compat
-from trl_ext.api import UsageError
-
-from .schema import Schema, Window
+from trl_ext.api import CallSlot, UsageError
 
 if TYPE_CHECKING:  # pragma: no cover
     from trl_ext.api import Call
+
+
+@dataclasses.dataclass(frozen=True)
+class Metric:
+    """One logged metric: `sum / count` over all ranks (`reduce="mean"`), or the min/max over ranks of per-rank
+    values whose count is > 0 (`reduce="max"` / `"min"`)."""
+
+    name: str
+    reduce: str = "mean"
+
+
+class Schema:
+    """A fixed, sorted list of metrics, identical on every rank, and the layout of the packed vector.
+
+    Layout: `[sum_0, count_0, sum_1, count_1, ..., calls, tokens, loss, loss_count, flos]`. `calls` counts loss calls
+    in the window (DPO logs `num_tokens` only after one), `tokens` the attention-mask tokens of real training pairs
+    (folded into every collective so that `num_tokens` is exact at evaluation points too); `loss`/`loss_count` carry
+    the Trainer's accumulated training loss and `flos` its FLOs, which transformers would otherwise gather in two more
+    collectives per logging step.
+    """
+
+    def __init__(self, metrics: list[Metric]) -> None:
+        self.metrics = sorted(metrics, key=lambda m: m.name)
+        self.index = {m.name: i for i, m in enumerate(self.metrics)}
+        self.calls = 2 * len(self.metrics)
+        self.tokens = self.calls + 1
+        self.loss = self.calls + 2
+        self.loss_count = self.calls + 3
+        self.flos = self.calls + 4
+        self.size = self.calls + 5
+
+    def sum_slot(self, name: str) -> int:
+        return 2 * self.index[name]
+
+    def count_slot(self, name: str) -> int:
+        return 2 * self.index[name] + 1
+
+    def reduce(self, rows: torch.Tensor) -> tuple[dict[str, float], list[float]]:
+        """Reduce the gathered `[world, size]` matrix. Returns (metrics with a count > 0, column sums)."""
+        rows = rows.double().cpu()
+        total = rows.sum(dim=0).tolist()
+        out = {}
+        for i, metric in enumerate(self.metrics):
+            count = total[2 * i + 1]
+            if count <= 0:
+                continue  # no rank saw this metric in the window: not logged, like stock TRL
+            if metric.reduce == "mean":
+                out[metric.name] = total[2 * i] / count
+            else:
+                seen = rows[:, 2 * i + 1] > 0
+                values = rows[seen, 2 * i]
+                out[metric.name] = float(values.max() if metric.reduce == "max" else values.min())
+        return out, total
+
+
+class Window:
+    """The local sums and counts of one mode (`"train"` / `"eval"`) since the last log.
+
+    Values that are tensors stay on their device (added with one `index_add_` per call, no host sync); plain numbers
+    (pair counts known on the host) are kept on the host. Both meet in `pack()`, at the logging point.
+    """
+
+    def __init__(self, schema: Schema) -> None:
+        self.schema = schema
+        self.device_sums: torch.Tensor | None = None
+        self.host = [0.0] * schema.size
+        self._index_cache: dict[tuple[int, ...], torch.Tensor] = {}
+        #: each call's additions since the last log (read only if the trainer is detached mid-window: `hand_back`)
+        self.calls: list[list[tuple[int, Any]]] = []
+
+    def add(self, items: list[tuple[int, Any]]) -> None:
+        self.calls.append([(s, v.detach() if isinstance(v, torch.Tensor) else v) for s, v in items])
+        slots, values = [], []
+        for slot, value in items:
+            if isinstance(value, torch.Tensor):
+                slots.append(slot)
+                values.append(value.detach().reshape(()).to(torch.float64))
+            else:
+                self.host[slot] += float(value)
+        if not values:
+            return
+        device = values[0].device
+        if self.device_sums is None:
+            self.device_sums = torch.zeros(self.schema.size, dtype=torch.float64, device=device)
+        key = tuple(slots)
+        index = self._index_cache.get(key)
+        if index is None:
+            index = self._index_cache[key] = torch.tensor(slots, dtype=torch.long, device=device)
+        self.device_sums.index_add_(0, index, torch.stack(values))
+
+    def pack(self, device: torch.device) -> torch.Tensor:
+        vec = torch.tensor(self.host, dtype=torch.float64, device=device)
+        if self.device_sums is not None:
+            vec += self.device_sums.to(device)
+        return vec
+
+    def reset(self) -> None:
+        if self.device_sums is not None:
+            self.device_sums.zero_()
+        self.host = [0.0] * self.schema.size
+        self.calls = []
 
 
 class SyncMetricsState:
@@ -113,10 +217,6 @@ class SyncMetricsState:
         real = step["real"] * self.world / step["count"]
         self.loss_correction = self.loss_correction + (real - step["trainer"]).detach().to(torch.float64)
 
-    def take_loss_correction(self) -> torch.Tensor | float:
-        value, self.loss_correction = self.loss_correction, 0.0
-        return value
-
     @contextlib.contextmanager
     def capture(self) -> Iterator[list[torch.Tensor]]:
         """Record what `gather`/`gather_for_metrics` are given while it runs (a nested capture restores the outer)."""
@@ -145,18 +245,14 @@ def _gather(trainer: Any, state: SyncMetricsState, call: Call) -> Any:
     return state.record(call.args[0] if call.args else call.kwargs.get("input_data", call.kwargs.get("tensor")))
 
 
-def _epoch_iterator(epoch_iterator: Any, *args: Any, **kwargs: Any) -> tuple[Any, tuple, dict]:
-    return epoch_iterator, args, kwargs
-
-
 def _get_batch_samples(trainer: Any, state: SyncMetricsState, call: Call) -> Any:
     # The Trainer fetches a whole gradient-accumulation window before computing it, so the dataloader's end-of-epoch
     # state must be read at fetch time (transformers trainer.py `get_batch_samples`).
     state.fetched.clear()
     state.close_step()  # a new optimizer step begins
-    epoch_iterator, args, kwargs = _epoch_iterator(*call.args, **call.kwargs)
-    wrapped = _recording(epoch_iterator, state, trainer.accelerator.gradient_state)
-    return call.proceed(wrapped, *args, **kwargs)
+    args, kwargs = list(call.args), dict(call.kwargs)
+    epoch_iterator = args.pop(0) if args else kwargs.pop("epoch_iterator")
+    return call.proceed(_recording(epoch_iterator, state, trainer.accelerator.gradient_state), *args, **kwargs)
 
 
 def _recording(iterator: Any, state: SyncMetricsState, gradient_state: Any) -> Iterator[Any]:
@@ -166,9 +262,79 @@ def _recording(iterator: Any, state: SyncMetricsState, gradient_state: Any) -> I
         yield batch
 
 
+#: The state of the trainer whose `_maybe_log_save_evaluate` is running (transformers calls the module-level
+#: `nested_gather` there, with no reference to the trainer; the call context keeps this per call, not global).
+_LOGGING_TRAINER: CallSlot[SyncMetricsState] = CallSlot("sync_metrics.logging_trainer")
+
+
+def _deferring_nested_gather(original):
+    @functools.wraps(original)
+    def nested_gather(tensors, *args, **kwargs):
+        state = _LOGGING_TRAINER.get()
+        if state is None or not state.expect_loss or not isinstance(tensors, torch.Tensor):
+            return original(tensors, *args, **kwargs)
+        # The loss of this logging step: keep it local (TRL/transformers then log the local value, and
+        # `trl_ext_reduce_metrics` replaces it with the global mean from the one collective).
+        trainer = state.trainer_ref()
+        state.expect_loss = False
+        state.pending_loss = tensors.detach().clone().reshape(())  # the caller zeroes `tr_loss` in place next
+        state.pending_loss_steps = trainer.state.global_step - getattr(trainer, _compat.TRAINER_LAST_LOGGED_ATTR)
+        return state.pending_loss.reshape(1)
+
+    nested_gather.__trl_ext_sync_metrics__ = True
+    return nested_gather
+
+
+def _maybe_log_save_evaluate(trainer: Any, state: SyncMetricsState, call: Call) -> Any:
+    # transformers gathers the loss only under this condition (trainer.py `_maybe_log_save_evaluate`).
+    state.expect_loss = bool(
+        trainer.control.should_log and trainer.state.global_step > getattr(trainer, _compat.TRAINER_LAST_LOGGED_ATTR)
+    )
+    try:
+        with _LOGGING_TRAINER.entered(state):
+            return call.proceed()
+    finally:
+        state.expect_loss = False
+
+
+def _store_flos(trainer: Any, state: SyncMetricsState, call: Call) -> Any:
+    if state.in_checkpoint:
+        # A checkpoint writes `state.total_flos` to disk right after: make it exact now (transformers' gather).
+        # allowed write: the FLOs held back since the last log go back to the Trainer's count
+        setattr(trainer, _compat.TRAINER_FLOS_ATTR, getattr(trainer, _compat.TRAINER_FLOS_ATTR) + state.pending_flos)
+        state.pending_flos = 0.0
+        return call.proceed()
+    state.pending_flos += float(getattr(trainer, _compat.TRAINER_FLOS_ATTR))
+    # allowed write: the FLOs are held back, to be summed across ranks in the next log's one collective
+    setattr(trainer, _compat.TRAINER_FLOS_ATTR, 0)
+    return None
+
+
+def _save_checkpoint(trainer: Any, state: SyncMetricsState, call: Call) -> Any:
+    state.in_checkpoint = True
+    try:
+        return call.proceed()
+    finally:
+        state.in_checkpoint = False
+
+
+def install(context: Any) -> None:
+    """The loss gather is the module-level `nested_gather` (no trainer method): wrapped while this trainer runs, it
+    acts only inside the `_maybe_log_save_evaluate` of a trainer that has sync_metrics (pass-through elsewhere)."""
+    import importlib
+
+    for module_name in _compat.LOSS_GATHER_MODULES:
+        module = importlib.import_module(module_name)
+        current = getattr(module, "nested_gather", None)
+        if current is not None and not getattr(current, "__trl_ext_sync_metrics__", False):
+            context.patch("run", lambda patcher, m=module: patcher.wrap(m, "nested_gather", _deferring_nested_gather))
+
+
 #: `trl_ext_call` handlers, by method name (`call.name`), for both trainers
 CALLS = {
     "accelerator.gather": _gather,
     "accelerator.gather_for_metrics": _gather,
     _compat.TRAINER_BATCH_SAMPLES_METHOD: _get_batch_samples,
+    # the logging step, FLO bookkeeping and checkpoints (`_compat.TRAINER_METHODS`)
+    **dict(zip(_compat.TRAINER_METHODS[:3], (_maybe_log_save_evaluate, _store_flos, _save_checkpoint), strict=True)),
 }

@@ -20,7 +20,6 @@ from .cut import (
     TEXT_FIELDS,
     Layout,
     Pair,
-    as_layout,
     check_example,
     padded_multiple,
     pair_length,
@@ -87,21 +86,6 @@ def choose(fitting: Sequence[Probe], memory: float, cap: int, failed: int | None
     if math.isinf(projected) and largest.used > 0:
         projected = largest.tokens * target / largest.used
     return int(max(largest.tokens, min(projected, failed - 1, cap)))
-
-
-def budget_text(context: Any, budget: int) -> str:
-    """The budget as the trainer's log line shows it: `auto:<tokens>` when measured."""
-    return f"auto:{budget}" if STATE_KEY in context.state else str(budget)
-
-
-def resolve(trainer: Any, context: Any, packed: bool | Layout) -> int:
-    """The trainer's budget: the flag's number, or `"auto"` measured now (recorded in `context.state[STATE_KEY]`)."""
-    value = context.config.token_budget
-    if value != "auto":
-        return value
-    result = measure(trainer, as_layout(packed), context.options(NAME))
-    context.state[STATE_KEY] = result
-    return result.budget
 
 
 def heaviest(trainer: Any, kind: Layout) -> tuple[Any, list[str], list[int], list[int]]:

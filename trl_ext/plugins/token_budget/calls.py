@@ -3,28 +3,26 @@
 While a `get_*_dataloader` builds its loader (which captures its collate function), `trainer.data_collator` is
 `cut.KeepExamples`, so each batch also hands over its examples. After each `training_step` and `prediction_step`, what
 the re-cut `compute_loss` calls stood for in stock's batches is announced through `trl_ext_stock_batches`; `train`
-logs one line (notice, main process) when it returns.
+logs one line (notice, main process) when it returns (`summary`): what the cut did over that run, and the largest
+micro-batch it built against the largest one stock TRL builds from the same batches (the figure activation memory
+follows).
 """
 
 from __future__ import annotations
 
+import statistics
 from typing import TYPE_CHECKING, Any
 
 from trl_ext.api import NOTICE, Patcher, UsageError, get_logger, is_main_process
 
-from . import sft
-from .cut import EXAMPLES_KEY, KeepExamples
-from .dispatch import Encoder, dispatches
-from .ranks import Padding
-from .report import summary
+from .cut import EXAMPLES_KEY, Encoder, KeepExamples, Padding, dispatches
+from .metrics import sft_correction
 from .step import Slot, TokenBudgetState
 
 if TYPE_CHECKING:  # pragma: no cover
     from trl_ext.api import Call
 
 logger = get_logger(__name__)
-
-LOADERS = ("get_train_dataloader", "get_eval_dataloader", "get_test_dataloader")
 
 
 def run(trainer: Any, context: Any, state: TokenBudgetState, call: Call) -> Any:
@@ -36,17 +34,40 @@ def run(trainer: Any, context: Any, state: TokenBudgetState, call: Call) -> Any:
         if name == "accelerator.gather":
             return state.gather(call.proceed, data)
         return state.gather_for_metrics(call.proceed, data)
-    if name in LOADERS:
+    if name.endswith("_dataloader"):  # get_train_dataloader, get_eval_dataloader, get_test_dataloader
         return build_loader(trainer, state, call)
     if name == "get_batch_samples":
         batches, num_items_in_batch = call.proceed()
-        return cut(state, batches, num_items_in_batch), None
+        if num_items_in_batch is not None:
+            raise UsageError(
+                "token_budget: the training batches carry `labels` and the model takes loss kwargs (or a "
+                "`compute_loss_func` is set), so the Trainer counts their items for loss scaling "
+                "(`num_items_in_batch`), which DPO does not use and token_budget cannot keep for the micro-batches it "
+                "cuts. Use a data collator that returns no `labels` key, or disable token_budget."
+            )
+        return (state.cut(batches) if batches else batches), None
     if name == "compute_loss":
         (model, inputs), args, kwargs = _split(call, 2)
-        return compute_loss(state, call.proceed, model, inputs, args, kwargs)
+        mb = state.active
+        if mb is None:  # outside a re-cut step: stock, scaled as stock when `training_step` got a plain batch
+            result = call.proceed(model, inputs, *args, **kwargs)
+            return result if state.plain_scale is None else result * state.plain_scale
+        with state.capture(model, inputs) as outputs:
+            loss = call.proceed(model, inputs, *args, **kwargs)
+        if not state.sft_weight or isinstance(mb, Padding):
+            return loss * mb.weight
+        return loss * mb.weight + sft_correction(outputs[0], inputs, mb, state.sft_weight)
     if name == "training_step":
         (model, inputs), args, kwargs = _split(call, 2)
-        result = training_step(state, call.proceed, model, inputs, args, kwargs)
+        if isinstance(inputs, Slot):
+            result = state.run_slot(call.proceed, model, inputs, args, kwargs)
+        else:
+            # A plain batch from outside the loop: stock scaling (transformers divides by the accumulation steps).
+            state.plain_scale = 1.0 / state.trainer.current_gradient_accumulation_steps
+            try:
+                result = call.proceed(model, inputs, *args, **kwargs)
+            finally:
+                state.plain_scale = None
     elif name == "prediction_step":
         (model, inputs, loss_only), args, kwargs = _split(call, 3)
         if EXAMPLES_KEY not in inputs:
@@ -82,7 +103,7 @@ def build_loader(trainer: Any, state: TokenBudgetState, call: Call) -> Any:
         scoped.setattr(trainer, "data_collator", collator)
         loader = call.proceed()
     if dispatches(loader):
-        # accelerate joins the batches: the examples travel as tensors (`.dispatch`), truncated as the collator
+        # accelerate joins the batches: the examples travel as tensors (`cut.Encoder`), truncated as the collator
         # truncates (`DataCollatorForPreference`'s fields; one without them does not)
         inner = collator.collator
         truncation = getattr(inner, "truncation_mode", "keep_start")
@@ -90,37 +111,46 @@ def build_loader(trainer: Any, state: TokenBudgetState, call: Call) -> Any:
     return loader
 
 
-def cut(state: TokenBudgetState, batches: list[Any], num_items_in_batch: Any) -> list[Any]:
-    if num_items_in_batch is not None:
-        raise UsageError(
-            "token_budget: the training batches carry `labels` and the model takes loss kwargs (or a "
-            "`compute_loss_func` is set), so the Trainer counts their items for loss scaling "
-            "(`num_items_in_batch`), which DPO does not use and token_budget cannot keep for the micro-batches it "
-            "cuts. Use a data collator that returns no `labels` key, or disable token_budget."
+def _stock_text(state: Any, first_step: int) -> str:
+    """The clause on stock's largest micro-batch of the steps from `first_step` on."""
+    shapes = state.stock_largest[first_step:]
+    where = " on this rank" if state.ranks.world > 1 else ""
+    if not shapes or any(shape is None for shape in shapes):
+        return f"; stock TRL's micro-batches{where} not measured (a batch of the collator has no 2D `input_ids`)"
+    rows, width = max(shapes, key=lambda s: s[0] * s[1])
+    return (
+        f"; stock TRL's largest micro-batch from the same batches{where}: {rows * width} padded tokens ({rows} rows x "
+        f"{width})"
+    )
+
+
+def summary(state: Any, first_step: int) -> str | None:
+    """What the optimizer steps from `first_step` on ran: micro-batches against stock's, the largest micro-batch
+    against the budget and against stock's largest, pairs over the budget, and on several processes the balance of
+    tokens across ranks (None when no step ran)."""
+    counts = state.micro_batch_counts[first_step:]
+    if not counts:
+        return None
+    stock = sum(state.stock_micro_batch_counts[first_step:])
+    largest = max(state.max_tokens[first_step:], default=0)
+    text = (
+        f"token_budget: {len(counts)} optimizer step(s) ran {sum(counts)} micro-batches (stock: {stock}) within the "
+        f"budget of {state.budget} {state.packed} tokens"
+    )
+    over = sum(state.over_budget[first_step:])
+    if over == 1 and largest > state.budget:
+        text += f"; a pair of {largest} tokens is over the budget of {state.budget} and ran alone"
+    elif over:
+        # on several processes the pairs over the budget may have run on other ranks than this one
+        text += f"; {over} pairs over the budget ran alone"
+        text += f", the largest of {largest} tokens" if largest > state.budget else ""
+    else:
+        text += f", the largest micro-batch {largest} tokens"
+    text += _stock_text(state, first_step)
+    balance = [most / mean for most, mean in state.rank_tokens[first_step:] if mean > 0]
+    if balance:
+        text += (
+            f"; tokens per rank, most / mean: median {statistics.median(balance):.2f}, worst {max(balance):.2f} "
+            f"over {state.ranks.world} ranks"
         )
-    return state.cut(batches) if batches else batches
-
-
-def training_step(state: TokenBudgetState, proceed: Any, model: Any, inputs: Any, args: tuple, kwargs: dict) -> Any:
-    if isinstance(inputs, Slot):
-        return state.run_slot(proceed, model, inputs, args, kwargs)
-    # A plain batch from outside the loop: stock scaling (transformers divides by the accumulation steps).
-    state.plain_scale = 1.0 / state.trainer.current_gradient_accumulation_steps
-    try:
-        return proceed(model, inputs, *args, **kwargs)
-    finally:
-        state.plain_scale = None
-
-
-def compute_loss(state: TokenBudgetState, proceed: Any, model: Any, inputs: Any, args: tuple, kwargs: dict) -> Any:
-    mb = state.active
-    if mb is None:
-        result = proceed(model, inputs, *args, **kwargs)
-        if state.plain_scale is None:
-            return result
-        return result * state.plain_scale
-    with state.capture(model, inputs) as outputs:
-        loss = proceed(model, inputs, *args, **kwargs)
-    if not state.sft_weight or isinstance(mb, Padding):
-        return loss * mb.weight
-    return loss * mb.weight + sft.correction(outputs[0], inputs, mb, state.sft_weight)
+    return text

@@ -34,8 +34,8 @@ PER_PAIR_LOSS_TYPES = frozenset(
         "sigmoid_norm",
     }
 )
-#: ... and means over the micro-batch's chosen completion tokens, which `.sft` re-weights per token by the tokens of
-#: the stock micro-batch each token belongs to.
+#: ... and means over the micro-batch's chosen completion tokens, which `metrics.sft_correction` re-weights per token
+#: by the tokens of the stock micro-batch each token belongs to.
 TOKEN_MEAN_LOSS_TYPES = frozenset({"sft"})
 #: Loss types whose value for one pair depends on the other pairs of its micro-batch in a way no weighting undoes,
 #: with the reason. Refused; so is any loss type TRL lists that is in none of these sets (not verified yet).
@@ -144,14 +144,17 @@ def trl_ext_trainer_init_end(trainer: Any, context: Any) -> None:
             f"micro-batches runs zero-weight repeats, whose pairs `{reducers[0]}` would count in the metrics it "
             "reduces. Disable one of the two."
         )
-    from .auto import resolve
+    from .auto import STATE_KEY, measure
     from .cut import layout
 
     # The packing role's holder collates the micro-batches; its layout (`cut.Layout`, truthy when packed) says what
     # the budget counts. "auto" is measured here, before the first step (`.auto`).
     packing = any(context.is_enabled(name) for name in context.plugins_serving(PACKING))
     packed = layout(trainer.data_collator if packing else None)
-    budget = resolve(trainer, context, packed)
+    budget = context.config.token_budget
+    if budget == "auto":  # measured now, recorded in `context.state[auto.STATE_KEY]`
+        context.state[STATE_KEY] = measured = measure(trainer, packed, context.options(NAME))
+        budget = measured.budget
     context.state[NAME] = TokenBudgetState(trainer, budget, packed)
     # `compute_loss` returns each micro-batch's loss already weighted for the step: transformers' `training_step`
     # must not divide it by the accumulation steps again.
@@ -182,7 +185,10 @@ def trl_ext_call(trainer: Any, context: Any, call: Call) -> Any:
 @hookimpl
 def trl_ext_describe(trainer: Any, context: Any) -> str | None:
     state = context.state.get(NAME)
-    from .auto import budget_text
+    from .auto import STATE_KEY
     from .cut import as_layout
 
-    return None if state is None else f"budget={budget_text(context, state.budget)} {as_layout(state.packed)} tokens"
+    if state is None:
+        return None
+    budget = f"auto:{state.budget}" if STATE_KEY in context.state else str(state.budget)  # "auto" shows what it chose
+    return f"budget={budget} {as_layout(state.packed)} tokens"

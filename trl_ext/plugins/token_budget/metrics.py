@@ -2,6 +2,17 @@
 the per-pair tensors TRL passes to `accelerator.gather` and per-row token sums of the policy forward. At the end of
 the step it appends, for each stock micro-batch in order, the value stock would have appended (on several processes:
 stock's micro-batch `i` is the `i`-th of every rank, joined by TRL's gather, wherever the plugin ran its pairs).
+
+`loss_type` "sft" (alone or combined, e.g. RPO's `["sigmoid", "sft"]`, `sft_weight` to `sft_correction`): TRL's sft
+term is one mean over the chosen completion tokens of the micro-batch (trl/trainer/dpo_trainer.py `_compute_loss`:
+`-chosen_per_token_logps[chosen_mask].mean()` on 1.15+, `F.cross_entropy` over the same tokens on 1.10-1.14): stock
+weighs each chosen token by `1 / (T_m x A)`, `T_m` the chosen tokens of its stock micro-batch and `A` the stock
+micro-batches of the step. A re-cut micro-batch `k` of `T_k` chosen tokens, its loss multiplied by its weight `w_k`
+(its pairs' share of the step), weighs them by `w_k / T_k` instead. The plugin adds to the loss, with its graph, `c x
+sum over the chosen tokens t of log p(t) x (w_k / T_k - 1 / (T_m(t) x A))` (`c`: the sft loss weight), so each token
+counts as stock counts it: the gradient and the step's summed loss are stock's. `T_m` is counted on the collated
+micro-batches (`completion_mask`, as TRL counts), on several processes exchanged (one all-gather per step). Refused
+with `use_weighting=True` (`hooks.check_loss_types` says why).
 """
 
 from __future__ import annotations
@@ -14,6 +25,8 @@ import torch
 
 from trl_ext import _compat
 from trl_ext.api import InternalError, UsageError
+
+from .cut import MicroBatch
 
 #: TRL's per-pair metrics (gathered per pair, in order) and token-weighted ones (rebuilt from per-row sums).
 PAIR_METRICS, TOKEN_METRICS = _compat.DPO_PAIR_METRICS, _compat.DPO_TOKEN_METRICS
@@ -161,42 +174,17 @@ def same_value(a: float, b: float) -> bool:
 
 def stock_values(ranks: Sequence[tuple[Sequence[int], dict[str, torch.Tensor] | None]]) -> list[dict[str, float]]:
     """The values TRL appends for each stock micro-batch of a step, from every rank's `(sizes, per-pair values)`
-    (`StepRecord.local`; rank order). Stock micro-batch `i` is the `i`-th batch of every rank, gathered by TRL: its
-    pair metrics are means over all those pairs, its token metrics ratios of sums over them. None: nothing to rebuild
-    (on every rank)."""
-    if any(values is None for _, values in ranks):
-        if not all(values is None for _, values in ranks):
-            raise InternalError("token_budget: TRL's metric buffer was emptied on some ranks only.")
-        return []
+    (`StepRecord.local`; rank order), each rank's pairs in stock's order (`stock_values_of_pairs`). Stock micro-batch
+    `i` is the `i`-th batch of every rank, gathered by TRL."""
     counts = {len(sizes) for sizes, _ in ranks}
     if len(counts) != 1:
         raise InternalError(f"token_budget: ranks ran different numbers of stock micro-batches in a step: {counts}.")
-    starts = [0] * len(ranks)
-    out = []
-    for i in range(counts.pop()):
-        pieces: dict[str, list[torch.Tensor]] = {}
-        for r, (sizes, values) in enumerate(ranks):
-            assert values is not None
-            for name, tensor in values.items():
-                pieces.setdefault(name, []).append(tensor[starts[r] : starts[r] + sizes[i]])
-            starts[r] += sizes[i]
-        part = {name: torch.cat(tensors) for name, tensors in pieces.items()}
-        out.append(_batch_values(part))
-    return out
-
-
-def _batch_values(part: dict[str, torch.Tensor]) -> dict[str, float]:
-    """TRL's appended values for one stock micro-batch, from the per-pair values of all its pairs."""
-    values = {name: part[name].mean().item() for name in PAIR_METRICS}
-    tokens = part["tokens_c"].sum() + part["tokens_r"].sum()
-    entropy = part["entropy_c"].sum() + part["entropy_r"].sum()
-    values["entropy"] = (entropy / tokens).item() if tokens > 0 else 0.0
-    tokens_c, tokens_r = part["tokens_c"].sum().item(), part["tokens_r"].sum().item()
-    values["logits/chosen"] = part["logits_c"].sum().item() / tokens_c if tokens_c > 0 else 0.0
-    values["logits/rejected"] = part["logits_r"].sum().item() / tokens_r if tokens_r > 0 else 0.0
-    correct = part["correct_c"].sum()
-    values["mean_token_accuracy"] = (correct / part["tokens_c"].sum()).item() if tokens_c > 0 else 0.0
-    return values
+    slots = counts.pop()
+    recorded = [
+        ([(r * slots + i, j) for i, size in enumerate(sizes) for j in range(size)], values)
+        for r, (sizes, values) in enumerate(ranks)
+    ]
+    return stock_values_of_pairs(recorded, [size for sizes, _ in ranks for size in sizes], slots)
 
 
 def stock_values_of_pairs(
@@ -206,7 +194,9 @@ def stock_values_of_pairs(
 
     `ranks`: per rank, the ids `(batch, row)` of the pairs it recorded, in order, with their values
     (`StepRecord.local`); `batch` is `rank * slots + slot` of the pair's stock micro-batch, of `sizes[batch]` pairs.
-    Stock micro-batch `i` joins the `i`-th micro-batch of every rank, in rank order (TRL's gather).
+    Stock micro-batch `i` joins the `i`-th micro-batch of every rank, in rank order (TRL's gather): its pair metrics
+    are means over all those pairs, its token metrics ratios of sums over them. None: nothing to rebuild (on every
+    rank).
     """
     if any(values is None for _, values in ranks):
         if not all(values is None for _, values in ranks):
@@ -221,5 +211,56 @@ def stock_values_of_pairs(
     for i in range(slots):
         rows = [where[(b, j)] for b in range(i, len(sizes), slots) for j in range(sizes[b])]
         index = torch.tensor(rows, dtype=torch.long)
-        out.append(_batch_values({name: tensor[index] for name, tensor in flat.items()}))
+        part = {name: tensor[index] for name, tensor in flat.items()}  # stock micro-batch i's pairs, from every rank
+        values = {name: part[name].mean().item() for name in PAIR_METRICS}
+        tokens = part["tokens_c"].sum() + part["tokens_r"].sum()
+        entropy = part["entropy_c"].sum() + part["entropy_r"].sum()
+        values["entropy"] = (entropy / tokens).item() if tokens > 0 else 0.0
+        tokens_c, tokens_r = part["tokens_c"].sum().item(), part["tokens_r"].sum().item()
+        values["logits/chosen"] = part["logits_c"].sum().item() / tokens_c if tokens_c > 0 else 0.0
+        values["logits/rejected"] = part["logits_r"].sum().item() / tokens_r if tokens_r > 0 else 0.0
+        correct = part["correct_c"].sum()
+        values["mean_token_accuracy"] = (correct / part["tokens_c"].sum()).item() if tokens_c > 0 else 0.0
+        out.append(values)
     return out
+
+
+def sft_weight(trainer: Any) -> float:
+    """The summed loss weight of the trainer's "sft" terms (0.0: none)."""
+    return float(sum(w for t, w in zip(trainer.loss_types, trainer.loss_weights, strict=True) if t == "sft"))
+
+
+def chosen_tokens(mb: MicroBatch) -> dict[tuple[int, int], int]:
+    """The chosen completion tokens TRL counts for each pair `(batch, row)` of a collated micro-batch."""
+    n = len(mb.pairs)
+    counts = mb.inputs["completion_mask"][:n, 1:].sum(dim=1).tolist()
+    return {(p.batch, p.row): int(c) for p, c in zip(mb.pairs, counts, strict=True)}
+
+
+def assign_sft_scales(micro_batches: Sequence[MicroBatch], slots: int, ranks: Any = None) -> None:
+    """Give each micro-batch the per-pair token weights stock gives (`MicroBatch.sft_scales`), from the chosen tokens
+    of every pair of the step (`chosen_tokens`; on several processes exchanged through `ranks`) and the stock
+    micro-batches of the step (`slots`)."""
+    counts = [chosen_tokens(mb) for mb in micro_batches]
+    if ranks is not None:
+        counts = [part for parts in ranks.all_gather(counts) for part in parts]
+    per_batch: dict[int, int] = {}
+    for (batch, _), count in (item for part in counts for item in part.items()):
+        per_batch[batch] = per_batch.get(batch, 0) + count
+    for mb in micro_batches:
+        # a stock micro-batch without chosen tokens has a NaN sft loss in TRL (the mean of nothing): NaN here too
+        mb.sft_scales = [1.0 / (per_batch[p.batch] * slots) if per_batch[p.batch] else float("nan") for p in mb.pairs]
+
+
+def sft_correction(output: Any, inputs: dict[str, torch.Tensor], mb: MicroBatch, weight: float) -> torch.Tensor:
+    """What to add to `mb.weight x` TRL's loss so that its sft term weighs tokens as stock does (`weight`: the sft
+    loss weight)."""
+    assert mb.sft_scales is not None
+    n = len(mb.pairs)
+    mask = inputs["completion_mask"][:n, 1:].bool()
+    logps = token_logps(output, inputs, n)
+    per_pair = torch.where(mask, logps, torch.zeros((), dtype=logps.dtype, device=logps.device)).sum(dim=1)
+    total = int(mask.sum().item())
+    own = mb.weight / total if total else float("nan")
+    coefficients = torch.tensor([own - s for s in mb.sft_scales], dtype=per_pair.dtype, device=per_pair.device)
+    return weight * (coefficients * per_pair).sum()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -19,14 +19,38 @@ import torch
 from trl_ext import _compat
 from trl_ext.api import InternalError, Ranks, UsageError, get_logger, is_main_process
 
-from . import sft
-from .cut import EXAMPLES_KEY, Layout, MicroBatch, cut_step, padded_multiple, spread, tokens
-from .dispatch import examples_of
-from .metrics import StepRecord, row_sums, stock_values, stock_values_of_pairs
-from .ranks import Padding, balanced_plan, global_pairs, pad_to
-from .report import largest_stock_batch
+from .cut import (
+    EXAMPLES_KEY,
+    Layout,
+    MicroBatch,
+    Padding,
+    balanced_plan,
+    cut_step,
+    examples_of,
+    global_pairs,
+    pad_to,
+    padded_multiple,
+    spread,
+    tokens,
+)
+from .metrics import StepRecord, assign_sft_scales, row_sums, sft_weight, stock_values, stock_values_of_pairs
 
 logger = get_logger(__name__)
+
+
+def largest_stock_batch(batches: Sequence[Mapping[str, Any]]) -> tuple[int, int] | None:
+    """`(rows, width)` of the largest of one step's stock micro-batches, read from the `input_ids` the trainer's
+    collator built for them (TRL's `DataCollatorForPreference`: chosen and rejected rows, right-padded; a packing
+    plugin's collator keeps that padded batch), so `rows x width` are the tokens stock's model call runs. None when a
+    batch has no 2D `input_ids` tensor: then nothing is said about stock."""
+    shapes = []
+    for batch in batches:
+        ids = batch.get("input_ids")
+        shape = tuple(getattr(ids, "shape", ()))
+        if len(shape) != 2:
+            return None
+        shapes.append((int(shape[0]), int(shape[1])))
+    return max(shapes, key=lambda s: s[0] * s[1], default=None)
 
 
 class Slot(dict):
@@ -46,8 +70,8 @@ class TokenBudgetState:
         self.packed = packed
         #: the padded layout's `pad_to_multiple_of` (the budget counts the padded width the model sees)
         self.multiple = padded_multiple(trainer.data_collator, packed)
-        #: the summed loss weight of `loss_type` "sft" (`.sft`; 0.0: none)
-        self.sft_weight = sft.sft_weight(trainer)
+        #: the summed loss weight of `loss_type` "sft" (`metrics.sft_weight`; 0.0: none)
+        self.sft_weight = sft_weight(trainer)
         #: the micro-batch `compute_loss` is running, or None
         self.active: MicroBatch | None = None
         #: the stock factor for a `training_step` called outside the loop with a plain batch
@@ -55,16 +79,15 @@ class TokenBudgetState:
         self.record = StepRecord()
         self.sizes: list[int] = []
         self.ranks = Ranks.of(trainer.accelerator)
-        #: several processes: the step's stock micro-batch sizes (`rank * slots + slot`), slots, and the ids
-        #: `(batch, row)` of the pairs this rank recorded, in order
+        #: several processes: the step's stock micro-batch sizes (`rank * slots + slot`) and the ids `(batch, row)`
+        #: of the pairs this rank recorded, in order
         self.global_sizes: list[int] = []
-        self.slots = 0
         self.recorded: list[tuple[int, int]] = []
         #: per optimizer step: micro-batches run (for logs and tests); on several processes the same on every rank
         self.micro_batch_counts: list[int] = []
         #: per optimizer step: the micro-batches stock runs (the Trainer's batches of the step)
         self.stock_micro_batch_counts: list[int] = []
-        #: per optimizer step: micro-batches of real pairs this rank ran (the rest are `ranks.Padding`)
+        #: per optimizer step: micro-batches of real pairs this rank ran (the rest are `cut.Padding`)
         self.local_micro_batch_counts: list[int] = []
         #: per optimizer step on several processes: pairs this rank ran that stock runs on another rank
         self.moved_pairs: list[int] = []
@@ -77,7 +100,7 @@ class TokenBudgetState:
         self.rank_tokens: list[tuple[int, float]] = []
         self.warned_logits = False
         self.max_tokens: list[int] = []
-        #: per optimizer step: `(rows, width)` of stock's largest batch (`report.largest_stock_batch`)
+        #: per optimizer step: `(rows, width)` of stock's largest batch (`largest_stock_batch`)
         self.stock_largest: list[tuple[int, int] | None] = []
         #: per optimizer step: pairs longer than the budget
         self.over_budget: list[int] = []
@@ -93,7 +116,7 @@ class TokenBudgetState:
         self.gathered: list[tuple[torch.Tensor, Any]] | None = None
         #: inside `accelerator.gather_for_metrics` (whose own `gather` calls are not TRL's per-pair ones)
         self.inside_for_metrics = 0
-        #: `len(micro_batch_counts)` when the current `train()` started (`report.summary`)
+        #: `len(micro_batch_counts)` when the current `train()` started (`calls.summary`)
         self.first_step = 0
 
     def gather(self, gather: Callable[[], Any], tensor: Any) -> Any:
@@ -161,14 +184,14 @@ class TokenBudgetState:
 
     def cut_across_ranks(self, examples: list[list[Any]]) -> tuple[list[MicroBatch], int, int, MicroBatch | None]:
         """Cut the step's pairs of every rank together (one all-gather of the examples), tokens balanced across ranks
-        (`ranks.balanced_plan`), each pair keeping its stock weight. Returns this rank's micro-batches, the pairs over
+        (`cut.balanced_plan`), each pair keeping its stock weight. Returns this rank's micro-batches, the pairs over
         the budget, the most micro-batches a rank runs, and (for a rank given none) the step's smallest to repeat."""
         collate, max_length = self.trainer.data_collator, self.trainer.args.max_length
         everyone = self.ranks.all_gather(examples)
         pairs, sizes = global_pairs(everyone, self.packed, max_length, self.multiple)
         runs, owner = balanced_plan(pairs, sizes, self.budget, self.packed, self.ranks.world)
         slots = len(examples)
-        self.global_sizes, self.slots = sizes, slots
+        self.global_sizes = sizes
 
         def micro_batch(run: list[Any]) -> MicroBatch:
             inputs = collate([everyone[p.batch // slots][p.batch % slots][p.row] for p in run])
@@ -176,13 +199,7 @@ class TokenBudgetState:
 
         mine = [micro_batch(run) for run, r in zip(runs, owner, strict=True) if r == self.ranks.rank]
         if self.sft_weight:  # every rank's chosen tokens per pair, for the token weights of stock's micro-batches
-            counts = {
-                pair: n
-                for part in self.ranks.all_gather([sft.chosen_tokens(mb) for mb in mine])
-                for d in part
-                for pair, n in d.items()
-            }
-            sft.assign_scales(mine, counts, slots)
+            assign_sft_scales(mine, slots, self.ranks)
         self.moved_pairs.append(sum(1 for mb in mine for p in mb.pairs if p.batch // slots != self.ranks.rank))
         smallest = None
         if not mine:
@@ -211,8 +228,7 @@ class TokenBudgetState:
             examples, self.budget, trainer.data_collator, self.packed, trainer.args.max_length, self.multiple
         )
         if self.sft_weight:
-            counts = {pair: n for mb in micro_batches for pair, n in sft.chosen_tokens(mb).items()}
-            sft.assign_scales(micro_batches, counts, len(examples))
+            assign_sft_scales(micro_batches, len(examples))
         return micro_batches, over
 
     def run_slot(self, training_step: Any, model: Any, slot: Slot, args: tuple, kwargs: dict) -> torch.Tensor:
@@ -345,12 +361,10 @@ class TokenBudgetState:
             # (`_compat.DPO_TOTAL_TRAIN_TOKENS`)
             trainer._total_train_tokens = self.tokens_before + sum(r[2] for r in ranks)
             metrics["num_tokens"] = [trainer._total_train_tokens]
-            step_values = stock_values_of_pairs([(r[0], r[1]) for r in ranks], self.global_sizes, self.slots)
+            step_values = stock_values_of_pairs([(r[0], r[1]) for r in ranks], self.global_sizes, len(self.sizes))
         for values in step_values:
             for name, value in values.items():
                 metrics[name].append(value)
-        self.record = StepRecord()
-        self.padding_tokens = 0
         self.stock_batches.append(("train", self.micro_batch_counts[-1], list(self.sizes)))
 
     @contextlib.contextmanager
