@@ -15,7 +15,8 @@ from typing import Any
 from trl_ext import _compat
 from trl_ext.api import UsageError, get_logger
 
-NAME = "precompute_ref_batch_size"
+from . import NAME
+
 logger = get_logger(f"trl_ext.plugins.{NAME}")
 
 #: Bumped whenever the layout or meaning of a cache entry changes, so old entries are never read.

@@ -13,14 +13,13 @@ from trl_ext import _compat
 from trl_ext.api import InternalError, Ranks, get_logger
 from trl_ext.toolkit.roles import PACKING
 
+from . import NAME
 from .cache import REF_COLUMNS, CacheEntry, cache_key, scan_dataset
-from .plan import BatchPlan, concat_results
-from .sizer import OOM_ADVICE, lockstep, probe
+from .sizer import OOM_ADVICE, BatchPlan, concat_results, lockstep, probe
 
 if TYPE_CHECKING:
     from . import PrecomputeState
 
-NAME = "precompute_ref_batch_size"
 logger = get_logger(f"trl_ext.plugins.{NAME}")
 
 
