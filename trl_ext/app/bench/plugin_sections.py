@@ -216,42 +216,20 @@ def bound_verdict(largest: int, bound: int) -> dict[str, Any]:
 
 
 def _online_trainer(setup: Setup, label: str, z: dict[str, Any]) -> Any:
-    """An `OnlineDPOTrainer` whose generation returns a stored batch (`stored_generation`, prompts of 80 to 120
-    tokens)."""
+    """`stored_online_trainer` on the setup's model shape, prompts of 80 to 120 tokens, one step."""
     import random
 
-    from datasets import Dataset
-    from trl.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
+    from .device_workload import stored_online_trainer
+    from .workload import make_model
 
-    from .device_workload import stored_generation
-    from .workload import length_reward, make_model
-
-    prompts, width, vocab = z["prompts"], z["completion"], z["vocab"]
-    args = OnlineDPOConfig(
-        output_dir=str(setup.out / "runs" / f"fused_logprobs-{label}"),
-        per_device_train_batch_size=prompts,
-        max_steps=1,
-        max_new_tokens=width,
-        max_length=8192,
-        report_to=[],
-        use_cpu=True,
-        bf16=False,
-        save_strategy="no",
-        seed=0,
-    )
-    reward: Any = length_reward
-    trainer: Any = OnlineDPOTrainer(
-        model=make_model(vocab_size=vocab, seed=0, **setup.shape),
-        ref_model=make_model(vocab_size=vocab, seed=1, **setup.shape),
-        reward_funcs=reward,
-        args=args,
-        train_dataset=Dataset.from_list([{"prompt": "w1"}] * prompts),
-        processing_class=setup.tokenizer,
-    )
-    rng = random.Random(0)
+    vocab, rng = z["vocab"], random.Random(0)
+    models = (make_model(vocab_size=vocab, seed=0, **setup.shape), make_model(vocab_size=vocab, seed=1, **setup.shape))
+    lengths = [rng.randint(80, 120) for _ in range(z["prompts"])]
     # ids the tokenizer decodes for the reward
-    stored_generation(trainer, [rng.randint(80, 120) for _ in range(prompts)], min(vocab, len(setup.tokenizer)), width)
-    return trainer
+    words, out = min(vocab, len(setup.tokenizer)), str(setup.out / "runs" / f"fused_logprobs-{label}")
+    return stored_online_trainer(
+        models, setup.tokenizer, lengths, words, z["completion"], output_dir=out, max_steps=1, use_cpu=True
+    )
 
 
 def fused_logprobs(setup: Setup, rounds: int, quick: bool) -> dict[str, Any]:
