@@ -127,7 +127,7 @@ GPU_RESULT = "gpu_bench.json"
 def gpu_table(root: Path, argument: str) -> str:
     """The recorded `trl-ext bench --device cuda` run (`benchmarks/results/gpu_bench.json`), or that there is none: a
     GPU figure is measured or said to be not measured, never estimated."""
-    from .bench.device_report import markdown, targets
+    from .bench.device import markdown, targets
 
     path = root / "benchmarks" / "results" / GPU_RESULT
     if not path.exists():
