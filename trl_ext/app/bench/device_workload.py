@@ -1,5 +1,5 @@
 """The workload of `trl-ext bench --device` (`device_parts`): the presets (a ~1B Llama from a config for the GPU, a
-tiny one for the CPU tests), preference pairs with long-tailed lengths, models initialised on the device, and the
+tiny one for the CPU tests; their pairs' long-tailed lengths), models initialised on the device, and the
 Online DPO trainer whose generation returns one stored batch (`stored_online_trainer`, the CPU bench's too)."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from typing import Any
 PRESETS: dict[str, dict[str, Any]] = {
     "1b": dict(
         model=dict(hidden_size=2048, num_layers=16, num_heads=16, num_kv_heads=4, intermediate_size=5632, vocab=32000),
-        prompt=(32, 512, 128),  # (min, max, median) tokens, log-normal with `sigma`
-        completion=(16, 1024, 192),
-        sigma=0.8,
+        # `workload.preference_rows`'s: log-normal with `sigma`, clipped
+        lengths=dict(min_prompt=32, max_prompt=512, prompt_median=128, sigma=0.8)
+        | dict(min_completion=16, max_completion=1024, completion_median=192),
         pairs=8,
         micro_pairs=4,
         batches=6,
@@ -28,9 +28,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     ),
     "tiny": dict(
         model=dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, vocab=256),
-        prompt=(4, 16, 8),
-        completion=(2, 24, 8),
-        sigma=0.8,
+        lengths=dict(min_prompt=4, max_prompt=16, prompt_median=8, sigma=0.8)
+        | dict(min_completion=2, max_completion=24, completion_median=8),
         pairs=4,
         micro_pairs=2,
         batches=2,
@@ -47,27 +46,6 @@ SETTINGS = (("checkpointing_off", False), ("checkpointing_on", True))
 
 def cuda(device: str) -> bool:
     return device.startswith("cuda")
-
-
-def rows(n: int, preset: dict[str, Any], seed: int = 0) -> list[dict[str, str]]:
-    """Preference pairs of the tokenizer's words with log-normal (long-tailed) lengths clipped to the preset's."""
-    from .workload import SPECIAL_TOKENS, _lognormal_len
-
-    rng = random.Random(seed)
-    words = preset["model"]["vocab"] - len(SPECIAL_TOKENS)
-
-    def text(low: int, high: int, median: int) -> str:
-        n = _lognormal_len(rng, median, preset["sigma"], low, high)
-        return " ".join(f"w{rng.randrange(words)}" for _ in range(n))
-
-    return [
-        {
-            "prompt": text(*preset["prompt"]),
-            "chosen": " " + text(*preset["completion"]),
-            "rejected": " " + text(*preset["completion"]),
-        }
-        for _ in range(n)
-    ]
 
 
 def make_model(preset: dict[str, Any], device: str, seed: int) -> Any:
