@@ -14,7 +14,7 @@ from typing import Any
 
 from ..catalog import CORE_KEYS
 from ..config import VERIFY_HELP, TrlExtConfig, check_section_key, load_config
-from ..errors import UsageError
+from ..errors import UsageError, did_you_mean
 
 __all__ = [
     "add_trl_ext_help",
@@ -261,8 +261,6 @@ def parse_job_args(
 ) -> tuple[Any, ...]:
     """Parse TRL's arguments like `trl <command>` does, with trl-ext's help group and CPU defaults; bad arguments
     give one `UsageError` line naming their source (`recipe`: the user's recipe path) instead of a traceback."""
-    import difflib
-
     add_trl_ext_help(parser, command)
 
     recipe_values = _read_recipe(rest)
@@ -295,17 +293,14 @@ def parse_job_args(
     if from_cli:
         known = [option for action in parser._actions for option in action.option_strings]
         unknown = [token for token in from_cli if token.startswith("-")] or from_cli
-        close = difflib.get_close_matches(unknown[0].split("=", 1)[0], known, n=1)
-        hint = f" Did you mean `{close[0]}`?" if close else ""
+        hint = did_you_mean(unknown[0].split("=", 1)[0], known)
         raise UsageError(
             f"Unknown argument `{unknown[0]}` (from the command line).{hint} `trl-ext {command} --help` lists the "
             "arguments."
         )
     if from_recipe:
         keys = [token[2:] for token in from_recipe if token.startswith("--")]
-        dests = [action.dest for action in parser._actions]
-        close = difflib.get_close_matches(keys[0], dests, n=1) if keys else []
-        hint = f" Did you mean `{close[0]}`?" if close else ""
+        hint = did_you_mean(keys[0], [action.dest for action in parser._actions]) if keys else ""
         raise UsageError(
             f"The recipe {recipe or recipe_path(rest)} sets {keys}, which are no `trl-ext {command}` arguments.{hint} "
             f"(`trl {command}` "

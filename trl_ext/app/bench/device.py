@@ -42,8 +42,6 @@ def check(device: str, preset: str | None, model: str | None) -> str:
 
     if model:
         raise UsageError("`--model` is not used with `--device`: the device run builds its preset's model.")
-    if device not in ("cuda", "cpu"):
-        raise UsageError(f"`--device` must be cuda or cpu, got {device!r}.")
     if device == "cuda" and not torch.cuda.is_available():
         raise UsageError(
             f"`--device cuda`: torch {torch.__version__} sees no CUDA device here; run it on a GPU machine "

@@ -227,11 +227,6 @@ def section_flags(section: dict[str, Any]) -> list[str]:
     return [f for value in section.values() if isinstance(value, dict) for f in value.get("flags", [])]
 
 
-def duration_text(seconds: float) -> str:
-    """`about 2.5 min`: a wall time rounded to the half minute, as `--help` and the README state it."""
-    return f"about {max(0.5, round(seconds / 30) / 2):g} min"
-
-
 def headline(report: dict[str, Any]) -> dict[str, float]:
     """The ratios a reader takes away: padding-free and precompute speed-ups, collectives per step, memory."""
     out: dict[str, float] = {}
