@@ -43,7 +43,8 @@ def _measured(call: Any, peaks: list[float | None], index: int) -> tuple[Any, fl
     result = call()
     elapsed = time.perf_counter() - start
     if index >= 1:
-        peaks.append(_peak_growth(before))
+        peak = rss_mib("VmHWM")
+        peaks.append(None if before is None or peak is None else peak - before)
     return result, elapsed
 
 
@@ -52,11 +53,6 @@ def _memory_ratio(peaks: dict[str, list[float | None]], this: str, base: str) ->
     kept = {name: [v for v in peaks[name] if v is not None] for name in (this, base)}
     top, bottom = (statistics.median(kept[name]) if kept[name] else None for name in (this, base))
     return (top / bottom if top is not None and bottom else None), bottom
-
-
-def _peak_growth(before: float | None) -> float | None:
-    peak = rss_mib("VmHWM")
-    return None if before is None or peak is None else peak - before
 
 
 def relative_diff(a: dict[str, float], b: dict[str, float], keys: Any = None) -> float:
