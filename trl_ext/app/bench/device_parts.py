@@ -93,13 +93,8 @@ class Stepper:
 
     def tokens(self) -> tuple[int, int]:
         """(real, padded) tokens of every step's stock batches, as the collator padded them."""
-        real = padded = 0
-        for batch in (b for step in self.steps for b in step):
-            mask = batch.get("attention_mask")
-            if mask is None:
-                return 0, 0
-            real, padded = real + int(mask.sum()), padded + mask.numel()
-        return real, padded
+        masks = [batch["attention_mask"] for step in self.steps for batch in step]
+        return sum(int(mask.sum()) for mask in masks), sum(mask.numel() for mask in masks)
 
     def step(self, index: int, keep: bool = True) -> float:
         import torch
