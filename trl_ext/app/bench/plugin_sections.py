@@ -117,15 +117,11 @@ def token_budget(setup: Setup, rounds: int, quick: bool) -> dict[str, Any]:
     z = _SIZES[quick]
     pairs, batch, steps = z["pairs_per_step"], z["pair_batch"], z["steps"]
     dataset = setup.dataset.select(range(pairs * steps))
-    # Dataset order, so that the bound below is computed on the micro-batches padding_free really forms.
-    ordered = {"train_sampling_strategy": "sequential"}
-    if not hasattr(setup.dpo_args("probe"), "train_sampling_strategy"):
-        ordered = {}
 
     def build(label: str, flags: dict[str, Any], **overrides: Any) -> Any:
-        options = dict(
-            per_device_train_batch_size=batch, gradient_accumulation_steps=pairs // batch, max_steps=steps, **ordered
-        )
+        options = dict(per_device_train_batch_size=batch, gradient_accumulation_steps=pairs // batch, max_steps=steps)
+        # Dataset order, so that the bound below is computed on the micro-batches padding_free really forms.
+        options["train_sampling_strategy"] = "sequential"
         args = setup.dpo_args(f"token_budget-{label}", **{**options, **overrides})
         with trl_ext.install(**flags) if flags else contextlib.nullcontext():
             trainer = DPOTrainer(
