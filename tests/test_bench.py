@@ -19,7 +19,6 @@ import torch
 
 from trl_ext.app import bench
 from trl_ext.app.bench import housekeeping, plugin_sections, sections, stats
-from trl_ext.app.bench import plot as drawing
 from trl_ext.app.bench import report as output
 
 REPO = Path(__file__).resolve().parents[1]
@@ -325,7 +324,8 @@ def test_readme_quotes_the_recorded_bench_run():
     page = (REPO / "docs" / "benchmarks.md").read_text()
     assert report["quick"] is True and report["rounds"] == 5  # `trl-ext bench --quick`, the default rounds
     assert output.markdown_table(report) in page
-    assert bench.QUICK_DURATION == output.duration_text(report["wall_seconds"])
+    # `about 2.5 min`: the wall time rounded to the half minute
+    assert bench.QUICK_DURATION == f"about {max(0.5, round(report['wall_seconds'] / 30) / 2):g} min"
     for text in ((REPO / "README.md").read_text(), page):
         quoted = re.findall(r"about [0-9.]+ min[^\n]*--quick|--quick[^\n]*about [0-9.]+ min", text)
         assert quoted and all(bench.QUICK_DURATION in q for q in quoted), quoted
@@ -415,7 +415,7 @@ def test_plot_legends_cover_nothing_plotted():
     fused["speedup"] = stats.summarize([1.0, 1.2, 1.5, 1.9, 2.3])  # wide and tall: its note sits high
     from matplotlib.transforms import Bbox
 
-    fig = drawing.figure(report)
+    fig = output.figure(report)
     renderer = fig.canvas.get_renderer()
     checked = 0
     for ax in fig.axes:
@@ -466,12 +466,12 @@ def test_a_panel_with_nothing_to_draw_says_why_in_one_line(generation, complete,
         report["sections"]["generation"] = _skipped_generation()
     else:
         report["sections"]["generation"] = generation
-    fig = drawing.figure(report)
+    fig = output.figure(report)
     try:
-        panel = fig.axes[list(drawing.PANELS).index("generation")]
+        panel = fig.axes[list(output.PANELS).index("generation")]
         texts = [t.get_text() for t in panel.texts]
         assert len(texts) == 1 and texts[0].startswith(note) and "\n" not in texts[0]
-        assert texts[0] == drawing.panel_note(report, "generation")
+        assert texts[0] == output.panel_note(report, "generation")
         assert not panel.has_data() and not panel.get_xticks().size and not panel.get_yticks().size
         assert panel.get_legend() is None
         others = [ax for ax in fig.axes[:6] if ax is not panel]

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from trl_ext.app import cli
-from trl_ext.app.bench import device, device_parts, device_report
+from trl_ext.app.bench import device, device_parts
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -75,7 +75,7 @@ def test_kernel_probe_results_are_recorded(monkeypatch):
     record = device_parts.kernel_probe(_probe_opts(), {})
     assert seen == ["cpu"] and record["kernels"] == results and record["passed"] is False
     report = {"parts": {"kernel_probe": {**record, "status": "done"}}}
-    table = device_report.markdown(_header(report))
+    table = device.markdown(_header(report))
     assert "| varlen_attn | float16 | shared | False | 4.00e-01 | 5.00e-03 |  |" in table
 
 
@@ -126,7 +126,7 @@ def test_targets_are_verdicts_computed_from_the_numbers(tmp_path):
             }
         }
     )  # fmt: skip
-    got = {(t["variant"], t["target"]): (t["value"], t["met"]) for t in device_report.targets(report)}
+    got = {(t["variant"], t["target"]): (t["value"], t["met"]) for t in device.targets(report)}
     assert got == {
         ("padding_free", "speed-up >= 0.8 x the token bound"): (0.75, False),  # 1.5x of a 2.0x bound
         ("prompt_sharing", "speed-up over padding_free >= 1.2"): (1.25, True),
@@ -135,13 +135,13 @@ def test_targets_are_verdicts_computed_from_the_numbers(tmp_path):
         ("token_budget", "speed-up over padding_free >= 1.3"): (1.25, False),
         ("token_budget", "step peak <= 1.10 x padding_free's"): (1.2, False),
     }
-    report["targets"] = device_report.targets(report)
-    table = device_report.markdown(report)
+    report["targets"] = device.targets(report)
+    table = device.markdown(report)
     assert "| padding_free: speed-up >= 0.8 x the token bound | packing | off | 0.75 | NO |" in table
     assert "| fused_logprobs: step peak <= 0.5 x stock's | fused_logprobs | on | - | not measured |" in table
     assert "| gpu_tests | timeout | 120 |  |" in table and "Token bound of the packing step: 2.00" in table
-    if device_report.matplotlib_missing() is None:
-        device_report.plot(report, tmp_path / "bench.png")
+    if device.matplotlib_missing() is None:
+        device.plot(report, tmp_path / "bench.png")
         assert (tmp_path / "bench.png").stat().st_size > 0
 
 
@@ -156,12 +156,10 @@ def test_no_verdict_where_verify_checked_the_timed_steps(checked):
         entry["verified_timed_steps"] = checked
     settings = {"checkpointing_off": {"stock": _entry(0.3), "padding_free": entry}}
     report = _header({"parts": {"packing": {"status": "done", "token_bound": 2.0, "settings": settings}}})
-    report["targets"] = device_report.targets(report)
-    assert [(t["value"], t["met"], t["why"]) for t in report["targets"]] == [
-        (None, None, device_report.VERIFIED_TIMED)
-    ]
-    table = device_report.markdown(report)
-    assert f"| off | - | not measured ({device_report.VERIFIED_TIMED}) |" in table
+    report["targets"] = device.targets(report)
+    assert [(t["value"], t["met"], t["why"]) for t in report["targets"]] == [(None, None, device.VERIFIED_TIMED)]
+    table = device.markdown(report)
+    assert f"| off | - | not measured ({device.VERIFIED_TIMED}) |" in table
     assert "**Not the plugins' own times:**" in table
 
 
@@ -224,7 +222,7 @@ def test_device_tiny_runs_every_part_end_to_end(tmp_path):
     assert parts["token_budget"]["micro_batches_per_step"]["padding_free"] == 2
     assert len(report["targets"]) == 12 and all(t["met"] is None for t in report["targets"] if "peak" in t["target"])
     assert (out / "table.md").read_text().startswith("# trl-ext bench --device: cpu, preset tiny")
-    if device_report.matplotlib_missing() is None:
+    if device.matplotlib_missing() is None:
         assert (out / "bench.png").stat().st_size > 0
 
 
@@ -272,7 +270,7 @@ def test_the_docs_quote_a_recorded_gpu_run_or_say_not_measured(tmp_path):
     assert docs.gpu_table(tmp_path, "").startswith("**Not measured:** no `trl-ext bench --device cuda` run")
     report = _header({"parts": {"packing": {"status": "done", "token_bound": 2.0,
                                             "settings": {"checkpointing_off": {"stock": _entry(0.3)}}}}})  # fmt: skip
-    report["targets"] = device_report.targets(report)
+    report["targets"] = device.targets(report)
     (tmp_path / "benchmarks" / "results").mkdir(parents=True)
     (tmp_path / "benchmarks" / "results" / docs.GPU_RESULT).write_text(json.dumps(report))
     table = docs.gpu_table(tmp_path, "")

@@ -168,21 +168,21 @@ def main():
             )
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, rows)
+        report = dict(model_bytes=model_bytes, world_size=dist.get_world_size(), new_tokens=args.new_tokens)
+        report["repeats"] = args.repeats  # each mode's time is the best of this many runs
+        report["modes"] = [
+            {
+                "mode": row["mode"],
+                "layers_kept": row["layers"],
+                "peak_bytes_per_rank": [r[i]["peak"] for r in everyone],
+                "seconds": row["seconds"],
+                "same_tokens": all(r[i]["same_tokens"] for r in everyone),
+            }
+            for i, row in enumerate(rows)
+        ]
         if state.is_main_process and args.json:
             import json
 
-            report = dict(model_bytes=model_bytes, world_size=dist.get_world_size(), new_tokens=args.new_tokens)
-            report["repeats"] = args.repeats  # each mode's time is the best of this many runs
-            report["modes"] = [
-                {
-                    "mode": row["mode"],
-                    "layers_kept": row["layers"],
-                    "peak_bytes_per_rank": [r[i]["peak"] for r in everyone],
-                    "seconds": row["seconds"],
-                    "same_tokens": all(r[i]["same_tokens"] for r in everyone),
-                }
-                for i, row in enumerate(rows)
-            ]
             with open(args.json, "w") as f:
                 json.dump(report, f, indent=2)
         if state.is_main_process:
@@ -193,17 +193,15 @@ def main():
                 f"parameters), 2 prompts x {args.new_tokens} greedy tokens"
             )
             header = f"{'mode':<20} {'layers kept':>11} {'peak MiB r0':>11} {'peak MiB r1':>11} {'peak/gather':>11} "
-            header += f"{'time s':>8} {'time/gather':>11} {'same tokens':>11}"
-            print(header)
-            base = rows[0]
-            for i, row in enumerate(rows):
-                peaks = [r[i]["peak"] for r in everyone]
+            print(header + f"{'time s':>8} {'time/gather':>11} {'same tokens':>11}")
+            base = report["modes"][0]
+            for mode in report["modes"]:
+                peaks = mode["peak_bytes_per_rank"]
                 print(
-                    f"{row['mode']:<20} {row['layers']:>11} "
+                    f"{mode['mode']:<20} {mode['layers_kept']:>11} "
                     + " ".join(f"{p / mib:>11.2f}" for p in peaks[:2])
-                    + f" {max(peaks) / base['peak']:>11.3f} {row['seconds']:>8.2f}"
-                    + f" {row['seconds'] / base['seconds']:>11.2f}"
-                    + f" {str(all(r[i]['same_tokens'] for r in everyone)):>11}"
+                    + f" {max(peaks) / base['peak_bytes_per_rank'][0]:>11.3f} {mode['seconds']:>8.2f}"
+                    + f" {mode['seconds'] / base['seconds']:>11.2f} {str(mode['same_tokens']):>11}"
                 )
     finally:
         installation.uninstall()

@@ -8,6 +8,7 @@ logging step) and the mean step time of each run. `benchmarks/metric_sync.py` an
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -22,6 +23,7 @@ def _collectives(args: argparse.Namespace) -> None:
     # backend="gloo") accelerate 1.15 reports DistributedType.NO and its gathers silently do nothing.
     state = PartialState(cpu=True)
     assert state.num_processes > 1 and state.distributed_type.name == "MULTI_CPU", state
+    from .bench.stats import interleave
     from .bench.workload import count_collectives
 
     counter = count_collectives()
@@ -53,7 +55,10 @@ def _collectives(args: argparse.Namespace) -> None:
         def on_train_end(self, *a, **k):
             counter.enabled = False
 
-    def train(sync_metrics: bool) -> tuple[dict[str, int], float]:
+    counts: dict[str, dict[str, int]] = {}
+
+    def train(mode: str, index: int) -> float:
+        """One training run; its mean step time. The collectives of each mode's first run are kept."""
         window = Window()
         config = DPOConfig(
             output_dir=args.out + ".runs",
@@ -67,7 +72,7 @@ def _collectives(args: argparse.Namespace) -> None:
             disable_tqdm=True,
             accelerator_config={"use_configured_state": True},
         )
-        with trl_ext.install(sync_metrics=sync_metrics):
+        with trl_ext.install(sync_metrics=mode == "trl_ext"):
             trainer = DPOTrainer(
                 make_model(seed=0),
                 ref_model=make_model(seed=0),
@@ -77,18 +82,13 @@ def _collectives(args: argparse.Namespace) -> None:
                 callbacks=[window],
             )
             trainer.train()
+        counts.setdefault(mode, dict(counter.by_name))
         times = window.step_times[1:] or window.step_times
-        return dict(counter.by_name), sum(times) / len(times)
+        return sum(times) / len(times)
 
-    # A fixed number of interleaved rounds in the same processes (stock, trl-ext, trl-ext, stock, ...): per-round
-    # step-time ratios. (Stopping once the ratios agree would bias the reported spread low.)
-    counts: dict[str, dict[str, int]] = {}
-    seconds: dict[str, list[float]] = {"stock": [], "trl_ext": []}
-    for index in range(args.rounds):
-        for mode in ("stock", "trl_ext") if index % 2 == 0 else ("trl_ext", "stock"):
-            by_name, step_seconds = train(mode == "trl_ext")
-            counts.setdefault(mode, by_name)
-            seconds[mode].append(step_seconds)
+    # A fixed number of interleaved rounds in the same processes: per-round step-time ratios.
+    modes = {mode: functools.partial(train, mode) for mode in ("stock", "trl_ext")}
+    seconds = interleave(modes, rounds=args.rounds, what="collectives", report=None)
     logging_steps = steps // args.logging_steps
     result = {"world_size": state.num_processes, "rounds": len(seconds["stock"])}
     for mode in ("stock", "trl_ext"):

@@ -30,8 +30,8 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
     trl_ok = _compat.is_supported_trl(trl_version)
     rows = []
     applies = "yes" if trl_ok else f"no (trl {trl_version} is not {_compat.SUPPORTED_TRL_SPEC})"
-    for name in catalog.specs:
-        info = plugin_info(catalog, name)
+    infos = [plugin_info(catalog, name) for name in catalog.specs]
+    for info in infos:
         flags, options = ", ".join(info.flags) or f"plugins.{info.name}", ", ".join(info.options) or "-"
         trainers = ", ".join(info.trainers) if info.trainers else "all"
         rows.append((info.name, _kind(info), flags, options, trainers, applies, info.summary))
@@ -45,9 +45,8 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
     for row in [header, *rows]:
         print("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=False)) + "  " + row[-1])
     # Each flag and option with what it accepts, its default and one line of help, from the declarations.
-    for name in catalog.specs:
-        info = plugin_info(catalog, name)
-        print(f"\n{name}: {info.summary}" if info.summary else f"\n{name}:")
+    for info in infos:
+        print(f"\n{info.name}: {info.summary}" if info.summary else f"\n{info.name}:")
         _print_settings(info)
     for name, why in sorted(catalog.broken.items()):
         print(f"\n{name}: NOT LOADED ({why})")
@@ -211,8 +210,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         print(f"  devices       {', '.join(devices)}")
     except Exception as exc:  # noqa: BLE001
         print(f"  devices       unknown ({exc})")
-    backends = _attention_backends()
-    print(f"  attention     {', '.join(backends) if backends else 'unknown (transformers not importable)'}")
+    print(f"  attention     {', '.join(_attention_backends())}")
     print(f"  fused varlen  {_fused_kernels()}")
     print("OK" if ok else "PROBLEMS FOUND (see above)")
     return 0 if ok else 1

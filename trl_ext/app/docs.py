@@ -127,7 +127,7 @@ GPU_RESULT = "gpu_bench.json"
 def gpu_table(root: Path, argument: str) -> str:
     """The recorded `trl-ext bench --device cuda` run (`benchmarks/results/gpu_bench.json`), or that there is none: a
     GPU figure is measured or said to be not measured, never estimated."""
-    from .bench.device_report import markdown, targets
+    from .bench.device import markdown, targets
 
     path = root / "benchmarks" / "results" / GPU_RESULT
     if not path.exists():
@@ -212,11 +212,9 @@ def _files(root: Path) -> list[Path]:
 
 def generated_parts(root: Path = ROOT) -> list[Part]:
     """Every generated part of README.md and docs/**/*.md, in file order."""
-    parts = []
-    for path in _files(root):
-        for match in _PART.finditer(path.read_text()):
-            parts.append(Part(path, match.group("key"), match.group("body")))
-    return parts
+    return [
+        Part(path, m.group("key"), m.group("body")) for path in _files(root) for m in _PART.finditer(path.read_text())
+    ]
 
 
 def render(text: str, root: Path = ROOT, path: Path | None = None) -> str:

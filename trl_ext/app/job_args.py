@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..config import VERIFY_HELP, TrlExtConfig, check_section_key, load_config
-from ..errors import UsageError
+from ..errors import UsageError, did_you_mean
 from ..manager import CORE_KEYS
 
 __all__ = [
@@ -93,13 +93,7 @@ def split_yaml_config(argv: list[str]) -> tuple[dict[str, Any] | None, list[str]
     if index + 1 >= len(argv):
         raise UsageError("`--config` needs the path of a YAML recipe.")
     path = argv[index + 1]
-    try:
-        with open(path) as f:
-            recipe = yaml.safe_load(f) or {}
-    except OSError as exc:
-        raise UsageError(f"Cannot read the recipe `--config {path}`: {exc}") from None
-    except yaml.YAMLError as exc:
-        raise UsageError(f"The recipe `--config {path}` is not valid YAML: {exc}") from None
+    recipe = _read_recipe(path)
     if isinstance(recipe, dict):
         check_section_key(recipe, f"The recipe {path}")
     if not isinstance(recipe, dict) or "trl_ext" not in recipe:
@@ -110,6 +104,19 @@ def split_yaml_config(argv: list[str]) -> tuple[dict[str, Any] | None, list[str]
         yaml.safe_dump(recipe, f)
     argv = [*argv[: index + 1], stripped, *argv[index + 2 :]]
     return section, argv, stripped
+
+
+def _read_recipe(path: str) -> Any:
+    """The YAML recipe at `path` (`{}` when empty); a recipe that cannot be read or parsed is a `UsageError`."""
+    import yaml
+
+    try:
+        with open(path) as f:
+            return yaml.safe_load(f) or {}
+    except OSError as exc:
+        raise UsageError(f"Cannot read the recipe `--config {path}`: {exc}") from None
+    except yaml.YAMLError as exc:
+        raise UsageError(f"The recipe `--config {path}` is not valid YAML: {exc}") from None
 
 
 def recipe_path(argv: Sequence[str]) -> str | None:
@@ -245,27 +252,16 @@ def cpu_note(chosen: dict[str, Any], training_args: Any) -> str:
     return f"[trl-ext] no accelerator found: training on CPU in {precision} ({said}; give them yourself to choose)"
 
 
-def _read_recipe(argv: Sequence[str]) -> dict[str, Any] | None:
-    path = recipe_path(argv)
-    if path is None:
-        return None
-    import yaml
-
-    with open(path) as f:
-        recipe = yaml.safe_load(f)
-    return recipe if isinstance(recipe, dict) else None
-
-
 def parse_job_args(
     parser: Any, command: str, rest: list[str], deepspeed: bool, recipe: str | None = None
 ) -> tuple[Any, ...]:
     """Parse TRL's arguments like `trl <command>` does, with trl-ext's help group and CPU defaults; bad arguments
     give one `UsageError` line naming their source (`recipe`: the user's recipe path) instead of a traceback."""
-    import difflib
-
     add_trl_ext_help(parser, command)
 
-    recipe_values = _read_recipe(rest)
+    path = recipe_path(rest)
+    recipe_values = _read_recipe(path) if path else None
+    recipe_values = recipe_values if isinstance(recipe_values, dict) else None
     recipe_keys = set(recipe_values or ())
 
     def error(message: str) -> None:
@@ -295,17 +291,14 @@ def parse_job_args(
     if from_cli:
         known = [option for action in parser._actions for option in action.option_strings]
         unknown = [token for token in from_cli if token.startswith("-")] or from_cli
-        close = difflib.get_close_matches(unknown[0].split("=", 1)[0], known, n=1)
-        hint = f" Did you mean `{close[0]}`?" if close else ""
+        hint = did_you_mean(unknown[0].split("=", 1)[0], known)
         raise UsageError(
             f"Unknown argument `{unknown[0]}` (from the command line).{hint} `trl-ext {command} --help` lists the "
             "arguments."
         )
     if from_recipe:
         keys = [token[2:] for token in from_recipe if token.startswith("--")]
-        dests = [action.dest for action in parser._actions]
-        close = difflib.get_close_matches(keys[0], dests, n=1) if keys else []
-        hint = f" Did you mean `{close[0]}`?" if close else ""
+        hint = did_you_mean(keys[0], [action.dest for action in parser._actions]) if keys else ""
         raise UsageError(
             f"The recipe {recipe or recipe_path(rest)} sets {keys}, which are no `trl-ext {command}` arguments.{hint} "
             f"(`trl {command}` "

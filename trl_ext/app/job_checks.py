@@ -37,12 +37,6 @@ def check_output_dir(path: str | os.PathLike[str]) -> None:
         ) from None
 
 
-def _offline() -> bool:
-    return any(
-        os.environ.get(v, "").lower() in ("1", "true", "yes", "on") for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
-    )
-
-
 def _looks_local(value: str) -> str | None:
     """Why `value`, which does not exist, must have been meant as a local path (None: it can be a Hub id)."""
     if value.startswith((".", "/", "~")) or "\\" in value or value.endswith("/"):
@@ -62,7 +56,9 @@ _HUB_TIMEOUT_S = 5.0
 def _hub_unreachable() -> str | None:
     """Why the Hub cannot be reached from here (`HF_HUB_OFFLINE`, or no connection to its endpoint within a few
     seconds), or None. Behind a proxy the Hub is left to answer for itself: a direct connection says nothing there."""
-    if _offline():
+    if any(
+        os.environ.get(v, "").lower() in ("1", "true", "yes", "on") for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    ):
         return "HF_HUB_OFFLINE is set"
     if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
         return None
@@ -113,17 +109,13 @@ def check_path(value: str | None, flag: str, kind: str, repo_type: str = "model"
             )
 
 
-def _saved_to_disk(path: str) -> bool:
-    folder = Path(os.path.expanduser(path))
-    return (folder / "dataset_dict.json").is_file() or (folder / "state.json").is_file()
-
-
 def load_job_dataset(name: str, config: str | None, train_split: str, streaming: bool = False) -> Any:
     """`--dataset_name` as a `DatasetDict`: a `save_to_disk` folder through `load_from_disk` (a single saved `Dataset`
     becomes the `train_split` split), anything else through `load_dataset`."""
     import datasets
 
-    if _saved_to_disk(name):
+    folder = Path(os.path.expanduser(name))
+    if (folder / "dataset_dict.json").is_file() or (folder / "state.json").is_file():  # a `save_to_disk` folder
         try:
             loaded = datasets.load_from_disk(os.path.expanduser(name))
         except Exception as exc:  # noqa: BLE001 - datasets raises IndexError for a folder saved with no rows
@@ -141,10 +133,8 @@ def load_job_dataset(name: str, config: str | None, train_split: str, streaming:
         return datasets.load_dataset(name, name=config, streaming=streaming)
     except StopIteration:
         # datasets infers the features from a first row, and an empty data file has none.
-        empty = []
-        if os.path.isdir(os.path.expanduser(name)):
-            root = Path(os.path.expanduser(name))
-            empty = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and p.stat().st_size == 0)
+        found = folder.rglob("*") if folder.is_dir() else ()
+        empty = sorted(str(p.relative_to(folder)) for p in found if p.is_file() and p.stat().st_size == 0)
         files = f" ({', '.join(empty)} {'is' if len(empty) == 1 else 'are'} empty)" if empty else ""
         raise UsageError(
             f"The dataset `{name}` has no rows{files}: `datasets` cannot read a split without one. Give a dataset "

@@ -1,8 +1,8 @@
 """`trl-ext bench`: stock TRL against trl-ext, side by side, on one machine, in one run.
 
 What each section measures, the statistics and the verdicts are in docs/benchmarks.md. The statistics live in `stats`,
-the sections in `sections` and `plugin_sections`, the table and headline in `report`, the plot in `plot`, the device
-run (`--device`) in `device`; this module is the command line.
+the sections in `sections` and `plugin_sections`, the table, headline and plot in `report`, the device run
+(`--device`) in `device`; this module is the command line.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from typing import Any
 from ... import __version__, _compat
 from ...errors import UsageError
 from . import housekeeping, plugin_sections, sections
-from . import plot as drawing
 from . import report as output
 from .stats import progress
 
@@ -145,12 +144,14 @@ def _bench(args: argparse.Namespace, rounds: int, started: float) -> int:
 
 def _write(report: dict[str, Any], out: Any, started: float, load_start: float | None, plot: bool, complete: bool):
     """report.json and table.md as they stand (the sections finished so far), and bench.png when asked."""
+    import resource
+
     report["complete"] = complete
     report["load_average"] = {"start": load_start, "end": _load_average(), "cores": os.cpu_count()}
     report["headline"] = output.headline(report)
-    report["peak_rss_mb"] = sections.peak_rss_mb()
+    report["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     if plot:
-        drawing.plot(report, out / "bench.png")
+        output.plot(report, out / "bench.png")
     report["wall_seconds"] = time.perf_counter() - started
     (out / "report.json").write_text(json.dumps(report, indent=2, default=str))
     (out / "table.md").write_text(output.markdown_table(report) + "\n")

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .device_workload import PRESETS, SETTINGS, make_model, online_trainer, rows
+from .device_workload import PRESETS, SETTINGS, make_model, online_trainer
 from .device_workload import cuda as _cuda
 from .stats import against, interleave, progress, ratios, summarize
 
@@ -93,13 +93,8 @@ class Stepper:
 
     def tokens(self) -> tuple[int, int]:
         """(real, padded) tokens of every step's stock batches, as the collator padded them."""
-        real = padded = 0
-        for batch in (b for step in self.steps for b in step):
-            mask = batch.get("attention_mask")
-            if mask is None:
-                return 0, 0
-            real, padded = real + int(mask.sum()), padded + mask.numel()
-        return real, padded
+        masks = [batch["attention_mask"] for step in self.steps for batch in step]
+        return sum(int(mask.sum()) for mask in masks), sum(mask.numel() for mask in masks)
 
     def step(self, index: int, keep: bool = True) -> float:
         import torch
@@ -209,8 +204,13 @@ def dpo_trainer(preset: dict[str, Any], models: tuple[Any, Any], data: Any, opts
 def _dpo_setup(opts: argparse.Namespace) -> tuple[dict[str, Any], tuple[Any, Any], Any]:
     from datasets import Dataset
 
+    from .workload import preference_rows
+
     preset = PRESETS[opts.preset]
-    data = Dataset.from_list(rows(preset["pairs"] * preset["batches"], preset))
+    rows = preference_rows(
+        preset["pairs"] * preset["batches"], vocab_size=preset["model"]["vocab"], **preset["lengths"]
+    )
+    data = Dataset.from_list(rows)
     models = (make_model(preset, opts.device, 0), make_model(preset, opts.device, 1))
     return preset, models, data
 

@@ -1,6 +1,6 @@
 """The workload of `trl-ext bench --device` (`device_parts`): the presets (a ~1B Llama from a config for the GPU, a
-tiny one for the CPU tests), preference pairs with long-tailed lengths, models initialised on the device, and the
-Online DPO trainer whose generation returns one stored batch."""
+tiny one for the CPU tests; their pairs' long-tailed lengths), models initialised on the device, and the
+Online DPO trainer whose generation returns one stored batch (`stored_online_trainer`, the CPU bench's too)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from typing import Any
 PRESETS: dict[str, dict[str, Any]] = {
     "1b": dict(
         model=dict(hidden_size=2048, num_layers=16, num_heads=16, num_kv_heads=4, intermediate_size=5632, vocab=32000),
-        prompt=(32, 512, 128),  # (min, max, median) tokens, log-normal with `sigma`
-        completion=(16, 1024, 192),
-        sigma=0.8,
+        # `workload.preference_rows`'s: log-normal with `sigma`, clipped
+        lengths=dict(min_prompt=32, max_prompt=512, prompt_median=128, sigma=0.8)
+        | dict(min_completion=16, max_completion=1024, completion_median=192),
         pairs=8,
         micro_pairs=4,
         batches=6,
@@ -28,9 +28,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     ),
     "tiny": dict(
         model=dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, vocab=256),
-        prompt=(4, 16, 8),
-        completion=(2, 24, 8),
-        sigma=0.8,
+        lengths=dict(min_prompt=4, max_prompt=16, prompt_median=8, sigma=0.8)
+        | dict(min_completion=2, max_completion=24, completion_median=8),
         pairs=4,
         micro_pairs=2,
         batches=2,
@@ -49,27 +48,6 @@ def cuda(device: str) -> bool:
     return device.startswith("cuda")
 
 
-def rows(n: int, preset: dict[str, Any], seed: int = 0) -> list[dict[str, str]]:
-    """Preference pairs of the tokenizer's words with log-normal (long-tailed) lengths clipped to the preset's."""
-    from .workload import SPECIAL_TOKENS, _lognormal_len
-
-    rng = random.Random(seed)
-    words = preset["model"]["vocab"] - len(SPECIAL_TOKENS)
-
-    def text(low: int, high: int, median: int) -> str:
-        n = _lognormal_len(rng, median, preset["sigma"], low, high)
-        return " ".join(f"w{rng.randrange(words)}" for _ in range(n))
-
-    return [
-        {
-            "prompt": text(*preset["prompt"]),
-            "chosen": " " + text(*preset["completion"]),
-            "rejected": " " + text(*preset["completion"]),
-        }
-        for _ in range(n)
-    ]
-
-
 def make_model(preset: dict[str, Any], device: str, seed: int) -> Any:
     """The preset's Llama, initialised on `device` (seconds for the 1b preset there), in the preset's dtype."""
     import torch
@@ -83,55 +61,59 @@ def make_model(preset: dict[str, Any], device: str, seed: int) -> Any:
 
 
 def online_trainer(opts: Any, name: str) -> Any:
-    """An `OnlineDPOTrainer` on the preset's models whose generation returns one stored batch (`stored_generation`,
-    prompts of 80 to 120 tokens)."""
-    from datasets import Dataset
-    from trl.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
-
+    """`stored_online_trainer` on the preset's models, prompts of 80 to 120 tokens."""
     import trl_ext
 
-    from .workload import length_reward, make_tokenizer
+    from .workload import make_tokenizer
 
     preset = PRESETS[opts.preset]
     prompts, width, vocab = preset["online_prompts"], preset["online_completion"], preset["model"]["vocab"]
-    args = OnlineDPOConfig(
-        output_dir=opts.tmp,
-        per_device_train_batch_size=prompts,
-        max_new_tokens=width,
-        max_length=8192,
-        report_to=[],
-        use_cpu=not cuda(opts.device),
-        bf16=False,
-        save_strategy="no",
-        seed=0,
-    )
-    flags = {"fused_logprobs": True} if name == "fused_logprobs" else {}
-    reward: Any = length_reward
-    with trl_ext.install(flags) if flags else contextlib.nullcontext():
-        trainer: Any = OnlineDPOTrainer(
-            model=make_model(preset, opts.device, 0),
-            ref_model=make_model(preset, opts.device, 1),
-            reward_funcs=reward,
-            args=args,
-            train_dataset=Dataset.from_list([{"prompt": "w1"}] * prompts),
-            processing_class=make_tokenizer(vocab),
-        )
     lengths = [random.Random(i).randint(min(80, width), min(120, 8 * width)) for i in range(prompts)]
-    stored_generation(trainer, lengths, vocab, width)
-    return trainer
+    models = (make_model(preset, opts.device, 0), make_model(preset, opts.device, 1))
+    flags = {"fused_logprobs": True} if name == "fused_logprobs" else {}
+    with trl_ext.install(flags) if flags else contextlib.nullcontext():
+        return stored_online_trainer(
+            models, make_tokenizer(vocab), lengths, vocab, width, output_dir=opts.tmp, use_cpu=not cuda(opts.device)
+        )
 
 
-def stored_generation(trainer: Any, lengths: list[int], words: int, width: int) -> None:
-    """Make `trainer`'s generation return one stored batch, so that a step is scoring, loss and backward: prompts of
+def stored_online_trainer(
+    models: tuple[Any, Any], tokenizer: Any, lengths: list[int], words: int, width: int, **config
+):
+    """An `OnlineDPOTrainer` of `models` (policy, reference) with `length_reward` (`config`: more `OnlineDPOConfig`
+    fields) whose generation returns one stored batch, so that a step is scoring, loss and backward: prompts of
     `lengths` tokens (left padded, as TRL's generation returns them), 2 completions each of a third of `width` to
     `width` tokens, padded after their end, of ids below `words`; `trainer._bench_tokens` counts its real tokens."""
     import inspect
     import types
 
     import torch
-    from trl.experimental.online_dpo import OnlineDPOTrainer
+    from datasets import Dataset
+    from trl.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
 
-    prompts, g = len(lengths), torch.Generator().manual_seed(0)
+    from .workload import length_reward
+
+    prompts = len(lengths)
+    args = OnlineDPOConfig(
+        per_device_train_batch_size=prompts,
+        max_new_tokens=width,
+        max_length=8192,
+        report_to=[],
+        bf16=False,
+        save_strategy="no",
+        seed=0,
+        **config,
+    )
+    reward: Any = length_reward
+    trainer: Any = OnlineDPOTrainer(
+        model=models[0],
+        ref_model=models[1],
+        reward_funcs=reward,
+        args=args,
+        train_dataset=Dataset.from_list([{"prompt": "w1"}] * prompts),
+        processing_class=tokenizer,
+    )
+    g = torch.Generator().manual_seed(0)
     prompt_ids = torch.zeros(prompts, max(lengths), dtype=torch.long)
     prompt_mask = torch.zeros_like(prompt_ids)
     for row, n in enumerate(lengths):
@@ -147,3 +129,4 @@ def stored_generation(trainer: Any, lengths: list[int], words: int, width: int) 
         batch = batch[:4]  # TRL < 1.16 generates no vision inputs
     trainer._generate = types.MethodType(lambda self, model, prompts, images=None: batch, trainer)
     trainer._bench_tokens = 2 * int(prompt_mask.sum()) + int(completion_mask.sum())
+    return trainer

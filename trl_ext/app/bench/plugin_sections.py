@@ -43,7 +43,8 @@ def _measured(call: Any, peaks: list[float | None], index: int) -> tuple[Any, fl
     result = call()
     elapsed = time.perf_counter() - start
     if index >= 1:
-        peaks.append(_peak_growth(before))
+        peak = rss_mib("VmHWM")
+        peaks.append(None if before is None or peak is None else peak - before)
     return result, elapsed
 
 
@@ -52,11 +53,6 @@ def _memory_ratio(peaks: dict[str, list[float | None]], this: str, base: str) ->
     kept = {name: [v for v in peaks[name] if v is not None] for name in (this, base)}
     top, bottom = (statistics.median(kept[name]) if kept[name] else None for name in (this, base))
     return (top / bottom if top is not None and bottom else None), bottom
-
-
-def _peak_growth(before: float | None) -> float | None:
-    peak = rss_mib("VmHWM")
-    return None if before is None or peak is None else peak - before
 
 
 def relative_diff(a: dict[str, float], b: dict[str, float], keys: Any = None) -> float:
@@ -121,15 +117,11 @@ def token_budget(setup: Setup, rounds: int, quick: bool) -> dict[str, Any]:
     z = _SIZES[quick]
     pairs, batch, steps = z["pairs_per_step"], z["pair_batch"], z["steps"]
     dataset = setup.dataset.select(range(pairs * steps))
-    # Dataset order, so that the bound below is computed on the micro-batches padding_free really forms.
-    ordered = {"train_sampling_strategy": "sequential"}
-    if not hasattr(setup.dpo_args("probe"), "train_sampling_strategy"):
-        ordered = {}
 
     def build(label: str, flags: dict[str, Any], **overrides: Any) -> Any:
-        options = dict(
-            per_device_train_batch_size=batch, gradient_accumulation_steps=pairs // batch, max_steps=steps, **ordered
-        )
+        options = dict(per_device_train_batch_size=batch, gradient_accumulation_steps=pairs // batch, max_steps=steps)
+        # Dataset order, so that the bound below is computed on the micro-batches padding_free really forms.
+        options["train_sampling_strategy"] = "sequential"
         args = setup.dpo_args(f"token_budget-{label}", **{**options, **overrides})
         with trl_ext.install(**flags) if flags else contextlib.nullcontext():
             trainer = DPOTrainer(
@@ -216,42 +208,20 @@ def bound_verdict(largest: int, bound: int) -> dict[str, Any]:
 
 
 def _online_trainer(setup: Setup, label: str, z: dict[str, Any]) -> Any:
-    """An `OnlineDPOTrainer` whose generation returns a stored batch (`stored_generation`, prompts of 80 to 120
-    tokens)."""
+    """`stored_online_trainer` on the setup's model shape, prompts of 80 to 120 tokens, one step."""
     import random
 
-    from datasets import Dataset
-    from trl.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
+    from .device_workload import stored_online_trainer
+    from .workload import make_model
 
-    from .device_workload import stored_generation
-    from .workload import length_reward, make_model
-
-    prompts, width, vocab = z["prompts"], z["completion"], z["vocab"]
-    args = OnlineDPOConfig(
-        output_dir=str(setup.out / "runs" / f"fused_logprobs-{label}"),
-        per_device_train_batch_size=prompts,
-        max_steps=1,
-        max_new_tokens=width,
-        max_length=8192,
-        report_to=[],
-        use_cpu=True,
-        bf16=False,
-        save_strategy="no",
-        seed=0,
-    )
-    reward: Any = length_reward
-    trainer: Any = OnlineDPOTrainer(
-        model=make_model(vocab_size=vocab, seed=0, **setup.shape),
-        ref_model=make_model(vocab_size=vocab, seed=1, **setup.shape),
-        reward_funcs=reward,
-        args=args,
-        train_dataset=Dataset.from_list([{"prompt": "w1"}] * prompts),
-        processing_class=setup.tokenizer,
-    )
-    rng = random.Random(0)
+    vocab, rng = z["vocab"], random.Random(0)
+    models = (make_model(vocab_size=vocab, seed=0, **setup.shape), make_model(vocab_size=vocab, seed=1, **setup.shape))
+    lengths = [rng.randint(80, 120) for _ in range(z["prompts"])]
     # ids the tokenizer decodes for the reward
-    stored_generation(trainer, [rng.randint(80, 120) for _ in range(prompts)], min(vocab, len(setup.tokenizer)), width)
-    return trainer
+    words, out = min(vocab, len(setup.tokenizer)), str(setup.out / "runs" / f"fused_logprobs-{label}")
+    return stored_online_trainer(
+        models, setup.tokenizer, lengths, words, z["completion"], output_dir=out, max_steps=1, use_cpu=True
+    )
 
 
 def fused_logprobs(setup: Setup, rounds: int, quick: bool) -> dict[str, Any]:

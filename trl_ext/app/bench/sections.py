@@ -98,12 +98,6 @@ class Setup:
         return DPOConfig(**kwargs)
 
 
-def peak_rss_mb() -> float:
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
 def reference(setup: Setup) -> Any:
     """The policy's architecture with other weights: with equal weights every DPO loss is log 2, and a comparison of
     losses would prove nothing."""

@@ -103,24 +103,25 @@ def preference_rows(
     max_prompt: int = 128,
     max_completion: int = 128,
     seed: int = 0,
+    min_prompt: int = 1,
+    min_completion: int = 1,
 ) -> list[dict[str, str]]:
     """Rows of `{"prompt", "chosen", "rejected"}` text with lognormal (skewed) lengths."""
     rng = random.Random(seed)
     n_words = vocab_size - len(SPECIAL_TOKENS)
 
-    def text(length: int) -> str:
-        return " ".join(f"w{rng.randrange(n_words)}" for _ in range(length))
+    def text(median: float, low: int, high: int) -> str:
+        return " ".join(f"w{rng.randrange(n_words)}" for _ in range(_lognormal_len(rng, median, sigma, low, high)))
 
-    rows = []
-    for _ in range(n):
-        rows.append(
-            {
-                "prompt": text(_lognormal_len(rng, prompt_median, sigma, 1, max_prompt)),
-                "chosen": " " + text(_lognormal_len(rng, completion_median, sigma, 1, max_completion)),
-                "rejected": " " + text(_lognormal_len(rng, completion_median, sigma, 1, max_completion)),
-            }
-        )
-    return rows
+    completion = (completion_median, min_completion, max_completion)
+    return [
+        {
+            "prompt": text(prompt_median, min_prompt, max_prompt),
+            "chosen": " " + text(*completion),
+            "rejected": " " + text(*completion),
+        }
+        for _ in range(n)
+    ]
 
 
 def make_preference_dataset(n: int = 16, **kwargs: Any):
