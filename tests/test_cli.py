@@ -146,7 +146,7 @@ def test_plugins_name_prints_one_plugin_page(capsys):
     import inspect
 
     from trl_ext.app.cli import main
-    from trl_ext.manager import load_catalog, plugin_info
+    from trl_ext.manager import load_catalog
 
     catalog = load_catalog()[0]
     for name in catalog.specs:
@@ -155,8 +155,7 @@ def test_plugins_name_prints_one_plugin_page(capsys):
         assert out.startswith(f"{name} (built-in; applies to ")
         doc = inspect.getdoc(catalog.plugins[name])
         assert doc and doc.splitlines()[0] in out and doc.splitlines()[-1] in out  # the whole docstring
-        info = plugin_info(catalog, name)
-        for setting in info.settings:
+        for setting in catalog.specs[name].docs():
             key = setting.name if setting.kind == "flag" else f"plugins.{name}.{setting.name}"
             assert f"  {setting.kind:<6} {key}: {setting.accepts}; default {setting.default_text()}." in out
         others = [other for other in catalog.specs if other != name]

@@ -17,21 +17,19 @@ import pluggy
 from . import hookspecs
 from ._logging import get_logger
 from .errors import UsageError, did_you_mean
-from .spec import Flag, PluginSpec, SettingDoc
+from .spec import Flag, PluginSpec
 
 __all__ = [
     "CORE_KEYS",
     "ENTRY_POINT_GROUP",
     "SPEC_ATTR",
     "Catalog",
-    "PluginInfo",
     "TrlExtPluginManager",
     "builtin_plugin_modules",
     "block_advice",
     "call_exclusive",
     "load_catalog",
     "make_plugin_manager",
-    "plugin_info",
     "resolve_roles",
 ]
 
@@ -94,38 +92,6 @@ class Catalog:
             f"The trl-ext plugin `{name}` cannot be used: {self.broken[name]}. Or, if you do not need it, block it: "
             f"{block_advice(name, self.blocked)}."
         )
-
-
-@dataclass(frozen=True)
-class PluginInfo:
-    """What `trl-ext plugins` shows about one plugin."""
-
-    name: str
-    builtin: bool
-    flags: tuple[str, ...]
-    options: tuple[str, ...]
-    trainers: tuple[str, ...] | None  # None: every trainer trl-ext attaches to
-    trl_flag: str | None
-    source: str
-    summary: str
-    settings: tuple[SettingDoc, ...] = ()
-
-
-def plugin_info(catalog: Catalog, name: str) -> PluginInfo:
-    """What `trl-ext plugins` shows about `name`, from its declaration alone (nothing else is imported)."""
-    plugin = catalog.plugins[name]
-    spec = catalog.specs[name]
-    return PluginInfo(
-        name=name,
-        builtin=name in catalog.builtin,
-        flags=spec.flag_names,
-        options=spec.option_names(),
-        trainers=spec.trainers,
-        trl_flag=spec.trl_flag,
-        source=getattr(plugin, "__name__", type(plugin).__name__),
-        summary=spec.summary,
-        settings=spec.docs(),
-    )
 
 
 class TrlExtPluginManager(pluggy.PluginManager):

@@ -16,7 +16,7 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
     import os
 
     from ..config import _parse_block
-    from ..manager import load_catalog, plugin_info
+    from ..manager import load_catalog
 
     # `--block NAME` and `TRL_EXT_BLOCK`, as for every other command.
     env_block = _parse_block(os.environ.get("TRL_EXT_BLOCK", ""), "environment variable $TRL_EXT_BLOCK")
@@ -30,11 +30,10 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
     trl_ok = _compat.is_supported_trl(trl_version)
     rows = []
     applies = "yes" if trl_ok else f"no (trl {trl_version} is not {_compat.SUPPORTED_TRL_SPEC})"
-    infos = [plugin_info(catalog, name) for name in catalog.specs]
-    for info in infos:
-        flags, options = ", ".join(info.flags) or f"plugins.{info.name}", ", ".join(info.options) or "-"
-        trainers = ", ".join(info.trainers) if info.trainers else "all"
-        rows.append((info.name, _kind(info), flags, options, trainers, applies, info.summary))
+    for name, spec in catalog.specs.items():
+        flags, options = ", ".join(spec.flag_names) or f"plugins.{name}", ", ".join(spec.option_names()) or "-"
+        trainers = ", ".join(spec.trainers) if spec.trainers else "all"
+        rows.append((name, _kind(catalog, name), flags, options, trainers, applies, spec.summary))
     for name in args.block or ():
         rows.append((name, "blocked", "-", "-", "-", "no (blocked)", ""))
     if not rows:
@@ -45,9 +44,9 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
     for row in [header, *rows]:
         print("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=False)) + "  " + row[-1])
     # Each flag and option with what it accepts, its default and one line of help, from the declarations.
-    for info in infos:
-        print(f"\n{info.name}: {info.summary}" if info.summary else f"\n{info.name}:")
-        _print_settings(info)
+    for name, spec in catalog.specs.items():
+        print(f"\n{name}: {spec.summary}" if spec.summary else f"\n{name}:")
+        _print_settings(name, spec)
     for name, why in sorted(catalog.broken.items()):
         print(f"\n{name}: NOT LOADED ({why})")
     from ..config import VERIFY_HELP, VERIFY_PARSER
@@ -56,8 +55,13 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
     return 0
 
 
-def _kind(info) -> str:
-    return "built-in" if info.builtin else f"third-party ({info.source})"
+def _kind(catalog, name: str) -> str:
+    plugin = catalog.plugins[name]
+    return (
+        "built-in"
+        if name in catalog.builtin
+        else f"third-party ({getattr(plugin, '__name__', type(plugin).__name__)})"
+    )
 
 
 def _print_order(catalog) -> int:
@@ -88,19 +92,17 @@ def _print_order(catalog) -> int:
     return 0
 
 
-def _print_settings(info) -> None:
-    if not info.flags:
-        print(f"  enabled by naming it: `plugins: {{{info.name}: {{...}}}}`")
-    for doc in info.settings:
-        key = doc.name if doc.kind == "flag" else f"plugins.{info.name}.{doc.name}"
+def _print_settings(name: str, spec) -> None:
+    if not spec.flag_names:
+        print(f"  enabled by naming it: `plugins: {{{name}: {{...}}}}`")
+    for doc in spec.docs():
+        key = doc.name if doc.kind == "flag" else f"plugins.{name}.{doc.name}"
         print(f"  {doc.kind:<6} {key}: {doc.accepts}; default {doc.default_text()}. {doc.help}".rstrip())
 
 
 def _plugin_page(catalog, name: str) -> int:
     """`trl-ext plugins NAME`: the plugin's module docstring (a summary) and its flags and options."""
     import inspect
-
-    from ..manager import plugin_info
 
     if name not in catalog.specs:
         if name in catalog.broken:
@@ -111,13 +113,13 @@ def _plugin_page(catalog, name: str) -> int:
             f"No trl-ext plugin `{name}`.{blocked}{hint} Installed: {', '.join(catalog.specs) or 'none'} "
             "(`trl-ext plugins` lists them)."
         )
-    info = plugin_info(catalog, name)
-    trainers = ", ".join(info.trainers) if info.trainers else "every trainer trl-ext attaches to"
-    print(f"{name} ({_kind(info)}; applies to {trainers})\n")
-    doc = inspect.getdoc(catalog.plugins[name]) or info.summary or "(no documentation)"
+    spec = catalog.specs[name]
+    trainers = ", ".join(spec.trainers) if spec.trainers else "every trainer trl-ext attaches to"
+    print(f"{name} ({_kind(catalog, name)}; applies to {trainers})\n")
+    doc = inspect.getdoc(catalog.plugins[name]) or spec.summary or "(no documentation)"
     print(doc.rstrip() + "\n")
     print("Flags and options (what each accepts, its default):")
-    _print_settings(info)
+    _print_settings(name, spec)
     return 0
 
 
