@@ -18,6 +18,7 @@ gradients (`rest="detach"`: stock's values, zero gradient as under a stock mask)
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 
 import torch
@@ -182,27 +183,37 @@ def frozen_head_chunk(
 
 class _ChunkLogprobs:
     """The function each chunk runs (checkpointed with gradients): the head, then `target_logprobs`; the
-    log-sum-exp of chunk `index` kept from its forward for the backward's recompute."""
+    log-sum-exp of chunk `index` kept from its forward for the backward's recompute. `observe(index, logits, lse)`
+    sees each run's logits (the backward's recompute too)."""
 
-    def __init__(self, head: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        self.head = head
+    def __init__(self, head: Callable[[torch.Tensor], torch.Tensor], observe: Callable | None = None) -> None:
+        self.head, self.observe = head, observe
         self.lse: dict[int, torch.Tensor] = {}
 
     def __call__(self, index: int, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        values, lse = target_logprobs(self.head(hidden), targets, self.lse.get(index))
+        logits = self.head(hidden)
+        values, lse = target_logprobs(logits, targets, self.lse.get(index))
         self.lse.setdefault(index, lse.detach())
+        if self.observe is not None:
+            self.observe(index, logits, lse)
         return values
 
 
 def _chunked(
-    head, hidden: torch.Tensor, targets: torch.Tensor, chunk: int, recompute: bool, frozen: bool = False
+    head,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    chunk: int,
+    recompute: bool,
+    frozen: bool = False,
+    observe: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None,
 ) -> torch.Tensor:
     parts = []
-    one = _ChunkLogprobs(head)
+    one = _ChunkLogprobs(head, observe)
     for index, start in enumerate(range(0, hidden.size(0), chunk)):
         h, t = hidden[start : start + chunk], targets[start : start + chunk]
         if recompute and frozen:
-            parts.append(frozen_head_chunk(head, h, t))
+            parts.append(frozen_head_chunk(head, h, t, None if observe is None else functools.partial(observe, index)))
         elif recompute:
             parts.append(checkpoint(one, index, h, t, use_reentrant=False))
         else:
