@@ -34,7 +34,6 @@ import torch
 
 from trl_ext import _compat
 from trl_ext.api import CallSlot, Patcher, UsageError, get_logger
-from trl_ext.toolkit.packing.positions import current_packed_positions
 
 from .lazy import LazyLogits, Root, entropy, logprobs_and_entropy, selective_logprobs
 from .online import FusedState, ScoreCall, output_head
@@ -120,34 +119,17 @@ class DpoScoreCall(ScoreCall):
     stats: tuple[str, ...] = ()
     vocab: int | None = None
     root: Root | None = None
+    batch_text = "the DPO batch of {rows} rows of {columns} positions"
 
     def run(self, head: torch.nn.Module, forward: Callable, hidden: torch.Tensor, args: tuple, kwargs: dict) -> Any:
         assert self.targets is not None and self.scored is not None
         self.refuse_arguments(head, args, kwargs)
         rows, length = self.targets.shape
-        packed = current_packed_positions()
-        if packed is not None:
-            if hidden.dim() != 3 or hidden.size(0) != 1 or (packed.rows, packed.length) != (rows, length):
-                raise UsageError(
-                    f"fused_logprobs: the {self.role} model ran a packed call for {packed.rows} rows of "
-                    f"{packed.length} positions and passed its output head a {tuple(hidden.shape)} tensor, not one "
-                    f"packed row of hidden states for the DPO batch of {rows} rows of {length} positions. Train it "
-                    "without fused_logprobs or without the packing plugin."
-                )
-            index = packed.index()
-            if bool((index[self.scored] < 0).any()):
-                raise UsageError(
-                    f"fused_logprobs: the packed call of the {self.role} model does not compute every completion "
-                    "position of the DPO batch; train without fused_logprobs or without the packing plugin."
-                )
-            width = hidden.size(-1)
-            hidden = hidden[0].index_select(0, index.clamp(min=0).reshape(-1)).view(rows, length, width)
-            packed.padded_output = True
-        elif hidden.dim() != 3 or tuple(hidden.shape[:2]) != (rows, length):
+        hidden, missing = self.scored_columns(hidden)
+        if missing is not None and bool((missing & self.scored).any()):
             raise UsageError(
-                f"fused_logprobs: the {self.role} model passed its output head a {tuple(hidden.shape)} tensor, not "
-                f"the hidden states of its {rows} rows of {length} positions; the fused path cannot tell which "
-                "positions it holds. Train it without fused_logprobs."
+                f"fused_logprobs: the packed call of the {self.role} model does not compute every completion "
+                "position of the DPO batch; train without fused_logprobs or without the packing plugin."
             )
         root = Root(
             self.head_of(forward),  # `online.head_chunk` looked up per chunk (the scale matrix counts it)
@@ -184,7 +166,9 @@ def _fused_forward(original: Callable, role: str, head: torch.nn.Module, state: 
         # Position p predicts token p + 1: it is scored when that token is a completion token.
         targets = torch.nn.functional.pad(input_ids[..., 1:], (0, 1))
         scored = torch.nn.functional.pad(mask[..., 1:].bool(), (0, 1))
-        request = DpoScoreCall(role, targets, scored, chunk=state.chunks[role], stats=scoring.stats, vocab=vocab)
+        request = DpoScoreCall(
+            role, targets, scored, mask.size(1), chunk=state.chunks[role], stats=scoring.stats, vocab=vocab
+        )
         scoring.stats = ()  # the policy's call only
         with scoring_head(request):
             outputs = original(*args, **kwargs)

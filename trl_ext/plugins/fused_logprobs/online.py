@@ -29,7 +29,7 @@ import torch
 from trl_ext import _compat
 from trl_ext.api import CallSlot, UsageError, size_text, unwrap_causal_lm
 from trl_ext.toolkit.online_forward import ScoringCall, verify_against_trl
-from trl_ext.toolkit.packing.positions import PackedPositions, current_packed_positions
+from trl_ext.toolkit.packing.positions import current_packed_positions
 
 from .chunked import auto_chunk, token_logprobs
 
@@ -73,6 +73,8 @@ class ScoreCall:
     #: scoring: `(rows, positions, vocab, dtype)` of stock's logits for this request (vocab and dtype: `head_of`)
     stock_logits: tuple[int, int, int, torch.dtype] | None = None
     _chunk_out: tuple[int, torch.dtype] | None = None
+    #: what the head's input should hold, in a refusal (`scored_columns`)
+    batch_text = "the {rows} rows of {columns} positions scored; the fused path cannot tell which positions it holds"
 
     def head_of(self, forward: Callable) -> Callable[[torch.Tensor], torch.Tensor]:
         """The head's original `forward` as the chunked passes call it (`head_chunk`), noting the vocabulary and dtype
@@ -110,17 +112,45 @@ class ScoreCall:
                 self.referenced = self.reference(head, hidden)
             return self.output
         self.refuse_arguments(head, args, kwargs)
+        columns, missing = self.scored_columns(hidden)
+        if missing is None:
+            return self._score(head, forward, columns, self.scored, hidden)
+        scored = ~missing if self.scored is None else self.scored.bool() & ~missing
+        values = self._score(head, forward, columns, scored, columns)
+        if bool(missing.any()):
+            # a column the packed row does not compute (a row without tokens there): the packing plugin gives it zero
+            # logits, whose log_softmax is -log(vocab)
+            with torch.no_grad():
+                vocab = head_chunk(forward, hidden[0, :1]).size(-1)
+            values = values.masked_fill(missing, -math.log(vocab))
+        return values
+
+    def scored_columns(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The hidden states of the columns `[start, end)` (`[rows, C, H]`) and None; inside a packed call, gathered
+        from the packed row through the announced positions (the output then marked padded), and where the packed row
+        computes no position (bool `[rows, C]`)."""
+        assert self.targets is not None
         rows = self.targets.size(0)
         packed = current_packed_positions()
-        if packed is not None:
-            return self._run_packed(head, forward, hidden, packed)
-        if hidden.dim() != 3 or tuple(hidden.shape[:2]) != (rows, self.columns):
+        if packed is None:
+            if hidden.dim() != 3 or tuple(hidden.shape[:2]) != (rows, self.columns):
+                raise UsageError(
+                    f"fused_logprobs: the {self.role} model passed its output head a {tuple(hidden.shape)} tensor, "
+                    f"not the hidden states of its {rows} rows of {self.columns} positions; the fused path cannot "
+                    "tell which positions it holds. Train it without fused_logprobs."
+                )
+            return hidden[:, self.start : self.end], None
+        if hidden.dim() != 3 or hidden.size(0) != 1 or (packed.rows, packed.length) != (rows, self.columns):
             raise UsageError(
-                f"fused_logprobs: the {self.role} model passed its output head a {tuple(hidden.shape)} tensor, not "
-                f"the hidden states of its {rows} rows of {self.columns} positions; the fused path cannot tell which "
-                "positions it holds. Train it without fused_logprobs."
+                f"fused_logprobs: the {self.role} model ran a packed call for {packed.rows} rows of {packed.length} "
+                f"positions and passed its output head a {tuple(hidden.shape)} tensor, not one packed row of hidden "
+                f"states for {self.batch_text.format(rows=rows, columns=self.columns)}. Train it without "
+                "fused_logprobs or without the packing plugin."
             )
-        return self._score(head, forward, hidden[:, self.start : self.end], self.scored, hidden)
+        index = packed.index()[:, self.start : self.end]  # [rows, C] packed position of each scored column
+        packed.padded_output = True
+        gathered = hidden[0].index_select(0, index.clamp(min=0).reshape(-1)).view(*index.shape, hidden.size(-1))
+        return gathered, index < 0
 
     def _score(
         self, head: torch.nn.Module, forward: Callable, hidden: torch.Tensor, scored: Any, full: torch.Tensor
@@ -131,32 +161,6 @@ class ScoreCall:
             hidden, self.targets, self.head_of(forward), chunk=self.chunk, scored=scored, parameters=head.parameters()
         )
         self.note_stock_logits(forward, full, self.targets.size(0), self.columns)
-        return values
-
-    def _run_packed(
-        self, head: torch.nn.Module, forward: Callable, hidden: torch.Tensor, packed: PackedPositions
-    ) -> torch.Tensor:
-        assert self.targets is not None
-        rows = self.targets.size(0)
-        if hidden.dim() != 3 or hidden.size(0) != 1 or (packed.rows, packed.length) != (rows, self.columns):
-            raise UsageError(
-                f"fused_logprobs: the {self.role} model ran a packed call for {packed.rows} rows of {packed.length} "
-                f"positions and passed its output head a {tuple(hidden.shape)} tensor, not one packed row of hidden "
-                f"states for the {rows} rows of {self.columns} positions scored; the fused path cannot tell which "
-                "positions it holds. Train it without fused_logprobs or without the packing plugin."
-            )
-        index = packed.index()[:, self.start : self.end]  # [rows, C] packed position of each scored column
-        missing = index < 0
-        gathered = hidden[0].index_select(0, index.clamp(min=0).reshape(-1)).view(*index.shape, hidden.size(-1))
-        scored = ~missing if self.scored is None else self.scored.bool() & ~missing
-        values = self._score(head, forward, gathered, scored, gathered)
-        if bool(missing.any()):
-            # a column the packed row does not compute (a row without tokens there): the packing plugin gives it zero
-            # logits, whose log_softmax is -log(vocab)
-            with torch.no_grad():
-                vocab = head_chunk(forward, hidden[0, :1]).size(-1)
-            values = values.masked_fill(missing, -math.log(vocab))
-        packed.padded_output = True
         return values
 
 
