@@ -1,24 +1,13 @@
 """`DPOTrainer` on TRL < 1.15 (no fused LM head there): its scoring forwards return `LazyLogits` instead of logits.
 
-TRL's `_compute_loss` and `compute_ref_log_probs` (1.10-1.14, each checked by tests/versions) run `outputs =
-model(**model_kwargs)` and read `outputs.logits[..., :-1, :]` only through the reductions `lazy.py` lists. While one
-of those methods runs, each causal LM's forward returns a `LazyLogits` whose values were all computed inside the output
-head's own call, and the helpers TRL imports into `trl.trainer.dpo_trainer` (those this TRL has, found by a probe) are
-replaced by versions that read a `LazyLogits` (any other argument goes to TRL's own). The loss code itself is TRL's,
-unchanged: every loss type, `loss_weights`, `ld_alpha`, `use_weighting`.
-
-Before each model call the fused forward announces to the patched head (`DpoScoreCall`) the targets (`input_ids`
-shifted by one), the positions TRL keeps (the shifted completion mask) and, for the policy's call of `_compute_loss`,
-the statistics its metrics read. The head, called once per forward on every rank as stock, runs one chunked pass
-(`lazy.LazyLogits.logprobs`, each chunk recomputed in the backward, where ZeRO-3's pre-backward hook on the head's
-output has gathered the weight again and FSDP2's root has unsharded it) and returns the `[rows, length]` log-probs (0
-elsewhere) as the model's `logits`, which the fused forward wraps in a `LazyLogits` that computes nothing more.
-
-Packing: the fused forward is put around each model's forward at the start of each scoring call, so it is outermost;
-the packing plugin's forward inside it announces the packed positions (`toolkit.packing.positions`), and the head
-gathers the padded positions' hidden states from the packed row and marks its output padded.
-
-An evaluation that asks for the logits themselves (`prediction_loss_only=False`) gets them: that call runs stock.
+TRL's `_compute_loss` and `compute_ref_log_probs` (1.10-1.14, each checked by tests/versions) read
+`outputs.logits[..., :-1, :]` only through the reductions `lazy.py` lists. While one of them runs, each causal LM's
+forward is wrapped (outermost, so that a packing plugin's forward inside it has put its outputs back in the padded
+layout) and announces to the patched head (`DpoScoreCall`) the shifted targets, the positions TRL keeps and, for the
+policy's `_compute_loss` call, the statistics its metrics read; the head runs one chunked pass inside its own call and
+returns the `[rows, length]` log-probs, wrapped in a `LazyLogits` that computes nothing more. The helpers TRL imports
+into `trl.trainer.dpo_trainer` (those this TRL has) are replaced by versions that read a `LazyLogits`; the loss code
+is TRL's, unchanged. How it combines with packing and ZeRO-3 / FSDP2: docs/plugins/fused_logprobs.md.
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """Online DPO's scoring forward with fused log-probs, and the output-head patch it relies on.
 
-`make_fused_forward` returns what `OnlineDPOTrainer._forward` returns (TRL 1.12 and 1.16: the completion tokens'
-`log_softmax` gathered, `[rows, C]`, no temperature; its steps are `toolkit.online_forward`'s) from the same model
-call, through every wrapper (DDP, DeepSpeed, FSDP2, PEFT, another plugin's forward).
-
-The output head's `forward` is replaced once per model (`trl_ext_make_head_forward`); around one model call a
-`ScoreCall` tells it what to do:
-
-- scoring (`scoring()`): the head takes the completion columns of the hidden states it receives and returns their
-  log-probs, `[rows, C]`, chunk by chunk (`chunked.token_logprobs`) with its original `forward`, inside its own call,
-  once per model forward on every rank as stock, so DeepSpeed ZeRO-3's and FSDP2's gathered parameters are in place
-  (in the backward's recomputation too). Inside a packed call (prompt_sharing) it gathers the scored columns from the
-  packed row through the announced positions (`toolkit.packing.positions`) and marks its output padded.
-- DPO on TRL < 1.15 (`dpo.DpoScoreCall`): the same over every position of the DPO batch, with TRL's metric statistics.
-- recording (no targets, the self-check): the head runs as stock and keeps its output.
+`make_fused_forward` returns what `OnlineDPOTrainer._forward` returns (TRL 1.12 and 1.16, its steps are
+`toolkit.online_forward`'s) from the same model call, through every wrapper (DDP, DeepSpeed, FSDP2, PEFT, another
+plugin's forward). The head's `forward` is replaced once per model (`trl_ext_make_head_forward`); around one model call
+a `ScoreCall` tells it what to do: score the completion columns of the hidden states it receives chunk by chunk
+(`chunked.token_logprobs`) inside its own call, so that ZeRO-3's and FSDP2's gathered parameters are in place, from the
+packed row through the announced positions inside a packed call (`toolkit.packing.positions`); the same over every
+position of a DPO batch (`dpo.DpoScoreCall`); or, without targets (the self-check), run as stock and keep its output.
 """
 
 from __future__ import annotations

@@ -1,22 +1,13 @@
-"""The padding_free self-check: does a model's packed forward equal its stock padded forward? Decided by measurement.
+"""The padding_free self-check: does a model's packed forward equal its stock padded forward? Decided by measurement
+on a probe sized from what training will feed (`trl_ext.toolkit.probe`), without gradients, in the model's dtype and
+the mode it runs in (docs/plugins/padding_free.md, "Self-check", has the rules and tolerances):
 
-The probe is sized from what training will feed (`trl_ext.toolkit.probe`): three random sequences, the first as long
-as the longest training sequence, the others longer than every window or chunk the config declares. Run without
-gradients, in the model's dtype, in the mode the model runs in (eval mode for a policy whose forward draws random
-numbers in training, `trl_ext.toolkit.randomness`: packed, its draws fall on other shapes):
-
-1. isolation: the middle sequence's tokens are replaced; the packed logits of the two others must stay bit-identical
-   (a packed row runs every per-token operation row by row and attention per sequence, in any dtype). A leak names
-   the first module, in execution order, whose output at the other sequences' tokens changed.
-2. stock: the same sequences as a right-padded batch through the model's stock forward (TRL's scoring call) must give
-   the packed logits at every real token, to the round-off of the lowest precision the model computes in, relative to
-   the largest logit: 1e-7 for a forward float64 throughout, 1e-4 where any operation computes in float32 (observed on
-   the stock forward, `_LowestFloat`: MPT's float32 softmax, float32 RMSNorm and MoE routers; MPT, 512 wide,
-   256-token probe: 6.2e-7), 5e-2 in 16-bit or under 16-bit autocast; a position or window bug is order 1e-1. A row
-   where the padded forward itself is degenerate (NaN from eager attention over a window of only padding, stock TRL
-   included) is compared with the sequence run alone.
-
-Cost: two packed forwards of the probe's total length and one padded forward of three rows (timed and logged).
+1. isolation: the middle sequence's tokens are replaced; the packed logits of the two others must stay bit-identical.
+   A leak names the first module, in execution order, whose output at the other sequences' tokens changed.
+2. stock: the packed logits must equal the stock padded forward's at every real token, to the round-off of the lowest
+   precision the stock forward computes in (`_LowestFloat`; MPT, 512 wide, 256-token probe: 6.2e-7 where float32
+   allows 1e-4); a position or window bug is order 1e-1. A row where the padded forward itself is degenerate (NaN from
+   eager attention over a window of only padding, stock TRL included) is compared with the sequence run alone.
 """
 
 from __future__ import annotations

@@ -2,16 +2,11 @@
 
 Run before the first step for every model outside the verified table (every model with `self_check: true`), on a
 probe sized from what training will feed (`trl_ext.toolkit.probe`): three pairs of random sequences, a chosen and a
-rejected row each, with the same prompt (half the sequence) and different completions; the first pair as long as the
-longest training sequence, the others longer than every window or chunk the config declares.
-
-The probe runs through the model's wrapped forward (shared) and its *stock padded* forward (`stock_forward`),
-without gradients, in the training dtype (the trainer's autocast), in the mode the model trains in (a policy that
-draws random numbers in training never gets here: `setup.refuse_random_draws` refuses it first).
-The logits of every real token must agree to the dtype's round-off relative to the sequence's largest logit
-(`TOLERANCES`); a position off by one, a response seeing the other, or a lost window moves them by order 1e-1. A row
-where the padded forward itself is degenerate (NaN from eager attention over a window of only padding, in stock TRL as
-well) is compared with the sequence run alone. Cost: one shared and one padded forward of six sequences.
+rejected row each, with the same prompt (half the sequence) and different completions. The shared forward and the
+stock padded forward (`stock_forward`) run without gradients, in the training dtype and mode (a policy that draws
+random numbers in training is refused before: `setup.refuse_random_draws`); the logits of every real token must agree
+to the dtype's round-off relative to the sequence's largest logit (`TOLERANCES`). A row where the padded forward itself
+is degenerate (NaN from eager attention over a window of only padding) is compared with the sequence run alone.
 """
 
 from __future__ import annotations
