@@ -27,7 +27,7 @@ def _state(context: Any) -> FusedState:
 @hookimpl
 def trl_ext_trainer_init_start(trainer: Any, context: Any, init_kwargs: dict[str, Any]) -> None:
     state = _state(context)
-    if context.trainer_class == "DPOTrainer" and _compat.dpo_has_fused_head():
+    if not _scores(context):
         state.left_to_trl = True
         logger.info(
             "fused_logprobs: this TRL's DPOTrainer already scores with its own fused LM head (no full-vocabulary "

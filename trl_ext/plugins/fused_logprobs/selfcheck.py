@@ -16,13 +16,12 @@ Online DPO's completions are. The model runs in eval mode for the probe (dropout
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import Any
 
 import torch
 
 from trl_ext.api import unwrap_causal_lm
-from trl_ext.toolkit.probe import model_probe_lengths, stock_forward
+from trl_ext.toolkit.probe import ProbeRun, model_probe_lengths, stock_forward
 
 from .chunked import accumulation_dtype
 from .online import ScoreCall, run_scoring
@@ -139,30 +138,24 @@ def sixteen_bit_tolerance(
 
 def self_check(model: Any, trainer: Any, role: str, chunk: int) -> SelfCheckResult:
     """Compare the fused path (scoring inside the head's call) with `model`'s stock forward on a probe (`failure`)."""
-    started = time.perf_counter()
     causal_lm = unwrap_causal_lm(model)
+    run = ProbeRun(causal_lm, training=False)
     lengths = tuple(min(n, PROBE_CAP) for n in model_probe_lengths(causal_lm, trainer, "fused_logprobs"))
     width = max(lengths)
     vocab = int(causal_lm.config.get_text_config().vocab_size)
     g = torch.Generator().manual_seed(0)
-    device = next(causal_lm.parameters()).device
-    ids = torch.randint(0, vocab, (len(lengths), width), generator=g).to(device)
-    mask = (torch.arange(width)[None] < torch.tensor(lengths)[:, None]).long().to(device)
-    was_training = causal_lm.training
-    causal_lm.eval()
+    ids = torch.randint(0, vocab, (len(lengths), width), generator=g).to(run.device)
+    mask = (torch.arange(width)[None] < torch.tensor(lengths)[:, None]).long().to(run.device)
     kwargs = dict(input_ids=ids, attention_mask=mask, use_cache=False)
-    targets = torch.randint(0, vocab, ids.shape, generator=g).to(device)
-    try:
-        with torch.no_grad(), stock_forward(causal_lm):  # a packing plugin's wrapper passes the probe through
-            stock = causal_lm(**kwargs).logits
-            # the head runs as stock and keeps its output (and, for a 16-bit head, the same head in float32)
-            record = ScoreCall(role, reference=float32_head)
-            run_scoring(causal_lm, record, **kwargs)
-            applied = record.output
-            request = ScoreCall(role, targets, None, width, 0, None, chunk)
-            fused = run_scoring(causal_lm, request, **kwargs).logits
-    finally:
-        causal_lm.train(was_training)
+    targets = torch.randint(0, vocab, ids.shape, generator=g).to(run.device)
+    with run, torch.no_grad(), stock_forward(causal_lm):  # a packing plugin's wrapper passes the probe through
+        stock = causal_lm(**kwargs).logits
+        # the head runs as stock and keeps its output (and, for a 16-bit head, the same head in float32)
+        record = ScoreCall(role, reference=float32_head)
+        run_scoring(causal_lm, record, **kwargs)
+        applied = record.output
+        request = ScoreCall(role, targets, None, width, 0, None, chunk)
+        fused = run_scoring(causal_lm, request, **kwargs).logits
     acc = accumulation_dtype(stock.dtype)
     want = _target_logprobs(stock, targets, acc)
     result = SelfCheckResult(lengths, 0.0, 0.0, LOGPROB_RTOL[acc], 0.0)
@@ -197,5 +190,5 @@ def self_check(model: Any, trainer: Any, role: str, chunk: int) -> SelfCheckResu
                 f"the fused log-probs differ from the stock log_softmax by {result.logprob_error:.2g} (relative) > "
                 f"{result.tolerance:.2g}" + (f" ({result.basis})" if result.basis else "")
             )
-    result.seconds = time.perf_counter() - started
+    result.seconds = run.seconds
     return result

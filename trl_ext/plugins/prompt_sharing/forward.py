@@ -36,7 +36,7 @@ from .layout import (
     build_layout,
     pack,
     pack_labels,
-    prompt_end_from_labels,
+    prompt_end_from_completion_mask,
     prompt_end_of,
     unpack,
     unpack_shifted,
@@ -181,7 +181,7 @@ def _layout_for(kwargs: dict[str, Any], meta: Any, online: int | None) -> Shared
         # Online DPO reads (and logs metrics over) the logits of the completion padding too
         return build_layout(input_ids, attention_mask, [online] * input_ids.shape[0], trailing_padding=True)
     if isinstance(labels, torch.Tensor) and labels.shape == input_ids.shape:
-        return build_layout(input_ids, attention_mask, prompt_end_from_labels(labels, attention_mask))
+        return build_layout(input_ids, attention_mask, prompt_end_from_completion_mask(labels != -100, attention_mask))
     return None
 
 

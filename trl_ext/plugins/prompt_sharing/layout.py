@@ -350,11 +350,6 @@ def prompt_end_from_completion_mask(completion_mask: torch.Tensor, attention_mas
     return torch.minimum(first, row_end)
 
 
-def prompt_end_from_labels(labels: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """The column where each row's scored tokens start: TRL's DPO labels are -100 exactly outside the completion."""
-    return prompt_end_from_completion_mask(labels != -100, attention_mask)
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # Collator
 # ---------------------------------------------------------------------------------------------------------------------
