@@ -211,7 +211,8 @@ def row_limit(model) -> int | None:
 
 def check_model(state: PaddingFreeState, role: str, model, trainer) -> None:
     """Before the first step: the layers of a wrapped model that draw random numbers in training mode (one notice),
-    then the self-check where it runs (outside the verified table, or `self_check: true`), in its training mode."""
+    then the self-check where it runs (outside the verified table, or `self_check: true`), in its training mode
+    (eval mode where it draws); a `UsageError` if the packed forward differs from the stock padded forward."""
     # TRL trains the policy in training mode (`Trainer.train` calls `model.train()`) and runs a separate reference
     # model in the mode it was given (eval after `from_pretrained`; TRL never changes it)
     training = role == "policy" or model.training
@@ -219,13 +220,10 @@ def check_model(state: PaddingFreeState, role: str, model, trainer) -> None:
     if draws:
         state.random_draws[role] = draws
         logger.warning("padding_free: %s", random_draws_notice(role, model, draws))
-    if state.self_check is True or not state.inspections[role].verified:
-        _run_self_check(state, role, model, trainer, training=training and not draws)
-
-
-def _run_self_check(state: PaddingFreeState, role: str, model, trainer, training: bool = False) -> None:
-    """Measure, before the first step, that `model`'s packed forward equals its stock padded forward on a probe sized
-    from what training will feed; refuse if it does not."""
+    if state.self_check is not True and state.inspections[role].verified:
+        return
+    # the self-check: `model`'s packed forward must equal its stock padded forward on a probe sized from training
+    training = training and not draws
     calls = state.packed_calls, state.unpacked_calls
     moe = any(m.startswith("MoE") for m in state.inspections[role].mechanisms)
     lengths = model_probe_lengths(model, trainer, "padding_free")
