@@ -53,10 +53,6 @@ AUTO_CHUNK_CUDA_BYTES = 512 * 2**20
 AUTO_CHUNK_CUDA_RANGE = (16, 8192)
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def auto_chunk(
     vocab_size: int,
     dtype: torch.dtype = torch.float32,
@@ -69,7 +65,7 @@ def auto_chunk(
     if device is not None and torch.device(device).type == "cuda":
         return chunk_for_memory(cuda_free_bytes(torch.device(device)), vocab_size, dtype, hidden_size)
     low, high = AUTO_CHUNK_RANGE
-    return int(min(high, max(low, AUTO_CHUNK_BYTES // max(1, vocab_size * _itemsize(accumulation_dtype(dtype))))))
+    return int(min(high, max(low, AUTO_CHUNK_BYTES // max(1, vocab_size * accumulation_dtype(dtype).itemsize))))
 
 
 def chunk_for_memory(free_bytes: int, vocab_size: int, dtype: torch.dtype, hidden_size: int) -> int:
@@ -80,7 +76,7 @@ def chunk_for_memory(free_bytes: int, vocab_size: int, dtype: torch.dtype, hidde
     `dtype`, their upcast and the gradient buffer in the accumulation dtype (`_TargetLogprobs.backward`), and the
     chunk's hidden states with their gradient (`hidden_size`, twice for slack).
     """
-    model, wide = _itemsize(dtype), _itemsize(accumulation_dtype(dtype))
+    model, wide = dtype.itemsize, accumulation_dtype(dtype).itemsize
     per_position = vocab_size * 2 * (model + wide) + 4 * hidden_size * model
     budget = min(int(free_bytes * AUTO_CHUNK_CUDA_FRACTION), AUTO_CHUNK_CUDA_BYTES)
     low, high = AUTO_CHUNK_CUDA_RANGE

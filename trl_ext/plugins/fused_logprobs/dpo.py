@@ -16,7 +16,7 @@ import contextlib
 import dataclasses
 import functools
 import importlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -60,17 +60,6 @@ METRIC_STATS = ("entropy", "mean", "argmax")
 WPO_STATS = ("lse", "lse2")
 
 
-@contextlib.contextmanager
-def _scoring(scoring: _Scoring, models: dict[str, tuple[Any, torch.nn.Module]], state: FusedState) -> Iterator[None]:
-    """Set the scoring call, and wrap each model's forward (as it is now, every plugin's wrapper included) with the
-    fused one for the duration of the call, through an undo stack of its own: outermost, so that a packing plugin's
-    wrapper inside it has put the hidden states back into the padded layout before they become `LazyLogits`."""
-    with _SCORING.entered(scoring), Patcher("fused_logprobs: one DPO scoring call") as patcher:
-        for role, (model, head) in models.items():
-            patcher.setattr(model, "forward", _fused_forward(model.forward, role, head, state))
-        yield
-
-
 def score(call: Any, trainer: Any, state: FusedState, context: Any) -> Any:
     """One call of one of `SCORING_METHODS` (`trl_ext_call`): the rest of the chain (TRL's method last), run with each
     model's forward returning `LazyLogits`."""
@@ -91,7 +80,13 @@ def score(call: Any, trainer: Any, state: FusedState, context: Any) -> Any:
             stats = METRIC_STATS + (WPO_STATS if getattr(trainer, _compat.DPO_USE_WEIGHTING_ATTR) else ())
         if not state.heads:  # the trainer's models, found once (after `trl_ext_trainer_models_ready` checked them)
             state.heads.update({role: (m, output_head(m, role)) for role, m in context.models().items()})
-        with _scoring(_Scoring(inputs["completion_mask"], stats), state.heads, state):
+        # each model's forward (as it is now, every plugin's wrapper included) wrapped with the fused one for the call,
+        # through an undo stack of its own: outermost, so that a packing plugin's wrapper inside it has put the hidden
+        # states back into the padded layout before they become `LazyLogits`
+        scoring = _Scoring(inputs["completion_mask"], stats)
+        with _SCORING.entered(scoring), Patcher("fused_logprobs: one DPO scoring call") as patcher:
+            for role, (lm, head) in state.heads.items():
+                patcher.setattr(lm, "forward", _fused_forward(lm.forward, role, head, state))
             return call.proceed()
 
     return method(*call.args, **call.kwargs)

@@ -298,7 +298,8 @@ def _pack_kwargs(kwargs: dict[str, Any], meta: Any) -> tuple[dict[str, Any], Pac
     packed["attention_mask"] = None  # transformers only isolates packed sequences without a 2D mask
     position_ids = kwargs.get("position_ids")
     packed["position_ids"] = info.position_ids if position_ids is None else pack_rows(position_ids, info)
-    packed.update(info.flash_kwargs())
+    cu, longest = info.cu_seq_lens.to(torch.int32), info.max_length  # flash-attention's varlen arguments
+    packed.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
     return packed, info
 
 

@@ -226,10 +226,6 @@ def _call_layout(args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, Any, int |
     return args, meta, online, _layout_for(kwargs, meta, online) if shareable else None
 
 
-def _unpack_outputs(outputs: Any, layout: SharedLayout, fused: bool) -> Any:
-    return repad_outputs(outputs, fused, lambda x: unpack(x, layout), lambda x: unpack_shifted(x, layout))
-
-
 def make_causal_lm_forward(original: Callable, state: Any, aux_loss: MoeAuxLoss | None = None) -> Callable:
     """Causal-LM forward: run the shared row, return outputs in the padded layout. `aux_loss` (MoE models whose
     auxiliary loss is on, `moe.MoeAuxLoss`) captures the router logits of the shared call and recomputes the auxiliary
@@ -249,7 +245,8 @@ def make_causal_lm_forward(original: Callable, state: Any, aux_loss: MoeAuxLoss 
         if score is not None and not kwargs.get("fused_lm_head") and score.accepts(outputs, positions):
             score.capture(positions)  # Online DPO's `_forward` scores the packed logits (never padded ones)
             return outputs
-        return _unpack_outputs(outputs, layout, bool(kwargs.get("fused_lm_head")))
+        fused = bool(kwargs.get("fused_lm_head"))
+        return repad_outputs(outputs, fused, lambda x: unpack(x, layout), lambda x: unpack_shifted(x, layout))
 
     @functools.wraps(original)
     def forward(*args: Any, **kwargs: Any) -> Any:

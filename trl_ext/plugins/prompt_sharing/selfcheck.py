@@ -67,12 +67,6 @@ def probe_pairs(
     return ids.to(device), mask.to(device), prompt_end
 
 
-def _where(row: int, token: int, pairs: int, prompt_end: list[int]) -> str:
-    side = "chosen" if row < pairs else "rejected"
-    part = "prompt" if token < prompt_end[row] else "completion"
-    return f"probe row {row} (the {side} sequence of pair {row % pairs}), token {token} (in the {part})"
-
-
 def self_check(
     model: torch.nn.Module,
     shared_forward: Callable,
@@ -123,20 +117,23 @@ def self_check(
                 want = run.without_degenerate_rows(want, ids, mask, stock)
             except Exception as exc:  # noqa: BLE001 - no stock reference, no verdict: refuse with the cause
                 return result(f"its stock padded forward (the reference) raised {type(exc).__name__}: {exc}")
-            worst, where = 0.0, (0, 0)
+            worst, at, token_at = 0.0, 0, 0
             for row in range(ids.shape[0]):
                 ref = want[row][real[row]].double()
                 error = (got[row][real[row]].double() - ref).abs().amax(-1) / ref.abs().max().clamp(min=1e-30)
                 error = error.nan_to_num(float("inf"))
                 token = int(error.argmax())
                 if error[token].item() > worst:
-                    worst, where = error[token].item(), (row, token)
+                    worst, at, token_at = error[token].item(), row, token
             if worst <= tolerance:
                 return result(None, worst)
+            side = "chosen" if at < pairs else "rejected"
+            part = "prompt" if token_at < prompt_end[at] else "completion"
             return result(
                 f"the shared forward's `logits` differ from the stock padded forward by {worst:.3g} (relative to the "
                 f"sequence's largest logit; {dtype} round-off allows {tolerance:g}) at "
-                f"{_where(*where, pairs, prompt_end)}, on {pairs} prompt-sharing pairs of {list(lengths)} tokens: a "
+                f"probe row {at} (the {side} sequence of pair {at % pairs}), token {token_at} (in the {part}), on "
+                f"{pairs} prompt-sharing pairs of {list(lengths)} tokens: a "
                 "response sees the other, positions do not continue from the prompt, or a window, chunk or mask "
                 "that the padded forward applies is lost in the shared row",
                 worst,
