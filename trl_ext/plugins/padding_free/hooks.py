@@ -125,10 +125,9 @@ def trl_ext_trainer_init_start(trainer: Trainer, context: TrainerContext, init_k
 def _check_trainer(trainer, context) -> PaddingFreeState:
     """Refuse what packing cannot do correctly; runs once, before the first packed forward."""
     state = _state(context)
-    if state.checked:
-        return state
-    check_packable_trainer(trainer, NAME)
-    state.checked = True
+    if not state.checked:
+        check_packable_trainer(trainer, NAME)
+        state.checked = True
     return state
 
 

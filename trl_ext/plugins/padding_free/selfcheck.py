@@ -19,8 +19,7 @@ from typing import Any
 
 import torch
 
-from trl_ext.toolkit.probe import ProbeRun
-from trl_ext.toolkit.probe import stock_forward as stock_mode
+from trl_ext.toolkit.probe import ProbeRun, stock_forward
 from trl_ext.toolkit.randomness import describe_draws
 
 #: The probe of a model whose training lengths are unknown (no `max_length`, no readable dataset).
@@ -104,15 +103,13 @@ def _first_change(before: list, after: list, rows: torch.Tensor) -> str:
 def self_check(
     model: torch.nn.Module,
     packed_forward: Callable,
-    stock_forward: Callable | None = None,
     lengths: Sequence[int] = PROBE_LENGTHS,
-    dtype: torch.dtype | None = None,
     moe: bool = False,
     autocast: torch.dtype | None = None,
     training: bool = False,
 ) -> SelfCheckResult:
-    """Measure whether `packed_forward` (the model's wrapped forward) keeps packed sequences apart and equals
-    `stock_forward` (default: the model under `trl_ext.toolkit.probe.stock_forward`) on probe sequences of `lengths`.
+    """Measure whether `packed_forward` (the model's wrapped forward) keeps packed sequences apart and equals the
+    model's stock padded forward (`trl_ext.toolkit.probe.stock_forward`) on probe sequences of `lengths`.
 
     `moe`: the model routes tokens to experts, so changing one sequence changes how many tokens each expert multiplies
     at once, and a matmul kernel may round another token's row differently: the isolation check then allows 16 units
@@ -122,7 +119,7 @@ def self_check(
     lengths = tuple(int(n) for n in lengths)
     run = ProbeRun(model, training)
     device, vocab = run.device, run.vocab
-    dtype = autocast or dtype or next(model.parameters()).dtype
+    dtype = autocast or next(model.parameters()).dtype
     tolerance = _TOLERANCE.get(dtype, _HALF_TOLERANCE)
     ids, mask = _probe(vocab, device, 0, lengths)
     changed = ids.clone()
@@ -159,17 +156,16 @@ def self_check(
                         f"packed row changed (max change {(base[i] - after[i]).abs().max().item():.3g}); the first "
                         f"layer whose output changed is `{_first_change(before, recorder.outputs, rows)}`"
                     )
-            run_stock = stock_forward if stock_forward is not None else model
             try:
-                with stock_mode(model):
+                with stock_forward(model):
                     with _LowestFloat() as observed:
-                        stock = run_stock(input_ids=ids, attention_mask=mask, use_cache=False).logits
+                        stock = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
                     run.forwards += 1
                     if dtype == torch.float64 and observed.lowest not in (None, torch.float64):
                         tolerance = _TOLERANCE.get(observed.lowest, _HALF_TOLERANCE)
                         dtype = observed.lowest  # what the message names
                     stock = run.without_degenerate_rows(
-                        stock, ids, mask, lambda i, m: run_stock(input_ids=i, attention_mask=m, use_cache=False).logits
+                        stock, ids, mask, lambda i, m: model(input_ids=i, attention_mask=m, use_cache=False).logits
                     )
             except Exception as exc:  # noqa: BLE001 - no stock reference, no verdict: refuse with the cause
                 return result(f"its stock padded forward (the reference) raised {type(exc).__name__}: {exc}")

@@ -95,19 +95,14 @@ def _attend(
     mask, so whatever it does per key is done exactly as in the padded forward."""
     q, k = query.shape[2], key.shape[2]
     sliding_window = kwargs.get("sliding_window")
-    plain = base == "sdpa" and kwargs.get("softcap") is None and kwargs.get("s_aux") is None
-    simple = offset == 0 and not (sliding_window is not None and k > sliding_window)
-    simple = simple and not (valid_keys is not None and valid_keys < k)
-    if plain and simple:
-        return F.scaled_dot_product_attention(
-            query, key, value, dropout_p=dropout, is_causal=True, scale=scaling,
-            enable_gqa=query.shape[1] != key.shape[1],
-        )  # fmt: skip
     window = sliding_window if sliding_window is not None and k > sliding_window else None
-    mask = visible_keys(q, k, query.device, offset, window, valid_keys)[None, None]
+    plain = base == "sdpa" and kwargs.get("softcap") is None and kwargs.get("s_aux") is None
+    causal = offset == 0 and window is None and not (valid_keys is not None and valid_keys < k)
+    # plain SDPA: its own causal mask where that is the whole pattern, else this mask
+    mask = None if plain and causal else visible_keys(q, k, query.device, offset, window, valid_keys)[None, None]
     if plain:
         return F.scaled_dot_product_attention(
-            query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling,
+            query, key, value, attn_mask=mask, dropout_p=dropout, is_causal=mask is None, scale=scaling,
             enable_gqa=query.shape[1] != key.shape[1],
         )  # fmt: skip
     if base == "eager":

@@ -110,10 +110,9 @@ def state_of(context: Any) -> PromptSharingState:
 def check_trainer(trainer: Any, context: Any) -> PromptSharingState:
     """Refuse what sharing cannot do correctly; runs once, before the first shared forward."""
     state = state_of(context)
-    if state.checked_trainer:
-        return state
-    check_packable_trainer(trainer, NAME)
-    state.checked_trainer = True
+    if not state.checked_trainer:
+        check_packable_trainer(trainer, NAME)
+        state.checked_trainer = True
     return state
 
 
