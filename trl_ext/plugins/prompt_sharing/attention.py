@@ -98,13 +98,13 @@ def _attend(
     window = sliding_window if sliding_window is not None and k > sliding_window else None
     plain = base == "sdpa" and kwargs.get("softcap") is None and kwargs.get("s_aux") is None
     causal = offset == 0 and window is None and not (valid_keys is not None and valid_keys < k)
-    # plain SDPA: its own causal mask where that is the whole pattern, else this mask
-    mask = None if plain and causal else visible_keys(q, k, query.device, offset, window, valid_keys)[None, None]
-    if plain:
+    if plain:  # SDPA's own causal mask where that is the whole pattern
+        mask = None if causal else visible_keys(q, k, query.device, offset, window, valid_keys)[None, None]
         return F.scaled_dot_product_attention(
-            query, key, value, attn_mask=mask, dropout_p=dropout, is_causal=mask is None, scale=scaling,
+            query, key, value, attn_mask=mask, dropout_p=dropout, is_causal=causal, scale=scaling,
             enable_gqa=query.shape[1] != key.shape[1],
         )  # fmt: skip
+    mask = visible_keys(q, k, query.device, offset, window, valid_keys)[None, None]
     if base == "eager":
         mask = additive_mask(mask, query.dtype)
     out, _ = base_attention(base, module)(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)

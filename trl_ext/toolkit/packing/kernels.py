@@ -239,13 +239,9 @@ def choose(
         return Choice(None, device_type, dtype, ("attention: segments",), plugin, requested)
     order = [prefer] if prefer in KERNELS else []
     order += [name for name in KERNELS if name not in order]
+    candidates = (KERNELS[name] for name in order)
+    kernel = next((k for k in candidates if device_type in k.devices and dtype in k.dtypes), None)
     reasons: list[str] = []
-    kernel = None
-    for name in order:
-        candidate = KERNELS[name]
-        if device_type in candidate.devices and dtype in candidate.dtypes:
-            kernel = candidate
-            break
     problem = _device_problem(device) if kernel is not None else None
     if problem is not None:
         kernel = None
