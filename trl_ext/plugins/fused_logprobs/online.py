@@ -290,13 +290,8 @@ def make_fused_forward(trainer: Any, state: FusedState, roles: Callable[[Any], s
                 "fused_logprobs does not score vision-language batches (image inputs reached Online DPO's scoring "
                 "forward). Train without fused_logprobs."
             )
-        call = ScoringCall.build(
-            prompt_ids,
-            prompt_mask,
-            completion_ids,
-            completion_mask,
-            getattr(trainer, _compat.ONLINE_DPO_MAX_LENGTH_ATTR),
-        )
+        max_length = getattr(trainer, _compat.ONLINE_DPO_MAX_LENGTH_ATTR)
+        call = ScoringCall.build(prompt_ids, prompt_mask, completion_ids, completion_mask, max_length)
         head = output_head(model, role)
         chunk = state.chunks.get(role) or resolve_chunk(state, head, next(unwrap_causal_lm(model).parameters()).dtype)
         # The completion tokens carry gradients; the positions after an end are computed without (TRL masks them in
