@@ -21,7 +21,7 @@ import torch
 
 from trl_ext import _compat
 from trl_ext.api import CallSlot, UsageError, size_text, unwrap_causal_lm
-from trl_ext.toolkit.online_forward import ScoringCall, verify_against_trl
+from trl_ext.toolkit.online_forward import ScoringCall
 from trl_ext.toolkit.packing.positions import current_packed_positions
 
 from .chunked import auto_chunk, token_logprobs
@@ -35,7 +35,6 @@ __all__ = [
     "output_head",
     "run_scoring",
     "scoring",
-    "verify_online_forward",
 ]
 
 
@@ -273,15 +272,10 @@ def resolve_chunk(state: FusedState, head: torch.nn.Module, dtype: torch.dtype) 
     return auto_chunk(int(vocab), dtype, device, int(hidden))
 
 
-def verify_online_forward(trainer: Any) -> None:
-    """Refuse a TRL whose `OnlineDPOTrainer._forward` is not what `make_fused_forward` reproduces."""
-    verify_against_trl(getattr(type(trainer), _compat.ONLINE_DPO_FORWARD_METHOD), "fused_logprobs", trainer)
-
-
 def make_fused_forward(trainer: Any, state: FusedState, roles: Callable[[Any], str]) -> Callable:
     """The replacement of `trainer._forward` (through `trl_ext_call`): same arguments, same `[rows, C]`
     log-probs, no full logits. TRL's steps around the model call are `toolkit.online_forward.ScoringCall`'s, verified
-    against the trainer's own `_forward` (`verify_online_forward`) before the first step."""
+    against the trainer's own `_forward` (`toolkit.online_forward.verify_against_trl`) before the first step."""
 
     def _forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask, vision_inputs=None):
         role = roles(model)

@@ -3,7 +3,7 @@
 Wrapped are the causal LM's `forward` (TRL's fused LM head on TRL >= 1.15, the model's own logits before) and its
 backbone's (`model.base_model`). A padded scoring call (`glue.scoring_call`) takes its layout from the batch (the
 collator's), or builds it from TRL's DPO labels (-100 exactly outside the completion) or the prompt width Online DPO's
-`_forward` announces (`online_prompt_columns`); a call with none of these (generation, a user's own forward) runs as it
+`_forward` announces (`online_forward`); a call with none of these (generation, a user's own forward) runs as it
 came. The per-token outputs are scattered back by `index_select`, so a shared prompt token's gradient is the sum of
 what both branches send it: the fused head's fields as `[rows, length - 1]`, logits as `[rows, length, vocab]` (zeros
 at padding), the backbone's `last_hidden_state` as `[rows, length, hidden]`.
@@ -50,7 +50,6 @@ __all__ = [
     "make_backbone_forward",
     "make_causal_lm_forward",
     "online_forward",
-    "online_prompt_columns",
     "shared_kwargs",
 ]
 
@@ -156,11 +155,6 @@ def _row_runs(index: torch.Tensor) -> list[int] | None:
 
 
 _ONLINE_SCORE: CallSlot[OnlineScore] = CallSlot("prompt_sharing.online_score")
-
-
-#: `with online_prompt_columns(columns):` the model calls inside are Online DPO scoring calls whose first `columns`
-#: columns are prompt.
-online_prompt_columns = _ONLINE_PROMPT_COLUMNS.entered
 
 
 def _layout_for(kwargs: dict[str, Any], meta: Any, online: int | None) -> SharedLayout | None:
@@ -308,10 +302,10 @@ def online_forward(call: Any, own: bool, max_length: int | None) -> Any:
             return call.proceed()
         scoring = ScoringCall.build(prompt_ids, prompt_mask, completion_ids, completion_mask, max_length)
         if not own:
-            with online_prompt_columns(scoring.prompt_columns):
+            with _ONLINE_PROMPT_COLUMNS.entered(scoring.prompt_columns):
                 return call.proceed()
         score = OnlineScore(completion_ids, scoring.ids.size(1), scoring.start, scoring.end)
-        with _ONLINE_SCORE.entered(score), online_prompt_columns(scoring.prompt_columns):
+        with _ONLINE_SCORE.entered(score), _ONLINE_PROMPT_COLUMNS.entered(scoring.prompt_columns):
             output = model(scoring.ids, attention_mask=scoring.mask)
         if score.calls:
             return score.finish(output.logits)
