@@ -286,11 +286,17 @@ class PaddingFreeCollator(AnnotatingCollator):
 
 
 def _pack_kwargs(kwargs: dict[str, Any], meta: Any) -> tuple[dict[str, Any], PackInfo]:
+    global _REBUILT_WARNED
     input_ids = kwargs["input_ids"]
     info = PackInfo.from_batch(meta, input_ids, kwargs["attention_mask"]) if meta is not None else None
     if info is None:
         if meta is not None and not _REBUILT_WARNED:
-            _warn_rebuilt(meta, input_ids)
+            _REBUILT_WARNED = True
+            logger.warning(
+                "padding_free: the packing metadata of a batch did not match its %s input_ids and attention_mask "
+                "(changed after collation); it was rebuilt from attention_mask (once-only warning).",
+                tuple(input_ids.shape),
+            )
         info = packing_metadata(kwargs["attention_mask"])
     packed = dict(kwargs)
     packed["input_ids"] = pack_rows(input_ids, info)
@@ -303,16 +309,6 @@ def _pack_kwargs(kwargs: dict[str, Any], meta: Any) -> tuple[dict[str, Any], Pac
 
 
 _REBUILT_WARNED = False
-
-
-def _warn_rebuilt(meta: Any, input_ids: torch.Tensor) -> None:
-    global _REBUILT_WARNED
-    _REBUILT_WARNED = True
-    logger.warning(
-        "padding_free: the packing metadata of a batch did not match its %s input_ids and attention_mask (changed "
-        "after collation); it was rebuilt from attention_mask (once-only warning).",
-        tuple(input_ids.shape),
-    )
 
 
 def _row_groups(info: PackInfo, limit: int) -> list[tuple[int, int]]:

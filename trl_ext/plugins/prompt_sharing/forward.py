@@ -160,6 +160,7 @@ _ONLINE_SCORE: CallSlot[OnlineScore] = CallSlot("prompt_sharing.online_score")
 def _layout_for(kwargs: dict[str, Any], meta: Any, online: int | None) -> SharedLayout | None:
     """The layout of a shareable call, or None when nothing says where its prompts end (not a TRL scoring call:
     generation without a cache, a user's own forward); such calls run as they came."""
+    global _REBUILT_WARNED
     input_ids, attention_mask = kwargs["input_ids"], kwargs["attention_mask"]
     layout = SharedLayout.from_batch(meta, input_ids)
     if layout is not None:
@@ -168,7 +169,14 @@ def _layout_for(kwargs: dict[str, Any], meta: Any, online: int | None) -> Shared
     if prompt_end is not None:
         # the serialized layout did not survive (accelerate's dispatching slices every batch tensor along dim 0);
         # the row-major prompt ends did
-        _warn_rebuilt(input_ids)
+        if not _REBUILT_WARNED:
+            _REBUILT_WARNED = True
+            logger.warning(
+                "prompt_sharing: the shared layout of a %s batch did not match it (accelerate's batch dispatching, "
+                "`dispatch_batches=True` or an iterable dataset, slices batches after collation); it is rebuilt in "
+                "the forward from the batch's prompt ends (same result, host work in the step; once-only warning).",
+                tuple(input_ids.shape),
+            )
         return build_layout(input_ids, attention_mask, prompt_end)
     labels = kwargs.get("labels")
     if online is not None:
@@ -180,19 +188,6 @@ def _layout_for(kwargs: dict[str, Any], meta: Any, online: int | None) -> Shared
 
 
 _REBUILT_WARNED = False
-
-
-def _warn_rebuilt(input_ids: torch.Tensor) -> None:
-    global _REBUILT_WARNED
-    if _REBUILT_WARNED:
-        return
-    _REBUILT_WARNED = True
-    logger.warning(
-        "prompt_sharing: the shared layout of a %s batch did not match it (accelerate's batch dispatching, "
-        "`dispatch_batches=True` or an iterable dataset, slices batches after collation); it is rebuilt in the "
-        "forward from the batch's prompt ends (same result, host work in the step; once-only warning).",
-        tuple(input_ids.shape),
-    )
 
 
 def shared_kwargs(kwargs: dict[str, Any], layout: SharedLayout) -> dict[str, Any]:
