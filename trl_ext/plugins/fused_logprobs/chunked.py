@@ -2,11 +2,10 @@
 
 `token_logprobs(hidden, targets, head, chunk=...)` equals `head(hidden).log_softmax(-1).gather(-1, targets[...,
 None])[..., 0]` but holds at most `chunk` rows of logits at a time, with the log-sum-exp in float32 (float64 stays
-float64). Each chunk is a non-reentrant checkpoint of a call of `head` itself (a bias, a PEFT adapter or
-`modules_to_save` copy on the head keep working; Online DPO's head forward runs inside the module's own call, so the
-parameters ZeRO-3 or FSDP2 gather for it are in place, in forward and recomputation); `_TargetLogprobs` writes the
-gradient of the target log-probs by hand (one `[n, V]` buffer instead of autograd's five, bitwise the same) and the
-recompute reuses the forward's log-sum-exp. Head matmuls per chunk (`tests/plugins/test_fused_logprobs_matmuls.py`):
+float64). Each chunk is a non-reentrant checkpoint of a call of `head` itself (docs/plugins/fused_logprobs.md: what
+that keeps working); `_TargetLogprobs` writes the gradient of the target log-probs by hand (one `[n, V]` buffer instead
+of autograd's five, bitwise the same) and the recompute reuses the forward's log-sum-exp. Head matmuls per chunk
+(`tests/plugins/test_fused_logprobs_matmuls.py`):
 - a trainable head: one in the forward; the recomputed logits, d(hidden) and d(weight) in the backward (stock: 3);
 - a frozen head on hidden states that need a gradient: the logits and d(hidden) for a unit gradient, both in the
   forward, no checkpoint; the backward scales that d(hidden) per row (`frozen_head_chunk`; stock: 2);

@@ -1,16 +1,12 @@
 """The self-check of `fused_logprobs`: before the first step, measure on a probe batch that the model's stock logits
-are its output head applied to the hidden states the head receives, and that the fused log-probs equal the stock
-`log_softmax`.
+are its output head applied to the hidden states the head receives (recorded inside the model's forward), and that the
+fused log-probs (a scoring call, through the rest of the model's forward) equal the stock `log_softmax`. Every head
+call runs inside the model's forward, so the check runs under FSDP2 and ZeRO-3 too (the same calls on every rank).
 
-Both trainers score inside the head's call: the head's output is recorded inside the model's forward and compared
-with the model's logits, then the model's output in a scoring call (the log-probs the head computed, passed through
-the rest of the model's forward) is compared with the stock log-probs. Every head call runs inside the model's
-forward, so the check runs under FSDP2 and ZeRO-3 too (the same calls on every rank).
-
-What is compared is the model's last step (head and anything after it), so the probe does not need training-length
-sequences: its rows are sized from the training lengths (`toolkit.probe.model_probe_lengths`) but capped at `PROBE_CAP`
-tokens (a 150k-vocabulary probe of training length would itself build the large logits). Rows are right-padded as
-Online DPO's completions are. The model runs in eval mode for the probe (dropout off), without gradients.
+Only the model's last step is compared, so the probe rows, sized from the training lengths
+(`toolkit.probe.model_probe_lengths`), are capped at `PROBE_CAP` tokens (a 150k-vocabulary probe of training length
+would itself build the large logits); they are right-padded as Online DPO's completions, run in eval mode (dropout
+off), without gradients.
 """
 
 from __future__ import annotations

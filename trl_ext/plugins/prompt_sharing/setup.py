@@ -16,6 +16,7 @@ from trl_ext.toolkit.probe import model_probe_lengths, training_max_length
 from trl_ext.toolkit.randomness import describe_draws, training_draws
 from trl_ext.toolkit.roles import PACKING as PACKING_ROLE
 
+from . import NAME
 from .attention import base_of, register_shared_attention, shared_attention_name
 from .dropout import describe, disable_dropout, dropout_sites
 from .forward import is_trl_online_forward, make_causal_lm_forward
@@ -24,8 +25,6 @@ from .moe import MoeAuxLoss
 from .selfcheck import SelfCheckResult, self_check
 
 logger = get_logger(__name__)
-
-NAME = "prompt_sharing"
 
 
 @dataclasses.dataclass
