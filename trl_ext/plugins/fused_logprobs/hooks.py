@@ -69,7 +69,7 @@ def _check_model(context: Any, role: str, model: Any, trainer: Any) -> None:
     )
 
 
-def _check_engine(trainer: Any, context: Any) -> None:
+def _check_engine(trainer: Any, context: Any, state: FusedState) -> None:
     """Refuse, under DeepSpeed ZeRO-3, an output head with sub-modules of its own: ZeRO-3 would gather their
     parameters on each chunk's call, and the chunk count differs between ranks."""
     deepspeed_flag, _ = _compat.TRAINER_SHARDING_FLAGS
@@ -120,7 +120,7 @@ def trl_ext_trainer_models_ready(trainer: Any, context: Any) -> None:
         return
     state = _state(context)
     # The head's forward and the scoring methods are installed by the core; here the trainer and its models are checked
-    _check_engine(trainer, context)
+    _check_engine(trainer, context, state)
     models = context.models()
     packing = tuple(n for n in context.plugins_serving(PACKING) if context.is_enabled(n))
     if context.trainer_class == "DPOTrainer" and packing:
