@@ -174,9 +174,8 @@ def _row_bounds(attention_mask: torch.Tensor) -> tuple[list[int], list[int]]:
     cols = torch.arange(length, device=mask.device).expand(rows, length)
     first = torch.where(mask, cols, length).min(1).values
     starts, lens = first.tolist(), lengths.tolist()
-    ends = [s + n if n else s for s, n in zip(starts, lens, strict=True)]
+    ends = [s + n if n else 0 for s, n in zip(starts, lens, strict=True)]  # an empty row: [0, 0)
     starts = [s if n else 0 for s, n in zip(starts, lens, strict=True)]
-    ends = [e if n else 0 for e, n in zip(ends, lens, strict=True)]
     last = torch.where(mask, cols, -1).max(1).values.tolist()
     for r, (e, end) in enumerate(zip(ends, last, strict=True)):
         if lens[r] and end + 1 != e:

@@ -318,8 +318,7 @@ def check_models(trainer: Any, context: Any) -> None:
         state.online_own = chain[-1] == NAME and is_trl_online_forward(original)
         if state.online_own:
             verify_against_trl(original.__func__, NAME, trainer)
-    models = context.models()
-    for role, model in models.items():
+    for role, model in context.models().items():
         if role not in state.attn_implementations:
             continue  # never offered to the plugin (`trl_ext_make_model_forward`): not shared
         verified = getattr(model.config, "model_type", None) in VERIFIED_MODEL_TYPES

@@ -102,8 +102,7 @@ def packing_metadata(attention_mask: torch.Tensor) -> PackInfo:
     rows, length = mask.shape
     device = mask.device
     lengths = mask.sum(dim=1)
-    flat = mask.reshape(-1)
-    indices = flat.nonzero().squeeze(1)
+    indices = mask.reshape(-1).nonzero().squeeze(1)
     num_tokens = indices.numel()
     position_ids = (mask.cumsum(dim=1) - 1).reshape(-1)[indices].unsqueeze(0)
     cu_seq_lens = torch.zeros(rows + 1, dtype=torch.int32, device=device)
