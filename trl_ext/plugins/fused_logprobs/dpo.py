@@ -115,7 +115,7 @@ class DpoScoreCall(ScoreCall):
                 f"fused_logprobs: the packed call of the {self.role} model does not compute every completion "
                 "position of the DPO batch; train without fused_logprobs or without the packing plugin."
             )
-        root = Root(
+        self.root = root = Root(
             self.head_of(forward),  # `online.head_chunk` looked up per chunk (the scale matrix counts it)
             contextlib.nullcontext,  # inside the head's call: the model's autocast state is the current one
             self.chunk,
@@ -125,7 +125,6 @@ class DpoScoreCall(ScoreCall):
             vocab=self.vocab,
             parameters=head.parameters(),
         )
-        self.root = root
         values = LazyLogits(hidden, root).logprobs(self.targets)
         self.note_stock_logits(forward, hidden, rows, length)
         return values
