@@ -199,22 +199,23 @@ def test_with_packing_equals_stock(build, packing, monkeypatch):
     and the fused head, inside its call, scores the completion positions from the packed row): log-probs, loss,
     gradients and metrics equal stock for the loss cases, and the packing plugin alone at RTOL; no `[2B, L, V]`
     tensor."""
-    from trl_ext.plugins.fused_logprobs import dpo
+    from trl_ext.plugins.fused_logprobs import online  # `ScoreCall.scored_columns`, which DpoScoreCall runs
 
     announced = []
-    original = dpo.current_packed_positions
+    original = online.current_packed_positions
 
     def current_packed_positions():
         positions = original()
         announced.append(positions is not None)
         return positions
 
-    monkeypatch.setattr(dpo, "current_packed_positions", current_packed_positions)
     stock = build(use_weighting=True, label_smoothing=1e-3, loss_type=["exo_pair"])
     with trl_ext.install(**{packing: True}):
         packed = build(use_weighting=True, label_smoothing=1e-3, loss_type=["exo_pair"])
     with trl_ext.install(fused_logprobs=True, **{packing: True}, plugins={"fused_logprobs": {"chunk": 5}}):
         fused = build(use_weighting=True, label_smoothing=1e-3, loss_type=["exo_pair"])
+    # after the builds: the self-check's scoring calls (stock, unpacked) also read it
+    monkeypatch.setattr(online, "current_packed_positions", current_packed_positions)
     batch = stock.data_collator(eq.examples(stock))
     fused_batch = fused.data_collator(eq.examples(fused))
     assert set(fused_batch) > set(batch)  # the packing plugin's metadata

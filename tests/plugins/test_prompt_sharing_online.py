@@ -38,8 +38,8 @@ def test_training_step_equals_stock(build, max_length, monkeypatch):
         shared = build(**kwargs)
         assert "prompt_sharing" in shared._trl_ext.enabled
         unpacked = []
-        original_unpack = forward._unpack_outputs
-        monkeypatch.setattr(forward, "_unpack_outputs", lambda *a: unpacked.append(1) or original_unpack(*a))
+        original_unpack = forward.repad_outputs  # how the shared causal-LM forward unpacks its outputs
+        monkeypatch.setattr(forward, "repad_outputs", lambda *a: unpacked.append(1) or original_unpack(*a))
         prompt_ids, prompt_mask, completion_ids, completion_mask = eq.online_generation()
         # TRL's own per-token log-probs of the completions, from the wrapped `_forward`
         a = stock._forward(stock.model, prompt_ids, prompt_mask, completion_ids, completion_mask)

@@ -271,20 +271,23 @@ def inspect_model(
     model_type = getattr(config, "model_type", None)
     verified = model_type in verified_types
     _ADVICE = f"Train this model without {plugin} (leave `{plugin}` unset)."
+
+    def refuse(mechanisms: list[str], refusal: str) -> Inspection:
+        return Inspection(mechanisms, refusal, verified)
+
     stateful = _stateful_module(model)
     if stateful is not None:
         name, module = stateful
-        return Inspection(
+        return refuse(
             ["stateful mixer"],
             f"its layer `{name}` ({type(module).__name__}) mixes neighbouring tokens with state carried along the "
             "sequence (a convolution or recurrence), which would run across the sequence boundaries of a packed row. "
             + _ADVICE,
-            verified,
         )
     mixing = _row_mixing_layer(model)
     if mixing is not None:
         layer, label, what = mixing
-        return Inspection([label], f"its layer {layer} {what}. " + _ADVICE, verified)
+        return refuse([label], f"its layer {layer} {what}. " + _ADVICE)
     impl = str(getattr(config, _compat.ATTN_IMPLEMENTATION_ATTR, None) or "")
     flash = impl.startswith("flash")
     own = _own_attention(model)
@@ -294,31 +297,28 @@ def inspect_model(
         layer = f"`{name}` ({type(module).__name__})" if name else f"({type(model).__name__})"
         if model_type not in _compat.OWN_ATTENTION_MODEL_TYPES:
             what = "computes ALiBi attention" if alibi else "computes attention"
-            return Inspection(
+            return refuse(
                 ["alibi" if alibi else "own attention"],
                 f"its attention {layer} {what} in its own module, outside transformers' attention interface, "
                 "from a mask packing does not know how to build for a packed row, so the packed sequences "
                 "would attend to each other. " + _ADVICE,
-                verified,
             )
         if model_type == "falcon" and alibi:
-            return Inspection(
+            return refuse(
                 ["alibi"],
                 f"its attention {layer} adds ALiBi biases that Falcon computes in bfloat16 from each key's index in "
                 "the row (`build_alibi_tensor`: bfloat16 slopes times the index). In a packed row the indices run "
                 "over all its sequences, so the biases round differently from the padded batch's once a product no "
                 "longer fits bfloat16's 8-bit significand (past 256 tokens at the latest). " + _ADVICE,
-                verified,
             )
         dtype = next((p.dtype for p in model.parameters()), torch.float32)
         if model_type == "bloom" and dtype in (torch.bfloat16, torch.float16):
-            return Inspection(
+            return refuse(
                 ["alibi"],
                 f"its attention {layer} adds ALiBi biases that Bloom casts to the model's dtype ({dtype}) from each "
                 "key's index in the row. In a packed row the indices run over all its sequences, so in 16 bits "
                 "they round much more coarsely than in the padded batch. Load the model in float32 (mixed precision "
                 f"through `bf16=True` keeps float32 weights), or train without {plugin}.",
-                verified,
             )
     mechanisms = [_positions(model)]
     if alibi:
@@ -329,21 +329,19 @@ def inspect_model(
     dynamic = next(((n, m) for n, m in _attention_modules(model) if hasattr(m, "prepare_dynamic_mask")), None)
     if dynamic is not None:
         name, module = dynamic
-        return Inspection(
+        return refuse(
             [*mechanisms, "dynamic mask"],
             f"its attention `{name}` ({type(module).__name__}) builds a dynamic mask from learned per-key scores "
             "and passes it as the attention mask, dropping the causal mask of a packed row and keeping the top "
             "`keep_window_size` keys of the whole row, so packed sequences would attend to each other. " + _ADVICE,
-            verified,
         )
     if getattr(config, "attn_temperature_tuning", False) and not all(getattr(config, "no_rope_layers", None) or [0]):
-        return Inspection(
+        return refuse(
             [*mechanisms, "attention temperature tuning"],
             "its attention layers without rotary positions (`no_rope_layers`) scale queries by the token's index in "
             "the row (`attn_temperature_tuning`), not by its position in its sequence, so a packed row scales them "
             "differently from a padded batch. Set `attn_temperature_tuning=False` in the config only if the "
             "checkpoint was trained that way; otherwise " + _ADVICE[0].lower() + _ADVICE[1:],
-            verified,
         )
     chunk = _config_value(config, "attention_chunk_size")
     if isinstance(chunk, int) and chunk > 0:
@@ -353,11 +351,10 @@ def inspect_model(
             advice = _ADVICE
             if flash and model_type in _compat.CHUNKED_MASK_MODEL_TYPES:
                 advice = f'Load the model with `attn_implementation="sdpa"`, or train without {plugin}.'
-            return Inspection(
+            return refuse(
                 [*mechanisms, "chunked attention (mask only)"],
                 f"its attention {layer} applies chunked attention (`attention_chunk_size={chunk}`) only through the "
                 f"attention mask, {where}, so a packed row would attend across chunks and sequences. " + advice,
-                verified,
             )
         mechanisms.append("chunked attention (per-sequence mask)")
     window = _config_value(config, "sliding_window", "attention_window")
@@ -366,13 +363,12 @@ def inspect_model(
             mechanisms.append("sliding window")
         elif flash:
             layer = _first_attention(model)
-            return Inspection(
+            return refuse(
                 [*mechanisms, "sliding window (mask only)"],
                 f"its attention {layer} never receives `sliding_window={window}`: the window lives only in the "
                 "attention mask, which flash-attention does not use, so a packed row would attend past the window. "
                 f'Load the model with `attn_implementation="sdpa"` ({plugin} then applies the mask per '
                 f"sequence), or train without {plugin}.",
-                verified,
             )
         else:
             mechanisms.append("sliding window (per-sequence mask)")
@@ -386,11 +382,10 @@ def inspect_model(
     if isinstance(experts, int) and experts > 1:
         capacity = _nested_config_value(config, "expert_capacity", "capacity_factor", "moe_capacity_factor")
         if capacity:
-            return Inspection(
+            return refuse(
                 [*mechanisms, "MoE (capacity-limited)"],
                 f"its MoE routing is capacity-limited (`{capacity}`), so which tokens an expert takes depends on the "
                 "other tokens of the row, and a packed row routes differently from a padded batch. " + _ADVICE,
-                verified,
             )
         mechanisms.append("MoE (token choice)")
     return Inspection(mechanisms, None, verified)

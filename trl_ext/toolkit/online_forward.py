@@ -54,14 +54,8 @@ class ScoringCall:
         prompt_ids, prompt_mask = prompt_ids[:, cut:], prompt_mask[:, cut:]
         columns = prompt_ids.size(1)
         start, end = (columns - 1, -1) if columns > 0 else (0, None)
-        return cls(
-            torch.cat((prompt_ids, completion_ids), dim=1),
-            torch.cat((prompt_mask, completion_mask), dim=1),
-            completion_ids,
-            columns,
-            start,
-            end,
-        )
+        ids, mask = torch.cat((prompt_ids, completion_ids), dim=1), torch.cat((prompt_mask, completion_mask), dim=1)
+        return cls(ids, mask, completion_ids, columns, start, end)
 
     def log_probs(self, logits: torch.Tensor) -> torch.Tensor:
         """TRL's step 3 on the model's `[rows, P + C, vocab]` logits: the completion tokens' log-probs `[rows, C]`."""

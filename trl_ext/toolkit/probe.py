@@ -86,21 +86,17 @@ def dataset_longest_pair(dataset: Any) -> int | None:
     try:
         import pyarrow.compute as pc
 
-        def lengths(column: str) -> Any:
-            return pc.list_value_length(data.column(column))
-
-        p = lengths(prompt)
-        longest = pc.max(pc.max_element_wise(pc.add(p, lengths(chosen)), pc.add(p, lengths(rejected)))).as_py()
+        p, c, r = (pc.list_value_length(data.column(column)) for column in (prompt, chosen, rejected))
+        longest = pc.max(pc.max_element_wise(pc.add(p, c), pc.add(p, r))).as_py()
     except Exception:  # noqa: BLE001 - an unexpected layout: the caller falls back to max_length
         return None
     return int(longest) if longest is not None else None
 
 
-def training_max_length(trainer: Any, args: Any = None) -> int | None:
+def training_max_length(trainer: Any) -> int | None:
     """The longest sequence `trainer` will feed its models: `args.max_length`, or the longest pair of a tokenized
     training/eval dataset when that is shorter. None when neither is known (no max_length, unreadable dataset)."""
-    args = args if args is not None else getattr(trainer, "args", None)
-    max_length = getattr(args, "max_length", None)
+    max_length = getattr(getattr(trainer, "args", None), "max_length", None)
     datasets: list[Any] = []
     for name in ("train_dataset", "eval_dataset"):
         value = getattr(trainer, name, None)

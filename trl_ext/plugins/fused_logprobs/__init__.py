@@ -9,20 +9,11 @@ See docs/plugins/fused_logprobs.md.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
-from trl_ext.api import Flag, Parser, PluginSpec, boolean, lazy_getattr, positive_int
+from trl_ext.api import Flag, PluginSpec, boolean, either, lazy_getattr, one_of, positive_int
 
 NAME = "fused_logprobs"
-
-
-def _parse_chunk(value: Any) -> str | int:
-    if isinstance(value, str) and value.strip().lower() == "auto":
-        return "auto"
-    return positive_int(value)
-
-
-_CHUNK = Parser(_parse_chunk, '"auto" or a positive integer')
+_CHUNK = either(one_of("auto"), positive_int)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,11 +2,10 @@
 
 `token_logprobs(hidden, targets, head, chunk=...)` equals `head(hidden).log_softmax(-1).gather(-1, targets[...,
 None])[..., 0]` but holds at most `chunk` rows of logits at a time, with the log-sum-exp in float32 (float64 stays
-float64). Each chunk is a non-reentrant checkpoint of a call of `head` itself (a bias, a PEFT adapter or
-`modules_to_save` copy on the head keep working; Online DPO's head forward runs inside the module's own call, so the
-parameters ZeRO-3 or FSDP2 gather for it are in place, in forward and recomputation); `_TargetLogprobs` writes the
-gradient of the target log-probs by hand (one `[n, V]` buffer instead of autograd's five, bitwise the same) and the
-recompute reuses the forward's log-sum-exp. Head matmuls per chunk (`tests/plugins/test_fused_logprobs_matmuls.py`):
+float64). Each chunk is a non-reentrant checkpoint of a call of `head` itself (docs/plugins/fused_logprobs.md: what
+that keeps working); `_TargetLogprobs` writes the gradient of the target log-probs by hand (one `[n, V]` buffer instead
+of autograd's five, bitwise the same) and the recompute reuses the forward's log-sum-exp. Head matmuls per chunk
+(`tests/plugins/test_fused_logprobs_matmuls.py`):
 - a trainable head: one in the forward; the recomputed logits, d(hidden) and d(weight) in the backward (stock: 3);
 - a frozen head on hidden states that need a gradient: the logits and d(hidden) for a unit gradient, both in the
   forward, no checkpoint; the backward scales that d(hidden) per row (`frozen_head_chunk`; stock: 2);
@@ -18,6 +17,7 @@ gradients (`rest="detach"`: stock's values, zero gradient as under a stock mask)
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 
 import torch
@@ -52,10 +52,6 @@ AUTO_CHUNK_CUDA_BYTES = 512 * 2**20
 AUTO_CHUNK_CUDA_RANGE = (16, 8192)
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def auto_chunk(
     vocab_size: int,
     dtype: torch.dtype = torch.float32,
@@ -68,7 +64,7 @@ def auto_chunk(
     if device is not None and torch.device(device).type == "cuda":
         return chunk_for_memory(cuda_free_bytes(torch.device(device)), vocab_size, dtype, hidden_size)
     low, high = AUTO_CHUNK_RANGE
-    return int(min(high, max(low, AUTO_CHUNK_BYTES // max(1, vocab_size * _itemsize(accumulation_dtype(dtype))))))
+    return int(min(high, max(low, AUTO_CHUNK_BYTES // max(1, vocab_size * accumulation_dtype(dtype).itemsize))))
 
 
 def chunk_for_memory(free_bytes: int, vocab_size: int, dtype: torch.dtype, hidden_size: int) -> int:
@@ -79,7 +75,7 @@ def chunk_for_memory(free_bytes: int, vocab_size: int, dtype: torch.dtype, hidde
     `dtype`, their upcast and the gradient buffer in the accumulation dtype (`_TargetLogprobs.backward`), and the
     chunk's hidden states with their gradient (`hidden_size`, twice for slack).
     """
-    model, wide = _itemsize(dtype), _itemsize(accumulation_dtype(dtype))
+    model, wide = dtype.itemsize, accumulation_dtype(dtype).itemsize
     per_position = vocab_size * 2 * (model + wide) + 4 * hidden_size * model
     budget = min(int(free_bytes * AUTO_CHUNK_CUDA_FRACTION), AUTO_CHUNK_CUDA_BYTES)
     low, high = AUTO_CHUNK_CUDA_RANGE
@@ -182,27 +178,37 @@ def frozen_head_chunk(
 
 class _ChunkLogprobs:
     """The function each chunk runs (checkpointed with gradients): the head, then `target_logprobs`; the
-    log-sum-exp of chunk `index` kept from its forward for the backward's recompute."""
+    log-sum-exp of chunk `index` kept from its forward for the backward's recompute. `observe(index, logits, lse)`
+    sees each run's logits (the backward's recompute too)."""
 
-    def __init__(self, head: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        self.head = head
+    def __init__(self, head: Callable[[torch.Tensor], torch.Tensor], observe: Callable | None = None) -> None:
+        self.head, self.observe = head, observe
         self.lse: dict[int, torch.Tensor] = {}
 
     def __call__(self, index: int, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        values, lse = target_logprobs(self.head(hidden), targets, self.lse.get(index))
+        logits = self.head(hidden)
+        values, lse = target_logprobs(logits, targets, self.lse.get(index))
         self.lse.setdefault(index, lse.detach())
+        if self.observe is not None:
+            self.observe(index, logits, lse)
         return values
 
 
 def _chunked(
-    head, hidden: torch.Tensor, targets: torch.Tensor, chunk: int, recompute: bool, frozen: bool = False
+    head,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    chunk: int,
+    recompute: bool,
+    frozen: bool = False,
+    observe: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None,
 ) -> torch.Tensor:
     parts = []
-    one = _ChunkLogprobs(head)
+    one = _ChunkLogprobs(head, observe)
     for index, start in enumerate(range(0, hidden.size(0), chunk)):
         h, t = hidden[start : start + chunk], targets[start : start + chunk]
         if recompute and frozen:
-            parts.append(frozen_head_chunk(head, h, t))
+            parts.append(frozen_head_chunk(head, h, t, None if observe is None else functools.partial(observe, index)))
         elif recompute:
             parts.append(checkpoint(one, index, h, t, use_reentrant=False))
         else:

@@ -1,24 +1,13 @@
 """`DPOTrainer` on TRL < 1.15 (no fused LM head there): its scoring forwards return `LazyLogits` instead of logits.
 
-TRL's `_compute_loss` and `compute_ref_log_probs` (1.10-1.14, each checked by tests/versions) run `outputs =
-model(**model_kwargs)` and read `outputs.logits[..., :-1, :]` only through the reductions `lazy.py` lists. While one
-of those methods runs, each causal LM's forward returns a `LazyLogits` whose values were all computed inside the output
-head's own call, and the helpers TRL imports into `trl.trainer.dpo_trainer` (those this TRL has, found by a probe) are
-replaced by versions that read a `LazyLogits` (any other argument goes to TRL's own). The loss code itself is TRL's,
-unchanged: every loss type, `loss_weights`, `ld_alpha`, `use_weighting`.
-
-Before each model call the fused forward announces to the patched head (`DpoScoreCall`) the targets (`input_ids`
-shifted by one), the positions TRL keeps (the shifted completion mask) and, for the policy's call of `_compute_loss`,
-the statistics its metrics read. The head, called once per forward on every rank as stock, runs one chunked pass
-(`lazy.LazyLogits.logprobs`, each chunk recomputed in the backward, where ZeRO-3's pre-backward hook on the head's
-output has gathered the weight again and FSDP2's root has unsharded it) and returns the `[rows, length]` log-probs (0
-elsewhere) as the model's `logits`, which the fused forward wraps in a `LazyLogits` that computes nothing more.
-
-Packing: the fused forward is put around each model's forward at the start of each scoring call, so it is outermost;
-the packing plugin's forward inside it announces the packed positions (`toolkit.packing.positions`), and the head
-gathers the padded positions' hidden states from the packed row and marks its output padded.
-
-An evaluation that asks for the logits themselves (`prediction_loss_only=False`) gets them: that call runs stock.
+TRL's `_compute_loss` and `compute_ref_log_probs` (1.10-1.14, each checked by tests/versions) read
+`outputs.logits[..., :-1, :]` only through the reductions `lazy.py` lists. While one of them runs, each causal LM's
+forward is wrapped (outermost, so that a packing plugin's forward inside it has put its outputs back in the padded
+layout) and announces to the patched head (`DpoScoreCall`) the shifted targets, the positions TRL keeps and, for the
+policy's `_compute_loss` call, the statistics its metrics read; the head runs one chunked pass inside its own call and
+returns the `[rows, length]` log-probs, wrapped in a `LazyLogits` that computes nothing more. The helpers TRL imports
+into `trl.trainer.dpo_trainer` (those this TRL has) are replaced by versions that read a `LazyLogits`; the loss code
+is TRL's, unchanged. How it combines with packing and ZeRO-3 / FSDP2: docs/plugins/fused_logprobs.md.
 """
 
 from __future__ import annotations
@@ -27,14 +16,13 @@ import contextlib
 import dataclasses
 import functools
 import importlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from trl_ext import _compat
 from trl_ext.api import CallSlot, Patcher, UsageError, get_logger
-from trl_ext.toolkit.packing.positions import current_packed_positions
 
 from .lazy import LazyLogits, Root, entropy, logprobs_and_entropy, selective_logprobs
 from .online import FusedState, ScoreCall, output_head
@@ -72,17 +60,6 @@ METRIC_STATS = ("entropy", "mean", "argmax")
 WPO_STATS = ("lse", "lse2")
 
 
-@contextlib.contextmanager
-def _scoring(scoring: _Scoring, models: dict[str, tuple[Any, torch.nn.Module]], state: FusedState) -> Iterator[None]:
-    """Set the scoring call, and wrap each model's forward (as it is now, every plugin's wrapper included) with the
-    fused one for the duration of the call, through an undo stack of its own: outermost, so that a packing plugin's
-    wrapper inside it has put the hidden states back into the padded layout before they become `LazyLogits`."""
-    with _SCORING.entered(scoring), Patcher("fused_logprobs: one DPO scoring call") as patcher:
-        for role, (model, head) in models.items():
-            patcher.setattr(model, "forward", _fused_forward(model.forward, role, head, state))
-        yield
-
-
 def score(call: Any, trainer: Any, state: FusedState, context: Any) -> Any:
     """One call of one of `SCORING_METHODS` (`trl_ext_call`): the rest of the chain (TRL's method last), run with each
     model's forward returning `LazyLogits`."""
@@ -103,7 +80,13 @@ def score(call: Any, trainer: Any, state: FusedState, context: Any) -> Any:
             stats = METRIC_STATS + (WPO_STATS if getattr(trainer, _compat.DPO_USE_WEIGHTING_ATTR) else ())
         if not state.heads:  # the trainer's models, found once (after `trl_ext_trainer_models_ready` checked them)
             state.heads.update({role: (m, output_head(m, role)) for role, m in context.models().items()})
-        with _scoring(_Scoring(inputs["completion_mask"], stats), state.heads, state):
+        # each model's forward (as it is now, every plugin's wrapper included) wrapped with the fused one for the call,
+        # through an undo stack of its own: outermost, so that a packing plugin's wrapper inside it has put the hidden
+        # states back into the padded layout before they become `LazyLogits`
+        scoring = _Scoring(inputs["completion_mask"], stats)
+        with _SCORING.entered(scoring), Patcher("fused_logprobs: one DPO scoring call") as patcher:
+            for role, (lm, head) in state.heads.items():
+                patcher.setattr(lm, "forward", _fused_forward(lm.forward, role, head, state))
             return call.proceed()
 
     return method(*call.args, **call.kwargs)
@@ -120,36 +103,19 @@ class DpoScoreCall(ScoreCall):
     stats: tuple[str, ...] = ()
     vocab: int | None = None
     root: Root | None = None
+    batch_text = "the DPO batch of {rows} rows of {columns} positions"
 
     def run(self, head: torch.nn.Module, forward: Callable, hidden: torch.Tensor, args: tuple, kwargs: dict) -> Any:
         assert self.targets is not None and self.scored is not None
         self.refuse_arguments(head, args, kwargs)
         rows, length = self.targets.shape
-        packed = current_packed_positions()
-        if packed is not None:
-            if hidden.dim() != 3 or hidden.size(0) != 1 or (packed.rows, packed.length) != (rows, length):
-                raise UsageError(
-                    f"fused_logprobs: the {self.role} model ran a packed call for {packed.rows} rows of "
-                    f"{packed.length} positions and passed its output head a {tuple(hidden.shape)} tensor, not one "
-                    f"packed row of hidden states for the DPO batch of {rows} rows of {length} positions. Train it "
-                    "without fused_logprobs or without the packing plugin."
-                )
-            index = packed.index()
-            if bool((index[self.scored] < 0).any()):
-                raise UsageError(
-                    f"fused_logprobs: the packed call of the {self.role} model does not compute every completion "
-                    "position of the DPO batch; train without fused_logprobs or without the packing plugin."
-                )
-            width = hidden.size(-1)
-            hidden = hidden[0].index_select(0, index.clamp(min=0).reshape(-1)).view(rows, length, width)
-            packed.padded_output = True
-        elif hidden.dim() != 3 or tuple(hidden.shape[:2]) != (rows, length):
+        hidden, missing = self.scored_columns(hidden)
+        if missing is not None and bool((missing & self.scored).any()):
             raise UsageError(
-                f"fused_logprobs: the {self.role} model passed its output head a {tuple(hidden.shape)} tensor, not "
-                f"the hidden states of its {rows} rows of {length} positions; the fused path cannot tell which "
-                "positions it holds. Train it without fused_logprobs."
+                f"fused_logprobs: the packed call of the {self.role} model does not compute every completion "
+                "position of the DPO batch; train without fused_logprobs or without the packing plugin."
             )
-        root = Root(
+        self.root = root = Root(
             self.head_of(forward),  # `online.head_chunk` looked up per chunk (the scale matrix counts it)
             contextlib.nullcontext,  # inside the head's call: the model's autocast state is the current one
             self.chunk,
@@ -159,7 +125,6 @@ class DpoScoreCall(ScoreCall):
             vocab=self.vocab,
             parameters=head.parameters(),
         )
-        self.root = root
         values = LazyLogits(hidden, root).logprobs(self.targets)
         self.note_stock_logits(forward, hidden, rows, length)
         return values
@@ -184,7 +149,9 @@ def _fused_forward(original: Callable, role: str, head: torch.nn.Module, state: 
         # Position p predicts token p + 1: it is scored when that token is a completion token.
         targets = torch.nn.functional.pad(input_ids[..., 1:], (0, 1))
         scored = torch.nn.functional.pad(mask[..., 1:].bool(), (0, 1))
-        request = DpoScoreCall(role, targets, scored, chunk=state.chunks[role], stats=scoring.stats, vocab=vocab)
+        request = DpoScoreCall(
+            role, targets, scored, mask.size(1), chunk=state.chunks[role], stats=scoring.stats, vocab=vocab
+        )
         scoring.stats = ()  # the policy's call only
         with scoring_head(request):
             outputs = original(*args, **kwargs)

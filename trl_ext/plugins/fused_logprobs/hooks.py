@@ -6,11 +6,12 @@ from typing import Any
 
 from trl_ext import _compat
 from trl_ext.api import UsageError, get_logger, hookimpl, unwrap_causal_lm
+from trl_ext.toolkit.online_forward import verify_against_trl
 from trl_ext.toolkit.roles import PACKING
 
 from . import NAME, FusedLogprobsOptions
 from .dpo import install_dpo, score
-from .online import FusedState, head_forward, make_fused_forward, output_head, resolve_chunk, verify_online_forward
+from .online import FusedState, head_forward, make_fused_forward, output_head, resolve_chunk
 from .selfcheck import head_mechanism, self_check
 
 logger = get_logger(__name__)
@@ -27,7 +28,7 @@ def _state(context: Any) -> FusedState:
 @hookimpl
 def trl_ext_trainer_init_start(trainer: Any, context: Any, init_kwargs: dict[str, Any]) -> None:
     state = _state(context)
-    if context.trainer_class == "DPOTrainer" and _compat.dpo_has_fused_head():
+    if not _scores(context):
         state.left_to_trl = True
         logger.info(
             "fused_logprobs: this TRL's DPOTrainer already scores with its own fused LM head (no full-vocabulary "
@@ -129,7 +130,8 @@ def trl_ext_trainer_models_ready(trainer: Any, context: Any) -> None:
     if context.trainer_class == "DPOTrainer":
         install_dpo(trainer, context, state, packing)
         return
-    verify_online_forward(trainer)
+    # refuse a TRL whose `OnlineDPOTrainer._forward` is not what `make_fused_forward` reproduces
+    verify_against_trl(getattr(type(trainer), _compat.ONLINE_DPO_FORWARD_METHOD), NAME, trainer)
     policy = context.models().get("policy")
     state.online_forward = make_fused_forward(
         trainer, state, lambda m: "policy" if unwrap_causal_lm(m) is policy else "ref"

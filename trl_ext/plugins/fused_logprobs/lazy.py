@@ -24,11 +24,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from trl_ext.api import UsageError
 
-from .chunked import _params, accumulation_dtype, frozen_head_chunk, target_logprobs
+from .chunked import _chunked, _params, accumulation_dtype
 
 __all__ = ["STATS", "LazyLogits", "Root", "entropy", "logprobs_and_entropy", "selective_logprobs"]
 
@@ -232,10 +231,11 @@ class LazyLogits:
         trainable = any(p.requires_grad for p in self.root.parameters)
         grad = grad and (rows.requires_grad or trainable)
         stats = [s for s in self.root.stats if s not in self.root.cache]
-        chunk = self.root.chunk
-        starts = range(0, len(rows), chunk)
+        passes = len(range(0, len(rows), self.root.chunk))
+        self.root.passes += passes
+        if not passes:
+            return torch.zeros(self.ids.shape, dtype=accumulation_dtype(flat.dtype), device=flat.device)
         collected: dict[int, dict[str, torch.Tensor]] = {}
-        lses: dict[int, torch.Tensor] = {}
 
         def head(h: torch.Tensor) -> torch.Tensor:
             with self.root.autocast():
@@ -247,30 +247,13 @@ class LazyLogits:
                     wide = logits.detach().to(accumulation_dtype(logits.dtype))
                     collected[index] = {s: STATS[s](wide, lse) for s in stats}
 
-        def one(index: int, h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-            logits = head(h)
-            values, lse = target_logprobs(logits, t, lses.get(index))  # the recompute reuses the forward's
-            lses.setdefault(index, lse)
-            observe(index, logits, lse)
-            return values
-
-        parts = []
-        for index, s in enumerate(starts):
-            h, t = rows[s : s + chunk], goals[s : s + chunk]
-            if grad and not trainable:  # a frozen head: d(hidden) in the forward, no recompute
-                parts.append(frozen_head_chunk(head, h, t, functools.partial(observe, index)))
-            elif grad:
-                parts.append(checkpoint(one, index, h, t, use_reentrant=False))
-            else:
-                with torch.no_grad():
-                    parts.append(one(index, h, t))
-        self.root.passes += len(parts)
-        if not parts:
-            return torch.zeros(self.ids.shape, dtype=accumulation_dtype(flat.dtype), device=flat.device)
-        values = torch.cat(parts)
+        # a frozen head: d(hidden) in the forward, no recompute; else checkpointed chunks (the recompute reuses the
+        # forward's log-sum-exp), or plain chunks without gradients
+        with torch.set_grad_enabled(grad):
+            values = _chunked(head, rows, goals, self.root.chunk, grad, not trainable, observe)
         if live.numel() == self.root.scored_count:  # every scored position of the output: kept for what follows
             for name in stats:
-                self._store(name, torch.cat([collected[i][name] for i in range(len(parts))]), live, flat_ids)
+                self._store(name, torch.cat([collected[i][name] for i in range(passes)]), live, flat_ids)
             if "logprobs" not in self.root.cache:
                 self._store("logprobs", values, live, flat_ids)
                 self._store("targets", goals, live, flat_ids)

@@ -1,19 +1,12 @@
 """Online DPO's scoring forward with fused log-probs, and the output-head patch it relies on.
 
-`make_fused_forward` returns what `OnlineDPOTrainer._forward` returns (TRL 1.12 and 1.16: the completion tokens'
-`log_softmax` gathered, `[rows, C]`, no temperature; its steps are `toolkit.online_forward`'s) from the same model
-call, through every wrapper (DDP, DeepSpeed, FSDP2, PEFT, another plugin's forward).
-
-The output head's `forward` is replaced once per model (`trl_ext_make_head_forward`); around one model call a
-`ScoreCall` tells it what to do:
-
-- scoring (`scoring()`): the head takes the completion columns of the hidden states it receives and returns their
-  log-probs, `[rows, C]`, chunk by chunk (`chunked.token_logprobs`) with its original `forward`, inside its own call,
-  once per model forward on every rank as stock, so DeepSpeed ZeRO-3's and FSDP2's gathered parameters are in place
-  (in the backward's recomputation too). Inside a packed call (prompt_sharing) it gathers the scored columns from the
-  packed row through the announced positions (`toolkit.packing.positions`) and marks its output padded.
-- DPO on TRL < 1.15 (`dpo.DpoScoreCall`): the same over every position of the DPO batch, with TRL's metric statistics.
-- recording (no targets, the self-check): the head runs as stock and keeps its output.
+`make_fused_forward` returns what `OnlineDPOTrainer._forward` returns (TRL 1.12 and 1.16, its steps are
+`toolkit.online_forward`'s) from the same model call, through every wrapper (DDP, DeepSpeed, FSDP2, PEFT, another
+plugin's forward). The head's `forward` is replaced once per model (`trl_ext_make_head_forward`); around one model call
+a `ScoreCall` tells it what to do: score the completion columns of the hidden states it receives chunk by chunk
+(`chunked.token_logprobs`) inside its own call, so that ZeRO-3's and FSDP2's gathered parameters are in place, from the
+packed row through the announced positions inside a packed call (`toolkit.packing.positions`); the same over every
+position of a DPO batch (`dpo.DpoScoreCall`); or, without targets (the self-check), run as stock and keep its output.
 """
 
 from __future__ import annotations
@@ -28,8 +21,8 @@ import torch
 
 from trl_ext import _compat
 from trl_ext.api import CallSlot, UsageError, size_text, unwrap_causal_lm
-from trl_ext.toolkit.online_forward import ScoringCall, verify_against_trl
-from trl_ext.toolkit.packing.positions import PackedPositions, current_packed_positions
+from trl_ext.toolkit.online_forward import ScoringCall
+from trl_ext.toolkit.packing.positions import current_packed_positions
 
 from .chunked import auto_chunk, token_logprobs
 
@@ -42,7 +35,6 @@ __all__ = [
     "output_head",
     "run_scoring",
     "scoring",
-    "verify_online_forward",
 ]
 
 
@@ -73,6 +65,8 @@ class ScoreCall:
     #: scoring: `(rows, positions, vocab, dtype)` of stock's logits for this request (vocab and dtype: `head_of`)
     stock_logits: tuple[int, int, int, torch.dtype] | None = None
     _chunk_out: tuple[int, torch.dtype] | None = None
+    #: what the head's input should hold, in a refusal (`scored_columns`)
+    batch_text = "the {rows} rows of {columns} positions scored; the fused path cannot tell which positions it holds"
 
     def head_of(self, forward: Callable) -> Callable[[torch.Tensor], torch.Tensor]:
         """The head's original `forward` as the chunked passes call it (`head_chunk`), noting the vocabulary and dtype
@@ -110,17 +104,45 @@ class ScoreCall:
                 self.referenced = self.reference(head, hidden)
             return self.output
         self.refuse_arguments(head, args, kwargs)
+        columns, missing = self.scored_columns(hidden)
+        if missing is None:
+            return self._score(head, forward, columns, self.scored, hidden)
+        scored = ~missing if self.scored is None else self.scored.bool() & ~missing
+        values = self._score(head, forward, columns, scored, columns)
+        if bool(missing.any()):
+            # a column the packed row does not compute (a row without tokens there): the packing plugin gives it zero
+            # logits, whose log_softmax is -log(vocab)
+            with torch.no_grad():
+                vocab = head_chunk(forward, hidden[0, :1]).size(-1)
+            values = values.masked_fill(missing, -math.log(vocab))
+        return values
+
+    def scored_columns(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The hidden states of the columns `[start, end)` (`[rows, C, H]`) and None; inside a packed call, gathered
+        from the packed row through the announced positions (the output then marked padded), and where the packed row
+        computes no position (bool `[rows, C]`)."""
+        assert self.targets is not None
         rows = self.targets.size(0)
         packed = current_packed_positions()
-        if packed is not None:
-            return self._run_packed(head, forward, hidden, packed)
-        if hidden.dim() != 3 or tuple(hidden.shape[:2]) != (rows, self.columns):
+        if packed is None:
+            if hidden.dim() != 3 or tuple(hidden.shape[:2]) != (rows, self.columns):
+                raise UsageError(
+                    f"fused_logprobs: the {self.role} model passed its output head a {tuple(hidden.shape)} tensor, "
+                    f"not the hidden states of its {rows} rows of {self.columns} positions; the fused path cannot "
+                    "tell which positions it holds. Train it without fused_logprobs."
+                )
+            return hidden[:, self.start : self.end], None
+        if hidden.dim() != 3 or hidden.size(0) != 1 or (packed.rows, packed.length) != (rows, self.columns):
             raise UsageError(
-                f"fused_logprobs: the {self.role} model passed its output head a {tuple(hidden.shape)} tensor, not "
-                f"the hidden states of its {rows} rows of {self.columns} positions; the fused path cannot tell which "
-                "positions it holds. Train it without fused_logprobs."
+                f"fused_logprobs: the {self.role} model ran a packed call for {packed.rows} rows of {packed.length} "
+                f"positions and passed its output head a {tuple(hidden.shape)} tensor, not one packed row of hidden "
+                f"states for {self.batch_text.format(rows=rows, columns=self.columns)}. Train it without "
+                "fused_logprobs or without the packing plugin."
             )
-        return self._score(head, forward, hidden[:, self.start : self.end], self.scored, hidden)
+        index = packed.index()[:, self.start : self.end]  # [rows, C] packed position of each scored column
+        packed.padded_output = True
+        gathered = hidden[0].index_select(0, index.clamp(min=0).reshape(-1)).view(*index.shape, hidden.size(-1))
+        return gathered, index < 0
 
     def _score(
         self, head: torch.nn.Module, forward: Callable, hidden: torch.Tensor, scored: Any, full: torch.Tensor
@@ -131,32 +153,6 @@ class ScoreCall:
             hidden, self.targets, self.head_of(forward), chunk=self.chunk, scored=scored, parameters=head.parameters()
         )
         self.note_stock_logits(forward, full, self.targets.size(0), self.columns)
-        return values
-
-    def _run_packed(
-        self, head: torch.nn.Module, forward: Callable, hidden: torch.Tensor, packed: PackedPositions
-    ) -> torch.Tensor:
-        assert self.targets is not None
-        rows = self.targets.size(0)
-        if hidden.dim() != 3 or hidden.size(0) != 1 or (packed.rows, packed.length) != (rows, self.columns):
-            raise UsageError(
-                f"fused_logprobs: the {self.role} model ran a packed call for {packed.rows} rows of {packed.length} "
-                f"positions and passed its output head a {tuple(hidden.shape)} tensor, not one packed row of hidden "
-                f"states for the {rows} rows of {self.columns} positions scored; the fused path cannot tell which "
-                "positions it holds. Train it without fused_logprobs or without the packing plugin."
-            )
-        index = packed.index()[:, self.start : self.end]  # [rows, C] packed position of each scored column
-        missing = index < 0
-        gathered = hidden[0].index_select(0, index.clamp(min=0).reshape(-1)).view(*index.shape, hidden.size(-1))
-        scored = ~missing if self.scored is None else self.scored.bool() & ~missing
-        values = self._score(head, forward, gathered, scored, gathered)
-        if bool(missing.any()):
-            # a column the packed row does not compute (a row without tokens there): the packing plugin gives it zero
-            # logits, whose log_softmax is -log(vocab)
-            with torch.no_grad():
-                vocab = head_chunk(forward, hidden[0, :1]).size(-1)
-            values = values.masked_fill(missing, -math.log(vocab))
-        packed.padded_output = True
         return values
 
 
@@ -276,15 +272,10 @@ def resolve_chunk(state: FusedState, head: torch.nn.Module, dtype: torch.dtype) 
     return auto_chunk(int(vocab), dtype, device, int(hidden))
 
 
-def verify_online_forward(trainer: Any) -> None:
-    """Refuse a TRL whose `OnlineDPOTrainer._forward` is not what `make_fused_forward` reproduces."""
-    verify_against_trl(getattr(type(trainer), _compat.ONLINE_DPO_FORWARD_METHOD), "fused_logprobs", trainer)
-
-
 def make_fused_forward(trainer: Any, state: FusedState, roles: Callable[[Any], str]) -> Callable:
     """The replacement of `trainer._forward` (through `trl_ext_call`): same arguments, same `[rows, C]`
     log-probs, no full logits. TRL's steps around the model call are `toolkit.online_forward.ScoringCall`'s, verified
-    against the trainer's own `_forward` (`verify_online_forward`) before the first step."""
+    against the trainer's own `_forward` (`toolkit.online_forward.verify_against_trl`) before the first step."""
 
     def _forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask, vision_inputs=None):
         role = roles(model)
@@ -293,13 +284,8 @@ def make_fused_forward(trainer: Any, state: FusedState, roles: Callable[[Any], s
                 "fused_logprobs does not score vision-language batches (image inputs reached Online DPO's scoring "
                 "forward). Train without fused_logprobs."
             )
-        call = ScoringCall.build(
-            prompt_ids,
-            prompt_mask,
-            completion_ids,
-            completion_mask,
-            getattr(trainer, _compat.ONLINE_DPO_MAX_LENGTH_ATTR),
-        )
+        max_length = getattr(trainer, _compat.ONLINE_DPO_MAX_LENGTH_ATTR)
+        call = ScoringCall.build(prompt_ids, prompt_mask, completion_ids, completion_mask, max_length)
         head = output_head(model, role)
         chunk = state.chunks.get(role) or resolve_chunk(state, head, next(unwrap_causal_lm(model).parameters()).dtype)
         # The completion tokens carry gradients; the positions after an end are computed without (TRL masks them in

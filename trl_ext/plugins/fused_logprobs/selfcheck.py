@@ -1,28 +1,23 @@
 """The self-check of `fused_logprobs`: before the first step, measure on a probe batch that the model's stock logits
-are its output head applied to the hidden states the head receives, and that the fused log-probs equal the stock
-`log_softmax`.
+are its output head applied to the hidden states the head receives (recorded inside the model's forward), and that the
+fused log-probs (a scoring call, through the rest of the model's forward) equal the stock `log_softmax`. Every head
+call runs inside the model's forward, so the check runs under FSDP2 and ZeRO-3 too (the same calls on every rank).
 
-Both trainers score inside the head's call: the head's output is recorded inside the model's forward and compared
-with the model's logits, then the model's output in a scoring call (the log-probs the head computed, passed through
-the rest of the model's forward) is compared with the stock log-probs. Every head call runs inside the model's
-forward, so the check runs under FSDP2 and ZeRO-3 too (the same calls on every rank).
-
-What is compared is the model's last step (head and anything after it), so the probe does not need training-length
-sequences: its rows are sized from the training lengths (`toolkit.probe.model_probe_lengths`) but capped at `PROBE_CAP`
-tokens (a 150k-vocabulary probe of training length would itself build the large logits). Rows are right-padded as
-Online DPO's completions are. The model runs in eval mode for the probe (dropout off), without gradients.
+Only the model's last step is compared, so the probe rows, sized from the training lengths
+(`toolkit.probe.model_probe_lengths`), are capped at `PROBE_CAP` tokens (a 150k-vocabulary probe of training length
+would itself build the large logits); they are right-padded as Online DPO's completions, run in eval mode (dropout
+off), without gradients.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import Any
 
 import torch
 
 from trl_ext.api import unwrap_causal_lm
-from trl_ext.toolkit.probe import model_probe_lengths, stock_forward
+from trl_ext.toolkit.probe import ProbeRun, model_probe_lengths, stock_forward
 
 from .chunked import accumulation_dtype
 from .online import ScoreCall, run_scoring
@@ -139,30 +134,24 @@ def sixteen_bit_tolerance(
 
 def self_check(model: Any, trainer: Any, role: str, chunk: int) -> SelfCheckResult:
     """Compare the fused path (scoring inside the head's call) with `model`'s stock forward on a probe (`failure`)."""
-    started = time.perf_counter()
     causal_lm = unwrap_causal_lm(model)
+    run = ProbeRun(causal_lm, training=False)
     lengths = tuple(min(n, PROBE_CAP) for n in model_probe_lengths(causal_lm, trainer, "fused_logprobs"))
     width = max(lengths)
     vocab = int(causal_lm.config.get_text_config().vocab_size)
     g = torch.Generator().manual_seed(0)
-    device = next(causal_lm.parameters()).device
-    ids = torch.randint(0, vocab, (len(lengths), width), generator=g).to(device)
-    mask = (torch.arange(width)[None] < torch.tensor(lengths)[:, None]).long().to(device)
-    was_training = causal_lm.training
-    causal_lm.eval()
+    ids = torch.randint(0, vocab, (len(lengths), width), generator=g).to(run.device)
+    mask = (torch.arange(width)[None] < torch.tensor(lengths)[:, None]).long().to(run.device)
     kwargs = dict(input_ids=ids, attention_mask=mask, use_cache=False)
-    targets = torch.randint(0, vocab, ids.shape, generator=g).to(device)
-    try:
-        with torch.no_grad(), stock_forward(causal_lm):  # a packing plugin's wrapper passes the probe through
-            stock = causal_lm(**kwargs).logits
-            # the head runs as stock and keeps its output (and, for a 16-bit head, the same head in float32)
-            record = ScoreCall(role, reference=float32_head)
-            run_scoring(causal_lm, record, **kwargs)
-            applied = record.output
-            request = ScoreCall(role, targets, None, width, 0, None, chunk)
-            fused = run_scoring(causal_lm, request, **kwargs).logits
-    finally:
-        causal_lm.train(was_training)
+    targets = torch.randint(0, vocab, ids.shape, generator=g).to(run.device)
+    with run, torch.no_grad(), stock_forward(causal_lm):  # a packing plugin's wrapper passes the probe through
+        stock = causal_lm(**kwargs).logits
+        # the head runs as stock and keeps its output (and, for a 16-bit head, the same head in float32)
+        record = ScoreCall(role, reference=float32_head)
+        run_scoring(causal_lm, record, **kwargs)
+        applied = record.output
+        request = ScoreCall(role, targets, None, width, 0, None, chunk)
+        fused = run_scoring(causal_lm, request, **kwargs).logits
     acc = accumulation_dtype(stock.dtype)
     want = _target_logprobs(stock, targets, acc)
     result = SelfCheckResult(lengths, 0.0, 0.0, LOGPROB_RTOL[acc], 0.0)
@@ -197,5 +186,5 @@ def self_check(model: Any, trainer: Any, role: str, chunk: int) -> SelfCheckResu
                 f"the fused log-probs differ from the stock log_softmax by {result.logprob_error:.2g} (relative) > "
                 f"{result.tolerance:.2g}" + (f" ({result.basis})" if result.basis else "")
             )
-    result.seconds = time.perf_counter() - started
+    result.seconds = run.seconds
     return result

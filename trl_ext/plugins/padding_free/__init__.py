@@ -12,21 +12,19 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from trl_ext.api import Flag, Parser, PluginSpec, boolean, lazy_getattr, one_of
+from trl_ext.api import Flag, Parser, PluginSpec, boolean, either, lazy_getattr, one_of
 from trl_ext.toolkit.roles import PACKING
 
 NAME = "padding_free"
 
 
-def _parse_self_check(value: Any) -> str | bool:
-    if isinstance(value, str) and value.strip().lower() == "auto":
-        return "auto"
+def _true(value: Any) -> bool:
     if boolean(value) is True:
         return True
     raise ValueError(value)  # no "never check": an unverified model is only packed after it passed the check
 
 
-_SELF_CHECK = Parser(_parse_self_check, '"auto" or true')
+_SELF_CHECK = Parser(either(one_of("auto"), Parser(_true, "true")), '"auto" or true')
 
 
 @dataclasses.dataclass(frozen=True)

@@ -125,10 +125,9 @@ def trl_ext_trainer_init_start(trainer: Trainer, context: TrainerContext, init_k
 def _check_trainer(trainer, context) -> PaddingFreeState:
     """Refuse what packing cannot do correctly; runs once, before the first packed forward."""
     state = _state(context)
-    if state.checked:
-        return state
-    check_packable_trainer(trainer, NAME)
-    state.checked = True
+    if not state.checked:
+        check_packable_trainer(trainer, NAME)
+        state.checked = True
     return state
 
 
@@ -211,7 +210,8 @@ def row_limit(model) -> int | None:
 
 def check_model(state: PaddingFreeState, role: str, model, trainer) -> None:
     """Before the first step: the layers of a wrapped model that draw random numbers in training mode (one notice),
-    then the self-check where it runs (outside the verified table, or `self_check: true`), in its training mode."""
+    then the self-check where it runs (outside the verified table, or `self_check: true`), in its training mode
+    (eval mode where it draws); a `UsageError` if the packed forward differs from the stock padded forward."""
     # TRL trains the policy in training mode (`Trainer.train` calls `model.train()`) and runs a separate reference
     # model in the mode it was given (eval after `from_pretrained`; TRL never changes it)
     training = role == "policy" or model.training
@@ -219,13 +219,10 @@ def check_model(state: PaddingFreeState, role: str, model, trainer) -> None:
     if draws:
         state.random_draws[role] = draws
         logger.warning("padding_free: %s", random_draws_notice(role, model, draws))
-    if state.self_check is True or not state.inspections[role].verified:
-        _run_self_check(state, role, model, trainer, training=training and not draws)
-
-
-def _run_self_check(state: PaddingFreeState, role: str, model, trainer, training: bool = False) -> None:
-    """Measure, before the first step, that `model`'s packed forward equals its stock padded forward on a probe sized
-    from what training will feed; refuse if it does not."""
+    if state.self_check is not True and state.inspections[role].verified:
+        return
+    # the self-check: `model`'s packed forward must equal its stock padded forward on a probe sized from training
+    training = training and not draws
     calls = state.packed_calls, state.unpacked_calls
     moe = any(m.startswith("MoE") for m in state.inspections[role].mechanisms)
     lengths = model_probe_lengths(model, trainer, "padding_free")
@@ -289,32 +286,29 @@ class PaddingFreeCollator(AnnotatingCollator):
 
 
 def _pack_kwargs(kwargs: dict[str, Any], meta: Any) -> tuple[dict[str, Any], PackInfo]:
+    global _REBUILT_WARNED
     input_ids = kwargs["input_ids"]
     info = PackInfo.from_batch(meta, input_ids, kwargs["attention_mask"]) if meta is not None else None
     if info is None:
         if meta is not None and not _REBUILT_WARNED:
-            _warn_rebuilt(meta, input_ids)
+            _REBUILT_WARNED = True
+            logger.warning(
+                "padding_free: the packing metadata of a batch did not match its %s input_ids and attention_mask "
+                "(changed after collation); it was rebuilt from attention_mask (once-only warning).",
+                tuple(input_ids.shape),
+            )
         info = packing_metadata(kwargs["attention_mask"])
     packed = dict(kwargs)
     packed["input_ids"] = pack_rows(input_ids, info)
     packed["attention_mask"] = None  # transformers only isolates packed sequences without a 2D mask
     position_ids = kwargs.get("position_ids")
     packed["position_ids"] = info.position_ids if position_ids is None else pack_rows(position_ids, info)
-    packed.update(info.flash_kwargs())
+    cu, longest = info.cu_seq_lens.to(torch.int32), info.max_length  # flash-attention's varlen arguments
+    packed.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
     return packed, info
 
 
 _REBUILT_WARNED = False
-
-
-def _warn_rebuilt(meta: Any, input_ids: torch.Tensor) -> None:
-    global _REBUILT_WARNED
-    _REBUILT_WARNED = True
-    logger.warning(
-        "padding_free: the packing metadata of a batch did not match its %s input_ids and attention_mask (changed "
-        "after collation); it was rebuilt from attention_mask (once-only warning).",
-        tuple(input_ids.shape),
-    )
 
 
 def _row_groups(info: PackInfo, limit: int) -> list[tuple[int, int]]:

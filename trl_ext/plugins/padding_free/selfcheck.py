@@ -1,22 +1,13 @@
-"""The padding_free self-check: does a model's packed forward equal its stock padded forward? Decided by measurement.
+"""The padding_free self-check: does a model's packed forward equal its stock padded forward? Decided by measurement
+on a probe sized from what training will feed (`trl_ext.toolkit.probe`), without gradients, in the model's dtype and
+the mode it runs in (docs/plugins/padding_free.md, "Self-check", has the rules and tolerances):
 
-The probe is sized from what training will feed (`trl_ext.toolkit.probe`): three random sequences, the first as long
-as the longest training sequence, the others longer than every window or chunk the config declares. Run without
-gradients, in the model's dtype, in the mode the model runs in (eval mode for a policy whose forward draws random
-numbers in training, `trl_ext.toolkit.randomness`: packed, its draws fall on other shapes):
-
-1. isolation: the middle sequence's tokens are replaced; the packed logits of the two others must stay bit-identical
-   (a packed row runs every per-token operation row by row and attention per sequence, in any dtype). A leak names
-   the first module, in execution order, whose output at the other sequences' tokens changed.
-2. stock: the same sequences as a right-padded batch through the model's stock forward (TRL's scoring call) must give
-   the packed logits at every real token, to the round-off of the lowest precision the model computes in, relative to
-   the largest logit: 1e-7 for a forward float64 throughout, 1e-4 where any operation computes in float32 (observed on
-   the stock forward, `_LowestFloat`: MPT's float32 softmax, float32 RMSNorm and MoE routers; MPT, 512 wide,
-   256-token probe: 6.2e-7), 5e-2 in 16-bit or under 16-bit autocast; a position or window bug is order 1e-1. A row
-   where the padded forward itself is degenerate (NaN from eager attention over a window of only padding, stock TRL
-   included) is compared with the sequence run alone.
-
-Cost: two packed forwards of the probe's total length and one padded forward of three rows (timed and logged).
+1. isolation: the middle sequence's tokens are replaced; the packed logits of the two others must stay bit-identical.
+   A leak names the first module, in execution order, whose output at the other sequences' tokens changed.
+2. stock: the packed logits must equal the stock padded forward's at every real token, to the round-off of the lowest
+   precision the stock forward computes in (`_LowestFloat`; MPT, 512 wide, 256-token probe: 6.2e-7 where float32
+   allows 1e-4); a position or window bug is order 1e-1. A row where the padded forward itself is degenerate (NaN from
+   eager attention over a window of only padding, stock TRL included) is compared with the sequence run alone.
 """
 
 from __future__ import annotations
@@ -28,8 +19,7 @@ from typing import Any
 
 import torch
 
-from trl_ext.toolkit.probe import ProbeRun
-from trl_ext.toolkit.probe import stock_forward as stock_mode
+from trl_ext.toolkit.probe import ProbeRun, stock_forward
 from trl_ext.toolkit.randomness import describe_draws
 
 #: The probe of a model whose training lengths are unknown (no `max_length`, no readable dataset).
@@ -113,15 +103,13 @@ def _first_change(before: list, after: list, rows: torch.Tensor) -> str:
 def self_check(
     model: torch.nn.Module,
     packed_forward: Callable,
-    stock_forward: Callable | None = None,
     lengths: Sequence[int] = PROBE_LENGTHS,
-    dtype: torch.dtype | None = None,
     moe: bool = False,
     autocast: torch.dtype | None = None,
     training: bool = False,
 ) -> SelfCheckResult:
-    """Measure whether `packed_forward` (the model's wrapped forward) keeps packed sequences apart and equals
-    `stock_forward` (default: the model under `trl_ext.toolkit.probe.stock_forward`) on probe sequences of `lengths`.
+    """Measure whether `packed_forward` (the model's wrapped forward) keeps packed sequences apart and equals the
+    model's stock padded forward (`trl_ext.toolkit.probe.stock_forward`) on probe sequences of `lengths`.
 
     `moe`: the model routes tokens to experts, so changing one sequence changes how many tokens each expert multiplies
     at once, and a matmul kernel may round another token's row differently: the isolation check then allows 16 units
@@ -131,7 +119,7 @@ def self_check(
     lengths = tuple(int(n) for n in lengths)
     run = ProbeRun(model, training)
     device, vocab = run.device, run.vocab
-    dtype = autocast or dtype or next(model.parameters()).dtype
+    dtype = autocast or next(model.parameters()).dtype
     tolerance = _TOLERANCE.get(dtype, _HALF_TOLERANCE)
     ids, mask = _probe(vocab, device, 0, lengths)
     changed = ids.clone()
@@ -168,17 +156,16 @@ def self_check(
                         f"packed row changed (max change {(base[i] - after[i]).abs().max().item():.3g}); the first "
                         f"layer whose output changed is `{_first_change(before, recorder.outputs, rows)}`"
                     )
-            run_stock = stock_forward if stock_forward is not None else model
             try:
-                with stock_mode(model):
+                with stock_forward(model):
                     with _LowestFloat() as observed:
-                        stock = run_stock(input_ids=ids, attention_mask=mask, use_cache=False).logits
+                        stock = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
                     run.forwards += 1
                     if dtype == torch.float64 and observed.lowest not in (None, torch.float64):
                         tolerance = _TOLERANCE.get(observed.lowest, _HALF_TOLERANCE)
                         dtype = observed.lowest  # what the message names
                     stock = run.without_degenerate_rows(
-                        stock, ids, mask, lambda i, m: run_stock(input_ids=i, attention_mask=m, use_cache=False).logits
+                        stock, ids, mask, lambda i, m: model(input_ids=i, attention_mask=m, use_cache=False).logits
                     )
             except Exception as exc:  # noqa: BLE001 - no stock reference, no verdict: refuse with the cause
                 return result(f"its stock padded forward (the reference) raised {type(exc).__name__}: {exc}")

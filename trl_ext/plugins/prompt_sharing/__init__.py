@@ -10,21 +10,12 @@ See docs/plugins/prompt_sharing.md.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
-from trl_ext.api import Flag, Parser, PluginSpec, boolean, lazy_getattr, one_of
+from trl_ext.api import Flag, Parser, PluginSpec, boolean, either, lazy_getattr, one_of
 from trl_ext.toolkit.roles import PACKING
 
 NAME = "prompt_sharing"
-
-
-def _parse_self_check(value: Any) -> str | bool:
-    if isinstance(value, str) and value.strip().lower() == "auto":
-        return "auto"
-    return boolean(value)
-
-
-_SELF_CHECK = Parser(_parse_self_check, '"auto", true or false')
+_SELF_CHECK = Parser(either(one_of("auto"), boolean), '"auto", true or false')
 
 
 @dataclasses.dataclass(frozen=True)

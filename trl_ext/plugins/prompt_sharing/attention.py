@@ -45,7 +45,6 @@ from .layout import Groups
 
 __all__ = [
     "GROUPS_KWARG",
-    "SHARED_BASES",
     "register_shared_attention",
     "shared_attention_name",
     "shared_call",
@@ -54,8 +53,6 @@ __all__ = [
 
 #: The keyword that carries the layout's groups (`layout.Groups`) from the model call down to the attention.
 GROUPS_KWARG = "trl_ext_shared_groups"
-#: Attention implementations the shared attention stands in for (those `toolkit.packing.attention`'s varlen covers).
-SHARED_BASES = VARLEN_BASES
 _PREFIX = "trl_ext_shared_"
 
 # True while a shared forward runs: the mask interface then builds no mask (the attention uses the segments).
@@ -69,7 +66,7 @@ def shared_attention_name(base: str) -> str:
 
 def base_of(impl: str) -> str | None:
     """`"sdpa"`/`"eager"` for a base, varlen or shared implementation name; None for anything else."""
-    for base in SHARED_BASES:
+    for base in VARLEN_BASES:
         if impl in (base, varlen_attention_name(base), shared_attention_name(base)):
             return base
     return None
@@ -98,21 +95,16 @@ def _attend(
     mask, so whatever it does per key is done exactly as in the padded forward."""
     q, k = query.shape[2], key.shape[2]
     sliding_window = kwargs.get("sliding_window")
-    plain = base == "sdpa" and kwargs.get("softcap") is None and kwargs.get("s_aux") is None
-    simple = offset == 0 and not (sliding_window is not None and k > sliding_window)
-    simple = simple and not (valid_keys is not None and valid_keys < k)
-    if plain and simple:
-        return F.scaled_dot_product_attention(
-            query, key, value, dropout_p=dropout, is_causal=True, scale=scaling,
-            enable_gqa=query.shape[1] != key.shape[1],
-        )  # fmt: skip
     window = sliding_window if sliding_window is not None and k > sliding_window else None
-    mask = visible_keys(q, k, query.device, offset, window, valid_keys)[None, None]
-    if plain:
+    plain = base == "sdpa" and kwargs.get("softcap") is None and kwargs.get("s_aux") is None
+    causal = offset == 0 and window is None and not (valid_keys is not None and valid_keys < k)
+    if plain:  # SDPA's own causal mask where that is the whole pattern
+        mask = None if causal else visible_keys(q, k, query.device, offset, window, valid_keys)[None, None]
         return F.scaled_dot_product_attention(
-            query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling,
+            query, key, value, attn_mask=mask, dropout_p=dropout, is_causal=causal, scale=scaling,
             enable_gqa=query.shape[1] != key.shape[1],
         )  # fmt: skip
+    mask = visible_keys(q, k, query.device, offset, window, valid_keys)[None, None]
     if base == "eager":
         mask = additive_mask(mask, query.dtype)
     out, _ = base_attention(base, module)(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
@@ -295,7 +287,7 @@ def _make_shared_attention(base: str) -> Callable:
 def register_shared_attention(patcher: Any = None) -> None:
     """Register `trl_ext_shared_sdpa` / `trl_ext_shared_eager` with transformers (idempotent); removed again when
     `patcher` (if given) is undone."""
-    for base in SHARED_BASES:
+    for base in VARLEN_BASES:
         name = shared_attention_name(base)
         mask = skip_mask_while(_SHARED_CALL.get, name, functools.partial(packed_or_base_mask, base))
         register_attention(name, _make_shared_attention(base), mask)
@@ -305,5 +297,5 @@ def register_shared_attention(patcher: Any = None) -> None:
 
 def unregister_shared_attention() -> None:
     """Remove the registrations of `register_shared_attention`."""
-    for base in SHARED_BASES:
+    for base in VARLEN_BASES:
         unregister_attention(shared_attention_name(base))

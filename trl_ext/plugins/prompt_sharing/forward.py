@@ -3,7 +3,7 @@
 Wrapped are the causal LM's `forward` (TRL's fused LM head on TRL >= 1.15, the model's own logits before) and its
 backbone's (`model.base_model`). A padded scoring call (`glue.scoring_call`) takes its layout from the batch (the
 collator's), or builds it from TRL's DPO labels (-100 exactly outside the completion) or the prompt width Online DPO's
-`_forward` announces (`online_prompt_columns`); a call with none of these (generation, a user's own forward) runs as it
+`_forward` announces (`online_forward`); a call with none of these (generation, a user's own forward) runs as it
 came. The per-token outputs are scattered back by `index_select`, so a shared prompt token's gradient is the sum of
 what both branches send it: the fused head's fields as `[rows, length - 1]`, logits as `[rows, length, vocab]` (zeros
 at padding), the backbone's `last_hidden_state` as `[rows, length, hidden]`.
@@ -36,7 +36,7 @@ from .layout import (
     build_layout,
     pack,
     pack_labels,
-    prompt_end_from_labels,
+    prompt_end_from_completion_mask,
     prompt_end_of,
     unpack,
     unpack_shifted,
@@ -50,7 +50,6 @@ __all__ = [
     "make_backbone_forward",
     "make_causal_lm_forward",
     "online_forward",
-    "online_prompt_columns",
     "shared_kwargs",
 ]
 
@@ -158,14 +157,10 @@ def _row_runs(index: torch.Tensor) -> list[int] | None:
 _ONLINE_SCORE: CallSlot[OnlineScore] = CallSlot("prompt_sharing.online_score")
 
 
-#: `with online_prompt_columns(columns):` the model calls inside are Online DPO scoring calls whose first `columns`
-#: columns are prompt.
-online_prompt_columns = _ONLINE_PROMPT_COLUMNS.entered
-
-
 def _layout_for(kwargs: dict[str, Any], meta: Any, online: int | None) -> SharedLayout | None:
     """The layout of a shareable call, or None when nothing says where its prompts end (not a TRL scoring call:
     generation without a cache, a user's own forward); such calls run as they came."""
+    global _REBUILT_WARNED
     input_ids, attention_mask = kwargs["input_ids"], kwargs["attention_mask"]
     layout = SharedLayout.from_batch(meta, input_ids)
     if layout is not None:
@@ -174,31 +169,25 @@ def _layout_for(kwargs: dict[str, Any], meta: Any, online: int | None) -> Shared
     if prompt_end is not None:
         # the serialized layout did not survive (accelerate's dispatching slices every batch tensor along dim 0);
         # the row-major prompt ends did
-        _warn_rebuilt(input_ids)
+        if not _REBUILT_WARNED:
+            _REBUILT_WARNED = True
+            logger.warning(
+                "prompt_sharing: the shared layout of a %s batch did not match it (accelerate's batch dispatching, "
+                "`dispatch_batches=True` or an iterable dataset, slices batches after collation); it is rebuilt in "
+                "the forward from the batch's prompt ends (same result, host work in the step; once-only warning).",
+                tuple(input_ids.shape),
+            )
         return build_layout(input_ids, attention_mask, prompt_end)
     labels = kwargs.get("labels")
     if online is not None:
         # Online DPO reads (and logs metrics over) the logits of the completion padding too
         return build_layout(input_ids, attention_mask, [online] * input_ids.shape[0], trailing_padding=True)
     if isinstance(labels, torch.Tensor) and labels.shape == input_ids.shape:
-        return build_layout(input_ids, attention_mask, prompt_end_from_labels(labels, attention_mask))
+        return build_layout(input_ids, attention_mask, prompt_end_from_completion_mask(labels != -100, attention_mask))
     return None
 
 
 _REBUILT_WARNED = False
-
-
-def _warn_rebuilt(input_ids: torch.Tensor) -> None:
-    global _REBUILT_WARNED
-    if _REBUILT_WARNED:
-        return
-    _REBUILT_WARNED = True
-    logger.warning(
-        "prompt_sharing: the shared layout of a %s batch did not match it (accelerate's batch dispatching, "
-        "`dispatch_batches=True` or an iterable dataset, slices batches after collation); it is rebuilt in the "
-        "forward from the batch's prompt ends (same result, host work in the step; once-only warning).",
-        tuple(input_ids.shape),
-    )
 
 
 def shared_kwargs(kwargs: dict[str, Any], layout: SharedLayout) -> dict[str, Any]:
@@ -226,10 +215,6 @@ def _call_layout(args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, Any, int |
     return args, meta, online, _layout_for(kwargs, meta, online) if shareable else None
 
 
-def _unpack_outputs(outputs: Any, layout: SharedLayout, fused: bool) -> Any:
-    return repad_outputs(outputs, fused, lambda x: unpack(x, layout), lambda x: unpack_shifted(x, layout))
-
-
 def make_causal_lm_forward(original: Callable, state: Any, aux_loss: MoeAuxLoss | None = None) -> Callable:
     """Causal-LM forward: run the shared row, return outputs in the padded layout. `aux_loss` (MoE models whose
     auxiliary loss is on, `moe.MoeAuxLoss`) captures the router logits of the shared call and recomputes the auxiliary
@@ -249,7 +234,8 @@ def make_causal_lm_forward(original: Callable, state: Any, aux_loss: MoeAuxLoss 
         if score is not None and not kwargs.get("fused_lm_head") and score.accepts(outputs, positions):
             score.capture(positions)  # Online DPO's `_forward` scores the packed logits (never padded ones)
             return outputs
-        return _unpack_outputs(outputs, layout, bool(kwargs.get("fused_lm_head")))
+        fused = bool(kwargs.get("fused_lm_head"))
+        return repad_outputs(outputs, fused, lambda x: unpack(x, layout), lambda x: unpack_shifted(x, layout))
 
     @functools.wraps(original)
     def forward(*args: Any, **kwargs: Any) -> Any:
@@ -311,10 +297,10 @@ def online_forward(call: Any, own: bool, max_length: int | None) -> Any:
             return call.proceed()
         scoring = ScoringCall.build(prompt_ids, prompt_mask, completion_ids, completion_mask, max_length)
         if not own:
-            with online_prompt_columns(scoring.prompt_columns):
+            with _ONLINE_PROMPT_COLUMNS.entered(scoring.prompt_columns):
                 return call.proceed()
         score = OnlineScore(completion_ids, scoring.ids.size(1), scoring.start, scoring.end)
-        with _ONLINE_SCORE.entered(score), online_prompt_columns(scoring.prompt_columns):
+        with _ONLINE_SCORE.entered(score), _ONLINE_PROMPT_COLUMNS.entered(scoring.prompt_columns):
             output = model(scoring.ids, attention_mask=scoring.mask)
         if score.calls:
             return score.finish(output.logits)

@@ -174,9 +174,8 @@ def _row_bounds(attention_mask: torch.Tensor) -> tuple[list[int], list[int]]:
     cols = torch.arange(length, device=mask.device).expand(rows, length)
     first = torch.where(mask, cols, length).min(1).values
     starts, lens = first.tolist(), lengths.tolist()
-    ends = [s + n if n else s for s, n in zip(starts, lens, strict=True)]
+    ends = [s + n if n else 0 for s, n in zip(starts, lens, strict=True)]  # an empty row: [0, 0)
     starts = [s if n else 0 for s, n in zip(starts, lens, strict=True)]
-    ends = [e if n else 0 for e, n in zip(ends, lens, strict=True)]
     last = torch.where(mask, cols, -1).max(1).values.tolist()
     for r, (e, end) in enumerate(zip(ends, last, strict=True)):
         if lens[r] and end + 1 != e:
@@ -348,11 +347,6 @@ def prompt_end_from_completion_mask(completion_mask: torch.Tensor, attention_mas
     first = torch.where(completion_mask.bool(), cols, length).min(1).values
     row_end = torch.where(attention_mask.bool(), cols + 1, 0).max(1).values
     return torch.minimum(first, row_end)
-
-
-def prompt_end_from_labels(labels: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """The column where each row's scored tokens start: TRL's DPO labels are -100 exactly outside the completion."""
-    return prompt_end_from_completion_mask(labels != -100, attention_mask)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

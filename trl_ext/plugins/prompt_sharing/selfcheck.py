@@ -2,16 +2,11 @@
 
 Run before the first step for every model outside the verified table (every model with `self_check: true`), on a
 probe sized from what training will feed (`trl_ext.toolkit.probe`): three pairs of random sequences, a chosen and a
-rejected row each, with the same prompt (half the sequence) and different completions; the first pair as long as the
-longest training sequence, the others longer than every window or chunk the config declares.
-
-The probe runs through the model's wrapped forward (shared) and its *stock padded* forward (`stock_forward`),
-without gradients, in the training dtype (the trainer's autocast), in the mode the model trains in (a policy that
-draws random numbers in training never gets here: `setup.refuse_random_draws` refuses it first).
-The logits of every real token must agree to the dtype's round-off relative to the sequence's largest logit
-(`TOLERANCES`); a position off by one, a response seeing the other, or a lost window moves them by order 1e-1. A row
-where the padded forward itself is degenerate (NaN from eager attention over a window of only padding, in stock TRL as
-well) is compared with the sequence run alone. Cost: one shared and one padded forward of six sequences.
+rejected row each, with the same prompt (half the sequence) and different completions. The shared forward and the
+stock padded forward (`stock_forward`) run without gradients, in the training dtype and mode (a policy that draws
+random numbers in training is refused before: `setup.refuse_random_draws`); the logits of every real token must agree
+to the dtype's round-off relative to the sequence's largest logit (`TOLERANCES`). A row where the padded forward itself
+is degenerate (NaN from eager attention over a window of only padding) is compared with the sequence run alone.
 """
 
 from __future__ import annotations
@@ -72,12 +67,6 @@ def probe_pairs(
     return ids.to(device), mask.to(device), prompt_end
 
 
-def _where(row: int, token: int, pairs: int, prompt_end: list[int]) -> str:
-    side = "chosen" if row < pairs else "rejected"
-    part = "prompt" if token < prompt_end[row] else "completion"
-    return f"probe row {row} (the {side} sequence of pair {row % pairs}), token {token} (in the {part})"
-
-
 def self_check(
     model: torch.nn.Module,
     shared_forward: Callable,
@@ -128,20 +117,23 @@ def self_check(
                 want = run.without_degenerate_rows(want, ids, mask, stock)
             except Exception as exc:  # noqa: BLE001 - no stock reference, no verdict: refuse with the cause
                 return result(f"its stock padded forward (the reference) raised {type(exc).__name__}: {exc}")
-            worst, where = 0.0, (0, 0)
+            worst, at, token_at = 0.0, 0, 0
             for row in range(ids.shape[0]):
                 ref = want[row][real[row]].double()
                 error = (got[row][real[row]].double() - ref).abs().amax(-1) / ref.abs().max().clamp(min=1e-30)
                 error = error.nan_to_num(float("inf"))
                 token = int(error.argmax())
                 if error[token].item() > worst:
-                    worst, where = error[token].item(), (row, token)
+                    worst, at, token_at = error[token].item(), row, token
             if worst <= tolerance:
                 return result(None, worst)
+            side = "chosen" if at < pairs else "rejected"
+            part = "prompt" if token_at < prompt_end[at] else "completion"
             return result(
                 f"the shared forward's `logits` differ from the stock padded forward by {worst:.3g} (relative to the "
                 f"sequence's largest logit; {dtype} round-off allows {tolerance:g}) at "
-                f"{_where(*where, pairs, prompt_end)}, on {pairs} prompt-sharing pairs of {list(lengths)} tokens: a "
+                f"probe row {at} (the {side} sequence of pair {at % pairs}), token {token_at} (in the {part}), on "
+                f"{pairs} prompt-sharing pairs of {list(lengths)} tokens: a "
                 "response sees the other, positions do not continue from the prompt, or a window, chunk or mask "
                 "that the padded forward applies is lost in the shared row",
                 worst,

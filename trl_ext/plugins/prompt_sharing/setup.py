@@ -16,6 +16,7 @@ from trl_ext.toolkit.probe import model_probe_lengths, training_max_length
 from trl_ext.toolkit.randomness import describe_draws, training_draws
 from trl_ext.toolkit.roles import PACKING as PACKING_ROLE
 
+from . import NAME
 from .attention import base_of, register_shared_attention, shared_attention_name
 from .dropout import describe, disable_dropout, dropout_sites
 from .forward import is_trl_online_forward, make_causal_lm_forward
@@ -24,8 +25,6 @@ from .moe import MoeAuxLoss
 from .selfcheck import SelfCheckResult, self_check
 
 logger = get_logger(__name__)
-
-NAME = "prompt_sharing"
 
 
 @dataclasses.dataclass
@@ -110,10 +109,9 @@ def state_of(context: Any) -> PromptSharingState:
 def check_trainer(trainer: Any, context: Any) -> PromptSharingState:
     """Refuse what sharing cannot do correctly; runs once, before the first shared forward."""
     state = state_of(context)
-    if state.checked_trainer:
-        return state
-    check_packable_trainer(trainer, NAME)
-    state.checked_trainer = True
+    if not state.checked_trainer:
+        check_packable_trainer(trainer, NAME)
+        state.checked_trainer = True
     return state
 
 
@@ -320,8 +318,7 @@ def check_models(trainer: Any, context: Any) -> None:
         state.online_own = chain[-1] == NAME and is_trl_online_forward(original)
         if state.online_own:
             verify_against_trl(original.__func__, NAME, trainer)
-    models = context.models()
-    for role, model in models.items():
+    for role, model in context.models().items():
         if role not in state.attn_implementations:
             continue  # never offered to the plugin (`trl_ext_make_model_forward`): not shared
         verified = getattr(model.config, "model_type", None) in VERIFIED_MODEL_TYPES

@@ -245,21 +245,12 @@ def _make_varlen_attention(base: str) -> Callable:
             segments = packed_segments(bounds, query.device)
             return run_packed(kernel, query, key, value, segments.cu_q, segments.max_q, scaling, window), None
         rest = {k: v for k, v in kwargs.items() if k not in _VARLEN_KWARGS}
-        outs = [
-            _segment_attention(
-                base,
-                module,
-                query[:, :, s:e],
-                key[:, :, s:e],
-                value[:, :, s:e],
-                dropout,
-                scaling,
-                rest,
-                None if blocks is None else _as_bool(blocks[:, :, s:e, s:e]),
-            )
-            for s, e in zip(bounds[:-1], bounds[1:], strict=True)
-            if e > s
-        ]
+        outs = []
+        for s, e in zip(bounds[:-1], bounds[1:], strict=True):
+            if e > s:
+                q, k, v = query[:, :, s:e], key[:, :, s:e], value[:, :, s:e]
+                block = None if blocks is None else _as_bool(blocks[:, :, s:e, s:e])
+                outs.append(_segment_attention(base, module, q, k, v, dropout, scaling, rest, block))
         out = torch.cat(outs, dim=1) if len(outs) != 1 else outs[0]
         return out.contiguous(), None
 

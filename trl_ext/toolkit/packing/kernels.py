@@ -1,20 +1,13 @@
 """Fused varlen attention kernels for packed rows: which kernel runs a model's packed attention, and the call.
 
-On a GPU the per-segment attention (one SDPA call per sequence) leaves most of the device idle; one fused varlen
-kernel per layer does the same work in one launch. Two are known (`KERNELS`):
-
-- `varlen_attn`: PyTorch's `torch.nn.attention.varlen.varlen_attn` (CUDA only; torch >= 2.10); `scale` (2.11+),
-  `window_size` (2.11+) and `enable_gqa` (2.12+) are used when the installed signature has them: on 2.10 a layer with
-  its own scale runs per segment, before 2.12 GQA repeats the key/value heads, before 2.11 windows run per segment;
-- `flash_attn`: flash-attn >= 2.3's `flash_attn_varlen_func` (older: no `window_size`, not used), preferred for a
-  model loaded with `attn_implementation="flash_attention_2"`.
-
-Both align a causal mask to the bottom right when a segment has more keys than queries (query `i` of `n` sees keys
-`j <= i + k - n`): the shared-prompt pattern. The choice is made once per trainer and model (`choose`, `set_choice`,
-read back through `choice_for(module)`) and logged once; it falls back to the exact per-segment loop on CPU, in
-float32/float64, on ROCm (not measured) and for what the kernels lack, each named (`unsupported_features`), and per
-call for a softcap, sinks, dropout or another mask pattern. `attention: fused` where it cannot run is a `UsageError`
-before the first step. Each call pattern is measured on the device before it trains (`probe.py`).
+One fused varlen kernel call per layer does the work of the per-segment loop (one SDPA call per sequence) in one
+launch. Two are known (`KERNELS`): PyTorch's `varlen_attn` (CUDA; `scale`, `window_size` and `enable_gqa` used where
+the installed signature has them) and flash-attn >= 2.3's `flash_attn_varlen_func`, preferred for a model loaded with
+`attn_implementation="flash_attention_2"`. Both align a causal mask to the bottom right when a segment has more keys
+than queries: the shared-prompt pattern. The choice is made once per trainer and model (`choose`, `set_choice`, read
+back through `choice_for(module)`), with the reasons it falls back to the exact per-segment loop
+(`unsupported_features`; docs/plugins/padding_free.md lists them per torch release); each call pattern is measured on
+the device before it trains (`probe.py`).
 
 Every kernel call goes through `Kernel.call(q, k, v, cu_q, cu_k, max_q, max_k, causal=, window=, scale=)` (`q`
 `[T_q, H_q, D]`, `k`/`v` `[T_k, H_kv, D]`, `window` the number of earlier keys a query sees or None): unit tests
@@ -246,13 +239,9 @@ def choose(
         return Choice(None, device_type, dtype, ("attention: segments",), plugin, requested)
     order = [prefer] if prefer in KERNELS else []
     order += [name for name in KERNELS if name not in order]
+    candidates = (KERNELS[name] for name in order)
+    kernel = next((k for k in candidates if device_type in k.devices and dtype in k.dtypes), None)
     reasons: list[str] = []
-    kernel = None
-    for name in order:
-        candidate = KERNELS[name]
-        if device_type in candidate.devices and dtype in candidate.dtypes:
-            kernel = candidate
-            break
     problem = _device_problem(device) if kernel is not None else None
     if problem is not None:
         kernel = None

@@ -89,16 +89,6 @@ class PackInfo:
             return None
         return packing_metadata(mask)
 
-    def flash_kwargs(self) -> dict[str, Any]:
-        """The flash-attention varlen arguments (`FlashAttentionKwargs`) of this packing."""
-        cu = self.cu_seq_lens.to(torch.int32)
-        return {
-            "cu_seq_lens_q": cu,
-            "cu_seq_lens_k": cu,
-            "max_length_q": self.max_length,
-            "max_length_k": self.max_length,
-        }
-
 
 def packing_metadata(attention_mask: torch.Tensor) -> PackInfo:
     """Packing metadata from a 2D `attention_mask` (1 = real token), on the mask's device.
@@ -112,8 +102,7 @@ def packing_metadata(attention_mask: torch.Tensor) -> PackInfo:
     rows, length = mask.shape
     device = mask.device
     lengths = mask.sum(dim=1)
-    flat = mask.reshape(-1)
-    indices = flat.nonzero().squeeze(1)
+    indices = mask.reshape(-1).nonzero().squeeze(1)
     num_tokens = indices.numel()
     position_ids = (mask.cumsum(dim=1) - 1).reshape(-1)[indices].unsqueeze(0)
     cu_seq_lens = torch.zeros(rows + 1, dtype=torch.int32, device=device)

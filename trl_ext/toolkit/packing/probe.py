@@ -1,19 +1,14 @@
 """The kernel probe: a fused varlen kernel is measured on the training device before it computes anything that trains.
 
-The first time a model's attention would run a call pattern (`Pattern`: device, dtype, head counts and dims of that
-call's query/key/value, window, scale, packed or shared) through a fused kernel, `checked_kernel` runs the same kernel
-call on random inputs of those shapes, forward and backward, and compares the output and the three gradients with a
-float64 reference on the same rounded inputs (`reference_attention`, the flash kernels' documented semantics).
-Milliseconds, once per pattern and model; the verdict is kept on the model's `kernels.Choice`. Passed: one `info`
-line; failed or raised: that pattern runs per segment (exact), with one warning (with `attention: fused`, a
-`UsageError` before any parameter changes).
-
-The tolerance is 4 machine epsilons of the dtype relative to the largest entry (bf16 3.1e-2, fp16 3.9e-3): a correct
-kernel's round-off is about 1 epsilon, every fault the tests plant (a window off by one, top-left alignment, the
-default scale instead of the layer's, a dropped grouped-query head) moves a result by 24 times it or more, and emulated
-right kernels of every release measure at most 0.24 of it (tests/plugins/test_varlen_releases.py). The probe shortens
-a window to at most `PROBE_WINDOW` keys so that it acts on the short segments: the kernel's window arithmetic is the
-same for every width."""
+The first time a model's attention would run a call pattern (`Pattern`) through a fused kernel, `checked_kernel` runs
+the same kernel call on random inputs of those shapes, forward and backward, against a float64 reference on the same
+rounded inputs (`reference_attention`, the flash kernels' documented semantics); the verdict is kept on the model's
+`kernels.Choice` (docs/plugins/padding_free.md, "The kernel probe": the log lines, the fallback, `attention: fused`).
+The tolerance is 4 machine epsilons of the dtype relative to the largest entry: a correct kernel's round-off is about
+1 epsilon, every fault the tests plant moves a result by 24 times it or more, and emulated right kernels of every
+release measure at most 0.24 of it (tests/plugins/test_varlen_releases.py). The probe shortens a window to at most
+`PROBE_WINDOW` keys so that it acts on the short segments: the kernel's window arithmetic is the same for every width.
+"""
 
 from __future__ import annotations
 
