@@ -178,8 +178,11 @@ def test_self_check_catches_a_leak(build, dtype, caplog):
     with trl_ext.install(padding_free=True, plugins={"padding_free": {"self_check": True}}):
         with caplog.at_level(logging.INFO, logger="trl_ext"):
             trainer = build()
-        assert set(_state(trainer).self_checks) == {"policy", "ref"}
+        state = _state(trainer)
+        assert set(state.self_checks) == {"policy", "ref"}
         assert any("self-check passed" in r.getMessage() for r in caplog.records)
+        # the probe's forwards are not training forwards: nothing of them in the end-of-run counts
+        assert (state.packed_calls, state.unpacked_calls, state.padded_tokens, state.packed_tokens) == (0, 0, 0, 0)
         model = trainer.model.to(dtype)
         assert self_check(model, model.forward).leak is None
         model.model.layers[1].mlp = _TokenShift(model.model.layers[1].mlp)

@@ -481,6 +481,10 @@ def test_opt_dropout_is_turned_off_not_refused(dpo_args, tokenizer, dataset, cap
     with trl_ext.install(prompt_sharing=True, plugins={"prompt_sharing": {"self_check": True}}) as installation:
         with caplog.at_level("INFO", logger="trl_ext"):
             shared = _opt_trainer(dpo_args, tokenizer, dataset, 0.1)
+        counts = _state(shared).counts()  # the self-check's probe is not in the end-of-run counts
+        assert (counts["shared_calls"], counts["unshared_calls"], counts["sequences"], counts["padded_tokens"]) == (
+            0,
+        ) * 4
         shared.model.train()
         examples = eq.examples(stock)
         stock_loss, stock_grads = eq.loss_and_grads(stock, stock.data_collator(examples))

@@ -223,13 +223,14 @@ def check_model(state: PaddingFreeState, role: str, model, trainer) -> None:
         return
     # the self-check: `model`'s packed forward must equal its stock padded forward on a probe sized from training
     training = training and not draws
-    calls = state.packed_calls, state.unpacked_calls
+    counts = state.packed_calls, state.unpacked_calls, state.padded_tokens, state.packed_tokens
     moe = any(m.startswith("MoE") for m in state.inspections[role].mechanisms)
     lengths = model_probe_lengths(model, trainer, "padding_free")
     dtype = training_dtype(model, trainer)  # 16 bits for a float32 model trained under 16-bit autocast
     autocast = dtype if next(model.parameters()).dtype == torch.float32 and dtype != torch.float32 else None
     result = self_check(model, model.forward, lengths=lengths, moe=moe, autocast=autocast, training=training)
-    state.packed_calls, state.unpacked_calls = calls  # the probe's forwards are not training forwards
+    # the probe's forwards are not training forwards: none of them in the end-of-run counts
+    state.packed_calls, state.unpacked_calls, state.padded_tokens, state.packed_tokens = counts
     state.self_checks[role] = result
     model_type = getattr(model.config, "model_type", None)
     if result.leak is not None:
