@@ -123,6 +123,10 @@ def main() -> None:
     try:
         _collectives(args)
         code = 0
+    except BaseException:  # printed here: os._exit below skips the interpreter's own report
+        import traceback
+
+        traceback.print_exc()
     finally:
         import torch.distributed as dist
 
