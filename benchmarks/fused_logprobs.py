@@ -168,7 +168,7 @@ class _Memory:
             self.before = torch.cuda.memory_allocated() / 2**20
             torch.cuda.reset_peak_memory_stats()
         else:
-            from trl_ext._peak_memory import reset_peak_rss
+            from trl_ext._shared import reset_peak_rss
 
             self.before = reset_peak_rss()
 
@@ -179,7 +179,7 @@ class _Memory:
             torch.cuda.synchronize()
             self.peak = torch.cuda.max_memory_allocated() / 2**20
         else:
-            from trl_ext._peak_memory import rss_mib
+            from trl_ext._shared import rss_mib
 
             self.peak = rss_mib()
 

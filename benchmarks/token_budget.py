@@ -147,7 +147,7 @@ def install_kwargs(config: dict) -> dict:
 def memory_child(config: dict, size: str, seed: int) -> None:
     """Train `config` for its steps in this fresh process; print the peak RSS above the start of training as JSON."""
     import trl_ext
-    from trl_ext._peak_memory import reset_peak_rss, rss_mib
+    from trl_ext._shared import reset_peak_rss, rss_mib
 
     dataset = make_dataset(config["pairs_total"], size, seed)
     with tempfile.TemporaryDirectory() as tmp, trl_ext.install(**install_kwargs(config)):

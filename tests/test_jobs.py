@@ -437,7 +437,7 @@ def test_save_to_disk_folders_load_as_the_training_split(tmp_path):
 def test_dpo_job_trains_on_a_save_to_disk_folder_and_says_its_peak_memory_once(assets, tmp_path, capsys):
     """The job's end lines name the plugins; the peak memory is said once per `train()`, in the line the trainer logs
     when it returns (`trl_ext.build`), not again in the job's lines (issue 41, point 5)."""
-    from trl_ext._peak_memory import rss_mib
+    from trl_ext._shared import rss_mib
     from trl_ext.app.cli import main
 
     folder = _saved(tmp_path, "saved", preference_rows(8, seed=1), as_dict=False)
@@ -465,7 +465,7 @@ def test_dpo_job_trains_on_a_save_to_disk_folder_and_says_its_peak_memory_once(a
 def test_a_job_without_plugins_says_its_peak_memory_in_its_own_line(assets, tmp_path, capsys):
     """No plugin applies, so trl-ext attaches to nothing and no `train()` line says the peak: the job's line does,
     measured over the whole job, once."""
-    from trl_ext._peak_memory import rss_mib
+    from trl_ext._shared import rss_mib
     from trl_ext.app.cli import main
 
     folder = _saved(tmp_path, "saved", preference_rows(8, seed=1), as_dict=False)

@@ -450,7 +450,7 @@ def test_enabled_plugins_accepts_classes_and_instances(dpo_args, plain_dpo):
 
 def test_train_ends_with_one_line_giving_the_peak_memory(tokenizer, dpo_args, trl_ext_log):
     """When `train()` returns, one line per trainer names its plugins and the peak memory of the work in `train()`
-    (the resident set on CPU; what `trl_ext._peak_memory.PeakMemory` reads), from the main process."""
+    (the resident set on CPU; what `trl_ext._shared.PeakMemory` reads), from the main process."""
     with trl_ext.install(padding_free=True):
         trainer = _dpo(tokenizer, dpo_args)
     trl_ext_log.clear()

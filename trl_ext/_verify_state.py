@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from . import _compat
-from ._peak_memory import peak_bytes as _peak_bytes
+from ._shared import peak_bytes as _peak_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch

@@ -10,8 +10,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from ._logging import NOTICE, get_logger, is_main_process
-from ._peak_memory import PeakMemory, reset_peak_rss, rss_mib, size_text
-from ._shared import Ranks, free_memory_bytes
+from ._shared import PeakMemory, Ranks, free_memory_bytes, reset_peak_rss, rss_mib, size_text
 from .call_context import CallContext, CallSlot, call_entered, current_call
 from .calls import Call
 from .config import TrlExtConfig

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import _compat, calls, verify
 from ._logging import NOTICE, get_logger, is_main_process
-from ._peak_memory import PeakMemory
+from ._shared import PeakMemory
 from .context import TrainerContext, live_contexts, output_head_module
 from .errors import UsageError
 from .manager import resolve_roles

@@ -426,7 +426,7 @@ def test_end_line_says_the_largest_logits_not_built(build, monkeypatch):
     `_forward` on the inputs of every fused call and reading the `logits` its model call returned."""
     from trl.experimental.online_dpo import OnlineDPOTrainer
 
-    from trl_ext._peak_memory import size_text
+    from trl_ext._shared import size_text
 
     with trl_ext.install(fused_logprobs=True):
         fused = build(max_steps=1)

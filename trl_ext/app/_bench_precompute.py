@@ -42,7 +42,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from .._peak_memory import reset_peak_rss, rss_mib  # noqa: E402
+from .._shared import reset_peak_rss, rss_mib  # noqa: E402
 
 
 def parse_args():

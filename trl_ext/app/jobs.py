@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .._logging import get_logger
-from .._peak_memory import PeakMemory
+from .._shared import PeakMemory
 from ..config import TrlExtConfig
 from ..errors import UsageError
 from .job_args import is_main_process, parse_job_args, recipe_path, resolve_config

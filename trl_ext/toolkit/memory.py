@@ -53,7 +53,7 @@ _MALLOC_TRIM: Any = None
 
 class ExtraMemory:
     """Extra memory one forward needs beyond what the process holds before it (GPU: allocator; CPU: peak RSS, the
-    allocator's free memory released first). Not `trl_ext._peak_memory.PeakMemory`, the peak of a whole span (the
+    allocator's free memory released first). Not `trl_ext._shared.PeakMemory`, the peak of a whole span (the
     line `train()` ends with)."""
 
     def __init__(self, device) -> None:

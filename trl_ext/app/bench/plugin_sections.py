@@ -13,7 +13,7 @@ import statistics
 import time
 from typing import Any
 
-from ..._peak_memory import reset_peak_rss, rss_mib
+from ..._shared import reset_peak_rss, rss_mib
 from .sections import Setup, reference
 from .stats import against, agreement, interleave, progress, ratios, summarize
 
