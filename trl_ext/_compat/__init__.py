@@ -246,7 +246,7 @@ DPO_TOTAL_TRAIN_TOKENS = "_total_train_tokens"
 
 #: `OnlineDPOTrainer.stats` keys (its metric buffer), by what each averages over: per pair, and per completion (two
 #: completions per prompt). The `objective/rlhf_reward`, `objective/scores*` keys exist only with reward functions.
-#: Consumer: sync_metrics (online_dpo). online_dpo_trainer.py 1.16.0:352-368, 1.12.0:343-359.
+#: Consumer: sync_metrics (dpo). online_dpo_trainer.py 1.16.0:352-368, 1.12.0:343-359.
 ONLINE_DPO_STATS = "stats"
 ONLINE_DPO_PAIR_METRICS = (
     "beta",
@@ -269,13 +269,13 @@ ONLINE_DPO_COMPLETION_METRICS = (
 #: The `OnlineDPOTrainer` methods sync_metrics wraps for one training step. Checked 1.12.0, 1.16.0.
 ONLINE_DPO_STEP_METHODS = ("training_step", "_forward", "_generate", "_calculate_rewards_from_functions")
 #: `OnlineDPOTrainer._generate(...)` returns `(prompt_ids, prompt_mask, completion_ids, completion_mask[,
-#: vision_inputs])`: the positions of the completion ids and mask. Consumer: sync_metrics (online_dpo). Checked
+#: vision_inputs])`: the positions of the completion ids and mask. Consumer: sync_metrics (dpo). Checked
 #: 1.12.0, 1.16.0 (online_dpo_trainer.py:1056 on 1.16.0).
 ONLINE_DPO_GENERATE_RETURN = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
 ONLINE_DPO_COMPLETION_IDS, ONLINE_DPO_COMPLETION_MASK = 2, 3
 #: EOS ids checked for `val/contain_eos_token`: `self.eos_token_ids` (a list) on 1.16.0 (online_dpo_trainer.py:406,
 #: :1177); 1.12.0 has no such attribute and checks only `self._tokenizer.eos_token_id` (:1152). The consumer uses the
-#: attribute when it exists. Consumer: sync_metrics (online_dpo).
+#: attribute when it exists. Consumer: sync_metrics (dpo).
 ONLINE_DPO_EOS_IDS_ATTR = "eos_token_ids"
 ONLINE_DPO_TOKENIZER_ATTR = "_tokenizer"
 #: OnlineDPO rounds its logged training loss to this many decimals in its own `_maybe_log_save_evaluate`
