@@ -279,7 +279,7 @@ ONLINE_DPO_COMPLETION_IDS, ONLINE_DPO_COMPLETION_MASK = 2, 3
 ONLINE_DPO_EOS_IDS_ATTR = "eos_token_ids"
 ONLINE_DPO_TOKENIZER_ATTR = "_tokenizer"
 #: OnlineDPO rounds its logged training loss to this many decimals in its own `_maybe_log_save_evaluate`
-#: (`round(tr_loss_scalar / steps, 4)`). Consumer: sync_metrics (reduction). 1.16.0:1332, 1.12.0:1333.
+#: (`round(tr_loss_scalar / steps, 4)`). Consumer: sync_metrics (hooks). 1.16.0:1332, 1.12.0:1333.
 ONLINE_DPO_LOSS_DECIMALS = 4
 
 # -- sync_metrics: transformers Trainer ------------------------------------------------------------------------------
