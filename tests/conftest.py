@@ -27,37 +27,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
 
 
-def _reuse_built_models() -> None:
-    """`trl_ext.testing.make_model` builds the same model for the same arguments (the seed is one): each is built once
-    and every call returns a deep copy of that build, with torch's random state set to what the build leaves (weights
-    and random state bit-identical to a fresh build). A build costs ~30 ms (transformers' module construction and
-    weight init), a copy about a third; the fast loop builds ~400 models. Launched processes build as before."""
-    import copy
-    import functools
-
-    from trl_ext import testing
-
-    build = testing.make_model
-    built: dict = {}
-
-    @functools.wraps(build)
-    def make_model(*args, **kwargs):
-        import torch
-
-        key = (args, tuple(sorted(kwargs.items())))
-        if key not in built:
-            model = build(*args, **kwargs)
-            built[key] = (model, torch.get_rng_state())
-        model, state = built[key]
-        torch.set_rng_state(state)
-        return copy.deepcopy(model)
-
-    testing.make_model = make_model
-
-
-_reuse_built_models()
-
-
 def _freeze_what_lives() -> None:
     import gc
 
