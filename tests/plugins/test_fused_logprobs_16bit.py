@@ -152,6 +152,25 @@ def test_float32_keeps_its_tolerance(monkeypatch):
     assert "differ from the stock log_softmax" in (_check(model).failure or "")
 
 
+def test_the_check_needs_no_input_embeddings_and_puts_each_modules_mode_back(monkeypatch):
+    """The check draws its ids from the config's vocabulary: a model whose `get_input_embeddings` fails (as some
+    remote-code layouts do) is still checked, a planted fault still seen; afterwards every module is in its own
+    mode again (one layer left in eval inside a model in training)."""
+
+    def missing():
+        raise NotImplementedError("no input embeddings")
+
+    model = _model(torch.float32, monkeypatch)
+    monkeypatch.setattr(model, "get_input_embeddings", missing)
+    model.train()
+    model.model.layers[0].eval()
+    assert _check(model).failure is None
+    assert model.training and not model.model.layers[0].training and model.model.layers[1].training
+    original = online.head_chunk
+    monkeypatch.setattr(online, "head_chunk", lambda f, h: original(f, h).bfloat16().float())
+    assert "differ from the stock log_softmax" in (_check(model).failure or "")
+
+
 def test_a_head_that_is_not_a_plain_linear_gets_the_floor(monkeypatch):
     """The float32 computation of a head other than a plain `torch.nn.Linear` is not known: the floor alone."""
 

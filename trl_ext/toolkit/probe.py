@@ -11,6 +11,7 @@ scoring forward calls it), never another trl-ext path.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -180,7 +181,11 @@ class ProbeRun:
     def __init__(self, model: Any, training: bool) -> None:
         self.start, self.model, self.training, self.forwards = time.perf_counter(), model, training, 0
         self.device = next(model.parameters()).device
-        self.vocab: int = model.get_input_embeddings().num_embeddings
+
+    @functools.cached_property
+    def vocab(self) -> int:
+        """The input vocabulary, read only by the self-checks that draw token ids (fused_logprobs' does not)."""
+        return int(self.model.get_input_embeddings().num_embeddings)
 
     def __enter__(self) -> ProbeRun:
         self._modes = {m: m.training for m in self.model.modules()}

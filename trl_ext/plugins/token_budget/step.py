@@ -365,6 +365,8 @@ class TokenBudgetState:
         for values in step_values:
             for name, value in values.items():
                 metrics[name].append(value)
+        self.record = StepRecord()  # the step's captured tensors are not kept through evaluation and saves
+        self.padding_tokens = 0
         self.stock_batches.append(("train", self.micro_batch_counts[-1], list(self.sizes)))
 
     @contextlib.contextmanager
