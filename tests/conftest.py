@@ -92,6 +92,50 @@ def _accelerate_package_checks_cached():
         yield
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _dill_global_names_kept():
+    """Every TRL trainer `map`s its dataset, and `datasets` fingerprints each map's function with dill, which finds the
+    globals a function names by disassembling its code to text (`dill.detect.nestedglobals`; ~6 % of the fast loop).
+    The answer depends on the code object alone, and code objects are immutable: it is kept per code object, so
+    every fingerprint stays what dill computes."""
+    from dill import detect
+
+    compute = detect.nestedglobals
+    kept: dict[tuple[object, bool], list[str]] = {}
+
+    def nestedglobals(func, recurse=True):
+        code = detect.code(func)
+        if code is None:
+            return compute(func, recurse)
+        names = kept.get((code, recurse))
+        if names is None:
+            names = kept[(code, recurse)] = compute(code, recurse)
+        return list(names)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(detect, "nestedglobals", nestedglobals)
+        yield
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_call_stacks_kept_for_absent_devices():
+    """`torch.manual_seed` (every model build, every `Trainer`) queues a seed for each accelerator backend that is not
+    initialized yet, and torch records the whole Python call stack with it (`traceback.format_stack()`, ~1 ms under
+    pytest's deep stacks, three backends a seed), to show should that backend's initialization later fail. A backend
+    that is not available here never initializes, so the stack can never be shown: it is not recorded for those."""
+    import types
+
+    import torch
+
+    with pytest.MonkeyPatch.context() as mp:
+        for name in ("cuda", "xpu", "mtia"):
+            backend = getattr(torch, name, None)
+            if backend is not None and hasattr(backend, "traceback") and not backend.is_available():
+                stack = [f"(the call stack is not recorded in the tests: torch.{name} is not available here)\n"]
+                mp.setattr(backend, "traceback", types.SimpleNamespace(format_stack=lambda stack=stack: list(stack)))
+        yield
+
+
 #: Lines for the terminal summary of the run: figures a test computes that CI's log shows (`report` fixture).
 _REPORT: list[tuple[str, str]] = []
 
