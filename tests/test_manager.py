@@ -324,3 +324,48 @@ def test_trl_ext_plugins_lists_each_flag_and_option_with_values_default_and_help
         "  flag   sync_metrics: true or false; default false. Log exact global metrics, one collective per log step."
         in lines
     )
+
+
+def _dist_info(root, name: str) -> None:
+    """An installed third-party plugin `name`: its module and a `.dist-info` with its `trl_ext` entry point."""
+    declaration = f"from trl_ext.spec import PluginSpec\nTRL_EXT_PLUGIN = PluginSpec(name={name!r})\n"
+    (root / f"{name}.py").write_text(declaration)
+    info = root / f"{name}-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[trl_ext]\n{name} = {name}\n")
+
+
+def _touched(folder) -> None:
+    """The folder's modification time moved on by a millisecond, as the next install's would (a filesystem's clock
+    may tick coarser than two writes of a test)."""
+    import os
+
+    stamp = os.stat(folder).st_mtime_ns + 1_000_000
+    os.utime(folder, ns=(stamp, stamp))
+
+
+def test_installed_plugins_are_read_again_only_when_the_path_changed(tmp_path, monkeypatch):
+    import shutil
+
+    from trl_ext import manager
+
+    _dist_info(tmp_path, "tp_first")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert "tp_first" in load_catalog()[0].specs
+    read = manager._sources()
+    assert manager._sources() is read  # nothing changed: not read again
+    _dist_info(tmp_path, "tp_second")  # installed while Python runs
+    _touched(tmp_path)
+    assert {"tp_first", "tp_second"} <= set(load_catalog()[0].specs)
+    shutil.rmtree(tmp_path / "tp_first-0.1.dist-info")  # uninstalled
+    _touched(tmp_path)
+    specs = load_catalog()[0].specs
+    assert "tp_first" not in specs and "tp_second" in specs
+    install_fake_plugin(monkeypatch, "tp_fake", Answering("x"))  # `importlib.metadata.distributions` replaced
+    assert "tp_fake" in load_catalog()[0].specs
+    read = manager._sources()
+    monkeypatch.syspath_prepend(str(tmp_path / "absent"))  # a path entry that does not exist holds nothing
+    assert manager._sources() is read
+    (tmp_path / "absent").mkdir()  # until it does
+    assert manager._sources() is not read

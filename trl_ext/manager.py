@@ -4,10 +4,13 @@ shows), and the exclusive roles and hooks resolved among them."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import importlib.metadata
+import os
 import pkgutil
+import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -135,9 +138,21 @@ def builtin_plugin_modules() -> dict[str, str]:
     }
 
 
+#: The last answer of `_sources`, and the path it was read from.
+_READ: dict[str, Any] = {}
+
+
 def _sources() -> tuple[list[_Source], dict[str, str]]:
     """Every plugin source, and `{name: why it cannot be used}` for names two sources claim. A distribution found
-    twice on the path (editable and regular) counts once: the first, the one imported."""
+    twice on the path (editable and regular) counts once: the first, the one imported. Read again only when the path
+    changed: `sys.path`, the modification time of one of its folders (installing or removing a package changes its
+    folder; `importlib.metadata` keeps its folder listings by the same rule) or `importlib.metadata.distributions`."""
+    path: list[Any] = [importlib.metadata.distributions]
+    for entry in map(os.path.abspath, sys.path):
+        with contextlib.suppress(OSError):
+            path.append((entry, os.stat(entry).st_mtime_ns))
+    if _READ.get("path") == path:
+        return _READ["sources"]
     builtins = builtin_plugin_modules()
     sources = [
         _Source(name, module, True, functools.partial(importlib.import_module, module))
@@ -174,6 +189,7 @@ def _sources() -> tuple[list[_Source], dict[str, str]]:
             )
             continue
         sources.append(_Source(ep.name, ep.value, False, ep.load, provider))
+    _READ.update(path=path, sources=(sources, clashes))
     return sources, clashes
 
 
