@@ -14,9 +14,7 @@ from .patching import Patcher
 if TYPE_CHECKING:  # pragma: no cover
     import pluggy
 
-    from . import hookspecs
-    from .config import TrlExtConfig
-    from .manager import TrlExtPluginManager
+    from .installation import Installation
 
 __all__ = ["ATTR", "TrainerContext", "live_contexts", "output_head_module", "release_unheld", "unwrap_causal_lm"]
 
@@ -77,18 +75,15 @@ class TrainerContext:
 
     def __init__(
         self,
-        installation: hookspecs.Installation,
+        installation: Installation,
         trainer: Any,
         trainer_class: str,
         enabled: list[str],
         trl_args: Any,
-        *,
-        config: TrlExtConfig,
-        plugin_manager: TrlExtPluginManager,
     ) -> None:
         self.installation = installation
-        self.config = config
-        self.plugin_manager = plugin_manager
+        self.config = installation.config
+        self.plugin_manager = installation.plugin_manager
         self._trainer = weakref.ref(trainer)
         self.trainer_class = trainer_class
         self.enabled: tuple[str, ...] = tuple(enabled)
@@ -112,8 +107,8 @@ class TrainerContext:
         self.calls: dict[str, tuple[str, ...]] = {}
         #: `trl_ext.verify.Verify` when verify checks this trainer (its `results`), else None.
         self.verified: Any = None
-        disabled = {plugin for name, plugin in plugin_manager.list_name_plugin() if name not in self.enabled}
-        self.hook = _SubsetHooks(plugin_manager, disabled)
+        disabled = {plugin for name, plugin in self.plugin_manager.list_name_plugin() if name not in self.enabled}
+        self.hook = _SubsetHooks(self.plugin_manager, disabled)
         trainer.__dict__[ATTR] = self
         _LIVE.add(trainer)
 
