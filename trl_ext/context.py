@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from .errors import UsageError
 from .manager import call_exclusive
@@ -14,7 +14,9 @@ from .patching import Patcher
 if TYPE_CHECKING:  # pragma: no cover
     import pluggy
 
-    from .installation import Installation
+    from . import hookspecs
+    from .config import TrlExtConfig
+    from .manager import TrlExtPluginManager
 
 __all__ = ["ATTR", "TrainerContext", "live_contexts", "output_head_module", "release_unheld", "unwrap_causal_lm"]
 
@@ -75,15 +77,15 @@ class TrainerContext:
 
     def __init__(
         self,
-        installation: Installation,
+        installation: hookspecs.Installation,
         trainer: Any,
         trainer_class: str,
         enabled: list[str],
         trl_args: Any,
     ) -> None:
         self.installation = installation
-        self.config = installation.config
-        self.plugin_manager = installation.plugin_manager
+        self.config = cast("TrlExtConfig", installation.config)
+        self.plugin_manager = cast("TrlExtPluginManager", installation.plugin_manager)
         self._trainer = weakref.ref(trainer)
         self.trainer_class = trainer_class
         self.enabled: tuple[str, ...] = tuple(enabled)
