@@ -4,7 +4,7 @@ metric buffers the stock call appends to, the per-token log-probs a call's model
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from . import _compat
@@ -193,18 +193,6 @@ def compute_dtype(trainer: Any, autocast: bool) -> torch.dtype:
         return torch.bfloat16 if mixed_precision(trainer) == "bf16" else torch.float16
     parameter = next(iter(trainer.model.parameters()), None)
     return parameter.dtype if parameter is not None and parameter.is_floating_point() else torch.float32
-
-
-def unwrapped_chain(model: Any) -> Iterator[Any]:
-    """`model` and each module it wraps (`.module` of DDP / DeepSpeed, PEFT's base model)."""
-    seen = 0
-    while model is not None and seen < 8 and hasattr(model, "__dict__"):
-        seen += 1
-        yield model
-        inner = model.__dict__.get("_modules", {}).get("module")
-        if inner is None and hasattr(model, "peft_config") and callable(getattr(model, "get_base_model", None)):
-            inner = model.get_base_model()
-        model = inner
 
 
 def distributed() -> bool:

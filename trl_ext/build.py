@@ -45,15 +45,7 @@ def build(installation: Installation, trainer_class: str, original: Any, trainer
     enabled = check_trainer_settings(installation.config, trainer_class, trl_args)
     if enabled:
         check_world(trainer_class, trl_args, enabled)
-    ctx = TrainerContext(
-        installation,
-        trainer,
-        trainer_class,
-        enabled,
-        trl_args,
-        config=installation.config,
-        plugin_manager=installation.plugin_manager,
-    )
+    ctx = TrainerContext(installation, trainer, trainer_class, enabled, trl_args)
     if installation.keep_records:
         installation._kept.append(ctx)
     try:

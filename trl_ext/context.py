@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from .errors import UsageError
 from .manager import call_exclusive
@@ -82,13 +82,10 @@ class TrainerContext:
         trainer_class: str,
         enabled: list[str],
         trl_args: Any,
-        *,
-        config: TrlExtConfig,
-        plugin_manager: TrlExtPluginManager,
     ) -> None:
         self.installation = installation
-        self.config = config
-        self.plugin_manager = plugin_manager
+        self.config = cast("TrlExtConfig", installation.config)
+        self.plugin_manager = cast("TrlExtPluginManager", installation.plugin_manager)
         self._trainer = weakref.ref(trainer)
         self.trainer_class = trainer_class
         self.enabled: tuple[str, ...] = tuple(enabled)
@@ -112,8 +109,8 @@ class TrainerContext:
         self.calls: dict[str, tuple[str, ...]] = {}
         #: `trl_ext.verify.Verify` when verify checks this trainer (its `results`), else None.
         self.verified: Any = None
-        disabled = {plugin for name, plugin in plugin_manager.list_name_plugin() if name not in self.enabled}
-        self.hook = _SubsetHooks(plugin_manager, disabled)
+        disabled = {plugin for name, plugin in self.plugin_manager.list_name_plugin() if name not in self.enabled}
+        self.hook = _SubsetHooks(self.plugin_manager, disabled)
         trainer.__dict__[ATTR] = self
         _LIVE.add(trainer)
 

@@ -263,15 +263,9 @@ class Verify:
 
     def _autocast_modules(self) -> list:
         """The trainer's modules whose `forward` accelerate wrapped in 16-bit autocast (kept: `_original_forward`)."""
-        trainer = self.ctx.trainer
-        if state.mixed_precision(trainer) not in ("bf16", "fp16"):
+        if state.mixed_precision(self.ctx.trainer) not in ("bf16", "fp16"):
             return []
-        out: list = []
-        for model in (getattr(trainer, "model_wrapped", None), trainer.model, getattr(trainer, "ref_model", None)):
-            for module in state.unwrapped_chain(model):
-                if _compat.ACCELERATE_ORIGINAL_FORWARD in module.__dict__ and module not in out:
-                    out.append(module)
-        return out
+        return [module for module in self._modules() if _compat.ACCELERATE_ORIGINAL_FORWARD in module.__dict__]
 
     @contextlib.contextmanager
     def _without_autocast(self) -> Iterator[None]:

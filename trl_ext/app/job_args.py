@@ -12,6 +12,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
+from .._logging import is_main_process
 from ..config import VERIFY_HELP, TrlExtConfig, check_section_key, load_config
 from ..errors import UsageError, did_you_mean
 from ..manager import CORE_KEYS
@@ -19,7 +20,6 @@ from ..manager import CORE_KEYS
 __all__ = [
     "add_trl_ext_help",
     "cpu_note",
-    "is_main_process",
     "parse_job_args",
     "recipe_path",
     "resolve_config",
@@ -311,7 +311,3 @@ def parse_job_args(
         training_args = next((p for p in parsed if hasattr(p, "bf16")), None)
         print(cpu_note(cpu_chosen, training_args), file=sys.stderr, flush=True)
     return tuple(parsed)
-
-
-def is_main_process() -> bool:
-    return os.environ.get("RANK", "0") == "0" and os.environ.get("LOCAL_RANK", "0") == "0"

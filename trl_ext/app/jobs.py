@@ -12,11 +12,11 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from .._logging import get_logger
+from .._logging import get_logger, is_main_process
 from .._shared import PeakMemory
 from ..config import TrlExtConfig
 from ..errors import UsageError
-from .job_args import is_main_process, parse_job_args, recipe_path, resolve_config
+from .job_args import parse_job_args, recipe_path, resolve_config
 from .job_checks import check_dataset, check_output_dir, check_path, load_job_dataset
 
 logger = get_logger(__name__)

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-from pathlib import Path
 from typing import Any
 
-from .._shared import free_memory_bytes
+from .._shared import free_memory_bytes, reset_peak_rss
 
 __all__ = ["GPU_MEMORY_FRACTION", "ExtraMemory", "budget_bytes", "over_budget"]
 
@@ -59,7 +58,6 @@ class ExtraMemory:
     def __init__(self, device) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
-        self.cpu_ok = Path("/proc/self/clear_refs").exists()
 
     def __enter__(self):
         import torch
@@ -71,12 +69,7 @@ class ExtraMemory:
         else:
             _release_free_heap()
             self.base = _cpu_rss()
-            try:
-                # "5" resets the peak-RSS counter (VmHWM) of this process (Linux >= 4.0, proc(5)).
-                with open("/proc/self/clear_refs", "w") as f:
-                    f.write("5")
-            except OSError:
-                self.cpu_ok = False
+            self.cpu_ok = reset_peak_rss() is not None  # else the peak is not measured: the RSS at the end is used
         return self
 
     def __exit__(self, *exc) -> None:

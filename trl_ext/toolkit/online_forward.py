@@ -79,15 +79,11 @@ class _StandInModel:
 
     def __call__(self, ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> Any:
         if kwargs or attention_mask is None:
-            raise _Unexpected(f"model called with {sorted(kwargs)} and attention_mask={attention_mask is not None}")
+            raise TypeError(f"model called with {sorted(kwargs)} and attention_mask={attention_mask is not None}")
         columns = torch.arange(ids.size(1), dtype=torch.float64)
         base = (ids.double() * 0.37 + columns * 0.11 + attention_mask.double() * 0.53).unsqueeze(-1)
         logits = torch.sin(base * torch.arange(1, self.vocab + 1, dtype=torch.float64))
         return types.SimpleNamespace(logits=logits)
-
-
-class _Unexpected(Exception):
-    pass
 
 
 def _probe(prompt: int, completion: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

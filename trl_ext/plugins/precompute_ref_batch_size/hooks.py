@@ -49,10 +49,7 @@ def trl_ext_call(trainer: Trainer, context: TrainerContext, call: Call) -> Datas
         return call.proceed()
     from .runner import Precompute
 
-    state = context.state.get(NAME)
-    if state is None:  # trainer built before this hook module saw it (cannot happen through install())
-        state = context.state[NAME] = PrecomputeState(options=context.options(NAME))
-    return Precompute(trainer, context, state, dataset, name).run()
+    return Precompute(trainer, context, context.state[NAME], dataset, name).run()
 
 
 @hookimpl
