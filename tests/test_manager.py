@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import re
+import sys
 import types
 
 import pytest
@@ -369,3 +370,15 @@ def test_installed_plugins_are_read_again_only_when_the_path_changed(tmp_path, m
     assert manager._sources() is read
     (tmp_path / "absent").mkdir()  # until it does
     assert manager._sources() is not read
+
+    class Finder:  # a finder of `sys.meta_path` that finds a distribution outside every folder of the path
+        def find_spec(self, *args):
+            return None
+
+        def find_distributions(self, context=None):
+            return [FakeDistribution("trl-ext-meta", {"tp_meta": f"{module}:plugin"})]
+
+    module = install_fake_plugin(monkeypatch, "tp_meta_module", Answering("m"), dist_name="trl-ext-other")
+    assert "tp_meta" not in load_catalog()[0].specs
+    monkeypatch.setattr(sys, "meta_path", [*sys.meta_path, Finder()])
+    assert "tp_meta" in load_catalog()[0].specs

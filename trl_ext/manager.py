@@ -146,8 +146,9 @@ def _sources() -> tuple[list[_Source], dict[str, str]]:
     """Every plugin source, and `{name: why it cannot be used}` for names two sources claim. A distribution found
     twice on the path (editable and regular) counts once: the first, the one imported. Read again only when the path
     changed: `sys.path`, the modification time of one of its folders (installing or removing a package changes its
-    folder; `importlib.metadata` keeps its folder listings by the same rule) or `importlib.metadata.distributions`."""
-    path: list[Any] = [importlib.metadata.distributions]
+    folder; `importlib.metadata` keeps its folder listings by the same rule), the finders of `sys.meta_path` (which
+    find distributions too) or `importlib.metadata.distributions`."""
+    path: list[Any] = [importlib.metadata.distributions, *sys.meta_path]
     for entry in map(os.path.abspath, sys.path):
         with contextlib.suppress(OSError):
             path.append((entry, os.stat(entry).st_mtime_ns))
